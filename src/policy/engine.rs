@@ -1,0 +1,542 @@
+//! The policy engine: repository + identities + selector cache + ipcache, and the resolution of
+//! one endpoint's policy into a map state with explanations.
+//!
+//! Everything here is a plain struct updated by method calls (no I/O, no threads), so the agent's
+//! `PolicyRepoActor` owns one and the simulator builds one from a world file.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use ipnet::IpNet;
+
+use super::identity::{
+    Allocation, IdentityAllocator, IdentityInfo, NumericIdentity, IDENTITY_ANY,
+};
+use super::ipcache::IpCache;
+use super::labels::Labels;
+use super::mapstate::{MapKey, MapState, MapVerdict};
+use super::repository::{Repository, StoredPolicy};
+use super::rule::{Direction, PeerRule, Peers, PolicyKey, PortSpec, Ports, Rule, RuleOrigin, Subject};
+use super::selector::{SelectorKind, SelectorRef};
+use super::selector_cache::SelectorCache;
+use super::translate::ParsedPolicy;
+
+/// A container port an endpoint exposes by name (for named-port rules).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct NamedPort {
+    /// Lower case, as rules are normalised.
+    pub name: String,
+    pub protocol: u8,
+    pub port: u16,
+}
+
+/// What the engine needs to know about an endpoint to resolve its policy.
+#[derive(Debug, Clone, Copy)]
+pub struct EndpointView<'a> {
+    pub identity: NumericIdentity,
+    /// For pods: the identity's labels. For host endpoints: `reserved:host` plus node labels.
+    pub labels: &'a Labels,
+    pub named_ports: &'a [NamedPort],
+    /// A node's host endpoint (selected by `nodeSelector` rules only).
+    pub host: bool,
+}
+
+/// Result of a policy change, for deciding which endpoints to regenerate.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PolicyChange {
+    pub revision: u64,
+    /// Identities of the endpoints whose policy may have changed.
+    pub affected: BTreeSet<NumericIdentity>,
+    /// Host endpoints may be affected (a nodeSelector rule was added or removed).
+    pub affects_hosts: bool,
+    /// CIDR identities created by the change (to be released to the ipcache after regeneration).
+    pub new_identities: Vec<NumericIdentity>,
+}
+
+/// One direction of a resolved policy.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DirectionPolicy {
+    /// Policies that turned default deny on for this direction (empty: everything allowed).
+    pub isolated_by: Vec<Arc<PolicyKey>>,
+}
+
+/// One endpoint's resolved policy.
+#[derive(Debug, Clone, Default)]
+pub struct EndpointPolicy {
+    pub revision: u64,
+    pub map: MapState,
+    pub ingress: DirectionPolicy,
+    pub egress: DirectionPolicy,
+    /// Policies that select the endpoint at all.
+    pub selected_by: Vec<Arc<PolicyKey>>,
+}
+
+/// Why a packet was allowed or dropped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// An allow entry matched (no deny did).
+    Allowed(Vec<Arc<RuleOrigin>>),
+    /// Nothing isolates the endpoint in this direction.
+    NotIsolated,
+    /// A deny entry matched.
+    Denied(Arc<RuleOrigin>),
+    /// Isolated and nothing allows it.
+    DefaultDenied(Vec<Arc<PolicyKey>>),
+}
+
+impl Decision {
+    pub fn is_allowed(&self) -> bool {
+        matches!(self, Decision::Allowed(_) | Decision::NotIsolated)
+    }
+}
+
+impl EndpointPolicy {
+    pub fn direction(&self, d: Direction) -> &DirectionPolicy {
+        match d {
+            Direction::Ingress => &self.ingress,
+            Direction::Egress => &self.egress,
+        }
+    }
+
+    /// Decides traffic with `peer` in direction `d`, as the datapath would.
+    pub fn decide(&self, d: Direction, peer: NumericIdentity, protocol: u8, port: u16) -> Decision {
+        match self.map.lookup(d, peer, protocol, port) {
+            MapVerdict::Denied(e) => Decision::Denied(e.derived_from[0].clone()),
+            MapVerdict::Allowed(e) => {
+                if self.direction(d).isolated_by.is_empty() {
+                    Decision::NotIsolated
+                } else {
+                    Decision::Allowed(e.derived_from.clone())
+                }
+            }
+            MapVerdict::NoMatch => {
+                let iso = &self.direction(d).isolated_by;
+                if iso.is_empty() {
+                    Decision::NotIsolated
+                } else {
+                    Decision::DefaultDenied(iso.clone())
+                }
+            }
+        }
+    }
+}
+
+/// The policy engine. See the module documentation.
+#[derive(Debug, Clone, Default)]
+pub struct PolicyEngine {
+    identities: IdentityAllocator,
+    selectors: SelectorCache,
+    ipcache: IpCache,
+    repo: Repository,
+    /// Addresses of endpoints and nodes; they win over CIDR identities of the same prefix.
+    endpoint_ips: HashMap<IpNet, NumericIdentity>,
+    /// identity -> port name -> (protocol, port) -> reference count.
+    named_ports: HashMap<NumericIdentity, HashMap<String, BTreeMap<(u8, u16), u32>>>,
+}
+
+impl PolicyEngine {
+    pub fn new() -> Self {
+        let mut e = PolicyEngine {
+            identities: IdentityAllocator::new(),
+            ..Default::default()
+        };
+        let reserved: Vec<IdentityInfo> = e.identities.iter().cloned().collect();
+        for info in reserved {
+            e.selectors.add_identity(&info);
+        }
+        e
+    }
+
+    pub fn revision(&self) -> u64 {
+        self.repo.revision()
+    }
+
+    pub fn repository(&self) -> &Repository {
+        &self.repo
+    }
+
+    pub fn identities(&self) -> &IdentityAllocator {
+        &self.identities
+    }
+
+    pub fn selector_cache(&self) -> &SelectorCache {
+        &self.selectors
+    }
+
+    pub fn ipcache(&self) -> &IpCache {
+        &self.ipcache
+    }
+
+    // ------------------------------------------------------------------ identities
+
+    /// Allocates (or references) the identity of a label set.
+    pub fn allocate_identity(&mut self, labels: &Labels) -> Allocation {
+        let a = self.identities.allocate(labels);
+        if let Allocation::New(id) = a {
+            if let Some(info) = self.identities.get(id).cloned() {
+                self.selectors.add_identity(&info);
+            }
+        }
+        a
+    }
+
+    /// Re-creates an identity with a known number (endpoint restore).
+    pub fn restore_identity(&mut self, id: NumericIdentity, labels: &Labels) -> Result<Allocation, String> {
+        let a = self.identities.restore(id, labels)?;
+        if let Allocation::New(id) = a {
+            if let Some(info) = self.identities.get(id).cloned() {
+                self.selectors.add_identity(&info);
+            }
+        }
+        Ok(a)
+    }
+
+    /// Drops a reference to an identity; returns true when it is gone.
+    pub fn release_identity(&mut self, id: NumericIdentity) -> bool {
+        if self.identities.release(id).is_some() {
+            self.selectors.remove_identity(id);
+            self.named_ports.remove(&id);
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Endpoint identities whose policy uses a selector that selects `id` (they need
+    /// regenerating when `id` appears or disappears).
+    pub fn endpoints_affected_by_identity(&self, id: NumericIdentity) -> BTreeSet<NumericIdentity> {
+        let mut out = BTreeSet::new();
+        for sid in self.selectors.selecting(id) {
+            if let Some(sel) = self.selectors.selector(sid) {
+                for rule in self.repo.rules_with_peer(sel) {
+                    self.add_subjects(rule, &mut out);
+                }
+            }
+        }
+        out
+    }
+
+    /// Registers named container ports of an endpoint with identity `id`.
+    pub fn add_named_ports(&mut self, id: NumericIdentity, ports: &[NamedPort]) {
+        let m = self.named_ports.entry(id).or_default();
+        for p in ports {
+            *m.entry(p.name.clone()).or_default().entry((p.protocol, p.port)).or_default() += 1;
+        }
+    }
+
+    pub fn remove_named_ports(&mut self, id: NumericIdentity, ports: &[NamedPort]) {
+        let Some(m) = self.named_ports.get_mut(&id) else {
+            return;
+        };
+        for p in ports {
+            if let Some(byport) = m.get_mut(&p.name) {
+                if let Some(c) = byport.get_mut(&(p.protocol, p.port)) {
+                    *c -= 1;
+                    if *c == 0 {
+                        byport.remove(&(p.protocol, p.port));
+                    }
+                }
+                if byport.is_empty() {
+                    m.remove(&p.name);
+                }
+            }
+        }
+        if m.is_empty() {
+            self.named_ports.remove(&id);
+        }
+    }
+
+    // ------------------------------------------------------------------ ipcache
+
+    /// Maps an endpoint or node address to its identity.
+    pub fn upsert_endpoint_ip(&mut self, ip: IpAddr, id: NumericIdentity) {
+        let p = IpNet::from(ip);
+        self.endpoint_ips.insert(p, id);
+        self.ipcache.upsert(p, id);
+    }
+
+    pub fn remove_endpoint_ip(&mut self, ip: IpAddr) {
+        let p = IpNet::from(ip);
+        self.endpoint_ips.remove(&p);
+        match self.identities.lookup_cidr(&p) {
+            Some(cid) => {
+                self.ipcache.upsert(p, cid);
+            }
+            None => {
+                self.ipcache.remove(p);
+            }
+        }
+    }
+
+    /// The identity behind an address (longest prefix match; world when nothing matches).
+    pub fn identity_of_ip(&self, ip: IpAddr) -> NumericIdentity {
+        self.ipcache.lookup(ip)
+    }
+
+    // ------------------------------------------------------------------ policies
+
+    fn add_subjects(&self, rule: &Rule, out: &mut BTreeSet<NumericIdentity>) {
+        if let Subject::Endpoints(s) = &rule.subject {
+            if let Some(sel) = self.selectors.selections(s) {
+                out.extend(sel.iter().copied());
+            }
+        }
+    }
+
+    fn cidr_prefixes(rule: &Rule) -> Vec<IpNet> {
+        rule.selectors()
+            .filter_map(|s| match s.kind() {
+                SelectorKind::Cidr(c) => Some(c.prefixes().collect::<Vec<_>>()),
+                _ => None,
+            })
+            .flatten()
+            .collect()
+    }
+
+    /// Adds or replaces a policy (by its resource key).
+    pub fn upsert_policy(&mut self, policy: ParsedPolicy) -> PolicyChange {
+        let mut change = PolicyChange::default();
+        let rules: Vec<Arc<Rule>> = policy.rules.into_iter().map(Arc::new).collect();
+        // Reference the new selectors and CIDR identities before dropping the old ones, so
+        // shared entries survive a replace untouched.
+        for rule in &rules {
+            for sel in rule.selectors() {
+                self.selectors.add_selector(sel);
+            }
+        }
+        for rule in &rules {
+            for prefix in Self::cidr_prefixes(rule) {
+                if let Allocation::New(id) = self.identities.allocate_cidr(prefix) {
+                    if let Some(info) = self.identities.get(id).cloned() {
+                        self.selectors.add_identity(&info);
+                    }
+                    if !self.endpoint_ips.contains_key(&prefix) {
+                        self.ipcache.upsert(prefix, id);
+                    }
+                    change.new_identities.push(id);
+                }
+            }
+        }
+        for rule in &rules {
+            self.add_subjects(rule, &mut change.affected);
+            change.affects_hosts |= matches!(rule.subject, Subject::Nodes(_));
+        }
+        // Endpoints whose existing rules select the new CIDR identities change too.
+        for id in &change.new_identities {
+            let more = self.endpoints_affected_by_identity(*id);
+            change.affected.extend(more);
+        }
+        let stored = StoredPolicy {
+            key: policy.key,
+            rules,
+            notes: policy.notes,
+        };
+        let (rev, old) = self.repo.upsert(stored);
+        change.revision = rev;
+        if let Some(old) = old {
+            self.drop_rules(&old.rules, &mut change);
+        }
+        change
+    }
+
+    /// Deletes a policy. `None` when no such policy is stored.
+    pub fn delete_policy(&mut self, key: &PolicyKey) -> Option<PolicyChange> {
+        let (rev, old) = self.repo.delete(key)?;
+        let mut change = PolicyChange {
+            revision: rev,
+            ..Default::default()
+        };
+        self.drop_rules(&old.rules, &mut change);
+        Some(change)
+    }
+
+    fn drop_rules(&mut self, rules: &[Arc<Rule>], change: &mut PolicyChange) {
+        for rule in rules {
+            self.add_subjects(rule, &mut change.affected);
+            change.affects_hosts |= matches!(rule.subject, Subject::Nodes(_));
+        }
+        for rule in rules {
+            for prefix in Self::cidr_prefixes(rule) {
+                if let Some(id) = self.identities.lookup_cidr(&prefix) {
+                    if self.identities.release(id).is_some() {
+                        let more = self.endpoints_affected_by_identity(id);
+                        change.affected.extend(more);
+                        self.selectors.remove_identity(id);
+                        if !self.endpoint_ips.contains_key(&prefix) {
+                            self.ipcache.remove(prefix);
+                        }
+                    }
+                }
+            }
+            for sel in rule.selectors() {
+                self.selectors.remove_selector(sel);
+            }
+        }
+    }
+
+    /// The stored policy of a resource.
+    pub fn policy(&self, key: &PolicyKey) -> Option<&StoredPolicy> {
+        self.repo.get(key)
+    }
+
+    // ------------------------------------------------------------------ resolution
+
+    /// The rules that apply to an endpoint, in a stable order (policy, then rule path).
+    pub fn rules_for(&self, ep: &EndpointView) -> Vec<Arc<Rule>> {
+        let mut rules: Vec<Arc<Rule>> = if ep.host {
+            self.repo
+                .host_rules()
+                .iter()
+                .filter(|r| match r.subject.selector().kind() {
+                    SelectorKind::Labels(ls) => ls.matches(ep.labels),
+                    SelectorKind::Cidr(_) => false,
+                })
+                .cloned()
+                .collect()
+        } else {
+            self.selectors
+                .selecting(ep.identity)
+                .filter_map(|sid| self.selectors.selector(sid))
+                .flat_map(|sel| self.repo.rules_with_subject(sel).iter().cloned())
+                .collect()
+        };
+        rules.sort_by(|a, b| (&a.policy, &a.path).cmp(&(&b.policy, &b.path)));
+        rules
+    }
+
+    /// Resolves an endpoint's policy into its map state.
+    pub fn resolve(&self, ep: &EndpointView) -> EndpointPolicy {
+        let rules = self.rules_for(ep);
+        let mut out = EndpointPolicy {
+            revision: self.repo.revision(),
+            ..Default::default()
+        };
+        for rule in &rules {
+            if !out.selected_by.contains(&rule.policy) {
+                out.selected_by.push(rule.policy.clone());
+            }
+            if rule.isolates_ingress && !out.ingress.isolated_by.contains(&rule.policy) {
+                out.ingress.isolated_by.push(rule.policy.clone());
+            }
+            if rule.isolates_egress && !out.egress.isolated_by.contains(&rule.policy) {
+                out.egress.isolated_by.push(rule.policy.clone());
+            }
+            for pr in &rule.peer_rules {
+                self.add_peer_rule(&mut out.map, pr, ep);
+            }
+        }
+        out
+    }
+
+    fn peer_identities(&self, peers: &Peers) -> Vec<NumericIdentity> {
+        match peers {
+            Peers::Any => vec![IDENTITY_ANY],
+            Peers::Selectors(sels) if sels.len() == 1 => self
+                .selectors
+                .selections(&sels[0])
+                .map(|s| s.iter().copied().collect())
+                .unwrap_or_default(),
+            Peers::Selectors(sels) => {
+                let mut ids: Vec<NumericIdentity> = sels
+                    .iter()
+                    .filter_map(|s: &SelectorRef| self.selectors.selections(s))
+                    .flatten()
+                    .copied()
+                    .collect();
+                ids.sort_unstable();
+                ids.dedup();
+                ids
+            }
+        }
+    }
+
+    /// The (protocol, port) pairs a name stands for among the endpoints of `peer` (any
+    /// endpoint for the wildcard identity).
+    fn named_ports_of(&self, peer: NumericIdentity, name: &str) -> Vec<(u8, u16)> {
+        if peer == IDENTITY_ANY {
+            let mut v: Vec<(u8, u16)> = self
+                .named_ports
+                .values()
+                .filter_map(|m| m.get(name))
+                .flat_map(|b| b.keys().copied())
+                .collect();
+            v.sort_unstable();
+            v.dedup();
+            return v;
+        }
+        self.named_ports
+            .get(&peer)
+            .and_then(|m| m.get(name))
+            .map(|b| b.keys().copied().collect())
+            .unwrap_or_default()
+    }
+
+    fn add_peer_rule(&self, map: &mut MapState, pr: &PeerRule, ep: &EndpointView) {
+        let direction = pr.origin.section.direction();
+        let deny = pr.origin.section.is_deny();
+        let ids = self.peer_identities(&pr.peers);
+        if ids.is_empty() {
+            return;
+        }
+        let mut insert = |id: NumericIdentity, protocol: u8, lo: u16, hi: u16| {
+            map.insert(
+                MapKey {
+                    direction,
+                    identity: id,
+                    protocol,
+                    port_lo: lo,
+                    port_hi: hi,
+                },
+                deny,
+                &pr.origin,
+            );
+        };
+        let list = match &pr.ports {
+            Ports::Any => {
+                for id in ids {
+                    insert(id, 0, 0, 65535);
+                }
+                return;
+            }
+            Ports::List(l) => l,
+        };
+        for pm in list {
+            let protos = pm.protocol.numbers();
+            match &pm.port {
+                PortSpec::Range(lo, hi) => {
+                    for &id in &ids {
+                        for &p in protos {
+                            insert(id, p, *lo, *hi);
+                        }
+                    }
+                }
+                PortSpec::Named(name) => match direction {
+                    // Ingress: the destination is the endpoint itself.
+                    Direction::Ingress => {
+                        for np in ep.named_ports.iter().filter(|np| np.name == *name && protos.contains(&np.protocol)) {
+                            for &id in &ids {
+                                insert(id, np.protocol, np.port, np.port);
+                            }
+                        }
+                    }
+                    // Egress: the destination is the peer; each peer identity's own ports.
+                    Direction::Egress => {
+                        for &id in &ids {
+                            for (proto, port) in self.named_ports_of(id, name) {
+                                if protos.contains(&proto) {
+                                    insert(id, proto, port, port);
+                                }
+                            }
+                        }
+                    }
+                },
+            }
+        }
+    }
+
+    /// The identity info of `id`, if it exists.
+    pub fn identity(&self, id: NumericIdentity) -> Option<&IdentityInfo> {
+        self.identities.get(id)
+    }
+}

@@ -1,0 +1,193 @@
+//! Labels with sources (`k8s:`, `reserved:`, `cidr:`, `any:`), as Cilium models them.
+//!
+//! A label set is keyed by the label's key *without* its source: two labels with the same key and
+//! different sources cannot coexist on one endpoint (Cilium's `labels.Labels` is keyed the same way).
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+/// Label source for labels that come from Kubernetes objects.
+pub const SOURCE_K8S: &str = "k8s";
+/// Label source of Cilium's reserved identities (`reserved:host`, `reserved:world`, ...).
+pub const SOURCE_RESERVED: &str = "reserved";
+/// Label source of CIDR identities.
+pub const SOURCE_CIDR: &str = "cidr";
+/// Wildcard source used in selectors: matches a label of any source.
+pub const SOURCE_ANY: &str = "any";
+
+/// The label holding an endpoint's namespace.
+pub const POD_NAMESPACE_LABEL: &str = "io.kubernetes.pod.namespace";
+/// Prefix of the labels that copy the namespace's own labels onto its pods.
+pub const NAMESPACE_LABELS_PREFIX: &str = "io.cilium.k8s.namespace.labels.";
+/// The label holding a pod's service account.
+pub const SERVICE_ACCOUNT_LABEL: &str = "io.cilium.k8s.policy.serviceaccount";
+/// The label holding the cluster name (used by the `cluster` entity).
+pub const CLUSTER_LABEL: &str = "io.cilium.k8s.policy.cluster";
+/// The cluster name ciliate uses (Cilium's default).
+pub const DEFAULT_CLUSTER_NAME: &str = "default";
+
+/// One label: `source:key=value`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Label {
+    pub source: String,
+    pub key: String,
+    pub value: String,
+}
+
+impl Label {
+    pub fn new(source: &str, key: &str, value: &str) -> Self {
+        Label {
+            source: source.to_string(),
+            key: key.to_string(),
+            value: value.to_string(),
+        }
+    }
+
+    /// A `k8s:` label.
+    pub fn k8s(key: &str, value: &str) -> Self {
+        Label::new(SOURCE_K8S, key, value)
+    }
+
+    /// A `reserved:` label (value is empty, as in Cilium).
+    pub fn reserved(key: &str) -> Self {
+        Label::new(SOURCE_RESERVED, key, "")
+    }
+}
+
+impl fmt::Display for Label {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.value.is_empty() {
+            write!(f, "{}:{}", self.source, self.key)
+        } else {
+            write!(f, "{}:{}={}", self.source, self.key, self.value)
+        }
+    }
+}
+
+/// A set of labels keyed by key (without source). Ordered, so equal sets hash and compare equal.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Labels(BTreeMap<String, Label>);
+
+impl Labels {
+    pub fn new() -> Self {
+        Labels(BTreeMap::new())
+    }
+
+    pub fn insert(&mut self, label: Label) {
+        self.0.insert(label.key.clone(), label);
+    }
+
+    pub fn get(&self, key: &str) -> Option<&Label> {
+        self.0.get(key)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &Label> {
+        self.0.values()
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// True when the set carries `reserved:<key>`.
+    pub fn has_reserved(&self, key: &str) -> bool {
+        self.get(key).is_some_and(|l| l.source == SOURCE_RESERVED)
+    }
+
+    /// Rendered as `source:key=value` strings, in key order.
+    pub fn to_strings(&self) -> Vec<String> {
+        self.iter().map(|l| l.to_string()).collect()
+    }
+
+    /// The label set of a pod: its own labels, its namespace (name and labels), its service
+    /// account and the cluster name, all with source `k8s`, exactly as Cilium derives it.
+    pub fn for_pod<'a>(
+        namespace: &str,
+        pod_labels: impl IntoIterator<Item = (&'a String, &'a String)>,
+        namespace_labels: impl IntoIterator<Item = (&'a String, &'a String)>,
+        service_account: Option<&str>,
+    ) -> Labels {
+        let mut labels = Labels::new();
+        for (k, v) in pod_labels {
+            labels.insert(Label::k8s(k, v));
+        }
+        labels.insert(Label::k8s(POD_NAMESPACE_LABEL, namespace));
+        for (k, v) in namespace_labels {
+            labels.insert(Label::k8s(&format!("{NAMESPACE_LABELS_PREFIX}{k}"), v));
+        }
+        // Kubernetes always labels a namespace with its own name.
+        labels.insert(Label::k8s(
+            &format!("{NAMESPACE_LABELS_PREFIX}kubernetes.io/metadata.name"),
+            namespace,
+        ));
+        if let Some(sa) = service_account.filter(|s| !s.is_empty()) {
+            labels.insert(Label::k8s(SERVICE_ACCOUNT_LABEL, sa));
+        }
+        labels.insert(Label::k8s(CLUSTER_LABEL, DEFAULT_CLUSTER_NAME));
+        labels
+    }
+}
+
+impl FromIterator<Label> for Labels {
+    fn from_iter<T: IntoIterator<Item = Label>>(iter: T) -> Self {
+        let mut labels = Labels::new();
+        for l in iter {
+            labels.insert(l);
+        }
+        labels
+    }
+}
+
+/// Splits a selector key such as `k8s:app`, `any:app` or `app` into (source, key).
+/// A key with no source, or the `any` source, matches labels of every source (`None`).
+pub fn split_selector_key(raw: &str) -> (Option<String>, String) {
+    // Kubernetes label keys cannot contain ':', so the first colon separates the source.
+    match raw.split_once(':') {
+        Some((src, key)) if src == SOURCE_ANY => (None, key.to_string()),
+        Some((src, key)) => (Some(src.to_string()), key.to_string()),
+        None => (None, raw.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pod_labels_include_namespace_and_cluster() {
+        let pod: BTreeMap<String, String> = [("app".to_string(), "web".to_string())].into();
+        let ns: BTreeMap<String, String> = [("team".to_string(), "blue".to_string())].into();
+        let l = Labels::for_pod("shop", &pod, &ns, Some("default"));
+        let s = l.to_strings();
+        assert!(s.contains(&"k8s:app=web".to_string()));
+        assert!(s.contains(&"k8s:io.kubernetes.pod.namespace=shop".to_string()));
+        assert!(s.contains(&"k8s:io.cilium.k8s.namespace.labels.team=blue".to_string()));
+        assert!(s.contains(
+            &"k8s:io.cilium.k8s.namespace.labels.kubernetes.io/metadata.name=shop".to_string()
+        ));
+        assert!(s.contains(&"k8s:io.cilium.k8s.policy.serviceaccount=default".to_string()));
+        assert!(s.contains(&"k8s:io.cilium.k8s.policy.cluster=default".to_string()));
+    }
+
+    #[test]
+    fn selector_keys_split_on_first_colon() {
+        assert_eq!(split_selector_key("app"), (None, "app".into()));
+        assert_eq!(split_selector_key("any:app"), (None, "app".into()));
+        assert_eq!(split_selector_key("k8s:app"), (Some("k8s".into()), "app".into()));
+        assert_eq!(
+            split_selector_key("reserved:host"),
+            (Some("reserved".into()), "host".into())
+        );
+    }
+
+    #[test]
+    fn equal_sets_are_equal_regardless_of_insert_order() {
+        let a: Labels = [Label::k8s("a", "1"), Label::k8s("b", "2")].into_iter().collect();
+        let b: Labels = [Label::k8s("b", "2"), Label::k8s("a", "1")].into_iter().collect();
+        assert_eq!(a, b);
+    }
+}

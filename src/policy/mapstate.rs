@@ -1,0 +1,277 @@
+//! The policy map state of one endpoint: what the datapath's per-endpoint policy map must hold.
+//!
+//! Keys are {peer identity (0 = any), direction, protocol (0 = any), port range}. This is the
+//! engine's own key type (as Cilium's `policy.Key`); the datapath layer turns it into BPF bytes.
+//! Port ranges stay ranges here; the BPF layer splits them into prefix-masked entries.
+//!
+//! Lookup semantics (the contract the BPF program implements too): among the entries matching
+//! {identity or 0, protocol or 0, port in range}, any deny wins; otherwise any allow allows;
+//! otherwise the direction's default applies (deny when isolated, allow when not).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use super::identity::{NumericIdentity, IDENTITY_ANY};
+use super::rule::{Direction, RuleOrigin};
+
+/// Key of one policy map entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct MapKey {
+    pub direction: Direction,
+    pub identity: NumericIdentity,
+    /// IP protocol number; 0 matches every protocol.
+    pub protocol: u8,
+    /// Inclusive destination port range (ICMP: the type). `0..=65535` is every port.
+    pub port_lo: u16,
+    pub port_hi: u16,
+}
+
+/// Value of one policy map entry, with the rules it was derived from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MapEntry {
+    pub deny: bool,
+    pub derived_from: Vec<Arc<RuleOrigin>>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Slot {
+    protocol: u8,
+    port_lo: u16,
+    port_hi: u16,
+    entry: MapEntry,
+}
+
+/// All entries of one endpoint, grouped by (direction, identity) so a lookup probes two groups.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MapState {
+    groups: HashMap<(Direction, NumericIdentity), Vec<Slot>>,
+    len: usize,
+}
+
+/// The entries that decided a lookup.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MapVerdict<'a> {
+    Denied(&'a MapEntry),
+    Allowed(&'a MapEntry),
+    NoMatch,
+}
+
+/// What must change in the datapath to go from one map state to another.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MapDelta {
+    /// Entries to add or overwrite, with their deny flag.
+    pub upserts: Vec<(MapKey, bool)>,
+    pub deletes: Vec<MapKey>,
+}
+
+impl MapDelta {
+    pub fn is_empty(&self) -> bool {
+        self.upserts.is_empty() && self.deletes.is_empty()
+    }
+    pub fn len(&self) -> usize {
+        self.upserts.len() + self.deletes.len()
+    }
+}
+
+impl MapState {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds an entry. The same key from several rules merges: deny replaces allow, and the
+    /// entry remembers every rule of the winning kind.
+    pub fn insert(&mut self, key: MapKey, deny: bool, origin: &Arc<RuleOrigin>) {
+        let slots = self.groups.entry((key.direction, key.identity)).or_default();
+        if let Some(s) = slots
+            .iter_mut()
+            .find(|s| s.protocol == key.protocol && s.port_lo == key.port_lo && s.port_hi == key.port_hi)
+        {
+            match (s.entry.deny, deny) {
+                (false, true) => {
+                    s.entry.deny = true;
+                    s.entry.derived_from.clear();
+                    s.entry.derived_from.push(origin.clone());
+                }
+                (true, false) => {}
+                _ => {
+                    if !s.entry.derived_from.iter().any(|o| Arc::ptr_eq(o, origin)) {
+                        s.entry.derived_from.push(origin.clone());
+                    }
+                }
+            }
+            return;
+        }
+        slots.push(Slot {
+            protocol: key.protocol,
+            port_lo: key.port_lo,
+            port_hi: key.port_hi,
+            entry: MapEntry {
+                deny,
+                derived_from: vec![origin.clone()],
+            },
+        });
+        self.len += 1;
+    }
+
+    /// Decides a packet to/from `identity` on `protocol`/`port` by the entries alone.
+    pub fn lookup(
+        &self,
+        direction: Direction,
+        identity: NumericIdentity,
+        protocol: u8,
+        port: u16,
+    ) -> MapVerdict<'_> {
+        let mut allowed: Option<&MapEntry> = None;
+        let ids: &[NumericIdentity] = if identity == IDENTITY_ANY {
+            &[IDENTITY_ANY]
+        } else {
+            &[identity, IDENTITY_ANY]
+        };
+        for id in ids {
+            let Some(slots) = self.groups.get(&(direction, *id)) else {
+                continue;
+            };
+            for s in slots {
+                if (s.protocol == 0 || s.protocol == protocol) && s.port_lo <= port && port <= s.port_hi {
+                    if s.entry.deny {
+                        return MapVerdict::Denied(&s.entry);
+                    }
+                    // Prefer the most specific allow for the explanation.
+                    if allowed.is_none() {
+                        allowed = Some(&s.entry);
+                    }
+                }
+            }
+        }
+        allowed.map(MapVerdict::Allowed).unwrap_or(MapVerdict::NoMatch)
+    }
+
+    pub fn get(&self, key: &MapKey) -> Option<&MapEntry> {
+        self.groups
+            .get(&(key.direction, key.identity))?
+            .iter()
+            .find(|s| s.protocol == key.protocol && s.port_lo == key.port_lo && s.port_hi == key.port_hi)
+            .map(|s| &s.entry)
+    }
+
+    /// Every entry, sorted by key.
+    pub fn entries(&self) -> Vec<(MapKey, &MapEntry)> {
+        let mut out: Vec<(MapKey, &MapEntry)> = self
+            .groups
+            .iter()
+            .flat_map(|((direction, identity), slots)| {
+                slots.iter().map(move |s| {
+                    (
+                        MapKey {
+                            direction: *direction,
+                            identity: *identity,
+                            protocol: s.protocol,
+                            port_lo: s.port_lo,
+                            port_hi: s.port_hi,
+                        },
+                        &s.entry,
+                    )
+                })
+            })
+            .collect();
+        out.sort_by_key(|(k, _)| *k);
+        out
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The changes that turn `realized` into `self`.
+    pub fn diff_from(&self, realized: &MapState) -> MapDelta {
+        let mut delta = MapDelta::default();
+        for (k, e) in self.entries() {
+            match realized.get(&k) {
+                Some(old) if old.deny == e.deny => {}
+                _ => delta.upserts.push((k, e.deny)),
+            }
+        }
+        for (k, _) in realized.entries() {
+            if self.get(&k).is_none() {
+                delta.deletes.push(k);
+            }
+        }
+        delta
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::rule::{PolicyKey, PolicyKind, Section};
+
+    fn origin(name: &str, section: Section) -> Arc<RuleOrigin> {
+        Arc::new(RuleOrigin {
+            policy: Arc::new(PolicyKey::new(PolicyKind::CiliumNetworkPolicy, Some("x"), name)),
+            section,
+            path: format!("spec.{}[0]", section.as_str()),
+            l7: false,
+        })
+    }
+
+    fn key(identity: NumericIdentity, protocol: u8, lo: u16, hi: u16) -> MapKey {
+        MapKey {
+            direction: Direction::Ingress,
+            identity,
+            protocol,
+            port_lo: lo,
+            port_hi: hi,
+        }
+    }
+
+    #[test]
+    fn deny_wins_over_more_specific_allow() {
+        let mut m = MapState::new();
+        m.insert(key(300, 6, 80, 80), false, &origin("allow", Section::Ingress));
+        m.insert(key(0, 0, 0, 65535), true, &origin("deny", Section::IngressDeny));
+        assert!(matches!(m.lookup(Direction::Ingress, 300, 6, 80), MapVerdict::Denied(_)));
+    }
+
+    #[test]
+    fn wildcards_and_ranges_match() {
+        let mut m = MapState::new();
+        m.insert(key(0, 6, 8000, 8080), false, &origin("a", Section::Ingress));
+        assert!(matches!(m.lookup(Direction::Ingress, 300, 6, 8050), MapVerdict::Allowed(_)));
+        assert!(matches!(m.lookup(Direction::Ingress, 300, 6, 8081), MapVerdict::NoMatch));
+        assert!(matches!(m.lookup(Direction::Ingress, 300, 17, 8050), MapVerdict::NoMatch));
+        assert!(matches!(m.lookup(Direction::Egress, 300, 6, 8050), MapVerdict::NoMatch));
+    }
+
+    #[test]
+    fn same_key_merges_and_deny_replaces_allow() {
+        let mut m = MapState::new();
+        let a = origin("a", Section::Ingress);
+        let b = origin("b", Section::Ingress);
+        m.insert(key(300, 6, 80, 80), false, &a);
+        m.insert(key(300, 6, 80, 80), false, &b);
+        assert_eq!(m.len(), 1);
+        assert_eq!(m.get(&key(300, 6, 80, 80)).unwrap().derived_from.len(), 2);
+        m.insert(key(300, 6, 80, 80), true, &origin("d", Section::IngressDeny));
+        let e = m.get(&key(300, 6, 80, 80)).unwrap();
+        assert!(e.deny);
+        assert_eq!(e.derived_from.len(), 1);
+    }
+
+    #[test]
+    fn diff_lists_upserts_and_deletes() {
+        let a = origin("a", Section::Ingress);
+        let mut old = MapState::new();
+        old.insert(key(300, 6, 80, 80), false, &a);
+        old.insert(key(301, 6, 80, 80), false, &a);
+        let mut new = MapState::new();
+        new.insert(key(300, 6, 80, 80), false, &a);
+        new.insert(key(302, 6, 80, 80), true, &a);
+        let d = new.diff_from(&old);
+        assert_eq!(d.upserts, vec![(key(302, 6, 80, 80), true)]);
+        assert_eq!(d.deletes, vec![key(301, 6, 80, 80)]);
+    }
+}

@@ -1,0 +1,299 @@
+//! The internal rule model every policy kind is translated into.
+//!
+//! A `Rule` is one subject selector with its peer rules, already namespace-scoped and with
+//! entities, CIDRs and KNP peers turned into selectors. Resolution never looks at the wire types.
+
+use std::fmt;
+use std::sync::Arc;
+
+use super::selector::SelectorRef;
+
+/// The three policy kinds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum PolicyKind {
+    NetworkPolicy,
+    CiliumNetworkPolicy,
+    CiliumClusterwideNetworkPolicy,
+}
+
+impl PolicyKind {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            PolicyKind::NetworkPolicy => "NetworkPolicy",
+            PolicyKind::CiliumNetworkPolicy => "CiliumNetworkPolicy",
+            PolicyKind::CiliumClusterwideNetworkPolicy => "CiliumClusterwideNetworkPolicy",
+        }
+    }
+
+    pub fn from_kind(kind: &str) -> Option<Self> {
+        match kind {
+            "NetworkPolicy" => Some(PolicyKind::NetworkPolicy),
+            "CiliumNetworkPolicy" => Some(PolicyKind::CiliumNetworkPolicy),
+            "CiliumClusterwideNetworkPolicy" => Some(PolicyKind::CiliumClusterwideNetworkPolicy),
+            _ => None,
+        }
+    }
+
+    pub fn is_namespaced(&self) -> bool {
+        !matches!(self, PolicyKind::CiliumClusterwideNetworkPolicy)
+    }
+}
+
+/// The resource a policy came from: rules are stored, replaced and deleted by this key.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PolicyKey {
+    pub kind: PolicyKind,
+    /// `None` for clusterwide policies.
+    pub namespace: Option<String>,
+    pub name: String,
+}
+
+impl PolicyKey {
+    pub fn new(kind: PolicyKind, namespace: Option<&str>, name: &str) -> Self {
+        PolicyKey {
+            kind,
+            namespace: namespace.map(str::to_string),
+            name: name.to_string(),
+        }
+    }
+
+    /// `namespace/name`, or `name` for clusterwide policies.
+    pub fn short(&self) -> String {
+        match &self.namespace {
+            Some(ns) => format!("{ns}/{}", self.name),
+            None => self.name.clone(),
+        }
+    }
+}
+
+impl fmt::Display for PolicyKey {
+    /// `Kind namespace/name`, the form every error message uses.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {}", self.kind.as_str(), self.short())
+    }
+}
+
+/// Traffic direction, from the point of view of the endpoint the policy applies to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Direction {
+    Ingress,
+    Egress,
+}
+
+impl Direction {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Direction::Ingress => "ingress",
+            Direction::Egress => "egress",
+        }
+    }
+}
+
+/// The section of a policy a peer rule comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Section {
+    Ingress,
+    IngressDeny,
+    Egress,
+    EgressDeny,
+}
+
+impl Section {
+    pub fn direction(&self) -> Direction {
+        match self {
+            Section::Ingress | Section::IngressDeny => Direction::Ingress,
+            Section::Egress | Section::EgressDeny => Direction::Egress,
+        }
+    }
+
+    pub fn is_deny(&self) -> bool {
+        matches!(self, Section::IngressDeny | Section::EgressDeny)
+    }
+
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Section::Ingress => "ingress",
+            Section::IngressDeny => "ingressDeny",
+            Section::Egress => "egress",
+            Section::EgressDeny => "egressDeny",
+        }
+    }
+}
+
+/// Where a map entry came from: enough to explain a verdict.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct RuleOrigin {
+    pub policy: Arc<PolicyKey>,
+    pub section: Section,
+    /// Field path of the peer rule inside the policy, e.g. `spec.ingress[1]`, `specs[0].egressDeny[0]`.
+    pub path: String,
+    /// The rule carries L7 rules that ciliate enforces at L3/L4 only.
+    pub l7: bool,
+}
+
+impl RuleOrigin {
+    /// `ingressDeny of x/deny-c` (with `specs[i].` in front for multi-rule policies).
+    pub fn describe(&self) -> String {
+        let prefix = self
+            .path
+            .strip_prefix("spec.")
+            .map(|_| String::new())
+            .unwrap_or_else(|| {
+                self.path
+                    .split('.')
+                    .next()
+                    .map(|s| format!("{s}."))
+                    .unwrap_or_default()
+            });
+        format!("{prefix}{} of {}", self.section.as_str(), self.policy.short())
+    }
+}
+
+/// Which peers a rule talks about.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Peers {
+    /// Every peer, inside or outside the cluster (identity 0 in the map).
+    Any,
+    /// The identities these selectors select. An empty list selects nothing.
+    Selectors(Vec<SelectorRef>),
+}
+
+/// A transport protocol as written in a rule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Protocol {
+    Tcp,
+    Udp,
+    Sctp,
+    Icmp,
+    Icmpv6,
+    /// CNP `ANY` or omitted: TCP, UDP and SCTP.
+    Any,
+}
+
+pub const PROTO_ICMP: u8 = 1;
+pub const PROTO_TCP: u8 = 6;
+pub const PROTO_UDP: u8 = 17;
+pub const PROTO_ICMPV6: u8 = 58;
+pub const PROTO_SCTP: u8 = 132;
+
+impl Protocol {
+    /// The IP protocol numbers this stands for.
+    pub fn numbers(&self) -> &'static [u8] {
+        match self {
+            Protocol::Tcp => &[PROTO_TCP],
+            Protocol::Udp => &[PROTO_UDP],
+            Protocol::Sctp => &[PROTO_SCTP],
+            Protocol::Icmp => &[PROTO_ICMP],
+            Protocol::Icmpv6 => &[PROTO_ICMPV6],
+            Protocol::Any => &[PROTO_TCP, PROTO_UDP, PROTO_SCTP],
+        }
+    }
+
+    pub fn from_number(n: u8) -> Option<Protocol> {
+        match n {
+            PROTO_TCP => Some(Protocol::Tcp),
+            PROTO_UDP => Some(Protocol::Udp),
+            PROTO_SCTP => Some(Protocol::Sctp),
+            PROTO_ICMP => Some(Protocol::Icmp),
+            PROTO_ICMPV6 => Some(Protocol::Icmpv6),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Protocol::Tcp => "TCP",
+            Protocol::Udp => "UDP",
+            Protocol::Sctp => "SCTP",
+            Protocol::Icmp => "ICMP",
+            Protocol::Icmpv6 => "ICMPv6",
+            Protocol::Any => "ANY",
+        }
+    }
+}
+
+/// Name of an IP protocol number for display (`TCP`, `ICMP`, `ANY` for 0).
+pub fn protocol_name(n: u8) -> String {
+    match n {
+        0 => "ANY".to_string(),
+        n => Protocol::from_number(n)
+            .map(|p| p.as_str().to_string())
+            .unwrap_or_else(|| n.to_string()),
+    }
+}
+
+/// A destination port, numeric range or container-port name.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum PortSpec {
+    /// Inclusive; `(0, 65535)` is every port.
+    Range(u16, u16),
+    /// Resolved against the destination pod's container ports (lower case).
+    Named(String),
+}
+
+/// One protocol/port pair of a rule. For ICMP the "port" is the ICMP type.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct PortMatch {
+    pub protocol: Protocol,
+    pub port: PortSpec,
+}
+
+/// Which traffic a rule talks about.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Ports {
+    /// Every protocol and port (an L3-only rule).
+    Any,
+    /// Only these; an empty list matches nothing.
+    List(Vec<PortMatch>),
+}
+
+/// Peers plus ports: one element of `ingress`, `egressDeny`, ... (or one KNP rule).
+#[derive(Debug, Clone)]
+pub struct PeerRule {
+    pub origin: Arc<RuleOrigin>,
+    pub peers: Peers,
+    pub ports: Ports,
+}
+
+/// What a rule applies to.
+#[derive(Debug, Clone)]
+pub enum Subject {
+    /// Endpoints (pods) whose identity the selector selects.
+    Endpoints(SelectorRef),
+    /// Host endpoints of nodes whose labels the selector matches (CCNP `nodeSelector`).
+    Nodes(SelectorRef),
+}
+
+impl Subject {
+    pub fn selector(&self) -> &SelectorRef {
+        match self {
+            Subject::Endpoints(s) | Subject::Nodes(s) => s,
+        }
+    }
+}
+
+/// One rule: a subject and what it allows or denies, per direction.
+#[derive(Debug, Clone)]
+pub struct Rule {
+    pub policy: Arc<PolicyKey>,
+    /// Field path of this rule: `spec` or `specs[i]`.
+    pub path: String,
+    pub subject: Subject,
+    /// Whether selecting an endpoint turns on default deny for its ingress / egress.
+    pub isolates_ingress: bool,
+    pub isolates_egress: bool,
+    /// Peer rules of both directions, allow and deny.
+    pub peer_rules: Vec<PeerRule>,
+}
+
+impl Rule {
+    /// Every selector this rule references (subject first), for the selector cache.
+    pub fn selectors(&self) -> impl Iterator<Item = &SelectorRef> {
+        std::iter::once(self.subject.selector()).chain(self.peer_rules.iter().flat_map(|pr| {
+            match &pr.peers {
+                Peers::Any => [].iter(),
+                Peers::Selectors(s) => s.iter(),
+            }
+        }))
+    }
+}

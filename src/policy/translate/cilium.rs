@@ -1,0 +1,531 @@
+//! CiliumNetworkPolicy and CiliumClusterwideNetworkPolicy -> rules, with Cilium 1.16's
+//! validation (`pkg/policy/api/rule_validation.go`) and translation (`pkg/k8s/apis/cilium.io/utils`).
+
+use std::sync::Arc;
+
+use serde_yaml::Value;
+
+use super::common::{
+    cidr_selector, cilium_protocol, entity, icmp_type_from_name, label_selector, parse_cidr,
+    port_spec, scope_peer_selector, scope_subject_selector, selects_init, EntitySelection,
+};
+use super::{Ctx, PolicyError};
+use crate::policy::api;
+use crate::policy::rule::{
+    PeerRule, Peers, PortMatch, PortSpec, Ports, Protocol, Rule, RuleOrigin, Section, Subject,
+};
+use crate::policy::selector::{CidrSelector, LabelSelector, Selector, SelectorRef};
+
+/// Cilium refuses more than this many ports in one `toPorts` entry.
+const MAX_PORTS: usize = 40;
+
+/// A uniform view of the four peer-rule types (ingress, ingressDeny, egress, egressDeny).
+#[derive(Default)]
+struct PeerView<'a> {
+    endpoints: Option<&'a Vec<api::LabelSelector>>,
+    requires: Option<&'a Vec<api::LabelSelector>>,
+    cidr: Option<&'a Vec<String>>,
+    cidr_set: Option<&'a Vec<api::CidrRule>>,
+    entities: Option<&'a Vec<String>>,
+    groups: Option<&'a Vec<Value>>,
+    nodes: Option<&'a Vec<api::LabelSelector>>,
+    services: Option<&'a Vec<Value>>,
+    fqdns: Option<&'a Vec<api::FqdnSelector>>,
+    /// (ports, the allow rule's L7 part when there is one)
+    to_ports: Vec<(Option<&'a Vec<api::PortProtocol>>, Option<&'a api::PortRule>)>,
+    icmps: Option<&'a Vec<api::IcmpRule>>,
+    auth: Option<&'a api::Authentication>,
+}
+
+fn len<T>(v: Option<&Vec<T>>) -> usize {
+    v.map_or(0, |v| v.len())
+}
+
+impl<'a> PeerView<'a> {
+    fn ingress(r: &'a api::IngressRule) -> Self {
+        PeerView {
+            endpoints: r.from_endpoints.as_ref(),
+            requires: r.from_requires.as_ref(),
+            cidr: r.from_cidr.as_ref(),
+            cidr_set: r.from_cidr_set.as_ref(),
+            entities: r.from_entities.as_ref(),
+            groups: r.from_groups.as_ref(),
+            nodes: r.from_nodes.as_ref(),
+            to_ports: r.to_ports.iter().flatten().map(|p| (p.ports.as_ref(), Some(p))).collect(),
+            icmps: r.icmps.as_ref(),
+            auth: r.authentication.as_ref(),
+            ..Default::default()
+        }
+    }
+    fn ingress_deny(r: &'a api::IngressDenyRule) -> Self {
+        PeerView {
+            endpoints: r.from_endpoints.as_ref(),
+            requires: r.from_requires.as_ref(),
+            cidr: r.from_cidr.as_ref(),
+            cidr_set: r.from_cidr_set.as_ref(),
+            entities: r.from_entities.as_ref(),
+            groups: r.from_groups.as_ref(),
+            nodes: r.from_nodes.as_ref(),
+            to_ports: r.to_ports.iter().flatten().map(|p| (p.ports.as_ref(), None)).collect(),
+            icmps: r.icmps.as_ref(),
+            ..Default::default()
+        }
+    }
+    fn egress(r: &'a api::EgressRule) -> Self {
+        PeerView {
+            endpoints: r.to_endpoints.as_ref(),
+            requires: r.to_requires.as_ref(),
+            cidr: r.to_cidr.as_ref(),
+            cidr_set: r.to_cidr_set.as_ref(),
+            entities: r.to_entities.as_ref(),
+            groups: r.to_groups.as_ref(),
+            nodes: r.to_nodes.as_ref(),
+            services: r.to_services.as_ref(),
+            fqdns: r.to_fqdns.as_ref(),
+            to_ports: r.to_ports.iter().flatten().map(|p| (p.ports.as_ref(), Some(p))).collect(),
+            icmps: r.icmps.as_ref(),
+            auth: r.authentication.as_ref(),
+        }
+    }
+    fn egress_deny(r: &'a api::EgressDenyRule) -> Self {
+        PeerView {
+            endpoints: r.to_endpoints.as_ref(),
+            requires: r.to_requires.as_ref(),
+            cidr: r.to_cidr.as_ref(),
+            cidr_set: r.to_cidr_set.as_ref(),
+            entities: r.to_entities.as_ref(),
+            groups: r.to_groups.as_ref(),
+            nodes: r.to_nodes.as_ref(),
+            services: r.to_services.as_ref(),
+            to_ports: r.to_ports.iter().flatten().map(|p| (p.ports.as_ref(), None)).collect(),
+            icmps: r.icmps.as_ref(),
+            ..Default::default()
+        }
+    }
+
+    /// The L3 peer kinds present, by field name (Cilium forbids combining two in one rule).
+    fn l3_kinds(&self, dir: &str) -> Vec<String> {
+        let kinds: [(&str, usize); 9] = [
+            ("Endpoints", len(self.endpoints)),
+            ("CIDR", len(self.cidr)),
+            ("CIDRSet", len(self.cidr_set)),
+            ("Entities", len(self.entities)),
+            ("Nodes", len(self.nodes)),
+            ("Groups", len(self.groups)),
+            ("Services", len(self.services)),
+            ("FQDNs", len(self.fqdns)),
+            ("", 0),
+        ];
+        kinds
+            .iter()
+            .filter(|(_, n)| *n > 0)
+            .map(|(k, _)| format!("{dir}{k}"))
+            .collect()
+    }
+}
+
+pub fn translate(ctx: &mut Ctx, cp: &api::CiliumPolicy) -> Result<Vec<Rule>, PolicyError> {
+    let mut rules = Vec::new();
+    if cp.spec.is_none() && cp.specs.as_ref().is_none_or(|s| s.is_empty()) {
+        return Err(ctx.err("spec", "the policy has neither spec nor specs"));
+    }
+    if let Some(spec) = &cp.spec {
+        rules.push(translate_rule(ctx, spec, "spec")?);
+    }
+    for (i, spec) in cp.specs.iter().flatten().enumerate() {
+        rules.push(translate_rule(ctx, spec, &format!("specs[{i}]"))?);
+    }
+    Ok(rules)
+}
+
+fn translate_rule(ctx: &mut Ctx, r: &api::Rule, path: &str) -> Result<Rule, PolicyError> {
+    let namespace = ctx.namespace().map(str::to_string);
+    let (subject, subject_sel) = match (&r.endpoint_selector, &r.node_selector) {
+        (Some(_), Some(_)) => {
+            return Err(ctx.err(path, "endpointSelector and nodeSelector are mutually exclusive: set exactly one"))
+        }
+        (None, None) => {
+            return Err(ctx.err(path, "one of endpointSelector or nodeSelector is required"))
+        }
+        (None, Some(_)) if namespace.is_some() => {
+            return Err(ctx.err(
+                format!("{path}.nodeSelector"),
+                "nodeSelector is only allowed in a CiliumClusterwideNetworkPolicy",
+            ))
+        }
+        (None, Some(ns)) => {
+            let sel = label_selector(ctx, ns, &format!("{path}.nodeSelector"))?;
+            (Subject::Nodes(Selector::labels(sel.clone())), sel)
+        }
+        (Some(es), None) => {
+            let sel = label_selector(ctx, es, &format!("{path}.endpointSelector"))?;
+            let scoped = match &namespace {
+                Some(ns) if !selects_init(&sel) => scope_subject_selector(sel.clone(), ns),
+                _ => sel.clone(),
+            };
+            (Subject::Endpoints(Selector::labels(scoped)), sel)
+        }
+    };
+    let init = selects_init(&subject_sel);
+    let default_deny = r.enable_default_deny.clone().unwrap_or_default();
+
+    let mut peer_rules = Vec::new();
+    let sections: [(Section, Vec<PeerView>); 4] = [
+        (Section::Ingress, r.ingress.iter().flatten().map(PeerView::ingress).collect()),
+        (Section::IngressDeny, r.ingress_deny.iter().flatten().map(PeerView::ingress_deny).collect()),
+        (Section::Egress, r.egress.iter().flatten().map(PeerView::egress).collect()),
+        (Section::EgressDeny, r.egress_deny.iter().flatten().map(PeerView::egress_deny).collect()),
+    ];
+    let mut has = [false; 4];
+    for (si, (section, views)) in sections.iter().enumerate() {
+        has[si] = !views.is_empty();
+        // fromRequires / toRequires constrain every endpoint selector of the same direction.
+        let requires = collect_requires(ctx, views, *section, path, namespace.as_deref(), init)?;
+        for (i, v) in views.iter().enumerate() {
+            let p = format!("{path}.{}[{i}]", section.as_str());
+            peer_rules.push(translate_peer_rule(ctx, v, *section, &p, namespace.as_deref(), init, &requires)?);
+        }
+    }
+    let ingress_present = has[0] || has[1];
+    let egress_present = has[2] || has[3];
+    Ok(Rule {
+        policy: ctx.key.clone(),
+        path: path.to_string(),
+        subject,
+        isolates_ingress: ingress_present && default_deny.ingress != Some(false),
+        isolates_egress: egress_present && default_deny.egress != Some(false),
+        peer_rules,
+    })
+}
+
+fn collect_requires(
+    ctx: &Ctx,
+    views: &[PeerView],
+    section: Section,
+    path: &str,
+    namespace: Option<&str>,
+    init: bool,
+) -> Result<Vec<LabelSelector>, PolicyError> {
+    let field = if section.direction() == crate::policy::rule::Direction::Ingress {
+        "fromRequires"
+    } else {
+        "toRequires"
+    };
+    let mut out = Vec::new();
+    for (i, v) in views.iter().enumerate() {
+        for (j, s) in v.requires.iter().copied().flatten().enumerate() {
+            let p = format!("{path}.{}[{i}].{field}[{j}]", section.as_str());
+            let sel = label_selector(ctx, s, &p)?;
+            out.push(scope_peer_selector(sel, namespace, false, init));
+        }
+    }
+    Ok(out)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn translate_peer_rule(
+    ctx: &mut Ctx,
+    v: &PeerView,
+    section: Section,
+    path: &str,
+    namespace: Option<&str>,
+    init: bool,
+    requires: &[LabelSelector],
+) -> Result<PeerRule, PolicyError> {
+    let dir = if section.direction() == crate::policy::rule::Direction::Ingress {
+        "from"
+    } else {
+        "to"
+    };
+    let kinds = v.l3_kinds(dir);
+    if kinds.len() > 1 {
+        return Err(ctx.err(
+            path,
+            format!("combining {} and {} in one rule is not supported", kinds[0], kinds[1]),
+        ));
+    }
+    if len(v.nodes) > 0 {
+        return Err(ctx.err(
+            format!("{path}.{dir}Nodes"),
+            format!("{dir}Nodes requires --enable-node-selector-labels, which is off (as in Cilium 1.16 by default)"),
+        ));
+    }
+    if len(v.icmps) > 0 && !v.to_ports.is_empty() {
+        return Err(ctx.err(path, "icmps and toPorts cannot be combined in one rule"));
+    }
+
+    // ----- peers
+    let mut selectors: Vec<SelectorRef> = Vec::new();
+    let mut any = false;
+    for (j, s) in v.endpoints.iter().copied().flatten().enumerate() {
+        let p = format!("{path}.{dir}Endpoints[{j}]");
+        let mut sel = scope_peer_selector(label_selector(ctx, s, &p)?, namespace, true, init);
+        for req in requires {
+            for r in req.requirements() {
+                sel.add(r.clone());
+            }
+        }
+        selectors.push(Selector::labels(sel));
+    }
+    for (j, c) in v.cidr.iter().copied().flatten().enumerate() {
+        let p = format!("{path}.{dir}CIDR[{j}]");
+        let prefix = parse_cidr(c).map_err(|m| ctx.err(&p, m))?;
+        selectors.push(Selector::cidr(CidrSelector::new(prefix, vec![])));
+    }
+    for (j, c) in v.cidr_set.iter().copied().flatten().enumerate() {
+        let p = format!("{path}.{dir}CIDRSet[{j}]");
+        if c.cidr.is_none() && (c.cidr_group_ref.is_some() || c.cidr_group_selector.is_some()) {
+            ctx.note(format!(
+                "{p}: CIDR groups are not supported yet; the entry selects nothing (fail closed)"
+            ));
+            continue;
+        }
+        let sel = cidr_selector(ctx, c.cidr.as_deref(), c.except.as_ref(), &p, false)?;
+        selectors.push(Selector::cidr(sel));
+    }
+    for (j, e) in v.entities.iter().copied().flatten().enumerate() {
+        let p = format!("{path}.{dir}Entities[{j}]");
+        match entity(e) {
+            None => return Err(ctx.err(p, format!("unknown entity {e:?}"))),
+            Some(EntitySelection::All) => any = true,
+            Some(EntitySelection::Selectors(sels)) => {
+                selectors.extend(sels.into_iter().map(Selector::labels))
+            }
+        }
+    }
+    if len(v.groups) > 0 {
+        ctx.note(format!("{path}.{dir}Groups: toGroups/fromGroups are not supported yet; they select nothing (fail closed)"));
+    }
+    if let Some(services) = v.services.filter(|s| !s.is_empty()) {
+        for (j, s) in services.iter().enumerate() {
+            if s.get("k8sService").is_none() && s.get("k8sServiceSelector").is_none() {
+                return Err(ctx.err(
+                    format!("{path}.toServices[{j}]"),
+                    "needs k8sService or k8sServiceSelector",
+                ));
+            }
+        }
+        ctx.note(format!("{path}.toServices: not supported yet; selects nothing (fail closed)"));
+    }
+    if let Some(fqdns) = v.fqdns.filter(|f| !f.is_empty()) {
+        for (j, f) in fqdns.iter().enumerate() {
+            validate_fqdn(ctx, f, &format!("{path}.toFQDNs[{j}]"))?;
+        }
+        ctx.note(format!("{path}.toFQDNs: FQDN policy is not enforced yet; selects nothing (fail closed)"));
+    }
+    let has_l3 = !kinds.is_empty();
+
+    // ----- ports
+    let mut l7 = false;
+    let ports = if let Some(icmps) = v.icmps.filter(|i| !i.is_empty()) {
+        Ports::List(icmp_ports(ctx, icmps, path)?)
+    } else if !v.to_ports.is_empty() {
+        let mut list = Vec::new();
+        for (j, (pp, rule)) in v.to_ports.iter().enumerate() {
+            let p = format!("{path}.toPorts[{j}]");
+            let ports = pp.map(|v| v.as_slice()).unwrap_or(&[]);
+            if ports.len() > MAX_PORTS {
+                return Err(ctx.err(
+                    format!("{p}.ports"),
+                    format!("too many ports ({}), at most {MAX_PORTS} per toPorts entry", ports.len()),
+                ));
+            }
+            let mut parsed = Vec::new();
+            for (k, port) in ports.iter().enumerate() {
+                let pk = format!("{p}.ports[{k}]");
+                let spec = port_spec(ctx, port.port.as_ref(), port.end_port, &pk, false)?;
+                let proto = cilium_protocol(ctx, port.protocol.as_deref(), &format!("{pk}.protocol"))?;
+                parsed.push(PortMatch { protocol: proto, port: spec });
+            }
+            if let Some(rule) = rule {
+                if validate_l7(ctx, rule, &parsed, section, &p)? {
+                    l7 = true;
+                }
+            }
+            list.extend(parsed);
+        }
+        Ports::List(list)
+    } else {
+        Ports::Any
+    };
+
+    // ----- authentication
+    let mut peers = if any {
+        Peers::Any
+    } else if has_l3 {
+        Peers::Selectors(selectors)
+    } else if matches!(ports, Ports::List(_)) {
+        // A rule with only toPorts / icmps applies to every peer.
+        Peers::Any
+    } else {
+        // `{}`: isolates, allows nothing.
+        Peers::Selectors(vec![])
+    };
+    if let Some(auth) = v.auth {
+        match auth.mode.as_deref() {
+            Some("disabled") | None => {}
+            Some(m @ ("required" | "test-always-fail")) => {
+                ctx.note(format!(
+                    "{path}.authentication: mode {m:?} is not supported; the rule allows nothing (fail closed, as Cilium without mutual auth)"
+                ));
+                peers = Peers::Selectors(vec![]);
+            }
+            Some(m) => {
+                return Err(ctx.err(
+                    format!("{path}.authentication.mode"),
+                    format!("unknown authentication mode {m:?} (disabled, required, test-always-fail)"),
+                ))
+            }
+        }
+    }
+    if l7 {
+        ctx.note(format!("{path}: L7 rules not enforced; their L3/L4 part is"));
+    }
+    Ok(PeerRule {
+        origin: Arc::new(RuleOrigin {
+            policy: ctx.key.clone(),
+            section,
+            path: path.to_string(),
+            l7,
+        }),
+        peers,
+        ports,
+    })
+}
+
+fn icmp_ports(ctx: &Ctx, icmps: &[api::IcmpRule], path: &str) -> Result<Vec<PortMatch>, PolicyError> {
+    let mut out = Vec::new();
+    for (k, rule) in icmps.iter().enumerate() {
+        for (m, f) in rule.fields.iter().flatten().enumerate() {
+            let p = format!("{path}.icmps[{k}].fields[{m}]");
+            let v6 = match f.family.as_deref() {
+                None | Some("") | Some("IPv4") => false,
+                Some("IPv6") => true,
+                Some(other) => {
+                    return Err(ctx.err(format!("{p}.family"), format!("unknown ICMP family {other:?} (IPv4 or IPv6)")))
+                }
+            };
+            let t = match &f.icmp_type {
+                None => return Err(ctx.err(format!("{p}.type"), "missing ICMP type")),
+                Some(api::IntOrString::Int(n)) => u8::try_from(*n)
+                    .map_err(|_| ctx.err(format!("{p}.type"), format!("ICMP type {n} is outside 0..255")))?,
+                Some(api::IntOrString::Str(s)) => match s.parse::<u8>() {
+                    Ok(n) => n,
+                    Err(_) => icmp_type_from_name(s, v6).ok_or_else(|| {
+                        ctx.err(format!("{p}.type"), format!("unknown ICMP type {s:?}"))
+                    })?,
+                },
+            };
+            out.push(PortMatch {
+                protocol: if v6 { Protocol::Icmpv6 } else { Protocol::Icmp },
+                port: PortSpec::Range(t as u16, t as u16),
+            });
+        }
+    }
+    Ok(out)
+}
+
+fn validate_fqdn(ctx: &Ctx, f: &api::FqdnSelector, path: &str) -> Result<(), PolicyError> {
+    match (&f.match_name, &f.match_pattern) {
+        (Some(n), None) => check_dns_chars(ctx, n, false, &format!("{path}.matchName")),
+        (None, Some(p)) => check_dns_chars(ctx, p, true, &format!("{path}.matchPattern")),
+        (Some(_), Some(_)) => Err(ctx.err(path, "matchName and matchPattern are mutually exclusive")),
+        (None, None) => Err(ctx.err(path, "needs matchName or matchPattern")),
+    }
+}
+
+fn check_dns_chars(ctx: &Ctx, s: &str, pattern: bool, path: &str) -> Result<(), PolicyError> {
+    let ok = !s.is_empty()
+        && s.len() <= 255
+        && s.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.') || (pattern && c == '*'));
+    if ok {
+        Ok(())
+    } else {
+        Err(ctx.err(path, format!("invalid DNS {} {s:?}", if pattern { "pattern" } else { "name" })))
+    }
+}
+
+/// Validates a port rule's L7 part. Returns whether it has L7 rules at all.
+fn validate_l7(
+    ctx: &Ctx,
+    rule: &api::PortRule,
+    ports: &[PortMatch],
+    section: Section,
+    path: &str,
+) -> Result<bool, PolicyError> {
+    let mut is_l7 = rule.listener.is_some() || rule.server_names.as_ref().is_some_and(|s| !s.is_empty());
+    for (i, sn) in rule.server_names.iter().flatten().enumerate() {
+        if sn.trim().is_empty() {
+            return Err(ctx.err(format!("{path}.serverNames[{i}]"), "empty server name"));
+        }
+    }
+    let Some(l7) = &rule.rules else {
+        return Ok(is_l7);
+    };
+    let rp = format!("{path}.rules");
+    let http = l7.http.as_ref().is_some_and(|v| !v.is_empty());
+    let kafka = l7.kafka.as_ref().is_some_and(|v| !v.is_empty());
+    let dns = l7.dns.as_ref().is_some_and(|v| !v.is_empty());
+    let generic = l7.l7proto.as_ref().is_some_and(|s| !s.is_empty());
+    if [http, kafka, dns, generic].iter().filter(|b| **b).count() > 1 {
+        return Err(ctx.err(rp, "multiple L7 protocol rule types in one port rule"));
+    }
+    if l7.l7.is_some() && !generic {
+        return Err(ctx.err(format!("{rp}.l7"), "'l7' may only be specified together with 'l7proto'"));
+    }
+    if !(http || kafka || dns || generic) {
+        return Ok(is_l7);
+    }
+    is_l7 = true;
+    if dns {
+        if section.direction() == crate::policy::rule::Direction::Ingress {
+            return Err(ctx.err(format!("{rp}.dns"), "DNS rules are not allowed on ingress"));
+        }
+        if ports.is_empty() {
+            return Err(ctx.err(format!("{path}.ports"), "DNS rules need an explicit port"));
+        }
+        for (i, d) in l7.dns.iter().flatten().enumerate() {
+            let fq = api::FqdnSelector {
+                match_name: d.match_name.clone(),
+                match_pattern: d.match_pattern.clone(),
+            };
+            validate_fqdn(ctx, &fq, &format!("{rp}.dns[{i}]"))?;
+        }
+    } else {
+        for (k, pm) in ports.iter().enumerate() {
+            if pm.protocol != Protocol::Tcp {
+                return Err(ctx.err(
+                    format!("{path}.ports[{k}].protocol"),
+                    format!("L7 rules can only apply to TCP (not {}), except DNS rules", pm.protocol.as_str()),
+                ));
+            }
+        }
+    }
+    for (i, h) in l7.http.iter().flatten().enumerate() {
+        let hp = format!("{rp}.http[{i}]");
+        for (field, val) in [("method", &h.method), ("path", &h.path), ("host", &h.host)] {
+            if let Some(v) = val {
+                if let Err(e) = regex::Regex::new(v) {
+                    return Err(ctx.err(format!("{hp}.{field}"), format!("invalid regular expression {v:?}: {e}")));
+                }
+            }
+        }
+    }
+    for (i, k) in l7.kafka.iter().flatten().enumerate() {
+        let kp = format!("{rp}.kafka[{i}]");
+        if let Some(role) = &k.role {
+            if !matches!(role.to_ascii_lowercase().as_str(), "produce" | "consume") {
+                return Err(ctx.err(format!("{kp}.role"), format!("invalid Kafka role {role:?} (produce or consume)")));
+            }
+            if k.api_key.is_some() {
+                return Err(ctx.err(kp, "role and apiKey are mutually exclusive"));
+            }
+        }
+        if let Some(t) = &k.topic {
+            if t.len() > 255 || !t.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')) {
+                return Err(ctx.err(format!("{kp}.topic"), format!("invalid Kafka topic {t:?}")));
+            }
+        }
+    }
+    Ok(is_l7)
+}

@@ -1,0 +1,366 @@
+//! Validation and conversion shared by every policy kind: label selectors, CIDRs, ports,
+//! protocols, entities and ICMP types.
+
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+
+use super::{Ctx, PolicyError};
+use crate::policy::api;
+use crate::policy::labels::{
+    split_selector_key, CLUSTER_LABEL, DEFAULT_CLUSTER_NAME, NAMESPACE_LABELS_PREFIX,
+    POD_NAMESPACE_LABEL, SOURCE_K8S, SOURCE_RESERVED,
+};
+use crate::policy::rule::{PortSpec, Protocol};
+use crate::policy::selector::{CidrSelector, LabelSelector, Operator, Requirement};
+
+/// Converts a Kubernetes label selector, validating operators and values.
+pub fn label_selector(
+    ctx: &Ctx,
+    raw: &api::LabelSelector,
+    path: &str,
+) -> Result<LabelSelector, PolicyError> {
+    let mut reqs = Vec::new();
+    for (k, v) in raw.match_labels.iter().flatten() {
+        let (source, key) = split_selector_key(k);
+        if key.is_empty() {
+            return Err(ctx.err(format!("{path}.matchLabels"), format!("empty label key {k:?}")));
+        }
+        reqs.push(Requirement::new(source, key, Operator::In, vec![v.clone()]));
+    }
+    for (i, e) in raw.match_expressions.iter().flatten().enumerate() {
+        let p = format!("{path}.matchExpressions[{i}]");
+        let raw_key = e.key.as_deref().unwrap_or("");
+        let (source, key) = split_selector_key(raw_key);
+        if key.is_empty() {
+            return Err(ctx.err(format!("{p}.key"), "missing label key"));
+        }
+        let op = match e.operator.as_deref() {
+            Some("In") => Operator::In,
+            Some("NotIn") => Operator::NotIn,
+            Some("Exists") => Operator::Exists,
+            Some("DoesNotExist") => Operator::DoesNotExist,
+            Some(other) => {
+                return Err(ctx.err(
+                    format!("{p}.operator"),
+                    format!("invalid operator {other:?} (must be one of In, NotIn, Exists, DoesNotExist; case matters)"),
+                ))
+            }
+            None => return Err(ctx.err(format!("{p}.operator"), "missing operator")),
+        };
+        let values = e.values.clone().unwrap_or_default();
+        match op {
+            Operator::In | Operator::NotIn if values.is_empty() => {
+                return Err(ctx.err(
+                    format!("{p}.values"),
+                    format!("operator {op} needs at least one value"),
+                ))
+            }
+            Operator::Exists | Operator::DoesNotExist if !values.is_empty() => {
+                return Err(ctx.err(
+                    format!("{p}.values"),
+                    format!("operator {op} takes no values"),
+                ))
+            }
+            _ => {}
+        }
+        reqs.push(Requirement::new(source, key, op, values));
+    }
+    Ok(LabelSelector::new(reqs))
+}
+
+/// True when the selector names `reserved:init` (policies for initializing endpoints).
+pub fn selects_init(sel: &LabelSelector) -> bool {
+    sel.requirements()
+        .iter()
+        .any(|r| r.key == "init" && r.source.as_deref() == Some(SOURCE_RESERVED))
+}
+
+/// Scopes a CNP/CCNP peer selector (`fromEndpoints`, `toEndpoints`, `*Requires`) the way
+/// Cilium's `getEndpointSelector` does: a namespaced policy's selectors only see its own
+/// namespace unless they name the namespace (or namespace labels); a clusterwide policy's
+/// selectors only see pods (anything with a namespace label).
+pub fn scope_peer_selector(
+    mut sel: LabelSelector,
+    namespace: Option<&str>,
+    reserved_passthrough: bool,
+    subject_selects_init: bool,
+) -> LabelSelector {
+    if reserved_passthrough && sel.has_reserved_key() {
+        return sel;
+    }
+    if subject_selects_init || sel.has_key(POD_NAMESPACE_LABEL) {
+        return sel;
+    }
+    match namespace {
+        None => sel.add(Requirement::new(
+            Some(SOURCE_K8S.into()),
+            POD_NAMESPACE_LABEL.into(),
+            Operator::Exists,
+            vec![],
+        )),
+        Some(ns) => {
+            if !sel.has_key_prefix(NAMESPACE_LABELS_PREFIX) {
+                sel.add(Requirement::equals(Some(SOURCE_K8S), POD_NAMESPACE_LABEL, ns));
+            }
+        }
+    }
+    sel
+}
+
+/// Pins a subject selector to the policy's namespace (replacing any namespace the user wrote,
+/// as Cilium does: a namespaced policy can never select endpoints of another namespace).
+pub fn scope_subject_selector(sel: LabelSelector, namespace: &str) -> LabelSelector {
+    let mut reqs: Vec<Requirement> = sel
+        .requirements()
+        .iter()
+        .filter(|r| !(r.key == POD_NAMESPACE_LABEL && r.source.as_deref() == Some(SOURCE_K8S)))
+        .cloned()
+        .collect();
+    reqs.push(Requirement::equals(Some(SOURCE_K8S), POD_NAMESPACE_LABEL, namespace));
+    LabelSelector::new(reqs)
+}
+
+/// Parses `10.0.0.0/8`, `2001:db8::/32`, or a bare address (a host prefix).
+pub fn parse_cidr(s: &str) -> Result<IpNet, String> {
+    let t = s.trim();
+    if t.contains('/') {
+        t.parse::<IpNet>()
+            .map(|n| n.trunc())
+            .map_err(|_| format!("malformed CIDR {s:?}"))
+    } else {
+        t.parse::<IpAddr>()
+            .map(IpNet::from)
+            .map_err(|_| format!("malformed CIDR {s:?}"))
+    }
+}
+
+/// Validates a CIDR with its `except` list (each except must lie inside the CIDR).
+pub fn cidr_selector(
+    ctx: &Ctx,
+    cidr: Option<&str>,
+    except: Option<&Vec<String>>,
+    path: &str,
+    strict_subset: bool,
+) -> Result<CidrSelector, PolicyError> {
+    let Some(c) = cidr.filter(|c| !c.trim().is_empty()) else {
+        return Err(ctx.err(format!("{path}.cidr"), "missing cidr"));
+    };
+    let prefix = parse_cidr(c).map_err(|m| ctx.err(format!("{path}.cidr"), m))?;
+    let mut ex = Vec::new();
+    for (i, e) in except.into_iter().flatten().enumerate() {
+        let ep = format!("{path}.except[{i}]");
+        let n = parse_cidr(e).map_err(|m| ctx.err(&ep, m))?;
+        let inside = prefix.contains(&n) && (!strict_subset || n.prefix_len() > prefix.prefix_len());
+        if !inside {
+            return Err(ctx.err(ep, format!("except {n} is not inside cidr {prefix}")));
+        }
+        ex.push(n);
+    }
+    Ok(CidrSelector::new(prefix, ex))
+}
+
+/// IANA service name rules (RFC 6335), as Kubernetes and Cilium apply them to named ports:
+/// 1-15 characters of letters, digits and '-', at least one letter, no leading, trailing or
+/// doubled '-'.
+pub fn is_iana_service_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 15
+        && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+        && s.chars().any(|c| c.is_ascii_alphabetic())
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+        && !s.contains("--")
+}
+
+/// Parses a port (number, numeric string, or named port) and its optional `endPort`.
+/// `allow_missing`: a missing port means every port (KNP) rather than an error (CNP).
+pub fn port_spec(
+    ctx: &Ctx,
+    port: Option<&api::IntOrString>,
+    end_port: Option<i64>,
+    path: &str,
+    allow_missing: bool,
+) -> Result<PortSpec, PolicyError> {
+    let port_path = format!("{path}.port");
+    let end_path = format!("{path}.endPort");
+    let numeric = |n: i64| -> Result<u16, PolicyError> {
+        u16::try_from(n).map_err(|_| ctx.err(&port_path, format!("port {n} is outside 0..65535")))
+    };
+    let start = match port {
+        None if allow_missing => None,
+        None => return Err(ctx.err(&port_path, "port must be specified")),
+        Some(api::IntOrString::Int(n)) => Some(numeric(*n)?),
+        Some(api::IntOrString::Str(s)) => {
+            let t = s.trim();
+            if t.is_empty() {
+                if allow_missing {
+                    None
+                } else {
+                    return Err(ctx.err(&port_path, "port must be specified"));
+                }
+            } else if t.chars().all(|c| c.is_ascii_digit()) {
+                let n: i64 = t
+                    .parse()
+                    .map_err(|_| ctx.err(&port_path, format!("port {t} is outside 0..65535")))?;
+                Some(numeric(n)?)
+            } else if is_iana_service_name(t) {
+                if end_port.is_some_and(|e| e != 0) {
+                    return Err(ctx.err(end_path, format!("endPort cannot be used with the named port {t:?}")));
+                }
+                return Ok(PortSpec::Named(t.to_ascii_lowercase()));
+            } else {
+                return Err(ctx.err(
+                    &port_path,
+                    format!("unable to parse port {t:?}: neither a number in 0..65535 nor a valid port name"),
+                ));
+            }
+        }
+    };
+    let Some(start) = start else {
+        if end_port.is_some_and(|e| e != 0) {
+            return Err(ctx.err(end_path, "endPort needs a numeric port"));
+        }
+        return Ok(PortSpec::Range(0, 65535));
+    };
+    match end_port {
+        None | Some(0) => {
+            if start == 0 {
+                Ok(PortSpec::Range(0, 65535))
+            } else {
+                Ok(PortSpec::Range(start, start))
+            }
+        }
+        Some(e) => {
+            let end = u16::try_from(e)
+                .map_err(|_| ctx.err(&end_path, format!("endPort {e} is outside 0..65535")))?;
+            if end < start {
+                return Err(ctx.err(end_path, format!("endPort {end} is smaller than port {start}")));
+            }
+            if start == 0 {
+                return Ok(PortSpec::Range(0, 65535));
+            }
+            Ok(PortSpec::Range(start, end))
+        }
+    }
+}
+
+/// A CNP port protocol: TCP, UDP, SCTP or ANY (any case), omitted meaning ANY.
+pub fn cilium_protocol(ctx: &Ctx, proto: Option<&str>, path: &str) -> Result<Protocol, PolicyError> {
+    match proto.map(|p| p.trim().to_ascii_uppercase()).as_deref() {
+        None | Some("") | Some("ANY") => Ok(Protocol::Any),
+        Some("TCP") => Ok(Protocol::Tcp),
+        Some("UDP") => Ok(Protocol::Udp),
+        Some("SCTP") => Ok(Protocol::Sctp),
+        Some(_) => Err(ctx.err(
+            path,
+            format!(
+                "unknown protocol {:?} (must be TCP, UDP, SCTP or ANY; ICMP goes in icmps)",
+                proto.unwrap_or_default()
+            ),
+        )),
+    }
+}
+
+/// A KNP port protocol: TCP, UDP or SCTP (exact), omitted meaning TCP.
+pub fn knp_protocol(ctx: &Ctx, proto: Option<&str>, path: &str) -> Result<Protocol, PolicyError> {
+    match proto {
+        None => Ok(Protocol::Tcp),
+        Some("TCP") => Ok(Protocol::Tcp),
+        Some("UDP") => Ok(Protocol::Udp),
+        Some("SCTP") => Ok(Protocol::Sctp),
+        Some(p) => Err(ctx.err(path, format!("unknown protocol {p:?} (must be TCP, UDP or SCTP)"))),
+    }
+}
+
+/// What an entity selects.
+pub enum EntitySelection {
+    /// Every identity (`all`).
+    All,
+    /// Identities matching any of these selectors (empty: `none`).
+    Selectors(Vec<LabelSelector>),
+}
+
+fn reserved(name: &str) -> LabelSelector {
+    LabelSelector::new(vec![Requirement::equals(Some(SOURCE_RESERVED), name, "")])
+}
+
+/// The selectors behind an entity name, or `None` for an unknown entity.
+pub fn entity(name: &str) -> Option<EntitySelection> {
+    let sels = match name {
+        "all" => return Some(EntitySelection::All),
+        "none" => vec![],
+        "world" => vec![reserved("world"), reserved("world-ipv4"), reserved("world-ipv6")],
+        "world-ipv4" => vec![reserved("world-ipv4")],
+        "world-ipv6" => vec![reserved("world-ipv6")],
+        "cluster" => vec![
+            reserved("host"),
+            reserved("remote-node"),
+            reserved("health"),
+            reserved("init"),
+            reserved("kube-apiserver"),
+            reserved("ingress"),
+            LabelSelector::new(vec![Requirement::equals(
+                Some(SOURCE_K8S),
+                CLUSTER_LABEL,
+                DEFAULT_CLUSTER_NAME,
+            )]),
+        ],
+        "host" | "remote-node" | "kube-apiserver" | "health" | "init" | "unmanaged" | "ingress" => {
+            vec![reserved(name)]
+        }
+        _ => return None,
+    };
+    Some(EntitySelection::Selectors(sels))
+}
+
+/// ICMP type names Cilium accepts in `icmps.fields.type`.
+pub fn icmp_type_from_name(name: &str, v6: bool) -> Option<u8> {
+    const V4: &[(&str, u8)] = &[
+        ("EchoReply", 0),
+        ("DestinationUnreachable", 3),
+        ("Redirect", 5),
+        ("Echo", 8),
+        ("EchoRequest", 8),
+        ("RouterAdvertisement", 9),
+        ("RouterSelection", 10),
+        ("TimeExceeded", 11),
+        ("ParameterProblem", 12),
+        ("Timestamp", 13),
+        ("TimestampReply", 14),
+        ("Photuris", 40),
+        ("ExtendedEchoRequest", 42),
+        ("ExtendedEchoReply", 43),
+    ];
+    const V6: &[(&str, u8)] = &[
+        ("DestinationUnreachable", 1),
+        ("PacketTooBig", 2),
+        ("TimeExceeded", 3),
+        ("ParameterProblem", 4),
+        ("EchoRequest", 128),
+        ("EchoReply", 129),
+        ("MulticastListenerQuery", 130),
+        ("MulticastListenerReport", 131),
+        ("MulticastListenerDone", 132),
+        ("RouterSolicitation", 133),
+        ("RouterAdvertisement", 134),
+        ("NeighborSolicitation", 135),
+        ("NeighborAdvertisement", 136),
+        ("RedirectMessage", 137),
+        ("RouterRenumbering", 138),
+        ("ICMPNodeInformationQuery", 139),
+        ("ICMPNodeInformationResponse", 140),
+        ("InverseNeighborDiscoverySolicitation", 141),
+        ("InverseNeighborDiscoveryAdvertisement", 142),
+        ("HomeAgentAddressDiscoveryRequest", 144),
+        ("HomeAgentAddressDiscoveryReply", 145),
+        ("MobilePrefixSolicitation", 146),
+        ("MobilePrefixAdvertisement", 147),
+        ("DuplicateAddressRequestCodeSuffix", 157),
+        ("DuplicateAddressConfirmationCodeSuffix", 158),
+        ("ExtendedEchoRequest", 160),
+        ("ExtendedEchoReply", 161),
+    ];
+    let table = if v6 { V6 } else { V4 };
+    table.iter().find(|(n, _)| *n == name).map(|(_, t)| *t)
+}

@@ -1,0 +1,79 @@
+//! The world file of `ciliate policy simulate` (interfaces.md section 1).
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+use serde_yaml::Value;
+
+use crate::policy::api::IntOrString;
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct World {
+    /// Namespace name -> labels (`kubernetes.io/metadata.name=<name>` is implied).
+    pub namespaces: Option<BTreeMap<String, Option<BTreeMap<String, String>>>>,
+    pub nodes: Option<Vec<WorldNode>>,
+    pub pods: Option<Vec<WorldPod>>,
+    /// Verbatim manifests; parsed one by one so one bad document rejects only itself.
+    pub policies: Option<Vec<Value>>,
+    pub probes: Option<Vec<Probe>>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorldNode {
+    pub name: String,
+    #[serde(default)]
+    pub ips: Vec<String>,
+    pub labels: Option<BTreeMap<String, String>>,
+    /// The node being simulated (pods without `node` run here).
+    pub local: Option<bool>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct WorldPod {
+    pub namespace: String,
+    pub name: String,
+    pub labels: Option<BTreeMap<String, String>>,
+    #[serde(default)]
+    pub ips: Vec<String>,
+    pub node: Option<String>,
+    pub ports: Option<Vec<ContainerPort>>,
+    /// Defaults to `default`, as Kubernetes does.
+    pub service_account: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ContainerPort {
+    pub name: Option<String>,
+    #[serde(alias = "containerPort")]
+    pub port: i64,
+    pub protocol: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct Probe {
+    pub from: ProbeEnd,
+    pub to: ProbeEnd,
+    pub port: Option<i64>,
+    pub protocol: Option<String>,
+    pub icmp_type: Option<i64>,
+}
+
+/// A probe end as written: a pod reference or an address. YAML may hand us a number-like
+/// scalar, so accept any scalar and keep its text.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(transparent)]
+pub struct ProbeEnd(pub IntOrString);
+
+impl ProbeEnd {
+    pub fn text(&self) -> String {
+        match &self.0 {
+            IntOrString::Int(i) => i.to_string(),
+            IntOrString::Str(s) => s.clone(),
+        }
+    }
+}
