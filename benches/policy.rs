@@ -1,1 +1,201 @@
-fn main(){}
+//! Benchmarks for the policy-engine targets of issue #2:
+//! - `resolve/no_matching_rules_20k`: one endpoint against 20,000 rules none of which select it.
+//! - `resolve/selected_by_1000_rules`: one endpoint selected by 1,000 rules over 1,000 identities.
+//! - `selector_cache/new_identity_10k_selectors`: an identity appearing (and going) with 10,000
+//!   selectors cached.
+//! - `simulate/world_5000_pods`: `simulate` on 5,000 pods, 500 namespaces, 2,000 policies and
+//!   10,000 probes, YAML parsing included.
+
+use std::collections::BTreeMap;
+
+use criterion::{black_box, criterion_group, criterion_main, Criterion};
+
+use ciliate::policy::engine::{EndpointView, PolicyEngine};
+use ciliate::policy::identity::IdentityInfo;
+use ciliate::policy::labels::{Label, Labels};
+use ciliate::policy::selector::{LabelSelector, Operator, Requirement, Selector};
+use ciliate::policy::selector_cache::SelectorCache;
+use ciliate::policy::translate::parse_policy;
+use ciliate::simulate::generate::{generate_world, WorldSize};
+
+fn pod_labels(ns: &str, app: &str) -> Labels {
+    let pod: BTreeMap<String, String> = [("app".to_string(), app.to_string())].into();
+    Labels::for_pod(ns, &pod, &BTreeMap::new(), Some("default"))
+}
+
+fn add_policy(engine: &mut PolicyEngine, yaml: &str) {
+    let doc: serde_yaml::Value = serde_yaml::from_str(yaml).expect("bench policy is YAML");
+    let p = parse_policy(&doc, "default", "bench").expect("bench policy is valid");
+    engine.upsert_policy(p);
+}
+
+fn bench_resolve(c: &mut Criterion) {
+    // 20,000 rules in 100 namespaces (and the endpoint's own), none selecting the endpoint.
+    let mut engine = PolicyEngine::new();
+    for n in 0..200 {
+        engine.allocate_identity(&pod_labels(&format!("ns-{}", n % 100), &format!("app-{n}")));
+    }
+    for r in 0..20_000 {
+        let ns = if r % 4 == 0 {
+            "target".to_string()
+        } else {
+            format!("ns-{}", r % 100)
+        };
+        add_policy(
+            &mut engine,
+            &format!(
+                "{{apiVersion: cilium.io/v2, kind: CiliumNetworkPolicy, metadata: {{name: r{r}, namespace: {ns}}}, spec: {{endpointSelector: {{matchLabels: {{app: other-{r}}}}}, ingress: [{{fromEndpoints: [{{matchLabels: {{app: app-{}}}}}], toPorts: [{{ports: [{{port: \"80\", protocol: TCP}}]}}]}}]}}}}",
+                r % 200
+            ),
+        );
+    }
+    let labels = pod_labels("target", "mine");
+    let id = engine.allocate_identity(&labels).id();
+    let view = EndpointView {
+        identity: id,
+        labels: &labels,
+        named_ports: &[],
+        host: false,
+    };
+    let resolved = engine.resolve(&view);
+    assert!(resolved.map.is_empty() && resolved.selected_by.is_empty());
+    c.bench_function("resolve/no_matching_rules_20k", |b| {
+        b.iter(|| black_box(engine.resolve(black_box(&view))))
+    });
+
+    // 1,000 identities; 1,000 rules select the endpoint, each allowing 5 peer identities on 2 ports.
+    let mut engine = PolicyEngine::new();
+    for i in 0..1000 {
+        engine.allocate_identity(&pod_labels("x", &format!("app-{i}")));
+    }
+    for r in 0..1000 {
+        let vals: Vec<String> = (0..5)
+            .map(|k| format!("app-{}", (r + k * 200) % 1000))
+            .collect();
+        add_policy(
+            &mut engine,
+            &format!(
+                "{{apiVersion: cilium.io/v2, kind: CiliumNetworkPolicy, metadata: {{name: r{r}, namespace: x}}, spec: {{endpointSelector: {{}}, ingress: [{{fromEndpoints: [{{matchExpressions: [{{key: app, operator: In, values: [{}]}}]}}], toPorts: [{{ports: [{{port: \"{}\", protocol: TCP}}, {{port: \"{}\", protocol: UDP}}]}}]}}]}}}}",
+                vals.join(", "),
+                1000 + r % 50,
+                2000 + r % 50
+            ),
+        );
+    }
+    let labels = pod_labels("x", "app-0");
+    let id = engine.allocate_identity(&labels).id();
+    let view = EndpointView {
+        identity: id,
+        labels: &labels,
+        named_ports: &[],
+        host: false,
+    };
+    let resolved = engine.resolve(&view);
+    assert_eq!(resolved.selected_by.len(), 1000);
+    assert!(
+        resolved.map.len() >= 1000,
+        "map has {} entries",
+        resolved.map.len()
+    );
+    eprintln!(
+        "selected_by_1000_rules: map state has {} entries",
+        resolved.map.len()
+    );
+    c.bench_function("resolve/selected_by_1000_rules", |b| {
+        b.iter(|| black_box(engine.resolve(black_box(&view))))
+    });
+}
+
+fn bench_selector_cache(c: &mut Criterion) {
+    let mut cache = SelectorCache::new();
+    let ns_req = |n: usize| {
+        Requirement::equals(
+            Some("k8s"),
+            "io.kubernetes.pod.namespace",
+            &format!("ns-{}", n % 100),
+        )
+    };
+    for i in 0..10_000 {
+        let sel = if i % 100 == 0 {
+            // 1% of selectors have no equality requirement and must be tested against everything.
+            LabelSelector::new(vec![Requirement::new(
+                None,
+                "tier".into(),
+                Operator::NotIn,
+                vec![format!("t{i}")],
+            )])
+        } else {
+            LabelSelector::new(vec![
+                Requirement::equals(None, "app", &format!("app-{i}")),
+                ns_req(i),
+            ])
+        };
+        cache.add_selector(&Selector::labels(sel));
+    }
+    for i in 0..2000 {
+        let l: Labels = [
+            Label::k8s("app", &format!("app-{i}")),
+            Label::k8s("io.kubernetes.pod.namespace", &format!("ns-{}", i % 100)),
+        ]
+        .into_iter()
+        .collect();
+        cache.add_identity(&IdentityInfo {
+            id: 256 + i,
+            labels: l,
+            cidr: None,
+        });
+    }
+    assert_eq!(cache.len(), 10_000);
+    let labels: Labels = [
+        Label::k8s("app", "app-4242"),
+        Label::k8s("tier", "front"),
+        Label::k8s("io.kubernetes.pod.namespace", "ns-42"),
+        Label::k8s("io.cilium.k8s.policy.cluster", "default"),
+    ]
+    .into_iter()
+    .collect();
+    let info = IdentityInfo {
+        id: 90_000,
+        labels,
+        cidr: None,
+    };
+    let newly = cache.add_identity(&info);
+    assert_eq!(
+        newly.len(),
+        101,
+        "the app-4242 selector and the 100 NotIn selectors"
+    );
+    cache.remove_identity(info.id);
+    c.bench_function("selector_cache/new_identity_10k_selectors", |b| {
+        b.iter(|| {
+            let n = cache.add_identity(black_box(&info));
+            cache.remove_identity(info.id);
+            black_box(n)
+        })
+    });
+}
+
+fn bench_simulate(c: &mut Criterion) {
+    let text = generate_world(
+        WorldSize {
+            namespaces: 500,
+            pods: 5000,
+            policies: 2000,
+            probes: 10_000,
+        },
+        1,
+    );
+    let mut group = c.benchmark_group("simulate");
+    group.sample_size(10);
+    group.bench_function("world_5000_pods", |b| {
+        b.iter(|| {
+            let sim = ciliate::simulate::simulate(black_box(&text)).expect("usable world");
+            assert_eq!(sim.results.len(), 10_000);
+            black_box(sim)
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, bench_resolve, bench_selector_cache, bench_simulate);
+criterion_main!(benches);

@@ -16,7 +16,11 @@ pub const EXIT_UNUSABLE: i32 = 2;
 pub const EXIT_REJECTED: i32 = 3;
 
 #[derive(Debug, Parser)]
-#[command(name = "ciliate", version, about = "Cilium-compatible network policy agent, simulator and CNI plugin")]
+#[command(
+    name = "ciliate",
+    version,
+    about = "Cilium-compatible network policy agent, simulator and CNI plugin"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -39,6 +43,19 @@ pub enum PolicyCommand {
         /// The world file (YAML).
         #[arg(long)]
         world: PathBuf,
+    },
+    /// Print a synthetic world of the given size (for benchmarks and load tests).
+    GenerateWorld {
+        #[arg(long, default_value_t = 500)]
+        namespaces: usize,
+        #[arg(long, default_value_t = 5000)]
+        pods: usize,
+        #[arg(long, default_value_t = 2000)]
+        policies: usize,
+        #[arg(long, default_value_t = 10000)]
+        probes: usize,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
     },
 }
 

@@ -10,14 +10,14 @@ use std::sync::Arc;
 
 use ipnet::IpNet;
 
-use super::identity::{
-    Allocation, IdentityAllocator, IdentityInfo, NumericIdentity, IDENTITY_ANY,
-};
+use super::identity::{Allocation, IdentityAllocator, IdentityInfo, NumericIdentity, IDENTITY_ANY};
 use super::ipcache::IpCache;
 use super::labels::Labels;
 use super::mapstate::{MapKey, MapState, MapVerdict};
 use super::repository::{Repository, StoredPolicy};
-use super::rule::{Direction, PeerRule, Peers, PolicyKey, PortSpec, Ports, Rule, RuleOrigin, Subject};
+use super::rule::{
+    Direction, PeerRule, Peers, PolicyKey, PortSpec, Ports, Rule, RuleOrigin, Subject,
+};
 use super::selector::{SelectorKind, SelectorRef};
 use super::selector_cache::SelectorCache;
 use super::translate::ParsedPolicy;
@@ -182,7 +182,11 @@ impl PolicyEngine {
     }
 
     /// Re-creates an identity with a known number (endpoint restore).
-    pub fn restore_identity(&mut self, id: NumericIdentity, labels: &Labels) -> Result<Allocation, String> {
+    pub fn restore_identity(
+        &mut self,
+        id: NumericIdentity,
+        labels: &Labels,
+    ) -> Result<Allocation, String> {
         let a = self.identities.restore(id, labels)?;
         if let Allocation::New(id) = a {
             if let Some(info) = self.identities.get(id).cloned() {
@@ -221,7 +225,10 @@ impl PolicyEngine {
     pub fn add_named_ports(&mut self, id: NumericIdentity, ports: &[NamedPort]) {
         let m = self.named_ports.entry(id).or_default();
         for p in ports {
-            *m.entry(p.name.clone()).or_default().entry((p.protocol, p.port)).or_default() += 1;
+            *m.entry(p.name.clone())
+                .or_default()
+                .entry((p.protocol, p.port))
+                .or_default() += 1;
         }
     }
 
@@ -297,14 +304,13 @@ impl PolicyEngine {
     /// Adds or replaces a policy (by its resource key).
     pub fn upsert_policy(&mut self, policy: ParsedPolicy) -> PolicyChange {
         let mut change = PolicyChange::default();
-        let rules: Vec<Arc<Rule>> = policy.rules.into_iter().map(Arc::new).collect();
-        // Reference the new selectors and CIDR identities before dropping the old ones, so
-        // shared entries survive a replace untouched.
-        for rule in &rules {
-            for sel in rule.selectors() {
-                self.selectors.add_selector(sel);
-            }
+        // Reference the new selectors (interned: rules keep the cache's copy) and CIDR
+        // identities before dropping the old ones, so shared entries survive a replace untouched.
+        let mut rules = policy.rules;
+        for rule in &mut rules {
+            rule.map_selectors(|s| self.selectors.add_selector(s));
         }
+        let rules: Vec<Arc<Rule>> = rules.into_iter().map(Arc::new).collect();
         for rule in &rules {
             for prefix in Self::cidr_prefixes(rule) {
                 if let Allocation::New(id) = self.identities.allocate_cidr(prefix) {
@@ -401,7 +407,13 @@ impl PolicyEngine {
                 .flat_map(|sel| self.repo.rules_with_subject(sel).iter().cloned())
                 .collect()
         };
-        rules.sort_by(|a, b| (&a.policy, &a.path).cmp(&(&b.policy, &b.path)));
+        rules.sort_unstable_by(|a, b| {
+            if Arc::ptr_eq(&a.policy, &b.policy) {
+                a.path.cmp(&b.path)
+            } else {
+                a.policy.cmp(&b.policy)
+            }
+        });
         rules
     }
 
@@ -412,15 +424,20 @@ impl PolicyEngine {
             revision: self.repo.revision(),
             ..Default::default()
         };
+        // Rules arrive grouped by policy, and all rules of one policy share one key `Arc`, so
+        // "already listed" is a pointer comparison with the last element.
+        fn push_once(v: &mut Vec<Arc<PolicyKey>>, k: &Arc<PolicyKey>) {
+            if v.last().is_none_or(|l| !Arc::ptr_eq(l, k)) {
+                v.push(k.clone());
+            }
+        }
         for rule in &rules {
-            if !out.selected_by.contains(&rule.policy) {
-                out.selected_by.push(rule.policy.clone());
+            push_once(&mut out.selected_by, &rule.policy);
+            if rule.isolates_ingress {
+                push_once(&mut out.ingress.isolated_by, &rule.policy);
             }
-            if rule.isolates_ingress && !out.ingress.isolated_by.contains(&rule.policy) {
-                out.ingress.isolated_by.push(rule.policy.clone());
-            }
-            if rule.isolates_egress && !out.egress.isolated_by.contains(&rule.policy) {
-                out.egress.isolated_by.push(rule.policy.clone());
+            if rule.isolates_egress {
+                push_once(&mut out.egress.isolated_by, &rule.policy);
             }
             for pr in &rule.peer_rules {
                 self.add_peer_rule(&mut out.map, pr, ep);
@@ -475,7 +492,23 @@ impl PolicyEngine {
     fn add_peer_rule(&self, map: &mut MapState, pr: &PeerRule, ep: &EndpointView) {
         let direction = pr.origin.section.direction();
         let deny = pr.origin.section.is_deny();
-        let ids = self.peer_identities(&pr.peers);
+        let single;
+        let many;
+        let ids: &[NumericIdentity] = match &pr.peers {
+            Peers::Any => &[IDENTITY_ANY],
+            Peers::Selectors(sels) if sels.len() == 1 => {
+                single = self
+                    .selectors
+                    .selections(&sels[0])
+                    .map(|s| s.iter().copied().collect::<Vec<_>>())
+                    .unwrap_or_default();
+                &single
+            }
+            _ => {
+                many = self.peer_identities(&pr.peers);
+                &many
+            }
+        };
         if ids.is_empty() {
             return;
         }
@@ -494,7 +527,7 @@ impl PolicyEngine {
         };
         let list = match &pr.ports {
             Ports::Any => {
-                for id in ids {
+                for &id in ids {
                     insert(id, 0, 0, 65535);
                 }
                 return;
@@ -505,7 +538,7 @@ impl PolicyEngine {
             let protos = pm.protocol.numbers();
             match &pm.port {
                 PortSpec::Range(lo, hi) => {
-                    for &id in &ids {
+                    for &id in ids {
                         for &p in protos {
                             insert(id, p, *lo, *hi);
                         }
@@ -514,15 +547,19 @@ impl PolicyEngine {
                 PortSpec::Named(name) => match direction {
                     // Ingress: the destination is the endpoint itself.
                     Direction::Ingress => {
-                        for np in ep.named_ports.iter().filter(|np| np.name == *name && protos.contains(&np.protocol)) {
-                            for &id in &ids {
+                        for np in ep
+                            .named_ports
+                            .iter()
+                            .filter(|np| np.name == *name && protos.contains(&np.protocol))
+                        {
+                            for &id in ids {
                                 insert(id, np.protocol, np.port, np.port);
                             }
                         }
                     }
                     // Egress: the destination is the peer; each peer identity's own ports.
                     Direction::Egress => {
-                        for &id in &ids {
+                        for &id in ids {
                             for (proto, port) in self.named_ports_of(id, name) {
                                 if protos.contains(&proto) {
                                     insert(id, proto, port, port);

@@ -44,7 +44,10 @@ pub const RESERVED: &[(NumericIdentity, &str)] = &[
 
 /// The name of a reserved identity (`host`, `world`, ...), if `id` is one.
 pub fn reserved_name(id: NumericIdentity) -> Option<&'static str> {
-    RESERVED.iter().find(|(n, _)| *n == id).map(|(_, name)| *name)
+    RESERVED
+        .iter()
+        .find(|(n, _)| *n == id)
+        .map(|(_, name)| *name)
 }
 
 /// An identity and what defines it.
@@ -189,9 +192,7 @@ impl IdentityAllocator {
                 self.retain(id);
                 return Ok(Allocation::Existing(id));
             }
-            return Err(format!(
-                "labels already have identity {existing}, not {id}"
-            ));
+            return Err(format!("labels already have identity {existing}, not {id}"));
         }
         if self.by_id.contains_key(&id) {
             return Err(format!("identity {id} is taken by other labels"));

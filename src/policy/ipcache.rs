@@ -29,7 +29,13 @@ impl Family {
         (addr >> shift) << shift
     }
 
-    fn upsert(&mut self, addr: u128, len: u8, bits: u8, id: NumericIdentity) -> Option<NumericIdentity> {
+    fn upsert(
+        &mut self,
+        addr: u128,
+        len: u8,
+        bits: u8,
+        id: NumericIdentity,
+    ) -> Option<NumericIdentity> {
         let key = (len, Self::mask(addr, len, bits));
         let old = self.entries.insert(key, id);
         if old.is_none() {
@@ -100,20 +106,32 @@ impl IpCache {
 
     /// The identity of the longest prefix containing `ip`, or world (per family) when none does.
     pub fn lookup(&self, ip: IpAddr) -> NumericIdentity {
-        self.lookup_prefix(ip).map(|(_, id)| id).unwrap_or(match ip {
-            IpAddr::V4(_) => IDENTITY_WORLD_IPV4,
-            IpAddr::V6(_) => IDENTITY_WORLD_IPV6,
-        })
+        self.lookup_prefix(ip)
+            .map(|(_, id)| id)
+            .unwrap_or(match ip {
+                IpAddr::V4(_) => IDENTITY_WORLD_IPV4,
+                IpAddr::V6(_) => IDENTITY_WORLD_IPV6,
+            })
     }
 
     /// The longest matching prefix and its identity, if any prefix contains `ip`.
     pub fn lookup_prefix(&self, ip: IpAddr) -> Option<(IpNet, NumericIdentity)> {
         match ip {
             IpAddr::V4(a) => self.v4.lookup(u32::from(a) as u128, 32).map(|(len, id)| {
-                (IpNet::new(ip, len).map(|n| n.trunc()).unwrap_or(IpNet::from(ip)), id)
+                (
+                    IpNet::new(ip, len)
+                        .map(|n| n.trunc())
+                        .unwrap_or(IpNet::from(ip)),
+                    id,
+                )
             }),
             IpAddr::V6(a) => self.v6.lookup(u128::from(a), 128).map(|(len, id)| {
-                (IpNet::new(ip, len).map(|n| n.trunc()).unwrap_or(IpNet::from(ip)), id)
+                (
+                    IpNet::new(ip, len)
+                        .map(|n| n.trunc())
+                        .unwrap_or(IpNet::from(ip)),
+                    id,
+                )
             }),
         }
     }

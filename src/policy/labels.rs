@@ -177,7 +177,10 @@ mod tests {
     fn selector_keys_split_on_first_colon() {
         assert_eq!(split_selector_key("app"), (None, "app".into()));
         assert_eq!(split_selector_key("any:app"), (None, "app".into()));
-        assert_eq!(split_selector_key("k8s:app"), (Some("k8s".into()), "app".into()));
+        assert_eq!(
+            split_selector_key("k8s:app"),
+            (Some("k8s".into()), "app".into())
+        );
         assert_eq!(
             split_selector_key("reserved:host"),
             (Some("reserved".into()), "host".into())
@@ -186,8 +189,12 @@ mod tests {
 
     #[test]
     fn equal_sets_are_equal_regardless_of_insert_order() {
-        let a: Labels = [Label::k8s("a", "1"), Label::k8s("b", "2")].into_iter().collect();
-        let b: Labels = [Label::k8s("b", "2"), Label::k8s("a", "1")].into_iter().collect();
+        let a: Labels = [Label::k8s("a", "1"), Label::k8s("b", "2")]
+            .into_iter()
+            .collect();
+        let b: Labels = [Label::k8s("b", "2"), Label::k8s("a", "1")]
+            .into_iter()
+            .collect();
         assert_eq!(a, b);
     }
 }

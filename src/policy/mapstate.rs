@@ -8,7 +8,7 @@
 //! {identity or 0, protocol or 0, port in range}, any deny wins; otherwise any allow allows;
 //! otherwise the direction's default applies (deny when isolated, allow when not).
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 use std::sync::Arc;
 
 use super::identity::{NumericIdentity, IDENTITY_ANY};
@@ -81,11 +81,13 @@ impl MapState {
     /// Adds an entry. The same key from several rules merges: deny replaces allow, and the
     /// entry remembers every rule of the winning kind.
     pub fn insert(&mut self, key: MapKey, deny: bool, origin: &Arc<RuleOrigin>) {
-        let slots = self.groups.entry((key.direction, key.identity)).or_default();
-        if let Some(s) = slots
-            .iter_mut()
-            .find(|s| s.protocol == key.protocol && s.port_lo == key.port_lo && s.port_hi == key.port_hi)
-        {
+        let slots = self
+            .groups
+            .entry((key.direction, key.identity))
+            .or_default();
+        if let Some(s) = slots.iter_mut().find(|s| {
+            s.protocol == key.protocol && s.port_lo == key.port_lo && s.port_hi == key.port_hi
+        }) {
             match (s.entry.deny, deny) {
                 (false, true) => {
                     s.entry.deny = true;
@@ -132,7 +134,10 @@ impl MapState {
                 continue;
             };
             for s in slots {
-                if (s.protocol == 0 || s.protocol == protocol) && s.port_lo <= port && port <= s.port_hi {
+                if (s.protocol == 0 || s.protocol == protocol)
+                    && s.port_lo <= port
+                    && port <= s.port_hi
+                {
                     if s.entry.deny {
                         return MapVerdict::Denied(&s.entry);
                     }
@@ -143,14 +148,18 @@ impl MapState {
                 }
             }
         }
-        allowed.map(MapVerdict::Allowed).unwrap_or(MapVerdict::NoMatch)
+        allowed
+            .map(MapVerdict::Allowed)
+            .unwrap_or(MapVerdict::NoMatch)
     }
 
     pub fn get(&self, key: &MapKey) -> Option<&MapEntry> {
         self.groups
             .get(&(key.direction, key.identity))?
             .iter()
-            .find(|s| s.protocol == key.protocol && s.port_lo == key.port_lo && s.port_hi == key.port_hi)
+            .find(|s| {
+                s.protocol == key.protocol && s.port_lo == key.port_lo && s.port_hi == key.port_hi
+            })
             .map(|s| &s.entry)
     }
 
@@ -211,7 +220,11 @@ mod tests {
 
     fn origin(name: &str, section: Section) -> Arc<RuleOrigin> {
         Arc::new(RuleOrigin {
-            policy: Arc::new(PolicyKey::new(PolicyKind::CiliumNetworkPolicy, Some("x"), name)),
+            policy: Arc::new(PolicyKey::new(
+                PolicyKind::CiliumNetworkPolicy,
+                Some("x"),
+                name,
+            )),
             section,
             path: format!("spec.{}[0]", section.as_str()),
             l7: false,
@@ -231,19 +244,42 @@ mod tests {
     #[test]
     fn deny_wins_over_more_specific_allow() {
         let mut m = MapState::new();
-        m.insert(key(300, 6, 80, 80), false, &origin("allow", Section::Ingress));
-        m.insert(key(0, 0, 0, 65535), true, &origin("deny", Section::IngressDeny));
-        assert!(matches!(m.lookup(Direction::Ingress, 300, 6, 80), MapVerdict::Denied(_)));
+        m.insert(
+            key(300, 6, 80, 80),
+            false,
+            &origin("allow", Section::Ingress),
+        );
+        m.insert(
+            key(0, 0, 0, 65535),
+            true,
+            &origin("deny", Section::IngressDeny),
+        );
+        assert!(matches!(
+            m.lookup(Direction::Ingress, 300, 6, 80),
+            MapVerdict::Denied(_)
+        ));
     }
 
     #[test]
     fn wildcards_and_ranges_match() {
         let mut m = MapState::new();
         m.insert(key(0, 6, 8000, 8080), false, &origin("a", Section::Ingress));
-        assert!(matches!(m.lookup(Direction::Ingress, 300, 6, 8050), MapVerdict::Allowed(_)));
-        assert!(matches!(m.lookup(Direction::Ingress, 300, 6, 8081), MapVerdict::NoMatch));
-        assert!(matches!(m.lookup(Direction::Ingress, 300, 17, 8050), MapVerdict::NoMatch));
-        assert!(matches!(m.lookup(Direction::Egress, 300, 6, 8050), MapVerdict::NoMatch));
+        assert!(matches!(
+            m.lookup(Direction::Ingress, 300, 6, 8050),
+            MapVerdict::Allowed(_)
+        ));
+        assert!(matches!(
+            m.lookup(Direction::Ingress, 300, 6, 8081),
+            MapVerdict::NoMatch
+        ));
+        assert!(matches!(
+            m.lookup(Direction::Ingress, 300, 17, 8050),
+            MapVerdict::NoMatch
+        ));
+        assert!(matches!(
+            m.lookup(Direction::Egress, 300, 6, 8050),
+            MapVerdict::NoMatch
+        ));
     }
 
     #[test]
@@ -255,7 +291,11 @@ mod tests {
         m.insert(key(300, 6, 80, 80), false, &b);
         assert_eq!(m.len(), 1);
         assert_eq!(m.get(&key(300, 6, 80, 80)).unwrap().derived_from.len(), 2);
-        m.insert(key(300, 6, 80, 80), true, &origin("d", Section::IngressDeny));
+        m.insert(
+            key(300, 6, 80, 80),
+            true,
+            &origin("d", Section::IngressDeny),
+        );
         let e = m.get(&key(300, 6, 80, 80)).unwrap();
         assert!(e.deny);
         assert_eq!(e.derived_from.len(), 1);

@@ -69,7 +69,11 @@ impl Repository {
 
     fn index(&mut self, rule: &Arc<Rule>) {
         match &rule.subject {
-            Subject::Endpoints(s) => self.by_subject.entry(s.clone()).or_default().push(rule.clone()),
+            Subject::Endpoints(s) => self
+                .by_subject
+                .entry(s.clone())
+                .or_default()
+                .push(rule.clone()),
             Subject::Nodes(_) => self.host_rules.push(rule.clone()),
         }
         for sel in rule.selectors().skip(1) {
@@ -133,8 +137,14 @@ mod tests {
     use crate::policy::selector::{LabelSelector, Requirement, Selector};
 
     fn stored(name: &str, app: &str) -> StoredPolicy {
-        let key = Arc::new(PolicyKey::new(PolicyKind::CiliumNetworkPolicy, Some("x"), name));
-        let subject = Selector::labels(LabelSelector::new(vec![Requirement::equals(None, "app", app)]));
+        let key = Arc::new(PolicyKey::new(
+            PolicyKind::CiliumNetworkPolicy,
+            Some("x"),
+            name,
+        ));
+        let subject = Selector::labels(LabelSelector::new(vec![Requirement::equals(
+            None, "app", app,
+        )]));
         StoredPolicy {
             key: key.clone(),
             rules: vec![Arc::new(Rule {
@@ -158,8 +168,12 @@ mod tests {
         assert_eq!(rev2, 2);
         assert!(old.is_some());
         assert_eq!(r.len(), 1);
-        let a = Selector::labels(LabelSelector::new(vec![Requirement::equals(None, "app", "a")]));
-        let b = Selector::labels(LabelSelector::new(vec![Requirement::equals(None, "app", "b")]));
+        let a = Selector::labels(LabelSelector::new(vec![Requirement::equals(
+            None, "app", "a",
+        )]));
+        let b = Selector::labels(LabelSelector::new(vec![Requirement::equals(
+            None, "app", "b",
+        )]));
         assert!(r.rules_with_subject(&a).is_empty());
         assert_eq!(r.rules_with_subject(&b).len(), 1);
     }

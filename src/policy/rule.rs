@@ -145,7 +145,11 @@ impl RuleOrigin {
                     .map(|s| format!("{s}."))
                     .unwrap_or_default()
             });
-        format!("{prefix}{} of {}", self.section.as_str(), self.policy.short())
+        format!(
+            "{prefix}{} of {}",
+            self.section.as_str(),
+            self.policy.short()
+        )
     }
 }
 
@@ -287,6 +291,20 @@ pub struct Rule {
 }
 
 impl Rule {
+    /// Replaces every selector by `f(selector)` (used to intern them in the selector cache).
+    pub fn map_selectors(&mut self, mut f: impl FnMut(&SelectorRef) -> SelectorRef) {
+        match &mut self.subject {
+            Subject::Endpoints(s) | Subject::Nodes(s) => *s = f(s),
+        }
+        for pr in &mut self.peer_rules {
+            if let Peers::Selectors(sels) = &mut pr.peers {
+                for s in sels.iter_mut() {
+                    *s = f(s);
+                }
+            }
+        }
+    }
+
     /// Every selector this rule references (subject first), for the selector cache.
     pub fn selectors(&self) -> impl Iterator<Item = &SelectorRef> {
         std::iter::once(self.subject.selector()).chain(self.peer_rules.iter().flat_map(|pr| {

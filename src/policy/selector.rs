@@ -88,7 +88,13 @@ impl fmt::Display for Requirement {
                 write!(f, "{src}:{}={}", self.key, self.values[0])
             }
             Operator::In | Operator::NotIn => {
-                write!(f, "{src}:{} {} ({})", self.key, self.op, self.values.join(","))
+                write!(
+                    f,
+                    "{src}:{} {} ({})",
+                    self.key,
+                    self.op,
+                    self.values.join(",")
+                )
             }
             Operator::Exists => write!(f, "{src}:{}", self.key),
             Operator::DoesNotExist => write!(f, "!{src}:{}", self.key),
@@ -181,9 +187,7 @@ impl CidrSelector {
 
     pub fn matches(&self, identity: &IdentityInfo) -> bool {
         match identity.cidr {
-            Some(p) => {
-                self.prefix.contains(&p) && !self.except.iter().any(|e| e.contains(&p))
-            }
+            Some(p) => self.prefix.contains(&p) && !self.except.iter().any(|e| e.contains(&p)),
             // `0.0.0.0/0` and `::/0` also select the world identities (addresses no CIDR
             // identity covers), like Cilium's CIDRSlice.GetAsEndpointSelectors.
             None if self.prefix.prefix_len() == 0 => {
@@ -255,7 +259,9 @@ impl Selector {
 
 impl PartialEq for Selector {
     fn eq(&self, other: &Self) -> bool {
-        self.hash == other.hash && self.kind == other.kind
+        // Interned selectors are compared by address first; the structural comparison only
+        // runs for a selector that is not (yet) the cache's canonical copy.
+        std::ptr::eq(self, other) || (self.hash == other.hash && self.kind == other.kind)
     }
 }
 impl Eq for Selector {}
@@ -288,7 +294,12 @@ mod tests {
     fn operators_follow_kubernetes_semantics() {
         let l = labels(&[("app", "web"), ("tier", "front")]);
         let req = |k: &str, op, vals: &[&str]| {
-            Requirement::new(None, k.into(), op, vals.iter().map(|s| s.to_string()).collect())
+            Requirement::new(
+                None,
+                k.into(),
+                op,
+                vals.iter().map(|s| s.to_string()).collect(),
+            )
         };
         assert!(req("app", Operator::In, &["web", "api"]).matches(&l));
         assert!(!req("app", Operator::In, &["api"]).matches(&l));

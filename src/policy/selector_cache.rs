@@ -7,7 +7,9 @@
 //! the selectors indexed under one of its own labels, plus the few selectors that have no such
 //! requirement. The same index run backwards (identities by label) makes adding a selector cheap.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::BTreeSet;
+
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
 use super::identity::{IdentityInfo, NumericIdentity};
 use super::labels::POD_NAMESPACE_LABEL;
@@ -46,7 +48,12 @@ fn index_keys(sel: &SelectorKind) -> Vec<LabelKey> {
         return Vec::new();
     };
     best_in_requirement(ls)
-        .map(|r| r.values.iter().map(|v| (r.key.clone(), v.clone())).collect())
+        .map(|r| {
+            r.values
+                .iter()
+                .map(|v| (r.key.clone(), v.clone()))
+                .collect()
+        })
         .unwrap_or_default()
 }
 
@@ -62,13 +69,14 @@ impl SelectorCache {
         Self::default()
     }
 
-    /// Adds a reference to `selector`, computing its selections the first time.
-    pub fn add_selector(&mut self, selector: &SelectorRef) -> SelectorId {
+    /// Adds a reference to `selector`, computing its selections the first time. Returns the
+    /// cache's canonical copy: callers keep that one so later lookups compare by address.
+    pub fn add_selector(&mut self, selector: &SelectorRef) -> SelectorRef {
         if let Some(&id) = self.by_selector.get(selector) {
             if let Some(e) = self.entries[id as usize].as_mut() {
                 e.refs += 1;
+                return e.selector.clone();
             }
-            return id;
         }
         let keys = index_keys(selector.kind());
         let selected: BTreeSet<NumericIdentity> = if keys.is_empty() {
@@ -108,7 +116,7 @@ impl SelectorCache {
             index_keys: keys,
         });
         self.by_selector.insert(selector.clone(), id);
-        id
+        selector.clone()
     }
 
     /// Drops a reference to `selector`; the entry goes away with its last reference.
@@ -173,7 +181,10 @@ impl SelectorCache {
                 .extend(newly.iter().copied());
         }
         for k in keys {
-            self.identities_by_label.entry(k).or_default().insert(info.id);
+            self.identities_by_label
+                .entry(k)
+                .or_default()
+                .insert(info.id);
         }
         self.identities.insert(info.id, info.clone());
         newly
@@ -275,7 +286,14 @@ mod tests {
         c.add_identity(&ident(301, &[("app", "b"), ("ns", "x")]));
         let s = sel(&[("ns", "x")]);
         c.add_selector(&s);
-        assert_eq!(c.selections(&s).unwrap().iter().copied().collect::<Vec<_>>(), vec![300, 301]);
+        assert_eq!(
+            c.selections(&s)
+                .unwrap()
+                .iter()
+                .copied()
+                .collect::<Vec<_>>(),
+            vec![300, 301]
+        );
     }
 
     #[test]
@@ -308,9 +326,9 @@ mod tests {
     fn selectors_are_refcounted() {
         let mut c = SelectorCache::new();
         let a = sel(&[("app", "a")]);
-        let id1 = c.add_selector(&a);
-        let id2 = c.add_selector(&sel(&[("app", "a")]));
-        assert_eq!(id1, id2);
+        let first = c.add_selector(&a);
+        let second = c.add_selector(&sel(&[("app", "a")]));
+        assert!(std::sync::Arc::ptr_eq(&first, &second));
         c.remove_selector(&a);
         assert!(c.selections(&a).is_some());
         c.remove_selector(&a);
@@ -323,9 +341,15 @@ mod tests {
         let mut c = SelectorCache::new();
         let s = Selector::cidr(CidrSelector::new("10.0.0.0/8".parse().unwrap(), vec![]));
         c.add_selector(&s);
-        let newly = c.add_identity(&IdentityInfo::cidr(1 << 24 | 1, "10.1.0.0/16".parse().unwrap()));
+        let newly = c.add_identity(&IdentityInfo::cidr(
+            1 << 24 | 1,
+            "10.1.0.0/16".parse().unwrap(),
+        ));
         assert_eq!(newly.len(), 1);
-        c.add_identity(&IdentityInfo::cidr(1 << 24 | 2, "11.0.0.0/8".parse().unwrap()));
+        c.add_identity(&IdentityInfo::cidr(
+            1 << 24 | 2,
+            "11.0.0.0/8".parse().unwrap(),
+        ));
         assert_eq!(c.selections(&s).unwrap().len(), 1);
     }
 }

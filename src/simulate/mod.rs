@@ -5,6 +5,7 @@
 //! the same map state the datapath enforces. A probe is then two map lookups: the source's egress
 //! and the destination's ingress.
 
+pub mod generate;
 pub mod world;
 
 use std::collections::{BTreeMap, HashMap};
@@ -98,7 +99,10 @@ fn parse_protocol(p: Option<&str>, entry: &str) -> Result<(u8, String), WorldErr
         _ => {
             return Err(werr(
                 entry,
-                format!("unknown protocol {:?} (TCP, UDP, SCTP, ICMP or ICMPv6)", p.unwrap_or_default()),
+                format!(
+                    "unknown protocol {:?} (TCP, UDP, SCTP, ICMP or ICMPv6)",
+                    p.unwrap_or_default()
+                ),
             ))
         }
     };
@@ -122,7 +126,11 @@ pub fn simulate(text: &str) -> Result<Simulation, WorldError> {
         Ok(w) => w,
         Err(e) => {
             let path = e.path().to_string();
-            let entry = if path == "." { "(document)".to_string() } else { path };
+            let entry = if path == "." {
+                "(document)".to_string()
+            } else {
+                path
+            };
             return Err(werr(entry, e.into_inner().to_string()));
         }
     };
@@ -149,19 +157,30 @@ fn build(world: &World, out: &mut Simulation) -> Result<Sim, WorldError> {
     let mut local = 0usize;
     let mut party_by_ip: HashMap<IpAddr, Party> = HashMap::new();
     for (i, n) in world.nodes.iter().flatten().enumerate() {
-        let mut labels: Labels = n.labels.iter().flatten().map(|(k, v)| Label::k8s(k, v)).collect();
+        let mut labels: Labels = n
+            .labels
+            .iter()
+            .flatten()
+            .map(|(k, v)| Label::k8s(k, v))
+            .collect();
         labels.insert(Label::reserved("host"));
         for (j, ip) in n.ips.iter().enumerate() {
             let a = parse_ip(ip, &format!("nodes[{i}].ips[{j}]"))?;
             if party_by_ip.insert(a, Party::Node(i, a)).is_some() {
-                return Err(werr(format!("nodes[{i}].ips[{j}]"), format!("address {a} is used twice")));
+                return Err(werr(
+                    format!("nodes[{i}].ips[{j}]"),
+                    format!("address {a} is used twice"),
+                ));
             }
         }
         if n.local == Some(true) {
             local = i;
         }
         if nodes.iter().any(|x: &Node| x.name == n.name) {
-            return Err(werr(format!("nodes[{i}].name"), format!("node {:?} is declared twice", n.name)));
+            return Err(werr(
+                format!("nodes[{i}].name"),
+                format!("node {:?} is declared twice", n.name),
+            ));
         }
         nodes.push(Node {
             name: n.name.clone(),
@@ -189,9 +208,10 @@ fn build(world: &World, out: &mut Simulation) -> Result<Sim, WorldError> {
         }
         let node = match &p.node {
             None => local,
-            Some(name) => nodes.iter().position(|n| n.name == *name).ok_or_else(|| {
-                werr(format!("{entry}.node"), format!("unknown node {name:?}"))
-            })?,
+            Some(name) => nodes
+                .iter()
+                .position(|n| n.name == *name)
+                .ok_or_else(|| werr(format!("{entry}.node"), format!("unknown node {name:?}")))?,
         };
         let empty = BTreeMap::new();
         let ns_labels = namespaces.get(&p.namespace).unwrap_or(&empty);
@@ -209,7 +229,12 @@ fn build(world: &World, out: &mut Simulation) -> Result<Sim, WorldError> {
             let port = u16::try_from(cp.port)
                 .ok()
                 .filter(|p| *p > 0)
-                .ok_or_else(|| werr(format!("{pe}.port"), format!("port {} is outside 1..65535", cp.port)))?;
+                .ok_or_else(|| {
+                    werr(
+                        format!("{pe}.port"),
+                        format!("port {} is outside 1..65535", cp.port),
+                    )
+                })?;
             let (proto, _) = parse_protocol(cp.protocol.as_deref(), &format!("{pe}.protocol"))?;
             if let Some(name) = &cp.name {
                 named_ports.push(NamedPort {
@@ -224,7 +249,10 @@ fn build(world: &World, out: &mut Simulation) -> Result<Sim, WorldError> {
         for (j, ip) in p.ips.iter().enumerate() {
             let a = parse_ip(ip, &format!("{entry}.ips[{j}]"))?;
             if party_by_ip.insert(a, Party::Pod(pods.len())).is_some() {
-                return Err(werr(format!("{entry}.ips[{j}]"), format!("address {a} is used twice")));
+                return Err(werr(
+                    format!("{entry}.ips[{j}]"),
+                    format!("address {a} is used twice"),
+                ));
             }
             engine.upsert_endpoint_ip(a, identity);
             ips.push(a);
@@ -277,7 +305,11 @@ enum Side {
 impl Sim {
     fn party(&self, text: &str, entry: &str) -> Result<Party, WorldError> {
         if let Ok(ip) = text.trim().parse::<IpAddr>() {
-            return Ok(self.party_by_ip.get(&ip).copied().unwrap_or(Party::External(ip)));
+            return Ok(self
+                .party_by_ip
+                .get(&ip)
+                .copied()
+                .unwrap_or(Party::External(ip)));
         }
         if text.contains('/') {
             return self
@@ -286,7 +318,10 @@ impl Sim {
                 .map(|i| Party::Pod(*i))
                 .ok_or_else(|| werr(entry, format!("unknown pod {text:?}")));
         }
-        Err(werr(entry, format!("{text:?} is neither a pod (namespace/name) nor an IP address")))
+        Err(werr(
+            entry,
+            format!("{text:?} is neither a pod (namespace/name) nor an IP address"),
+        ))
     }
 
     fn describe(&self, p: Party) -> String {
@@ -377,20 +412,32 @@ impl Sim {
         let (from_text, to_text) = (probe.from.text(), probe.to.text());
         let src = self.party(&from_text, &format!("{entry}.from"))?;
         let dst = self.party(&to_text, &format!("{entry}.to"))?;
-        let (proto, proto_name) = parse_protocol(probe.protocol.as_deref(), &format!("{entry}.protocol"))?;
+        let (proto, proto_name) =
+            parse_protocol(probe.protocol.as_deref(), &format!("{entry}.protocol"))?;
         let icmp = proto == PROTO_ICMP || proto == PROTO_ICMPV6;
         let (port, icmp_type) = if icmp {
             let default = if proto == PROTO_ICMP { 8 } else { 128 };
             let t = probe.icmp_type.unwrap_or(default);
-            let t = u8::try_from(t)
-                .map_err(|_| werr(format!("{entry}.icmpType"), format!("ICMP type {t} is outside 0..255")))?;
+            let t = u8::try_from(t).map_err(|_| {
+                werr(
+                    format!("{entry}.icmpType"),
+                    format!("ICMP type {t} is outside 0..255"),
+                )
+            })?;
             (None, Some(t))
         } else {
-            let p = probe
-                .port
-                .ok_or_else(|| werr(format!("{entry}.port"), format!("a {proto_name} probe needs a port")))?;
-            let p = u16::try_from(p)
-                .map_err(|_| werr(format!("{entry}.port"), format!("port {p} is outside 0..65535")))?;
+            let p = probe.port.ok_or_else(|| {
+                werr(
+                    format!("{entry}.port"),
+                    format!("a {proto_name} probe needs a port"),
+                )
+            })?;
+            let p = u16::try_from(p).map_err(|_| {
+                werr(
+                    format!("{entry}.port"),
+                    format!("port {p} is outside 0..65535"),
+                )
+            })?;
             (Some(p), None)
         };
         self.check_family(src, dst, proto, &entry)?;
@@ -398,7 +445,10 @@ impl Sim {
 
         let same_pod = matches!((src, dst), (Party::Pod(a), Party::Pod(b)) if a == b);
         let (verdict, reason) = if same_pod {
-            ("allow", "a pod may always reach itself (traffic never leaves it)".to_string())
+            (
+                "allow",
+                "a pod may always reach itself (traffic never leaves it)".to_string(),
+            )
         } else {
             let egress = self.side(src, dst, Direction::Egress, proto, lookup_port);
             let ingress = self.side(dst, src, Direction::Ingress, proto, lookup_port);
@@ -416,7 +466,13 @@ impl Sim {
     }
 
     /// Pods only talk over a family both ends have; an ICMP probe fixes the family.
-    fn check_family(&self, src: Party, dst: Party, proto: u8, entry: &str) -> Result<(), WorldError> {
+    fn check_family(
+        &self,
+        src: Party,
+        dst: Party,
+        proto: u8,
+        entry: &str,
+    ) -> Result<(), WorldError> {
         let fams = |p: Party| -> (bool, bool) {
             match p {
                 Party::Pod(i) => (
@@ -449,7 +505,13 @@ impl Sim {
         }
     }
 
-    fn explain(&self, src: Party, dst: Party, egress: Side, ingress: Side) -> (&'static str, String) {
+    fn explain(
+        &self,
+        src: Party,
+        dst: Party,
+        egress: Side,
+        ingress: Side,
+    ) -> (&'static str, String) {
         let s = self.describe(src);
         let d = self.describe(dst);
         let join = |v: &[std::sync::Arc<crate::policy::PolicyKey>]| {
@@ -461,7 +523,10 @@ impl Sim {
         if let Side::Decided(Decision::DefaultDenied(iso)) = &egress {
             return (
                 "deny",
-                format!("default deny: {s} is selected by {} for egress and no rule allows {d}", join(iso)),
+                format!(
+                    "default deny: {s} is selected by {} for egress and no rule allows {d}",
+                    join(iso)
+                ),
             );
         }
         if let Side::Decided(Decision::Denied(o)) = &ingress {
@@ -470,7 +535,10 @@ impl Sim {
         if let Side::Decided(Decision::DefaultDenied(iso)) = &ingress {
             return (
                 "deny",
-                format!("default deny: {d} is selected by {} and no rule allows {s}", join(iso)),
+                format!(
+                    "default deny: {d} is selected by {} and no rule allows {s}",
+                    join(iso)
+                ),
             );
         }
         let mut l7 = false;

@@ -32,7 +32,10 @@ struct PeerView<'a> {
     services: Option<&'a Vec<Value>>,
     fqdns: Option<&'a Vec<api::FqdnSelector>>,
     /// (ports, the allow rule's L7 part when there is one)
-    to_ports: Vec<(Option<&'a Vec<api::PortProtocol>>, Option<&'a api::PortRule>)>,
+    to_ports: Vec<(
+        Option<&'a Vec<api::PortProtocol>>,
+        Option<&'a api::PortRule>,
+    )>,
     icmps: Option<&'a Vec<api::IcmpRule>>,
     auth: Option<&'a api::Authentication>,
 }
@@ -51,7 +54,12 @@ impl<'a> PeerView<'a> {
             entities: r.from_entities.as_ref(),
             groups: r.from_groups.as_ref(),
             nodes: r.from_nodes.as_ref(),
-            to_ports: r.to_ports.iter().flatten().map(|p| (p.ports.as_ref(), Some(p))).collect(),
+            to_ports: r
+                .to_ports
+                .iter()
+                .flatten()
+                .map(|p| (p.ports.as_ref(), Some(p)))
+                .collect(),
             icmps: r.icmps.as_ref(),
             auth: r.authentication.as_ref(),
             ..Default::default()
@@ -66,7 +74,12 @@ impl<'a> PeerView<'a> {
             entities: r.from_entities.as_ref(),
             groups: r.from_groups.as_ref(),
             nodes: r.from_nodes.as_ref(),
-            to_ports: r.to_ports.iter().flatten().map(|p| (p.ports.as_ref(), None)).collect(),
+            to_ports: r
+                .to_ports
+                .iter()
+                .flatten()
+                .map(|p| (p.ports.as_ref(), None))
+                .collect(),
             icmps: r.icmps.as_ref(),
             ..Default::default()
         }
@@ -82,7 +95,12 @@ impl<'a> PeerView<'a> {
             nodes: r.to_nodes.as_ref(),
             services: r.to_services.as_ref(),
             fqdns: r.to_fqdns.as_ref(),
-            to_ports: r.to_ports.iter().flatten().map(|p| (p.ports.as_ref(), Some(p))).collect(),
+            to_ports: r
+                .to_ports
+                .iter()
+                .flatten()
+                .map(|p| (p.ports.as_ref(), Some(p)))
+                .collect(),
             icmps: r.icmps.as_ref(),
             auth: r.authentication.as_ref(),
         }
@@ -97,7 +115,12 @@ impl<'a> PeerView<'a> {
             groups: r.to_groups.as_ref(),
             nodes: r.to_nodes.as_ref(),
             services: r.to_services.as_ref(),
-            to_ports: r.to_ports.iter().flatten().map(|p| (p.ports.as_ref(), None)).collect(),
+            to_ports: r
+                .to_ports
+                .iter()
+                .flatten()
+                .map(|p| (p.ports.as_ref(), None))
+                .collect(),
             icmps: r.icmps.as_ref(),
             ..Default::default()
         }
@@ -142,7 +165,10 @@ fn translate_rule(ctx: &mut Ctx, r: &api::Rule, path: &str) -> Result<Rule, Poli
     let namespace = ctx.namespace().map(str::to_string);
     let (subject, subject_sel) = match (&r.endpoint_selector, &r.node_selector) {
         (Some(_), Some(_)) => {
-            return Err(ctx.err(path, "endpointSelector and nodeSelector are mutually exclusive: set exactly one"))
+            return Err(ctx.err(
+                path,
+                "endpointSelector and nodeSelector are mutually exclusive: set exactly one",
+            ))
         }
         (None, None) => {
             return Err(ctx.err(path, "one of endpointSelector or nodeSelector is required"))
@@ -171,10 +197,30 @@ fn translate_rule(ctx: &mut Ctx, r: &api::Rule, path: &str) -> Result<Rule, Poli
 
     let mut peer_rules = Vec::new();
     let sections: [(Section, Vec<PeerView>); 4] = [
-        (Section::Ingress, r.ingress.iter().flatten().map(PeerView::ingress).collect()),
-        (Section::IngressDeny, r.ingress_deny.iter().flatten().map(PeerView::ingress_deny).collect()),
-        (Section::Egress, r.egress.iter().flatten().map(PeerView::egress).collect()),
-        (Section::EgressDeny, r.egress_deny.iter().flatten().map(PeerView::egress_deny).collect()),
+        (
+            Section::Ingress,
+            r.ingress.iter().flatten().map(PeerView::ingress).collect(),
+        ),
+        (
+            Section::IngressDeny,
+            r.ingress_deny
+                .iter()
+                .flatten()
+                .map(PeerView::ingress_deny)
+                .collect(),
+        ),
+        (
+            Section::Egress,
+            r.egress.iter().flatten().map(PeerView::egress).collect(),
+        ),
+        (
+            Section::EgressDeny,
+            r.egress_deny
+                .iter()
+                .flatten()
+                .map(PeerView::egress_deny)
+                .collect(),
+        ),
     ];
     let mut has = [false; 4];
     for (si, (section, views)) in sections.iter().enumerate() {
@@ -183,7 +229,15 @@ fn translate_rule(ctx: &mut Ctx, r: &api::Rule, path: &str) -> Result<Rule, Poli
         let requires = collect_requires(ctx, views, *section, path, namespace.as_deref(), init)?;
         for (i, v) in views.iter().enumerate() {
             let p = format!("{path}.{}[{i}]", section.as_str());
-            peer_rules.push(translate_peer_rule(ctx, v, *section, &p, namespace.as_deref(), init, &requires)?);
+            peer_rules.push(translate_peer_rule(
+                ctx,
+                v,
+                *section,
+                &p,
+                namespace.as_deref(),
+                init,
+                &requires,
+            )?);
         }
     }
     let ingress_present = has[0] || has[1];
@@ -241,7 +295,10 @@ fn translate_peer_rule(
     if kinds.len() > 1 {
         return Err(ctx.err(
             path,
-            format!("combining {} and {} in one rule is not supported", kinds[0], kinds[1]),
+            format!(
+                "combining {} and {} in one rule is not supported",
+                kinds[0], kinds[1]
+            ),
         ));
     }
     if len(v.nodes) > 0 {
@@ -305,13 +362,17 @@ fn translate_peer_rule(
                 ));
             }
         }
-        ctx.note(format!("{path}.toServices: not supported yet; selects nothing (fail closed)"));
+        ctx.note(format!(
+            "{path}.toServices: not supported yet; selects nothing (fail closed)"
+        ));
     }
     if let Some(fqdns) = v.fqdns.filter(|f| !f.is_empty()) {
         for (j, f) in fqdns.iter().enumerate() {
             validate_fqdn(ctx, f, &format!("{path}.toFQDNs[{j}]"))?;
         }
-        ctx.note(format!("{path}.toFQDNs: FQDN policy is not enforced yet; selects nothing (fail closed)"));
+        ctx.note(format!(
+            "{path}.toFQDNs: FQDN policy is not enforced yet; selects nothing (fail closed)"
+        ));
     }
     let has_l3 = !kinds.is_empty();
 
@@ -327,15 +388,22 @@ fn translate_peer_rule(
             if ports.len() > MAX_PORTS {
                 return Err(ctx.err(
                     format!("{p}.ports"),
-                    format!("too many ports ({}), at most {MAX_PORTS} per toPorts entry", ports.len()),
+                    format!(
+                        "too many ports ({}), at most {MAX_PORTS} per toPorts entry",
+                        ports.len()
+                    ),
                 ));
             }
             let mut parsed = Vec::new();
             for (k, port) in ports.iter().enumerate() {
                 let pk = format!("{p}.ports[{k}]");
                 let spec = port_spec(ctx, port.port.as_ref(), port.end_port, &pk, false)?;
-                let proto = cilium_protocol(ctx, port.protocol.as_deref(), &format!("{pk}.protocol"))?;
-                parsed.push(PortMatch { protocol: proto, port: spec });
+                let proto =
+                    cilium_protocol(ctx, port.protocol.as_deref(), &format!("{pk}.protocol"))?;
+                parsed.push(PortMatch {
+                    protocol: proto,
+                    port: spec,
+                });
             }
             if let Some(rule) = rule {
                 if validate_l7(ctx, rule, &parsed, section, &p)? {
@@ -373,13 +441,17 @@ fn translate_peer_rule(
             Some(m) => {
                 return Err(ctx.err(
                     format!("{path}.authentication.mode"),
-                    format!("unknown authentication mode {m:?} (disabled, required, test-always-fail)"),
+                    format!(
+                        "unknown authentication mode {m:?} (disabled, required, test-always-fail)"
+                    ),
                 ))
             }
         }
     }
     if l7 {
-        ctx.note(format!("{path}: L7 rules not enforced; their L3/L4 part is"));
+        ctx.note(format!(
+            "{path}: L7 rules not enforced; their L3/L4 part is"
+        ));
     }
     Ok(PeerRule {
         origin: Arc::new(RuleOrigin {
@@ -393,7 +465,11 @@ fn translate_peer_rule(
     })
 }
 
-fn icmp_ports(ctx: &Ctx, icmps: &[api::IcmpRule], path: &str) -> Result<Vec<PortMatch>, PolicyError> {
+fn icmp_ports(
+    ctx: &Ctx,
+    icmps: &[api::IcmpRule],
+    path: &str,
+) -> Result<Vec<PortMatch>, PolicyError> {
     let mut out = Vec::new();
     for (k, rule) in icmps.iter().enumerate() {
         for (m, f) in rule.fields.iter().flatten().enumerate() {
@@ -402,13 +478,20 @@ fn icmp_ports(ctx: &Ctx, icmps: &[api::IcmpRule], path: &str) -> Result<Vec<Port
                 None | Some("") | Some("IPv4") => false,
                 Some("IPv6") => true,
                 Some(other) => {
-                    return Err(ctx.err(format!("{p}.family"), format!("unknown ICMP family {other:?} (IPv4 or IPv6)")))
+                    return Err(ctx.err(
+                        format!("{p}.family"),
+                        format!("unknown ICMP family {other:?} (IPv4 or IPv6)"),
+                    ))
                 }
             };
             let t = match &f.icmp_type {
                 None => return Err(ctx.err(format!("{p}.type"), "missing ICMP type")),
-                Some(api::IntOrString::Int(n)) => u8::try_from(*n)
-                    .map_err(|_| ctx.err(format!("{p}.type"), format!("ICMP type {n} is outside 0..255")))?,
+                Some(api::IntOrString::Int(n)) => u8::try_from(*n).map_err(|_| {
+                    ctx.err(
+                        format!("{p}.type"),
+                        format!("ICMP type {n} is outside 0..255"),
+                    )
+                })?,
                 Some(api::IntOrString::Str(s)) => match s.parse::<u8>() {
                     Ok(n) => n,
                     Err(_) => icmp_type_from_name(s, v6).ok_or_else(|| {
@@ -429,7 +512,9 @@ fn validate_fqdn(ctx: &Ctx, f: &api::FqdnSelector, path: &str) -> Result<(), Pol
     match (&f.match_name, &f.match_pattern) {
         (Some(n), None) => check_dns_chars(ctx, n, false, &format!("{path}.matchName")),
         (None, Some(p)) => check_dns_chars(ctx, p, true, &format!("{path}.matchPattern")),
-        (Some(_), Some(_)) => Err(ctx.err(path, "matchName and matchPattern are mutually exclusive")),
+        (Some(_), Some(_)) => {
+            Err(ctx.err(path, "matchName and matchPattern are mutually exclusive"))
+        }
         (None, None) => Err(ctx.err(path, "needs matchName or matchPattern")),
     }
 }
@@ -437,11 +522,19 @@ fn validate_fqdn(ctx: &Ctx, f: &api::FqdnSelector, path: &str) -> Result<(), Pol
 fn check_dns_chars(ctx: &Ctx, s: &str, pattern: bool, path: &str) -> Result<(), PolicyError> {
     let ok = !s.is_empty()
         && s.len() <= 255
-        && s.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.') || (pattern && c == '*'));
+        && s.chars().all(|c| {
+            c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.') || (pattern && c == '*')
+        });
     if ok {
         Ok(())
     } else {
-        Err(ctx.err(path, format!("invalid DNS {} {s:?}", if pattern { "pattern" } else { "name" })))
+        Err(ctx.err(
+            path,
+            format!(
+                "invalid DNS {} {s:?}",
+                if pattern { "pattern" } else { "name" }
+            ),
+        ))
     }
 }
 
@@ -453,7 +546,8 @@ fn validate_l7(
     section: Section,
     path: &str,
 ) -> Result<bool, PolicyError> {
-    let mut is_l7 = rule.listener.is_some() || rule.server_names.as_ref().is_some_and(|s| !s.is_empty());
+    let mut is_l7 =
+        rule.listener.is_some() || rule.server_names.as_ref().is_some_and(|s| !s.is_empty());
     for (i, sn) in rule.server_names.iter().flatten().enumerate() {
         if sn.trim().is_empty() {
             return Err(ctx.err(format!("{path}.serverNames[{i}]"), "empty server name"));
@@ -471,7 +565,10 @@ fn validate_l7(
         return Err(ctx.err(rp, "multiple L7 protocol rule types in one port rule"));
     }
     if l7.l7.is_some() && !generic {
-        return Err(ctx.err(format!("{rp}.l7"), "'l7' may only be specified together with 'l7proto'"));
+        return Err(ctx.err(
+            format!("{rp}.l7"),
+            "'l7' may only be specified together with 'l7proto'",
+        ));
     }
     if !(http || kafka || dns || generic) {
         return Ok(is_l7);
@@ -496,7 +593,10 @@ fn validate_l7(
             if pm.protocol != Protocol::Tcp {
                 return Err(ctx.err(
                     format!("{path}.ports[{k}].protocol"),
-                    format!("L7 rules can only apply to TCP (not {}), except DNS rules", pm.protocol.as_str()),
+                    format!(
+                        "L7 rules can only apply to TCP (not {}), except DNS rules",
+                        pm.protocol.as_str()
+                    ),
                 ));
             }
         }
@@ -506,7 +606,10 @@ fn validate_l7(
         for (field, val) in [("method", &h.method), ("path", &h.path), ("host", &h.host)] {
             if let Some(v) = val {
                 if let Err(e) = regex::Regex::new(v) {
-                    return Err(ctx.err(format!("{hp}.{field}"), format!("invalid regular expression {v:?}: {e}")));
+                    return Err(ctx.err(
+                        format!("{hp}.{field}"),
+                        format!("invalid regular expression {v:?}: {e}"),
+                    ));
                 }
             }
         }
@@ -515,14 +618,21 @@ fn validate_l7(
         let kp = format!("{rp}.kafka[{i}]");
         if let Some(role) = &k.role {
             if !matches!(role.to_ascii_lowercase().as_str(), "produce" | "consume") {
-                return Err(ctx.err(format!("{kp}.role"), format!("invalid Kafka role {role:?} (produce or consume)")));
+                return Err(ctx.err(
+                    format!("{kp}.role"),
+                    format!("invalid Kafka role {role:?} (produce or consume)"),
+                ));
             }
             if k.api_key.is_some() {
                 return Err(ctx.err(kp, "role and apiKey are mutually exclusive"));
             }
         }
         if let Some(t) = &k.topic {
-            if t.len() > 255 || !t.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')) {
+            if t.len() > 255
+                || !t
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+            {
                 return Err(ctx.err(format!("{kp}.topic"), format!("invalid Kafka topic {t:?}")));
             }
         }

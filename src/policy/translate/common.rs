@@ -24,7 +24,10 @@ pub fn label_selector(
     for (k, v) in raw.match_labels.iter().flatten() {
         let (source, key) = split_selector_key(k);
         if key.is_empty() {
-            return Err(ctx.err(format!("{path}.matchLabels"), format!("empty label key {k:?}")));
+            return Err(ctx.err(
+                format!("{path}.matchLabels"),
+                format!("empty label key {k:?}"),
+            ));
         }
         reqs.push(Requirement::new(source, key, Operator::In, vec![v.clone()]));
     }
@@ -101,7 +104,11 @@ pub fn scope_peer_selector(
         )),
         Some(ns) => {
             if !sel.has_key_prefix(NAMESPACE_LABELS_PREFIX) {
-                sel.add(Requirement::equals(Some(SOURCE_K8S), POD_NAMESPACE_LABEL, ns));
+                sel.add(Requirement::equals(
+                    Some(SOURCE_K8S),
+                    POD_NAMESPACE_LABEL,
+                    ns,
+                ));
             }
         }
     }
@@ -117,7 +124,11 @@ pub fn scope_subject_selector(sel: LabelSelector, namespace: &str) -> LabelSelec
         .filter(|r| !(r.key == POD_NAMESPACE_LABEL && r.source.as_deref() == Some(SOURCE_K8S)))
         .cloned()
         .collect();
-    reqs.push(Requirement::equals(Some(SOURCE_K8S), POD_NAMESPACE_LABEL, namespace));
+    reqs.push(Requirement::equals(
+        Some(SOURCE_K8S),
+        POD_NAMESPACE_LABEL,
+        namespace,
+    ));
     LabelSelector::new(reqs)
 }
 
@@ -151,7 +162,8 @@ pub fn cidr_selector(
     for (i, e) in except.into_iter().flatten().enumerate() {
         let ep = format!("{path}.except[{i}]");
         let n = parse_cidr(e).map_err(|m| ctx.err(&ep, m))?;
-        let inside = prefix.contains(&n) && (!strict_subset || n.prefix_len() > prefix.prefix_len());
+        let inside =
+            prefix.contains(&n) && (!strict_subset || n.prefix_len() > prefix.prefix_len());
         if !inside {
             return Err(ctx.err(ep, format!("except {n} is not inside cidr {prefix}")));
         }
@@ -206,7 +218,10 @@ pub fn port_spec(
                 Some(numeric(n)?)
             } else if is_iana_service_name(t) {
                 if end_port.is_some_and(|e| e != 0) {
-                    return Err(ctx.err(end_path, format!("endPort cannot be used with the named port {t:?}")));
+                    return Err(ctx.err(
+                        end_path,
+                        format!("endPort cannot be used with the named port {t:?}"),
+                    ));
                 }
                 return Ok(PortSpec::Named(t.to_ascii_lowercase()));
             } else {
@@ -235,7 +250,10 @@ pub fn port_spec(
             let end = u16::try_from(e)
                 .map_err(|_| ctx.err(&end_path, format!("endPort {e} is outside 0..65535")))?;
             if end < start {
-                return Err(ctx.err(end_path, format!("endPort {end} is smaller than port {start}")));
+                return Err(ctx.err(
+                    end_path,
+                    format!("endPort {end} is smaller than port {start}"),
+                ));
             }
             if start == 0 {
                 return Ok(PortSpec::Range(0, 65535));
@@ -246,7 +264,11 @@ pub fn port_spec(
 }
 
 /// A CNP port protocol: TCP, UDP, SCTP or ANY (any case), omitted meaning ANY.
-pub fn cilium_protocol(ctx: &Ctx, proto: Option<&str>, path: &str) -> Result<Protocol, PolicyError> {
+pub fn cilium_protocol(
+    ctx: &Ctx,
+    proto: Option<&str>,
+    path: &str,
+) -> Result<Protocol, PolicyError> {
     match proto.map(|p| p.trim().to_ascii_uppercase()).as_deref() {
         None | Some("") | Some("ANY") => Ok(Protocol::Any),
         Some("TCP") => Ok(Protocol::Tcp),
@@ -269,7 +291,10 @@ pub fn knp_protocol(ctx: &Ctx, proto: Option<&str>, path: &str) -> Result<Protoc
         Some("TCP") => Ok(Protocol::Tcp),
         Some("UDP") => Ok(Protocol::Udp),
         Some("SCTP") => Ok(Protocol::Sctp),
-        Some(p) => Err(ctx.err(path, format!("unknown protocol {p:?} (must be TCP, UDP or SCTP)"))),
+        Some(p) => Err(ctx.err(
+            path,
+            format!("unknown protocol {p:?} (must be TCP, UDP or SCTP)"),
+        )),
     }
 }
 
@@ -290,7 +315,11 @@ pub fn entity(name: &str) -> Option<EntitySelection> {
     let sels = match name {
         "all" => return Some(EntitySelection::All),
         "none" => vec![],
-        "world" => vec![reserved("world"), reserved("world-ipv4"), reserved("world-ipv6")],
+        "world" => vec![
+            reserved("world"),
+            reserved("world-ipv4"),
+            reserved("world-ipv6"),
+        ],
         "world-ipv4" => vec![reserved("world-ipv4")],
         "world-ipv6" => vec![reserved("world-ipv6")],
         "cluster" => vec![

@@ -21,7 +21,11 @@ pub fn translate(ctx: &mut Ctx, np: &api::NetworkPolicy) -> Result<Vec<Rule>, Po
         "spec.podSelector",
     )?;
     let mut subject = pod_sel;
-    subject.add(Requirement::equals(Some(SOURCE_K8S), POD_NAMESPACE_LABEL, &ns));
+    subject.add(Requirement::equals(
+        Some(SOURCE_K8S),
+        POD_NAMESPACE_LABEL,
+        &ns,
+    ));
 
     let has_egress_rules = spec.egress.as_ref().is_some_and(|e| !e.is_empty());
     let (mut ingress, mut egress) = (false, false);
@@ -51,14 +55,30 @@ pub fn translate(ctx: &mut Ctx, np: &api::NetworkPolicy) -> Result<Vec<Rule>, Po
     // they are still validated so a typo does not go unnoticed.
     for (i, r) in spec.ingress.iter().flatten().enumerate() {
         let path = format!("spec.ingress[{i}]");
-        let pr = peer_rule(ctx, r.from.as_ref(), r.ports.as_ref(), Section::Ingress, &path, &ns, "from")?;
+        let pr = peer_rule(
+            ctx,
+            r.from.as_ref(),
+            r.ports.as_ref(),
+            Section::Ingress,
+            &path,
+            &ns,
+            "from",
+        )?;
         if ingress {
             peer_rules.push(pr);
         }
     }
     for (i, r) in spec.egress.iter().flatten().enumerate() {
         let path = format!("spec.egress[{i}]");
-        let pr = peer_rule(ctx, r.to.as_ref(), r.ports.as_ref(), Section::Egress, &path, &ns, "to")?;
+        let pr = peer_rule(
+            ctx,
+            r.to.as_ref(),
+            r.ports.as_ref(),
+            Section::Egress,
+            &path,
+            &ns,
+            "to",
+        )?;
         if egress {
             peer_rules.push(pr);
         }
@@ -119,23 +139,44 @@ fn peer_rule(
     })
 }
 
-fn peer(ctx: &Ctx, p: &api::NetworkPolicyPeer, path: &str, ns: &str) -> Result<SelectorRef, PolicyError> {
+fn peer(
+    ctx: &Ctx,
+    p: &api::NetworkPolicyPeer,
+    path: &str,
+    ns: &str,
+) -> Result<SelectorRef, PolicyError> {
     if let Some(ip) = &p.ip_block {
         if p.pod_selector.is_some() || p.namespace_selector.is_some() {
-            return Err(ctx.err(path, "ipBlock cannot be combined with podSelector or namespaceSelector in one peer"));
+            return Err(ctx.err(
+                path,
+                "ipBlock cannot be combined with podSelector or namespaceSelector in one peer",
+            ));
         }
-        let sel = cidr_selector(ctx, ip.cidr.as_deref(), ip.except.as_ref(), &format!("{path}.ipBlock"), true)?;
+        let sel = cidr_selector(
+            ctx,
+            ip.cidr.as_deref(),
+            ip.except.as_ref(),
+            &format!("{path}.ipBlock"),
+            true,
+        )?;
         return Ok(Selector::cidr(sel));
     }
     let mut reqs: Vec<Requirement> = Vec::new();
     match (&p.pod_selector, &p.namespace_selector) {
         (None, None) => {
-            return Err(ctx.err(path, "a peer needs podSelector, namespaceSelector or ipBlock"));
+            return Err(ctx.err(
+                path,
+                "a peer needs podSelector, namespaceSelector or ipBlock",
+            ));
         }
         (Some(ps), None) => {
             let s = label_selector(ctx, ps, &format!("{path}.podSelector"))?;
             reqs.extend(s.requirements().iter().cloned());
-            reqs.push(Requirement::equals(Some(SOURCE_K8S), POD_NAMESPACE_LABEL, ns));
+            reqs.push(Requirement::equals(
+                Some(SOURCE_K8S),
+                POD_NAMESPACE_LABEL,
+                ns,
+            ));
         }
         (pod, Some(nss)) => {
             if let Some(ps) = pod {

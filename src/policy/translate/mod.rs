@@ -83,9 +83,9 @@ fn render_ignored(path: &serde_ignored::Path<'_>) -> String {
                 format!("{p}.{key}")
             }
         }
-        Path::Some { parent } | Path::NewtypeStruct { parent } | Path::NewtypeVariant { parent } => {
-            render_ignored(parent)
-        }
+        Path::Some { parent }
+        | Path::NewtypeStruct { parent }
+        | Path::NewtypeVariant { parent } => render_ignored(parent),
     }
 }
 
@@ -110,7 +110,11 @@ fn deserialize<T: DeserializeOwned>(
             let path = e.path().to_string();
             Err(PolicyError {
                 policy: policy.to_string(),
-                field: if path == "." { "(document)".into() } else { path },
+                field: if path == "." {
+                    "(document)".into()
+                } else {
+                    path
+                },
                 message: e.into_inner().to_string(),
             })
         }
@@ -152,7 +156,9 @@ pub fn parse_policy(
             },
         });
     };
-    let name = str_field(doc, &["metadata", "name"]).unwrap_or("").to_string();
+    let name = str_field(doc, &["metadata", "name"])
+        .unwrap_or("")
+        .to_string();
     let namespace = if kind.is_namespaced() {
         Some(
             str_field(doc, &["metadata", "namespace"])
@@ -189,10 +195,18 @@ pub fn parse_policy(
         Some(v) => {
             return Err(ctx.err(
                 "apiVersion",
-                format!("unsupported apiVersion {v:?} for {} (expected {expected_api})", kind.as_str()),
+                format!(
+                    "unsupported apiVersion {v:?} for {} (expected {expected_api})",
+                    kind.as_str()
+                ),
             ))
         }
-        None => return Err(ctx.err("apiVersion", format!("missing apiVersion (expected {expected_api})"))),
+        None => {
+            return Err(ctx.err(
+                "apiVersion",
+                format!("missing apiVersion (expected {expected_api})"),
+            ))
+        }
     }
     let policy_name = key.to_string();
     let rules = match kind {
