@@ -1,4 +1,4 @@
-//! Data-driven policy tests: every `tests/worlds/NAME.yaml` is run through the real
+//! Data-driven policy tests: every `tests/worlds/NAME.yaml` (and `examples/NAME.yaml`) is run through the real
 //! `ciliate policy simulate` binary and compared with `NAME.expected.jsonl` (verdicts, compared on
 //! the keys the expected line has) and, when present, `NAME.expected-rejections.txt` (one line per
 //! rejected policy: `Kind namespace/name<TAB>field.path`; exit status 3 expected, else 0).
@@ -87,8 +87,10 @@ fn check_world(yaml: &Path) -> Result<(), String> {
 
 #[test]
 fn every_world_gives_its_expected_verdicts() {
+    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples");
     let mut worlds: Vec<PathBuf> = std::fs::read_dir(worlds_dir())
         .expect("tests/worlds exists")
+        .chain(std::fs::read_dir(examples).expect("examples exists"))
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
         .collect();

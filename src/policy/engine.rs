@@ -10,13 +10,16 @@ use std::sync::Arc;
 
 use ipnet::IpNet;
 
-use super::identity::{Allocation, IdentityAllocator, IdentityInfo, NumericIdentity, IDENTITY_ANY};
+use super::identity::{
+    Allocation, IdentityAllocator, IdentityInfo, NumericIdentity, IDENTITY_ANY, IDENTITY_HOST,
+};
 use super::ipcache::IpCache;
 use super::labels::Labels;
 use super::mapstate::{MapKey, MapState, MapVerdict};
 use super::repository::{Repository, StoredPolicy};
 use super::rule::{
-    Direction, PeerRule, Peers, PolicyKey, PortSpec, Ports, Rule, RuleOrigin, Subject,
+    Direction, PeerRule, Peers, PolicyKey, PolicyKind, PortSpec, Ports, Rule, RuleOrigin, Section,
+    Subject,
 };
 use super::selector::{SelectorKind, SelectorRef};
 use super::selector_cache::SelectorCache;
@@ -122,8 +125,11 @@ impl EndpointPolicy {
     }
 }
 
+/// Port name -> (protocol, port) -> number of endpoints declaring it.
+type NamedPortCounts = HashMap<String, BTreeMap<(u8, u16), u32>>;
+
 /// The policy engine. See the module documentation.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct PolicyEngine {
     identities: IdentityAllocator,
     selectors: SelectorCache,
@@ -132,14 +138,32 @@ pub struct PolicyEngine {
     /// Addresses of endpoints and nodes; they win over CIDR identities of the same prefix.
     endpoint_ips: HashMap<IpNet, NumericIdentity>,
     /// identity -> port name -> (protocol, port) -> reference count.
-    named_ports: HashMap<NumericIdentity, HashMap<String, BTreeMap<(u8, u16), u32>>>,
+    named_ports: HashMap<NumericIdentity, NamedPortCounts>,
+    /// Origin of the built-in allow-localhost entry.
+    allow_localhost: Arc<RuleOrigin>,
+}
+
+impl Default for PolicyEngine {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl PolicyEngine {
     pub fn new() -> Self {
         let mut e = PolicyEngine {
             identities: IdentityAllocator::new(),
-            ..Default::default()
+            selectors: SelectorCache::new(),
+            ipcache: IpCache::new(),
+            repo: Repository::new(),
+            endpoint_ips: HashMap::new(),
+            named_ports: HashMap::new(),
+            allow_localhost: Arc::new(RuleOrigin {
+                policy: Arc::new(PolicyKey::new(PolicyKind::Builtin, None, "allow-localhost")),
+                section: Section::Ingress,
+                path: "allow-localhost".into(),
+                l7: false,
+            }),
         };
         let reserved: Vec<IdentityInfo> = e.identities.iter().cloned().collect();
         for info in reserved {
@@ -442,6 +466,21 @@ impl PolicyEngine {
             for pr in &rule.peer_rules {
                 self.add_peer_rule(&mut out.map, pr, ep);
             }
+        }
+        // Cilium's default `allow-localhost`: the node may always reach its own pods (kubelet
+        // probes), even under ingress default deny. Deny rules still win over it.
+        if !ep.host && !out.ingress.isolated_by.is_empty() {
+            out.map.insert(
+                MapKey {
+                    direction: Direction::Ingress,
+                    identity: IDENTITY_HOST,
+                    protocol: 0,
+                    port_lo: 0,
+                    port_hi: 65535,
+                },
+                false,
+                &self.allow_localhost,
+            );
         }
         out
     }

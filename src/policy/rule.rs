@@ -14,6 +14,8 @@ pub enum PolicyKind {
     NetworkPolicy,
     CiliumNetworkPolicy,
     CiliumClusterwideNetworkPolicy,
+    /// Behaviour the agent adds on its own (e.g. allow-localhost); never parsed from input.
+    Builtin,
 }
 
 impl PolicyKind {
@@ -22,6 +24,7 @@ impl PolicyKind {
             PolicyKind::NetworkPolicy => "NetworkPolicy",
             PolicyKind::CiliumNetworkPolicy => "CiliumNetworkPolicy",
             PolicyKind::CiliumClusterwideNetworkPolicy => "CiliumClusterwideNetworkPolicy",
+            PolicyKind::Builtin => "built-in",
         }
     }
 
@@ -35,7 +38,10 @@ impl PolicyKind {
     }
 
     pub fn is_namespaced(&self) -> bool {
-        !matches!(self, PolicyKind::CiliumClusterwideNetworkPolicy)
+        matches!(
+            self,
+            PolicyKind::NetworkPolicy | PolicyKind::CiliumNetworkPolicy
+        )
     }
 }
 
@@ -59,9 +65,10 @@ impl PolicyKey {
 
     /// `namespace/name`, or `name` for clusterwide policies.
     pub fn short(&self) -> String {
-        match &self.namespace {
-            Some(ns) => format!("{ns}/{}", self.name),
-            None => self.name.clone(),
+        match (&self.namespace, self.kind) {
+            (_, PolicyKind::Builtin) => format!("built-in {}", self.name),
+            (Some(ns), _) => format!("{ns}/{}", self.name),
+            (None, _) => self.name.clone(),
         }
     }
 }
@@ -134,6 +141,12 @@ pub struct RuleOrigin {
 impl RuleOrigin {
     /// `ingressDeny of x/deny-c` (with `specs[i].` in front for multi-rule policies).
     pub fn describe(&self) -> String {
+        if self.policy.kind == PolicyKind::Builtin {
+            return format!(
+                "{} (the node may always reach its own pods)",
+                self.policy.short()
+            );
+        }
         let prefix = self
             .path
             .strip_prefix("spec.")

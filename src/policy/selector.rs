@@ -73,7 +73,7 @@ impl Requirement {
         });
         match self.op {
             Operator::In => found.is_some_and(|l| self.values.binary_search(&l.value).is_ok()),
-            Operator::NotIn => !found.is_some_and(|l| self.values.binary_search(&l.value).is_ok()),
+            Operator::NotIn => found.is_none_or(|l| self.values.binary_search(&l.value).is_err()),
             Operator::Exists => found.is_some(),
             Operator::DoesNotExist => found.is_none(),
         }

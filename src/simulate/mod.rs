@@ -126,12 +126,15 @@ pub fn simulate(text: &str) -> Result<Simulation, WorldError> {
         Ok(w) => w,
         Err(e) => {
             let path = e.path().to_string();
-            let entry = if path == "." {
-                "(document)".to_string()
-            } else {
-                path
+            let inner = e.into_inner();
+            let entry = match (path.as_str(), inner.location()) {
+                ("." | "?", Some(loc)) => {
+                    format!("(document) line {} column {}", loc.line(), loc.column())
+                }
+                ("." | "?", None) => "(document)".to_string(),
+                _ => path,
             };
-            return Err(werr(entry, e.into_inner().to_string()));
+            return Err(werr(entry, inner.to_string()));
         }
     };
     let mut out = Simulation::default();
