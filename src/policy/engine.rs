@@ -616,3 +616,162 @@ impl PolicyEngine {
         self.identities.get(id)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::identity::IDENTITY_WORLD_IPV4;
+    use crate::policy::labels::Label;
+    use crate::policy::rule::{PROTO_TCP, PROTO_UDP};
+    use crate::policy::translate::parse_policy;
+
+    fn pod(ns: &str, app: &str) -> Labels {
+        let l: std::collections::BTreeMap<String, String> =
+            [("app".to_string(), app.to_string())].into();
+        Labels::for_pod(ns, &l, &std::collections::BTreeMap::new(), None)
+    }
+
+    fn policy(yaml: &str) -> ParsedPolicy {
+        let doc: serde_yaml::Value = serde_yaml::from_str(yaml).unwrap();
+        parse_policy(&doc, "default", "test").unwrap()
+    }
+
+    fn view<'a>(
+        id: NumericIdentity,
+        labels: &'a Labels,
+        ports: &'a [NamedPort],
+    ) -> EndpointView<'a> {
+        EndpointView {
+            identity: id,
+            labels,
+            named_ports: ports,
+            host: false,
+        }
+    }
+
+    #[test]
+    fn change_reports_old_and_new_subjects() {
+        let mut e = PolicyEngine::new();
+        let (la, lb) = (pod("x", "a"), pod("x", "b"));
+        let a = e.allocate_identity(&la).id();
+        let b = e.allocate_identity(&lb).id();
+        let c1 = e.upsert_policy(policy("{apiVersion: cilium.io/v2, kind: CiliumNetworkPolicy, metadata: {name: p, namespace: x}, spec: {endpointSelector: {matchLabels: {app: a}}, ingress: [{}]}}"));
+        assert_eq!(c1.revision, 1);
+        assert_eq!(c1.affected, [a].into());
+        // Moving the policy from a to b affects both.
+        let c2 = e.upsert_policy(policy("{apiVersion: cilium.io/v2, kind: CiliumNetworkPolicy, metadata: {name: p, namespace: x}, spec: {endpointSelector: {matchLabels: {app: b}}, ingress: [{}]}}"));
+        assert_eq!((c2.revision, c2.affected.clone()), (2, [a, b].into()));
+        assert!(e.resolve(&view(a, &la, &[])).ingress.isolated_by.is_empty());
+        assert_eq!(e.resolve(&view(b, &lb, &[])).ingress.isolated_by.len(), 1);
+        let c3 = e
+            .delete_policy(&PolicyKey::new(
+                PolicyKind::CiliumNetworkPolicy,
+                Some("x"),
+                "p",
+            ))
+            .unwrap();
+        assert_eq!((c3.revision, c3.affected), (3, [b].into()));
+        assert!(e
+            .delete_policy(&PolicyKey::new(
+                PolicyKind::CiliumNetworkPolicy,
+                Some("x"),
+                "p"
+            ))
+            .is_none());
+        // Nothing leaks: every selector released.
+        assert!(e.selector_cache().is_empty());
+    }
+
+    #[test]
+    fn cidr_identities_live_as_long_as_a_policy_uses_them() {
+        let mut e = PolicyEngine::new();
+        let la = pod("x", "a");
+        let a = e.allocate_identity(&la).id();
+        let c = e.upsert_policy(policy("{apiVersion: cilium.io/v2, kind: CiliumNetworkPolicy, metadata: {name: p, namespace: x}, spec: {endpointSelector: {}, egress: [{toCIDRSet: [{cidr: 192.0.2.0/24, except: [192.0.2.128/25]}]}]}}"));
+        assert_eq!(c.new_identities.len(), 2);
+        let inside = e.identity_of_ip("192.0.2.1".parse().unwrap());
+        let carved = e.identity_of_ip("192.0.2.200".parse().unwrap());
+        assert!(inside != carved && inside != IDENTITY_WORLD_IPV4);
+        let pol = e.resolve(&view(a, &la, &[]));
+        assert!(pol
+            .decide(Direction::Egress, inside, PROTO_TCP, 443)
+            .is_allowed());
+        assert!(!pol
+            .decide(Direction::Egress, carved, PROTO_TCP, 443)
+            .is_allowed());
+        assert!(!pol
+            .decide(Direction::Egress, IDENTITY_WORLD_IPV4, PROTO_TCP, 443)
+            .is_allowed());
+        e.delete_policy(&PolicyKey::new(
+            PolicyKind::CiliumNetworkPolicy,
+            Some("x"),
+            "p",
+        ));
+        assert_eq!(
+            e.identity_of_ip("192.0.2.1".parse().unwrap()),
+            IDENTITY_WORLD_IPV4
+        );
+        assert!(e
+            .identities()
+            .lookup_cidr(&"192.0.2.0/24".parse().unwrap())
+            .is_none());
+    }
+
+    #[test]
+    fn egress_named_ports_resolve_against_each_peer() {
+        let mut e = PolicyEngine::new();
+        let (la, lb, lc) = (pod("x", "a"), pod("x", "b"), pod("x", "c"));
+        let a = e.allocate_identity(&la).id();
+        let b = e.allocate_identity(&lb).id();
+        let c = e.allocate_identity(&lc).id();
+        e.add_named_ports(
+            b,
+            &[NamedPort {
+                name: "dns".into(),
+                protocol: PROTO_UDP,
+                port: 53,
+            }],
+        );
+        e.add_named_ports(
+            c,
+            &[NamedPort {
+                name: "dns".into(),
+                protocol: PROTO_UDP,
+                port: 5353,
+            }],
+        );
+        e.upsert_policy(policy("{apiVersion: cilium.io/v2, kind: CiliumNetworkPolicy, metadata: {name: p, namespace: x}, spec: {endpointSelector: {matchLabels: {app: a}}, egress: [{toEndpoints: [{}], toPorts: [{ports: [{port: dns, protocol: UDP}]}]}]}}"));
+        let pol = e.resolve(&view(a, &la, &[]));
+        assert!(pol.decide(Direction::Egress, b, PROTO_UDP, 53).is_allowed());
+        assert!(!pol
+            .decide(Direction::Egress, b, PROTO_UDP, 5353)
+            .is_allowed());
+        assert!(pol
+            .decide(Direction::Egress, c, PROTO_UDP, 5353)
+            .is_allowed());
+        assert!(!pol
+            .decide(Direction::Egress, c, PROTO_TCP, 5353)
+            .is_allowed());
+    }
+
+    #[test]
+    fn a_new_peer_identity_affects_the_endpoints_whose_rules_select_it() {
+        let mut e = PolicyEngine::new();
+        let la = pod("x", "a");
+        let a = e.allocate_identity(&la).id();
+        e.upsert_policy(policy("{apiVersion: cilium.io/v2, kind: CiliumNetworkPolicy, metadata: {name: p, namespace: x}, spec: {endpointSelector: {matchLabels: {app: a}}, ingress: [{fromEndpoints: [{matchLabels: {role: client}}]}]}}"));
+        let mut lc = pod("x", "c");
+        lc.insert(Label::k8s("role", "client"));
+        let c = e.allocate_identity(&lc).id();
+        assert_eq!(e.endpoints_affected_by_identity(c), [a].into());
+        assert!(e
+            .resolve(&view(a, &la, &[]))
+            .decide(Direction::Ingress, c, PROTO_TCP, 1)
+            .is_allowed());
+        assert!(e.release_identity(c));
+        assert!(!e
+            .resolve(&view(a, &la, &[]))
+            .decide(Direction::Ingress, c, PROTO_TCP, 1)
+            .is_allowed());
+    }
+}
