@@ -4,5 +4,6 @@
 //! in [`policy`], the simulator in [`simulate`]); `src/main.rs` is the command line.
 
 pub mod cli;
+pub mod datapath;
 pub mod policy;
 pub mod simulate;

@@ -1,0 +1,341 @@
+//! The datapath's view of policy: map entries as the kernel stores them.
+//!
+//! The engine's `MapKey` has port *ranges*; the datapath's policy map (like Cilium's) holds
+//! prefix-masked ports: `{identity, direction, protocol, port, port prefix length}`. A range
+//! becomes the minimal set of aligned power-of-two blocks that cover it. Two engine keys can
+//! expand to the same datapath entry (80-81 and 80-80 both need 80/16), so an
+//! [`EntryTable`] counts the contributors of every entry, allow and deny separately. An entry
+//! goes away only with its last contributor, and it is a deny whenever any contributor is a deny.
+
+use std::collections::{BTreeMap, HashMap};
+
+use crate::policy::identity::NumericIdentity;
+use crate::policy::mapstate::{MapDelta, MapKey};
+use crate::policy::rule::Direction;
+
+/// Entries one endpoint's policy map can hold (Cilium's default `bpf-policy-map-max`).
+pub const POLICY_MAP_MAX_ENTRIES: usize = 16384;
+/// Entries the ipcache can hold.
+pub const IPCACHE_MAX_ENTRIES: usize = 512_000;
+
+/// One policy map key as the datapath stores it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PolicyEntryKey {
+    pub identity: NumericIdentity,
+    pub egress: bool,
+    /// 0: any protocol (then the port prefix length is 0 too).
+    pub protocol: u8,
+    pub port: u16,
+    /// How many leading bits of `port` must match (16: exact port, 0: any port).
+    pub port_prefix_len: u8,
+}
+
+impl PolicyEntryKey {
+    /// True when this entry covers `port`.
+    pub fn covers_port(&self, port: u16) -> bool {
+        if self.port_prefix_len == 0 {
+            return true;
+        }
+        let shift = 16 - self.port_prefix_len as u32;
+        (port >> shift) == (self.port >> shift)
+    }
+
+    /// The inclusive port range this entry covers.
+    pub fn port_range(&self) -> (u16, u16) {
+        let size = 1u32 << (16 - self.port_prefix_len as u32);
+        (self.port, (self.port as u32 + size - 1) as u16)
+    }
+}
+
+/// A datapath policy entry's value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PolicyEntryValue {
+    pub deny: bool,
+    pub packets: u64,
+    pub bytes: u64,
+}
+
+/// Splits an inclusive port range into aligned prefix blocks: `(port, prefix_len)`.
+pub fn port_range_to_prefixes(lo: u16, hi: u16) -> Vec<(u16, u8)> {
+    let mut out = Vec::new();
+    let (mut start, end) = (lo as u32, hi as u32);
+    while start <= end {
+        // The largest aligned block starting at `start` that stays within `end`.
+        let mut size_bits = if start == 0 {
+            16
+        } else {
+            start.trailing_zeros().min(16)
+        };
+        while size_bits > 0 && start + (1u32 << size_bits) - 1 > end {
+            size_bits -= 1;
+        }
+        out.push((start as u16, (16 - size_bits) as u8));
+        start += 1u32 << size_bits;
+    }
+    out
+}
+
+/// The datapath entries one engine key stands for.
+pub fn expand_key(k: &MapKey) -> Vec<PolicyEntryKey> {
+    let egress = k.direction == Direction::Egress;
+    if k.protocol == 0 {
+        // L3-only entries cover every protocol and port.
+        return vec![PolicyEntryKey {
+            identity: k.identity,
+            egress,
+            protocol: 0,
+            port: 0,
+            port_prefix_len: 0,
+        }];
+    }
+    port_range_to_prefixes(k.port_lo, k.port_hi)
+        .into_iter()
+        .map(|(port, port_prefix_len)| PolicyEntryKey {
+            identity: k.identity,
+            egress,
+            protocol: k.protocol,
+            port,
+            port_prefix_len,
+        })
+        .collect()
+}
+
+/// A change to apply to the kernel map.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EntryChange {
+    Upsert(PolicyEntryKey, bool),
+    Delete(PolicyEntryKey),
+}
+
+/// Engine keys realized in one endpoint's map, with the datapath entries they expand to.
+#[derive(Debug, Clone, Default)]
+pub struct EntryTable {
+    engine_keys: HashMap<MapKey, bool>,
+    /// entry -> (allow contributors, deny contributors)
+    entries: BTreeMap<PolicyEntryKey, (u32, u32)>,
+}
+
+impl EntryTable {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Number of datapath entries.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The datapath entries and their deny flag.
+    pub fn entries(&self) -> impl Iterator<Item = (PolicyEntryKey, bool)> + '_ {
+        self.entries.iter().map(|(k, (_, d))| (*k, *d > 0))
+    }
+
+    fn contribute(&mut self, key: &MapKey, deny: bool, add: bool) {
+        for e in expand_key(key) {
+            let c = self.entries.entry(e).or_insert((0, 0));
+            let slot = if deny { &mut c.1 } else { &mut c.0 };
+            if add {
+                *slot += 1;
+            } else {
+                *slot = slot.saturating_sub(1);
+            }
+            if c.0 + c.1 == 0 {
+                self.entries.remove(&e);
+            }
+        }
+    }
+
+    /// Applies an engine-level delta and returns the entry-level changes for the kernel map
+    /// (only entries whose presence or deny flag actually changed).
+    pub fn apply(&mut self, delta: &MapDelta) -> Vec<EntryChange> {
+        let mut before: BTreeMap<PolicyEntryKey, Option<bool>> = BTreeMap::new();
+        for k in delta
+            .upserts
+            .iter()
+            .map(|(k, _)| k)
+            .chain(delta.deletes.iter())
+        {
+            for e in expand_key(k) {
+                before
+                    .entry(e)
+                    .or_insert_with(|| self.entries.get(&e).map(|c| c.1 > 0));
+            }
+        }
+        for k in &delta.deletes {
+            if let Some(old) = self.engine_keys.remove(k) {
+                self.contribute(k, old, false);
+            }
+        }
+        for (k, deny) in &delta.upserts {
+            match self.engine_keys.insert(*k, *deny) {
+                Some(old) if old == *deny => continue,
+                Some(old) => self.contribute(k, old, false),
+                None => {}
+            }
+            self.contribute(k, *deny, true);
+        }
+        let mut out = Vec::new();
+        for (e, was) in before {
+            match (was, self.entries.get(&e).map(|c| c.1 > 0)) {
+                (a, b) if a == b => {}
+                (_, Some(deny)) => out.push(EntryChange::Upsert(e, deny)),
+                (Some(_), None) => out.push(EntryChange::Delete(e)),
+                (None, None) => {}
+            }
+        }
+        out
+    }
+
+    /// Forgets everything (the kernel map was cleared).
+    pub fn clear(&mut self) {
+        self.engine_keys.clear();
+        self.entries.clear();
+    }
+
+    /// Deny-wins lookup over the datapath entries: the contract the BPF program implements.
+    pub fn lookup(
+        &self,
+        identity: NumericIdentity,
+        egress: bool,
+        protocol: u8,
+        port: u16,
+    ) -> Option<bool> {
+        let mut allowed = false;
+        for id in [identity, 0] {
+            for proto in [protocol, 0] {
+                let lo = PolicyEntryKey {
+                    identity: id,
+                    egress,
+                    protocol: proto,
+                    port: 0,
+                    port_prefix_len: 0,
+                };
+                let hi = PolicyEntryKey {
+                    identity: id,
+                    egress,
+                    protocol: proto,
+                    port: u16::MAX,
+                    port_prefix_len: u8::MAX,
+                };
+                for (k, (_, d)) in self.entries.range(lo..=hi) {
+                    if k.covers_port(port) {
+                        if *d > 0 {
+                            return Some(true);
+                        }
+                        allowed = true;
+                    }
+                }
+                if id == 0 && proto == 0 {
+                    break;
+                }
+            }
+            if identity == 0 {
+                break;
+            }
+        }
+        allowed.then_some(false)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_split_into_aligned_blocks() {
+        assert_eq!(port_range_to_prefixes(80, 80), vec![(80, 16)]);
+        assert_eq!(port_range_to_prefixes(0, 65535), vec![(0, 0)]);
+        assert_eq!(port_range_to_prefixes(8080, 8083), vec![(8080, 14)]);
+        assert_eq!(
+            port_range_to_prefixes(1, 4),
+            vec![(1, 16), (2, 15), (4, 16)]
+        );
+        for (lo, hi) in [(1u16, 1000u16), (5, 65535), (1024, 2047), (3, 3)] {
+            let blocks = port_range_to_prefixes(lo, hi);
+            let covered: u32 = blocks.iter().map(|(_, l)| 1u32 << (16 - *l as u32)).sum();
+            assert_eq!(covered, (hi - lo) as u32 + 1, "{lo}-{hi}");
+            for (p, l) in blocks {
+                let k = PolicyEntryKey {
+                    identity: 1,
+                    egress: false,
+                    protocol: 6,
+                    port: p,
+                    port_prefix_len: l,
+                };
+                let (a, b) = k.port_range();
+                assert!(a >= lo && b <= hi);
+            }
+        }
+    }
+
+    fn mk(identity: u32, lo: u16, hi: u16) -> MapKey {
+        MapKey {
+            direction: Direction::Ingress,
+            identity,
+            protocol: 6,
+            port_lo: lo,
+            port_hi: hi,
+        }
+    }
+
+    #[test]
+    fn overlapping_keys_share_entries_and_deny_wins() {
+        let mut t = EntryTable::new();
+        let ch = t.apply(&MapDelta {
+            upserts: vec![(mk(300, 79, 80), false), (mk(300, 80, 80), false)],
+            deletes: vec![],
+        });
+        assert_eq!(t.len(), 2, "79/16 and 80/16");
+        assert_eq!(ch.len(), 2);
+        // Removing the 80-80 key keeps entry 80/16 (still needed by 79-80).
+        let ch = t.apply(&MapDelta {
+            upserts: vec![],
+            deletes: vec![mk(300, 80, 80)],
+        });
+        assert!(ch.is_empty());
+        assert_eq!(t.lookup(300, false, 6, 80), Some(false));
+        // A deny on 80 turns that entry into a deny; the allow on 81 stays.
+        let ch = t.apply(&MapDelta {
+            upserts: vec![(mk(300, 80, 80), true)],
+            deletes: vec![],
+        });
+        assert_eq!(
+            ch,
+            vec![EntryChange::Upsert(
+                PolicyEntryKey {
+                    identity: 300,
+                    egress: false,
+                    protocol: 6,
+                    port: 80,
+                    port_prefix_len: 16
+                },
+                true
+            )]
+        );
+        assert_eq!(t.lookup(300, false, 6, 80), Some(true));
+        assert_eq!(t.lookup(300, false, 6, 79), Some(false));
+        assert_eq!(t.lookup(300, false, 6, 81), None);
+    }
+
+    #[test]
+    fn wildcards_and_deny_precedence_in_lookup() {
+        let mut t = EntryTable::new();
+        let any = MapKey {
+            direction: Direction::Ingress,
+            identity: 0,
+            protocol: 0,
+            port_lo: 0,
+            port_hi: 65535,
+        };
+        t.apply(&MapDelta {
+            upserts: vec![(mk(300, 1000, 2000), false), (any, true)],
+            deletes: vec![],
+        });
+        assert_eq!(t.lookup(300, false, 6, 1500), Some(true));
+        assert_eq!(t.lookup(300, true, 6, 1500), None);
+    }
+}

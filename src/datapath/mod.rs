@@ -1,0 +1,120 @@
+//! The datapath: where policy is enforced. A [`Datapath`] trait with an in-memory implementation
+//! ([`memory::MemoryDatapath`], for unit tests and machines without BPF); the eBPF implementation
+//! plugs in behind the same trait. Only `LoaderActor` owns a datapath.
+
+pub mod abi;
+pub mod memory;
+
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+use serde::Serialize;
+
+use crate::policy::identity::NumericIdentity;
+use crate::policy::mapstate::MapDelta;
+
+/// Endpoint numbers, as Cilium's (1..=65535).
+pub type EndpointId = u16;
+
+/// What the datapath needs to enforce policy for an endpoint.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct EndpointAttachment {
+    pub id: EndpointId,
+    pub interface: Option<String>,
+    pub ips: Vec<IpAddr>,
+    pub identity: NumericIdentity,
+}
+
+/// Per-endpoint switches in the endpoint map.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct EndpointFlags {
+    /// Drop ingress traffic no entry allows.
+    pub ingress_default_deny: bool,
+    /// Drop egress traffic no entry allows.
+    pub egress_default_deny: bool,
+    /// Drop everything: set when the policy could not be realized (fail closed).
+    pub drop_all: bool,
+}
+
+/// One realized policy map entry, for `ciliate bpf policy get`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PolicyMapEntry {
+    pub identity: NumericIdentity,
+    pub direction: &'static str,
+    pub protocol: u8,
+    pub port: u16,
+    pub port_prefix_len: u8,
+    /// Inclusive port range covered by `port`/`port_prefix_len`.
+    pub port_range: (u16, u16),
+    pub deny: bool,
+    pub packets: u64,
+    pub bytes: u64,
+}
+
+/// Everything realized for one endpoint.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PolicyMapDump {
+    pub endpoint: EndpointId,
+    pub flags: EndpointFlags,
+    pub capacity: usize,
+    pub entries: Vec<PolicyMapEntry>,
+}
+
+/// Counts of what a sync changed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct SyncStats {
+    pub upserted: usize,
+    pub deleted: usize,
+    pub entries: usize,
+}
+
+/// Datapath failures. Each names the endpoint or entry concerned.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DatapathError {
+    /// The endpoint is not attached.
+    #[error("endpoint {0} is not attached to the datapath")]
+    UnknownEndpoint(EndpointId),
+    /// The policy would need more entries than the map holds; the endpoint now drops all
+    /// traffic until a policy that fits is applied (fail closed).
+    #[error("policy map of endpoint {endpoint} is full: {needed} entries needed, capacity {capacity}; the endpoint drops all traffic until its policy fits")]
+    PolicyMapFull {
+        endpoint: EndpointId,
+        needed: usize,
+        capacity: usize,
+    },
+    /// The ipcache is full.
+    #[error("ipcache is full ({capacity} entries): cannot add {prefix}")]
+    IpcacheFull { prefix: IpNet, capacity: usize },
+    /// A kernel or system call failed.
+    #[error("{operation}: {message}")]
+    System { operation: String, message: String },
+}
+
+/// The operations `LoaderActor` performs on a datapath.
+pub trait Datapath: Send + 'static {
+    /// A short name for logs and status (`memory`, `bpf`).
+    fn name(&self) -> &'static str;
+    /// Creates (or updates) the endpoint's entry in the endpoint map and its policy map.
+    fn attach_endpoint(&mut self, ep: &EndpointAttachment) -> Result<(), DatapathError>;
+    /// Removes the endpoint and its policy map. Removing an unknown endpoint is not an error.
+    fn detach_endpoint(&mut self, id: EndpointId) -> Result<(), DatapathError>;
+    /// Applies an engine-level delta to the endpoint's policy map and sets its flags.
+    /// `replace`: clear the map first (resynchronisation after an error or a restart).
+    fn sync_policy(
+        &mut self,
+        id: EndpointId,
+        flags: EndpointFlags,
+        delta: &MapDelta,
+        replace: bool,
+    ) -> Result<SyncStats, DatapathError>;
+    fn upsert_ipcache(
+        &mut self,
+        prefix: IpNet,
+        identity: NumericIdentity,
+    ) -> Result<(), DatapathError>;
+    fn remove_ipcache(&mut self, prefix: IpNet) -> Result<(), DatapathError>;
+    fn dump_policy(&self, id: EndpointId) -> Result<PolicyMapDump, DatapathError>;
+    fn dump_ipcache(&self) -> Vec<(IpNet, NumericIdentity)>;
+    /// The endpoints attached.
+    fn endpoints(&self) -> Vec<EndpointId>;
+}
