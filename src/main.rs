@@ -1,11 +1,77 @@
 use clap::Parser;
 
-use ciliate::cli::{run_simulate, Cli, Command, PolicyCommand};
+use ciliate::agent::run::{run, AgentConfig, Mode};
+use ciliate::cli::commands::ClientCall;
+use ciliate::cli::{
+    run_client, run_simulate, AgentArgs, Cli, ClientOpts, Command, LogFormat, PolicyCommand,
+};
 use ciliate::simulate::generate::{generate_world, WorldSize};
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let b = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Json => b.json().init(),
+        LogFormat::Text => b.init(),
+    }
+}
+
+fn agent(args: AgentArgs) -> i32 {
+    init_logging(args.log_format);
+    let mode = args.mode.unwrap_or(
+        if args.kubeconfig.is_some() || std::env::var_os("KUBERNETES_SERVICE_HOST").is_some() {
+            Mode::Kubernetes
+        } else {
+            Mode::Standalone
+        },
+    );
+    let node_name = args.node_name.unwrap_or_else(|| {
+        nix::unistd::gethostname()
+            .ok()
+            .and_then(|h| h.into_string().ok())
+            .unwrap_or_else(|| "localhost".into())
+    });
+    let config = AgentConfig {
+        mode,
+        manifests: args.manifests,
+        kubeconfig: args.kubeconfig,
+        node_name,
+        datapath: args.datapath,
+        state_dir: args.state_dir,
+        bpf_root: args.bpf_root,
+        api_socket: args.api_socket,
+        debug_addr: args.debug_addr,
+        pod_cidr: args.pod_cidr,
+    };
+    match run(config) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("error: {e}");
+            1
+        }
+    }
+}
+
+fn client(opts: &ClientOpts, call: ClientCall) -> i32 {
+    match run_client(opts, call) {
+        Ok(out) => {
+            print!("{out}");
+            0
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            1
+        }
+    }
+}
 
 fn main() {
     let cli = Cli::parse();
     let code = match cli.command {
+        Command::Agent(args) => agent(*args),
         Command::Policy {
             command: PolicyCommand::Simulate { world },
         } => {
@@ -23,15 +89,27 @@ fn main() {
                     seed,
                 },
         } => {
-            let size = WorldSize {
-                namespaces,
-                pods,
-                policies,
-                probes,
-            };
-            print!("{}", generate_world(size, seed));
+            print!(
+                "{}",
+                generate_world(
+                    WorldSize {
+                        namespaces,
+                        pods,
+                        policies,
+                        probes
+                    },
+                    seed
+                )
+            );
             0
         }
+        Command::Policy {
+            command: PolicyCommand::Get { client: c },
+        } => client(&c, ClientCall::PolicyGet),
+        Command::Status { client: c } => client(&c, ClientCall::Status),
+        Command::Endpoint { command, client: c } => client(&c, ClientCall::Endpoint(&command)),
+        Command::Identity { command, client: c } => client(&c, ClientCall::Identity(&command)),
+        Command::Bpf { command, client: c } => client(&c, ClientCall::Bpf(&command)),
     };
     std::process::exit(code);
 }

@@ -55,6 +55,10 @@ pub struct PolicyChange {
     pub affects_hosts: bool,
     /// CIDR identities created by the change (to be released to the ipcache after regeneration).
     pub new_identities: Vec<NumericIdentity>,
+    /// Prefixes that now map to a new CIDR identity in the ipcache.
+    pub new_prefixes: Vec<(IpNet, NumericIdentity)>,
+    /// Prefixes whose CIDR identity went away (no longer in the ipcache unless an endpoint owns them).
+    pub removed_prefixes: Vec<IpNet>,
 }
 
 /// One direction of a resolved policy.
@@ -343,6 +347,7 @@ impl PolicyEngine {
                     }
                     if !self.endpoint_ips.contains_key(&prefix) {
                         self.ipcache.upsert(prefix, id);
+                        change.new_prefixes.push((prefix, id));
                     }
                     change.new_identities.push(id);
                 }
@@ -395,6 +400,7 @@ impl PolicyEngine {
                         self.selectors.remove_identity(id);
                         if !self.endpoint_ips.contains_key(&prefix) {
                             self.ipcache.remove(prefix);
+                            change.removed_prefixes.push(prefix);
                         }
                     }
                 }

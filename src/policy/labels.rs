@@ -52,6 +52,13 @@ impl Label {
     pub fn reserved(key: &str) -> Self {
         Label::new(SOURCE_RESERVED, key, "")
     }
+
+    /// Parses the `source:key=value` form `Display` writes (`=value` optional).
+    pub fn parse(s: &str) -> Option<Label> {
+        let (source, rest) = s.split_once(':')?;
+        let (key, value) = rest.split_once('=').unwrap_or((rest, ""));
+        (!source.is_empty() && !key.is_empty()).then(|| Label::new(source, key, value))
+    }
 }
 
 impl fmt::Display for Label {
@@ -185,6 +192,18 @@ mod tests {
             split_selector_key("reserved:host"),
             (Some("reserved".into()), "host".into())
         );
+    }
+
+    #[test]
+    fn labels_round_trip_through_text() {
+        for l in [
+            Label::k8s("app", "web"),
+            Label::reserved("host"),
+            Label::new("cidr", "10.0.0.0/8", ""),
+        ] {
+            assert_eq!(Label::parse(&l.to_string()), Some(l));
+        }
+        assert_eq!(Label::parse("nosource"), None);
     }
 
     #[test]

@@ -1,0 +1,586 @@
+//! `EndpointActor`, one per endpoint: Cilium's `Endpoint` with its event queue, `regenerate` and
+//! `regenerateBPF`.
+//!
+//! States: waiting-for-identity -> ready <-> regenerating, and disconnecting at the end;
+//! not-ready when the datapath refused the policy (it then fails closed).
+//!
+//! Regenerations coalesce: `Regenerate` only raises the wanted revision and schedules one
+//! `DoRegenerate` at the back of the mailbox, so a burst of changes is absorbed before the policy
+//! is computed once, from the engine's newest revision. A regeneration computes the map state,
+//! diffs it against what is realized, and sends only the delta to `LoaderActor`; the mailbox
+//! waits for the datapath's answer, so regenerations of one endpoint never overlap and a stale
+//! one can never land after a newer one.
+
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use actix::{
+    Actor, ActorContext, ActorFutureExt, AsyncContext, Context, Handler, Message, WrapFuture,
+};
+use serde::Serialize;
+
+use super::loader::{AttachEndpoint, DetachEndpoint, LoaderActor, SyncPolicyMap};
+use super::rule_reaction::{EndpointGone, EndpointRealized, RuleReactionActor};
+use crate::agent::introspect::{Journal, Traceable, TracedAddr};
+use crate::agent::state::EndpointRecord;
+use crate::agent::Shared;
+use crate::datapath::{DatapathError, EndpointAttachment, EndpointFlags, EndpointId, SyncStats};
+use crate::policy::engine::{EndpointView, NamedPort, PolicyEngine};
+use crate::policy::identity::NumericIdentity;
+use crate::policy::labels::Labels;
+use crate::policy::mapstate::MapState;
+
+/// Where an endpoint is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum EndpointState {
+    WaitingForIdentity,
+    Ready,
+    Regenerating,
+    NotReady,
+    Disconnecting,
+}
+
+impl EndpointState {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            EndpointState::WaitingForIdentity => "waiting-for-identity",
+            EndpointState::Ready => "ready",
+            EndpointState::Regenerating => "regenerating",
+            EndpointState::NotReady => "not-ready",
+            EndpointState::Disconnecting => "disconnecting",
+        }
+    }
+}
+
+/// An endpoint as the API shows it (`/debug/endpoints`, `ciliate endpoint get`).
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+pub struct EndpointModel {
+    pub id: EndpointId,
+    pub name: String,
+    pub identity: Option<NumericIdentity>,
+    pub labels: Vec<String>,
+    pub ips: Vec<String>,
+    pub interface: Option<String>,
+    pub state: String,
+    pub policy_revision: u64,
+    pub policy_entries: usize,
+    pub ingress_enforced: bool,
+    pub egress_enforced: bool,
+    pub regenerations: u64,
+    pub error: Option<String>,
+    pub container_id: Option<String>,
+}
+
+pub struct EndpointActor {
+    record: EndpointRecord,
+    labels: Labels,
+    named_ports: Vec<NamedPort>,
+    state: EndpointState,
+    error: Option<String>,
+    realized: MapState,
+    realized_flags: EndpointFlags,
+    realized_revision: u64,
+    wanted_revision: u64,
+    dirty: bool,
+    scheduled: bool,
+    attached: bool,
+    /// The datapath's map is not known to match `realized` (first sync, after an error).
+    needs_replace: bool,
+    retry_delay: Duration,
+    regenerations: u64,
+    engine: Arc<RwLock<PolicyEngine>>,
+    loader: TracedAddr<LoaderActor>,
+    reaction: TracedAddr<RuleReactionActor>,
+    shared: Shared,
+    journal: Arc<Journal>,
+    persisted: Option<EndpointRecord>,
+}
+
+impl EndpointActor {
+    pub fn new(
+        record: EndpointRecord,
+        labels: Labels,
+        named_ports: Vec<NamedPort>,
+        shared: Shared,
+        loader: TracedAddr<LoaderActor>,
+        reaction: TracedAddr<RuleReactionActor>,
+        journal: Arc<Journal>,
+    ) -> Self {
+        let state = if record.identity.is_some() {
+            EndpointState::Ready
+        } else {
+            EndpointState::WaitingForIdentity
+        };
+        EndpointActor {
+            labels,
+            named_ports,
+            state,
+            error: None,
+            realized: MapState::new(),
+            realized_flags: EndpointFlags::default(),
+            realized_revision: 0,
+            wanted_revision: 0,
+            dirty: true,
+            scheduled: false,
+            attached: false,
+            needs_replace: true,
+            retry_delay: Duration::from_millis(500),
+            regenerations: 0,
+            engine: shared.engine.clone(),
+            loader,
+            reaction,
+            journal,
+            shared,
+            persisted: None,
+            record,
+        }
+    }
+
+    fn name(&self) -> String {
+        format!("EndpointActor/{}", self.record.id)
+    }
+
+    fn model(&self) -> EndpointModel {
+        EndpointModel {
+            id: self.record.id,
+            name: self.record.name.clone(),
+            identity: self.record.identity,
+            labels: self.labels.to_strings(),
+            ips: self.record.ips.iter().map(|i| i.to_string()).collect(),
+            interface: self.record.interface.clone(),
+            state: self.state.as_str().to_string(),
+            policy_revision: self.realized_revision,
+            policy_entries: self.realized.len(),
+            ingress_enforced: self.realized_flags.ingress_default_deny,
+            egress_enforced: self.realized_flags.egress_default_deny,
+            regenerations: self.regenerations,
+            error: self.error.clone(),
+            container_id: self.record.container_id.clone(),
+        }
+    }
+
+    /// Writes the state directory when something worth restoring changed.
+    fn persist(&mut self) {
+        let mut rec = self.record.clone();
+        rec.labels = self.labels.to_strings();
+        let unchanged = self.persisted.as_ref().is_some_and(|p| {
+            let mut p = p.clone();
+            p.policy_revision = rec.policy_revision;
+            p == rec
+        });
+        if unchanged {
+            return;
+        }
+        match self.shared.state_dir.write(&rec) {
+            Ok(()) => self.persisted = Some(rec),
+            Err(e) => {
+                tracing::error!(endpoint = self.record.id, error = %e, "cannot write endpoint state")
+            }
+        }
+    }
+
+    fn schedule(&mut self, ctx: &mut Context<Self>) {
+        if self.scheduled
+            || self.record.identity.is_none()
+            || self.state == EndpointState::Disconnecting
+        {
+            return;
+        }
+        if self.dirty || self.wanted_revision > self.realized_revision {
+            self.scheduled = true;
+            ctx.notify(DoRegenerate);
+        }
+    }
+
+    fn report(&self, revision: u64, ok: bool) {
+        self.reaction.do_send(
+            EndpointRealized {
+                id: self.record.id,
+                revision,
+                ok,
+            },
+            &self.name(),
+        );
+    }
+
+    fn regenerate(&mut self, ctx: &mut Context<Self>) {
+        let Some(identity) = self.record.identity else {
+            self.scheduled = false;
+            self.state = EndpointState::WaitingForIdentity;
+            return;
+        };
+        let started = Instant::now();
+        self.state = EndpointState::Regenerating;
+        self.dirty = false;
+        let (revision, policy) = {
+            let engine = match self.engine.read() {
+                Ok(e) => e,
+                Err(poisoned) => poisoned.into_inner(),
+            };
+            let view = EndpointView {
+                identity,
+                labels: &self.labels,
+                named_ports: &self.named_ports,
+                host: false,
+            };
+            (engine.revision(), engine.resolve(&view))
+        };
+        let flags = EndpointFlags {
+            ingress_default_deny: !policy.ingress.isolated_by.is_empty(),
+            egress_default_deny: !policy.egress.isolated_by.is_empty(),
+            drop_all: false,
+        };
+        let replace = self.needs_replace;
+        let delta = if replace {
+            policy.map.diff_from(&MapState::new())
+        } else {
+            policy.map.diff_from(&self.realized)
+        };
+        let name = self.name();
+        if !self.attached {
+            let att = EndpointAttachment {
+                id: self.record.id,
+                interface: self.record.interface.clone(),
+                ips: self.record.ips.clone(),
+                identity,
+            };
+            self.loader
+                .do_send(AttachEndpoint { attachment: att }, &name);
+            self.attached = true;
+        }
+        let sync = SyncPolicyMap {
+            id: self.record.id,
+            flags,
+            delta,
+            replace,
+            revision,
+        };
+        let fut = self
+            .loader
+            .send(sync, &name)
+            .into_actor(self)
+            .map(move |res, act, ctx| {
+                let res: Result<SyncStats, DatapathError> = match res {
+                    Ok(r) => r,
+                    Err(e) => Err(DatapathError::System {
+                        operation: "send to LoaderActor".into(),
+                        message: e.to_string(),
+                    }),
+                };
+                act.finish(ctx, revision, policy.map, flags, res, started);
+            });
+        ctx.wait(fut);
+    }
+
+    fn finish(
+        &mut self,
+        ctx: &mut Context<Self>,
+        revision: u64,
+        map: MapState,
+        flags: EndpointFlags,
+        res: Result<SyncStats, DatapathError>,
+        started: Instant,
+    ) {
+        self.scheduled = false;
+        self.regenerations += 1;
+        let elapsed = started.elapsed();
+        self.shared
+            .metrics
+            .endpoint_regeneration
+            .observe(elapsed.as_secs_f64());
+        let started_at =
+            chrono::Utc::now() - chrono::Duration::from_std(elapsed).unwrap_or_default();
+        let outcome = match &res {
+            Ok(s) => Ok(format!(
+                "rev {revision}: {} entries, +{} -{}",
+                s.entries, s.upserted, s.deleted
+            )),
+            Err(e) => Err(e.to_string()),
+        };
+        let (summary, result) = match outcome {
+            Ok(s) => (s, Ok(())),
+            Err(e) => (format!("rev {revision}"), Err(e)),
+        };
+        self.journal
+            .note("PolicyRealized", summary, "LoaderActor", started_at, result);
+        match res {
+            Ok(_) => {
+                self.shared
+                    .metrics
+                    .regenerations
+                    .get_or_create(&outcome_label("ok"))
+                    .inc();
+                self.realized = map;
+                self.realized_flags = flags;
+                self.realized_revision = self.realized_revision.max(revision);
+                self.record.policy_revision = self.realized_revision;
+                self.needs_replace = false;
+                self.error = None;
+                self.state = EndpointState::Ready;
+                self.retry_delay = Duration::from_millis(500);
+                self.persist();
+                self.report(self.realized_revision, true);
+                self.schedule(ctx);
+            }
+            Err(e) => {
+                self.shared
+                    .metrics
+                    .regenerations
+                    .get_or_create(&outcome_label("error"))
+                    .inc();
+                tracing::error!(endpoint = self.record.id, error = %e, "regeneration failed; the endpoint fails closed");
+                self.error = Some(e.to_string());
+                self.state = EndpointState::NotReady;
+                self.needs_replace = true;
+                self.dirty = true;
+                self.report(revision, false);
+                // Retry with backoff: a later policy may fit.
+                let delay = self.retry_delay;
+                self.retry_delay = (self.retry_delay * 2).min(Duration::from_secs(30));
+                self.scheduled = true;
+                ctx.run_later(delay, |_, ctx| ctx.notify(DoRegenerate));
+            }
+        }
+    }
+}
+
+fn outcome_label(s: &str) -> crate::agent::metrics::OutcomeLabels {
+    crate::agent::metrics::OutcomeLabels {
+        outcome: s.to_string(),
+    }
+}
+
+impl Actor for EndpointActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        self.persist();
+        // Restored or new endpoints regenerate only when told (after the initial sync).
+        let _ = ctx;
+    }
+
+    fn stopped(&mut self, _: &mut Context<Self>) {
+        self.shared.registry.deregister(&self.name());
+    }
+}
+crate::traced_actor!(EndpointActor: Regenerate, BumpRevision, SetIdentity, GetEndpoint, GetRealizedPolicy, Delete);
+
+/// Compute and realize the policy (sent by `RuleReactionActor`).
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Regenerate {
+    pub revision: u64,
+    pub reason: String,
+    /// Regenerate even if `revision` is realized already (identity or label changes).
+    pub force: bool,
+}
+
+impl Traceable for Regenerate {
+    const KIND: &'static str = "Regenerate";
+    fn summary(&self) -> String {
+        format!(
+            "rev {}, reason: {}{}",
+            self.revision,
+            self.reason,
+            if self.force { " (forced)" } else { "" }
+        )
+    }
+}
+
+impl Handler<Regenerate> for EndpointActor {
+    type Result = ();
+    fn handle(&mut self, msg: Regenerate, ctx: &mut Context<Self>) {
+        self.wanted_revision = self.wanted_revision.max(msg.revision);
+        self.dirty |= msg.force;
+        if !self.scheduled && !self.dirty && self.wanted_revision <= self.realized_revision {
+            // Coalesced into an earlier regeneration that already saw this revision.
+            self.report(self.realized_revision, true);
+            return;
+        }
+        self.schedule(ctx);
+        if self.record.identity.is_none() {
+            // Nothing to enforce yet; do not hold up the change.
+            self.report(msg.revision, true);
+        }
+    }
+}
+
+/// A change that does not affect this endpoint: its realized revision moves on.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct BumpRevision {
+    pub revision: u64,
+}
+
+impl Traceable for BumpRevision {
+    const KIND: &'static str = "BumpRevision";
+    fn summary(&self) -> String {
+        format!("rev {}", self.revision)
+    }
+}
+
+impl Handler<BumpRevision> for EndpointActor {
+    type Result = ();
+    fn handle(&mut self, msg: BumpRevision, _: &mut Context<Self>) {
+        // With a regeneration pending, that regeneration reads a revision >= this one.
+        if !self.scheduled
+            && !self.dirty
+            && self.wanted_revision <= self.realized_revision
+            && self.state == EndpointState::Ready
+        {
+            self.realized_revision = self.realized_revision.max(msg.revision);
+            self.wanted_revision = self.realized_revision;
+            self.record.policy_revision = self.realized_revision;
+        }
+    }
+}
+
+/// Internal: run the scheduled regeneration.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct DoRegenerate;
+
+impl Handler<DoRegenerate> for EndpointActor {
+    type Result = ();
+    fn handle(&mut self, _: DoRegenerate, ctx: &mut Context<Self>) {
+        if self.state == EndpointState::Disconnecting {
+            return;
+        }
+        self.journal.note(
+            "DoRegenerate",
+            format!("wanted rev {}", self.wanted_revision),
+            "self",
+            chrono::Utc::now(),
+            Ok(()),
+        );
+        self.regenerate(ctx);
+    }
+}
+
+/// The endpoint's identity changed (its pod or namespace labels changed, or the pod appeared).
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct SetIdentity {
+    pub identity: Option<NumericIdentity>,
+    pub labels: Labels,
+    pub named_ports: Vec<NamedPort>,
+}
+
+impl Traceable for SetIdentity {
+    const KIND: &'static str = "SetIdentity";
+    fn summary(&self) -> String {
+        match self.identity {
+            Some(id) => format!("identity {id}"),
+            None => "no identity".into(),
+        }
+    }
+}
+
+impl Handler<SetIdentity> for EndpointActor {
+    type Result = ();
+    fn handle(&mut self, msg: SetIdentity, _: &mut Context<Self>) {
+        let changed = msg.identity != self.record.identity || msg.named_ports != self.named_ports;
+        self.record.identity = msg.identity;
+        self.labels = msg.labels;
+        self.named_ports = msg.named_ports;
+        if changed {
+            self.dirty = true;
+            match msg.identity {
+                None => self.state = EndpointState::WaitingForIdentity,
+                Some(id) => {
+                    if self.state == EndpointState::WaitingForIdentity {
+                        self.state = EndpointState::Ready;
+                    }
+                    if self.attached {
+                        let att = EndpointAttachment {
+                            id: self.record.id,
+                            interface: self.record.interface.clone(),
+                            ips: self.record.ips.clone(),
+                            identity: id,
+                        };
+                        self.loader
+                            .do_send(AttachEndpoint { attachment: att }, &self.name());
+                    }
+                }
+            }
+            self.persist();
+        }
+    }
+}
+
+/// The endpoint as the API shows it.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<EndpointModel, String>")]
+pub struct GetEndpoint;
+
+impl Traceable for GetEndpoint {
+    const KIND: &'static str = "GetEndpoint";
+    fn summary(&self) -> String {
+        String::new()
+    }
+}
+
+impl Handler<GetEndpoint> for EndpointActor {
+    type Result = Result<EndpointModel, String>;
+    fn handle(&mut self, _: GetEndpoint, _: &mut Context<Self>) -> Self::Result {
+        Ok(self.model())
+    }
+}
+
+/// The realized map state (what was sent to the datapath), for tests and debugging.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<MapState, String>")]
+pub struct GetRealizedPolicy;
+
+impl Traceable for GetRealizedPolicy {
+    const KIND: &'static str = "GetRealizedPolicy";
+    fn summary(&self) -> String {
+        String::new()
+    }
+}
+
+impl Handler<GetRealizedPolicy> for EndpointActor {
+    type Result = Result<MapState, String>;
+    fn handle(&mut self, _: GetRealizedPolicy, _: &mut Context<Self>) -> Self::Result {
+        Ok(self.realized.clone())
+    }
+}
+
+/// Remove the endpoint: detach it from the datapath, delete its state, stop.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<(), String>")]
+pub struct Delete {
+    /// Keep the datapath and state directory (agent shutdown, not endpoint deletion).
+    pub keep_datapath: bool,
+}
+
+impl Traceable for Delete {
+    const KIND: &'static str = "Delete";
+    fn summary(&self) -> String {
+        if self.keep_datapath {
+            "shutdown".into()
+        } else {
+            "delete".into()
+        }
+    }
+}
+
+impl Handler<Delete> for EndpointActor {
+    type Result = Result<(), String>;
+    fn handle(&mut self, msg: Delete, ctx: &mut Context<Self>) -> Self::Result {
+        self.state = EndpointState::Disconnecting;
+        if !msg.keep_datapath {
+            self.loader
+                .do_send(DetachEndpoint { id: self.record.id }, &self.name());
+            self.shared
+                .state_dir
+                .remove(self.record.id)
+                .map_err(|e| e.to_string())?;
+        }
+        self.reaction
+            .do_send(EndpointGone { id: self.record.id }, &self.name());
+        ctx.stop();
+        Ok(())
+    }
+}

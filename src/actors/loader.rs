@@ -1,0 +1,210 @@
+//! `LoaderActor`: owns the datapath (Cilium's `Loader`). Every kernel-facing operation goes
+//! through its mailbox, so map updates are serialised and never race.
+
+use actix::{Actor, Context, Handler, Message};
+use ipnet::IpNet;
+
+use crate::agent::introspect::Traceable;
+use crate::agent::Shared;
+use crate::datapath::{
+    Datapath, DatapathError, EndpointAttachment, EndpointFlags, EndpointId, PolicyMapDump,
+    SyncStats,
+};
+use crate::policy::identity::NumericIdentity;
+use crate::policy::mapstate::MapDelta;
+use crate::traced_actor;
+
+pub struct LoaderActor {
+    datapath: Box<dyn Datapath>,
+    shared: Shared,
+}
+
+impl LoaderActor {
+    pub fn new(datapath: Box<dyn Datapath>, shared: Shared) -> Self {
+        LoaderActor { datapath, shared }
+    }
+
+    fn count_error<T>(&self, r: &Result<T, DatapathError>) {
+        if let Err(e) = r {
+            self.shared.metrics.datapath_errors.inc();
+            if matches!(e, DatapathError::PolicyMapFull { .. }) {
+                self.shared.metrics.policy_map_full.inc();
+            }
+            tracing::warn!(error = %e, "datapath operation failed");
+        }
+    }
+}
+
+impl Actor for LoaderActor {
+    type Context = Context<Self>;
+}
+traced_actor!(LoaderActor: AttachEndpoint, DetachEndpoint, SyncPolicyMap, UpdateIpcache, GetPolicyMap, GetIpcache);
+
+/// Adds or updates an endpoint in the endpoint map and creates its policy map.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<(), DatapathError>")]
+pub struct AttachEndpoint {
+    pub attachment: EndpointAttachment,
+}
+
+impl Traceable for AttachEndpoint {
+    const KIND: &'static str = "AttachEndpoint";
+    fn summary(&self) -> String {
+        format!(
+            "endpoint {}, identity {}",
+            self.attachment.id, self.attachment.identity
+        )
+    }
+}
+
+impl Handler<AttachEndpoint> for LoaderActor {
+    type Result = Result<(), DatapathError>;
+    fn handle(&mut self, msg: AttachEndpoint, _: &mut Context<Self>) -> Self::Result {
+        let r = self.datapath.attach_endpoint(&msg.attachment);
+        self.count_error(&r);
+        r
+    }
+}
+
+/// Removes an endpoint and its policy map.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<(), DatapathError>")]
+pub struct DetachEndpoint {
+    pub id: EndpointId,
+}
+
+impl Traceable for DetachEndpoint {
+    const KIND: &'static str = "DetachEndpoint";
+    fn summary(&self) -> String {
+        format!("endpoint {}", self.id)
+    }
+}
+
+impl Handler<DetachEndpoint> for LoaderActor {
+    type Result = Result<(), DatapathError>;
+    fn handle(&mut self, msg: DetachEndpoint, _: &mut Context<Self>) -> Self::Result {
+        let r = self.datapath.detach_endpoint(msg.id);
+        self.count_error(&r);
+        r
+    }
+}
+
+/// Applies a policy delta to one endpoint's policy map.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<SyncStats, DatapathError>")]
+pub struct SyncPolicyMap {
+    pub id: EndpointId,
+    pub flags: EndpointFlags,
+    pub delta: MapDelta,
+    /// Clear the map first (after an error or on restore).
+    pub replace: bool,
+    pub revision: u64,
+}
+
+impl Traceable for SyncPolicyMap {
+    const KIND: &'static str = "SyncPolicyMap";
+    fn summary(&self) -> String {
+        format!(
+            "endpoint {}, rev {}, +{} -{}{}",
+            self.id,
+            self.revision,
+            self.delta.upserts.len(),
+            self.delta.deletes.len(),
+            if self.replace { ", replace" } else { "" }
+        )
+    }
+}
+
+impl Handler<SyncPolicyMap> for LoaderActor {
+    type Result = Result<SyncStats, DatapathError>;
+    fn handle(&mut self, msg: SyncPolicyMap, _: &mut Context<Self>) -> Self::Result {
+        let r = self
+            .datapath
+            .sync_policy(msg.id, msg.flags, &msg.delta, msg.replace);
+        self.count_error(&r);
+        r
+    }
+}
+
+/// One ipcache change.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum IpcacheChange {
+    Upsert(IpNet, NumericIdentity),
+    Remove(IpNet),
+}
+
+/// Applies ipcache changes in order.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<(), DatapathError>")]
+pub struct UpdateIpcache {
+    pub changes: Vec<IpcacheChange>,
+}
+
+impl Traceable for UpdateIpcache {
+    const KIND: &'static str = "UpdateIpcache";
+    fn summary(&self) -> String {
+        match self.changes.as_slice() {
+            [IpcacheChange::Upsert(p, id)] => format!("{p} -> {id}"),
+            [IpcacheChange::Remove(p)] => format!("remove {p}"),
+            c => format!("{} changes", c.len()),
+        }
+    }
+}
+
+impl Handler<UpdateIpcache> for LoaderActor {
+    type Result = Result<(), DatapathError>;
+    fn handle(&mut self, msg: UpdateIpcache, _: &mut Context<Self>) -> Self::Result {
+        let mut first_err = Ok(());
+        for c in msg.changes {
+            let r = match c {
+                IpcacheChange::Upsert(p, id) => self.datapath.upsert_ipcache(p, id),
+                IpcacheChange::Remove(p) => self.datapath.remove_ipcache(p),
+            };
+            self.count_error(&r);
+            if first_err.is_ok() {
+                first_err = r;
+            }
+        }
+        first_err
+    }
+}
+
+/// The realized entries of one endpoint's policy map.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<PolicyMapDump, DatapathError>")]
+pub struct GetPolicyMap {
+    pub id: EndpointId,
+}
+
+impl Traceable for GetPolicyMap {
+    const KIND: &'static str = "GetPolicyMap";
+    fn summary(&self) -> String {
+        format!("endpoint {}", self.id)
+    }
+}
+
+impl Handler<GetPolicyMap> for LoaderActor {
+    type Result = Result<PolicyMapDump, DatapathError>;
+    fn handle(&mut self, msg: GetPolicyMap, _: &mut Context<Self>) -> Self::Result {
+        self.datapath.dump_policy(msg.id)
+    }
+}
+
+/// The datapath's ipcache.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<Vec<(IpNet, NumericIdentity)>, DatapathError>")]
+pub struct GetIpcache;
+
+impl Traceable for GetIpcache {
+    const KIND: &'static str = "GetIpcache";
+    fn summary(&self) -> String {
+        String::new()
+    }
+}
+
+impl Handler<GetIpcache> for LoaderActor {
+    type Result = Result<Vec<(IpNet, NumericIdentity)>, DatapathError>;
+    fn handle(&mut self, _: GetIpcache, _: &mut Context<Self>) -> Self::Result {
+        Ok(self.datapath.dump_ipcache())
+    }
+}

@@ -1,0 +1,1241 @@
+//! `PolicyRepoActor`: Cilium's `policy.Repository` + `Daemon.policyAdd` + the identity allocator.
+//! The only writer of the policy engine. It turns watch events (policies, pods, namespaces,
+//! nodes) into engine changes, works out which endpoints each change affects, and hands one
+//! `PolicyReaction` per change to `RuleReactionActor`. It also owns the endpoint registry:
+//! endpoints are created and deleted here, so identities and IPs have one owner.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::IpAddr;
+use std::time::Instant;
+
+use actix::{Actor, AsyncContext, Context, Handler, Message};
+use ipnet::IpNet;
+use serde::Serialize;
+
+use super::endpoint::{Delete, EndpointActor, EndpointModel, Regenerate, SetIdentity};
+use super::loader::{IpcacheChange, LoaderActor};
+use super::rule_reaction::{EndpointHandle, PolicyReaction, RuleReactionActor};
+use crate::agent::introspect::{Traceable, TracedAddr};
+use crate::agent::objects::{NamespaceInfo, NodeInfo, PodInfo, ServiceInfo};
+use crate::agent::state::EndpointRecord;
+use crate::agent::Shared;
+use crate::datapath::EndpointId;
+use crate::policy::engine::{NamedPort, PolicyEngine};
+use crate::policy::identity::{
+    reserved_name, NumericIdentity, IDENTITY_HOST, IDENTITY_REMOTE_NODE,
+};
+use crate::policy::labels::{Label, Labels};
+use crate::policy::rule::PolicyKey;
+use crate::policy::translate::ParsedPolicy;
+use crate::traced_actor;
+
+const NAME: &str = "PolicyRepoActor";
+
+/// API-level failures, mapped to HTTP status codes by the API server.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize)]
+pub enum ApiError {
+    #[error("not found: {0}")]
+    NotFound(String),
+    #[error("conflict: {0}")]
+    Conflict(String),
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+/// A request to create an endpoint (from the CLI or the CNI plugin).
+#[derive(Debug, Clone, Default, serde::Deserialize, Serialize)]
+pub struct EndpointRequest {
+    /// `namespace/pod`.
+    pub name: String,
+    pub ips: Vec<IpAddr>,
+    pub interface: Option<String>,
+    pub container_id: Option<String>,
+    pub netns: Option<String>,
+}
+
+/// A policy as `/debug/policy` lists it.
+#[derive(Debug, Clone, Serialize)]
+pub struct PolicyStatus {
+    pub kind: String,
+    pub namespace: Option<String>,
+    pub name: String,
+    pub rules: usize,
+    /// `accepted`, or `rejected: <error>`.
+    pub status: String,
+    /// Revision at which the enforced version was accepted.
+    pub revision: u64,
+    pub source: String,
+    /// Partial enforcement (L7, FQDN, ...).
+    pub notes: Vec<String>,
+    pub warnings: Vec<String>,
+    /// True when a rejected update left an earlier accepted version in force.
+    pub previous_version_enforced: bool,
+}
+
+/// `/debug/policy`.
+#[derive(Debug, Clone, Serialize)]
+pub struct PolicyOverview {
+    pub revision: u64,
+    pub policies: Vec<PolicyStatus>,
+    /// Manifest files that could not be read, with the error (their last good objects stay).
+    pub manifest_errors: BTreeMap<String, String>,
+}
+
+/// `/debug/identities`.
+#[derive(Debug, Clone, Serialize)]
+pub struct IdentityModel {
+    pub id: NumericIdentity,
+    pub labels: Vec<String>,
+    pub kind: &'static str,
+}
+
+/// `/debug/ipcache`.
+#[derive(Debug, Clone, Serialize)]
+pub struct IpcacheModel {
+    pub prefix: String,
+    pub identity: NumericIdentity,
+}
+
+struct PodRecord {
+    info: PodInfo,
+    labels: Labels,
+    identity: NumericIdentity,
+}
+
+struct EndpointEntry {
+    record: EndpointRecord,
+    addr: TracedAddr<EndpointActor>,
+    labels: Labels,
+}
+
+pub struct PolicyRepoActor {
+    shared: Shared,
+    loader: TracedAddr<LoaderActor>,
+    reaction: TracedAddr<RuleReactionActor>,
+    namespaces: HashMap<String, NamespaceInfo>,
+    pods: HashMap<String, PodRecord>,
+    nodes: HashMap<String, NodeInfo>,
+    services: HashMap<String, ServiceInfo>,
+    endpoints: BTreeMap<EndpointId, EndpointEntry>,
+    policies: BTreeMap<PolicyKey, PolicyStatus>,
+    manifest_errors: BTreeMap<String, String>,
+    initial_sync_done: bool,
+}
+
+impl PolicyRepoActor {
+    pub fn new(
+        shared: Shared,
+        loader: TracedAddr<LoaderActor>,
+        reaction: TracedAddr<RuleReactionActor>,
+    ) -> Self {
+        PolicyRepoActor {
+            shared,
+            loader,
+            reaction,
+            namespaces: HashMap::new(),
+            pods: HashMap::new(),
+            nodes: HashMap::new(),
+            services: HashMap::new(),
+            endpoints: BTreeMap::new(),
+            policies: BTreeMap::new(),
+            manifest_errors: BTreeMap::new(),
+            initial_sync_done: false,
+        }
+    }
+
+    fn engine_mut(&self) -> std::sync::RwLockWriteGuard<'_, PolicyEngine> {
+        match self.shared.engine.write() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        }
+    }
+
+    fn engine(&self) -> std::sync::RwLockReadGuard<'_, PolicyEngine> {
+        match self.shared.engine.read() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        }
+    }
+
+    fn update_gauges(&self) {
+        let e = self.engine();
+        self.shared.metrics.policy_revision.set(e.revision() as i64);
+        self.shared
+            .metrics
+            .identities
+            .set(e.identities().len() as i64);
+        self.shared
+            .metrics
+            .endpoints
+            .set(self.endpoints.len() as i64);
+        let rejected = self
+            .policies
+            .values()
+            .filter(|p| p.status != "accepted")
+            .count();
+        self.shared.metrics.policies_rejected.set(rejected as i64);
+    }
+
+    /// Sends one reaction: `affected` endpoints regenerate, the others bump (policy changes only).
+    #[allow(clippy::too_many_arguments)]
+    fn react(
+        &self,
+        reason: String,
+        accepted_at: Instant,
+        affected: &BTreeSet<NumericIdentity>,
+        extra: &[EndpointId],
+        force: bool,
+        ipcache: Vec<IpcacheChange>,
+        observe_delay: bool,
+    ) {
+        let revision = self.engine().revision();
+        let (mut to_regenerate, mut to_bump): (Vec<EndpointHandle>, Vec<EndpointHandle>) =
+            (vec![], vec![]);
+        if self.initial_sync_done {
+            for (id, e) in &self.endpoints {
+                let hit =
+                    e.record.identity.is_some_and(|i| affected.contains(&i)) || extra.contains(id);
+                if hit {
+                    to_regenerate.push((*id, e.addr.clone()));
+                } else if observe_delay && e.record.identity.is_some() {
+                    to_bump.push((*id, e.addr.clone()));
+                }
+            }
+        }
+        self.reaction.do_send(
+            PolicyReaction {
+                revision,
+                accepted_at,
+                reason,
+                to_regenerate,
+                to_bump,
+                force,
+                ipcache,
+                observe_delay,
+                set_ready: false,
+            },
+            NAME,
+        );
+        self.update_gauges();
+    }
+
+    fn pod_labels(&self, info: &PodInfo) -> Labels {
+        let empty = BTreeMap::new();
+        let ns_labels = self
+            .namespaces
+            .get(&info.namespace)
+            .map(|n| &n.labels)
+            .unwrap_or(&empty);
+        Labels::for_pod(
+            &info.namespace,
+            &info.labels,
+            ns_labels,
+            Some(&info.service_account),
+        )
+    }
+
+    /// Applies a pod's new state (or its deletion); returns affected identities, endpoint ids
+    /// whose own identity changed, and ipcache changes.
+    fn apply_pod(
+        &mut self,
+        key: &str,
+        info: Option<PodInfo>,
+    ) -> (
+        BTreeSet<NumericIdentity>,
+        Vec<EndpointId>,
+        Vec<IpcacheChange>,
+    ) {
+        let mut affected = BTreeSet::new();
+        let mut ipcache = Vec::new();
+        let new = info.map(|i| {
+            let labels = self.pod_labels(&i);
+            (i, labels)
+        });
+        let old = self.pods.get(key);
+        if let (Some(o), Some((ni, nl))) = (old, &new) {
+            if o.info == *ni && o.labels == *nl {
+                return (affected, vec![], ipcache);
+            }
+        }
+        let old = self.pods.remove(key);
+        let mut engine = self.engine_mut();
+        let new_rec = new.map(|(info, labels)| {
+            let identity = engine.allocate_identity(&labels).id();
+            engine.add_named_ports(identity, &info.named_ports);
+            for ip in &info.ips {
+                engine.upsert_endpoint_ip(*ip, identity);
+                ipcache.push(IpcacheChange::Upsert(IpNet::from(*ip), identity));
+            }
+            affected.extend(engine.endpoints_affected_by_identity(identity));
+            PodRecord {
+                info,
+                labels,
+                identity,
+            }
+        });
+        if let Some(o) = &old {
+            affected.extend(engine.endpoints_affected_by_identity(o.identity));
+            engine.remove_named_ports(o.identity, &o.info.named_ports);
+            for ip in &o.info.ips {
+                if !new_rec.as_ref().is_some_and(|n| n.info.ips.contains(ip)) {
+                    engine.remove_endpoint_ip(*ip);
+                    ipcache.push(IpcacheChange::Remove(IpNet::from(*ip)));
+                }
+            }
+            engine.release_identity(o.identity);
+        }
+        drop(engine);
+        if let Some(r) = new_rec {
+            self.pods.insert(key.to_string(), r);
+        }
+        // Local endpoints of this pod follow its identity.
+        let mut changed_eps = Vec::new();
+        let ids: Vec<EndpointId> = self
+            .endpoints
+            .iter()
+            .filter(|(_, e)| e.record.name == key)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ids {
+            if self.refresh_endpoint_identity(id, &mut ipcache) {
+                changed_eps.push(id);
+            }
+        }
+        (affected, changed_eps, ipcache)
+    }
+
+    /// Re-derives an endpoint's identity from its pod. Returns true when it changed.
+    fn refresh_endpoint_identity(
+        &mut self,
+        id: EndpointId,
+        ipcache: &mut Vec<IpcacheChange>,
+    ) -> bool {
+        let Some(entry) = self.endpoints.get(&id) else {
+            return false;
+        };
+        let (labels, ports) = match self.pods.get(&entry.record.name) {
+            Some(p) => (p.labels.clone(), p.info.named_ports.clone()),
+            None => return false, // keep what it has (restored, or pod deleted: stays until the endpoint is)
+        };
+        if entry.labels == labels && entry.record.identity.is_some() {
+            return false;
+        }
+        let old = entry.record.identity;
+        let mut engine = self.engine_mut();
+        let new_id = engine.allocate_identity(&labels).id();
+        for ip in &entry.record.ips {
+            engine.upsert_endpoint_ip(*ip, new_id);
+            ipcache.push(IpcacheChange::Upsert(IpNet::from(*ip), new_id));
+        }
+        if let Some(o) = old {
+            engine.release_identity(o);
+        }
+        drop(engine);
+        if let Some(e) = self.endpoints.get_mut(&id) {
+            e.record.identity = Some(new_id);
+            e.labels = labels.clone();
+            e.addr.do_send(
+                SetIdentity {
+                    identity: Some(new_id),
+                    labels,
+                    named_ports: ports,
+                },
+                NAME,
+            );
+        }
+        old != Some(new_id)
+    }
+
+    fn next_endpoint_id(&self) -> Option<EndpointId> {
+        (1..=EndpointId::MAX).find(|id| !self.endpoints.contains_key(id))
+    }
+
+    fn spawn_endpoint(
+        &mut self,
+        record: EndpointRecord,
+        labels: Labels,
+        ports: Vec<NamedPort>,
+    ) -> EndpointModel {
+        let name = format!("EndpointActor/{}", record.id);
+        let journal = self.shared.registry.register(name, "EndpointActor");
+        let actor = EndpointActor::new(
+            record.clone(),
+            labels.clone(),
+            ports,
+            self.shared.clone(),
+            self.loader.clone(),
+            self.reaction.clone(),
+            journal.clone(),
+        );
+        let addr = TracedAddr::new(actor.start(), journal);
+        let model = EndpointModel {
+            id: record.id,
+            name: record.name.clone(),
+            identity: record.identity,
+            labels: labels.to_strings(),
+            ips: record.ips.iter().map(|i| i.to_string()).collect(),
+            interface: record.interface.clone(),
+            state: if record.identity.is_some() {
+                "ready"
+            } else {
+                "waiting-for-identity"
+            }
+            .into(),
+            policy_revision: 0,
+            policy_entries: 0,
+            ingress_enforced: false,
+            egress_enforced: false,
+            regenerations: 0,
+            error: None,
+            container_id: record.container_id.clone(),
+        };
+        self.endpoints.insert(
+            record.id,
+            EndpointEntry {
+                record,
+                addr,
+                labels,
+            },
+        );
+        model
+    }
+
+    fn add_endpoint(
+        &mut self,
+        req: EndpointRequest,
+        restore: Option<EndpointRecord>,
+    ) -> Result<EndpointModel, ApiError> {
+        let Some((ns, pod)) = req
+            .name
+            .split_once('/')
+            .filter(|(n, p)| !n.is_empty() && !p.is_empty() && !p.contains('/'))
+        else {
+            return Err(ApiError::Invalid(format!(
+                "endpoint name {:?} must be namespace/pod",
+                req.name
+            )));
+        };
+        let key = format!("{ns}/{pod}");
+        if let Some(cid) = &req.container_id {
+            if let Some((_, e)) = self
+                .endpoints
+                .iter()
+                .find(|(_, e)| e.record.container_id.as_ref() == Some(cid))
+            {
+                return Err(ApiError::Conflict(format!(
+                    "container {cid} already has endpoint {}",
+                    e.record.id
+                )));
+            }
+        }
+        if restore.is_none() {
+            if let Some((id, _)) = self.endpoints.iter().find(|(_, e)| e.record.name == key) {
+                return Err(ApiError::Conflict(format!(
+                    "pod {key} already has endpoint {id}"
+                )));
+            }
+            for ip in &req.ips {
+                if let Some((id, _)) = self
+                    .endpoints
+                    .iter()
+                    .find(|(_, e)| e.record.ips.contains(ip))
+                {
+                    return Err(ApiError::Conflict(format!(
+                        "address {ip} is used by endpoint {id}"
+                    )));
+                }
+            }
+        }
+        let id = match &restore {
+            Some(r) if self.endpoints.contains_key(&r.id) => {
+                return Err(ApiError::Conflict(format!(
+                    "endpoint {} exists already",
+                    r.id
+                )))
+            }
+            Some(r) => r.id,
+            None => self
+                .next_endpoint_id()
+                .ok_or_else(|| ApiError::Internal("no free endpoint id".into()))?,
+        };
+        let mut ipcache = Vec::new();
+        let (identity, labels, ports) = {
+            let pod_state = self
+                .pods
+                .get(&key)
+                .map(|p| (p.labels.clone(), p.info.named_ports.clone()));
+            let mut engine = self.engine_mut();
+            match (pod_state, &restore) {
+                (Some((labels, ports)), _) => {
+                    (Some(engine.allocate_identity(&labels).id()), labels, ports)
+                }
+                (None, Some(r)) if r.identity.is_some() => {
+                    let labels: Labels = r.labels.iter().filter_map(|s| Label::parse(s)).collect();
+                    let want = r.identity.unwrap_or_default();
+                    match engine.restore_identity(want, &labels) {
+                        Ok(a) => (Some(a.id()), labels, vec![]),
+                        Err(e) => {
+                            tracing::warn!(endpoint = id, error = %e, "cannot restore identity; waiting for the pod");
+                            (None, Labels::new(), vec![])
+                        }
+                    }
+                }
+                _ => (None, Labels::new(), vec![]),
+            }
+        };
+        if let Some(ident) = identity {
+            let mut engine = self.engine_mut();
+            for ip in &req.ips {
+                engine.upsert_endpoint_ip(*ip, ident);
+                ipcache.push(IpcacheChange::Upsert(IpNet::from(*ip), ident));
+            }
+        }
+        let record = EndpointRecord {
+            id,
+            name: key.clone(),
+            ips: req.ips.clone(),
+            interface: req.interface.clone(),
+            identity,
+            labels: labels.to_strings(),
+            policy_revision: restore.as_ref().map(|r| r.policy_revision).unwrap_or(0),
+            container_id: req.container_id.clone(),
+            netns: req.netns.clone(),
+        };
+        let model = self.spawn_endpoint(record, labels, ports);
+        let affected: BTreeSet<NumericIdentity> = identity
+            .map(|i| self.engine().endpoints_affected_by_identity(i))
+            .unwrap_or_default();
+        self.react(
+            format!("endpoint {id} added"),
+            Instant::now(),
+            &affected,
+            &[id],
+            true,
+            ipcache,
+            false,
+        );
+        Ok(model)
+    }
+
+    fn delete_endpoint(&mut self, id: EndpointId, keep_datapath: bool) -> Result<(), ApiError> {
+        let entry = self
+            .endpoints
+            .remove(&id)
+            .ok_or_else(|| ApiError::NotFound(format!("endpoint {id}")))?;
+        entry.addr.do_send(Delete { keep_datapath }, NAME);
+        if keep_datapath {
+            return Ok(());
+        }
+        let mut ipcache = Vec::new();
+        let pod_ips: Vec<IpAddr> = self
+            .pods
+            .get(&entry.record.name)
+            .map(|p| p.info.ips.clone())
+            .unwrap_or_default();
+        {
+            let mut engine = self.engine_mut();
+            for ip in &entry.record.ips {
+                if !pod_ips.contains(ip) {
+                    engine.remove_endpoint_ip(*ip);
+                    ipcache.push(IpcacheChange::Remove(IpNet::from(*ip)));
+                }
+            }
+            if let Some(i) = entry.record.identity {
+                engine.release_identity(i);
+            }
+        }
+        self.react(
+            format!("endpoint {id} deleted"),
+            Instant::now(),
+            &BTreeSet::new(),
+            &[],
+            false,
+            ipcache,
+            false,
+        );
+        Ok(())
+    }
+}
+
+impl Actor for PolicyRepoActor {
+    type Context = Context<Self>;
+}
+traced_actor!(PolicyRepoActor:
+    PolicyUpsert, PolicyRejected, PolicyDelete, ManifestStatus, PodUpsert, PodDelete, NamespaceUpsert,
+    NamespaceDelete, NodeUpsert, NodeDelete, ServiceUpsert, InitialSyncDone, AddEndpoint, DeleteEndpoint,
+    FindEndpoint, ListEndpoints, Shutdown, GetPolicies, GetIdentities, GetIpcacheView, RegenerateAll);
+
+macro_rules! traceable {
+    ($t:ty, $kind:literal, |$s:ident| $summary:expr) => {
+        impl Traceable for $t {
+            const KIND: &'static str = $kind;
+            fn summary(&self) -> String {
+                let $s = self;
+                $summary
+            }
+        }
+    };
+}
+
+// ------------------------------------------------------------------ policies
+
+/// A policy was added or changed and passed validation.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<u64, String>")]
+pub struct PolicyUpsert {
+    pub policy: ParsedPolicy,
+    /// Where it came from (`file.yaml#0`, `k8s`).
+    pub source: String,
+}
+traceable!(PolicyUpsert, "PolicyUpsert", |m| format!(
+    "policy {}",
+    m.policy.key
+));
+
+impl Handler<PolicyUpsert> for PolicyRepoActor {
+    type Result = Result<u64, String>;
+    fn handle(&mut self, msg: PolicyUpsert, _: &mut Context<Self>) -> Self::Result {
+        let accepted_at = Instant::now();
+        let key = (*msg.policy.key).clone();
+        let status = PolicyStatus {
+            kind: key.kind.as_str().into(),
+            namespace: key.namespace.clone(),
+            name: key.name.clone(),
+            rules: msg.policy.rules.len(),
+            status: "accepted".into(),
+            revision: 0,
+            source: msg.source,
+            notes: msg.policy.notes.clone(),
+            warnings: msg.policy.warnings.clone(),
+            previous_version_enforced: false,
+        };
+        let change = self.engine_mut().upsert_policy(msg.policy);
+        self.policies.insert(
+            key.clone(),
+            PolicyStatus {
+                revision: change.revision,
+                ..status
+            },
+        );
+        let ipcache: Vec<IpcacheChange> = change
+            .new_prefixes
+            .iter()
+            .map(|(p, id)| IpcacheChange::Upsert(*p, *id))
+            .chain(
+                change
+                    .removed_prefixes
+                    .iter()
+                    .map(|p| IpcacheChange::Remove(*p)),
+            )
+            .collect();
+        self.react(
+            format!("policy {}", key.short()),
+            accepted_at,
+            &change.affected,
+            &[],
+            false,
+            ipcache,
+            true,
+        );
+        Ok(change.revision)
+    }
+}
+
+/// A policy failed validation. An earlier accepted version (if any) stays in force.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct PolicyRejected {
+    /// The policy, when its kind and name could be read.
+    pub key: Option<PolicyKey>,
+    pub error: String,
+    pub source: String,
+}
+traceable!(PolicyRejected, "PolicyRejected", |m| m.error.clone());
+
+impl Handler<PolicyRejected> for PolicyRepoActor {
+    type Result = ();
+    fn handle(&mut self, msg: PolicyRejected, _: &mut Context<Self>) {
+        tracing::warn!(source = %msg.source, error = %msg.error, "policy rejected");
+        let key = msg.key.unwrap_or_else(|| {
+            PolicyKey::new(crate::policy::rule::PolicyKind::Builtin, None, &msg.source)
+        });
+        let enforced = self.engine().policy(&key).is_some();
+        let entry = self
+            .policies
+            .entry(key.clone())
+            .or_insert_with(|| PolicyStatus {
+                kind: key.kind.as_str().into(),
+                namespace: key.namespace.clone(),
+                name: key.name.clone(),
+                rules: 0,
+                status: String::new(),
+                revision: 0,
+                source: msg.source.clone(),
+                notes: vec![],
+                warnings: vec![],
+                previous_version_enforced: false,
+            });
+        entry.status = format!("rejected: {}", msg.error);
+        entry.source = msg.source;
+        entry.previous_version_enforced = enforced;
+        self.update_gauges();
+    }
+}
+
+/// A policy was deleted.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<u64, String>")]
+pub struct PolicyDelete {
+    pub key: PolicyKey,
+}
+traceable!(PolicyDelete, "PolicyDelete", |m| format!(
+    "policy {}",
+    m.key
+));
+
+impl Handler<PolicyDelete> for PolicyRepoActor {
+    type Result = Result<u64, String>;
+    fn handle(&mut self, msg: PolicyDelete, _: &mut Context<Self>) -> Self::Result {
+        let accepted_at = Instant::now();
+        self.policies.remove(&msg.key);
+        let change = self.engine_mut().delete_policy(&msg.key);
+        match change {
+            Some(change) => {
+                let ipcache = change
+                    .removed_prefixes
+                    .iter()
+                    .map(|p| IpcacheChange::Remove(*p))
+                    .collect();
+                self.react(
+                    format!("policy {} deleted", msg.key.short()),
+                    accepted_at,
+                    &change.affected,
+                    &[],
+                    false,
+                    ipcache,
+                    true,
+                );
+                Ok(change.revision)
+            }
+            None => {
+                self.update_gauges();
+                Ok(self.engine().revision())
+            }
+        }
+    }
+}
+
+/// A manifest file was read (error: `None`) or could not be (its objects stay as they were).
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct ManifestStatus {
+    pub file: String,
+    pub error: Option<String>,
+}
+traceable!(ManifestStatus, "ManifestStatus", |m| format!(
+    "{}: {}",
+    m.file,
+    m.error.as_deref().unwrap_or("ok")
+));
+
+impl Handler<ManifestStatus> for PolicyRepoActor {
+    type Result = ();
+    fn handle(&mut self, msg: ManifestStatus, _: &mut Context<Self>) {
+        match msg.error {
+            Some(e) => {
+                self.manifest_errors.insert(msg.file, e);
+            }
+            None => {
+                self.manifest_errors.remove(&msg.file);
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------ cluster objects
+
+/// A pod appeared or changed.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct PodUpsert {
+    pub pod: PodInfo,
+}
+traceable!(PodUpsert, "PodUpsert", |m| format!("pod {}", m.pod.key()));
+
+impl Handler<PodUpsert> for PolicyRepoActor {
+    type Result = ();
+    fn handle(&mut self, msg: PodUpsert, _: &mut Context<Self>) {
+        let key = msg.pod.key();
+        let (affected, eps, ipcache) = self.apply_pod(&key, Some(msg.pod));
+        if !affected.is_empty() || !eps.is_empty() || !ipcache.is_empty() {
+            self.react(
+                format!("pod {key}"),
+                Instant::now(),
+                &affected,
+                &eps,
+                true,
+                ipcache,
+                false,
+            );
+        }
+    }
+}
+
+/// A pod went away.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct PodDelete {
+    /// `namespace/name`.
+    pub key: String,
+}
+traceable!(PodDelete, "PodDelete", |m| format!("pod {}", m.key));
+
+impl Handler<PodDelete> for PolicyRepoActor {
+    type Result = ();
+    fn handle(&mut self, msg: PodDelete, _: &mut Context<Self>) {
+        let (affected, eps, ipcache) = self.apply_pod(&msg.key, None);
+        self.react(
+            format!("pod {} deleted", msg.key),
+            Instant::now(),
+            &affected,
+            &eps,
+            true,
+            ipcache,
+            false,
+        );
+    }
+}
+
+/// A namespace appeared or its labels changed: its pods' identities follow.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct NamespaceUpsert {
+    pub namespace: NamespaceInfo,
+}
+traceable!(NamespaceUpsert, "NamespaceUpsert", |m| format!(
+    "namespace {}",
+    m.namespace.name
+));
+
+impl Handler<NamespaceUpsert> for PolicyRepoActor {
+    type Result = ();
+    fn handle(&mut self, msg: NamespaceUpsert, _: &mut Context<Self>) {
+        let name = msg.namespace.name.clone();
+        if self.namespaces.get(&name) == Some(&msg.namespace) {
+            return;
+        }
+        self.namespaces.insert(name.clone(), msg.namespace);
+        self.refresh_namespace(&name);
+    }
+}
+
+impl PolicyRepoActor {
+    fn refresh_namespace(&mut self, name: &str) {
+        let pods: Vec<(String, PodInfo)> = self
+            .pods
+            .iter()
+            .filter(|(_, p)| p.info.namespace == name)
+            .map(|(k, p)| (k.clone(), p.info.clone()))
+            .collect();
+        let (mut affected, mut eps, mut ipcache) = (BTreeSet::new(), Vec::new(), Vec::new());
+        for (k, info) in pods {
+            let (a, e, i) = self.apply_pod(&k, Some(info));
+            affected.extend(a);
+            eps.extend(e);
+            ipcache.extend(i);
+        }
+        if !affected.is_empty() || !eps.is_empty() || !ipcache.is_empty() {
+            self.react(
+                format!("namespace {name}"),
+                Instant::now(),
+                &affected,
+                &eps,
+                true,
+                ipcache,
+                false,
+            );
+        }
+    }
+}
+
+/// A namespace went away.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct NamespaceDelete {
+    pub name: String,
+}
+traceable!(NamespaceDelete, "NamespaceDelete", |m| format!(
+    "namespace {}",
+    m.name
+));
+
+impl Handler<NamespaceDelete> for PolicyRepoActor {
+    type Result = ();
+    fn handle(&mut self, msg: NamespaceDelete, _: &mut Context<Self>) {
+        if self.namespaces.remove(&msg.name).is_some() {
+            self.refresh_namespace(&msg.name);
+        }
+    }
+}
+
+/// A node appeared or changed: its addresses are `host` (this node) or `remote-node`.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct NodeUpsert {
+    pub node: NodeInfo,
+}
+traceable!(NodeUpsert, "NodeUpsert", |m| format!(
+    "node {}",
+    m.node.name
+));
+
+impl Handler<NodeUpsert> for PolicyRepoActor {
+    type Result = ();
+    fn handle(&mut self, msg: NodeUpsert, _: &mut Context<Self>) {
+        let identity = if msg.node.name == self.shared.node_name {
+            IDENTITY_HOST
+        } else {
+            IDENTITY_REMOTE_NODE
+        };
+        let mut ipcache = Vec::new();
+        {
+            let mut engine = self.engine_mut();
+            if let Some(old) = self.nodes.get(&msg.node.name) {
+                for ip in old.ips.iter().filter(|ip| !msg.node.ips.contains(ip)) {
+                    engine.remove_endpoint_ip(*ip);
+                    ipcache.push(IpcacheChange::Remove(IpNet::from(*ip)));
+                }
+            }
+            for ip in &msg.node.ips {
+                engine.upsert_endpoint_ip(*ip, identity);
+                ipcache.push(IpcacheChange::Upsert(IpNet::from(*ip), identity));
+            }
+        }
+        self.nodes.insert(msg.node.name.clone(), msg.node);
+        self.react(
+            "node".into(),
+            Instant::now(),
+            &BTreeSet::new(),
+            &[],
+            false,
+            ipcache,
+            false,
+        );
+    }
+}
+
+/// A node went away.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct NodeDelete {
+    pub name: String,
+}
+traceable!(NodeDelete, "NodeDelete", |m| format!("node {}", m.name));
+
+impl Handler<NodeDelete> for PolicyRepoActor {
+    type Result = ();
+    fn handle(&mut self, msg: NodeDelete, _: &mut Context<Self>) {
+        let Some(old) = self.nodes.remove(&msg.name) else {
+            return;
+        };
+        let mut ipcache = Vec::new();
+        {
+            let mut engine = self.engine_mut();
+            for ip in &old.ips {
+                engine.remove_endpoint_ip(*ip);
+                ipcache.push(IpcacheChange::Remove(IpNet::from(*ip)));
+            }
+        }
+        self.react(
+            "node deleted".into(),
+            Instant::now(),
+            &BTreeSet::new(),
+            &[],
+            false,
+            ipcache,
+            false,
+        );
+    }
+}
+
+/// A service appeared, changed or (with `deleted`) went away. Kept for `toServices`.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct ServiceUpsert {
+    pub service: ServiceInfo,
+    pub deleted: bool,
+}
+traceable!(ServiceUpsert, "ServiceUpsert", |m| format!(
+    "service {}/{}",
+    m.service.namespace, m.service.name
+));
+
+impl Handler<ServiceUpsert> for PolicyRepoActor {
+    type Result = ();
+    fn handle(&mut self, msg: ServiceUpsert, _: &mut Context<Self>) {
+        let key = format!("{}/{}", msg.service.namespace, msg.service.name);
+        if msg.deleted {
+            self.services.remove(&key);
+        } else {
+            self.services.insert(key, msg.service);
+        }
+    }
+}
+
+/// The watcher delivered the initial state: regenerate every endpoint, then report ready.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct InitialSyncDone;
+traceable!(InitialSyncDone, "InitialSyncDone", |_m| String::new());
+
+impl Handler<InitialSyncDone> for PolicyRepoActor {
+    type Result = ();
+    fn handle(&mut self, _: InitialSyncDone, ctx: &mut Context<Self>) {
+        if self.initial_sync_done {
+            return;
+        }
+        self.initial_sync_done = true;
+        // Restored endpoints whose pods are now known take their identity from the pod.
+        let ids: Vec<EndpointId> = self.endpoints.keys().copied().collect();
+        let mut ipcache = Vec::new();
+        for id in ids {
+            self.refresh_endpoint_identity(id, &mut ipcache);
+        }
+        let revision = self.engine().revision();
+        let to_regenerate: Vec<EndpointHandle> = self
+            .endpoints
+            .iter()
+            .map(|(id, e)| (*id, e.addr.clone()))
+            .collect();
+        tracing::info!(
+            revision,
+            endpoints = to_regenerate.len(),
+            "initial sync done; regenerating endpoints"
+        );
+        self.reaction.do_send(
+            PolicyReaction {
+                revision,
+                accepted_at: Instant::now(),
+                reason: "initial sync".into(),
+                to_regenerate: to_regenerate
+                    .into_iter()
+                    .filter(|(id, _)| {
+                        self.endpoints
+                            .get(id)
+                            .is_some_and(|e| e.record.identity.is_some())
+                    })
+                    .collect(),
+                to_bump: vec![],
+                force: true,
+                ipcache,
+                observe_delay: false,
+                set_ready: true,
+            },
+            NAME,
+        );
+        self.update_gauges();
+        let _ = ctx.address();
+    }
+}
+
+// ------------------------------------------------------------------ endpoints
+
+/// Creates an endpoint (API or CNI), or restores one from the state directory.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<EndpointModel, ApiError>")]
+pub struct AddEndpoint {
+    pub request: EndpointRequest,
+    pub restore: Option<EndpointRecord>,
+}
+traceable!(AddEndpoint, "AddEndpoint", |m| format!(
+    "{} {}{}",
+    m.request.name,
+    m.request
+        .ips
+        .iter()
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join(","),
+    if m.restore.is_some() {
+        " (restore)"
+    } else {
+        ""
+    }
+));
+
+impl Handler<AddEndpoint> for PolicyRepoActor {
+    type Result = Result<EndpointModel, ApiError>;
+    fn handle(&mut self, msg: AddEndpoint, _: &mut Context<Self>) -> Self::Result {
+        self.add_endpoint(msg.request, msg.restore)
+    }
+}
+
+/// Deletes an endpoint.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<(), ApiError>")]
+pub struct DeleteEndpoint {
+    pub id: EndpointId,
+}
+traceable!(DeleteEndpoint, "DeleteEndpoint", |m| format!(
+    "endpoint {}",
+    m.id
+));
+
+impl Handler<DeleteEndpoint> for PolicyRepoActor {
+    type Result = Result<(), ApiError>;
+    fn handle(&mut self, msg: DeleteEndpoint, _: &mut Context<Self>) -> Self::Result {
+        self.delete_endpoint(msg.id, false)
+    }
+}
+
+/// Finds an endpoint by its container id (CNI DEL).
+#[derive(Debug, Message)]
+#[rtype(result = "Result<Option<EndpointId>, ApiError>")]
+pub struct FindEndpoint {
+    pub container_id: String,
+}
+traceable!(FindEndpoint, "FindEndpoint", |m| format!(
+    "container {}",
+    m.container_id
+));
+
+impl Handler<FindEndpoint> for PolicyRepoActor {
+    type Result = Result<Option<EndpointId>, ApiError>;
+    fn handle(&mut self, msg: FindEndpoint, _: &mut Context<Self>) -> Self::Result {
+        Ok(self
+            .endpoints
+            .iter()
+            .find(|(_, e)| e.record.container_id.as_deref() == Some(&msg.container_id))
+            .map(|(id, _)| *id))
+    }
+}
+
+/// The endpoint actors, for the API to query.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<Vec<EndpointHandle>, ApiError>")]
+pub struct ListEndpoints;
+traceable!(ListEndpoints, "ListEndpoints", |_m| String::new());
+
+impl Handler<ListEndpoints> for PolicyRepoActor {
+    type Result = Result<Vec<EndpointHandle>, ApiError>;
+    fn handle(&mut self, _: ListEndpoints, _: &mut Context<Self>) -> Self::Result {
+        Ok(self
+            .endpoints
+            .iter()
+            .map(|(id, e)| (*id, e.addr.clone()))
+            .collect())
+    }
+}
+
+/// Stops every endpoint actor, leaving the datapath and state in place (agent shutdown).
+#[derive(Debug, Message)]
+#[rtype(result = "Result<(), ApiError>")]
+pub struct Shutdown;
+traceable!(Shutdown, "Shutdown", |_m| String::new());
+
+impl Handler<Shutdown> for PolicyRepoActor {
+    type Result = Result<(), ApiError>;
+    fn handle(&mut self, _: Shutdown, _: &mut Context<Self>) -> Self::Result {
+        let ids: Vec<EndpointId> = self.endpoints.keys().copied().collect();
+        for id in ids {
+            self.delete_endpoint(id, true)?;
+        }
+        Ok(())
+    }
+}
+
+/// `/debug/policy`.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<PolicyOverview, ApiError>")]
+pub struct GetPolicies;
+traceable!(GetPolicies, "GetPolicies", |_m| String::new());
+
+impl Handler<GetPolicies> for PolicyRepoActor {
+    type Result = Result<PolicyOverview, ApiError>;
+    fn handle(&mut self, _: GetPolicies, _: &mut Context<Self>) -> Self::Result {
+        Ok(PolicyOverview {
+            revision: self.engine().revision(),
+            policies: self.policies.values().cloned().collect(),
+            manifest_errors: self.manifest_errors.clone(),
+        })
+    }
+}
+
+/// `/debug/identities`.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<Vec<IdentityModel>, ApiError>")]
+pub struct GetIdentities;
+traceable!(GetIdentities, "GetIdentities", |_m| String::new());
+
+impl Handler<GetIdentities> for PolicyRepoActor {
+    type Result = Result<Vec<IdentityModel>, ApiError>;
+    fn handle(&mut self, _: GetIdentities, _: &mut Context<Self>) -> Self::Result {
+        let e = self.engine();
+        let mut v: Vec<IdentityModel> = e
+            .identities()
+            .iter()
+            .map(|i| IdentityModel {
+                id: i.id,
+                labels: i.labels.to_strings(),
+                kind: if reserved_name(i.id).is_some() {
+                    "reserved"
+                } else if i.cidr.is_some() {
+                    "cidr"
+                } else {
+                    "cluster"
+                },
+            })
+            .collect();
+        v.sort_by_key(|i| i.id);
+        Ok(v)
+    }
+}
+
+/// `/debug/ipcache`: the engine's view (the datapath's may lag until regenerations finish).
+#[derive(Debug, Message)]
+#[rtype(result = "Result<Vec<IpcacheModel>, ApiError>")]
+pub struct GetIpcacheView;
+traceable!(GetIpcacheView, "GetIpcacheView", |_m| String::new());
+
+impl Handler<GetIpcacheView> for PolicyRepoActor {
+    type Result = Result<Vec<IpcacheModel>, ApiError>;
+    fn handle(&mut self, _: GetIpcacheView, _: &mut Context<Self>) -> Self::Result {
+        Ok(self
+            .engine()
+            .ipcache()
+            .entries()
+            .into_iter()
+            .map(|(p, id)| IpcacheModel {
+                prefix: p.to_string(),
+                identity: id,
+            })
+            .collect())
+    }
+}
+
+/// Asks every endpoint to regenerate (used after restore and by tests).
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct RegenerateAll {
+    pub reason: String,
+}
+traceable!(RegenerateAll, "RegenerateAll", |m| m.reason.clone());
+
+impl Handler<RegenerateAll> for PolicyRepoActor {
+    type Result = ();
+    fn handle(&mut self, msg: RegenerateAll, _: &mut Context<Self>) {
+        let revision = self.engine().revision();
+        for e in self.endpoints.values() {
+            e.addr.do_send(
+                Regenerate {
+                    revision,
+                    reason: msg.reason.clone(),
+                    force: true,
+                },
+                NAME,
+            );
+        }
+    }
+}

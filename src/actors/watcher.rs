@@ -1,0 +1,436 @@
+//! `WatcherActor` in standalone mode: the manifest directory plays the API server.
+//!
+//! It reads every `*.yaml`/`*.yml`/`*.json` file (several documents per file, `kind: List`
+//! too), then watches the directory (inotify through `notify`, debounced) and, on every change,
+//! re-reads it and sends only what changed: upserts of new or modified objects, deletes of
+//! objects that disappeared (a removed file deletes its objects). A file that does not parse is
+//! reported (log and `/debug/policy`) and the objects it held before stay in force.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use actix::{Actor, AsyncContext, Context, Handler, Message};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Service};
+use notify_debouncer_mini::notify::{RecommendedWatcher, RecursiveMode};
+use notify_debouncer_mini::{new_debouncer, DebounceEventResult, Debouncer};
+use serde_yaml::Value;
+
+use super::policy_repo::{
+    InitialSyncDone, ManifestStatus, NamespaceDelete, NamespaceUpsert, NodeDelete, NodeUpsert,
+    PodDelete, PodUpsert, PolicyDelete, PolicyRejected, PolicyRepoActor, PolicyUpsert,
+    ServiceUpsert,
+};
+use crate::agent::introspect::{Traceable, TracedAddr};
+use crate::agent::objects::{namespace_info, node_info, pod_info, service_info, ServiceInfo};
+use crate::policy::rule::{PolicyKey, PolicyKind};
+use crate::policy::translate::parse_policy;
+use crate::traced_actor;
+
+const NAME: &str = "WatcherActor";
+const DEFAULT_NAMESPACE: &str = "default";
+
+/// Objects are keyed by (apply order, kind, namespace, name): namespaces before pods, pods
+/// before policies, so identities exist before the rules that select them.
+type ObjKey = (u8, String, String, String);
+
+#[derive(Debug, Clone, PartialEq)]
+struct Obj {
+    value: Value,
+    location: String,
+}
+
+fn kind_order(kind: &str) -> Option<u8> {
+    Some(match kind {
+        "Namespace" => 0,
+        "Node" => 1,
+        "Service" => 2,
+        "Pod" => 3,
+        "NetworkPolicy" | "CiliumNetworkPolicy" | "CiliumClusterwideNetworkPolicy" => 4,
+        _ => return None,
+    })
+}
+
+fn str_at<'a>(v: &'a Value, path: &[&str]) -> Option<&'a str> {
+    let mut v = v;
+    for p in path {
+        v = v.get(p)?;
+    }
+    v.as_str()
+}
+
+fn object_key(doc: &Value) -> Option<ObjKey> {
+    let kind = str_at(doc, &["kind"])?;
+    let order = kind_order(kind)?;
+    let name = str_at(doc, &["metadata", "name"]).unwrap_or("").to_string();
+    let cluster_scoped = matches!(
+        kind,
+        "Namespace" | "Node" | "CiliumClusterwideNetworkPolicy"
+    );
+    let ns = if cluster_scoped {
+        String::new()
+    } else {
+        str_at(doc, &["metadata", "namespace"])
+            .filter(|s| !s.is_empty())
+            .unwrap_or(DEFAULT_NAMESPACE)
+            .to_string()
+    };
+    Some((order, kind.to_string(), ns, name))
+}
+
+/// Reads the documents of one file (a `kind: List` contributes its items).
+fn read_documents(path: &Path) -> Result<Vec<Value>, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read: {e}"))?;
+    let mut docs = Vec::new();
+    for de in serde_yaml::Deserializer::from_str(&text) {
+        let v: Value =
+            serde::Deserialize::deserialize(de).map_err(|e| format!("not valid YAML: {e}"))?;
+        match v {
+            Value::Null => {}
+            v if str_at(&v, &["kind"]) == Some("List") => {
+                if let Some(items) = v.get("items").and_then(Value::as_sequence) {
+                    docs.extend(items.iter().cloned());
+                }
+            }
+            v => docs.push(v),
+        }
+    }
+    Ok(docs)
+}
+
+fn manifest_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let p = e.path();
+        let name = e.file_name().to_string_lossy().to_string();
+        if name.starts_with('.') || name.ends_with('~') {
+            continue;
+        }
+        if p.is_dir() {
+            manifest_files(&p, out);
+        } else if matches!(
+            p.extension().and_then(|x| x.to_str()),
+            Some("yaml" | "yml" | "json")
+        ) {
+            out.push(p);
+        }
+    }
+}
+
+pub struct WatcherActor {
+    dir: PathBuf,
+    repo: TracedAddr<PolicyRepoActor>,
+    objects: BTreeMap<ObjKey, Obj>,
+    /// The objects each file held when it last parsed.
+    by_file: BTreeMap<PathBuf, Vec<(ObjKey, Obj)>>,
+    file_errors: BTreeMap<PathBuf, String>,
+    debouncer: Option<Debouncer<RecommendedWatcher>>,
+    me: Option<TracedAddr<WatcherActor>>,
+}
+
+impl WatcherActor {
+    pub fn new(dir: PathBuf, repo: TracedAddr<PolicyRepoActor>) -> Self {
+        WatcherActor {
+            dir,
+            repo,
+            objects: BTreeMap::new(),
+            by_file: BTreeMap::new(),
+            file_errors: BTreeMap::new(),
+            debouncer: None,
+            me: None,
+        }
+    }
+
+    /// Gives the actor its own traced address (for the file-watch thread).
+    pub fn with_self(mut self, me: TracedAddr<WatcherActor>) -> Self {
+        self.me = Some(me);
+        self
+    }
+
+    fn rel(&self, p: &Path) -> String {
+        p.strip_prefix(&self.dir).unwrap_or(p).display().to_string()
+    }
+
+    /// Re-reads the directory and sends the differences.
+    fn rescan(&mut self) -> Result<usize, String> {
+        let mut files = Vec::new();
+        manifest_files(&self.dir, &mut files);
+        files.sort();
+        let mut by_file: BTreeMap<PathBuf, Vec<(ObjKey, Obj)>> = BTreeMap::new();
+        for f in &files {
+            let rel = self.rel(f);
+            match read_documents(f) {
+                Ok(docs) => {
+                    let mut objs = Vec::new();
+                    for (i, doc) in docs.into_iter().enumerate() {
+                        let location = format!("{rel}#{i}");
+                        match object_key(&doc) {
+                            Some(k) => objs.push((
+                                k,
+                                Obj {
+                                    value: doc,
+                                    location,
+                                },
+                            )),
+                            None => {
+                                tracing::debug!(%location, "ignoring a document of a kind the agent does not use")
+                            }
+                        }
+                    }
+                    if self.file_errors.remove(f).is_some() {
+                        self.repo.do_send(
+                            ManifestStatus {
+                                file: rel.clone(),
+                                error: None,
+                            },
+                            NAME,
+                        );
+                    }
+                    by_file.insert(f.clone(), objs);
+                }
+                Err(e) => {
+                    tracing::warn!(file = %rel, error = %e, "manifest not loaded; its previous objects stay in force");
+                    if self.file_errors.get(f) != Some(&e) {
+                        self.repo.do_send(
+                            ManifestStatus {
+                                file: rel.clone(),
+                                error: Some(e.clone()),
+                            },
+                            NAME,
+                        );
+                    }
+                    self.file_errors.insert(f.clone(), e);
+                    by_file.insert(f.clone(), self.by_file.get(f).cloned().unwrap_or_default());
+                }
+            }
+        }
+        // Files that vanished take their objects with them (and their errors).
+        for f in self
+            .file_errors
+            .keys()
+            .filter(|f| !by_file.contains_key(*f))
+            .cloned()
+            .collect::<Vec<_>>()
+        {
+            self.file_errors.remove(&f);
+            self.repo.do_send(
+                ManifestStatus {
+                    file: self.rel(&f),
+                    error: None,
+                },
+                NAME,
+            );
+        }
+        let mut objects: BTreeMap<ObjKey, Obj> = BTreeMap::new();
+        for objs in by_file.values() {
+            for (k, o) in objs {
+                if let Some(prev) = objects.insert(k.clone(), o.clone()) {
+                    tracing::warn!(object = ?k, first = %prev.location, second = %o.location, "object defined twice; the later one wins");
+                }
+            }
+        }
+        let mut sent = 0;
+        // Deletes in reverse apply order (policies before pods before namespaces).
+        let gone: Vec<ObjKey> = self
+            .objects
+            .keys()
+            .rev()
+            .filter(|k| !objects.contains_key(*k))
+            .cloned()
+            .collect();
+        for k in gone {
+            self.send_delete(&k);
+            sent += 1;
+        }
+        for (k, o) in &objects {
+            if self.objects.get(k).map(|old| &old.value) != Some(&o.value) {
+                self.send_upsert(k, o);
+                sent += 1;
+            }
+        }
+        self.objects = objects;
+        self.by_file = by_file;
+        Ok(sent)
+    }
+
+    fn send_upsert(&self, k: &ObjKey, o: &Obj) {
+        let (_, kind, ns, _) = k;
+        let report = |e: String| {
+            tracing::warn!(location = %o.location, error = %e, "object not usable");
+            self.repo.do_send(
+                ManifestStatus {
+                    file: o.location.clone(),
+                    error: Some(e),
+                },
+                NAME,
+            );
+        };
+        match kind.as_str() {
+            "Namespace" => match serde_yaml::from_value::<Namespace>(o.value.clone())
+                .map_err(|e| e.to_string())
+                .and_then(|n| namespace_info(&n))
+            {
+                Ok(namespace) => self.repo.do_send(NamespaceUpsert { namespace }, NAME),
+                Err(e) => report(e),
+            },
+            "Node" => match serde_yaml::from_value::<Node>(o.value.clone())
+                .map_err(|e| e.to_string())
+                .and_then(|n| node_info(&n))
+            {
+                Ok(node) => self.repo.do_send(NodeUpsert { node }, NAME),
+                Err(e) => report(e),
+            },
+            "Service" => match serde_yaml::from_value::<Service>(o.value.clone())
+                .map_err(|e| e.to_string())
+                .and_then(|s| service_info(&s, ns))
+            {
+                Ok(service) => self.repo.do_send(
+                    ServiceUpsert {
+                        service,
+                        deleted: false,
+                    },
+                    NAME,
+                ),
+                Err(e) => report(e),
+            },
+            "Pod" => match serde_yaml::from_value::<Pod>(o.value.clone())
+                .map_err(|e| e.to_string())
+                .and_then(|p| pod_info(&p, ns))
+            {
+                Ok(pod) => self.repo.do_send(PodUpsert { pod }, NAME),
+                Err(e) => report(e),
+            },
+            _ => match parse_policy(&o.value, DEFAULT_NAMESPACE, &o.location) {
+                Ok(policy) => {
+                    for w in &policy.warnings {
+                        tracing::warn!(location = %o.location, "{w}");
+                    }
+                    self.repo.do_send(
+                        PolicyUpsert {
+                            policy,
+                            source: o.location.clone(),
+                        },
+                        NAME,
+                    )
+                }
+                Err(e) => self.repo.do_send(
+                    PolicyRejected {
+                        key: policy_key(k),
+                        error: e.to_string(),
+                        source: o.location.clone(),
+                    },
+                    NAME,
+                ),
+            },
+        }
+    }
+
+    fn send_delete(&self, k: &ObjKey) {
+        let (_, kind, ns, name) = k;
+        match kind.as_str() {
+            "Namespace" => self
+                .repo
+                .do_send(NamespaceDelete { name: name.clone() }, NAME),
+            "Node" => self.repo.do_send(NodeDelete { name: name.clone() }, NAME),
+            "Service" => self.repo.do_send(
+                ServiceUpsert {
+                    service: ServiceInfo {
+                        namespace: ns.clone(),
+                        name: name.clone(),
+                        selector: Default::default(),
+                        cluster_ips: vec![],
+                    },
+                    deleted: true,
+                },
+                NAME,
+            ),
+            "Pod" => self.repo.do_send(
+                PodDelete {
+                    key: format!("{ns}/{name}"),
+                },
+                NAME,
+            ),
+            _ => {
+                if let Some(key) = policy_key(k) {
+                    self.repo.do_send(PolicyDelete { key }, NAME);
+                }
+            }
+        }
+    }
+}
+
+fn policy_key(k: &ObjKey) -> Option<PolicyKey> {
+    let (_, kind, ns, name) = k;
+    let kind = PolicyKind::from_kind(kind)?;
+    (!name.is_empty())
+        .then(|| PolicyKey::new(kind, kind.is_namespaced().then_some(ns.as_str()), name))
+}
+
+impl Actor for WatcherActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        // Watch first, then read: a change in between is seen by the watch.
+        if let Some(me) = self.me.clone() {
+            match new_debouncer(
+                Duration::from_millis(150),
+                move |res: DebounceEventResult| {
+                    if let Err(e) = &res {
+                        tracing::warn!(error = %e, "file watch error; rescanning");
+                    }
+                    me.do_send(
+                        Rescan {
+                            reason: "file change",
+                        },
+                        "inotify",
+                    );
+                },
+            ) {
+                Ok(mut d) => match d.watcher().watch(&self.dir, RecursiveMode::Recursive) {
+                    Ok(()) => self.debouncer = Some(d),
+                    Err(e) => {
+                        tracing::error!(dir = %self.dir.display(), error = %e, "cannot watch the manifest directory; edits need a restart")
+                    }
+                },
+                Err(e) => tracing::error!(error = %e, "cannot start the file watcher"),
+            }
+        }
+        match self.rescan() {
+            Ok(n) => {
+                tracing::info!(dir = %self.dir.display(), objects = self.objects.len(), events = n, "manifests loaded")
+            }
+            Err(e) => tracing::error!(error = %e, "initial manifest scan failed"),
+        }
+        self.repo.do_send(InitialSyncDone, NAME);
+        // A periodic rescan backs the watch up (missed events, replaced directories).
+        if let Some(me) = self.me.clone() {
+            ctx.run_interval(Duration::from_secs(30), move |_, _| {
+                me.do_send(Rescan { reason: "periodic" }, NAME)
+            });
+        }
+    }
+}
+traced_actor!(WatcherActor: Rescan);
+
+/// Re-read the manifest directory.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<usize, String>")]
+pub struct Rescan {
+    pub reason: &'static str,
+}
+
+impl Traceable for Rescan {
+    const KIND: &'static str = "Rescan";
+    fn summary(&self) -> String {
+        self.reason.to_string()
+    }
+}
+
+impl Handler<Rescan> for WatcherActor {
+    type Result = Result<usize, String>;
+    fn handle(&mut self, _: Rescan, _: &mut Context<Self>) -> Self::Result {
+        self.rescan()
+    }
+}

@@ -1,0 +1,140 @@
+//! Prometheus metrics (prometheus-client), with the names `interfaces.md` section 3 fixes.
+
+use std::sync::Mutex;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ActorLabels {
+    pub actor: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ActorMessageLabels {
+    pub actor: String,
+    pub message: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    pub outcome: String,
+}
+
+/// Every metric the agent exports.
+pub struct Metrics {
+    registry: Mutex<Registry>,
+    pub policy_implementation_delay: Histogram,
+    pub endpoint_regeneration: Histogram,
+    pub policy_revision: Gauge,
+    pub endpoints: Gauge,
+    pub identities: Gauge,
+    pub actor_mailbox: Family<ActorLabels, Gauge>,
+    pub actor_messages_handled: Family<ActorMessageLabels, Counter>,
+    pub regenerations: Family<OutcomeLabels, Counter>,
+    pub policy_map_full: Counter,
+    pub datapath_errors: Counter,
+    pub policies_rejected: Gauge,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut r = Registry::default();
+        // 100us .. ~100s
+        let delay = Histogram::new(exponential_buckets(0.0001, 2.0, 20));
+        let regen = Histogram::new(exponential_buckets(0.00001, 2.0, 22));
+        let m = Metrics {
+            registry: Mutex::new(Registry::default()),
+            policy_implementation_delay: delay,
+            endpoint_regeneration: regen,
+            policy_revision: Gauge::default(),
+            endpoints: Gauge::default(),
+            identities: Gauge::default(),
+            actor_mailbox: Family::default(),
+            actor_messages_handled: Family::default(),
+            regenerations: Family::default(),
+            policy_map_full: Counter::default(),
+            datapath_errors: Counter::default(),
+            policies_rejected: Gauge::default(),
+        };
+        r.register(
+            "ciliate_policy_implementation_delay_seconds",
+            "Time from a policy change being accepted to every affected endpoint's datapath realizing it",
+            m.policy_implementation_delay.clone(),
+        );
+        r.register(
+            "ciliate_endpoint_regeneration_seconds",
+            "Time one endpoint regeneration took (resolve, diff, datapath sync, state write)",
+            m.endpoint_regeneration.clone(),
+        );
+        r.register(
+            "ciliate_policy_revision",
+            "Current policy repository revision",
+            m.policy_revision.clone(),
+        );
+        r.register(
+            "ciliate_endpoints",
+            "Endpoints managed by this agent",
+            m.endpoints.clone(),
+        );
+        r.register(
+            "ciliate_identities",
+            "Security identities allocated",
+            m.identities.clone(),
+        );
+        r.register(
+            "ciliate_actor_mailbox_messages",
+            "Messages waiting in the mailboxes of the actors of a kind",
+            m.actor_mailbox.clone(),
+        );
+        r.register(
+            "ciliate_actor_messages_handled",
+            "Messages handled, by actor kind and message",
+            m.actor_messages_handled.clone(),
+        );
+        r.register(
+            "ciliate_endpoint_regenerations",
+            "Endpoint regenerations by outcome",
+            m.regenerations.clone(),
+        );
+        r.register(
+            "ciliate_policy_map_full",
+            "Policy syncs refused because an endpoint's policy map was full (the endpoint fails closed)",
+            m.policy_map_full.clone(),
+        );
+        r.register(
+            "ciliate_datapath_errors",
+            "Datapath operations that failed",
+            m.datapath_errors.clone(),
+        );
+        r.register(
+            "ciliate_policies_rejected",
+            "Policies currently rejected by validation",
+            m.policies_rejected.clone(),
+        );
+        if let Ok(mut reg) = m.registry.lock() {
+            *reg = r;
+        }
+        m
+    }
+
+    /// The Prometheus text exposition.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        if let Ok(reg) = self.registry.lock() {
+            let _ = encode(&mut out, &reg);
+        }
+        out
+    }
+}

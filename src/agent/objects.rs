@@ -1,0 +1,248 @@
+//! The cluster objects the agent needs, independent of where they come from (a manifest
+//! directory now, kube-rs watchers in Kubernetes mode): converted from k8s-openapi types.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Service};
+use serde::Serialize;
+
+use crate::policy::engine::NamedPort;
+use crate::policy::rule::{PROTO_SCTP, PROTO_TCP, PROTO_UDP};
+
+/// `namespace/name` of a namespaced object.
+pub type ObjectName = String;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PodInfo {
+    pub namespace: String,
+    pub name: String,
+    pub labels: BTreeMap<String, String>,
+    pub ips: Vec<IpAddr>,
+    pub node: Option<String>,
+    pub service_account: String,
+    #[serde(skip)]
+    pub named_ports: Vec<NamedPort>,
+}
+
+impl PodInfo {
+    pub fn key(&self) -> ObjectName {
+        format!("{}/{}", self.namespace, self.name)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct NamespaceInfo {
+    pub name: String,
+    pub labels: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct NodeInfo {
+    pub name: String,
+    pub labels: BTreeMap<String, String>,
+    pub annotations: BTreeMap<String, String>,
+    pub ips: Vec<IpAddr>,
+    pub pod_cidrs: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ServiceInfo {
+    pub namespace: String,
+    pub name: String,
+    pub selector: BTreeMap<String, String>,
+    pub cluster_ips: Vec<String>,
+}
+
+fn protocol_number(p: Option<&str>) -> u8 {
+    match p.unwrap_or("TCP").to_ascii_uppercase().as_str() {
+        "UDP" => PROTO_UDP,
+        "SCTP" => PROTO_SCTP,
+        _ => PROTO_TCP,
+    }
+}
+
+/// Converts a Pod; `default_namespace` applies when the manifest has none.
+pub fn pod_info(pod: &Pod, default_namespace: &str) -> Result<PodInfo, String> {
+    let name = pod
+        .metadata
+        .name
+        .clone()
+        .filter(|n| !n.is_empty())
+        .ok_or("metadata.name: missing")?;
+    let namespace = pod
+        .metadata
+        .namespace
+        .clone()
+        .filter(|n| !n.is_empty())
+        .unwrap_or_else(|| default_namespace.to_string());
+    let mut ips = Vec::new();
+    if let Some(status) = &pod.status {
+        let listed: Vec<String> = status
+            .pod_ips
+            .iter()
+            .flatten()
+            .map(|p| p.ip.clone())
+            .collect();
+        let all = if listed.is_empty() {
+            status.pod_ip.clone().into_iter().collect()
+        } else {
+            listed
+        };
+        for (i, ip) in all.iter().enumerate() {
+            let a: IpAddr = ip
+                .parse()
+                .map_err(|_| format!("status.podIPs[{i}].ip: {ip:?} is not an IP address"))?;
+            if !ips.contains(&a) {
+                ips.push(a);
+            }
+        }
+    }
+    let spec = pod.spec.as_ref();
+    let mut named_ports = Vec::new();
+    for c in spec.map(|s| s.containers.as_slice()).unwrap_or(&[]) {
+        for p in c.ports.iter().flatten() {
+            if let (Some(n), Ok(port)) = (&p.name, u16::try_from(p.container_port)) {
+                named_ports.push(NamedPort {
+                    name: n.to_ascii_lowercase(),
+                    protocol: protocol_number(p.protocol.as_deref()),
+                    port,
+                });
+            }
+        }
+    }
+    Ok(PodInfo {
+        namespace,
+        name,
+        labels: pod.metadata.labels.clone().unwrap_or_default(),
+        ips,
+        node: spec.and_then(|s| s.node_name.clone()),
+        service_account: spec
+            .and_then(|s| {
+                s.service_account_name
+                    .clone()
+                    .or_else(|| s.service_account.clone())
+            })
+            .unwrap_or_else(|| "default".into()),
+        named_ports,
+    })
+}
+
+pub fn namespace_info(ns: &Namespace) -> Result<NamespaceInfo, String> {
+    let name = ns
+        .metadata
+        .name
+        .clone()
+        .filter(|n| !n.is_empty())
+        .ok_or("metadata.name: missing")?;
+    Ok(NamespaceInfo {
+        name,
+        labels: ns.metadata.labels.clone().unwrap_or_default(),
+    })
+}
+
+pub fn node_info(node: &Node) -> Result<NodeInfo, String> {
+    let name = node
+        .metadata
+        .name
+        .clone()
+        .filter(|n| !n.is_empty())
+        .ok_or("metadata.name: missing")?;
+    let mut ips = Vec::new();
+    for a in node
+        .status
+        .iter()
+        .flat_map(|s| s.addresses.iter().flatten())
+    {
+        if a.type_ == "InternalIP" || a.type_ == "ExternalIP" {
+            if let Ok(ip) = a.address.parse::<IpAddr>() {
+                if !ips.contains(&ip) {
+                    ips.push(ip);
+                }
+            }
+        }
+    }
+    let spec = node.spec.as_ref();
+    let mut pod_cidrs: Vec<String> = spec.and_then(|s| s.pod_cidrs.clone()).unwrap_or_default();
+    if pod_cidrs.is_empty() {
+        pod_cidrs.extend(spec.and_then(|s| s.pod_cidr.clone()));
+    }
+    Ok(NodeInfo {
+        name,
+        labels: node.metadata.labels.clone().unwrap_or_default(),
+        annotations: node.metadata.annotations.clone().unwrap_or_default(),
+        ips,
+        pod_cidrs,
+    })
+}
+
+pub fn service_info(svc: &Service, default_namespace: &str) -> Result<ServiceInfo, String> {
+    let name = svc
+        .metadata
+        .name
+        .clone()
+        .filter(|n| !n.is_empty())
+        .ok_or("metadata.name: missing")?;
+    let spec = svc.spec.as_ref();
+    Ok(ServiceInfo {
+        namespace: svc
+            .metadata
+            .namespace
+            .clone()
+            .unwrap_or_else(|| default_namespace.to_string()),
+        name,
+        selector: spec.and_then(|s| s.selector.clone()).unwrap_or_default(),
+        cluster_ips: spec.and_then(|s| s.cluster_ips.clone()).unwrap_or_default(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pods_convert_with_ips_ports_and_defaults() {
+        let pod: Pod = serde_yaml::from_str(
+            "metadata: {name: a, labels: {app: a}}
+spec:
+  containers: [{name: c, ports: [{name: HTTP, containerPort: 8080}, {name: dns, containerPort: 53, protocol: UDP}]}]
+status: {podIPs: [{ip: 10.0.0.1}, {ip: 'fd00::1'}]}",
+        )
+        .unwrap();
+        let p = pod_info(&pod, "default").unwrap();
+        assert_eq!(p.key(), "default/a");
+        assert_eq!(p.ips.len(), 2);
+        assert_eq!(p.service_account, "default");
+        assert_eq!(
+            p.named_ports[0],
+            NamedPort {
+                name: "http".into(),
+                protocol: PROTO_TCP,
+                port: 8080
+            }
+        );
+        assert_eq!(p.named_ports[1].protocol, PROTO_UDP);
+    }
+
+    #[test]
+    fn bad_pod_ip_is_named() {
+        let pod: Pod =
+            serde_yaml::from_str("metadata: {name: a}\nstatus: {podIPs: [{ip: nope}]}").unwrap();
+        assert!(pod_info(&pod, "x")
+            .unwrap_err()
+            .contains("status.podIPs[0].ip"));
+    }
+
+    #[test]
+    fn node_pod_cidrs_and_addresses() {
+        let node: Node = serde_yaml::from_str(
+            "metadata: {name: n1}
+spec: {podCIDRs: [10.244.1.0/24]}
+status: {addresses: [{type: InternalIP, address: 172.18.0.2}, {type: Hostname, address: n1}]}",
+        )
+        .unwrap();
+        let n = node_info(&node).unwrap();
+        assert_eq!(n.pod_cidrs, vec!["10.244.1.0/24".to_string()]);
+        assert_eq!(n.ips, vec!["172.18.0.2".parse::<IpAddr>().unwrap()]);
+    }
+}

@@ -1,0 +1,292 @@
+//! `ciliate agent`: start-up in the order of the second seed (`initMaps`, `restoreOldEndpoints`,
+//! node information, initial policy sync, regenerate restored endpoints, serve, ready), and a
+//! clean shutdown on SIGTERM/SIGINT that leaves enforcement in place.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, RwLock};
+use std::time::Instant;
+
+use actix::{Actor, AsyncContext};
+use actix_web::{web, App, HttpServer};
+
+use super::introspect::{HandledHook, Registry, TracedAddr};
+use super::metrics::{ActorMessageLabels, Metrics};
+use super::state::{StateDir, StateLock};
+use super::Shared;
+use crate::actors::loader::LoaderActor;
+use crate::actors::policy_repo::{AddEndpoint, EndpointRequest, PolicyRepoActor, Shutdown};
+use crate::actors::rule_reaction::RuleReactionActor;
+use crate::actors::watcher::WatcherActor;
+use crate::api::{read_routes, socket_routes, AppState};
+use crate::datapath::memory::MemoryDatapath;
+use crate::datapath::Datapath;
+use crate::policy::engine::PolicyEngine;
+
+/// Where the cluster state comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Mode {
+    Standalone,
+    Kubernetes,
+}
+
+/// Which datapath enforces policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DatapathKind {
+    Bpf,
+    Memory,
+}
+
+/// `ciliate agent` settings (interfaces.md section 2).
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    pub mode: Mode,
+    pub manifests: Option<PathBuf>,
+    pub kubeconfig: Option<PathBuf>,
+    pub node_name: String,
+    pub datapath: DatapathKind,
+    pub state_dir: PathBuf,
+    pub bpf_root: PathBuf,
+    pub api_socket: PathBuf,
+    pub debug_addr: SocketAddr,
+    pub pod_cidr: Option<ipnet::IpNet>,
+}
+
+/// Why the agent could not start (exit status 1, one clear line).
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error("{0}")]
+    Config(String),
+    #[error(transparent)]
+    State(#[from] super::state::StateError),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        source: std::io::Error,
+    },
+}
+
+fn register<A: Actor<Context = actix::Context<A>>>(
+    registry: &Registry,
+    name: &str,
+    actor: A,
+) -> TracedAddr<A> {
+    let journal = registry.register(name.to_string(), leak_kind(name));
+    TracedAddr::new(actor.start(), journal)
+}
+
+/// Actor kinds are a fixed set; map a name to its static kind.
+fn leak_kind(name: &str) -> &'static str {
+    match name.split('/').next().unwrap_or(name) {
+        "WatcherActor" => "WatcherActor",
+        "PolicyRepoActor" => "PolicyRepoActor",
+        "RuleReactionActor" => "RuleReactionActor",
+        "LoaderActor" => "LoaderActor",
+        _ => "EndpointActor",
+    }
+}
+
+/// Runs the agent until SIGTERM/SIGINT.
+pub fn run(config: AgentConfig) -> Result<(), AgentError> {
+    if config.mode == Mode::Kubernetes {
+        return Err(AgentError::Config(
+            "--mode kubernetes is not available in this build yet (issue #5); use --mode standalone --manifests DIR".into(),
+        ));
+    }
+    let manifests = config
+        .manifests
+        .clone()
+        .ok_or_else(|| AgentError::Config("--mode standalone needs --manifests DIR".into()))?;
+    if !manifests.is_dir() {
+        return Err(AgentError::Config(format!(
+            "--manifests {}: not a directory",
+            manifests.display()
+        )));
+    }
+    let datapath: Box<dyn Datapath> = match config.datapath {
+        DatapathKind::Memory => Box::new(MemoryDatapath::new()),
+        DatapathKind::Bpf => return Err(AgentError::Config(
+            "--datapath bpf is not available in this build yet (issue #4); use --datapath memory"
+                .into(),
+        )),
+    };
+    let _lock = StateLock::acquire(&config.state_dir)?;
+    let state_dir = StateDir::open(&config.state_dir)?;
+    let system = actix::System::new();
+    system.block_on(run_async(config, manifests, datapath, state_dir))
+}
+
+async fn run_async(
+    config: AgentConfig,
+    manifests: PathBuf,
+    datapath: Box<dyn Datapath>,
+    state_dir: StateDir,
+) -> Result<(), AgentError> {
+    let metrics = Arc::new(Metrics::new());
+    let hook_metrics = metrics.clone();
+    let hook: HandledHook = Arc::new(move |actor, message, _ok| {
+        hook_metrics
+            .actor_messages_handled
+            .get_or_create(&ActorMessageLabels {
+                actor: actor.to_string(),
+                message: message.to_string(),
+            })
+            .inc();
+    });
+    let registry = Arc::new(Registry::new(Some(hook)));
+    let shared = Shared {
+        registry: registry.clone(),
+        metrics,
+        engine: Arc::new(RwLock::new(PolicyEngine::new())),
+        state_dir: state_dir.clone(),
+        node_name: config.node_name.clone(),
+        ready: Arc::new(AtomicBool::new(false)),
+    };
+    let datapath_name = datapath.name();
+
+    // initMaps: the datapath first.
+    let loader = register(
+        &registry,
+        "LoaderActor",
+        LoaderActor::new(datapath, shared.clone()),
+    );
+    let reaction = register(
+        &registry,
+        "RuleReactionActor",
+        RuleReactionActor::new(shared.clone(), loader.clone()),
+    );
+    let repo = register(
+        &registry,
+        "PolicyRepoActor",
+        PolicyRepoActor::new(shared.clone(), loader.clone(), reaction.clone()),
+    );
+
+    // restoreOldEndpoints: same ids, identities and IPs, before anything new is allocated.
+    let (records, errors) = state_dir.load_all();
+    for e in errors {
+        tracing::error!(error = %e, "endpoint state not restored (left on disk)");
+    }
+    let restored = records.len();
+    for rec in records {
+        let req = EndpointRequest {
+            name: rec.name.clone(),
+            ips: rec.ips.clone(),
+            interface: rec.interface.clone(),
+            container_id: rec.container_id.clone(),
+            netns: rec.netns.clone(),
+        };
+        match repo
+            .send(
+                AddEndpoint {
+                    request: req,
+                    restore: Some(rec.clone()),
+                },
+                "restore",
+            )
+            .await
+        {
+            Ok(Ok(m)) => {
+                tracing::info!(endpoint = m.id, name = %m.name, identity = ?m.identity, "endpoint restored")
+            }
+            Ok(Err(e)) => tracing::error!(endpoint = rec.id, error = %e, "endpoint not restored"),
+            Err(e) => tracing::error!(endpoint = rec.id, error = %e, "endpoint not restored"),
+        }
+    }
+    if restored > 0 {
+        tracing::info!(
+            restored,
+            "endpoints restored from {}",
+            state_dir.root().display()
+        );
+    }
+
+    // The initial policy sync; restored endpoints regenerate when it is done.
+    let watcher_journal = registry.register("WatcherActor".into(), "WatcherActor");
+    let repo_for_watcher = repo.clone();
+    let dir = manifests.clone();
+    let _watcher = WatcherActor::create(move |ctx| {
+        WatcherActor::new(dir, repo_for_watcher)
+            .with_self(TracedAddr::new(ctx.address(), watcher_journal))
+    });
+
+    // Serve.
+    let state = AppState {
+        shared: shared.clone(),
+        repo: repo.clone(),
+        loader: loader.clone(),
+        mode: "standalone",
+        datapath: datapath_name,
+        started: Instant::now(),
+    };
+    if let Some(parent) = config.api_socket.parent() {
+        std::fs::create_dir_all(parent).map_err(|e| AgentError::Io {
+            what: format!("create {}", parent.display()),
+            source: e,
+        })?;
+    }
+    if config.api_socket.exists() {
+        // A stale socket of an earlier run (the state lock proves no agent is using it).
+        let _ = std::fs::remove_file(&config.api_socket);
+    }
+    let data = web::Data::new(state);
+    let d1 = data.clone();
+    let socket_server =
+        HttpServer::new(move || App::new().app_data(d1.clone()).configure(socket_routes))
+            .workers(1)
+            .disable_signals()
+            .bind_uds(&config.api_socket)
+            .map_err(|e| AgentError::Io {
+                what: format!("listen on {}", config.api_socket.display()),
+                source: e,
+            })?
+            .run();
+    let d2 = data.clone();
+    let debug_server =
+        HttpServer::new(move || App::new().app_data(d2.clone()).configure(read_routes))
+            .workers(1)
+            .disable_signals()
+            .bind(config.debug_addr)
+            .map_err(|e| AgentError::Io {
+                what: format!("listen on {}", config.debug_addr),
+                source: e,
+            })?
+            .run();
+    let (socket_handle, debug_handle) = (socket_server.handle(), debug_server.handle());
+    actix_rt::spawn(socket_server);
+    actix_rt::spawn(debug_server);
+    tracing::info!(
+        node = %config.node_name,
+        socket = %config.api_socket.display(),
+        debug = %config.debug_addr,
+        datapath = datapath_name,
+        "agent running"
+    );
+
+    wait_for_signal().await;
+    tracing::info!("shutting down; enforcement stays in place");
+    let _ = repo.send(Shutdown, "signal").await;
+    socket_handle.stop(true).await;
+    debug_handle.stop(true).await;
+    let _ = std::fs::remove_file(&config.api_socket);
+    actix::System::current().stop();
+    Ok(())
+}
+
+async fn wait_for_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    match (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) {
+        (Ok(mut term), Ok(mut int)) => {
+            tokio::select! {
+                _ = term.recv() => {},
+                _ = int.recv() => {},
+            }
+        }
+        _ => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}

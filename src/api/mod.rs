@@ -1,0 +1,337 @@
+//! The agent's HTTP surfaces (actix-web): the read-only debug server on TCP (`--debug-addr`,
+//! interfaces.md section 3) and the REST API on the unix socket (`--api-socket`, section 4) that
+//! the CLI and the CNI plugin use. Handlers only translate HTTP to actor messages.
+
+mod page;
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use actix_web::http::StatusCode;
+use actix_web::{web, HttpResponse};
+use serde::Serialize;
+
+use crate::actors::endpoint::{EndpointModel, GetEndpoint};
+use crate::actors::loader::{GetPolicyMap, LoaderActor};
+use crate::actors::policy_repo::{
+    AddEndpoint, ApiError, DeleteEndpoint, EndpointRequest, FindEndpoint, GetIdentities,
+    GetIpcacheView, GetPolicies, ListEndpoints, PolicyRepoActor,
+};
+use crate::agent::introspect::TracedAddr;
+use crate::agent::Shared;
+use crate::datapath::EndpointId;
+
+/// What every handler can reach.
+#[derive(Clone)]
+pub struct AppState {
+    pub shared: Shared,
+    pub repo: TracedAddr<PolicyRepoActor>,
+    pub loader: TracedAddr<LoaderActor>,
+    pub mode: &'static str,
+    pub datapath: &'static str,
+    pub started: Instant,
+}
+
+const FROM: &str = "api";
+
+fn error(status: StatusCode, message: String) -> HttpResponse {
+    HttpResponse::build(status).json(serde_json::json!({ "error": message }))
+}
+
+fn api_error(e: ApiError) -> HttpResponse {
+    let status = match &e {
+        ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+        ApiError::Conflict(_) => StatusCode::CONFLICT,
+        ApiError::Invalid(_) => StatusCode::BAD_REQUEST,
+        ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+    };
+    error(status, e.to_string())
+}
+
+fn mailbox_error(e: actix::MailboxError) -> HttpResponse {
+    error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        format!("agent is shutting down: {e}"),
+    )
+}
+
+/// `GET /v1/status` (and `ciliate status`).
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+pub struct StatusModel {
+    pub node_name: String,
+    pub mode: String,
+    pub datapath: String,
+    pub ready: bool,
+    pub policy_revision: u64,
+    pub endpoints: usize,
+    pub identities: usize,
+    pub policies: usize,
+    pub policies_rejected: usize,
+    pub uptime_seconds: u64,
+}
+
+async fn healthz() -> HttpResponse {
+    HttpResponse::Ok().content_type("text/plain").body("ok\n")
+}
+
+async fn readyz(st: web::Data<AppState>) -> HttpResponse {
+    if st.shared.ready.load(Ordering::SeqCst) {
+        HttpResponse::Ok()
+            .content_type("text/plain")
+            .body("ready\n")
+    } else {
+        HttpResponse::ServiceUnavailable()
+            .content_type("text/plain")
+            .body("initial sync not done\n")
+    }
+}
+
+async fn metrics(st: web::Data<AppState>) -> HttpResponse {
+    let m = &st.shared.metrics;
+    for (kind, depth) in st.shared.registry.mailboxes_by_kind() {
+        m.actor_mailbox
+            .get_or_create(&crate::agent::metrics::ActorLabels {
+                actor: kind.to_string(),
+            })
+            .set(depth);
+    }
+    HttpResponse::Ok()
+        .content_type("text/plain; version=0.0.4; charset=utf-8")
+        .body(m.encode())
+}
+
+async fn actors(st: web::Data<AppState>) -> HttpResponse {
+    HttpResponse::Ok().json(st.shared.registry.summaries())
+}
+
+async fn actor_messages(st: web::Data<AppState>, name: web::Path<String>) -> HttpResponse {
+    let name = name.into_inner().replace("%2F", "/").replace("%2f", "/");
+    match st.shared.registry.get(&name) {
+        Some(j) => HttpResponse::Ok().json(j.messages()),
+        None => error(StatusCode::NOT_FOUND, format!("no actor named {name:?}")),
+    }
+}
+
+/// Every endpoint's model, by asking each endpoint actor.
+pub async fn endpoint_models(st: &AppState) -> Result<Vec<EndpointModel>, HttpResponse> {
+    let handles = st
+        .repo
+        .send(ListEndpoints, FROM)
+        .await
+        .map_err(mailbox_error)?
+        .map_err(api_error)?;
+    let futs = handles.iter().map(|(_, addr)| addr.send(GetEndpoint, FROM));
+    let mut out = Vec::new();
+    for r in futures_join(futs).await {
+        if let Ok(Ok(m)) = r {
+            out.push(m);
+        }
+    }
+    out.sort_by_key(|m| m.id);
+    Ok(out)
+}
+
+async fn futures_join<F: std::future::Future>(futs: impl Iterator<Item = F>) -> Vec<F::Output> {
+    let mut out = Vec::new();
+    for f in futs.collect::<Vec<_>>() {
+        out.push(f.await);
+    }
+    out
+}
+
+async fn endpoints(st: web::Data<AppState>) -> HttpResponse {
+    match endpoint_models(&st).await {
+        Ok(v) => HttpResponse::Ok().json(v),
+        Err(r) => r,
+    }
+}
+
+async fn endpoint(st: web::Data<AppState>, id: web::Path<EndpointId>) -> HttpResponse {
+    let id = id.into_inner();
+    let handles = match st.repo.send(ListEndpoints, FROM).await {
+        Ok(Ok(h)) => h,
+        Ok(Err(e)) => return api_error(e),
+        Err(e) => return mailbox_error(e),
+    };
+    let Some((_, addr)) = handles.into_iter().find(|(i, _)| *i == id) else {
+        return api_error(ApiError::NotFound(format!("endpoint {id}")));
+    };
+    match addr.send(GetEndpoint, FROM).await {
+        Ok(Ok(m)) => HttpResponse::Ok().json(m),
+        Ok(Err(e)) => error(StatusCode::INTERNAL_SERVER_ERROR, e),
+        Err(e) => mailbox_error(e),
+    }
+}
+
+async fn policy(st: web::Data<AppState>) -> HttpResponse {
+    match st.repo.send(GetPolicies, FROM).await {
+        Ok(Ok(p)) => HttpResponse::Ok().json(p),
+        Ok(Err(e)) => api_error(e),
+        Err(e) => mailbox_error(e),
+    }
+}
+
+async fn identities(st: web::Data<AppState>) -> HttpResponse {
+    match st.repo.send(GetIdentities, FROM).await {
+        Ok(Ok(p)) => HttpResponse::Ok().json(p),
+        Ok(Err(e)) => api_error(e),
+        Err(e) => mailbox_error(e),
+    }
+}
+
+async fn ipcache(st: web::Data<AppState>) -> HttpResponse {
+    match st.repo.send(GetIpcacheView, FROM).await {
+        Ok(Ok(p)) => HttpResponse::Ok().json(p),
+        Ok(Err(e)) => api_error(e),
+        Err(e) => mailbox_error(e),
+    }
+}
+
+async fn bpf_policy(st: web::Data<AppState>, id: web::Path<EndpointId>) -> HttpResponse {
+    match st
+        .loader
+        .send(
+            GetPolicyMap {
+                id: id.into_inner(),
+            },
+            FROM,
+        )
+        .await
+    {
+        Ok(Ok(d)) => HttpResponse::Ok().json(d),
+        Ok(Err(crate::datapath::DatapathError::UnknownEndpoint(id))) => api_error(
+            ApiError::NotFound(format!("endpoint {id} has no policy map")),
+        ),
+        Ok(Err(e)) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        Err(e) => mailbox_error(e),
+    }
+}
+
+async fn status(st: web::Data<AppState>) -> HttpResponse {
+    let pol = match st.repo.send(GetPolicies, FROM).await {
+        Ok(Ok(p)) => p,
+        Ok(Err(e)) => return api_error(e),
+        Err(e) => return mailbox_error(e),
+    };
+    let (endpoints, identities) = {
+        let e = match st.shared.engine.read() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        (
+            st.shared.metrics.endpoints.get() as usize,
+            e.identities().len(),
+        )
+    };
+    HttpResponse::Ok().json(StatusModel {
+        node_name: st.shared.node_name.clone(),
+        mode: st.mode.into(),
+        datapath: st.datapath.into(),
+        ready: st.shared.ready.load(Ordering::SeqCst),
+        policy_revision: pol.revision,
+        endpoints,
+        identities,
+        policies: pol
+            .policies
+            .iter()
+            .filter(|p| p.status == "accepted" || p.previous_version_enforced)
+            .count(),
+        policies_rejected: pol
+            .policies
+            .iter()
+            .filter(|p| p.status != "accepted")
+            .count(),
+        uptime_seconds: st.started.elapsed().as_secs(),
+    })
+}
+
+async fn add_endpoint(st: web::Data<AppState>, req: web::Json<EndpointRequest>) -> HttpResponse {
+    match st
+        .repo
+        .send(
+            AddEndpoint {
+                request: req.into_inner(),
+                restore: None,
+            },
+            FROM,
+        )
+        .await
+    {
+        Ok(Ok(m)) => HttpResponse::Created().json(m),
+        Ok(Err(e)) => api_error(e),
+        Err(e) => mailbox_error(e),
+    }
+}
+
+async fn delete_endpoint(st: web::Data<AppState>, id: web::Path<EndpointId>) -> HttpResponse {
+    match st
+        .repo
+        .send(
+            DeleteEndpoint {
+                id: id.into_inner(),
+            },
+            FROM,
+        )
+        .await
+    {
+        Ok(Ok(())) => HttpResponse::NoContent().finish(),
+        Ok(Err(e)) => api_error(e),
+        Err(e) => mailbox_error(e),
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct ByContainer {
+    container_id: String,
+}
+
+async fn find_endpoint(st: web::Data<AppState>, q: web::Query<ByContainer>) -> HttpResponse {
+    match st
+        .repo
+        .send(
+            FindEndpoint {
+                container_id: q.into_inner().container_id,
+            },
+            FROM,
+        )
+        .await
+    {
+        Ok(Ok(Some(id))) => HttpResponse::Ok().json(serde_json::json!({ "id": id })),
+        Ok(Ok(None)) => api_error(ApiError::NotFound("no endpoint for that container".into())),
+        Ok(Err(e)) => api_error(e),
+        Err(e) => mailbox_error(e),
+    }
+}
+
+/// Read-only routes, served on both the debug address and the socket.
+pub fn read_routes(cfg: &mut web::ServiceConfig) {
+    cfg.route("/healthz", web::get().to(healthz))
+        .route("/readyz", web::get().to(readyz))
+        .route("/metrics", web::get().to(metrics))
+        .route("/debug/", web::get().to(page::page))
+        .route("/debug", web::get().to(page::page))
+        .route("/debug/actors", web::get().to(actors))
+        .route(
+            "/debug/actors/{name:.+}/messages",
+            web::get().to(actor_messages),
+        )
+        .route("/debug/endpoints", web::get().to(endpoints))
+        .route("/debug/policy", web::get().to(policy))
+        .route("/debug/identities", web::get().to(identities))
+        .route("/debug/ipcache", web::get().to(ipcache));
+}
+
+/// The REST API of the unix socket (read and write).
+pub fn socket_routes(cfg: &mut web::ServiceConfig) {
+    read_routes(cfg);
+    cfg.route("/v1/status", web::get().to(status))
+        .route("/v1/endpoints", web::get().to(endpoints))
+        .route("/v1/endpoints", web::post().to(add_endpoint))
+        .route("/v1/endpoints/by-container", web::get().to(find_endpoint))
+        .route("/v1/endpoints/{id}", web::get().to(endpoint))
+        .route("/v1/endpoints/{id}", web::delete().to(delete_endpoint))
+        .route("/v1/policy", web::get().to(policy))
+        .route("/v1/identities", web::get().to(identities))
+        .route("/v1/ipcache", web::get().to(ipcache))
+        .route("/v1/bpf/policy/{id}", web::get().to(bpf_policy));
+}

@@ -1,0 +1,246 @@
+//! Client commands: ask the agent over its socket and print a table or JSON.
+
+use serde_json::Value;
+
+use super::{BpfCommand, BpfPolicyCommand, ClientOpts, EndpointCommand, IdentityCommand, Output};
+use crate::client::{request, table, ClientError};
+
+/// Which client command to run.
+pub enum ClientCall<'a> {
+    Status,
+    Endpoint(&'a EndpointCommand),
+    PolicyGet,
+    Identity(&'a IdentityCommand),
+    Bpf(&'a BpfCommand),
+}
+
+fn s(v: &Value) -> String {
+    match v {
+        Value::Null => "-".into(),
+        Value::String(s) => s.clone(),
+        Value::Array(a) => a.iter().map(s).collect::<Vec<_>>().join(","),
+        other => other.to_string(),
+    }
+}
+
+fn parse(body: &str) -> Value {
+    serde_json::from_str(body).unwrap_or(Value::Null)
+}
+
+fn endpoint_rows(v: &Value) -> Vec<Vec<String>> {
+    v.as_array()
+        .into_iter()
+        .flatten()
+        .map(|e| {
+            vec![
+                s(&e["id"]),
+                s(&e["name"]),
+                s(&e["identity"]),
+                s(&e["state"]),
+                s(&e["policy_revision"]),
+                s(&e["policy_entries"]),
+                format!(
+                    "{}/{}",
+                    if e["ingress_enforced"] == Value::Bool(true) {
+                        "in"
+                    } else {
+                        "-"
+                    },
+                    if e["egress_enforced"] == Value::Bool(true) {
+                        "out"
+                    } else {
+                        "-"
+                    }
+                ),
+                s(&e["ips"]),
+            ]
+        })
+        .collect()
+}
+
+const ENDPOINT_HEADERS: [&str; 8] = [
+    "ID", "NAME", "IDENTITY", "STATE", "REVISION", "ENTRIES", "ENFORCED", "IPS",
+];
+
+/// Runs a client command; returns the text to print.
+pub fn run_client(opts: &ClientOpts, call: ClientCall) -> Result<String, ClientError> {
+    let sock = opts.socket.as_path();
+    let (body, render): (String, Box<dyn Fn(&Value) -> String>) = match call {
+        ClientCall::Status => (
+            request(sock, "GET", "/v1/status", None)?,
+            Box::new(|v| {
+                let rows: Vec<Vec<String>> = v
+                    .as_object()
+                    .into_iter()
+                    .flatten()
+                    .map(|(k, val)| vec![k.clone(), s(val)])
+                    .collect();
+                table(&["FIELD", "VALUE"], &rows)
+            }),
+        ),
+        ClientCall::Endpoint(EndpointCommand::List) => (
+            request(sock, "GET", "/v1/endpoints", None)?,
+            Box::new(|v| table(&ENDPOINT_HEADERS, &endpoint_rows(v))),
+        ),
+        ClientCall::Endpoint(EndpointCommand::Get { id }) => (
+            request(sock, "GET", &format!("/v1/endpoints/{id}"), None)?,
+            Box::new(|v| {
+                let mut out = table(
+                    &ENDPOINT_HEADERS,
+                    &endpoint_rows(&Value::Array(vec![v.clone()])),
+                );
+                out.push_str(&format!("labels: {}\n", s(&v["labels"])));
+                if let Some(e) = v["error"].as_str() {
+                    out.push_str(&format!("error: {e}\n"));
+                }
+                out
+            }),
+        ),
+        ClientCall::Endpoint(EndpointCommand::Add {
+            name,
+            ips,
+            interface,
+        }) => {
+            let req = serde_json::json!({ "name": name, "ips": ips, "interface": interface });
+            (
+                request(sock, "POST", "/v1/endpoints", Some(&req.to_string()))?,
+                Box::new(|v| {
+                    table(
+                        &ENDPOINT_HEADERS,
+                        &endpoint_rows(&Value::Array(vec![v.clone()])),
+                    )
+                }),
+            )
+        }
+        ClientCall::Endpoint(EndpointCommand::Delete { id }) => {
+            request(sock, "DELETE", &format!("/v1/endpoints/{id}"), None)?;
+            let id = *id;
+            (
+                serde_json::json!({ "deleted": id }).to_string(),
+                Box::new(move |_| format!("endpoint {id} deleted\n")),
+            )
+        }
+        ClientCall::PolicyGet => (
+            request(sock, "GET", "/v1/policy", None)?,
+            Box::new(|v| {
+                let rows: Vec<Vec<String>> = v["policies"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|p| {
+                        let name = match p["namespace"].as_str() {
+                            Some(ns) => format!("{ns}/{}", s(&p["name"])),
+                            None => s(&p["name"]),
+                        };
+                        vec![
+                            s(&p["kind"]),
+                            name,
+                            s(&p["rules"]),
+                            s(&p["revision"]),
+                            s(&p["status"]),
+                        ]
+                    })
+                    .collect();
+                let mut out = format!("revision {}\n", s(&v["revision"]));
+                out.push_str(&table(
+                    &["KIND", "NAME", "RULES", "REVISION", "STATUS"],
+                    &rows,
+                ));
+                for (f, e) in v["manifest_errors"].as_object().into_iter().flatten() {
+                    out.push_str(&format!("manifest error: {f}: {}\n", s(e)));
+                }
+                out
+            }),
+        ),
+        ClientCall::Identity(IdentityCommand::List) => (
+            request(sock, "GET", "/v1/identities", None)?,
+            Box::new(|v| {
+                let rows: Vec<Vec<String>> = v
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|i| vec![s(&i["id"]), s(&i["kind"]), s(&i["labels"])])
+                    .collect();
+                table(&["ID", "KIND", "LABELS"], &rows)
+            }),
+        ),
+        ClientCall::Bpf(BpfCommand::Policy {
+            command: BpfPolicyCommand::Get { id },
+        }) => (
+            request(sock, "GET", &format!("/v1/bpf/policy/{id}"), None)?,
+            Box::new(|v| {
+                let rows: Vec<Vec<String>> = v["entries"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|e| {
+                        let proto = crate::policy::rule::protocol_name(
+                            e["protocol"].as_u64().unwrap_or(0) as u8,
+                        );
+                        let (lo, hi) = (&e["port_range"][0], &e["port_range"][1]);
+                        let ports = if lo == hi {
+                            s(lo)
+                        } else if lo == 0 && hi == 65535 {
+                            "ANY".into()
+                        } else {
+                            format!("{}-{}", s(lo), s(hi))
+                        };
+                        vec![
+                            if e["deny"] == Value::Bool(true) {
+                                "deny".into()
+                            } else {
+                                "allow".into()
+                            },
+                            s(&e["direction"]),
+                            s(&e["identity"]),
+                            proto,
+                            ports,
+                            s(&e["packets"]),
+                            s(&e["bytes"]),
+                        ]
+                    })
+                    .collect();
+                let f = &v["flags"];
+                let mut out = format!(
+                    "endpoint {}: ingress default {}, egress default {}{}\n",
+                    s(&v["endpoint"]),
+                    if f["ingress_default_deny"] == Value::Bool(true) {
+                        "deny"
+                    } else {
+                        "allow"
+                    },
+                    if f["egress_default_deny"] == Value::Bool(true) {
+                        "deny"
+                    } else {
+                        "allow"
+                    },
+                    if f["drop_all"] == Value::Bool(true) {
+                        ", DROPPING ALL (policy not realized)"
+                    } else {
+                        ""
+                    }
+                );
+                out.push_str(&table(
+                    &[
+                        "VERDICT",
+                        "DIRECTION",
+                        "IDENTITY",
+                        "PROTO",
+                        "PORT",
+                        "PACKETS",
+                        "BYTES",
+                    ],
+                    &rows,
+                ));
+                out
+            }),
+        ),
+    };
+    Ok(match opts.output {
+        Output::Json => {
+            let v = parse(&body);
+            format!("{}\n", serde_json::to_string_pretty(&v).unwrap_or(body))
+        }
+        Output::Table => render(&parse(&body)),
+    })
+}

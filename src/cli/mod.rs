@@ -1,0 +1,252 @@
+//! The `ciliate` command line (clap). Each subcommand's logic lives in its own module; this file
+//! only parses arguments and maps results to exit codes.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+use crate::simulate;
+
+/// Exit status: every policy accepted.
+pub const EXIT_OK: i32 = 0;
+/// Exit status: the input itself is unusable.
+pub const EXIT_UNUSABLE: i32 = 2;
+/// Exit status: one or more policies were rejected (verdicts still printed).
+pub const EXIT_REJECTED: i32 = 3;
+
+pub mod commands;
+
+pub use commands::run_client;
+
+/// Default paths and addresses (interfaces.md section 2).
+pub const DEFAULT_SOCKET: &str = "/var/run/ciliate/ciliate.sock";
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "ciliate",
+    version,
+    about = "Cilium-compatible network policy agent, simulator and CNI plugin"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Output format of client commands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Output {
+    Table,
+    Json,
+}
+
+/// Options every client command takes.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ClientOpts {
+    /// The agent's API socket.
+    #[arg(long, global = true, default_value = DEFAULT_SOCKET)]
+    pub socket: PathBuf,
+    /// Output format.
+    #[arg(
+        short = 'o',
+        long = "output",
+        global = true,
+        value_enum,
+        default_value = "table"
+    )]
+    pub output: Output,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the agent.
+    Agent(Box<AgentArgs>),
+    /// Policy tools (simulate needs no agent; get asks the agent).
+    Policy {
+        #[command(subcommand)]
+        command: PolicyCommand,
+    },
+    /// The agent's status.
+    Status {
+        #[command(flatten)]
+        client: ClientOpts,
+    },
+    /// Endpoints managed by the agent.
+    Endpoint {
+        #[command(subcommand)]
+        command: EndpointCommand,
+        #[command(flatten)]
+        client: ClientOpts,
+    },
+    /// Security identities.
+    Identity {
+        #[command(subcommand)]
+        command: IdentityCommand,
+        #[command(flatten)]
+        client: ClientOpts,
+    },
+    /// The datapath's maps.
+    Bpf {
+        #[command(subcommand)]
+        command: BpfCommand,
+        #[command(flatten)]
+        client: ClientOpts,
+    },
+}
+
+#[derive(Debug, clap::Args)]
+pub struct AgentArgs {
+    /// standalone (manifests directory) or kubernetes. Default: kubernetes in a cluster or with
+    /// --kubeconfig, else standalone.
+    #[arg(long, value_enum)]
+    pub mode: Option<crate::agent::run::Mode>,
+    /// Standalone: a directory of YAML manifests, watched for edits.
+    #[arg(long)]
+    pub manifests: Option<PathBuf>,
+    /// Kubernetes mode outside a cluster.
+    #[arg(long)]
+    pub kubeconfig: Option<PathBuf>,
+    /// Default: the host name.
+    #[arg(long)]
+    pub node_name: Option<String>,
+    #[arg(long, value_enum, default_value = "bpf")]
+    pub datapath: crate::agent::run::DatapathKind,
+    #[arg(long, default_value = "/var/run/ciliate")]
+    pub state_dir: PathBuf,
+    #[arg(long, default_value = "/sys/fs/bpf")]
+    pub bpf_root: PathBuf,
+    #[arg(long, default_value = DEFAULT_SOCKET)]
+    pub api_socket: PathBuf,
+    #[arg(long, default_value = "127.0.0.1:9962")]
+    pub debug_addr: std::net::SocketAddr,
+    /// IPAM range when the Node object gives none.
+    #[arg(long)]
+    pub pod_cidr: Option<ipnet::IpNet>,
+    #[arg(long, value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum PolicyCommand {
+    /// What-if analysis: load a world (namespaces, pods, policies, probes) and print one JSON
+    /// verdict per probe. Exit 0: all policies accepted; 3: some rejected; 2: unusable world.
+    Simulate {
+        /// The world file (YAML).
+        #[arg(long)]
+        world: PathBuf,
+    },
+    /// Print a synthetic world of the given size (for benchmarks and load tests).
+    GenerateWorld {
+        #[arg(long, default_value_t = 500)]
+        namespaces: usize,
+        #[arg(long, default_value_t = 5000)]
+        pods: usize,
+        #[arg(long, default_value_t = 2000)]
+        policies: usize,
+        #[arg(long, default_value_t = 10000)]
+        probes: usize,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
+    /// The agent's policies and their status.
+    Get {
+        #[command(flatten)]
+        client: ClientOpts,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum EndpointCommand {
+    /// List endpoints.
+    List,
+    /// Show one endpoint.
+    Get { id: u16 },
+    /// Register a workload not created through CNI (labels come from its Pod and Namespace).
+    Add {
+        /// namespace/pod
+        #[arg(long)]
+        name: String,
+        /// An address of the workload (repeat for IPv6).
+        #[arg(long = "ip", required = true)]
+        ips: Vec<std::net::IpAddr>,
+        /// The host-side interface.
+        #[arg(long)]
+        interface: Option<String>,
+    },
+    /// Delete an endpoint.
+    Delete { id: u16 },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum IdentityCommand {
+    /// List identities.
+    List,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum BpfCommand {
+    /// Policy map entries.
+    Policy {
+        #[command(subcommand)]
+        command: BpfPolicyCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum BpfPolicyCommand {
+    /// The realized entries of one endpoint's policy map.
+    Get { id: u16 },
+}
+
+/// Runs `ciliate policy simulate`, writing verdicts to `out` and diagnostics to `err`.
+/// Returns the exit status.
+pub fn run_simulate(path: &std::path::Path, out: &mut dyn Write, err: &mut dyn Write) -> i32 {
+    let text = match std::fs::read(path) {
+        Ok(bytes) => match String::from_utf8(bytes) {
+            Ok(t) => t,
+            Err(_) => {
+                let _ = writeln!(err, "error: {}: not UTF-8 text", path.display());
+                return EXIT_UNUSABLE;
+            }
+        },
+        Err(e) => {
+            let _ = writeln!(err, "error: {}: cannot read: {e}", path.display());
+            return EXIT_UNUSABLE;
+        }
+    };
+    let sim = match simulate::simulate(&text) {
+        Ok(s) => s,
+        Err(e) => {
+            let _ = writeln!(err, "error: {}: {e}", path.display());
+            return EXIT_UNUSABLE;
+        }
+    };
+    for w in &sim.warnings {
+        let _ = writeln!(err, "warning: {w}");
+    }
+    for r in &sim.rejections {
+        let _ = writeln!(err, "error: rejected {r}");
+    }
+    for r in &sim.results {
+        match serde_json::to_string(r) {
+            Ok(line) => {
+                let _ = writeln!(out, "{line}");
+            }
+            Err(e) => {
+                let _ = writeln!(err, "error: cannot encode a result: {e}");
+                return EXIT_UNUSABLE;
+            }
+        }
+    }
+    if sim.rejections.is_empty() {
+        EXIT_OK
+    } else {
+        EXIT_REJECTED
+    }
+}

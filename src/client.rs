@@ -1,0 +1,172 @@
+//! The CLI's side of the REST API: HTTP/1.1 over the agent's unix socket, and table rendering.
+//!
+//! A dozen lines of HTTP by hand: the requests are tiny, `Connection: close` keeps the framing
+//! trivial, and no HTTP client crate speaks unix sockets without pulling in a second runtime.
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::Duration;
+
+/// Client failures, naming the socket or the request.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error(
+        "cannot reach the agent at {socket}: {source} (is `ciliate agent` running? see --socket)"
+    )]
+    Connect {
+        socket: String,
+        source: std::io::Error,
+    },
+    #[error("{method} {path}: {source}")]
+    Io {
+        method: String,
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{method} {path}: malformed response from the agent")]
+    Malformed { method: String, path: String },
+    #[error("{method} {path}: HTTP {status}: {message}")]
+    Status {
+        method: String,
+        path: String,
+        status: u16,
+        message: String,
+    },
+}
+
+/// Sends one request; returns the body of a 2xx response.
+pub fn request(
+    socket: &Path,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+) -> Result<String, ClientError> {
+    let mut s = UnixStream::connect(socket).map_err(|e| ClientError::Connect {
+        socket: socket.display().to_string(),
+        source: e,
+    })?;
+    let io = |e| ClientError::Io {
+        method: method.into(),
+        path: path.into(),
+        source: e,
+    };
+    s.set_read_timeout(Some(Duration::from_secs(60)))
+        .map_err(io)?;
+    let body = body.unwrap_or("");
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: ciliate\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).map_err(io)?;
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).map_err(io)?;
+    let malformed = || ClientError::Malformed {
+        method: method.into(),
+        path: path.into(),
+    };
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .ok_or_else(malformed)?;
+    let head = String::from_utf8_lossy(&raw[..split]).to_string();
+    let mut payload = raw[split + 4..].to_vec();
+    let status: u16 = head
+        .lines()
+        .next()
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(malformed)?;
+    let chunked = head.lines().any(|l| {
+        let l = l.to_ascii_lowercase();
+        l.starts_with("transfer-encoding:") && l.contains("chunked")
+    });
+    if chunked {
+        payload = dechunk(&payload).ok_or_else(malformed)?;
+    }
+    let text = String::from_utf8_lossy(&payload).to_string();
+    if (200..300).contains(&status) {
+        Ok(text)
+    } else {
+        let message = serde_json::from_str::<serde_json::Value>(&text)
+            .ok()
+            .and_then(|v| v.get("error").and_then(|e| e.as_str()).map(str::to_string))
+            .unwrap_or(text);
+        Err(ClientError::Status {
+            method: method.into(),
+            path: path.into(),
+            status,
+            message,
+        })
+    }
+}
+
+fn dechunk(mut data: &[u8]) -> Option<Vec<u8>> {
+    let mut out = Vec::new();
+    loop {
+        let line_end = data.windows(2).position(|w| w == b"\r\n")?;
+        let size_text = std::str::from_utf8(&data[..line_end]).ok()?;
+        let size = usize::from_str_radix(size_text.split(';').next()?.trim(), 16).ok()?;
+        data = &data[line_end + 2..];
+        if size == 0 {
+            return Some(out);
+        }
+        out.extend_from_slice(data.get(..size)?);
+        data = data.get(size + 2..)?;
+    }
+}
+
+/// Renders rows as an aligned text table.
+pub fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = headers.iter().map(|h| h.len()).collect();
+    for r in rows {
+        for (i, c) in r.iter().enumerate() {
+            if i < widths.len() {
+                widths[i] = widths[i].max(c.chars().count());
+            }
+        }
+    }
+    let line = |cells: Vec<String>| {
+        cells
+            .iter()
+            .enumerate()
+            .map(|(i, c)| format!("{:width$}", c, width = widths[i]))
+            .collect::<Vec<_>>()
+            .join("  ")
+            .trim_end()
+            .to_string()
+    };
+    let mut out = line(headers.iter().map(|h| h.to_string()).collect());
+    out.push('\n');
+    for r in rows {
+        out.push_str(&line(r.clone()));
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dechunks() {
+        assert_eq!(
+            dechunk(b"4\r\nWiki\r\n5\r\npedia\r\n0\r\n\r\n").unwrap(),
+            b"Wikipedia"
+        );
+        assert!(dechunk(b"zz\r\n").is_none());
+    }
+
+    #[test]
+    fn tables_align() {
+        let t = table(
+            &["ID", "NAME"],
+            &[
+                vec!["1".into(), "x/a".into()],
+                vec!["1234".into(), "b".into()],
+            ],
+        );
+        assert_eq!(t, "ID    NAME\n1     x/a\n1234  b\n");
+    }
+}
