@@ -108,6 +108,7 @@ struct EndpointEntry {
     record: EndpointRecord,
     addr: TracedAddr<EndpointActor>,
     labels: Labels,
+    named_ports: Vec<NamedPort>,
 }
 
 pub struct PolicyRepoActor {
@@ -306,7 +307,8 @@ impl PolicyRepoActor {
         (affected, changed_eps, ipcache)
     }
 
-    /// Re-derives an endpoint's identity from its pod. Returns true when it changed.
+    /// Re-derives an endpoint's identity and named ports from its pod. Returns true when
+    /// either changed.
     fn refresh_endpoint_identity(
         &mut self,
         id: EndpointId,
@@ -319,7 +321,7 @@ impl PolicyRepoActor {
             Some(p) => (p.labels.clone(), p.info.named_ports.clone()),
             None => return false, // keep what it has (restored, or pod deleted: stays until the endpoint is)
         };
-        if entry.labels == labels && entry.record.identity.is_some() {
+        if entry.labels == labels && entry.named_ports == ports && entry.record.identity.is_some() {
             return false;
         }
         let old = entry.record.identity;
@@ -336,6 +338,7 @@ impl PolicyRepoActor {
         if let Some(e) = self.endpoints.get_mut(&id) {
             e.record.identity = Some(new_id);
             e.labels = labels.clone();
+            e.named_ports = ports.clone();
             e.addr.do_send(
                 SetIdentity {
                     identity: Some(new_id),
@@ -345,7 +348,7 @@ impl PolicyRepoActor {
                 NAME,
             );
         }
-        old != Some(new_id)
+        true
     }
 
     fn next_endpoint_id(&self) -> Option<EndpointId> {
@@ -360,6 +363,7 @@ impl PolicyRepoActor {
     ) -> EndpointModel {
         let name = format!("EndpointActor/{}", record.id);
         let journal = self.shared.registry.register(name, "EndpointActor");
+        let ports_copy = ports.clone();
         let actor = EndpointActor::new(
             record.clone(),
             labels.clone(),
@@ -397,6 +401,7 @@ impl PolicyRepoActor {
                 record,
                 addr,
                 labels,
+                named_ports: ports_copy,
             },
         );
         model

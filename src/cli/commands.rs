@@ -58,6 +58,9 @@ fn endpoint_rows(v: &Value) -> Vec<Vec<String>> {
         .collect()
 }
 
+/// Turns a response into table text.
+type Renderer = Box<dyn Fn(&Value) -> String>;
+
 const ENDPOINT_HEADERS: [&str; 8] = [
     "ID", "NAME", "IDENTITY", "STATE", "REVISION", "ENTRIES", "ENFORCED", "IPS",
 ];
@@ -65,7 +68,7 @@ const ENDPOINT_HEADERS: [&str; 8] = [
 /// Runs a client command; returns the text to print.
 pub fn run_client(opts: &ClientOpts, call: ClientCall) -> Result<String, ClientError> {
     let sock = opts.socket.as_path();
-    let (body, render): (String, Box<dyn Fn(&Value) -> String>) = match call {
+    let (body, render): (String, Renderer) = match call {
         ClientCall::Status => (
             request(sock, "GET", "/v1/status", None)?,
             Box::new(|v| {

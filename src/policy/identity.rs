@@ -172,6 +172,10 @@ impl IdentityAllocator {
             self.retain(id);
             return Allocation::Existing(id);
         }
+        // Skip numbers restored endpoints hold, so restores do not renumber everything else.
+        while self.by_id.contains_key(&self.next_cluster) {
+            self.next_cluster += 1;
+        }
         let id = self.next_cluster;
         self.next_cluster += 1;
         self.by_labels.insert(labels.clone(), id);
@@ -209,9 +213,6 @@ impl IdentityAllocator {
                 1,
             ),
         );
-        if id >= self.next_cluster && id < LOCAL_IDENTITY_FLAG {
-            self.next_cluster = id + 1;
-        }
         Ok(Allocation::New(id))
     }
 
@@ -312,12 +313,14 @@ mod tests {
     }
 
     #[test]
-    fn restore_keeps_the_number_and_moves_the_allocator_past_it() {
+    fn restore_keeps_the_number_and_allocation_skips_it() {
         let mut a = IdentityAllocator::new();
         let l: Labels = [Label::k8s("app", "x")].into_iter().collect();
-        assert_eq!(a.restore(300, &l), Ok(Allocation::New(300)));
+        assert_eq!(a.restore(257, &l), Ok(Allocation::New(257)));
         let other: Labels = [Label::k8s("app", "y")].into_iter().collect();
-        assert_eq!(a.allocate(&other).id(), 301);
-        assert!(a.restore(300, &other).is_err());
+        let third: Labels = [Label::k8s("app", "z")].into_iter().collect();
+        assert_eq!(a.allocate(&other).id(), 256);
+        assert_eq!(a.allocate(&third).id(), 258);
+        assert!(a.restore(257, &other).is_err());
     }
 }

@@ -1,0 +1,656 @@
+//! Integration tests of the agent in standalone mode: the real `ciliate agent` binary on a
+//! temporary directory, driven through its unix socket (CLI and REST) and debug HTTP server.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_ciliate");
+
+struct Agent {
+    child: Option<Child>,
+    dir: PathBuf,
+    debug: String,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+impl Agent {
+    fn manifests(&self) -> PathBuf {
+        self.dir.join("manifests")
+    }
+    fn socket(&self) -> PathBuf {
+        self.dir.join("ciliate.sock")
+    }
+
+    fn start_in(dir: &Path) -> Agent {
+        let debug = format!("127.0.0.1:{}", free_port());
+        let log = std::fs::File::create(
+            dir.join(format!("agent-{}.log", Instant::now().elapsed().as_nanos())),
+        )
+        .unwrap();
+        let child = Command::new(BIN)
+            .args([
+                "agent",
+                "--mode",
+                "standalone",
+                "--datapath",
+                "memory",
+                "--node-name",
+                "node-1",
+            ])
+            .arg("--manifests")
+            .arg(dir.join("manifests"))
+            .arg("--state-dir")
+            .arg(dir.join("state"))
+            .arg("--api-socket")
+            .arg(dir.join("ciliate.sock"))
+            .args(["--debug-addr", &debug])
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("agent starts");
+        let a = Agent {
+            child: Some(child),
+            dir: dir.to_path_buf(),
+            debug,
+        };
+        a.wait_until("the agent is ready", || a.http_get("/readyz").0 == 200);
+        a
+    }
+
+    fn wait_until(&self, what: &str, mut f: impl FnMut() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if f() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("timed out waiting until {what}; agent log:\n{}", self.log());
+    }
+
+    fn log(&self) -> String {
+        let mut out = String::new();
+        for e in std::fs::read_dir(&self.dir).into_iter().flatten().flatten() {
+            if e.file_name().to_string_lossy().starts_with("agent-") {
+                out.push_str(&std::fs::read_to_string(e.path()).unwrap_or_default());
+            }
+        }
+        out
+    }
+
+    /// GET on the debug HTTP server: (status, body).
+    fn http_get(&self, path: &str) -> (u16, String) {
+        let Ok(mut s) = TcpStream::connect(&self.debug) else {
+            return (0, String::new());
+        };
+        let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
+        let _ = write!(
+            s,
+            "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        );
+        let mut raw = String::new();
+        let _ = s.read_to_string(&mut raw);
+        let status = raw
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        let body = raw
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_string())
+            .unwrap_or_default();
+        (status, body)
+    }
+
+    fn json(&self, path: &str) -> Value {
+        let (status, body) = self.http_get(path);
+        assert_eq!(status, 200, "GET {path}: {body}");
+        serde_json::from_str(&body).unwrap_or_else(|e| panic!("GET {path}: {e}: {body}"))
+    }
+
+    /// Runs a CLI client command against this agent.
+    fn cli(&self, args: &[&str]) -> (i32, String, String) {
+        let out = Command::new(BIN)
+            .args(args)
+            .arg("--socket")
+            .arg(self.socket())
+            .output()
+            .expect("cli runs");
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).to_string(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    }
+
+    fn cli_json(&self, args: &[&str]) -> Value {
+        let mut a = args.to_vec();
+        a.extend(["-o", "json"]);
+        let (code, out, err) = self.cli(&a);
+        assert_eq!(code, 0, "ciliate {args:?}: {err}");
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("ciliate {args:?}: {e}: {out}"))
+    }
+
+    fn endpoint(&self, id: u64) -> Value {
+        self.cli_json(&["endpoint", "get", &id.to_string()])
+    }
+
+    fn revision(&self) -> u64 {
+        self.json("/debug/policy")["revision"].as_u64().unwrap_or(0)
+    }
+
+    /// Waits until every endpoint realized at least `rev`.
+    fn wait_realized(&self, rev: u64) {
+        self.wait_until(&format!("every endpoint realized revision {rev}"), || {
+            let eps = self.json("/debug/endpoints");
+            eps.as_array().is_some_and(|a| {
+                a.iter().filter(|e| !e["identity"].is_null()).all(|e| {
+                    e["policy_revision"].as_u64().unwrap_or(0) >= rev && e["state"] == "ready"
+                })
+            })
+        });
+    }
+
+    /// The realized entries of an endpoint: (direction, identity, protocol, port, deny).
+    fn entries(&self, id: u64) -> Vec<(String, u64, u64, u64, bool)> {
+        let v = self.cli_json(&["bpf", "policy", "get", &id.to_string()]);
+        v["entries"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|e| {
+                (
+                    e["direction"].as_str().unwrap_or("").to_string(),
+                    e["identity"].as_u64().unwrap_or(0),
+                    e["protocol"].as_u64().unwrap_or(0),
+                    e["port"].as_u64().unwrap_or(0),
+                    e["deny"].as_bool().unwrap_or(false),
+                )
+            })
+            .collect()
+    }
+
+    fn stop(&mut self) -> i32 {
+        let Some(mut c) = self.child.take() else {
+            return 0;
+        };
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(c.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(Some(s)) = c.try_wait() {
+                return s.code().unwrap_or(-1);
+            }
+            if Instant::now() > deadline {
+                let _ = c.kill();
+                panic!("agent did not stop on SIGTERM");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+const CLUSTER: &str = "
+apiVersion: v1
+kind: Namespace
+metadata: {name: x, labels: {team: blue}}
+---
+apiVersion: v1
+kind: Namespace
+metadata: {name: y}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: a, namespace: x, labels: {app: a}}
+spec: {containers: [{name: c, ports: [{name: http, containerPort: 8080}]}]}
+status: {podIPs: [{ip: 10.7.0.1}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: b, namespace: x, labels: {app: b}}
+status: {podIPs: [{ip: 10.7.0.2}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: c, namespace: y, labels: {app: c}}
+status: {podIPs: [{ip: 10.7.1.3}]}
+";
+
+const POLICY_V1: &str = "
+apiVersion: cilium.io/v2
+kind: CiliumNetworkPolicy
+metadata: {name: a-from-b, namespace: x}
+spec:
+  endpointSelector: {matchLabels: {app: a}}
+  ingress:
+    - fromEndpoints: [{matchLabels: {app: b}}]
+      toPorts: [{ports: [{port: http, protocol: TCP}]}]
+";
+
+const POLICY_V2: &str = "
+apiVersion: cilium.io/v2
+kind: CiliumNetworkPolicy
+metadata: {name: a-from-b, namespace: x}
+spec:
+  endpointSelector: {matchLabels: {app: a}}
+  ingress:
+    - fromEndpoints: [{matchLabels: {app: b}}]
+      toPorts: [{ports: [{port: '9090', protocol: TCP}]}]
+";
+
+fn setup() -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let m = dir.path().join("manifests");
+    std::fs::create_dir_all(&m).unwrap();
+    std::fs::write(m.join("cluster.yaml"), CLUSTER).unwrap();
+    std::fs::write(m.join("policy.yaml"), POLICY_V1).unwrap();
+    let p = dir.path().to_path_buf();
+    (dir, p)
+}
+
+fn identity_of(agent: &Agent, id: u64) -> u64 {
+    agent.endpoint(id)["identity"]
+        .as_u64()
+        .expect("endpoint has an identity")
+}
+
+#[test]
+fn policy_edits_on_disk_reach_the_endpoints_and_a_broken_file_keeps_the_last_good_state() {
+    let (_guard, dir) = setup();
+    let agent = Agent::start_in(&dir);
+
+    // Endpoints: one through the CLI, one through the REST API directly.
+    let (code, out, err) = agent.cli(&[
+        "endpoint",
+        "add",
+        "--name",
+        "x/a",
+        "--ip",
+        "10.7.0.1",
+        "--interface",
+        "lxca",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("x/a"), "{out}");
+    let body = ciliate::client::request(
+        &agent.socket(),
+        "POST",
+        "/v1/endpoints",
+        Some(r#"{"name":"x/b","ips":["10.7.0.2"]}"#),
+    )
+    .unwrap();
+    let b: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(b["id"], 2);
+    // Duplicate registration is refused with a clear conflict.
+    let (code, _, err) = agent.cli(&["endpoint", "add", "--name", "x/a", "--ip", "10.7.0.9"]);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("409") && err.contains("already has endpoint 1"),
+        "{err}"
+    );
+
+    let rev1 = agent.revision();
+    agent.wait_realized(rev1);
+    let id_b = identity_of(&agent, 2);
+    // a allows b on its named port http (8080), and the host (allow-localhost).
+    let e = agent.entries(1);
+    assert!(
+        e.contains(&("ingress".into(), id_b, 6, 8080, false)),
+        "{e:?}"
+    );
+    assert!(e.contains(&("ingress".into(), 1, 0, 0, false)), "{e:?}");
+    assert_eq!(agent.endpoint(1)["ingress_enforced"], true);
+    assert_eq!(agent.endpoint(2)["ingress_enforced"], false);
+
+    // An edit on disk takes effect live.
+    std::fs::write(agent.manifests().join("policy.yaml"), POLICY_V2).unwrap();
+    agent.wait_until("the edit is applied", || agent.revision() > rev1);
+    let rev2 = agent.revision();
+    agent.wait_realized(rev2);
+    let e = agent.entries(1);
+    assert!(
+        e.contains(&("ingress".into(), id_b, 6, 9090, false)),
+        "{e:?}"
+    );
+    assert!(!e.iter().any(|x| x.3 == 8080), "{e:?}");
+
+    // A file that does not parse: reported, and the previous policy stays in force.
+    std::fs::write(
+        agent.manifests().join("policy.yaml"),
+        "spec: [unclosed\n  - {",
+    )
+    .unwrap();
+    agent.wait_until("the broken file is reported", || {
+        agent.json("/debug/policy")["manifest_errors"]
+            .as_object()
+            .is_some_and(|m| m.contains_key("policy.yaml"))
+    });
+    assert_eq!(agent.revision(), rev2);
+    assert!(agent
+        .entries(1)
+        .contains(&("ingress".into(), id_b, 6, 9090, false)));
+
+    // A policy that parses but is invalid: rejected with the field, the previous version enforced.
+    std::fs::write(
+        agent.manifests().join("policy.yaml"),
+        POLICY_V2.replace("port: '9090'", "port: '99999'"),
+    )
+    .unwrap();
+    agent.wait_until("the invalid policy is rejected", || {
+        agent.json("/debug/policy")["policies"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|p| {
+                p["name"] == "a-from-b"
+                    && p["status"]
+                        .as_str()
+                        .is_some_and(|s| s.starts_with("rejected"))
+            })
+    });
+    let pol = agent.json("/debug/policy");
+    let p = pol["policies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "a-from-b")
+        .unwrap()
+        .clone();
+    assert!(
+        p["status"]
+            .as_str()
+            .unwrap()
+            .contains("spec.ingress[0].toPorts[0].ports[0].port"),
+        "{p}"
+    );
+    assert_eq!(p["previous_version_enforced"], true);
+    assert!(
+        pol["manifest_errors"].as_object().unwrap().is_empty(),
+        "{pol}"
+    );
+    assert!(agent
+        .entries(1)
+        .contains(&("ingress".into(), id_b, 6, 9090, false)));
+
+    // Removing the file deletes its policy: a is no longer isolated.
+    std::fs::remove_file(agent.manifests().join("policy.yaml")).unwrap();
+    agent.wait_until("the policy is deleted", || {
+        agent.json("/debug/policy")["policies"]
+            .as_array()
+            .is_some_and(|a| a.is_empty())
+    });
+    let rev3 = agent.revision();
+    agent.wait_realized(rev3);
+    assert_eq!(agent.endpoint(1)["ingress_enforced"], false);
+    assert!(agent.entries(1).is_empty());
+}
+
+#[test]
+fn pod_label_changes_move_endpoints_between_identities() {
+    let (_guard, dir) = setup();
+    let agent = Agent::start_in(&dir);
+    agent.cli_json(&["endpoint", "add", "--name", "x/a", "--ip", "10.7.0.1"]);
+    agent.cli_json(&["endpoint", "add", "--name", "x/b", "--ip", "10.7.0.2"]);
+    agent.wait_realized(agent.revision());
+    let before = identity_of(&agent, 2);
+    // b's labels change: it gets a new identity and a stops allowing it.
+    std::fs::write(
+        agent.manifests().join("cluster.yaml"),
+        CLUSTER.replace("labels: {app: b}", "labels: {app: b2}"),
+    )
+    .unwrap();
+    agent.wait_until("b's identity changes", || identity_of(&agent, 2) != before);
+    let after = identity_of(&agent, 2);
+    agent.wait_until("a's policy follows", || {
+        !agent.entries(1).iter().any(|e| e.1 == before)
+    });
+    assert!(
+        !agent.entries(1).iter().any(|e| e.1 == after),
+        "b2 is not selected by the policy"
+    );
+    assert!(agent.endpoint(2)["labels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|l| l == "k8s:app=b2"));
+    // A namespace label change changes the identity of its pods too.
+    let ns_before = identity_of(&agent, 1);
+    std::fs::write(
+        agent.manifests().join("cluster.yaml"),
+        CLUSTER
+            .replace("labels: {app: b}", "labels: {app: b2}")
+            .replace("team: blue", "team: green"),
+    )
+    .unwrap();
+    agent.wait_until("a's identity follows its namespace labels", || {
+        identity_of(&agent, 1) != ns_before
+    });
+}
+
+#[test]
+fn restart_restores_endpoints_with_the_same_ids_identities_and_ips() {
+    let (_guard, dir) = setup();
+    let mut agent = Agent::start_in(&dir);
+    agent.cli_json(&["endpoint", "add", "--name", "x/a", "--ip", "10.7.0.1"]);
+    agent.cli_json(&["endpoint", "add", "--name", "y/c", "--ip", "10.7.1.3"]);
+    // An endpoint whose pod does not exist waits for its identity.
+    let w = agent.cli_json(&["endpoint", "add", "--name", "y/ghost", "--ip", "10.7.1.9"]);
+    assert_eq!(w["state"], "waiting-for-identity");
+    let rev = agent.revision();
+    agent.wait_until("regenerated", || {
+        agent.endpoint(1)["policy_revision"].as_u64() >= Some(rev)
+    });
+    let before: Vec<Value> = agent.json("/debug/endpoints").as_array().unwrap().clone();
+    let entries_before = agent.entries(1);
+    assert_eq!(agent.stop(), 0, "SIGTERM stops the agent cleanly");
+
+    // A second agent on the same state dir while the first runs is refused.
+    let mut agent = Agent::start_in(&dir);
+    let out = Command::new(BIN)
+        .args([
+            "agent",
+            "--datapath",
+            "memory",
+            "--debug-addr",
+            "127.0.0.1:0",
+        ])
+        .arg("--manifests")
+        .arg(agent.manifests())
+        .arg("--state-dir")
+        .arg(dir.join("state"))
+        .arg("--api-socket")
+        .arg(dir.join("other.sock"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("another agent"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    agent.wait_realized(agent.revision());
+    let after: Vec<Value> = agent.json("/debug/endpoints").as_array().unwrap().clone();
+    assert_eq!(after.len(), before.len());
+    for (b, a) in before.iter().zip(after.iter()) {
+        assert_eq!(
+            (&b["id"], &b["name"], &b["identity"], &b["ips"]),
+            (&a["id"], &a["name"], &a["identity"], &a["ips"])
+        );
+    }
+    assert_eq!(agent.entries(1), entries_before);
+    // A new endpoint gets a fresh id, not a restored one.
+    let n = agent.cli_json(&["endpoint", "add", "--name", "x/b", "--ip", "10.7.0.2"]);
+    assert_eq!(n["id"], 4);
+    // Delete removes the endpoint and its state directory.
+    let (code, _, err) = agent.cli(&["endpoint", "delete", "1"]);
+    assert_eq!(code, 0, "{err}");
+    agent.wait_until("endpoint 1's state is removed", || {
+        !dir.join("state/1").exists()
+    });
+    assert_eq!(agent.cli(&["endpoint", "get", "1"]).0, 1);
+    assert_eq!(agent.stop(), 0);
+}
+
+#[test]
+fn introspection_metrics_and_client_commands() {
+    let (_guard, dir) = setup();
+    let agent = Agent::start_in(&dir);
+    agent.cli_json(&["endpoint", "add", "--name", "x/a", "--ip", "10.7.0.1"]);
+    agent.wait_realized(agent.revision());
+
+    let actors = agent.json("/debug/actors");
+    let kinds: Vec<&str> = actors
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|a| a["kind"].as_str())
+        .collect();
+    for k in [
+        "WatcherActor",
+        "PolicyRepoActor",
+        "RuleReactionActor",
+        "EndpointActor",
+        "LoaderActor",
+    ] {
+        assert!(kinds.contains(&k), "{k} missing from {actors}");
+    }
+    let ep = actors
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["name"] == "EndpointActor/1")
+        .expect("EndpointActor/1")
+        .clone();
+    for f in [
+        "mailbox",
+        "handled",
+        "last_message",
+        "handle_p50_us",
+        "handle_p99_us",
+    ] {
+        assert!(ep.get(f).is_some(), "field {f} missing: {ep}");
+    }
+    assert!(ep["handled"].as_u64().unwrap() >= 1);
+
+    let msgs = agent.json("/debug/actors/EndpointActor%2F1/messages");
+    let msgs = msgs.as_array().unwrap();
+    let regen = msgs
+        .iter()
+        .find(|m| m["message"] == "Regenerate")
+        .expect("a Regenerate was recorded");
+    assert_eq!(regen["from"], "RuleReactionActor");
+    assert_eq!(regen["outcome"], "ok");
+    for f in ["seq", "summary", "enqueued_at", "started_at", "finished_at"] {
+        assert!(regen.get(f).is_some(), "field {f} missing: {regen}");
+    }
+    // RFC 3339 with microseconds.
+    let t = regen["started_at"].as_str().unwrap();
+    assert!(
+        t.len() == "2026-01-01T00:00:00.000000Z".len() && t.ends_with('Z') && t.contains('.'),
+        "{t}"
+    );
+    assert!(msgs.iter().any(|m| m["message"] == "PolicyRealized"));
+    let repo_msgs = agent.json("/debug/actors/PolicyRepoActor/messages");
+    assert!(repo_msgs
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|m| m["message"] == "PolicyUpsert" && m["from"] == "WatcherActor"));
+    assert_eq!(agent.http_get("/debug/actors/Nope/messages").0, 404);
+
+    let (status, metrics) = agent.http_get("/metrics");
+    assert_eq!(status, 200);
+    for name in [
+        "ciliate_policy_implementation_delay_seconds_bucket",
+        "ciliate_endpoint_regeneration_seconds_count",
+        "ciliate_policy_revision",
+        "ciliate_endpoints 1",
+        "ciliate_identities",
+        "ciliate_actor_mailbox_messages{actor=\"EndpointActor\"}",
+        "ciliate_actor_messages_handled_total{actor=\"EndpointActor\",message=\"Regenerate\"}",
+    ] {
+        assert!(
+            metrics.contains(name),
+            "{name} missing from /metrics:\n{metrics}"
+        );
+    }
+    assert_eq!(agent.http_get("/healthz").0, 200);
+    let (status, page) = agent.http_get("/debug/");
+    assert_eq!(status, 200);
+    assert!(page.contains("<title>ciliate agent</title>") && page.contains("/debug/actors"));
+    let ids = agent.json("/debug/identities");
+    assert!(ids
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|i| i["id"] == 2 && i["kind"] == "reserved"));
+    let ipc = agent.json("/debug/ipcache");
+    assert!(ipc
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|e| e["prefix"] == "10.7.0.1/32"));
+
+    // Client commands: tables by default, JSON with -o json.
+    let (code, out, _) = agent.cli(&["status"]);
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("policy_revision") && out.contains("ready"),
+        "{out}"
+    );
+    let st = agent.cli_json(&["status"]);
+    assert_eq!(st["ready"], true);
+    assert_eq!(st["endpoints"], 1);
+    let (code, out, _) = agent.cli(&["endpoint", "list"]);
+    assert_eq!(code, 0);
+    assert!(out.starts_with("ID") && out.contains("x/a"), "{out}");
+    let (code, out, _) = agent.cli(&["policy", "get"]);
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("x/a-from-b") && out.contains("accepted"),
+        "{out}"
+    );
+    let (code, out, _) = agent.cli(&["identity", "list"]);
+    assert_eq!(code, 0);
+    assert!(out.contains("reserved:host"), "{out}");
+    let (code, out, _) = agent.cli(&["bpf", "policy", "get", "1"]);
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("ingress default deny") && out.contains("allow"),
+        "{out}"
+    );
+    let (code, _, err) = agent.cli(&["bpf", "policy", "get", "77"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("404"), "{err}");
+    // A client with no agent behind the socket says so.
+    let out = Command::new(BIN)
+        .args(["status", "--socket", "/nonexistent/ciliate.sock"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach the agent"));
+}
