@@ -200,7 +200,7 @@ impl EndpointActor {
                 revision,
                 ok,
             },
-            &self.name(),
+            self.name(),
         );
     }
 
@@ -246,7 +246,7 @@ impl EndpointActor {
                 identity,
             };
             self.loader
-                .do_send(AttachEndpoint { attachment: att }, &name);
+                .do_send(AttachEndpoint { attachment: att }, name.clone());
             self.attached = true;
         }
         let sync = SyncPolicyMap {
@@ -256,20 +256,20 @@ impl EndpointActor {
             replace,
             revision,
         };
-        let fut = self
-            .loader
-            .send(sync, &name)
-            .into_actor(self)
-            .map(move |res, act, ctx| {
-                let res: Result<SyncStats, DatapathError> = match res {
-                    Ok(r) => r,
-                    Err(e) => Err(DatapathError::System {
-                        operation: "send to LoaderActor".into(),
-                        message: e.to_string(),
-                    }),
-                };
-                act.finish(ctx, revision, policy.map, flags, res, started);
-            });
+        let fut =
+            self.loader
+                .send(sync, name.clone())
+                .into_actor(self)
+                .map(move |res, act, ctx| {
+                    let res: Result<SyncStats, DatapathError> = match res {
+                        Ok(r) => r,
+                        Err(e) => Err(DatapathError::System {
+                            operation: "send to LoaderActor".into(),
+                            message: e.to_string(),
+                        }),
+                    };
+                    act.finish(ctx, revision, policy.map, flags, res, started);
+                });
         ctx.wait(fut);
     }
 
@@ -500,7 +500,7 @@ impl Handler<SetIdentity> for EndpointActor {
                             identity: id,
                         };
                         self.loader
-                            .do_send(AttachEndpoint { attachment: att }, &self.name());
+                            .do_send(AttachEndpoint { attachment: att }, self.name());
                     }
                 }
             }
@@ -572,14 +572,14 @@ impl Handler<Delete> for EndpointActor {
         self.state = EndpointState::Disconnecting;
         if !msg.keep_datapath {
             self.loader
-                .do_send(DetachEndpoint { id: self.record.id }, &self.name());
+                .do_send(DetachEndpoint { id: self.record.id }, self.name());
             self.shared
                 .state_dir
                 .remove(self.record.id)
                 .map_err(|e| e.to_string())?;
         }
         self.reaction
-            .do_send(EndpointGone { id: self.record.id }, &self.name());
+            .do_send(EndpointGone { id: self.record.id }, self.name());
         ctx.stop();
         Ok(())
     }

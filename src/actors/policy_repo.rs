@@ -81,6 +81,8 @@ pub struct PolicyOverview {
     pub policies: Vec<PolicyStatus>,
     /// Manifest files that could not be read, with the error (their last good objects stay).
     pub manifest_errors: BTreeMap<String, String>,
+    /// Recent policy changes and how long each took to be enforced everywhere it applies.
+    pub recent_implementations: Vec<crate::agent::Implementation>,
 }
 
 /// `/debug/identities`.
@@ -1164,6 +1166,7 @@ impl Handler<GetPolicies> for PolicyRepoActor {
             revision: self.engine().revision(),
             policies: self.policies.values().cloned().collect(),
             manifest_errors: self.manifest_errors.clone(),
+            recent_implementations: self.shared.implementations(),
         })
     }
 }

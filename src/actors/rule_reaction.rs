@@ -3,12 +3,21 @@
 //! in the order changes were accepted, tracks until every affected endpoint realized it (the
 //! implementation delay), and only then releases the change's ipcache updates to the datapath, so
 //! that traffic from a new identity is never classified before the policy that admits it exists.
+//!
+//! Coalescing. Endpoints always compute from the engine's newest revision, so one regeneration
+//! covers every change accepted before it starts. This actor exploits that twice:
+//! - a short quiet window (`QUIET`, at most `MAX_HOLD` after the first held change) gathers a
+//!   burst of changes into one fan-out;
+//! - at most one `Regenerate` is in flight per endpoint; a change that arrives while one is
+//!   running is re-sent when it reports back.
+//!
+//! Messages and regenerations are thereby bounded by rounds, not by edits x endpoints.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use actix::{Actor, Context, Handler, Message};
+use actix::{Actor, AsyncContext, Context, Handler, Message, SpawnHandle};
 
 use super::endpoint::{BumpRevision, EndpointActor, Regenerate};
 use super::loader::{IpcacheChange, LoaderActor, UpdateIpcache};
@@ -19,11 +28,18 @@ use crate::traced_actor;
 
 const NAME: &str = "RuleReactionActor";
 
+/// Fan out once no change arrived for this long...
+pub const QUIET: Duration = Duration::from_millis(10);
+/// ...or at the latest this long after the first change being held.
+pub const MAX_HOLD: Duration = Duration::from_millis(1000);
+
 /// An endpoint as the reaction sees it.
 pub type EndpointHandle = (EndpointId, TracedAddr<EndpointActor>);
 
 struct Pending {
     revision: u64,
+    reason: String,
+    endpoints: usize,
     accepted_at: Instant,
     waiting: HashSet<EndpointId>,
     ipcache: Vec<IpcacheChange>,
@@ -31,11 +47,28 @@ struct Pending {
     set_ready: bool,
 }
 
+/// What an endpoint was asked for and not yet told.
+struct Want {
+    addr: TracedAddr<EndpointActor>,
+    revision: u64,
+    force: bool,
+    reason: String,
+}
+
 pub struct RuleReactionActor {
     shared: Shared,
     loader: TracedAddr<LoaderActor>,
     pending: BTreeMap<u64, Pending>,
     next_seq: u64,
+    /// Regenerations gathered in the current window.
+    want: HashMap<EndpointId, Want>,
+    /// Bumps gathered in the current window (latest revision).
+    bumps: HashMap<EndpointId, (TracedAddr<EndpointActor>, u64)>,
+    /// Endpoints with a `Regenerate` sent and no report yet.
+    in_flight: HashSet<EndpointId>,
+    /// Requests that arrived while that endpoint's regeneration was in flight.
+    again: HashMap<EndpointId, Want>,
+    window: Option<(SpawnHandle, Instant)>,
 }
 
 impl RuleReactionActor {
@@ -45,6 +78,11 @@ impl RuleReactionActor {
             loader,
             pending: BTreeMap::new(),
             next_seq: 0,
+            want: HashMap::new(),
+            bumps: HashMap::new(),
+            in_flight: HashSet::new(),
+            again: HashMap::new(),
+            window: None,
         }
     }
 
@@ -54,9 +92,12 @@ impl RuleReactionActor {
         };
         if p.observe_delay {
             self.shared
-                .metrics
-                .policy_implementation_delay
-                .observe(p.accepted_at.elapsed().as_secs_f64());
+                .record_implementation(crate::agent::Implementation {
+                    revision: p.revision,
+                    reason: p.reason,
+                    endpoints: p.endpoints,
+                    seconds: p.accepted_at.elapsed().as_secs_f64(),
+                });
         }
         if !p.ipcache.is_empty() {
             self.loader
@@ -68,6 +109,62 @@ impl RuleReactionActor {
                 revision = p.revision,
                 "initial policy realized on every endpoint; ready"
             );
+        }
+    }
+
+    fn send_regenerate(&mut self, id: EndpointId, w: Want) {
+        w.addr.do_send(
+            Regenerate {
+                revision: w.revision,
+                reason: w.reason,
+                force: w.force,
+            },
+            NAME,
+        );
+        self.in_flight.insert(id);
+    }
+
+    /// Ends the window: one message per endpoint.
+    fn flush(&mut self) {
+        self.window = None;
+        for (id, w) in std::mem::take(&mut self.want) {
+            if self.in_flight.contains(&id) {
+                merge(&mut self.again, id, w);
+            } else {
+                self.send_regenerate(id, w);
+            }
+        }
+        for (id, (addr, revision)) in std::mem::take(&mut self.bumps) {
+            if !self.in_flight.contains(&id) {
+                addr.do_send(BumpRevision { revision }, NAME);
+            }
+        }
+    }
+
+    fn arm(&mut self, ctx: &mut Context<Self>) {
+        let now = Instant::now();
+        let first = match self.window.take() {
+            Some((handle, first)) => {
+                ctx.cancel_future(handle);
+                first
+            }
+            None => now,
+        };
+        let fire = (now + QUIET).min(first + MAX_HOLD);
+        let handle = ctx.run_later(fire.saturating_duration_since(now), |act, _| act.flush());
+        self.window = Some((handle, first));
+    }
+}
+
+fn merge(map: &mut HashMap<EndpointId, Want>, id: EndpointId, w: Want) {
+    match map.get_mut(&id) {
+        Some(e) => {
+            e.revision = e.revision.max(w.revision);
+            e.force |= w.force;
+            e.reason = w.reason;
+        }
+        None => {
+            map.insert(id, w);
         }
     }
 }
@@ -114,31 +211,30 @@ impl Traceable for PolicyReaction {
 
 impl Handler<PolicyReaction> for RuleReactionActor {
     type Result = ();
-    fn handle(&mut self, msg: PolicyReaction, _: &mut Context<Self>) {
+    fn handle(&mut self, msg: PolicyReaction, ctx: &mut Context<Self>) {
         self.next_seq += 1;
         let seq = self.next_seq;
-        for (_, addr) in &msg.to_regenerate {
-            addr.do_send(
-                Regenerate {
-                    revision: msg.revision,
-                    reason: msg.reason.clone(),
-                    force: msg.force,
-                },
-                NAME,
-            );
+        for (id, addr) in &msg.to_regenerate {
+            self.bumps.remove(id);
+            let w = Want {
+                addr: addr.clone(),
+                revision: msg.revision,
+                force: msg.force,
+                reason: msg.reason.clone(),
+            };
+            merge(&mut self.want, *id, w);
         }
-        for (_, addr) in &msg.to_bump {
-            addr.do_send(
-                BumpRevision {
-                    revision: msg.revision,
-                },
-                NAME,
-            );
+        for (id, addr) in &msg.to_bump {
+            if !self.want.contains_key(id) {
+                self.bumps.insert(*id, (addr.clone(), msg.revision));
+            }
         }
         self.pending.insert(
             seq,
             Pending {
                 revision: msg.revision,
+                reason: msg.reason,
+                endpoints: msg.to_regenerate.len(),
                 accepted_at: msg.accepted_at,
                 waiting: msg.to_regenerate.iter().map(|(id, _)| *id).collect(),
                 ipcache: msg.ipcache,
@@ -148,6 +244,9 @@ impl Handler<PolicyReaction> for RuleReactionActor {
         );
         if self.pending.get(&seq).is_some_and(|p| p.waiting.is_empty()) {
             self.complete(seq);
+        }
+        if !self.want.is_empty() || !self.bumps.is_empty() {
+            self.arm(ctx);
         }
     }
 }
@@ -178,6 +277,12 @@ impl Traceable for EndpointRealized {
 impl Handler<EndpointRealized> for RuleReactionActor {
     type Result = ();
     fn handle(&mut self, msg: EndpointRealized, _: &mut Context<Self>) {
+        self.in_flight.remove(&msg.id);
+        if let Some(w) = self.again.remove(&msg.id) {
+            if w.force || w.revision > msg.revision {
+                self.send_regenerate(msg.id, w);
+            }
+        }
         let done: Vec<u64> = self
             .pending
             .iter_mut()
@@ -209,6 +314,9 @@ impl Traceable for EndpointGone {
 impl Handler<EndpointGone> for RuleReactionActor {
     type Result = ();
     fn handle(&mut self, msg: EndpointGone, ctx: &mut Context<Self>) {
+        self.want.remove(&msg.id);
+        self.bumps.remove(&msg.id);
+        self.again.remove(&msg.id);
         self.handle(
             EndpointRealized {
                 id: msg.id,

@@ -12,8 +12,7 @@ use std::time::Duration;
 
 use actix::{Actor, AsyncContext, Context, Handler, Message};
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Service};
-use notify_debouncer_mini::notify::{RecommendedWatcher, RecursiveMode};
-use notify_debouncer_mini::{new_debouncer, DebounceEventResult, Debouncer};
+use notify::{Event, EventKind, RecommendedWatcher, RecursiveMode, Watcher};
 use serde_yaml::Value;
 
 use super::policy_repo::{
@@ -34,10 +33,19 @@ const DEFAULT_NAMESPACE: &str = "default";
 /// before policies, so identities exist before the rules that select them.
 type ObjKey = (u8, String, String, String);
 
+/// What the watcher remembers of an object: a hash of its content (to tell changes) and where
+/// it came from. The documents themselves are not kept.
 #[derive(Debug, Clone, PartialEq)]
 struct Obj {
-    value: Value,
+    hash: u64,
     location: String,
+}
+
+fn content_hash(v: &Value) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    v.hash(&mut h);
+    h.finish()
 }
 
 fn kind_order(kind: &str) -> Option<u8> {
@@ -124,11 +132,16 @@ pub struct WatcherActor {
     repo: TracedAddr<PolicyRepoActor>,
     objects: BTreeMap<ObjKey, Obj>,
     /// The objects each file held when it last parsed.
-    by_file: BTreeMap<PathBuf, Vec<(ObjKey, Obj)>>,
+    by_file: BTreeMap<PathBuf, Vec<ObjKey>>,
     file_errors: BTreeMap<PathBuf, String>,
-    debouncer: Option<Debouncer<RecommendedWatcher>>,
+    watcher: Option<RecommendedWatcher>,
     me: Option<TracedAddr<WatcherActor>>,
+    /// A rescan is scheduled (changes within `DEBOUNCE` share it).
+    rescan_scheduled: bool,
 }
+
+/// Edits within this window share one rescan (editors write files in several steps).
+const DEBOUNCE: Duration = Duration::from_millis(150);
 
 impl WatcherActor {
     pub fn new(dir: PathBuf, repo: TracedAddr<PolicyRepoActor>) -> Self {
@@ -138,8 +151,9 @@ impl WatcherActor {
             objects: BTreeMap::new(),
             by_file: BTreeMap::new(),
             file_errors: BTreeMap::new(),
-            debouncer: None,
+            watcher: None,
             me: None,
+            rescan_scheduled: false,
         }
     }
 
@@ -158,26 +172,31 @@ impl WatcherActor {
         let mut files = Vec::new();
         manifest_files(&self.dir, &mut files);
         files.sort();
-        let mut by_file: BTreeMap<PathBuf, Vec<(ObjKey, Obj)>> = BTreeMap::new();
+        let mut objects: BTreeMap<ObjKey, Obj> = BTreeMap::new();
+        let mut by_file: BTreeMap<PathBuf, Vec<ObjKey>> = BTreeMap::new();
+        // Documents that are new or changed, to send once the new state is complete.
+        let mut changed: Vec<(ObjKey, Value, String)> = Vec::new();
         for f in &files {
             let rel = self.rel(f);
             match read_documents(f) {
                 Ok(docs) => {
-                    let mut objs = Vec::new();
+                    let mut keys = Vec::new();
                     for (i, doc) in docs.into_iter().enumerate() {
                         let location = format!("{rel}#{i}");
-                        match object_key(&doc) {
-                            Some(k) => objs.push((
-                                k,
-                                Obj {
-                                    value: doc,
-                                    location,
-                                },
-                            )),
-                            None => {
-                                tracing::debug!(%location, "ignoring a document of a kind the agent does not use")
-                            }
+                        let Some(k) = object_key(&doc) else {
+                            tracing::debug!(%location, "ignoring a document of a kind the agent does not use");
+                            continue;
+                        };
+                        let hash = content_hash(&doc);
+                        if let Some(prev) = objects.get(&k) {
+                            tracing::warn!(object = ?k, first = %prev.location, second = %location, "object defined twice; the later one wins");
                         }
+                        if self.objects.get(&k).map(|o| o.hash) != Some(hash) {
+                            changed.retain(|(ck, _, _)| ck != &k);
+                            changed.push((k.clone(), doc, location.clone()));
+                        }
+                        objects.insert(k.clone(), Obj { hash, location });
+                        keys.push(k);
                     }
                     if self.file_errors.remove(f).is_some() {
                         self.repo.do_send(
@@ -188,7 +207,7 @@ impl WatcherActor {
                             NAME,
                         );
                     }
-                    by_file.insert(f.clone(), objs);
+                    by_file.insert(f.clone(), keys);
                 }
                 Err(e) => {
                     tracing::warn!(file = %rel, error = %e, "manifest not loaded; its previous objects stay in force");
@@ -202,7 +221,14 @@ impl WatcherActor {
                         );
                     }
                     self.file_errors.insert(f.clone(), e);
-                    by_file.insert(f.clone(), self.by_file.get(f).cloned().unwrap_or_default());
+                    // Keep what this file held before, unchanged.
+                    let keys = self.by_file.get(f).cloned().unwrap_or_default();
+                    for k in &keys {
+                        if let Some(o) = self.objects.get(k) {
+                            objects.insert(k.clone(), o.clone());
+                        }
+                    }
+                    by_file.insert(f.clone(), keys);
                 }
             }
         }
@@ -223,14 +249,6 @@ impl WatcherActor {
                 NAME,
             );
         }
-        let mut objects: BTreeMap<ObjKey, Obj> = BTreeMap::new();
-        for objs in by_file.values() {
-            for (k, o) in objs {
-                if let Some(prev) = objects.insert(k.clone(), o.clone()) {
-                    tracing::warn!(object = ?k, first = %prev.location, second = %o.location, "object defined twice; the later one wins");
-                }
-            }
-        }
         let mut sent = 0;
         // Deletes in reverse apply order (policies before pods before namespaces).
         let gone: Vec<ObjKey> = self
@@ -244,45 +262,44 @@ impl WatcherActor {
             self.send_delete(&k);
             sent += 1;
         }
-        for (k, o) in &objects {
-            if self.objects.get(k).map(|old| &old.value) != Some(&o.value) {
-                self.send_upsert(k, o);
-                sent += 1;
-            }
+        changed.sort_by(|a, b| a.0.cmp(&b.0));
+        for (k, doc, location) in &changed {
+            self.send_upsert(k, doc, location);
+            sent += 1;
         }
         self.objects = objects;
         self.by_file = by_file;
         Ok(sent)
     }
 
-    fn send_upsert(&self, k: &ObjKey, o: &Obj) {
+    fn send_upsert(&self, k: &ObjKey, value: &Value, location: &str) {
         let (_, kind, ns, _) = k;
         let report = |e: String| {
-            tracing::warn!(location = %o.location, error = %e, "object not usable");
+            tracing::warn!(%location, error = %e, "object not usable");
             self.repo.do_send(
                 ManifestStatus {
-                    file: o.location.clone(),
+                    file: location.to_string(),
                     error: Some(e),
                 },
                 NAME,
             );
         };
         match kind.as_str() {
-            "Namespace" => match serde_yaml::from_value::<Namespace>(o.value.clone())
+            "Namespace" => match serde_yaml::from_value::<Namespace>(value.clone())
                 .map_err(|e| e.to_string())
                 .and_then(|n| namespace_info(&n))
             {
                 Ok(namespace) => self.repo.do_send(NamespaceUpsert { namespace }, NAME),
                 Err(e) => report(e),
             },
-            "Node" => match serde_yaml::from_value::<Node>(o.value.clone())
+            "Node" => match serde_yaml::from_value::<Node>(value.clone())
                 .map_err(|e| e.to_string())
                 .and_then(|n| node_info(&n))
             {
                 Ok(node) => self.repo.do_send(NodeUpsert { node }, NAME),
                 Err(e) => report(e),
             },
-            "Service" => match serde_yaml::from_value::<Service>(o.value.clone())
+            "Service" => match serde_yaml::from_value::<Service>(value.clone())
                 .map_err(|e| e.to_string())
                 .and_then(|s| service_info(&s, ns))
             {
@@ -295,22 +312,22 @@ impl WatcherActor {
                 ),
                 Err(e) => report(e),
             },
-            "Pod" => match serde_yaml::from_value::<Pod>(o.value.clone())
+            "Pod" => match serde_yaml::from_value::<Pod>(value.clone())
                 .map_err(|e| e.to_string())
                 .and_then(|p| pod_info(&p, ns))
             {
                 Ok(pod) => self.repo.do_send(PodUpsert { pod }, NAME),
                 Err(e) => report(e),
             },
-            _ => match parse_policy(&o.value, DEFAULT_NAMESPACE, &o.location) {
+            _ => match parse_policy(value, DEFAULT_NAMESPACE, location) {
                 Ok(policy) => {
                     for w in &policy.warnings {
-                        tracing::warn!(location = %o.location, "{w}");
+                        tracing::warn!(%location, "{w}");
                     }
                     self.repo.do_send(
                         PolicyUpsert {
                             policy,
-                            source: o.location.clone(),
+                            source: location.to_string(),
                         },
                         NAME,
                     )
@@ -319,7 +336,7 @@ impl WatcherActor {
                     PolicyRejected {
                         key: policy_key(k),
                         error: e.to_string(),
-                        source: o.location.clone(),
+                        source: location.to_string(),
                     },
                     NAME,
                 ),
@@ -372,24 +389,20 @@ impl Actor for WatcherActor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
-        // Watch first, then read: a change in between is seen by the watch.
+        // Watch first, then read: a change in between is seen by the watch. Reads (ours
+        // included) are not changes: only events that modify the tree count.
         if let Some(me) = self.me.clone() {
-            match new_debouncer(
-                Duration::from_millis(150),
-                move |res: DebounceEventResult| {
-                    if let Err(e) = &res {
-                        tracing::warn!(error = %e, "file watch error; rescanning");
-                    }
-                    me.do_send(
-                        Rescan {
-                            reason: "file change",
-                        },
-                        "inotify",
-                    );
-                },
-            ) {
-                Ok(mut d) => match d.watcher().watch(&self.dir, RecursiveMode::Recursive) {
-                    Ok(()) => self.debouncer = Some(d),
+            let handler = move |res: notify::Result<Event>| match res {
+                Ok(ev) if matches!(ev.kind, EventKind::Access(_)) => {}
+                Ok(_) => me.do_send(FilesChanged, "inotify"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "file watch error; rescanning");
+                    me.do_send(FilesChanged, "inotify");
+                }
+            };
+            match notify::recommended_watcher(handler) {
+                Ok(mut w) => match w.watch(&self.dir, RecursiveMode::Recursive) {
+                    Ok(()) => self.watcher = Some(w),
                     Err(e) => {
                         tracing::error!(dir = %self.dir.display(), error = %e, "cannot watch the manifest directory; edits need a restart")
                     }
@@ -412,7 +425,7 @@ impl Actor for WatcherActor {
         }
     }
 }
-traced_actor!(WatcherActor: Rescan);
+traced_actor!(WatcherActor: Rescan, FilesChanged);
 
 /// Re-read the manifest directory.
 #[derive(Debug, Message)]
@@ -432,5 +445,38 @@ impl Handler<Rescan> for WatcherActor {
     type Result = Result<usize, String>;
     fn handle(&mut self, _: Rescan, _: &mut Context<Self>) -> Self::Result {
         self.rescan()
+    }
+}
+
+/// Something in the manifest directory changed: rescan after `DEBOUNCE`.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct FilesChanged;
+
+impl Traceable for FilesChanged {
+    const KIND: &'static str = "FilesChanged";
+    fn summary(&self) -> String {
+        String::new()
+    }
+}
+
+impl Handler<FilesChanged> for WatcherActor {
+    type Result = ();
+    fn handle(&mut self, _: FilesChanged, ctx: &mut Context<Self>) {
+        if self.rescan_scheduled {
+            return;
+        }
+        self.rescan_scheduled = true;
+        ctx.run_later(DEBOUNCE, |act, _| {
+            act.rescan_scheduled = false;
+            if let Some(me) = &act.me {
+                me.do_send(
+                    Rescan {
+                        reason: "file change",
+                    },
+                    NAME,
+                );
+            }
+        });
     }
 }

@@ -6,6 +6,7 @@
 //! actor's [`Journal`], a bounded ring. The debug HTTP server reads the journals; nothing here
 //! knows about any particular actor or message.
 
+use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::fmt::Display;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
@@ -17,8 +18,11 @@ use chrono::{DateTime, SecondsFormat, Utc};
 use dashmap::DashMap;
 use serde::Serialize;
 
-/// How many messages each journal keeps.
-pub const JOURNAL_CAPACITY: usize = 512;
+/// How many messages each journal keeps (the debug API promises at least 256).
+pub const JOURNAL_CAPACITY: usize = 256;
+
+/// Who sent a message: actor names are mostly static; endpoint names are not.
+pub type Sender = Cow<'static, str>;
 
 /// A message that can say what it is in one line.
 pub trait Traceable: Message {
@@ -58,13 +62,46 @@ pub struct MessageRecord {
     pub outcome: String,
 }
 
-fn rfc3339(t: DateTime<Utc>) -> String {
-    t.to_rfc3339_opts(SecondsFormat::Micros, true)
+fn rfc3339(micros: i64) -> String {
+    DateTime::<Utc>::from_timestamp_micros(micros)
+        .unwrap_or_default()
+        .to_rfc3339_opts(SecondsFormat::Micros, true)
+}
+
+/// A journal entry as stored: compact (a thousand endpoints keep 256 each), rendered on read.
+#[derive(Debug)]
+struct Rec {
+    seq: u64,
+    message: &'static str,
+    summary: Box<str>,
+    from: Sender,
+    enqueued_us: i64,
+    started_us: i64,
+    finished_us: i64,
+    error: Option<Box<str>>,
+}
+
+impl Rec {
+    fn render(&self) -> MessageRecord {
+        MessageRecord {
+            seq: self.seq,
+            message: self.message,
+            summary: self.summary.to_string(),
+            from: self.from.to_string(),
+            enqueued_at: rfc3339(self.enqueued_us),
+            started_at: rfc3339(self.started_us),
+            finished_at: rfc3339(self.finished_us),
+            outcome: match &self.error {
+                None => "ok".into(),
+                Some(e) => format!("error: {e}"),
+            },
+        }
+    }
 }
 
 #[derive(Debug, Default)]
 struct JournalInner {
-    records: VecDeque<MessageRecord>,
+    records: VecDeque<Rec>,
     durations_us: VecDeque<u64>,
     last_message: &'static str,
 }
@@ -119,7 +156,7 @@ impl Journal {
         &self,
         message: &'static str,
         summary: String,
-        from: String,
+        from: Sender,
         enqueued_at: DateTime<Utc>,
         started_at: DateTime<Utc>,
         finished_at: DateTime<Utc>,
@@ -144,14 +181,14 @@ impl Journal {
         &self,
         message: &'static str,
         summary: String,
-        from: &str,
+        from: &'static str,
         started_at: DateTime<Utc>,
         outcome: Result<(), String>,
     ) {
         self.append(
             message,
             summary,
-            from.to_string(),
+            Cow::Borrowed(from),
             started_at,
             started_at,
             Utc::now(),
@@ -164,7 +201,7 @@ impl Journal {
         &self,
         message: &'static str,
         summary: String,
-        from: String,
+        from: Sender,
         enqueued_at: DateTime<Utc>,
         started_at: DateTime<Utc>,
         finished_at: DateTime<Utc>,
@@ -173,23 +210,17 @@ impl Journal {
         self.handled.fetch_add(1, Ordering::Relaxed);
         let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
         let ok = outcome.is_ok();
-        let rec = MessageRecord {
+        let rec = Rec {
             seq,
             message,
-            summary,
+            summary: summary.into_boxed_str(),
             from,
-            enqueued_at: rfc3339(enqueued_at),
-            started_at: rfc3339(started_at),
-            finished_at: rfc3339(finished_at),
-            outcome: match outcome {
-                Ok(()) => "ok".into(),
-                Err(e) => format!("error: {e}"),
-            },
+            enqueued_us: enqueued_at.timestamp_micros(),
+            started_us: started_at.timestamp_micros(),
+            finished_us: finished_at.timestamp_micros(),
+            error: outcome.err().map(String::into_boxed_str),
         };
-        let dur = (finished_at - started_at)
-            .num_microseconds()
-            .unwrap_or(0)
-            .max(0) as u64;
+        let dur = (rec.finished_us - rec.started_us).max(0) as u64;
         if let Ok(mut inner) = self.inner.lock() {
             if inner.records.len() == JOURNAL_CAPACITY {
                 inner.records.pop_front();
@@ -241,7 +272,7 @@ impl Journal {
     pub fn messages(&self) -> Vec<MessageRecord> {
         self.inner
             .lock()
-            .map(|i| i.records.iter().cloned().collect())
+            .map(|i| i.records.iter().map(Rec::render).collect())
             .unwrap_or_default()
     }
 }
@@ -298,7 +329,7 @@ impl Registry {
 /// The envelope every actor message travels in.
 pub struct Traced<M> {
     pub msg: M,
-    pub from: String,
+    pub from: Sender,
     pub enqueued_at: DateTime<Utc>,
     pub journal: Arc<Journal>,
 }
@@ -327,18 +358,18 @@ impl<A: Actor> TracedAddr<A> {
         TracedAddr { addr, journal }
     }
 
-    fn wrap<M>(&self, msg: M, from: &str) -> Traced<M> {
+    fn wrap<M>(&self, msg: M, from: impl Into<Sender>) -> Traced<M> {
         self.journal.enqueued();
         Traced {
             msg,
-            from: from.to_string(),
+            from: from.into(),
             enqueued_at: Utc::now(),
             journal: self.journal.clone(),
         }
     }
 
     /// Sends and returns a future of the handler's result.
-    pub fn send<M>(&self, msg: M, from: &str) -> Request<A, Traced<M>>
+    pub fn send<M>(&self, msg: M, from: impl Into<Sender>) -> Request<A, Traced<M>>
     where
         M: Message + Send + 'static,
         M::Result: Send,
@@ -349,7 +380,7 @@ impl<A: Actor> TracedAddr<A> {
     }
 
     /// Sends without waiting for the result.
-    pub fn do_send<M>(&self, msg: M, from: &str)
+    pub fn do_send<M>(&self, msg: M, from: impl Into<Sender>)
     where
         M: Message + Send + 'static,
         M::Result: Send,
@@ -369,7 +400,7 @@ pub fn record_handled<R: Outcome>(
     journal: &Journal,
     kind: &'static str,
     summary: String,
-    from: String,
+    from: Sender,
     enqueued_at: DateTime<Utc>,
     run: impl FnOnce() -> R,
 ) -> R {

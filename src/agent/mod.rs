@@ -7,10 +7,25 @@ pub mod objects;
 pub mod run;
 pub mod state;
 
+use std::collections::VecDeque;
 use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
+
+use serde::Serialize;
 
 use crate::policy::engine::PolicyEngine;
+
+/// How many recent policy implementations `/debug/policy` keeps.
+pub const IMPLEMENTATIONS_KEPT: usize = 256;
+
+/// One policy change, from being accepted to every affected endpoint realizing it.
+#[derive(Debug, Clone, Serialize)]
+pub struct Implementation {
+    pub revision: u64,
+    pub reason: String,
+    pub endpoints: usize,
+    pub seconds: f64,
+}
 
 /// Services every actor can reach.
 #[derive(Clone)]
@@ -24,4 +39,53 @@ pub struct Shared {
     pub node_name: String,
     /// Initial sync done and every restored endpoint regenerated.
     pub ready: Arc<AtomicBool>,
+    /// The most recent policy implementations (newest last).
+    pub implementations: Arc<Mutex<VecDeque<Implementation>>>,
+}
+
+impl Shared {
+    /// Fresh services for one agent: metrics hooked to the actors' journals.
+    pub fn new(node_name: &str, state_dir: state::StateDir) -> Shared {
+        let metrics = Arc::new(metrics::Metrics::new());
+        let hook_metrics = metrics.clone();
+        let hook: introspect::HandledHook = Arc::new(move |actor, message, _ok| {
+            hook_metrics
+                .actor_messages_handled
+                .get_or_create(&metrics::ActorMessageLabels {
+                    actor: actor.to_string(),
+                    message: message.to_string(),
+                })
+                .inc();
+        });
+        Shared {
+            registry: Arc::new(introspect::Registry::new(Some(hook))),
+            metrics,
+            engine: Arc::new(RwLock::new(PolicyEngine::new())),
+            state_dir,
+            node_name: node_name.to_string(),
+            ready: Arc::new(AtomicBool::new(false)),
+            implementations: Arc::new(Mutex::new(VecDeque::new())),
+        }
+    }
+
+    /// Records a finished policy implementation.
+    pub fn record_implementation(&self, imp: Implementation) {
+        self.metrics
+            .policy_implementation_delay
+            .observe(imp.seconds);
+        if let Ok(mut v) = self.implementations.lock() {
+            if v.len() == IMPLEMENTATIONS_KEPT {
+                v.pop_front();
+            }
+            v.push_back(imp);
+        }
+    }
+
+    /// The recorded implementations, oldest first.
+    pub fn implementations(&self) -> Vec<Implementation> {
+        self.implementations
+            .lock()
+            .map(|v| v.iter().cloned().collect())
+            .unwrap_or_default()
+    }
 }

@@ -4,15 +4,12 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, RwLock};
 use std::time::Instant;
 
 use actix::{Actor, AsyncContext};
 use actix_web::{web, App, HttpServer};
 
-use super::introspect::{HandledHook, Registry, TracedAddr};
-use super::metrics::{ActorMessageLabels, Metrics};
+use super::introspect::{Registry, TracedAddr};
 use super::state::{StateDir, StateLock};
 use super::Shared;
 use crate::actors::loader::LoaderActor;
@@ -22,7 +19,6 @@ use crate::actors::watcher::WatcherActor;
 use crate::api::{read_routes, socket_routes, AppState};
 use crate::datapath::memory::MemoryDatapath;
 use crate::datapath::Datapath;
-use crate::policy::engine::PolicyEngine;
 
 /// Where the cluster state comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -117,50 +113,50 @@ pub fn run(config: AgentConfig) -> Result<(), AgentError> {
     system.block_on(run_async(config, manifests, datapath, state_dir))
 }
 
+/// The actors every mode shares, wired together.
+#[derive(Clone)]
+pub struct Core {
+    pub loader: TracedAddr<LoaderActor>,
+    pub reaction: TracedAddr<RuleReactionActor>,
+    pub repo: TracedAddr<PolicyRepoActor>,
+}
+
+/// Starts `LoaderActor` (initMaps: the datapath first), `RuleReactionActor` and
+/// `PolicyRepoActor`. Must run inside an actix system.
+pub fn spawn_core(shared: &Shared, datapath: Box<dyn Datapath>) -> Core {
+    let registry = &shared.registry;
+    let loader = register(
+        registry,
+        "LoaderActor",
+        LoaderActor::new(datapath, shared.clone()),
+    );
+    let reaction = register(
+        registry,
+        "RuleReactionActor",
+        RuleReactionActor::new(shared.clone(), loader.clone()),
+    );
+    let repo = register(
+        registry,
+        "PolicyRepoActor",
+        PolicyRepoActor::new(shared.clone(), loader.clone(), reaction.clone()),
+    );
+    Core {
+        loader,
+        reaction,
+        repo,
+    }
+}
+
 async fn run_async(
     config: AgentConfig,
     manifests: PathBuf,
     datapath: Box<dyn Datapath>,
     state_dir: StateDir,
 ) -> Result<(), AgentError> {
-    let metrics = Arc::new(Metrics::new());
-    let hook_metrics = metrics.clone();
-    let hook: HandledHook = Arc::new(move |actor, message, _ok| {
-        hook_metrics
-            .actor_messages_handled
-            .get_or_create(&ActorMessageLabels {
-                actor: actor.to_string(),
-                message: message.to_string(),
-            })
-            .inc();
-    });
-    let registry = Arc::new(Registry::new(Some(hook)));
-    let shared = Shared {
-        registry: registry.clone(),
-        metrics,
-        engine: Arc::new(RwLock::new(PolicyEngine::new())),
-        state_dir: state_dir.clone(),
-        node_name: config.node_name.clone(),
-        ready: Arc::new(AtomicBool::new(false)),
-    };
+    let shared = Shared::new(&config.node_name, state_dir.clone());
+    let registry = shared.registry.clone();
     let datapath_name = datapath.name();
-
-    // initMaps: the datapath first.
-    let loader = register(
-        &registry,
-        "LoaderActor",
-        LoaderActor::new(datapath, shared.clone()),
-    );
-    let reaction = register(
-        &registry,
-        "RuleReactionActor",
-        RuleReactionActor::new(shared.clone(), loader.clone()),
-    );
-    let repo = register(
-        &registry,
-        "PolicyRepoActor",
-        PolicyRepoActor::new(shared.clone(), loader.clone(), reaction.clone()),
-    );
+    let Core { loader, repo, .. } = spawn_core(&shared, datapath);
 
     // restoreOldEndpoints: same ids, identities and IPs, before anything new is allocated.
     let (records, errors) = state_dir.load_all();
