@@ -30,6 +30,8 @@ const PAGE: &str = r##"<!doctype html>
 <script>
 let sel = "PolicyRepoActor";
 const esc = s => String(s ?? "").replace(/[&<>"]/g, c => ({"&":"&amp;","<":"&lt;",">":"&gt;",'"':"&quot;"}[c]));
+// RFC 3339 with microseconds: Date.parse keeps milliseconds, the last three digits are added here.
+const micros = t => Date.parse(t) * 1000 + (parseInt(t.slice(23, 26), 10) || 0);
 const fill = (id, rows) => { document.querySelector("#"+id+" tbody").innerHTML = rows.join(""); };
 async function get(p){ const r = await fetch(p); if(!r.ok) throw new Error(p+": "+r.status); return r.json(); }
 async function refresh(){
@@ -40,7 +42,7 @@ async function refresh(){
   fill("actors", actors.map(a => `<tr class="click ${a.name===sel?'sel':''}" onclick="sel='${esc(a.name)}';refresh()"><td>${esc(a.name)}</td><td>${a.mailbox}</td><td>${a.handled}</td><td>${esc(a.last_message)}</td><td>${a.handle_p50_us}</td><td>${a.handle_p99_us}</td></tr>`));
   document.getElementById("selname").textContent = sel;
   const msgs = await get("/debug/actors/" + sel.replace("/", "%2F") + "/messages").catch(() => []);
-  fill("msgs", msgs.slice(-40).reverse().map(m => `<tr><td>${m.seq}</td><td>${esc(m.message)}</td><td><code>${esc(m.summary)}</code></td><td>${esc(m.from)}</td><td>${Math.round((Date.parse(m.finished_at)-Date.parse(m.started_at))*1000)}</td><td class="${m.outcome==='ok'?'ok':'err'}">${esc(m.outcome)}</td></tr>`));
+  fill("msgs", msgs.slice(-40).reverse().map(m => `<tr><td>${m.seq}</td><td>${esc(m.message)}</td><td><code>${esc(m.summary)}</code></td><td>${esc(m.from)}</td><td>${micros(m.finished_at) - micros(m.started_at)}</td><td class="${m.outcome==='ok'?'ok':'err'}">${esc(m.outcome)}</td></tr>`));
   fill("eps", eps.map(e => `<tr><td>${e.id}</td><td>${esc(e.name)}</td><td>${e.identity ?? ""}</td><td class="${e.state==='ready'?'ok':'err'}">${esc(e.state)}</td><td>${e.policy_revision}</td><td>${e.policy_entries}</td><td>${esc(e.ips.join(", "))}</td><td class=err>${esc(e.error)}</td></tr>`));
   fill("pols", pol.policies.map(p => `<tr><td>${esc(p.kind)}</td><td>${esc((p.namespace ? p.namespace + "/" : "") + p.name)}</td><td>${p.rules}</td><td>${p.revision}</td><td class="${p.status==='accepted'?'ok':'err'}">${esc(p.status)}</td><td>${esc(p.notes.join("; "))}</td></tr>`));
  } catch(e) { document.getElementById("hdr").innerHTML = `<span class=err>${esc(e.message)}</span>`; }
