@@ -3,6 +3,7 @@
 //! plugs in behind the same trait. Only `LoaderActor` owns a datapath.
 
 pub mod abi;
+pub mod bpf;
 pub mod memory;
 
 use std::net::IpAddr;

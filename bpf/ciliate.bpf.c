@@ -1,0 +1,434 @@
+// SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause)
+/*
+ * ciliate's datapath: identity-based L3/L4 policy on an endpoint's host-side veth.
+ *
+ *   from_container: tc ingress of the host veth = traffic the pod sends  = the pod's egress
+ *   to_container:   tc egress  of the host veth = traffic the pod receives = the pod's ingress
+ *
+ * Per packet: parse (Ethernet, IPv4 with fragments handled conservatively, IPv6 with extension
+ * headers, TCP/UDP/SCTP/ICMP/ICMPv6), connection tracking (replies and established flows of
+ * allowed connections pass), the peer's identity from the ipcache (longest prefix match), then
+ * the endpoint's policy map with wildcard fallbacks (exact identity or any, exact protocol or
+ * any, every port prefix length in use), deny winning over allow. Counters per entry and per
+ * reason; verdict events to a ring buffer.
+ *
+ * ENDPOINT_ID is a read-only global set before load (the modern form of Cilium's ELF
+ * substitution): each endpoint gets its own program instance. 0 means "not an endpoint".
+ */
+#include <linux/bpf.h>
+#include <linux/if_ether.h>
+#include <linux/in.h>
+#include <linux/ip.h>
+#include <linux/ipv6.h>
+#include <linux/pkt_cls.h>
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_endian.h>
+
+#include "ciliate.h"
+
+char LICENSE[] SEC("license") = "Dual BSD/GPL";
+
+const volatile __u32 ENDPOINT_ID = 0;
+
+#define IPPROTO_ICMPV6_ 58
+#define IPPROTO_SCTP_ 132
+
+struct policy_inner {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, CILIATE_POLICY_MAP_MAX);
+	__uint(key_size, sizeof(struct policy_key));
+	__uint(value_size, sizeof(struct policy_value));
+};
+
+/* Instances that only exist so the skeleton generates Rust definitions of these types. */
+struct policy_key _abi_policy_key = {};
+struct policy_value _abi_policy_value = {};
+struct verdict_event _abi_verdict_event = {};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH_OF_MAPS);
+	__uint(max_entries, CILIATE_ENDPOINTS_MAX);
+	__type(key, __u32);
+	__array(values, struct policy_inner);
+} policy_maps SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(max_entries, CILIATE_IPCACHE_MAX);
+	__type(key, struct ipcache_key);
+	__type(value, struct ipcache_value);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+} ipcache SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, CILIATE_ENDPOINTS_MAX);
+	__type(key, __u32);
+	__type(value, struct endpoint_info);
+} endpoints SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, CILIATE_CT_MAX);
+	__type(key, struct ct_key);
+	__type(value, struct ct_value);
+} conntrack SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, CILIATE_REASON_MAX);
+	__type(key, __u32);
+	__type(value, __u64);
+} verdict_counters SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, CILIATE_EVENTS_BYTES);
+} events SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct datapath_config);
+} settings SEC(".maps");
+
+/* What the parser extracted. Addresses are 16 bytes; IPv4 uses the first four. */
+struct packet {
+	__u8 saddr[16];
+	__u8 daddr[16];
+	__u16 sport;
+	__u16 dport;
+	__u16 policy_port; /* dport, or the ICMP type */
+	__u8 protocol;
+	__u8 family;
+	__u8 l4_missing; /* a non-first fragment: no L4 header */
+};
+
+static __always_inline void count(__u32 reason)
+{
+	__u64 *c = bpf_map_lookup_elem(&verdict_counters, &reason);
+	if (c)
+		*c += 1;
+}
+
+/* Parses L4 at offset off. Returns 0 on success, -1 when the header is truncated. */
+static __always_inline int parse_l4(struct __sk_buff *skb, __u32 off, struct packet *p)
+{
+	void *data = (void *)(long)skb->data;
+	void *end = (void *)(long)skb->data_end;
+
+	if (p->l4_missing)
+		return 0;
+	switch (p->protocol) {
+	case IPPROTO_TCP:
+	case IPPROTO_UDP:
+	case IPPROTO_SCTP_: {
+		__u16 *ports = data + off;
+		if ((void *)(ports + 2) > end)
+			return -1;
+		p->sport = bpf_ntohs(ports[0]);
+		p->dport = bpf_ntohs(ports[1]);
+		p->policy_port = p->dport;
+		return 0;
+	}
+	case IPPROTO_ICMP:
+	case IPPROTO_ICMPV6_: {
+		__u8 *icmp = data + off;
+		if ((void *)(icmp + 8) > end)
+			return -1;
+		__u8 type = icmp[0];
+		__u16 id = ((__u16)icmp[4] << 8) | icmp[5];
+		p->policy_port = type;
+		/* Echo request: (id, 0); echo reply: (0, id). A reply's reversed tuple is the
+		 * request's, so replies of allowed pings pass through conntrack. */
+		int request = (p->protocol == IPPROTO_ICMP) ? type == 8 : type == 128;
+		int reply = (p->protocol == IPPROTO_ICMP) ? type == 0 : type == 129;
+		if (request) {
+			p->sport = id;
+			p->dport = 0;
+		} else if (reply) {
+			p->sport = 0;
+			p->dport = id;
+		} else {
+			p->sport = 0;
+			p->dport = type;
+		}
+		return 0;
+	}
+	default:
+		return 0;
+	}
+}
+
+/* Returns 0 for IP packets it parsed, 1 for packets that are not IP, -1 for malformed ones. */
+static __always_inline int parse(struct __sk_buff *skb, struct packet *p)
+{
+	void *data = (void *)(long)skb->data;
+	void *end = (void *)(long)skb->data_end;
+	struct ethhdr *eth = data;
+
+	if ((void *)(eth + 1) > end)
+		return -1;
+	__u16 proto = bpf_ntohs(eth->h_proto);
+	__u32 off = sizeof(*eth);
+
+	if (proto == ETH_P_IP) {
+		struct iphdr *ip = data + off;
+		if ((void *)(ip + 1) > end)
+			return -1;
+		if (ip->ihl < 5)
+			return -1;
+		p->family = 4;
+		__builtin_memcpy(p->saddr, &ip->saddr, 4);
+		__builtin_memcpy(p->daddr, &ip->daddr, 4);
+		p->protocol = ip->protocol;
+		__u16 frag = bpf_ntohs(ip->frag_off);
+		/* A non-first fragment carries no ports: decide it on protocol-wide rules only. */
+		if (frag & 0x1fff)
+			p->l4_missing = 1;
+		return parse_l4(skb, off + ip->ihl * 4, p);
+	}
+	if (proto == ETH_P_IPV6) {
+		struct ipv6hdr *ip6 = data + off;
+		if ((void *)(ip6 + 1) > end)
+			return -1;
+		p->family = 6;
+		__builtin_memcpy(p->saddr, &ip6->saddr, 16);
+		__builtin_memcpy(p->daddr, &ip6->daddr, 16);
+		__u8 next = ip6->nexthdr;
+		off += sizeof(*ip6);
+		/* Walk a bounded number of extension headers. */
+#pragma unroll
+		for (int i = 0; i < 4; i++) {
+			if (next == 0 || next == 43 || next == 60) { /* hop-by-hop, routing, dest opts */
+				__u8 *h = data + off;
+				if ((void *)(h + 2) > end)
+					return -1;
+				next = h[0];
+				off += ((__u32)h[1] + 1) * 8;
+			} else if (next == 44) { /* fragment */
+				__u8 *h = data + off;
+				if ((void *)(h + 8) > end)
+					return -1;
+				__u16 fo = ((__u16)h[2] << 8) | h[3];
+				if (fo & 0xfff8)
+					p->l4_missing = 1;
+				next = h[0];
+				off += 8;
+			} else {
+				break;
+			}
+		}
+		p->protocol = next;
+		return parse_l4(skb, off, p);
+	}
+	return 1;
+}
+
+static __always_inline __u32 peer_identity(struct packet *p, int egress)
+{
+	struct ipcache_key k = {};
+	k.family = p->family;
+	k.prefixlen = 32 + (p->family == 4 ? 32 : 128);
+	__builtin_memcpy(k.addr, egress ? p->daddr : p->saddr, 16);
+	struct ipcache_value *v = bpf_map_lookup_elem(&ipcache, &k);
+	if (v)
+		return v->identity;
+	return p->family == 4 ? CILIATE_ID_WORLD_IPV4 : CILIATE_ID_WORLD_IPV6;
+}
+
+#define POLICY_NONE 0
+#define POLICY_ALLOW 1
+#define POLICY_DENY 2
+
+/* Deny-wins lookup: every entry that could match is probed; the first deny decides. */
+static __always_inline int policy_lookup(void *pmap, __u32 identity, __u8 egress, struct packet *p,
+					 __u32 prefix_lens, __u64 bytes)
+{
+	struct policy_value *allow = 0;
+	struct policy_key k = {};
+	k.egress = egress;
+
+#pragma unroll
+	for (int i = 0; i < 2; i++) {
+		k.identity = i == 0 ? identity : 0;
+		if (i == 1 && identity == 0)
+			break;
+		/* Protocol-wide entries: protocol 0 covers everything, and an entry of this
+		 * protocol with port prefix length 0 covers every port. */
+#pragma unroll
+		for (int j = 0; j < 2; j++) {
+			k.protocol = j == 0 ? 0 : p->protocol;
+			k.port = 0;
+			k.port_prefix_len = 0;
+			if (j == 0 || (prefix_lens & 1)) {
+				struct policy_value *v = bpf_map_lookup_elem(pmap, &k);
+				if (v) {
+					if (v->deny) {
+						__sync_fetch_and_add(&v->packets, 1);
+						__sync_fetch_and_add(&v->bytes, bytes);
+						return POLICY_DENY;
+					}
+					if (!allow)
+						allow = v;
+				}
+			}
+		}
+		if (p->l4_missing)
+			continue;
+		k.protocol = p->protocol;
+		for (int len = 16; len >= 1; len--) {
+			if (!(prefix_lens & (1u << len)))
+				continue;
+			__u16 mask = (__u16)(0xffff << (16 - len));
+			k.port = p->policy_port & mask;
+			k.port_prefix_len = len;
+			struct policy_value *v = bpf_map_lookup_elem(pmap, &k);
+			if (v) {
+				if (v->deny) {
+					__sync_fetch_and_add(&v->packets, 1);
+					__sync_fetch_and_add(&v->bytes, bytes);
+					return POLICY_DENY;
+				}
+				if (!allow)
+					allow = v;
+			}
+		}
+	}
+	if (allow) {
+		__sync_fetch_and_add(&allow->packets, 1);
+		__sync_fetch_and_add(&allow->bytes, bytes);
+		return POLICY_ALLOW;
+	}
+	return POLICY_NONE;
+}
+
+static __always_inline void emit(struct packet *p, __u32 ep, __u32 identity, int egress, __u32 reason)
+{
+	int is_drop = reason >= CILIATE_DROP_POLICY_DENY && reason <= CILIATE_DROP_MALFORMED;
+	if (!is_drop) {
+		__u32 zero = 0;
+		struct datapath_config *c = bpf_map_lookup_elem(&settings, &zero);
+		if (!c || !c->emit_allow_events)
+			return;
+	}
+	struct verdict_event *e = bpf_ringbuf_reserve(&events, sizeof(*e), 0);
+	if (!e)
+		return;
+	__builtin_memset(e, 0, sizeof(*e));
+	e->timestamp_ns = bpf_ktime_get_ns();
+	e->endpoint_id = ep;
+	e->peer_identity = identity;
+	e->egress = egress;
+	e->protocol = p->protocol;
+	e->port = p->policy_port;
+	e->reason = reason;
+	e->family = p->family;
+	__builtin_memcpy(e->saddr, p->saddr, 16);
+	__builtin_memcpy(e->daddr, p->daddr, 16);
+	bpf_ringbuf_submit(e, 0);
+}
+
+static __always_inline int decide(struct __sk_buff *skb, int egress)
+{
+	__u32 ep = ENDPOINT_ID;
+	if (ep == 0) {
+		count(CILIATE_PASS_UNMANAGED);
+		return TC_ACT_OK;
+	}
+	struct endpoint_info *info = bpf_map_lookup_elem(&endpoints, &ep);
+	if (!info) {
+		/* Attached but not (or no longer) known: fail closed. */
+		count(CILIATE_DROP_NOT_REALIZED);
+		return TC_ACT_SHOT;
+	}
+	struct packet p = {};
+	int r = parse(skb, &p);
+	if (r == 1) {
+		count(CILIATE_PASS_NOT_IP);
+		return TC_ACT_OK;
+	}
+	if (r < 0) {
+		count(CILIATE_DROP_MALFORMED);
+		emit(&p, ep, 0, egress, CILIATE_DROP_MALFORMED);
+		return TC_ACT_SHOT;
+	}
+	if (info->flags & CILIATE_EP_DROP_ALL) {
+		count(CILIATE_DROP_NOT_REALIZED);
+		emit(&p, ep, 0, egress, CILIATE_DROP_NOT_REALIZED);
+		return TC_ACT_SHOT;
+	}
+
+	/* Conntrack: the tuple as seen from the endpoint's side of this packet. */
+	struct ct_key fwd = {};
+	__builtin_memcpy(fwd.saddr, p.saddr, 16);
+	__builtin_memcpy(fwd.daddr, p.daddr, 16);
+	fwd.sport = p.sport;
+	fwd.dport = p.dport;
+	fwd.protocol = p.protocol;
+	fwd.family = p.family;
+	fwd.endpoint_id = ep;
+	__u64 now = bpf_ktime_get_ns();
+	struct ct_value *ct = bpf_map_lookup_elem(&conntrack, &fwd);
+	if (ct && ct->egress == egress) {
+		ct->last_seen_ns = now;
+		__sync_fetch_and_add(&ct->packets, 1);
+		count(CILIATE_ALLOW_ESTABLISHED);
+		return TC_ACT_OK;
+	}
+	struct ct_key rev = {};
+	__builtin_memcpy(rev.saddr, p.daddr, 16);
+	__builtin_memcpy(rev.daddr, p.saddr, 16);
+	rev.sport = p.dport;
+	rev.dport = p.sport;
+	rev.protocol = p.protocol;
+	rev.family = p.family;
+	rev.endpoint_id = ep;
+	ct = bpf_map_lookup_elem(&conntrack, &rev);
+	if (ct && ct->egress != egress) {
+		ct->last_seen_ns = now;
+		__sync_fetch_and_add(&ct->packets, 1);
+		count(CILIATE_ALLOW_REPLY);
+		return TC_ACT_OK;
+	}
+
+	__u32 identity = peer_identity(&p, egress);
+	__u32 reason;
+	void *pmap = bpf_map_lookup_elem(&policy_maps, &ep);
+	int verdict = POLICY_NONE;
+	if (pmap)
+		verdict = policy_lookup(pmap, identity, egress, &p, info->port_prefix_lens, skb->len);
+	if (verdict == POLICY_DENY) {
+		reason = CILIATE_DROP_POLICY_DENY;
+	} else if (verdict == POLICY_ALLOW) {
+		reason = CILIATE_ALLOW_POLICY;
+	} else {
+		__u32 isolated = egress ? (info->flags & CILIATE_EP_EGRESS_DEFAULT_DENY)
+					: (info->flags & CILIATE_EP_INGRESS_DEFAULT_DENY);
+		reason = isolated ? CILIATE_DROP_DEFAULT_DENY : CILIATE_ALLOW_NOT_ISOLATED;
+	}
+	count(reason);
+	emit(&p, ep, identity, egress, reason);
+	if (reason == CILIATE_DROP_POLICY_DENY || reason == CILIATE_DROP_DEFAULT_DENY)
+		return TC_ACT_SHOT;
+
+	struct ct_value nv = {};
+	nv.last_seen_ns = now;
+	nv.packets = 1;
+	nv.egress = egress;
+	bpf_map_update_elem(&conntrack, &fwd, &nv, BPF_ANY);
+	return TC_ACT_OK;
+}
+
+SEC("tc")
+int from_container(struct __sk_buff *skb)
+{
+	return decide(skb, 1);
+}
+
+SEC("tc")
+int to_container(struct __sk_buff *skb)
+{
+	return decide(skb, 0);
+}

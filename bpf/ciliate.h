@@ -1,0 +1,120 @@
+/* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
+/*
+ * The single source of truth for every structure shared between the BPF datapath and user
+ * space. Rust uses the skeleton's generated `types::*` for these; a test pins their sizes and
+ * field offsets so a change here cannot silently break the ABI.
+ */
+#ifndef CILIATE_H
+#define CILIATE_H
+
+#define CILIATE_POLICY_MAP_MAX 16384
+#define CILIATE_IPCACHE_MAX 512000
+#define CILIATE_ENDPOINTS_MAX 65536
+#define CILIATE_CT_MAX 262144
+#define CILIATE_EVENTS_BYTES (1 << 20)
+
+/* Reserved identities the datapath needs (same numbers as the policy engine). */
+#define CILIATE_ID_WORLD_IPV4 9
+#define CILIATE_ID_WORLD_IPV6 10
+
+/* Endpoint flags (struct endpoint_info.flags). */
+#define CILIATE_EP_INGRESS_DEFAULT_DENY 0x1
+#define CILIATE_EP_EGRESS_DEFAULT_DENY 0x2
+/* The policy could not be realized: drop all IP traffic (fail closed; ARP still passes). */
+#define CILIATE_EP_DROP_ALL 0x4
+
+/* Verdict reasons (struct verdict_event.reason, the counters map index). One enum for all. */
+enum ciliate_reason {
+	CILIATE_ALLOW_POLICY = 0,
+	CILIATE_ALLOW_NOT_ISOLATED = 1,
+	CILIATE_ALLOW_ESTABLISHED = 2,
+	CILIATE_ALLOW_REPLY = 3,
+	CILIATE_DROP_POLICY_DENY = 4,
+	CILIATE_DROP_DEFAULT_DENY = 5,
+	CILIATE_DROP_NOT_REALIZED = 6,
+	CILIATE_DROP_MALFORMED = 7,
+	CILIATE_PASS_UNMANAGED = 8,
+	CILIATE_PASS_NOT_IP = 9,
+	CILIATE_REASON_MAX = 10,
+};
+
+/* ipcache: longest-prefix match. prefixlen counts the family word too (32 + IP prefix). */
+struct ipcache_key {
+	__u32 prefixlen;
+	__u32 family; /* 4 or 6 */
+	__u8 addr[16];
+};
+
+struct ipcache_value {
+	__u32 identity;
+	__u32 pad;
+};
+
+/* The endpoint map: endpoint id -> what the program needs to know about it. */
+struct endpoint_info {
+	__u32 identity;
+	__u32 flags;
+	/* Bit n set: the policy map holds entries with port prefix length n (0..16). Lookups
+	 * only probe lengths in use, so a typical endpoint costs a handful of hash lookups. */
+	__u32 port_prefix_lens;
+	__u32 pad;
+};
+
+/* One policy map per endpoint (an inner map of policy_maps). */
+struct policy_key {
+	__u32 identity; /* 0: any peer */
+	__u8 egress;
+	__u8 protocol; /* 0: any protocol (then port and prefix length are 0) */
+	__u16 port;    /* host byte order; ICMP: the type */
+	__u8 port_prefix_len;
+	__u8 pad[3];
+};
+
+struct policy_value {
+	__u8 deny;
+	__u8 pad[7];
+	__u64 packets;
+	__u64 bytes;
+};
+
+/* Connection tracking, keyed by the tuple as the endpoint sends or receives it. */
+struct ct_key {
+	__u8 saddr[16];
+	__u8 daddr[16];
+	__u16 sport;
+	__u16 dport;
+	__u8 protocol;
+	__u8 family;
+	__u16 pad;
+	__u32 endpoint_id;
+};
+
+struct ct_value {
+	__u64 last_seen_ns;
+	__u64 packets;
+	__u8 egress; /* the direction that opened the connection */
+	__u8 pad[7];
+};
+
+/* One policy verdict, sent to user space (drops always, allows when configured). */
+struct verdict_event {
+	__u64 timestamp_ns;
+	__u32 endpoint_id;
+	__u32 peer_identity;
+	__u8 egress;
+	__u8 protocol;
+	__u16 port;
+	__u8 reason;
+	__u8 family;
+	__u8 pad[2];
+	__u8 saddr[16];
+	__u8 daddr[16];
+};
+
+/* Datapath-wide settings (array, one element). */
+struct datapath_config {
+	__u32 emit_allow_events;
+	__u32 pad;
+};
+
+#endif /* CILIATE_H */
