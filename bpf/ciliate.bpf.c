@@ -12,6 +12,9 @@
  * any, every port prefix length in use), deny winning over allow. Counters per entry and per
  * reason; verdict events to a ring buffer.
  *
+ * Every map is pinned by name under <bpf-root>/ciliate/: each endpoint's program instance shares
+ * them, and they outlive the agent, so enforcement goes on while it restarts.
+ *
  * ENDPOINT_ID is a read-only global set before load (the modern form of Cilium's ELF
  * substitution): each endpoint gets its own program instance. 0 means "not an endpoint".
  */
@@ -49,6 +52,7 @@ struct {
 	__uint(type, BPF_MAP_TYPE_HASH_OF_MAPS);
 	__uint(max_entries, CILIATE_ENDPOINTS_MAX);
 	__type(key, __u32);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
 	__array(values, struct policy_inner);
 } policy_maps SEC(".maps");
 
@@ -58,6 +62,7 @@ struct {
 	__type(key, struct ipcache_key);
 	__type(value, struct ipcache_value);
 	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } ipcache SEC(".maps");
 
 struct {
@@ -65,6 +70,7 @@ struct {
 	__uint(max_entries, CILIATE_ENDPOINTS_MAX);
 	__type(key, __u32);
 	__type(value, struct endpoint_info);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } endpoints SEC(".maps");
 
 struct {
@@ -72,6 +78,7 @@ struct {
 	__uint(max_entries, CILIATE_CT_MAX);
 	__type(key, struct ct_key);
 	__type(value, struct ct_value);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } conntrack SEC(".maps");
 
 struct {
@@ -79,11 +86,13 @@ struct {
 	__uint(max_entries, CILIATE_REASON_MAX);
 	__type(key, __u32);
 	__type(value, __u64);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } verdict_counters SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
 	__uint(max_entries, CILIATE_EVENTS_BYTES);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } events SEC(".maps");
 
 struct {
@@ -91,6 +100,7 @@ struct {
 	__uint(max_entries, 1);
 	__type(key, __u32);
 	__type(value, struct datapath_config);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } settings SEC(".maps");
 
 /* What the parser extracted. Addresses are 16 bytes; IPv4 uses the first four. */

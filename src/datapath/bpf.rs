@@ -15,6 +15,87 @@ pub mod skel {
 
 pub use skel::types;
 
+use std::ffi::CString;
+use std::mem::MaybeUninit;
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+
+use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+use libbpf_rs::OpenObject;
+
+use super::DatapathError;
+
+fn sys(operation: impl Into<String>) -> impl FnOnce(libbpf_rs::Error) -> DatapathError {
+    let operation = operation.into();
+    move |e| DatapathError::System {
+        operation,
+        message: e.to_string(),
+    }
+}
+
+/// `statfs` magic of the BPF filesystem.
+const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+
+/// Makes sure `root` is on a BPF filesystem, mounting one there when it is not (as Cilium does:
+/// pins only survive the agent on bpffs).
+pub fn ensure_bpffs(root: &Path) -> Result<(), DatapathError> {
+    let err = |operation: String| {
+        move |e: nix::Error| DatapathError::System {
+            operation,
+            message: e.to_string(),
+        }
+    };
+    std::fs::create_dir_all(root).map_err(|e| DatapathError::System {
+        operation: format!("create {}", root.display()),
+        message: e.to_string(),
+    })?;
+    let st = nix::sys::statfs::statfs(root).map_err(err(format!("statfs {}", root.display())))?;
+    #[allow(clippy::unnecessary_cast)]
+    if st.filesystem_type().0 as i64 == BPF_FS_MAGIC {
+        return Ok(());
+    }
+    nix::mount::mount(
+        Some("bpf"),
+        root,
+        Some("bpf"),
+        nix::mount::MsFlags::empty(),
+        None::<&str>,
+    )
+    .map_err(err(format!("mount bpffs on {}", root.display())))
+}
+
+/// Opens and loads one instance of the program with `ENDPOINT_ID = endpoint_id`, its maps pinned
+/// by name under `pin_root` (created or reused: every instance shares them).
+pub fn load_program<'obj>(
+    storage: &'obj mut MaybeUninit<OpenObject>,
+    pin_root: &Path,
+    endpoint_id: u32,
+) -> Result<skel::CiliateSkel<'obj>, DatapathError> {
+    std::fs::create_dir_all(pin_root).map_err(|e| DatapathError::System {
+        operation: format!("create {}", pin_root.display()),
+        message: e.to_string(),
+    })?;
+    let root =
+        CString::new(pin_root.as_os_str().as_bytes()).map_err(|e| DatapathError::System {
+            operation: format!("pin root {}", pin_root.display()),
+            message: e.to_string(),
+        })?;
+    let opts = libbpf_rs::libbpf_sys::bpf_object_open_opts {
+        sz: std::mem::size_of::<libbpf_rs::libbpf_sys::bpf_object_open_opts>() as _,
+        pin_root_path: root.as_ptr(),
+        ..Default::default()
+    };
+    let mut open = skel::CiliateSkelBuilder::default()
+        .open_opts(opts, storage)
+        .map_err(sys("open the BPF object"))?;
+    if let Some(ro) = open.maps.rodata_data.as_deref_mut() {
+        ro.ENDPOINT_ID = endpoint_id;
+    }
+    open.load().map_err(sys(format!(
+        "load the BPF program for endpoint {endpoint_id}"
+    )))
+}
+
 /// Program return codes (`linux/pkt_cls.h`).
 pub const TC_ACT_OK: i32 = 0;
 pub const TC_ACT_SHOT: i32 = 2;

@@ -5,10 +5,9 @@
 use std::mem::{offset_of, size_of, MaybeUninit};
 use std::os::fd::{AsFd, AsRawFd};
 
-use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{MapCore, MapFlags, MapHandle, MapType, ProgramInput};
 
-use super::skel::{CiliateSkel, CiliateSkelBuilder};
+use super::skel::CiliateSkel;
 use super::*;
 
 fn privileged() -> bool {
@@ -60,20 +59,34 @@ fn abi_layout_is_pinned() {
 struct Loaded {
     skel: CiliateSkel<'static>,
     _inner: Option<MapHandle>,
+    pins: std::path::PathBuf,
 }
 
+impl Drop for Loaded {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.pins);
+    }
+}
+
+/// Loads an instance with its own pin directory (tests run in parallel).
 fn load(endpoint_id: u32) -> Loaded {
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    static MOUNT: std::sync::Once = std::sync::Once::new();
+    MOUNT.call_once(|| {
+        ensure_bpffs(std::path::Path::new("/sys/fs/bpf")).expect("bpffs on /sys/fs/bpf")
+    });
+    let pins = std::path::PathBuf::from(format!(
+        "/sys/fs/bpf/ciliate-unit-{}-{n}",
+        std::process::id()
+    ));
     let obj = Box::leak(Box::new(MaybeUninit::uninit()));
-    let mut open = CiliateSkelBuilder::default()
-        .open(obj)
-        .expect("open skeleton");
-    open.maps
-        .rodata_data
-        .as_deref_mut()
-        .expect("rodata")
-        .ENDPOINT_ID = endpoint_id;
-    let skel = open.load().expect("the verifier accepts the program");
-    Loaded { skel, _inner: None }
+    let skel = load_program(obj, &pins, endpoint_id).expect("the verifier accepts the program");
+    Loaded {
+        skel,
+        _inner: None,
+        pins,
+    }
 }
 
 fn ipv4(s: &str) -> [u8; 4] {
