@@ -36,8 +36,17 @@ fn sys(operation: impl Into<String>) -> impl FnOnce(libbpf_rs::Error) -> Datapat
 /// `statfs` magic of the BPF filesystem.
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 
-/// Makes sure `root` is on a BPF filesystem, mounting one there when it is not (as Cilium does:
-/// pins only survive the agent on bpffs).
+/// The conventional bpffs mount point.
+pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf";
+
+fn is_bpffs(p: &Path) -> bool {
+    #[allow(clippy::unnecessary_cast)]
+    nix::sys::statfs::statfs(p).is_ok_and(|st| st.filesystem_type().0 as i64 == BPF_FS_MAGIC)
+}
+
+/// Makes sure `root` is on a BPF filesystem (pins only outlive the agent there). As Cilium does,
+/// a missing bpffs is mounted: on `root` itself when it is an existing directory, or on
+/// `/sys/fs/bpf` when `root` lies below it. Never on any other directory.
 pub fn ensure_bpffs(root: &Path) -> Result<(), DatapathError> {
     let err = |operation: String| {
         move |e: nix::Error| DatapathError::System {
@@ -45,23 +54,36 @@ pub fn ensure_bpffs(root: &Path) -> Result<(), DatapathError> {
             message: e.to_string(),
         }
     };
+    let default = Path::new(DEFAULT_BPFFS);
+    let mount_point = if root.starts_with(default) && !is_bpffs(default) {
+        Some(default)
+    } else if root.is_dir() && !is_bpffs(root) {
+        Some(root)
+    } else {
+        None
+    };
+    if let Some(mp) = mount_point {
+        nix::mount::mount(
+            Some("bpf"),
+            mp,
+            Some("bpf"),
+            nix::mount::MsFlags::empty(),
+            None::<&str>,
+        )
+        .map_err(err(format!("mount bpffs on {}", mp.display())))?;
+    }
     std::fs::create_dir_all(root).map_err(|e| DatapathError::System {
         operation: format!("create {}", root.display()),
         message: e.to_string(),
     })?;
-    let st = nix::sys::statfs::statfs(root).map_err(err(format!("statfs {}", root.display())))?;
-    #[allow(clippy::unnecessary_cast)]
-    if st.filesystem_type().0 as i64 == BPF_FS_MAGIC {
-        return Ok(());
+    if is_bpffs(root) {
+        Ok(())
+    } else {
+        Err(DatapathError::System {
+            operation: format!("--bpf-root {}", root.display()),
+            message: "not on a BPF filesystem; mount one (mount -t bpf bpf DIR) or use a directory under /sys/fs/bpf".into(),
+        })
     }
-    nix::mount::mount(
-        Some("bpf"),
-        root,
-        Some("bpf"),
-        nix::mount::MsFlags::empty(),
-        None::<&str>,
-    )
-    .map_err(err(format!("mount bpffs on {}", root.display())))
 }
 
 /// Opens and loads one instance of the program with `ENDPOINT_ID = endpoint_id`, its maps pinned
@@ -160,6 +182,8 @@ unsafe impl Pod for types::ct_key {}
 unsafe impl Pod for types::ct_value {}
 unsafe impl Pod for types::verdict_event {}
 unsafe impl Pod for types::datapath_config {}
+
+pub mod datapath;
 
 #[cfg(test)]
 mod tests;

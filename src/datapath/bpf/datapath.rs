@@ -1,0 +1,517 @@
+//! `BpfDatapath`: the `Datapath` trait on the real kernel maps and programs.
+//!
+//! Every map is pinned under `<bpf-root>/ciliate/` (reopened when the agent starts again, so
+//! enforcement never stops), each endpoint has its own policy map pinned as `policy_<id>` and
+//! its own program instance (`ENDPOINT_ID` set before load) attached to its host-side veth with
+//! clsact tc filters, which stay in place when the agent exits or crashes.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::mem::MaybeUninit;
+use std::net::IpAddr;
+use std::os::fd::{AsFd, AsRawFd};
+use std::path::{Path, PathBuf};
+
+use ipnet::IpNet;
+use libbpf_rs::{MapCore, MapFlags, MapHandle, MapType, TcHookBuilder, TC_EGRESS, TC_INGRESS};
+
+use super::{
+    ensure_bpffs, load_program, types, Pod, EP_DROP_ALL, EP_EGRESS_DEFAULT_DENY,
+    EP_INGRESS_DEFAULT_DENY,
+};
+use crate::datapath::abi::{
+    EntryChange, EntryTable, PolicyEntryKey, IPCACHE_MAX_ENTRIES, POLICY_MAP_MAX_ENTRIES,
+};
+use crate::datapath::{
+    Datapath, DatapathError, EndpointAttachment, EndpointFlags, EndpointId, PolicyMapDump,
+    PolicyMapEntry, SyncStats,
+};
+use crate::policy::identity::NumericIdentity;
+use crate::policy::mapstate::MapDelta;
+
+fn sys<E: std::fmt::Display>(operation: impl Into<String>) -> impl FnOnce(E) -> DatapathError {
+    let operation = operation.into();
+    move |e| DatapathError::System {
+        operation,
+        message: e.to_string(),
+    }
+}
+
+struct Endpoint {
+    attachment: EndpointAttachment,
+    flags: EndpointFlags,
+    table: EntryTable,
+    policy: MapHandle,
+    ifindex: Option<i32>,
+}
+
+/// See the module documentation.
+pub struct BpfDatapath {
+    pins: PathBuf,
+    ipcache: MapHandle,
+    endpoint_map: MapHandle,
+    policy_maps: MapHandle,
+    endpoints: BTreeMap<EndpointId, Endpoint>,
+}
+
+fn flags_bits(f: EndpointFlags) -> u32 {
+    (if f.ingress_default_deny {
+        EP_INGRESS_DEFAULT_DENY
+    } else {
+        0
+    }) | (if f.egress_default_deny {
+        EP_EGRESS_DEFAULT_DENY
+    } else {
+        0
+    }) | (if f.drop_all { EP_DROP_ALL } else { 0 })
+}
+
+/// Which port prefix lengths the program must probe for these entries.
+fn prefix_lens(table: &EntryTable) -> u32 {
+    table
+        .entries()
+        .filter(|(k, _)| k.protocol != 0)
+        .fold(0u32, |acc, (k, _)| acc | (1u32 << k.port_prefix_len))
+}
+
+fn abi_key(k: &PolicyEntryKey) -> types::policy_key {
+    types::policy_key {
+        identity: k.identity,
+        egress: k.egress as u8,
+        protocol: k.protocol,
+        port: k.port,
+        port_prefix_len: k.port_prefix_len,
+        pad: [0; 3],
+    }
+}
+
+fn ipcache_key(prefix: &IpNet) -> types::ipcache_key {
+    let mut k = types::ipcache_key {
+        prefixlen: 32 + prefix.prefix_len() as u32,
+        ..Default::default()
+    };
+    match prefix.network() {
+        IpAddr::V4(a) => {
+            k.family = 4;
+            k.addr[..4].copy_from_slice(&a.octets());
+        }
+        IpAddr::V6(a) => {
+            k.family = 6;
+            k.addr.copy_from_slice(&a.octets());
+        }
+    }
+    k
+}
+
+impl BpfDatapath {
+    /// Opens (or creates) the pinned maps under `<bpf_root>/ciliate/`.
+    pub fn open(bpf_root: &Path) -> Result<Self, DatapathError> {
+        ensure_bpffs(bpf_root)?;
+        let pins = bpf_root.join("ciliate");
+        {
+            // Loading an instance creates every map and pins it, or reuses the pins.
+            let mut storage = MaybeUninit::uninit();
+            load_program(&mut storage, &pins, 0)?;
+        }
+        let open = |name: &str| {
+            MapHandle::from_pinned_path(pins.join(name)).map_err(sys(format!(
+                "open pinned map {}",
+                pins.join(name).display()
+            )))
+        };
+        Ok(BpfDatapath {
+            ipcache: open("ipcache")?,
+            endpoint_map: open("endpoints")?,
+            policy_maps: open("policy_maps")?,
+            endpoints: BTreeMap::new(),
+            pins,
+        })
+    }
+
+    /// Where the maps are pinned.
+    pub fn pin_dir(&self) -> &Path {
+        &self.pins
+    }
+
+    fn policy_map(&self, id: EndpointId) -> Result<MapHandle, DatapathError> {
+        let path = self.pins.join(format!("policy_{id}"));
+        if path.exists() {
+            return MapHandle::from_pinned_path(&path)
+                .map_err(sys(format!("open {}", path.display())));
+        }
+        let opts = libbpf_rs::libbpf_sys::bpf_map_create_opts {
+            sz: std::mem::size_of::<libbpf_rs::libbpf_sys::bpf_map_create_opts>() as _,
+            ..Default::default()
+        };
+        let mut m = MapHandle::create(
+            MapType::Hash,
+            Some(format!("ciliate_pol_{id}")),
+            std::mem::size_of::<types::policy_key>() as u32,
+            std::mem::size_of::<types::policy_value>() as u32,
+            POLICY_MAP_MAX_ENTRIES as u32,
+            &opts,
+        )
+        .map_err(sys(format!("create the policy map of endpoint {id}")))?;
+        m.pin(&path)
+            .map_err(sys(format!("pin {}", path.display())))?;
+        Ok(m)
+    }
+
+    fn read_info(&self, id: EndpointId) -> Option<types::endpoint_info> {
+        let k = (id as u32).to_ne_bytes();
+        self.endpoint_map
+            .lookup(&k, MapFlags::ANY)
+            .ok()
+            .flatten()
+            .and_then(|b| types::endpoint_info::from_bytes(&b))
+    }
+
+    fn write_info(&self, id: EndpointId, info: &types::endpoint_info) -> Result<(), DatapathError> {
+        self.endpoint_map
+            .update(&(id as u32).to_ne_bytes(), info.as_bytes(), MapFlags::ANY)
+            .map_err(sys(format!("update endpoint {id} in the endpoint map")))
+    }
+
+    fn attach_programs(&self, id: EndpointId, ifname: &str) -> Result<i32, DatapathError> {
+        let ifindex = nix::net::if_::if_nametoindex(ifname)
+            .map_err(sys(format!("interface {ifname} of endpoint {id}")))?
+            as i32;
+        let mut storage = MaybeUninit::uninit();
+        let skel = load_program(&mut storage, &self.pins, id as u32)?;
+        // The tc filters hold the programs; nothing here needs to live on.
+        for (prog, point, what) in [
+            (skel.progs.from_container.as_fd(), TC_INGRESS, "ingress"),
+            (skel.progs.to_container.as_fd(), TC_EGRESS, "egress"),
+        ] {
+            let mut b = TcHookBuilder::new(prog);
+            b.ifindex(ifindex).replace(true).handle(1).priority(1);
+            let mut hook = b.hook(point);
+            let _ = hook.create(); // clsact may exist already
+            hook.attach()
+                .map_err(sys(format!("attach to tc {what} of {ifname}")))?;
+        }
+        Ok(ifindex)
+    }
+
+    fn detach_programs(&self, ifindex: i32) {
+        // tc detach goes by interface, handle and priority; the hook only needs some
+        // descriptor to be built with. The interface may already be gone with its pod.
+        for point in [TC_INGRESS, TC_EGRESS] {
+            let mut hook = libbpf_rs::TcHook::new(self.ipcache.as_fd());
+            hook.ifindex(ifindex)
+                .attach_point(point)
+                .handle(1)
+                .priority(1);
+            let _ = hook.detach();
+        }
+    }
+}
+
+impl Datapath for BpfDatapath {
+    fn name(&self) -> &'static str {
+        "bpf"
+    }
+
+    fn attach_endpoint(&mut self, att: &EndpointAttachment) -> Result<(), DatapathError> {
+        let id = att.id;
+        let policy = self.policy_map(id)?;
+        let fd = policy.as_fd().as_raw_fd() as u32;
+        self.policy_maps
+            .update(&(id as u32).to_ne_bytes(), &fd.to_ne_bytes(), MapFlags::ANY)
+            .map_err(sys(format!("register the policy map of endpoint {id}")))?;
+        // A new endpoint drops until its policy is realized; a known one (agent restart) keeps
+        // enforcing what it had.
+        let info = match self.read_info(id) {
+            Some(mut i) => {
+                i.identity = att.identity;
+                i
+            }
+            None => types::endpoint_info {
+                identity: att.identity,
+                flags: EP_DROP_ALL,
+                port_prefix_lens: 0,
+                pad: 0,
+            },
+        };
+        self.write_info(id, &info)?;
+        let ifindex = match &att.interface {
+            Some(ifname) => Some(self.attach_programs(id, ifname)?),
+            None => None,
+        };
+        let flags = EndpointFlags {
+            ingress_default_deny: info.flags & EP_INGRESS_DEFAULT_DENY != 0,
+            egress_default_deny: info.flags & EP_EGRESS_DEFAULT_DENY != 0,
+            drop_all: info.flags & EP_DROP_ALL != 0,
+        };
+        match self.endpoints.get_mut(&id) {
+            Some(e) => {
+                e.attachment = att.clone();
+                e.ifindex = ifindex.or(e.ifindex);
+            }
+            None => {
+                self.endpoints.insert(
+                    id,
+                    Endpoint {
+                        attachment: att.clone(),
+                        flags,
+                        table: EntryTable::new(),
+                        policy,
+                        ifindex,
+                    },
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn detach_endpoint(&mut self, id: EndpointId) -> Result<(), DatapathError> {
+        let ifindex = self.endpoints.remove(&id).and_then(|e| e.ifindex);
+        if let Some(i) = ifindex {
+            self.detach_programs(i);
+        }
+        let k = (id as u32).to_ne_bytes();
+        let _ = self.policy_maps.delete(&k);
+        let _ = self.endpoint_map.delete(&k);
+        let path = self.pins.join(format!("policy_{id}"));
+        match std::fs::remove_file(&path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(DatapathError::System {
+                operation: format!("unpin {}", path.display()),
+                message: e.to_string(),
+            }),
+        }
+    }
+
+    fn sync_policy(
+        &mut self,
+        id: EndpointId,
+        flags: EndpointFlags,
+        delta: &MapDelta,
+        replace: bool,
+    ) -> Result<SyncStats, DatapathError> {
+        let ep = self
+            .endpoints
+            .get(&id)
+            .ok_or(DatapathError::UnknownEndpoint(id))?;
+        let mut table = if replace {
+            EntryTable::new()
+        } else {
+            ep.table.clone()
+        };
+        let mut changes = table.apply(delta);
+        let identity = ep.attachment.identity;
+        let old_bits = self.read_info(id).map(|i| i.port_prefix_lens).unwrap_or(0);
+        if table.len() > POLICY_MAP_MAX_ENTRIES {
+            let info = types::endpoint_info {
+                identity,
+                flags: flags_bits(flags) | EP_DROP_ALL,
+                port_prefix_lens: old_bits,
+                pad: 0,
+            };
+            self.write_info(id, &info)?;
+            return Err(DatapathError::PolicyMapFull {
+                endpoint: id,
+                needed: table.len(),
+                capacity: POLICY_MAP_MAX_ENTRIES,
+            });
+        }
+        let policy = &ep.policy;
+        if replace {
+            // Everything desired is written first, then what is no longer desired is removed:
+            // an agent restart never opens a gap.
+            let desired: BTreeSet<Vec<u8>> = table
+                .entries()
+                .map(|(k, _)| abi_key(&k).as_bytes().to_vec())
+                .collect();
+            changes = table
+                .entries()
+                .map(|(k, d)| EntryChange::Upsert(k, d))
+                .collect();
+            for kb in policy.keys() {
+                if !desired.contains(&kb) {
+                    if let Some(k) = types::policy_key::from_bytes(&kb) {
+                        changes.push(EntryChange::Delete(PolicyEntryKey {
+                            identity: k.identity,
+                            egress: k.egress != 0,
+                            protocol: k.protocol,
+                            port: k.port,
+                            port_prefix_len: k.port_prefix_len,
+                        }));
+                    }
+                }
+            }
+        }
+        let new_bits = prefix_lens(&table);
+        // While entries change, probe both the old and the new prefix lengths.
+        let during = types::endpoint_info {
+            identity,
+            flags: flags_bits(ep.flags),
+            port_prefix_lens: old_bits | new_bits,
+            pad: 0,
+        };
+        self.write_info(id, &during)?;
+        let mut stats = SyncStats::default();
+        let mut upserts: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
+        let mut deletes: Vec<Vec<u8>> = Vec::new();
+        for c in &changes {
+            match c {
+                EntryChange::Upsert(k, deny) => {
+                    let kb = abi_key(k).as_bytes().to_vec();
+                    // Keep the counters of an entry that only changes its verdict.
+                    let mut v = policy
+                        .lookup(&kb, MapFlags::ANY)
+                        .ok()
+                        .flatten()
+                        .and_then(|b| types::policy_value::from_bytes(&b))
+                        .unwrap_or_default();
+                    v.deny = *deny as u8;
+                    upserts.push((kb, v.as_bytes().to_vec()));
+                }
+                EntryChange::Delete(k) => deletes.push(abi_key(k).as_bytes().to_vec()),
+            }
+        }
+        for (k, v) in &upserts {
+            policy
+                .update(k, v, MapFlags::ANY)
+                .map_err(sys(format!("update the policy map of endpoint {id}")))?;
+        }
+        for k in &deletes {
+            let _ = policy.delete(k);
+        }
+        stats.upserted = upserts.len();
+        stats.deleted = deletes.len();
+        stats.entries = table.len();
+        let info = types::endpoint_info {
+            identity,
+            flags: flags_bits(flags),
+            port_prefix_lens: new_bits,
+            pad: 0,
+        };
+        self.write_info(id, &info)?;
+        if let Some(e) = self.endpoints.get_mut(&id) {
+            e.table = table;
+            e.flags = flags;
+        }
+        Ok(stats)
+    }
+
+    fn upsert_ipcache(
+        &mut self,
+        prefix: IpNet,
+        identity: NumericIdentity,
+    ) -> Result<(), DatapathError> {
+        let k = ipcache_key(&prefix);
+        let v = types::ipcache_value { identity, pad: 0 };
+        self.ipcache
+            .update(k.as_bytes(), v.as_bytes(), MapFlags::ANY)
+            .map_err(|e| {
+                if e.kind() == libbpf_rs::ErrorKind::OutOfMemory
+                    || e.to_string().contains("No space")
+                {
+                    DatapathError::IpcacheFull {
+                        prefix,
+                        capacity: IPCACHE_MAX_ENTRIES,
+                    }
+                } else {
+                    DatapathError::System {
+                        operation: format!("ipcache update {prefix}"),
+                        message: e.to_string(),
+                    }
+                }
+            })
+    }
+
+    fn remove_ipcache(&mut self, prefix: IpNet) -> Result<(), DatapathError> {
+        let _ = self.ipcache.delete(ipcache_key(&prefix).as_bytes());
+        Ok(())
+    }
+
+    fn dump_policy(&self, id: EndpointId) -> Result<PolicyMapDump, DatapathError> {
+        let ep = self
+            .endpoints
+            .get(&id)
+            .ok_or(DatapathError::UnknownEndpoint(id))?;
+        let info = self.read_info(id).unwrap_or_default();
+        let mut entries = Vec::new();
+        for kb in ep.policy.keys() {
+            let (Some(k), Some(v)) = (
+                types::policy_key::from_bytes(&kb),
+                ep.policy
+                    .lookup(&kb, MapFlags::ANY)
+                    .ok()
+                    .flatten()
+                    .and_then(|b| types::policy_value::from_bytes(&b)),
+            ) else {
+                continue;
+            };
+            let ek = PolicyEntryKey {
+                identity: k.identity,
+                egress: k.egress != 0,
+                protocol: k.protocol,
+                port: k.port,
+                port_prefix_len: k.port_prefix_len,
+            };
+            entries.push(PolicyMapEntry {
+                identity: k.identity,
+                direction: if k.egress != 0 { "egress" } else { "ingress" },
+                protocol: k.protocol,
+                port: k.port,
+                port_prefix_len: k.port_prefix_len,
+                port_range: ek.port_range(),
+                deny: v.deny != 0,
+                packets: v.packets,
+                bytes: v.bytes,
+            });
+        }
+        entries.sort_by_key(|e| {
+            (
+                e.direction,
+                e.identity,
+                e.protocol,
+                e.port,
+                e.port_prefix_len,
+            )
+        });
+        Ok(PolicyMapDump {
+            endpoint: id,
+            flags: EndpointFlags {
+                ingress_default_deny: info.flags & EP_INGRESS_DEFAULT_DENY != 0,
+                egress_default_deny: info.flags & EP_EGRESS_DEFAULT_DENY != 0,
+                drop_all: info.flags & EP_DROP_ALL != 0,
+            },
+            capacity: POLICY_MAP_MAX_ENTRIES,
+            entries,
+        })
+    }
+
+    fn dump_ipcache(&self) -> Vec<(IpNet, NumericIdentity)> {
+        let mut out = Vec::new();
+        for kb in self.ipcache.keys() {
+            let (Some(k), Some(v)) = (
+                types::ipcache_key::from_bytes(&kb),
+                self.ipcache
+                    .lookup(&kb, MapFlags::ANY)
+                    .ok()
+                    .flatten()
+                    .and_then(|b| types::ipcache_value::from_bytes(&b)),
+            ) else {
+                continue;
+            };
+            let len = k.prefixlen.saturating_sub(32) as u8;
+            let ip = if k.family == 4 {
+                IpAddr::from([k.addr[0], k.addr[1], k.addr[2], k.addr[3]])
+            } else {
+                IpAddr::from(k.addr)
+            };
+            if let Ok(n) = IpNet::new(ip, len) {
+                out.push((n, v.identity));
+            }
+        }
+        out.sort();
+        out
+    }
+
+    fn endpoints(&self) -> Vec<EndpointId> {
+        self.endpoints.keys().copied().collect()
+    }
+}
