@@ -100,15 +100,16 @@ pub fn run(config: AgentConfig) -> Result<(), AgentError> {
             manifests.display()
         )));
     }
-    let datapath: Box<dyn Datapath> = match config.datapath {
-        DatapathKind::Memory => Box::new(MemoryDatapath::new()),
-        DatapathKind::Bpf => return Err(AgentError::Config(
-            "--datapath bpf is not available in this build yet (issue #4); use --datapath memory"
-                .into(),
-        )),
-    };
+    // The lock first: a second agent must not touch the datapath of the first.
     let _lock = StateLock::acquire(&config.state_dir)?;
     let state_dir = StateDir::open(&config.state_dir)?;
+    let datapath: Box<dyn Datapath> = match config.datapath {
+        DatapathKind::Memory => Box::new(MemoryDatapath::new()),
+        DatapathKind::Bpf => Box::new(
+            crate::datapath::bpf::datapath::BpfDatapath::open(&config.bpf_root)
+                .map_err(|e| AgentError::Config(format!("--datapath bpf: {e}")))?,
+        ),
+    };
     let system = actix::System::new();
     system.block_on(run_async(config, manifests, datapath, state_dir))
 }

@@ -105,6 +105,16 @@ fn ipcache_key(prefix: &IpNet) -> types::ipcache_key {
 impl BpfDatapath {
     /// Opens (or creates) the pinned maps under `<bpf_root>/ciliate/`.
     pub fn open(bpf_root: &Path) -> Result<Self, DatapathError> {
+        // libbpf's own messages go to the log (some are expected, e.g. an existing clsact).
+        libbpf_rs::set_print(Some((
+            libbpf_rs::PrintLevel::Info,
+            |level, msg| match level {
+                libbpf_rs::PrintLevel::Warn => {
+                    tracing::debug!(target: "libbpf", "{}", msg.trim_end())
+                }
+                _ => tracing::trace!(target: "libbpf", "{}", msg.trim_end()),
+            },
+        )));
         ensure_bpffs(bpf_root)?;
         let pins = bpf_root.join("ciliate");
         {

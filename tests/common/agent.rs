@@ -1,0 +1,212 @@
+//! The agent binary on a temporary directory, driven through its socket and debug server.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_ciliate");
+
+pub struct Agent {
+    pub child: Option<Child>,
+    pub dir: PathBuf,
+    pub debug: String,
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+impl Agent {
+    pub fn manifests(&self) -> PathBuf {
+        self.dir.join("manifests")
+    }
+    pub fn socket(&self) -> PathBuf {
+        self.dir.join("ciliate.sock")
+    }
+
+    pub fn start_in(dir: &Path) -> Agent {
+        Agent::start_with(dir, &["--datapath", "memory"])
+    }
+
+    /// Starts the agent with extra arguments (e.g. `--datapath bpf --bpf-root DIR`).
+    pub fn start_with(dir: &Path, extra: &[&str]) -> Agent {
+        let debug = format!("127.0.0.1:{}", free_port());
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        let log = std::fs::File::create(dir.join(format!("agent-{nanos}.log"))).unwrap();
+        let child = Command::new(BIN)
+            .args(["agent", "--mode", "standalone", "--node-name", "node-1"])
+            .args(extra)
+            .arg("--manifests")
+            .arg(dir.join("manifests"))
+            .arg("--state-dir")
+            .arg(dir.join("state"))
+            .arg("--api-socket")
+            .arg(dir.join("ciliate.sock"))
+            .args(["--debug-addr", &debug])
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("agent starts");
+        let a = Agent {
+            child: Some(child),
+            dir: dir.to_path_buf(),
+            debug,
+        };
+        a.wait_until("the agent is ready", || a.http_get("/readyz").0 == 200);
+        a
+    }
+
+    pub fn wait_until(&self, what: &str, mut f: impl FnMut() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if f() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("timed out waiting until {what}; agent log:\n{}", self.log());
+    }
+
+    pub fn log(&self) -> String {
+        let mut out = String::new();
+        for e in std::fs::read_dir(&self.dir).into_iter().flatten().flatten() {
+            if e.file_name().to_string_lossy().starts_with("agent-") {
+                out.push_str(&std::fs::read_to_string(e.path()).unwrap_or_default());
+            }
+        }
+        out
+    }
+
+    /// GET on the debug HTTP server: (status, body).
+    pub fn http_get(&self, path: &str) -> (u16, String) {
+        let Ok(mut s) = TcpStream::connect(&self.debug) else {
+            return (0, String::new());
+        };
+        let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
+        let _ = write!(
+            s,
+            "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        );
+        let mut raw = String::new();
+        let _ = s.read_to_string(&mut raw);
+        let status = raw
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        let body = raw
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_string())
+            .unwrap_or_default();
+        (status, body)
+    }
+
+    pub fn json(&self, path: &str) -> Value {
+        let (status, body) = self.http_get(path);
+        assert_eq!(status, 200, "GET {path}: {body}");
+        serde_json::from_str(&body).unwrap_or_else(|e| panic!("GET {path}: {e}: {body}"))
+    }
+
+    /// Runs a CLI client command against this agent.
+    pub fn cli(&self, args: &[&str]) -> (i32, String, String) {
+        let out = Command::new(BIN)
+            .args(args)
+            .arg("--socket")
+            .arg(self.socket())
+            .output()
+            .expect("cli runs");
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).to_string(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    }
+
+    pub fn cli_json(&self, args: &[&str]) -> Value {
+        let mut a = args.to_vec();
+        a.extend(["-o", "json"]);
+        let (code, out, err) = self.cli(&a);
+        assert_eq!(code, 0, "ciliate {args:?}: {err}");
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("ciliate {args:?}: {e}: {out}"))
+    }
+
+    pub fn endpoint(&self, id: u64) -> Value {
+        self.cli_json(&["endpoint", "get", &id.to_string()])
+    }
+
+    pub fn revision(&self) -> u64 {
+        self.json("/debug/policy")["revision"].as_u64().unwrap_or(0)
+    }
+
+    /// Waits until every endpoint realized at least `rev`.
+    pub fn wait_realized(&self, rev: u64) {
+        self.wait_until(&format!("every endpoint realized revision {rev}"), || {
+            let eps = self.json("/debug/endpoints");
+            eps.as_array().is_some_and(|a| {
+                a.iter().filter(|e| !e["identity"].is_null()).all(|e| {
+                    e["policy_revision"].as_u64().unwrap_or(0) >= rev && e["state"] == "ready"
+                })
+            })
+        });
+    }
+
+    /// The realized entries of an endpoint: (direction, identity, protocol, port, deny).
+    pub fn entries(&self, id: u64) -> Vec<(String, u64, u64, u64, bool)> {
+        let v = self.cli_json(&["bpf", "policy", "get", &id.to_string()]);
+        v["entries"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|e| {
+                (
+                    e["direction"].as_str().unwrap_or("").to_string(),
+                    e["identity"].as_u64().unwrap_or(0),
+                    e["protocol"].as_u64().unwrap_or(0),
+                    e["port"].as_u64().unwrap_or(0),
+                    e["deny"].as_bool().unwrap_or(false),
+                )
+            })
+            .collect()
+    }
+
+    pub fn stop(&mut self) -> i32 {
+        let Some(mut c) = self.child.take() else {
+            return 0;
+        };
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(c.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(Some(s)) = c.try_wait() {
+                return s.code().unwrap_or(-1);
+            }
+            if Instant::now() > deadline {
+                let _ = c.kill();
+                panic!("agent did not stop on SIGTERM");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}

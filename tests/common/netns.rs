@@ -1,0 +1,216 @@
+//! Network-namespace "pods" for the privileged datapath tests: a namespace, a veth pair, an
+//! address, host routes and proxy ARP as Cilium wires them; traffic from threads that enter the
+//! namespace with setns. Everything is removed when the `World` is dropped, even on failure.
+
+use std::io::{Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::os::fd::AsFd;
+use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+/// True when running as root; with CI=true anything else is a failure, never a skip.
+pub fn privileged() -> bool {
+    let root = nix::unistd::geteuid().is_root();
+    if !root {
+        assert!(
+            std::env::var("CI").is_err(),
+            "CI=true: the privileged datapath tests must run as root"
+        );
+        eprintln!("skipped: needs root");
+    }
+    root
+}
+
+pub fn ip(args: &[&str]) {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .expect("iproute2 is installed");
+    assert!(
+        out.status.success(),
+        "ip {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+pub fn sysctl(key: &str, value: &str) {
+    std::fs::write(format!("/proc/sys/{}", key.replace('.', "/")), value)
+        .unwrap_or_else(|e| panic!("sysctl {key}: {e}"));
+}
+
+/// One pod: a namespace, a veth pair, an address.
+pub struct Pod {
+    pub netns: String,
+    pub host_if: String,
+    pub addr: IpAddr,
+}
+
+/// Removes everything a test created, whatever happens.
+pub struct World {
+    pub pods: Vec<Pod>,
+    pub pins: std::path::PathBuf,
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        for p in &self.pods {
+            let _ = Command::new("ip")
+                .args(["link", "del", &p.host_if])
+                .output();
+            let _ = Command::new("ip").args(["netns", "del", &p.netns]).output();
+        }
+        let _ = std::fs::remove_dir_all(&self.pins);
+    }
+}
+
+static N: AtomicU32 = AtomicU32::new(0);
+
+pub fn world(pods: usize) -> World {
+    let n = N.fetch_add(1, Ordering::SeqCst);
+    let tag = format!("{}{}", std::process::id() % 100_000, n);
+    let net = 10 + (std::process::id() % 200) as u8;
+    let mut w = World {
+        pods: vec![],
+        pins: format!("/sys/fs/bpf/ciliate-it-{tag}").into(),
+    };
+    sysctl("net.ipv4.ip_forward", "1");
+    for i in 0..pods {
+        let p = Pod {
+            netns: format!("cil-{tag}-{i}"),
+            host_if: format!("lxc{tag}{i}"),
+            addr: format!("10.{net}.{n}.{}", i + 1).parse().unwrap(),
+        };
+        ip(&["netns", "add", &p.netns]);
+        w.pods.push(p);
+        let p = w.pods.last().unwrap();
+        ip(&[
+            "link", "add", &p.host_if, "type", "veth", "peer", "name", "eth0", "netns", &p.netns,
+        ]);
+        ip(&["-n", &p.netns, "link", "set", "lo", "up"]);
+        ip(&["-n", &p.netns, "link", "set", "eth0", "up"]);
+        ip(&[
+            "-n",
+            &p.netns,
+            "addr",
+            "add",
+            &format!("{}/32", p.addr),
+            "dev",
+            "eth0",
+        ]);
+        ip(&[
+            "-n",
+            &p.netns,
+            "route",
+            "add",
+            "169.254.1.1",
+            "dev",
+            "eth0",
+            "scope",
+            "link",
+        ]);
+        ip(&[
+            "-n",
+            &p.netns,
+            "route",
+            "add",
+            "default",
+            "via",
+            "169.254.1.1",
+            "dev",
+            "eth0",
+        ]);
+        ip(&["link", "set", &p.host_if, "up"]);
+        // The pod's gateway is the host veth itself (as Cilium wires it).
+        let mac = std::fs::read_to_string(format!("/sys/class/net/{}/address", p.host_if)).unwrap();
+        ip(&[
+            "-n",
+            &p.netns,
+            "neigh",
+            "replace",
+            "169.254.1.1",
+            "lladdr",
+            mac.trim(),
+            "dev",
+            "eth0",
+            "nud",
+            "permanent",
+        ]);
+        sysctl(&format!("net.ipv4.conf.{}.proxy_arp", p.host_if), "1");
+        sysctl(&format!("net.ipv4.conf.{}.rp_filter", p.host_if), "0");
+        ip(&["route", "add", &format!("{}/32", p.addr), "dev", &p.host_if]);
+    }
+    w
+}
+
+/// Runs `f` in a thread that entered the namespace `netns`.
+pub fn in_netns<T: Send + 'static>(
+    netns: &str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> std::thread::JoinHandle<T> {
+    let path = format!("/run/netns/{netns}");
+    std::thread::spawn(move || {
+        let fd = std::fs::File::open(&path).expect("netns file");
+        nix::sched::setns(fd.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+        f()
+    })
+}
+
+/// A TCP server in `netns` answering "pong" to every connection, for the rest of the process.
+pub fn tcp_server(netns: &str, addr: IpAddr, port: u16) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    in_netns(netns, move || {
+        let l = TcpListener::bind(SocketAddr::new(addr, port)).expect("bind");
+        tx.send(()).unwrap();
+        for s in l.incoming().flatten() {
+            let mut s = s;
+            let _ = s.write_all(b"pong");
+        }
+    });
+    rx.recv().unwrap();
+}
+
+/// A UDP echo server in `netns`.
+pub fn udp_server(netns: &str, addr: IpAddr, port: u16) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    in_netns(netns, move || {
+        let s = UdpSocket::bind(SocketAddr::new(addr, port)).expect("bind");
+        tx.send(()).unwrap();
+        let mut buf = [0u8; 64];
+        while let Ok((n, from)) = s.recv_from(&mut buf) {
+            let _ = s.send_to(&buf[..n], from);
+        }
+    });
+    rx.recv().unwrap();
+}
+
+/// Does a TCP connection from `netns` to `to:port` complete and carry the answer?
+pub fn tcp_ok(netns: &str, to: IpAddr, port: u16) -> bool {
+    in_netns(netns, move || {
+        let Ok(mut s) =
+            TcpStream::connect_timeout(&SocketAddr::new(to, port), Duration::from_millis(700))
+        else {
+            return false;
+        };
+        let _ = s.set_read_timeout(Some(Duration::from_millis(700)));
+        let mut buf = [0u8; 4];
+        s.read_exact(&mut buf).is_ok() && &buf == b"pong"
+    })
+    .join()
+    .unwrap()
+}
+
+/// Does a UDP datagram from `netns` to `to:port` come back?
+pub fn udp_ok(netns: &str, to: IpAddr, port: u16) -> bool {
+    in_netns(netns, move || {
+        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        s.set_read_timeout(Some(Duration::from_millis(700)))
+            .unwrap();
+        let _ = s.send_to(b"ping", SocketAddr::new(to, port));
+        let mut buf = [0u8; 8];
+        matches!(s.recv_from(&mut buf), Ok((4, _)))
+    })
+    .join()
+    .unwrap()
+}
