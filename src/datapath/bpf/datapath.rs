@@ -361,8 +361,13 @@ impl Datapath for BpfDatapath {
         };
         self.write_info(id, &during)?;
         let mut stats = SyncStats::default();
-        let mut upserts: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
-        let mut deletes: Vec<Vec<u8>> = Vec::new();
+        // Order by safety, which also keeps the map within its capacity: first remove allows
+        // and add denies (both only narrow what passes), then add allows, and remove denies
+        // last. No step ever lets through what neither the old nor the new policy allows.
+        let mut allow_upserts: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
+        let mut deny_upserts: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
+        let mut allow_deletes: Vec<Vec<u8>> = Vec::new();
+        let mut deny_deletes: Vec<Vec<u8>> = Vec::new();
         for c in &changes {
             match c {
                 EntryChange::Upsert(k, deny) => {
@@ -375,21 +380,48 @@ impl Datapath for BpfDatapath {
                         .and_then(|b| types::policy_value::from_bytes(&b))
                         .unwrap_or_default();
                     v.deny = *deny as u8;
-                    upserts.push((kb, v.as_bytes().to_vec()));
+                    if *deny {
+                        deny_upserts.push((kb, v.as_bytes().to_vec()));
+                    } else {
+                        allow_upserts.push((kb, v.as_bytes().to_vec()));
+                    }
                 }
-                EntryChange::Delete(k) => deletes.push(abi_key(k).as_bytes().to_vec()),
+                EntryChange::Delete(k) => {
+                    let kb = abi_key(k).as_bytes().to_vec();
+                    let was_deny = policy
+                        .lookup(&kb, MapFlags::ANY)
+                        .ok()
+                        .flatten()
+                        .and_then(|b| types::policy_value::from_bytes(&b))
+                        .is_some_and(|v| v.deny != 0);
+                    if was_deny {
+                        deny_deletes.push(kb);
+                    } else {
+                        allow_deletes.push(kb);
+                    }
+                }
             }
         }
-        for (k, v) in &upserts {
-            policy
-                .update(k, v, MapFlags::ANY)
-                .map_err(sys(format!("update the policy map of endpoint {id}")))?;
-        }
-        for k in &deletes {
+        let update = |list: &[(Vec<u8>, Vec<u8>)]| -> Result<(), DatapathError> {
+            for (k, v) in list {
+                policy
+                    .update(k, v, MapFlags::ANY)
+                    .map_err(sys(format!("update the policy map of endpoint {id}")))?;
+            }
+            Ok(())
+        };
+        for k in &allow_deletes {
             let _ = policy.delete(k);
         }
-        stats.upserted = upserts.len();
-        stats.deleted = deletes.len();
+        update(&deny_upserts)?;
+        update(&allow_upserts)?;
+        for k in &deny_deletes {
+            let _ = policy.delete(k);
+        }
+        let upserts = allow_upserts.len() + deny_upserts.len();
+        let deletes = allow_deletes.len() + deny_deletes.len();
+        stats.upserted = upserts;
+        stats.deleted = deletes;
         stats.entries = table.len();
         let info = types::endpoint_info {
             identity,
