@@ -53,6 +53,66 @@ pub struct BpfDatapath {
     endpoints: BTreeMap<EndpointId, Endpoint>,
 }
 
+/// Updates many entries in one `bpf_map_update_batch` call. `keys` and `values` are the
+/// concatenated entries.
+fn update_batch(
+    map: &MapHandle,
+    keys: &[u8],
+    values: &[u8],
+    count: usize,
+) -> Result<(), std::io::Error> {
+    if count == 0 {
+        return Ok(());
+    }
+    let opts = libbpf_rs::libbpf_sys::bpf_map_batch_opts {
+        sz: std::mem::size_of::<libbpf_rs::libbpf_sys::bpf_map_batch_opts>() as _,
+        ..Default::default()
+    };
+    let mut n = count as u32;
+    // SAFETY: the buffers hold `count` keys and values of the map's sizes, and outlive the call.
+    let r = unsafe {
+        libbpf_rs::libbpf_sys::bpf_map_update_batch(
+            map.as_fd().as_raw_fd(),
+            keys.as_ptr().cast(),
+            values.as_ptr().cast(),
+            &mut n,
+            &opts,
+        )
+    };
+    if r < 0 {
+        return Err(std::io::Error::from_raw_os_error(-r));
+    }
+    Ok(())
+}
+
+/// Deletes many entries in one `bpf_map_delete_batch` call; entries already gone are skipped
+/// one by one (a batch stops at the first missing key).
+fn delete_batch(map: &MapHandle, keys: &[u8], key_size: usize) {
+    if keys.is_empty() {
+        return;
+    }
+    let opts = libbpf_rs::libbpf_sys::bpf_map_batch_opts {
+        sz: std::mem::size_of::<libbpf_rs::libbpf_sys::bpf_map_batch_opts>() as _,
+        ..Default::default()
+    };
+    let mut n = (keys.len() / key_size) as u32;
+    // SAFETY: `keys` holds `n` keys of the map's key size and outlives the call.
+    let r = unsafe {
+        libbpf_rs::libbpf_sys::bpf_map_delete_batch(
+            map.as_fd().as_raw_fd(),
+            keys.as_ptr().cast(),
+            &mut n,
+            &opts,
+        )
+    };
+    if r < 0 {
+        // `n` entries were deleted; finish one by one.
+        for k in keys[n as usize * key_size..].chunks(key_size) {
+            let _ = map.delete(k);
+        }
+    }
+}
+
 fn flags_bits(f: EndpointFlags) -> u32 {
     (if f.ingress_default_deny {
         EP_INGRESS_DEFAULT_DENY
@@ -364,62 +424,67 @@ impl Datapath for BpfDatapath {
         // Order by safety, which also keeps the map within its capacity: first remove allows
         // and add denies (both only narrow what passes), then add allows, and remove denies
         // last. No step ever lets through what neither the old nor the new policy allows.
-        let mut allow_upserts: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
-        let mut deny_upserts: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
-        let mut allow_deletes: Vec<Vec<u8>> = Vec::new();
-        let mut deny_deletes: Vec<Vec<u8>> = Vec::new();
+        // Each group goes to the kernel as one batch.
+        let old: std::collections::HashMap<PolicyEntryKey, bool> = if replace {
+            Default::default()
+        } else {
+            ep.table.entries().collect()
+        };
+        let kernel_value = |kb: &[u8]| {
+            policy
+                .lookup(kb, MapFlags::ANY)
+                .ok()
+                .flatten()
+                .and_then(|b| types::policy_value::from_bytes(&b))
+        };
+        let (mut allow_up, mut deny_up) = (
+            (Vec::new(), Vec::new(), 0usize),
+            (Vec::new(), Vec::new(), 0usize),
+        );
+        let (mut allow_del, mut deny_del) = (Vec::new(), Vec::new());
         for c in &changes {
             match c {
                 EntryChange::Upsert(k, deny) => {
-                    let kb = abi_key(k).as_bytes().to_vec();
-                    // Keep the counters of an entry that only changes its verdict.
-                    let mut v = policy
-                        .lookup(&kb, MapFlags::ANY)
-                        .ok()
-                        .flatten()
-                        .and_then(|b| types::policy_value::from_bytes(&b))
-                        .unwrap_or_default();
-                    v.deny = *deny as u8;
-                    if *deny {
-                        deny_upserts.push((kb, v.as_bytes().to_vec()));
+                    let key = abi_key(k);
+                    let kb = key.as_bytes();
+                    // Keep the counters of an entry that already exists and only changes verdict.
+                    let mut v = if replace || old.contains_key(k) {
+                        kernel_value(kb).unwrap_or_default()
                     } else {
-                        allow_upserts.push((kb, v.as_bytes().to_vec()));
-                    }
+                        types::policy_value::default()
+                    };
+                    v.deny = *deny as u8;
+                    let g = if *deny { &mut deny_up } else { &mut allow_up };
+                    g.0.extend_from_slice(kb);
+                    g.1.extend_from_slice(v.as_bytes());
+                    g.2 += 1;
                 }
                 EntryChange::Delete(k) => {
-                    let kb = abi_key(k).as_bytes().to_vec();
-                    let was_deny = policy
-                        .lookup(&kb, MapFlags::ANY)
-                        .ok()
-                        .flatten()
-                        .and_then(|b| types::policy_value::from_bytes(&b))
-                        .is_some_and(|v| v.deny != 0);
+                    let key = abi_key(k);
+                    let was_deny = match old.get(k) {
+                        Some(d) => *d,
+                        None => kernel_value(key.as_bytes()).is_some_and(|v| v.deny != 0),
+                    };
                     if was_deny {
-                        deny_deletes.push(kb);
+                        &mut deny_del
                     } else {
-                        allow_deletes.push(kb);
+                        &mut allow_del
                     }
+                    .extend_from_slice(key.as_bytes());
                 }
             }
         }
-        let update = |list: &[(Vec<u8>, Vec<u8>)]| -> Result<(), DatapathError> {
-            for (k, v) in list {
-                policy
-                    .update(k, v, MapFlags::ANY)
-                    .map_err(sys(format!("update the policy map of endpoint {id}")))?;
-            }
-            Ok(())
+        let key_size = std::mem::size_of::<types::policy_key>();
+        let fail = |e: std::io::Error| DatapathError::System {
+            operation: format!("update the policy map of endpoint {id}"),
+            message: e.to_string(),
         };
-        for k in &allow_deletes {
-            let _ = policy.delete(k);
-        }
-        update(&deny_upserts)?;
-        update(&allow_upserts)?;
-        for k in &deny_deletes {
-            let _ = policy.delete(k);
-        }
-        let upserts = allow_upserts.len() + deny_upserts.len();
-        let deletes = allow_deletes.len() + deny_deletes.len();
+        delete_batch(policy, &allow_del, key_size);
+        update_batch(policy, &deny_up.0, &deny_up.1, deny_up.2).map_err(fail)?;
+        update_batch(policy, &allow_up.0, &allow_up.1, allow_up.2).map_err(fail)?;
+        delete_batch(policy, &deny_del, key_size);
+        let upserts = allow_up.2 + deny_up.2;
+        let deletes = (allow_del.len() + deny_del.len()) / key_size;
         stats.upserted = upserts;
         stats.deleted = deletes;
         stats.entries = table.len();
