@@ -101,6 +101,92 @@ pub fn request(
     }
 }
 
+/// Streams a response line by line (`GET` of a streaming endpoint such as `/v1/monitor`):
+/// `on_line` is called for every complete line until it returns false or the agent closes.
+pub fn stream_lines(
+    socket: &Path,
+    path: &str,
+    mut on_line: impl FnMut(&str) -> bool,
+) -> Result<(), ClientError> {
+    use std::io::BufRead;
+    let s = UnixStream::connect(socket).map_err(|e| ClientError::Connect {
+        socket: socket.display().to_string(),
+        source: e,
+    })?;
+    let io = |e| ClientError::Io {
+        method: "GET".into(),
+        path: path.into(),
+        source: e,
+    };
+    let malformed = || ClientError::Malformed {
+        method: "GET".into(),
+        path: path.into(),
+    };
+    (&s).write_all(
+        format!("GET {path} HTTP/1.1\r\nHost: ciliate\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .map_err(io)?;
+    let mut r = std::io::BufReader::new(&s);
+    let mut status_line = String::new();
+    r.read_line(&mut status_line).map_err(io)?;
+    let status: u16 = status_line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(malformed)?;
+    let mut chunked = false;
+    loop {
+        let mut h = String::new();
+        r.read_line(&mut h).map_err(io)?;
+        if h.trim().is_empty() {
+            break;
+        }
+        let l = h.to_ascii_lowercase();
+        chunked |= l.starts_with("transfer-encoding:") && l.contains("chunked");
+    }
+    if !(200..300).contains(&status) {
+        let mut body = String::new();
+        let _ = r.read_to_string(&mut body);
+        return Err(ClientError::Status {
+            method: "GET".into(),
+            path: path.into(),
+            status,
+            message: body,
+        });
+    }
+    let mut pending = String::new();
+    loop {
+        let piece = if chunked {
+            let mut size = String::new();
+            if r.read_line(&mut size).map_err(io)? == 0 {
+                return Ok(());
+            }
+            let n = usize::from_str_radix(size.trim().split(';').next().unwrap_or(""), 16)
+                .map_err(|_| malformed())?;
+            if n == 0 {
+                return Ok(());
+            }
+            let mut buf = vec![0u8; n + 2];
+            r.read_exact(&mut buf).map_err(io)?;
+            buf.truncate(n);
+            buf
+        } else {
+            let mut buf = Vec::new();
+            if r.read_until(b'\n', &mut buf).map_err(io)? == 0 {
+                return Ok(());
+            }
+            buf
+        };
+        pending.push_str(&String::from_utf8_lossy(&piece));
+        while let Some(i) = pending.find('\n') {
+            let line: String = pending.drain(..=i).collect();
+            if !on_line(line.trim_end()) {
+                return Ok(());
+            }
+        }
+    }
+}
+
 fn dechunk(mut data: &[u8]) -> Option<Vec<u8>> {
     let mut out = Vec::new();
     loop {

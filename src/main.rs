@@ -68,6 +68,36 @@ fn client(opts: &ClientOpts, call: ClientCall) -> i32 {
     }
 }
 
+fn monitor(opts: &ClientOpts, count: Option<u64>) -> i32 {
+    use std::io::Write;
+    let mut seen = 0u64;
+    let stdout = std::io::stdout();
+    let r = ciliate::client::stream_lines(&opts.socket, "/v1/monitor", |line| {
+        let text = match opts.output {
+            ciliate::cli::Output::Json => line.to_string(),
+            ciliate::cli::Output::Table => {
+                match serde_json::from_str::<ciliate::datapath::events::VerdictEvent>(line) {
+                    Ok(ev) => ev.line(),
+                    Err(_) => line.to_string(),
+                }
+            }
+        };
+        let mut out = stdout.lock();
+        if writeln!(out, "{text}").and_then(|_| out.flush()).is_err() {
+            return false;
+        }
+        seen += 1;
+        count.is_none_or(|c| seen < c)
+    });
+    match r {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("error: {e}");
+            1
+        }
+    }
+}
+
 fn main() {
     let cli = Cli::parse();
     let code = match cli.command {
@@ -110,6 +140,7 @@ fn main() {
         Command::Endpoint { command, client: c } => client(&c, ClientCall::Endpoint(&command)),
         Command::Identity { command, client: c } => client(&c, ClientCall::Identity(&command)),
         Command::Bpf { command, client: c } => client(&c, ClientCall::Bpf(&command)),
+        Command::Monitor { count, client: c } => monitor(&c, count),
     };
     std::process::exit(code);
 }

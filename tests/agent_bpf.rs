@@ -41,6 +41,20 @@ spec:
     (cluster, policy)
 }
 
+/// Waits for a child to exit (killing it after `limit`) and returns its stdout.
+fn wait_output(mut child: std::process::Child, limit: Duration) -> String {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if let Ok(Some(_)) = child.try_wait() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let out = child.wait_with_output().unwrap();
+    String::from_utf8_lossy(&out.stdout).to_string()
+}
+
 fn eventually(what: &str, f: impl Fn() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(20);
     while Instant::now() < deadline {
@@ -90,6 +104,33 @@ fn the_agent_enforces_on_real_veths_and_survives_kill_9() {
         "the policy allows a -> b:8080"
     );
     assert!(!tcp_ok(&a.netns, b.addr, 9090), "and nothing else into b");
+    // `ciliate monitor` shows the drop of a denied connection.
+    let mon = std::process::Command::new(common::agent::BIN)
+        .args(["monitor", "--count", "1", "-o", "json", "--socket"])
+        .arg(agent.socket())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!tcp_ok(&a.netns, b.addr, 9090));
+    let out = wait_output(mon, Duration::from_secs(10));
+    let ev: serde_json::Value = serde_json::from_str(out.lines().next().unwrap_or(""))
+        .unwrap_or_else(|e| panic!("{e}: {out:?}"));
+    assert_eq!(
+        (ev["verdict"].as_str(), ev["reason"].as_str()),
+        (Some("drop"), Some("default-deny")),
+        "{ev}"
+    );
+    assert_eq!(
+        (
+            ev["port"].as_u64(),
+            ev["direction"].as_str(),
+            ev["endpoint"].as_u64()
+        ),
+        (Some(9090), Some("ingress"), Some(2)),
+        "{ev}"
+    );
+    assert_eq!(ev["destination"], b.addr.to_string());
     let status = agent.cli_json(&["status"]);
     assert_eq!(status["datapath"], "bpf");
     // The realized entries and their counters come from the kernel map.

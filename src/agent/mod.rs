@@ -41,6 +41,8 @@ pub struct Shared {
     pub ready: Arc<AtomicBool>,
     /// The most recent policy implementations (newest last).
     pub implementations: Arc<Mutex<VecDeque<Implementation>>>,
+    /// Policy verdict events from the datapath, for `ciliate monitor` (each subscriber gets all).
+    pub events: tokio::sync::broadcast::Sender<crate::datapath::events::VerdictEvent>,
 }
 
 impl Shared {
@@ -65,6 +67,7 @@ impl Shared {
             node_name: node_name.to_string(),
             ready: Arc::new(AtomicBool::new(false)),
             implementations: Arc::new(Mutex::new(VecDeque::new())),
+            events: tokio::sync::broadcast::channel(4096).0,
         }
     }
 

@@ -157,6 +157,14 @@ async fn run_async(
     let shared = Shared::new(&config.node_name, state_dir.clone());
     let registry = shared.registry.clone();
     let datapath_name = datapath.name();
+    let events = shared.events.clone();
+    datapath
+        .start_events(Box::new(move |ev| {
+            // No subscriber is not an error: the event is simply not shown anywhere.
+            let _ = events.send(ev);
+            true
+        }))
+        .map_err(|e| AgentError::Config(format!("--datapath {datapath_name}: {e}")))?;
     let Core { loader, repo, .. } = spawn_core(&shared, datapath);
 
     // restoreOldEndpoints: same ids, identities and IPs, before anything new is allocated.

@@ -303,6 +303,34 @@ async fn find_endpoint(st: web::Data<AppState>, q: web::Query<ByContainer>) -> H
     }
 }
 
+/// `GET /v1/monitor`: policy verdict events as they happen, one JSON object per line.
+async fn monitor(st: web::Data<AppState>) -> HttpResponse {
+    use tokio::sync::broadcast::error::RecvError;
+    let rx = st.shared.events.subscribe();
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+        loop {
+            match rx.recv().await {
+                Ok(ev) => {
+                    let mut line = serde_json::to_vec(&ev).unwrap_or_default();
+                    line.push(b'\n');
+                    return Some((
+                        Ok::<_, actix_web::Error>(actix_web::web::Bytes::from(line)),
+                        rx,
+                    ));
+                }
+                Err(RecvError::Lagged(n)) => {
+                    let line = format!("{{\"lost\":{n}}}\n");
+                    return Some((Ok(actix_web::web::Bytes::from(line)), rx));
+                }
+                Err(RecvError::Closed) => return None,
+            }
+        }
+    });
+    HttpResponse::Ok()
+        .content_type("application/x-ndjson")
+        .streaming(stream)
+}
+
 /// Read-only routes, served on both the debug address and the socket.
 pub fn read_routes(cfg: &mut web::ServiceConfig) {
     cfg.route("/healthz", web::get().to(healthz))
@@ -333,5 +361,6 @@ pub fn socket_routes(cfg: &mut web::ServiceConfig) {
         .route("/v1/policy", web::get().to(policy))
         .route("/v1/identities", web::get().to(identities))
         .route("/v1/ipcache", web::get().to(ipcache))
-        .route("/v1/bpf/policy/{id}", web::get().to(bpf_policy));
+        .route("/v1/bpf/policy/{id}", web::get().to(bpf_policy))
+        .route("/v1/monitor", web::get().to(monitor));
 }

@@ -85,6 +85,15 @@ pub enum Command {
         #[command(flatten)]
         client: ClientOpts,
     },
+    /// Stream policy verdict events from the datapath (drops, and allows when enabled), one
+    /// line each.
+    Monitor {
+        /// Exit after this many events.
+        #[arg(long)]
+        count: Option<u64>,
+        #[command(flatten)]
+        client: ClientOpts,
+    },
     /// The datapath's maps.
     Bpf {
         #[command(subcommand)]

@@ -4,6 +4,7 @@
 
 pub mod abi;
 pub mod bpf;
+pub mod events;
 pub mod memory;
 
 use std::net::IpAddr;
@@ -118,4 +119,13 @@ pub trait Datapath: Send + 'static {
     fn dump_ipcache(&self) -> Vec<(IpNet, NumericIdentity)>;
     /// The endpoints attached.
     fn endpoints(&self) -> Vec<EndpointId>;
+    /// Starts delivering policy verdict events to `sink` (until it returns false). Datapaths
+    /// without events (the in-memory one) deliver none.
+    fn start_events(
+        &self,
+        sink: Box<dyn FnMut(events::VerdictEvent) -> bool + Send>,
+    ) -> Result<(), DatapathError> {
+        let _ = sink;
+        Ok(())
+    }
 }

@@ -202,6 +202,50 @@ impl BpfDatapath {
         &self.pins
     }
 
+    /// Starts the one consumer of the verdict ring buffer: a thread that decodes every event
+    /// and hands it to `sink` until `sink` returns false.
+    pub fn spawn_event_reader(
+        &self,
+        mut sink: impl FnMut(crate::datapath::events::VerdictEvent) -> bool + Send + 'static,
+    ) -> Result<std::thread::JoinHandle<()>, DatapathError> {
+        let path = self.pins.join("events");
+        let map =
+            MapHandle::from_pinned_path(&path).map_err(sys(format!("open {}", path.display())))?;
+        let handle = std::thread::Builder::new()
+            .name("ciliate-events".into())
+            .spawn(move || {
+                let keep = std::rc::Rc::new(std::cell::Cell::new(true));
+                let keep_cb = keep.clone();
+                let mut builder = libbpf_rs::RingBufferBuilder::new();
+                let added = builder.add(&map, move |data: &[u8]| {
+                    if let Some(e) = types::verdict_event::from_bytes(&data[..data.len().min(std::mem::size_of::<types::verdict_event>())]) {
+                        let reason = super::REASONS.get(e.reason as usize).copied().unwrap_or("drop-unknown");
+                        let ev = crate::datapath::events::verdict_event(
+                            e.timestamp_ns, e.endpoint_id, e.peer_identity, e.egress != 0, e.protocol, e.port, reason, e.family, e.saddr, e.daddr,
+                        );
+                        if !sink(ev) {
+                            keep_cb.set(false);
+                        }
+                    }
+                    0
+                });
+                let rb = match added.map(|_| ()).and_then(|()| builder.build()) {
+                    Ok(rb) => rb,
+                    Err(e) => {
+                        tracing::error!(error = %e, "cannot read the verdict ring buffer; `ciliate monitor` will show nothing");
+                        return;
+                    }
+                };
+                while keep.get() {
+                    if let Err(e) = rb.poll(std::time::Duration::from_millis(200)) {
+                        tracing::warn!(error = %e, "verdict ring buffer poll failed");
+                    }
+                }
+            })
+            .map_err(sys("start the event reader thread"))?;
+        Ok(handle)
+    }
+
     fn policy_map(&self, id: EndpointId) -> Result<MapHandle, DatapathError> {
         let path = self.pins.join(format!("policy_{id}"));
         if path.exists() {
@@ -620,5 +664,12 @@ impl Datapath for BpfDatapath {
 
     fn endpoints(&self) -> Vec<EndpointId> {
         self.endpoints.keys().copied().collect()
+    }
+
+    fn start_events(
+        &self,
+        sink: Box<dyn FnMut(crate::datapath::events::VerdictEvent) -> bool + Send>,
+    ) -> Result<(), DatapathError> {
+        self.spawn_event_reader(sink).map(|_| ())
     }
 }
