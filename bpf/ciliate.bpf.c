@@ -364,6 +364,14 @@ static __always_inline int decide(struct __sk_buff *skb, int egress)
 		emit(&p, ep, 0, egress, CILIATE_DROP_MALFORMED);
 		return TC_ACT_SHOT;
 	}
+	/* IPv6 link control, handled before policy as Cilium does: neighbour discovery (router and
+	 * neighbour solicitation/advertisement, redirect: 133-137) and multicast listener
+	 * messages (130-132, 143). Without them a pod has no IPv6 at all. */
+	if (p.protocol == IPPROTO_ICMPV6_ && !p.l4_missing &&
+	    ((p.policy_port >= 130 && p.policy_port <= 137) || p.policy_port == 143)) {
+		count(CILIATE_PASS_NOT_IP);
+		return TC_ACT_OK;
+	}
 	if (info->flags & CILIATE_EP_DROP_ALL) {
 		count(CILIATE_DROP_NOT_REALIZED);
 		emit(&p, ep, 0, egress, CILIATE_DROP_NOT_REALIZED);

@@ -34,7 +34,7 @@ enum ciliate_reason {
 	CILIATE_DROP_NOT_REALIZED = 6,
 	CILIATE_DROP_MALFORMED = 7,
 	CILIATE_PASS_UNMANAGED = 8,
-	CILIATE_PASS_NOT_IP = 9,
+	CILIATE_PASS_NOT_IP = 9, /* not IP, or IPv6 link control (neighbour discovery, MLD) */
 	CILIATE_REASON_MAX = 10,
 };
 

@@ -308,23 +308,20 @@ async fn monitor(st: web::Data<AppState>) -> HttpResponse {
     use tokio::sync::broadcast::error::RecvError;
     let rx = st.shared.events.subscribe();
     let stream = futures_util::stream::unfold(rx, |mut rx| async move {
-        loop {
-            match rx.recv().await {
-                Ok(ev) => {
-                    let mut line = serde_json::to_vec(&ev).unwrap_or_default();
-                    line.push(b'\n');
-                    return Some((
-                        Ok::<_, actix_web::Error>(actix_web::web::Bytes::from(line)),
-                        rx,
-                    ));
-                }
-                Err(RecvError::Lagged(n)) => {
-                    let line = format!("{{\"lost\":{n}}}\n");
-                    return Some((Ok(actix_web::web::Bytes::from(line)), rx));
-                }
-                Err(RecvError::Closed) => return None,
+        let line = match rx.recv().await {
+            Ok(ev) => {
+                let mut line = serde_json::to_vec(&ev).unwrap_or_default();
+                line.push(b'\n');
+                line
             }
-        }
+            // A slow reader missed events: say how many, and go on.
+            Err(RecvError::Lagged(n)) => format!("{{\"lost\":{n}}}\n").into_bytes(),
+            Err(RecvError::Closed) => return None,
+        };
+        Some((
+            Ok::<_, actix_web::Error>(actix_web::web::Bytes::from(line)),
+            rx,
+        ))
     });
     HttpResponse::Ok()
         .content_type("application/x-ndjson")

@@ -352,3 +352,45 @@ fn port_ranges_wildcards_and_fail_closed_states() {
         TC_ACT_SHOT
     );
 }
+
+/// Ethernet + IPv6 + an 8-byte ICMPv6 header of the given type.
+fn icmpv6(src: &str, dst: &str, icmp_type: u8) -> Vec<u8> {
+    let mut p = vec![0u8; 14 + 40 + 8];
+    p[12] = 0x86;
+    p[13] = 0xdd;
+    p[14] = 0x60;
+    p[18..20].copy_from_slice(&8u16.to_be_bytes());
+    p[20] = 58; // next header: ICMPv6
+    p[21] = 255;
+    p[22..38].copy_from_slice(&src.parse::<std::net::Ipv6Addr>().unwrap().octets());
+    p[38..54].copy_from_slice(&dst.parse::<std::net::Ipv6Addr>().unwrap().octets());
+    p[54] = icmp_type;
+    p
+}
+
+#[test]
+fn ipv6_link_control_passes_and_icmpv6_follows_policy() {
+    if !privileged() {
+        return;
+    }
+    let mut l = load(12);
+    l.endpoint(12, 300, EP_INGRESS_DEFAULT_DENY, 1 << 16);
+    l.policy_map(12);
+    // Neighbour solicitation and an MLD report reach an isolated endpoint (no IPv6 otherwise).
+    assert_eq!(
+        l.run(false, &icmpv6("fe80::1", "ff02::1:ff00:2", 135)),
+        TC_ACT_OK
+    );
+    assert_eq!(l.run(false, &icmpv6("fe80::1", "ff02::16", 143)), TC_ACT_OK);
+    // An echo request from the world is decided by policy: default deny...
+    assert_eq!(
+        l.run(false, &icmpv6("2001:db8::9", "fd00::2", 128)),
+        TC_ACT_SHOT
+    );
+    // ...until a rule allows ICMPv6 type 128 from any peer.
+    l.rule(0, false, 58, 128, 16, false);
+    assert_eq!(
+        l.run(false, &icmpv6("2001:db8::9", "fd00::2", 128)),
+        TC_ACT_OK
+    );
+}
