@@ -216,17 +216,7 @@ impl Datapath for MemoryDatapath {
             .entries()
             .map(|(k, deny)| {
                 let (packets, bytes) = ep.counters.get(&k).copied().unwrap_or_default();
-                PolicyMapEntry {
-                    identity: k.identity,
-                    direction: if k.egress { "egress" } else { "ingress" },
-                    protocol: k.protocol,
-                    port: k.port,
-                    port_prefix_len: k.port_prefix_len,
-                    port_range: k.port_range(),
-                    deny,
-                    packets,
-                    bytes,
-                }
+                PolicyMapEntry::new(&k, deny, packets, bytes)
             })
             .collect();
         Ok(PolicyMapDump {

@@ -53,6 +53,23 @@ pub struct PolicyMapEntry {
     pub bytes: u64,
 }
 
+impl PolicyMapEntry {
+    /// An entry as a datapath holds it, with its counters.
+    pub fn new(k: &abi::PolicyEntryKey, deny: bool, packets: u64, bytes: u64) -> Self {
+        PolicyMapEntry {
+            identity: k.identity,
+            direction: if k.egress { "egress" } else { "ingress" },
+            protocol: k.protocol,
+            port: k.port,
+            port_prefix_len: k.port_prefix_len,
+            port_range: k.port_range(),
+            deny,
+            packets,
+            bytes,
+        }
+    }
+}
+
 /// Everything realized for one endpoint.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct PolicyMapDump {

@@ -602,17 +602,7 @@ impl Datapath for BpfDatapath {
                 port: k.port,
                 port_prefix_len: k.port_prefix_len,
             };
-            entries.push(PolicyMapEntry {
-                identity: k.identity,
-                direction: if k.egress != 0 { "egress" } else { "ingress" },
-                protocol: k.protocol,
-                port: k.port,
-                port_prefix_len: k.port_prefix_len,
-                port_range: ek.port_range(),
-                deny: v.deny != 0,
-                packets: v.packets,
-                bytes: v.bytes,
-            });
+            entries.push(PolicyMapEntry::new(&ek, v.deny != 0, v.packets, v.bytes));
         }
         entries.sort_by_key(|e| {
             (
