@@ -321,6 +321,16 @@ async fn in_process() {
     );
 }
 
+/// Kills the agent when the bench ends, panics included.
+struct Reap(std::process::Child);
+
+impl Drop for Reap {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 fn rss_of_real_agent() {
     let tmp = tempfile::tempdir().unwrap();
     let m = tmp.path().join("manifests");
@@ -356,20 +366,22 @@ fn rss_of_real_agent() {
         .local_addr()
         .unwrap()
         .port();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ciliate"))
-        .args(["agent", "--datapath", "memory", "--node-name", "node-1"])
-        .arg("--manifests")
-        .arg(&m)
-        .arg("--state-dir")
-        .arg(tmp.path().join("state"))
-        .arg("--api-socket")
-        .arg(&sock)
-        .args(["--debug-addr", &format!("127.0.0.1:{port}")])
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(tmp.path().join("agent.log")).unwrap())
-        .spawn()
-        .unwrap();
+    let child = Reap(
+        Command::new(env!("CARGO_BIN_EXE_ciliate"))
+            .args(["agent", "--datapath", "memory", "--node-name", "node-1"])
+            .arg("--manifests")
+            .arg(&m)
+            .arg("--state-dir")
+            .arg(tmp.path().join("state"))
+            .arg("--api-socket")
+            .arg(&sock)
+            .args(["--debug-addr", &format!("127.0.0.1:{port}")])
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(tmp.path().join("agent.log")).unwrap())
+            .spawn()
+            .unwrap(),
+    );
     let log_tail = || {
         let log = std::fs::read_to_string(tmp.path().join("agent.log")).unwrap_or_default();
         let lines: Vec<&str> = log.lines().collect();
@@ -415,7 +427,7 @@ fn rss_of_real_agent() {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
-    let status = std::fs::read_to_string(format!("/proc/{}/status", child.id())).unwrap();
+    let status = std::fs::read_to_string(format!("/proc/{}/status", child.0.id())).unwrap();
     let rss = status
         .lines()
         .find(|l| l.starts_with("VmRSS:"))
@@ -430,11 +442,11 @@ fn rss_of_real_agent() {
         "real agent: ready after {:.2}s; with {LOCAL} endpoints, {REMOTE_PODS} remote pods, {POLICIES} policies: {rss} ({hwm})",
         ready_after.as_secs_f64()
     );
+    // A clean stop; `Reap` waits for it (and kills it if the bench panicked before).
     let _ = nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::unistd::Pid::from_raw(child.0.id() as i32),
         nix::sys::signal::Signal::SIGTERM,
     );
-    let _ = child.wait();
 }
 
 fn main() {
