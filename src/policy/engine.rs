@@ -537,23 +537,8 @@ impl PolicyEngine {
     fn add_peer_rule(&self, map: &mut MapState, pr: &PeerRule, ep: &EndpointView) {
         let direction = pr.origin.section.direction();
         let deny = pr.origin.section.is_deny();
-        let single;
-        let many;
-        let ids: &[NumericIdentity] = match &pr.peers {
-            Peers::Any => &[IDENTITY_ANY],
-            Peers::Selectors(sels) if sels.len() == 1 => {
-                single = self
-                    .selectors
-                    .selections(&sels[0])
-                    .map(|s| s.iter().copied().collect::<Vec<_>>())
-                    .unwrap_or_default();
-                &single
-            }
-            _ => {
-                many = self.peer_identities(&pr.peers);
-                &many
-            }
-        };
+        let ids = self.peer_identities(&pr.peers);
+        let ids: &[NumericIdentity] = &ids;
         if ids.is_empty() {
             return;
         }
