@@ -94,7 +94,8 @@ pub struct EndpointActor {
     reaction: TracedAddr<RuleReactionActor>,
     shared: Shared,
     journal: Arc<Journal>,
-    persisted: Option<EndpointRecord>,
+    /// The state directory is behind what a restore needs.
+    needs_persist: bool,
 }
 
 impl EndpointActor {
@@ -132,7 +133,7 @@ impl EndpointActor {
             reaction,
             journal,
             shared,
-            persisted: None,
+            needs_persist: true,
             record,
         }
     }
@@ -162,18 +163,16 @@ impl EndpointActor {
 
     /// Writes the state directory when something worth restoring changed.
     fn persist(&mut self) {
-        let mut rec = self.record.clone();
-        rec.labels = self.labels.to_strings();
-        let unchanged = self.persisted.as_ref().is_some_and(|p| {
-            let mut p = p.clone();
-            p.policy_revision = rec.policy_revision;
-            p == rec
-        });
-        if unchanged {
+        // Only what a restore needs is written: it changes with the identity, not with every
+        // regeneration (the recorded policy revision is informational).
+        if !self.needs_persist {
             return;
         }
+        let mut rec = self.record.clone();
+        rec.labels = self.labels.to_strings();
         match self.shared.state_dir.write(&rec) {
-            Ok(()) => self.persisted = Some(rec),
+            // On failure the flag stays up: the next regeneration tries again.
+            Ok(()) => self.needs_persist = false,
             Err(e) => {
                 tracing::error!(endpoint = self.record.id, error = %e, "cannot write endpoint state")
             }
@@ -504,6 +503,7 @@ impl Handler<SetIdentity> for EndpointActor {
                     }
                 }
             }
+            self.needs_persist = true;
             self.persist();
         }
     }
