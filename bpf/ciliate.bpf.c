@@ -340,6 +340,19 @@ static __always_inline void emit(struct packet *p, __u32 ep, __u32 identity, int
 	bpf_ringbuf_submit(e, 0);
 }
 
+/* The conntrack key of a packet as it travels (reverse = 0), or of its reply (reverse = 1). */
+static __always_inline void ct_tuple(struct ct_key *k, struct packet *p, __u32 ep, int reverse)
+{
+	__builtin_memset(k, 0, sizeof(*k));
+	__builtin_memcpy(k->saddr, reverse ? p->daddr : p->saddr, 16);
+	__builtin_memcpy(k->daddr, reverse ? p->saddr : p->daddr, 16);
+	k->sport = reverse ? p->dport : p->sport;
+	k->dport = reverse ? p->sport : p->dport;
+	k->protocol = p->protocol;
+	k->family = p->family;
+	k->endpoint_id = ep;
+}
+
 static __always_inline int decide(struct __sk_buff *skb, int egress)
 {
 	__u32 ep = ENDPOINT_ID;
@@ -379,14 +392,8 @@ static __always_inline int decide(struct __sk_buff *skb, int egress)
 	}
 
 	/* Conntrack: the tuple as seen from the endpoint's side of this packet. */
-	struct ct_key fwd = {};
-	__builtin_memcpy(fwd.saddr, p.saddr, 16);
-	__builtin_memcpy(fwd.daddr, p.daddr, 16);
-	fwd.sport = p.sport;
-	fwd.dport = p.dport;
-	fwd.protocol = p.protocol;
-	fwd.family = p.family;
-	fwd.endpoint_id = ep;
+	struct ct_key fwd, rev;
+	ct_tuple(&fwd, &p, ep, 0);
 	__u64 now = bpf_ktime_get_ns();
 	struct ct_value *ct = bpf_map_lookup_elem(&conntrack, &fwd);
 	if (ct && ct->egress == egress) {
@@ -395,14 +402,7 @@ static __always_inline int decide(struct __sk_buff *skb, int egress)
 		count(CILIATE_ALLOW_ESTABLISHED);
 		return TC_ACT_OK;
 	}
-	struct ct_key rev = {};
-	__builtin_memcpy(rev.saddr, p.daddr, 16);
-	__builtin_memcpy(rev.daddr, p.saddr, 16);
-	rev.sport = p.dport;
-	rev.dport = p.sport;
-	rev.protocol = p.protocol;
-	rev.family = p.family;
-	rev.endpoint_id = ep;
+	ct_tuple(&rev, &p, ep, 1);
 	ct = bpf_map_lookup_elem(&conntrack, &rev);
 	if (ct && ct->egress != egress) {
 		ct->last_seen_ns = now;
