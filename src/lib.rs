@@ -8,6 +8,8 @@ pub mod agent;
 pub mod api;
 pub mod cli;
 pub mod client;
+pub mod cni;
 pub mod datapath;
+pub mod ipam;
 pub mod policy;
 pub mod simulate;

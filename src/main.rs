@@ -98,7 +98,26 @@ fn monitor(opts: &ClientOpts, count: Option<u64>) -> i32 {
     }
 }
 
+/// `ciliate-cni`: the same binary, called by a container runtime as a CNI plugin.
+fn cni_plugin() -> i32 {
+    use std::io::Read;
+    let env = std::env::vars().collect();
+    let mut stdin = String::new();
+    if let Err(e) = std::io::stdin().read_to_string(&mut stdin) {
+        eprintln!("error: reading the network configuration from stdin: {e}");
+    }
+    let stdout = std::io::stdout();
+    ciliate::cni::run_plugin(&env, &stdin, &mut stdout.lock())
+}
+
 fn main() {
+    let invoked_as = std::env::args_os().next().unwrap_or_default();
+    if std::path::Path::new(&invoked_as)
+        .file_name()
+        .is_some_and(|n| n.to_string_lossy().ends_with("ciliate-cni"))
+    {
+        std::process::exit(cni_plugin());
+    }
     let cli = Cli::parse();
     let code = match cli.command {
         Command::Agent(args) => agent(*args),

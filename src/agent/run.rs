@@ -100,6 +100,13 @@ pub fn run(config: AgentConfig) -> Result<(), AgentError> {
             manifests.display()
         )));
     }
+    let ipam = match config.pod_cidr {
+        Some(cidr) => Some(
+            crate::ipam::Ipam::new(cidr)
+                .map_err(|e| AgentError::Config(format!("--pod-cidr: {e}")))?,
+        ),
+        None => None,
+    };
     // The lock first: a second agent must not touch the datapath of the first.
     let _lock = StateLock::acquire(&config.state_dir)?;
     let state_dir = StateDir::open(&config.state_dir)?;
@@ -111,7 +118,7 @@ pub fn run(config: AgentConfig) -> Result<(), AgentError> {
         ),
     };
     let system = actix::System::new();
-    system.block_on(run_async(config, manifests, datapath, state_dir))
+    system.block_on(run_async(config, manifests, datapath, state_dir, ipam))
 }
 
 /// The actors every mode shares, wired together.
@@ -153,6 +160,7 @@ async fn run_async(
     manifests: PathBuf,
     datapath: Box<dyn Datapath>,
     state_dir: StateDir,
+    mut ipam: Option<crate::ipam::Ipam>,
 ) -> Result<(), AgentError> {
     let shared = Shared::new(&config.node_name, state_dir.clone());
     let registry = shared.registry.clone();
@@ -174,6 +182,22 @@ async fn run_async(
     }
     let restored = records.len();
     for rec in records {
+        // Their addresses are reserved before the API (and so the CNI plugin) is served.
+        if let Some(ipam) = ipam.as_mut() {
+            let owner = rec
+                .container_id
+                .clone()
+                .unwrap_or_else(|| format!("endpoint:{}", rec.id));
+            for ip in &rec.ips {
+                match ipam.reserve(*ip, &owner) {
+                    Ok(()) => {}
+                    Err(crate::ipam::IpamError::OutOfRange { .. }) => {}
+                    Err(e) => {
+                        tracing::error!(endpoint = rec.id, error = %e, "restored address conflicts")
+                    }
+                }
+            }
+        }
         let req = EndpointRequest {
             name: rec.name.clone(),
             ips: rec.ips.clone(),
@@ -223,6 +247,7 @@ async fn run_async(
         mode: "standalone",
         datapath: datapath_name,
         started: Instant::now(),
+        ipam: std::sync::Arc::new(std::sync::Mutex::new(ipam)),
     };
     if let Some(parent) = config.api_socket.parent() {
         std::fs::create_dir_all(parent).map_err(|e| AgentError::Io {

@@ -2,6 +2,7 @@
 //! interfaces.md section 3) and the REST API on the unix socket (`--api-socket`, section 4) that
 //! the CLI and the CNI plugin use. Handlers only translate HTTP to actor messages.
 
+mod cni;
 mod page;
 
 use std::sync::atomic::Ordering;
@@ -30,6 +31,8 @@ pub struct AppState {
     pub mode: &'static str,
     pub datapath: &'static str,
     pub started: Instant,
+    /// Node IPAM for the CNI plugin; `None` when the node has no pod CIDR.
+    pub ipam: std::sync::Arc<std::sync::Mutex<Option<crate::ipam::Ipam>>>,
 }
 
 const FROM: &str = "api";
@@ -359,5 +362,8 @@ pub fn socket_routes(cfg: &mut web::ServiceConfig) {
         .route("/v1/identities", web::get().to(identities))
         .route("/v1/ipcache", web::get().to(ipcache))
         .route("/v1/bpf/policy/{id}", web::get().to(bpf_policy))
-        .route("/v1/monitor", web::get().to(monitor));
+        .route("/v1/monitor", web::get().to(monitor))
+        .route("/v1/cni/add", web::post().to(cni::add))
+        .route("/v1/cni/del", web::post().to(cni::del))
+        .route("/v1/cni/check", web::post().to(cni::check));
 }

@@ -6,6 +6,7 @@ pub mod abi;
 pub mod bpf;
 pub mod events;
 pub mod memory;
+pub mod netdev;
 
 use std::net::IpAddr;
 

@@ -1,0 +1,443 @@
+//! Pod network devices over netlink (rtnetlink): the veth pair of a pod, its end moved into the
+//! pod's network namespace and configured there, the host route, and their removal. This is
+//! what Cilium's CNI plugin does in `cmdAdd` (`connector.SetupVeth`, `configureIface`), done
+//! here by the agent so the plugin stays a thin client.
+//!
+//! Wiring, as Cilium's: the pod gets its address as a /32, a link-scope route to the gateway
+//! `169.254.1.1` and a default route through it, and a permanent neighbour entry that resolves
+//! the gateway to the host-side veth's MAC. Every packet of the pod therefore leaves through the
+//! host-side veth, where the datapath program sits; the host reaches the pod by a /32 route on
+//! that veth.
+//!
+//! Every function here blocks: it runs its netlink requests on a private single-threaded
+//! runtime in a thread of its own. The pod-side half runs in a thread that entered the pod's
+//! namespace with `setns`, so the process's own namespace never changes.
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::os::fd::{AsFd, AsRawFd};
+use std::path::{Path, PathBuf};
+
+use futures_util::TryStreamExt;
+use rtnetlink::packet_route::link::{LinkAttribute, LinkMessage};
+use rtnetlink::packet_route::neighbour::NeighbourState;
+use rtnetlink::packet_route::route::RouteScope;
+use rtnetlink::{Handle, LinkUnspec, LinkVeth, RouteMessageBuilder};
+
+/// The pod's gateway address (link-local, as Cilium's).
+pub const POD_GATEWAY: Ipv4Addr = Ipv4Addr::new(169, 254, 1, 1);
+
+/// Failures of a network-device operation, naming the device or namespace and the step.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NetdevError {
+    /// A netlink request failed.
+    #[error("{step}: {message}")]
+    Netlink { step: String, message: String },
+    /// The pod's network namespace could not be entered.
+    #[error("network namespace {path}: {message}")]
+    Netns { path: PathBuf, message: String },
+    /// A kernel setting could not be written.
+    #[error("sysctl {key}: {message}")]
+    Sysctl { key: String, message: String },
+    /// The request itself is unusable.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+type Result<T> = std::result::Result<T, NetdevError>;
+
+/// What a pod's interface should look like.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodInterfaceSpec {
+    /// Host-side name (`lxc` + 12 hex digits, at most 15 characters).
+    pub host_if: String,
+    /// The pod's network namespace (a path such as `/var/run/netns/X` or `/proc/PID/ns/net`).
+    pub netns: PathBuf,
+    /// The interface name inside the pod (`CNI_IFNAME`, usually `eth0`).
+    pub pod_if: String,
+    /// The pod's IPv4 address.
+    pub ip: Ipv4Addr,
+    pub mtu: u32,
+}
+
+/// What was created.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodInterfaces {
+    pub host_if: String,
+    pub host_ifindex: u32,
+    pub host_mac: String,
+    pub pod_mac: String,
+}
+
+/// The host-side interface name for a container: `lxc` and 12 hex digits of a hash of its id
+/// (stable, so a CNI DEL after an agent restart finds the same device).
+pub fn host_interface_name(container_id: &str) -> String {
+    // FNV-1a: stable across builds and platforms, unlike std's DefaultHasher.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in container_id.bytes() {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("lxc{:012x}", h & 0xffff_ffff_ffff)
+}
+
+fn nl_err(step: impl Into<String>) -> impl FnOnce(rtnetlink::Error) -> NetdevError {
+    let step = step.into();
+    move |e| NetdevError::Netlink {
+        step,
+        message: e.to_string(),
+    }
+}
+
+fn mac_string(link: &LinkMessage) -> String {
+    link.attributes
+        .iter()
+        .find_map(|a| match a {
+            LinkAttribute::Address(b) => Some(
+                b.iter()
+                    .map(|x| format!("{x:02x}"))
+                    .collect::<Vec<_>>()
+                    .join(":"),
+            ),
+            _ => None,
+        })
+        .unwrap_or_default()
+}
+
+fn mac_bytes(mac: &str) -> Result<Vec<u8>> {
+    mac.split(':')
+        .map(|p| u8::from_str_radix(p, 16))
+        .collect::<std::result::Result<Vec<u8>, _>>()
+        .map_err(|_| NetdevError::Invalid(format!("bad MAC address {mac:?}")))
+}
+
+/// Runs `f` with a netlink handle on a private runtime, in a new thread that first entered
+/// `netns` (or stays in the process's namespace when `None`).
+fn with_netlink<T, F, Fut>(netns: Option<&Path>, f: F) -> Result<T>
+where
+    T: Send + 'static,
+    F: FnOnce(Handle) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = Result<T>>,
+{
+    let netns = netns.map(Path::to_path_buf);
+    let thread = std::thread::Builder::new()
+        .name("netlink".into())
+        .spawn(move || -> Result<T> {
+            if let Some(path) = &netns {
+                let file = std::fs::File::open(path).map_err(|e| NetdevError::Netns {
+                    path: path.clone(),
+                    message: e.to_string(),
+                })?;
+                nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).map_err(
+                    |e| NetdevError::Netns {
+                        path: path.clone(),
+                        message: format!("setns: {e}"),
+                    },
+                )?;
+            }
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_io()
+                .enable_time()
+                .build()
+                .map_err(|e| NetdevError::Invalid(format!("netlink runtime: {e}")))?;
+            rt.block_on(async move {
+                // The socket is opened here, after setns: it talks to the pod's namespace.
+                let (conn, handle, _) =
+                    rtnetlink::new_connection().map_err(|e| NetdevError::Netlink {
+                        step: "open netlink socket".into(),
+                        message: e.to_string(),
+                    })?;
+                tokio::spawn(conn);
+                f(handle).await
+            })
+        })
+        .map_err(|e| NetdevError::Invalid(format!("cannot start a netlink thread: {e}")))?;
+    thread
+        .join()
+        .map_err(|_| NetdevError::Invalid("netlink thread panicked".into()))?
+}
+
+async fn link_by_name(handle: &Handle, name: &str) -> Result<Option<LinkMessage>> {
+    let mut links = handle.link().get().match_name(name.to_string()).execute();
+    match links.try_next().await {
+        Ok(l) => Ok(l),
+        // ENODEV: no such device.
+        Err(rtnetlink::Error::NetlinkError(m))
+            if m.code.map(|c| c.get()) == Some(-nix::libc::ENODEV) =>
+        {
+            Ok(None)
+        }
+        Err(e) => Err(nl_err(format!("look up {name}"))(e)),
+    }
+}
+
+/// Writes a sysctl under `/proc/sys` (of the calling thread's network namespace).
+pub fn sysctl(key: &str, value: &str) -> Result<()> {
+    let path = format!("/proc/sys/{}", key.replace('.', "/"));
+    std::fs::write(&path, value).map_err(|e| NetdevError::Sysctl {
+        key: key.to_string(),
+        message: e.to_string(),
+    })
+}
+
+/// Whether a host interface exists (in the process's namespace).
+pub fn host_link_exists(name: &str) -> Result<bool> {
+    let name = name.to_string();
+    with_netlink(None, move |h| async move {
+        Ok(link_by_name(&h, &name).await?.is_some())
+    })
+}
+
+/// Creates the pod's veth pair and configures both ends. On failure nothing is left behind.
+pub fn create_pod_interface(spec: &PodInterfaceSpec) -> Result<PodInterfaces> {
+    if spec.host_if.is_empty() || spec.host_if.len() > 15 {
+        return Err(NetdevError::Invalid(format!(
+            "host interface name {:?} must be 1 to 15 characters",
+            spec.host_if
+        )));
+    }
+    if spec.pod_if.is_empty() || spec.pod_if.len() > 15 || spec.pod_if.contains('/') {
+        return Err(NetdevError::Invalid(format!(
+            "CNI_IFNAME {:?} is not a valid interface name",
+            spec.pod_if
+        )));
+    }
+    let netns_file = std::fs::File::open(&spec.netns).map_err(|e| NetdevError::Netns {
+        path: spec.netns.clone(),
+        message: e.to_string(),
+    })?;
+    // The peer is created in the host namespace under a temporary name that cannot collide
+    // with another pod's, then moved and renamed.
+    let tmp_peer = format!("tmp{}", &spec.host_if[3..]);
+    let host = {
+        let (host_if, tmp_peer, mtu) = (spec.host_if.clone(), tmp_peer.clone(), spec.mtu);
+        let ns_fd = netns_file.as_raw_fd();
+        with_netlink(None, move |h| async move {
+            h.link()
+                .add(LinkVeth::new(&host_if, &tmp_peer).mtu(mtu).build())
+                .execute()
+                .await
+                .map_err(nl_err(format!("create veth {host_if}")))?;
+            let peer = link_by_name(&h, &tmp_peer)
+                .await?
+                .ok_or_else(|| NetdevError::Invalid(format!("veth peer {tmp_peer} vanished")))?;
+            h.link()
+                .set(
+                    LinkUnspec::new_with_index(peer.header.index)
+                        .setns_by_fd(ns_fd)
+                        .build(),
+                )
+                .execute()
+                .await
+                .map_err(nl_err(format!("move {tmp_peer} into the pod's namespace")))?;
+            let link = link_by_name(&h, &host_if)
+                .await?
+                .ok_or_else(|| NetdevError::Invalid(format!("veth {host_if} vanished")))?;
+            h.link()
+                .set(LinkUnspec::new_with_index(link.header.index).up().build())
+                .execute()
+                .await
+                .map_err(nl_err(format!("set {host_if} up")))?;
+            Ok((link.header.index, mac_string(&link)))
+        })
+    };
+    let (host_ifindex, host_mac) = match host {
+        Ok(v) => v,
+        Err(e) => {
+            let _ = delete_host_interface(&spec.host_if);
+            return Err(e);
+        }
+    };
+    drop(netns_file);
+    let finish = || -> Result<String> {
+        // Kernel settings of the host side: forward between pods; no reverse-path drop
+        // (the pod's source is routed by /32); answer ARP for the pod's peers.
+        sysctl("net.ipv4.ip_forward", "1")?;
+        sysctl(&format!("net.ipv4.conf.{}.rp_filter", spec.host_if), "0")?;
+        sysctl(&format!("net.ipv4.conf.{}.proxy_arp", spec.host_if), "1")?;
+        let pod_mac = configure_pod_side(spec, &tmp_peer, &host_mac)?;
+        let (ip, ifindex, host_if) = (spec.ip, host_ifindex, spec.host_if.clone());
+        with_netlink(None, move |h| async move {
+            let route = RouteMessageBuilder::<Ipv4Addr>::new()
+                .destination_prefix(ip, 32)
+                .output_interface(ifindex)
+                .scope(RouteScope::Link)
+                .build();
+            h.route()
+                .add(route)
+                .replace()
+                .execute()
+                .await
+                .map_err(nl_err(format!("host route {ip}/32 dev {host_if}")))
+        })?;
+        Ok(pod_mac)
+    };
+    match finish() {
+        Ok(pod_mac) => Ok(PodInterfaces {
+            host_if: spec.host_if.clone(),
+            host_ifindex,
+            host_mac,
+            pod_mac,
+        }),
+        Err(e) => {
+            let _ = delete_host_interface(&spec.host_if);
+            Err(e)
+        }
+    }
+}
+
+/// Inside the pod: rename the peer, bring it and `lo` up, set the address, the gateway
+/// neighbour and the routes. Returns the pod interface's MAC.
+fn configure_pod_side(spec: &PodInterfaceSpec, tmp_peer: &str, host_mac: &str) -> Result<String> {
+    let host_mac = mac_bytes(host_mac)?;
+    let (tmp_peer, pod_if, ip) = (tmp_peer.to_string(), spec.pod_if.clone(), spec.ip);
+    with_netlink(Some(&spec.netns), move |h| async move {
+        let peer = link_by_name(&h, &tmp_peer).await?.ok_or_else(|| {
+            NetdevError::Invalid(format!("{tmp_peer} did not arrive in the pod's namespace"))
+        })?;
+        let index = peer.header.index;
+        if link_by_name(&h, &pod_if).await?.is_some() {
+            return Err(NetdevError::Invalid(format!(
+                "the pod's namespace already has an interface {pod_if}"
+            )));
+        }
+        h.link()
+            .set(
+                LinkUnspec::new_with_index(index)
+                    .name(pod_if.clone())
+                    .build(),
+            )
+            .execute()
+            .await
+            .map_err(nl_err(format!("rename {tmp_peer} to {pod_if}")))?;
+        h.link()
+            .set(LinkUnspec::new_with_index(index).up().build())
+            .execute()
+            .await
+            .map_err(nl_err(format!("set {pod_if} up")))?;
+        if let Some(lo) = link_by_name(&h, "lo").await? {
+            h.link()
+                .set(LinkUnspec::new_with_index(lo.header.index).up().build())
+                .execute()
+                .await
+                .map_err(nl_err("set lo up"))?;
+        }
+        h.address()
+            .add(index, IpAddr::V4(ip), 32)
+            .execute()
+            .await
+            .map_err(nl_err(format!("address {ip}/32 on {pod_if}")))?;
+        h.neighbours()
+            .add(index, IpAddr::V4(POD_GATEWAY))
+            .link_layer_address(&host_mac)
+            .state(NeighbourState::Permanent)
+            .replace()
+            .execute()
+            .await
+            .map_err(nl_err(format!("gateway neighbour {POD_GATEWAY}")))?;
+        let gw_route = RouteMessageBuilder::<Ipv4Addr>::new()
+            .destination_prefix(POD_GATEWAY, 32)
+            .output_interface(index)
+            .scope(RouteScope::Link)
+            .build();
+        h.route()
+            .add(gw_route)
+            .replace()
+            .execute()
+            .await
+            .map_err(nl_err(format!("route {POD_GATEWAY} dev {pod_if}")))?;
+        let default = RouteMessageBuilder::<Ipv4Addr>::new()
+            .destination_prefix(Ipv4Addr::UNSPECIFIED, 0)
+            .gateway(POD_GATEWAY)
+            .output_interface(index)
+            .build();
+        h.route()
+            .add(default)
+            .replace()
+            .execute()
+            .await
+            .map_err(nl_err(format!("default route via {POD_GATEWAY}")))?;
+        let link = link_by_name(&h, &pod_if)
+            .await?
+            .ok_or_else(|| NetdevError::Invalid(format!("{pod_if} vanished")))?;
+        Ok(mac_string(&link))
+    })
+}
+
+/// Deletes a host interface (the veth's other end goes with it, and so do its routes and tc
+/// filters). Returns whether it existed: deleting what is gone is not an error (CNI DEL is
+/// idempotent).
+pub fn delete_host_interface(name: &str) -> Result<bool> {
+    let name = name.to_string();
+    with_netlink(None, move |h| async move {
+        let Some(link) = link_by_name(&h, &name).await? else {
+            return Ok(false);
+        };
+        match h.link().del(link.header.index).execute().await {
+            Ok(()) => Ok(true),
+            Err(rtnetlink::Error::NetlinkError(m))
+                if m.code.map(|c| c.get()) == Some(-nix::libc::ENODEV) =>
+            {
+                Ok(false)
+            }
+            Err(e) => Err(nl_err(format!("delete {name}"))(e)),
+        }
+    })
+}
+
+/// The pod side as it is now: the interface's MAC and whether it holds `ip` (CNI CHECK).
+pub fn inspect_pod_interface(netns: &Path, pod_if: &str, ip: Ipv4Addr) -> Result<String> {
+    let pod_if = pod_if.to_string();
+    with_netlink(Some(netns), move |h| async move {
+        let link = link_by_name(&h, &pod_if)
+            .await?
+            .ok_or_else(|| NetdevError::Invalid(format!("no interface {pod_if} in the pod")))?;
+        let mut addrs = h
+            .address()
+            .get()
+            .set_link_index_filter(link.header.index)
+            .execute();
+        let mut found = false;
+        while let Some(a) = addrs
+            .try_next()
+            .await
+            .map_err(nl_err(format!("addresses of {pod_if}")))?
+        {
+            use rtnetlink::packet_route::address::AddressAttribute;
+            if a.attributes
+                .iter()
+                .any(|x| matches!(x, AddressAttribute::Address(IpAddr::V4(v)) if *v == ip))
+            {
+                found = true;
+            }
+        }
+        if !found {
+            return Err(NetdevError::Invalid(format!(
+                "{pod_if} in the pod does not hold {ip}"
+            )));
+        }
+        Ok(mac_string(&link))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_names_are_stable_short_and_distinct() {
+        let a = host_interface_name("0123456789abcdef");
+        assert_eq!(a, host_interface_name("0123456789abcdef"));
+        assert_eq!(a.len(), 15);
+        assert!(a.starts_with("lxc"));
+        assert_ne!(a, host_interface_name("0123456789abcdeg"));
+    }
+
+    #[test]
+    fn macs_round_trip() {
+        assert_eq!(
+            mac_bytes("02:00:0a:ff:00:01").unwrap(),
+            vec![2, 0, 10, 255, 0, 1]
+        );
+        assert!(mac_bytes("zz").is_err());
+    }
+}

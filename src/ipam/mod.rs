@@ -1,0 +1,264 @@
+//! Node IPAM: hands out pod addresses from the node's pod CIDR (Cilium's `hostScope` allocator,
+//! as the second seed's `ipam.NewIPAM` sets it up for one node).
+//!
+//! A pure library: no I/O. The agent reserves every restored endpoint's address before the first
+//! allocation (`restoreOldEndpoints` comes before IPAM serves the CNI plugin), so an address can
+//! never be handed out twice across an agent restart.
+//!
+//! Allocation walks the range round-robin from the last address handed out, so a freed address
+//! is reused as late as possible: a new pod does not inherit conntrack entries or peers' caches
+//! of a pod that just went away.
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, Ipv4Addr};
+
+use ipnet::{IpNet, Ipv4Net};
+
+/// IPAM failures, naming the address or range concerned.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IpamError {
+    /// The pod CIDR cannot be used (IPv6, or too small to hold a pod).
+    #[error("pod CIDR {cidr}: {why}")]
+    UnusableCidr { cidr: IpNet, why: &'static str },
+    /// Every address of the range is taken.
+    #[error("pod CIDR {cidr} is exhausted ({capacity} addresses, all in use)")]
+    Exhausted { cidr: Ipv4Net, capacity: u32 },
+    /// A reservation outside the node's range.
+    #[error("{ip} is outside the pod CIDR {cidr}")]
+    OutOfRange { ip: IpAddr, cidr: Ipv4Net },
+    /// A reservation of an address someone else holds.
+    #[error("{ip} is already allocated to {owner}")]
+    InUse { ip: Ipv4Addr, owner: String },
+}
+
+/// The allocator of one node's pod CIDR.
+#[derive(Debug, Clone)]
+pub struct Ipam {
+    cidr: Ipv4Net,
+    /// First and last usable host numbers (offsets from the network address).
+    first: u32,
+    last: u32,
+    /// The next offset to try.
+    cursor: u32,
+    /// Address -> owner (a container id, or `restored:<endpoint>`).
+    allocated: BTreeMap<Ipv4Addr, String>,
+}
+
+impl Ipam {
+    /// An allocator over `cidr`. The network and broadcast addresses are never handed out.
+    pub fn new(cidr: IpNet) -> Result<Ipam, IpamError> {
+        let IpNet::V4(v4) = cidr else {
+            return Err(IpamError::UnusableCidr {
+                cidr,
+                why: "only IPv4 pod CIDRs are supported",
+            });
+        };
+        let v4 = v4.trunc();
+        if v4.prefix_len() > 30 {
+            return Err(IpamError::UnusableCidr {
+                cidr,
+                why: "a /30 or larger range is needed",
+            });
+        }
+        let size = 1u64 << (32 - v4.prefix_len());
+        let last = (size - 2) as u32;
+        Ok(Ipam {
+            cidr: v4,
+            first: 1,
+            last,
+            cursor: 1,
+            allocated: BTreeMap::new(),
+        })
+    }
+
+    /// The range served.
+    pub fn cidr(&self) -> Ipv4Net {
+        self.cidr
+    }
+
+    /// How many addresses can be handed out in all.
+    pub fn capacity(&self) -> u32 {
+        self.last - self.first + 1
+    }
+
+    /// How many are in use.
+    pub fn used(&self) -> usize {
+        self.allocated.len()
+    }
+
+    fn addr(&self, offset: u32) -> Ipv4Addr {
+        Ipv4Addr::from(u32::from(self.cidr.network()) + offset)
+    }
+
+    /// Hands out a free address to `owner`.
+    pub fn allocate(&mut self, owner: &str) -> Result<Ipv4Addr, IpamError> {
+        let capacity = self.capacity();
+        if self.allocated.len() as u64 >= capacity as u64 {
+            return Err(IpamError::Exhausted {
+                cidr: self.cidr,
+                capacity,
+            });
+        }
+        let mut offset = self.cursor;
+        for _ in 0..capacity {
+            if offset > self.last || offset < self.first {
+                offset = self.first;
+            }
+            let ip = self.addr(offset);
+            offset += 1;
+            if let std::collections::btree_map::Entry::Vacant(slot) = self.allocated.entry(ip) {
+                slot.insert(owner.to_string());
+                self.cursor = offset;
+                return Ok(ip);
+            }
+        }
+        Err(IpamError::Exhausted {
+            cidr: self.cidr,
+            capacity,
+        })
+    }
+
+    /// Marks `ip` as held by `owner` (restore). Reserving an address again for the same owner
+    /// is not an error. Addresses outside the range are refused: the caller keeps the endpoint
+    /// but knows this node's IPAM does not manage that address.
+    pub fn reserve(&mut self, ip: IpAddr, owner: &str) -> Result<(), IpamError> {
+        let v4 = match ip {
+            IpAddr::V4(v4) if self.contains(v4) => v4,
+            _ => {
+                return Err(IpamError::OutOfRange {
+                    ip,
+                    cidr: self.cidr,
+                })
+            }
+        };
+        match self.allocated.get(&v4) {
+            Some(o) if o != owner => Err(IpamError::InUse {
+                ip: v4,
+                owner: o.clone(),
+            }),
+            _ => {
+                self.allocated.insert(v4, owner.to_string());
+                Ok(())
+            }
+        }
+    }
+
+    /// Frees `ip`; returns whether it was allocated.
+    pub fn release(&mut self, ip: IpAddr) -> bool {
+        match ip {
+            IpAddr::V4(v4) => self.allocated.remove(&v4).is_some(),
+            IpAddr::V6(_) => false,
+        }
+    }
+
+    /// The owner of `ip`, if allocated.
+    pub fn owner(&self, ip: IpAddr) -> Option<&str> {
+        match ip {
+            IpAddr::V4(v4) => self.allocated.get(&v4).map(String::as_str),
+            IpAddr::V6(_) => None,
+        }
+    }
+
+    /// The addresses held by `owner`.
+    pub fn owned_by(&self, owner: &str) -> Vec<IpAddr> {
+        self.allocated
+            .iter()
+            .filter(|(_, o)| o.as_str() == owner)
+            .map(|(ip, _)| IpAddr::V4(*ip))
+            .collect()
+    }
+
+    /// Whether `ip` is a usable address of the range.
+    pub fn contains(&self, ip: Ipv4Addr) -> bool {
+        let n = u32::from(ip);
+        let net = u32::from(self.cidr.network());
+        self.cidr.contains(&ip) && n - net >= self.first && n - net <= self.last
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ipam(cidr: &str) -> Ipam {
+        Ipam::new(cidr.parse().unwrap()).unwrap()
+    }
+
+    #[test]
+    fn hands_out_every_host_address_once_then_reports_exhaustion() {
+        let mut i = ipam("10.9.0.0/29");
+        assert_eq!(i.capacity(), 6);
+        let got: Vec<Ipv4Addr> = (0..6)
+            .map(|n| i.allocate(&format!("c{n}")).unwrap())
+            .collect();
+        let want: Vec<Ipv4Addr> = (1..=6).map(|h| Ipv4Addr::new(10, 9, 0, h)).collect();
+        assert_eq!(
+            got, want,
+            "network .0 and broadcast .7 are never handed out"
+        );
+        assert_eq!(
+            i.allocate("c7"),
+            Err(IpamError::Exhausted {
+                cidr: "10.9.0.0/29".parse().unwrap(),
+                capacity: 6
+            })
+        );
+    }
+
+    #[test]
+    fn freed_addresses_are_reused_last() {
+        let mut i = ipam("10.9.0.0/29");
+        let a = i.allocate("a").unwrap();
+        let b = i.allocate("b").unwrap();
+        assert!(i.release(a.into()));
+        assert!(!i.release(a.into()), "a second release is a no-op");
+        let c = i.allocate("c").unwrap();
+        assert_ne!(
+            c, a,
+            "round robin: the freed address is not the next one out"
+        );
+        assert_ne!(c, b);
+        for n in 0..3 {
+            i.allocate(&format!("x{n}")).unwrap();
+        }
+        // Only the freed one is left, and it is found by wrapping around.
+        assert_eq!(i.allocate("last").unwrap(), a);
+    }
+
+    #[test]
+    fn reservations_survive_and_block_allocation() {
+        let mut i = ipam("10.9.0.0/30");
+        i.reserve("10.9.0.1".parse().unwrap(), "restored:1")
+            .unwrap();
+        i.reserve("10.9.0.1".parse().unwrap(), "restored:1")
+            .expect("same owner again is fine");
+        assert_eq!(
+            i.reserve("10.9.0.1".parse().unwrap(), "other"),
+            Err(IpamError::InUse {
+                ip: "10.9.0.1".parse().unwrap(),
+                owner: "restored:1".into()
+            })
+        );
+        assert_eq!(i.allocate("new").unwrap(), Ipv4Addr::new(10, 9, 0, 2));
+        assert!(i.allocate("more").is_err());
+        assert_eq!(i.owner("10.9.0.2".parse().unwrap()), Some("new"));
+    }
+
+    #[test]
+    fn refuses_addresses_outside_the_range_and_unusable_ranges() {
+        let mut i = ipam("10.9.0.0/24");
+        for bad in ["10.9.1.1", "10.9.0.0", "10.9.0.255", "fd00::1"] {
+            assert!(
+                matches!(
+                    i.reserve(bad.parse().unwrap(), "x"),
+                    Err(IpamError::OutOfRange { .. })
+                ),
+                "{bad}"
+            );
+        }
+        assert!(Ipam::new("fd00::/64".parse().unwrap()).is_err());
+        assert!(Ipam::new("10.0.0.0/31".parse().unwrap()).is_err());
+        // A CIDR with host bits set is truncated to its network.
+        assert_eq!(ipam("10.9.0.77/24").cidr().to_string(), "10.9.0.0/24");
+    }
+}
