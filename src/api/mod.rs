@@ -71,6 +71,17 @@ pub struct StatusModel {
     pub policies: usize,
     pub policies_rejected: usize,
     pub uptime_seconds: u64,
+    /// Node IPAM, when the node has a pod CIDR.
+    #[serde(default)]
+    pub ipam: Option<IpamStatus>,
+}
+
+/// The node's pod CIDR and how much of it is in use.
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+pub struct IpamStatus {
+    pub pod_cidr: String,
+    pub allocated: usize,
+    pub capacity: u32,
 }
 
 async fn healthz() -> HttpResponse {
@@ -245,6 +256,13 @@ async fn status(st: web::Data<AppState>) -> HttpResponse {
             .filter(|p| p.status != "accepted")
             .count(),
         uptime_seconds: st.started.elapsed().as_secs(),
+        ipam: st.ipam.lock().ok().and_then(|g| {
+            g.as_ref().map(|i| IpamStatus {
+                pod_cidr: i.cidr().to_string(),
+                allocated: i.used(),
+                capacity: i.capacity(),
+            })
+        }),
     })
 }
 

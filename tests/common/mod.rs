@@ -2,4 +2,5 @@
 #![allow(dead_code)]
 
 pub mod agent;
+pub mod cni;
 pub mod netns;

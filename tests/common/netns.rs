@@ -214,3 +214,96 @@ pub fn udp_ok(netns: &str, to: IpAddr, port: u16) -> bool {
     .join()
     .unwrap()
 }
+
+fn icmp_checksum(b: &[u8]) -> u16 {
+    let mut sum: u32 = b
+        .chunks(2)
+        .map(|c| u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]) as u32)
+        .sum();
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
+/// Does an ICMP echo request from `netns` to `to` (IPv4) get its echo reply? A raw socket
+/// (root), so no `ping` binary is needed.
+pub fn icmp_ok(netns: &str, to: std::net::Ipv4Addr) -> bool {
+    use nix::libc;
+    in_netns(netns, move || unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_ICMP);
+        assert!(
+            fd >= 0,
+            "raw ICMP socket: {}",
+            std::io::Error::last_os_error()
+        );
+        let tv = libc::timeval {
+            tv_sec: 0,
+            tv_usec: 200_000,
+        };
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_RCVTIMEO,
+            &tv as *const _ as *const libc::c_void,
+            std::mem::size_of::<libc::timeval>() as u32,
+        );
+        let id = (std::process::id() as u16) ^ (N.fetch_add(1, Ordering::SeqCst) as u16);
+        let mut pkt = [
+            8u8,
+            0,
+            0,
+            0,
+            (id >> 8) as u8,
+            id as u8,
+            0,
+            1,
+            b'c',
+            b'i',
+            b'l',
+            b'i',
+        ];
+        let ck = icmp_checksum(&pkt);
+        pkt[2..4].copy_from_slice(&ck.to_be_bytes());
+        let addr = libc::sockaddr_in {
+            sin_family: libc::AF_INET as u16,
+            sin_port: 0,
+            sin_addr: libc::in_addr {
+                s_addr: u32::from(to).to_be(),
+            },
+            sin_zero: [0; 8],
+        };
+        let sent = libc::sendto(
+            fd,
+            pkt.as_ptr() as *const libc::c_void,
+            pkt.len(),
+            0,
+            &addr as *const _ as *const libc::sockaddr,
+            std::mem::size_of::<libc::sockaddr_in>() as u32,
+        );
+        let mut ok = false;
+        if sent == pkt.len() as isize {
+            // Up to ~0.7 s: other ICMP (e.g. our own request on loopback) is skipped.
+            for _ in 0..4 {
+                let mut buf = [0u8; 1500];
+                let n = libc::recv(fd, buf.as_mut_ptr() as *mut libc::c_void, buf.len(), 0);
+                if n < 0 {
+                    continue;
+                }
+                let n = n as usize;
+                let ihl = ((buf[0] & 0x0f) as usize) * 4;
+                if n >= ihl + 8
+                    && buf[ihl] == 0
+                    && u16::from_be_bytes([buf[ihl + 4], buf[ihl + 5]]) == id
+                {
+                    ok = true;
+                    break;
+                }
+            }
+        }
+        libc::close(fd);
+        ok
+    })
+    .join()
+    .unwrap()
+}
