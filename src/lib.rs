@@ -10,6 +10,7 @@ pub mod cli;
 pub mod client;
 pub mod cni;
 pub mod datapath;
+pub mod demo;
 pub mod ipam;
 pub mod policy;
 pub mod simulate;

@@ -160,6 +160,15 @@ fn main() {
         Command::Identity { command, client: c } => client(&c, ClientCall::Identity(&command)),
         Command::Bpf { command, client: c } => client(&c, ClientCall::Bpf(&command)),
         Command::Monitor { count, client: c } => monitor(&c, count),
+        Command::Demo {
+            once,
+            debug_addr,
+            pod_cidr,
+        } => ciliate::demo::run(ciliate::demo::DemoConfig {
+            once,
+            debug_addr,
+            pod_cidr,
+        }),
     };
     std::process::exit(code);
 }

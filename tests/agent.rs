@@ -450,3 +450,25 @@ fn introspection_metrics_and_client_commands() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach the agent"));
 }
+
+#[test]
+fn sigterm_stops_the_agent_promptly_even_with_a_monitor_stream_open() {
+    let (tmp, _) = setup();
+    let mut agent = Agent::start_in(tmp.path());
+    let mut monitor = Command::new(BIN)
+        .args(["monitor", "--socket"])
+        .arg(agent.socket())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let started = std::time::Instant::now();
+    assert_eq!(agent.stop(), 0, "clean exit on SIGTERM");
+    let took = started.elapsed();
+    let _ = monitor.kill();
+    let _ = monitor.wait();
+    assert!(
+        took < std::time::Duration::from_secs(5),
+        "an open `ciliate monitor` held shutdown for {took:?}"
+    );
+}

@@ -265,6 +265,8 @@ async fn run_async(
         HttpServer::new(move || App::new().app_data(d1.clone()).configure(socket_routes))
             .workers(1)
             .disable_signals()
+            // `/v1/monitor` streams never end by themselves: do not let one hold up shutdown.
+            .shutdown_timeout(1)
             .bind_uds(&config.api_socket)
             .map_err(|e| AgentError::Io {
                 what: format!("listen on {}", config.api_socket.display()),
@@ -276,6 +278,8 @@ async fn run_async(
         HttpServer::new(move || App::new().app_data(d2.clone()).configure(read_routes))
             .workers(1)
             .disable_signals()
+            // `/v1/monitor` streams never end by themselves: do not let one hold up shutdown.
+            .shutdown_timeout(1)
             .bind(config.debug_addr)
             .map_err(|e| AgentError::Io {
                 what: format!("listen on {}", config.debug_addr),

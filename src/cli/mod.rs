@@ -94,6 +94,19 @@ pub enum Command {
         #[command(flatten)]
         client: ClientOpts,
     },
+    /// The out-of-the-box demonstration (root): an agent with the eBPF datapath, pods created
+    /// through CNI, connectivity measured before and after policies; runs until Ctrl-C.
+    Demo {
+        /// Print the matrices and clean up instead of waiting for Ctrl-C.
+        #[arg(long)]
+        once: bool,
+        /// The agent's debug HTTP address.
+        #[arg(long, default_value = "127.0.0.1:9962")]
+        debug_addr: std::net::SocketAddr,
+        /// The pods' addresses.
+        #[arg(long, default_value = "10.248.0.0/24")]
+        pod_cidr: ipnet::Ipv4Net,
+    },
     /// The datapath's maps.
     Bpf {
         #[command(subcommand)]

@@ -419,6 +419,66 @@ pub fn inspect_pod_interface(netns: &Path, pod_if: &str, ip: Ipv4Addr) -> Result
     })
 }
 
+/// Where named network namespaces live (as iproute2 keeps them).
+pub const NETNS_DIR: &str = "/var/run/netns";
+
+/// Creates a named network namespace, `NETNS_DIR/<name>`, as `ip netns add` does: a thread
+/// unshares its network namespace and the namespace is bind-mounted onto a file, so it lives
+/// on after the thread. Returns its path.
+pub fn create_netns(name: &str) -> Result<PathBuf> {
+    if name.is_empty() || name.contains('/') {
+        return Err(NetdevError::Invalid(format!(
+            "{name:?} is not a namespace name"
+        )));
+    }
+    let dir = Path::new(NETNS_DIR);
+    let path = dir.join(name);
+    let ns_err = |message: String| NetdevError::Netns {
+        path: path.clone(),
+        message,
+    };
+    std::fs::create_dir_all(dir).map_err(|e| ns_err(format!("create {NETNS_DIR}: {e}")))?;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&path)
+        .map_err(|e| ns_err(e.to_string()))?;
+    let target = path.clone();
+    let made = std::thread::spawn(move || -> std::result::Result<(), String> {
+        nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET)
+            .map_err(|e| format!("unshare: {e}"))?;
+        nix::mount::mount(
+            Some("/proc/thread-self/ns/net"),
+            &target,
+            None::<&str>,
+            nix::mount::MsFlags::MS_BIND,
+            None::<&str>,
+        )
+        .map_err(|e| format!("bind mount: {e}"))
+    })
+    .join()
+    .map_err(|_| ns_err("namespace thread panicked".into()))?;
+    if let Err(e) = made {
+        let _ = std::fs::remove_file(&path);
+        return Err(ns_err(e));
+    }
+    Ok(path)
+}
+
+/// Removes a named network namespace (its processes, if any, keep it alive until they exit).
+/// Removing one that does not exist is not an error.
+pub fn delete_netns(name: &str) -> Result<()> {
+    let path = Path::new(NETNS_DIR).join(name);
+    if !path.exists() {
+        return Ok(());
+    }
+    let _ = nix::mount::umount2(&path, nix::mount::MntFlags::MNT_DETACH);
+    std::fs::remove_file(&path).map_err(|e| NetdevError::Netns {
+        path: path.clone(),
+        message: e.to_string(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
