@@ -45,6 +45,7 @@ struct policy_inner {
 
 /* Instances that only exist so the skeleton generates Rust definitions of these types. */
 struct policy_key _abi_policy_key = {};
+struct ipcache_host_key _abi_ipcache_host_key = {};
 struct policy_value _abi_policy_value = {};
 struct verdict_event _abi_verdict_event = {};
 
@@ -64,6 +65,15 @@ struct {
 	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } ipcache SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, CILIATE_IPCACHE_MAX);
+	__type(key, struct ipcache_host_key);
+	__type(value, struct ipcache_value);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} ipcache_hosts SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
@@ -238,6 +248,12 @@ static __always_inline int parse(struct __sk_buff *skb, struct packet *p)
 
 static __always_inline __u32 peer_identity(struct packet *p, int egress)
 {
+	struct ipcache_host_key hk = {};
+	hk.family = p->family;
+	__builtin_memcpy(hk.addr, egress ? p->daddr : p->saddr, 16);
+	struct ipcache_value *hv = bpf_map_lookup_elem(&ipcache_hosts, &hk);
+	if (hv)
+		return hv->identity;
 	struct ipcache_key k = {};
 	k.family = p->family;
 	k.prefixlen = 32 + (p->family == 4 ? 32 : 128);
@@ -252,58 +268,69 @@ static __always_inline __u32 peer_identity(struct packet *p, int egress)
 #define POLICY_ALLOW 1
 #define POLICY_DENY 2
 
-/* Deny-wins lookup: every entry that could match is probed; the first deny decides. */
+/* Probes one policy entry; returns POLICY_DENY (and counts it) on a deny, remembers an allow. */
+static __always_inline int probe(void *pmap, struct policy_key *k, struct policy_value **allow,
+				 __u64 bytes)
+{
+	struct policy_value *v = bpf_map_lookup_elem(pmap, k);
+	if (!v)
+		return POLICY_NONE;
+	if (v->deny) {
+		__sync_fetch_and_add(&v->packets, 1);
+		__sync_fetch_and_add(&v->bytes, bytes);
+		return POLICY_DENY;
+	}
+	if (!*allow)
+		*allow = v;
+	return POLICY_ALLOW;
+}
+
+/* Deny-wins lookup: every entry that could match is probed (only the kinds the endpoint's
+ * masks say exist); the first deny decides, else any allow. */
 static __always_inline int policy_lookup(void *pmap, __u32 identity, __u8 egress, struct packet *p,
-					 __u32 prefix_lens, __u64 bytes)
+					 struct endpoint_info *info, __u64 bytes)
 {
 	struct policy_value *allow = 0;
 	struct policy_key k = {};
+	__u32 lens_id = info->port_prefix_lens, lens_any = info->any_identity_lens;
+	if (!(info->flags & CILIATE_EP_SPLIT_LENS)) {
+		lens_id |= CILIATE_LENS_ALL_PROTOCOLS;
+		lens_any = lens_id;
+	}
 	k.egress = egress;
 
 #pragma unroll
 	for (int i = 0; i < 2; i++) {
+		__u32 lens = i == 0 ? lens_id : lens_any;
 		k.identity = i == 0 ? identity : 0;
 		if (i == 1 && identity == 0)
 			break;
-		/* Protocol-wide entries: protocol 0 covers everything, and an entry of this
-		 * protocol with port prefix length 0 covers every port. */
-#pragma unroll
-		for (int j = 0; j < 2; j++) {
-			k.protocol = j == 0 ? 0 : p->protocol;
+		if (!lens)
+			continue;
+		if (lens & CILIATE_LENS_ALL_PROTOCOLS) {
+			k.protocol = 0;
 			k.port = 0;
 			k.port_prefix_len = 0;
-			if (j == 0 || (prefix_lens & 1)) {
-				struct policy_value *v = bpf_map_lookup_elem(pmap, &k);
-				if (v) {
-					if (v->deny) {
-						__sync_fetch_and_add(&v->packets, 1);
-						__sync_fetch_and_add(&v->bytes, bytes);
-						return POLICY_DENY;
-					}
-					if (!allow)
-						allow = v;
-				}
-			}
+			if (probe(pmap, &k, &allow, bytes) == POLICY_DENY)
+				return POLICY_DENY;
+		}
+		k.protocol = p->protocol;
+		if (lens & 1) {
+			k.port = 0;
+			k.port_prefix_len = 0;
+			if (probe(pmap, &k, &allow, bytes) == POLICY_DENY)
+				return POLICY_DENY;
 		}
 		if (p->l4_missing)
 			continue;
-		k.protocol = p->protocol;
 		for (int len = 16; len >= 1; len--) {
-			if (!(prefix_lens & (1u << len)))
+			if (!(lens & (1u << len)))
 				continue;
 			__u16 mask = (__u16)(0xffff << (16 - len));
 			k.port = p->policy_port & mask;
 			k.port_prefix_len = len;
-			struct policy_value *v = bpf_map_lookup_elem(pmap, &k);
-			if (v) {
-				if (v->deny) {
-					__sync_fetch_and_add(&v->packets, 1);
-					__sync_fetch_and_add(&v->bytes, bytes);
-					return POLICY_DENY;
-				}
-				if (!allow)
-					allow = v;
-			}
+			if (probe(pmap, &k, &allow, bytes) == POLICY_DENY)
+				return POLICY_DENY;
 		}
 	}
 	if (allow) {
@@ -416,7 +443,7 @@ static __always_inline int decide(struct __sk_buff *skb, int egress)
 	void *pmap = bpf_map_lookup_elem(&policy_maps, &ep);
 	int verdict = POLICY_NONE;
 	if (pmap)
-		verdict = policy_lookup(pmap, identity, egress, &p, info->port_prefix_lens, skb->len);
+		verdict = policy_lookup(pmap, identity, egress, &p, info, skb->len);
 	if (verdict == POLICY_DENY) {
 		reason = CILIATE_DROP_POLICY_DENY;
 	} else if (verdict == POLICY_ALLOW) {

@@ -22,6 +22,14 @@
 #define CILIATE_EP_EGRESS_DEFAULT_DENY 0x2
 /* The policy could not be realized: drop all IP traffic (fail closed; ARP still passes). */
 #define CILIATE_EP_DROP_ALL 0x4
+/* port_prefix_lens and any_identity_lens are split by identity class (this version's writers
+ * always set it). Without it (a record written by an older agent) the program probes every
+ * class with port_prefix_lens, as older programs did, so an upgrade never skips a deny. */
+#define CILIATE_EP_SPLIT_LENS 0x8
+
+/* Probe-mask bits: bit n (0..16) = entries of one protocol with port prefix length n (0 = the
+ * whole protocol); this bit = entries for every protocol (protocol 0). */
+#define CILIATE_LENS_ALL_PROTOCOLS (1u << 17)
 
 /* Verdict reasons (struct verdict_event.reason, the counters map index). One enum for all. */
 enum ciliate_reason {
@@ -38,7 +46,15 @@ enum ciliate_reason {
 	CILIATE_REASON_MAX = 10,
 };
 
-/* ipcache: longest-prefix match. prefixlen counts the family word too (32 + IP prefix). */
+/* ipcache, part 1: host addresses (/32, /128: pods and nodes, nearly all entries) in a hash,
+ * one lookup; part 2: every shorter prefix in a longest-prefix-match trie, probed only when the
+ * address is no known host. A host entry is always the longest match, so the order is exact. */
+struct ipcache_host_key {
+	__u32 family; /* 4 or 6 */
+	__u8 addr[16];
+};
+
+/* ipcache, part 2: longest-prefix match. prefixlen counts the family word too (32 + prefix). */
 struct ipcache_key {
 	__u32 prefixlen;
 	__u32 family; /* 4 or 6 */
@@ -54,10 +70,11 @@ struct ipcache_value {
 struct endpoint_info {
 	__u32 identity;
 	__u32 flags;
-	/* Bit n set: the policy map holds entries with port prefix length n (0..16). Lookups
-	 * only probe lengths in use, so a typical endpoint costs a handful of hash lookups. */
+	/* What the policy map holds, as probe masks (CILIATE_LENS_* bits): entries for specific
+	 * peer identities, and entries for any peer (identity 0). Lookups only probe what is in
+	 * use, so an endpoint with exact-port rules costs one or two hash lookups. */
 	__u32 port_prefix_lens;
-	__u32 pad;
+	__u32 any_identity_lens;
 };
 
 /* One policy map per endpoint (an inner map of policy_maps). */

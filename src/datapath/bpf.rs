@@ -126,6 +126,9 @@ pub const TC_ACT_SHOT: i32 = 2;
 pub const EP_INGRESS_DEFAULT_DENY: u32 = 0x1;
 pub const EP_EGRESS_DEFAULT_DENY: u32 = 0x2;
 pub const EP_DROP_ALL: u32 = 0x4;
+pub const EP_SPLIT_LENS: u32 = 0x8;
+/// Probe-mask bit for entries of every protocol (`CILIATE_LENS_ALL_PROTOCOLS`).
+pub const LENS_ALL_PROTOCOLS: u32 = 1 << 17;
 
 /// Verdict reasons (`enum ciliate_reason` in `bpf/ciliate.h`), by counter index.
 pub const REASONS: [&str; 10] = [
@@ -176,6 +179,7 @@ pub unsafe trait Pod: Copy + Default {
 unsafe impl Pod for types::policy_key {}
 unsafe impl Pod for types::policy_value {}
 unsafe impl Pod for types::ipcache_key {}
+unsafe impl Pod for types::ipcache_host_key {}
 unsafe impl Pod for types::ipcache_value {}
 unsafe impl Pod for types::endpoint_info {}
 unsafe impl Pod for types::ct_key {}

@@ -16,7 +16,7 @@ use libbpf_rs::{MapCore, MapFlags, MapHandle, MapType, TcHookBuilder, TC_EGRESS,
 
 use super::{
     ensure_bpffs, load_program, types, Pod, EP_DROP_ALL, EP_EGRESS_DEFAULT_DENY,
-    EP_INGRESS_DEFAULT_DENY,
+    EP_INGRESS_DEFAULT_DENY, EP_SPLIT_LENS, LENS_ALL_PROTOCOLS,
 };
 use crate::datapath::abi::{
     EntryChange, EntryTable, PolicyEntryKey, IPCACHE_MAX_ENTRIES, POLICY_MAP_MAX_ENTRIES,
@@ -47,7 +47,10 @@ struct Endpoint {
 /// See the module documentation.
 pub struct BpfDatapath {
     pins: PathBuf,
+    /// Prefixes shorter than a host address (longest-prefix match).
     ipcache: MapHandle,
+    /// Host addresses (/32, /128), probed first.
+    ipcache_hosts: MapHandle,
     endpoint_map: MapHandle,
     policy_maps: MapHandle,
     endpoints: BTreeMap<EndpointId, Endpoint>,
@@ -125,12 +128,64 @@ fn flags_bits(f: EndpointFlags) -> u32 {
     }) | (if f.drop_all { EP_DROP_ALL } else { 0 })
 }
 
-/// Which port prefix lengths the program must probe for these entries.
-fn prefix_lens(table: &EntryTable) -> u32 {
-    table
-        .entries()
-        .filter(|(k, _)| k.protocol != 0)
-        .fold(0u32, |acc, (k, _)| acc | (1u32 << k.port_prefix_len))
+/// What the program must probe for an endpoint's entries (`CILIATE_LENS_*` bits): for entries
+/// with a specific peer identity, and for entries with any peer (identity 0).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct ProbeMasks {
+    identity: u32,
+    any_identity: u32,
+}
+
+impl ProbeMasks {
+    fn of(table: &EntryTable) -> ProbeMasks {
+        let mut m = ProbeMasks::default();
+        for (k, _) in table.entries() {
+            let bit = if k.protocol == 0 {
+                LENS_ALL_PROTOCOLS
+            } else {
+                1u32 << k.port_prefix_len
+            };
+            if k.identity == 0 {
+                m.any_identity |= bit;
+            } else {
+                m.identity |= bit;
+            }
+        }
+        m
+    }
+
+    /// What an endpoint record holds; a record of an older agent (no split) stands for
+    /// everything it could probe.
+    fn of_info(info: &types::endpoint_info) -> ProbeMasks {
+        if info.flags & EP_SPLIT_LENS != 0 {
+            ProbeMasks {
+                identity: info.port_prefix_lens,
+                any_identity: info.any_identity_lens,
+            }
+        } else {
+            let all = info.port_prefix_lens | LENS_ALL_PROTOCOLS;
+            ProbeMasks {
+                identity: all,
+                any_identity: all,
+            }
+        }
+    }
+
+    fn union(self, o: ProbeMasks) -> ProbeMasks {
+        ProbeMasks {
+            identity: self.identity | o.identity,
+            any_identity: self.any_identity | o.any_identity,
+        }
+    }
+
+    fn info(self, identity: NumericIdentity, flags: u32) -> types::endpoint_info {
+        types::endpoint_info {
+            identity,
+            flags: flags | EP_SPLIT_LENS,
+            port_prefix_lens: self.identity,
+            any_identity_lens: self.any_identity,
+        }
+    }
 }
 
 fn abi_key(k: &PolicyEntryKey) -> types::policy_key {
@@ -141,6 +196,33 @@ fn abi_key(k: &PolicyEntryKey) -> types::policy_key {
         port: k.port,
         port_prefix_len: k.port_prefix_len,
         pad: [0; 3],
+    }
+}
+
+/// The host-table key of a host prefix (/32 or /128), `None` for shorter prefixes.
+fn ipcache_host_key(prefix: &IpNet) -> Option<types::ipcache_host_key> {
+    if prefix.prefix_len() != prefix.max_prefix_len() {
+        return None;
+    }
+    let mut k = types::ipcache_host_key::default();
+    match prefix.addr() {
+        IpAddr::V4(a) => {
+            k.family = 4;
+            k.addr[..4].copy_from_slice(&a.octets());
+        }
+        IpAddr::V6(a) => {
+            k.family = 6;
+            k.addr.copy_from_slice(&a.octets());
+        }
+    }
+    Some(k)
+}
+
+fn ip_of(family: u32, addr: &[u8; 16]) -> IpAddr {
+    if family == 4 {
+        IpAddr::from([addr[0], addr[1], addr[2], addr[3]])
+    } else {
+        IpAddr::from(*addr)
     }
 }
 
@@ -188,13 +270,49 @@ impl BpfDatapath {
                 pins.join(name).display()
             )))
         };
-        Ok(BpfDatapath {
+        let dp = BpfDatapath {
             ipcache: open("ipcache")?,
+            ipcache_hosts: open("ipcache_hosts")?,
             endpoint_map: open("endpoints")?,
             policy_maps: open("policy_maps")?,
             endpoints: BTreeMap::new(),
             pins,
-        })
+        };
+        dp.migrate_host_prefixes();
+        Ok(dp)
+    }
+
+    /// Maps pinned by an older version kept host addresses in the trie: each is copied to the
+    /// host table before it leaves the trie, so no lookup misses it on the way.
+    fn migrate_host_prefixes(&self) {
+        let mut moved = 0usize;
+        for kb in self.ipcache.keys() {
+            let Some(k) = types::ipcache_key::from_bytes(&kb) else {
+                continue;
+            };
+            let full = if k.family == 4 { 64 } else { 160 };
+            if k.prefixlen != full {
+                continue;
+            }
+            let Some(v) = self.ipcache.lookup(&kb, MapFlags::ANY).ok().flatten() else {
+                continue;
+            };
+            let hk = types::ipcache_host_key {
+                family: k.family,
+                addr: k.addr,
+            };
+            if self
+                .ipcache_hosts
+                .update(hk.as_bytes(), &v, MapFlags::ANY)
+                .is_ok()
+            {
+                let _ = self.ipcache.delete(&kb);
+                moved += 1;
+            }
+        }
+        if moved > 0 {
+            tracing::info!(moved, "ipcache: host addresses moved from the prefix trie to the host table (maps of an older version)");
+        }
     }
 
     /// Where the maps are pinned.
@@ -339,12 +457,7 @@ impl Datapath for BpfDatapath {
                 i.identity = att.identity;
                 i
             }
-            None => types::endpoint_info {
-                identity: att.identity,
-                flags: EP_DROP_ALL,
-                port_prefix_lens: 0,
-                pad: 0,
-            },
+            None => ProbeMasks::default().info(att.identity, EP_DROP_ALL),
         };
         self.write_info(id, &info)?;
         let ifindex = match &att.interface {
@@ -414,14 +527,12 @@ impl Datapath for BpfDatapath {
         };
         let mut changes = table.apply(delta);
         let identity = ep.attachment.identity;
-        let old_bits = self.read_info(id).map(|i| i.port_prefix_lens).unwrap_or(0);
+        let old_masks = self
+            .read_info(id)
+            .map(|i| ProbeMasks::of_info(&i))
+            .unwrap_or_default();
         if table.len() > POLICY_MAP_MAX_ENTRIES {
-            let info = types::endpoint_info {
-                identity,
-                flags: flags_bits(flags) | EP_DROP_ALL,
-                port_prefix_lens: old_bits,
-                pad: 0,
-            };
+            let info = old_masks.info(identity, flags_bits(flags) | EP_DROP_ALL);
             self.write_info(id, &info)?;
             return Err(DatapathError::PolicyMapFull {
                 endpoint: id,
@@ -455,14 +566,11 @@ impl Datapath for BpfDatapath {
                 }
             }
         }
-        let new_bits = prefix_lens(&table);
-        // While entries change, probe both the old and the new prefix lengths.
-        let during = types::endpoint_info {
-            identity,
-            flags: flags_bits(ep.flags),
-            port_prefix_lens: old_bits | new_bits,
-            pad: 0,
-        };
+        let new_masks = ProbeMasks::of(&table);
+        // While entries change, probe what the old and the new entries need.
+        let during = old_masks
+            .union(new_masks)
+            .info(identity, flags_bits(ep.flags));
         self.write_info(id, &during)?;
         let mut stats = SyncStats::default();
         // Order by safety, which also keeps the map within its capacity: first remove allows
@@ -532,12 +640,7 @@ impl Datapath for BpfDatapath {
         stats.upserted = upserts;
         stats.deleted = deletes;
         stats.entries = table.len();
-        let info = types::endpoint_info {
-            identity,
-            flags: flags_bits(flags),
-            port_prefix_lens: new_bits,
-            pad: 0,
-        };
+        let info = new_masks.info(identity, flags_bits(flags));
         self.write_info(id, &info)?;
         if let Some(e) = self.endpoints.get_mut(&id) {
             e.table = table;
@@ -551,28 +654,35 @@ impl Datapath for BpfDatapath {
         prefix: IpNet,
         identity: NumericIdentity,
     ) -> Result<(), DatapathError> {
-        let k = ipcache_key(&prefix);
         let v = types::ipcache_value { identity, pad: 0 };
-        self.ipcache
-            .update(k.as_bytes(), v.as_bytes(), MapFlags::ANY)
-            .map_err(|e| {
-                if e.kind() == libbpf_rs::ErrorKind::OutOfMemory
-                    || e.to_string().contains("No space")
-                {
-                    DatapathError::IpcacheFull {
-                        prefix,
-                        capacity: IPCACHE_MAX_ENTRIES,
-                    }
-                } else {
-                    DatapathError::System {
-                        operation: format!("ipcache update {prefix}"),
-                        message: e.to_string(),
-                    }
+        let r = match ipcache_host_key(&prefix) {
+            Some(hk) => self
+                .ipcache_hosts
+                .update(hk.as_bytes(), v.as_bytes(), MapFlags::ANY),
+            None => {
+                self.ipcache
+                    .update(ipcache_key(&prefix).as_bytes(), v.as_bytes(), MapFlags::ANY)
+            }
+        };
+        r.map_err(|e| {
+            if e.kind() == libbpf_rs::ErrorKind::OutOfMemory || e.to_string().contains("No space") {
+                DatapathError::IpcacheFull {
+                    prefix,
+                    capacity: IPCACHE_MAX_ENTRIES,
                 }
-            })
+            } else {
+                DatapathError::System {
+                    operation: format!("ipcache update {prefix}"),
+                    message: e.to_string(),
+                }
+            }
+        })
     }
 
     fn remove_ipcache(&mut self, prefix: IpNet) -> Result<(), DatapathError> {
+        if let Some(hk) = ipcache_host_key(&prefix) {
+            let _ = self.ipcache_hosts.delete(hk.as_bytes());
+        }
         let _ = self.ipcache.delete(ipcache_key(&prefix).as_bytes());
         Ok(())
     }
@@ -639,14 +749,22 @@ impl Datapath for BpfDatapath {
                 continue;
             };
             let len = k.prefixlen.saturating_sub(32) as u8;
-            let ip = if k.family == 4 {
-                IpAddr::from([k.addr[0], k.addr[1], k.addr[2], k.addr[3]])
-            } else {
-                IpAddr::from(k.addr)
-            };
-            if let Ok(n) = IpNet::new(ip, len) {
+            if let Ok(n) = IpNet::new(ip_of(k.family, &k.addr), len) {
                 out.push((n, v.identity));
             }
+        }
+        for kb in self.ipcache_hosts.keys() {
+            let (Some(k), Some(v)) = (
+                types::ipcache_host_key::from_bytes(&kb),
+                self.ipcache_hosts
+                    .lookup(&kb, MapFlags::ANY)
+                    .ok()
+                    .flatten()
+                    .and_then(|b| types::ipcache_value::from_bytes(&b)),
+            ) else {
+                continue;
+            };
+            out.push((IpNet::from(ip_of(k.family, &k.addr)), v.identity));
         }
         out.sort();
         out

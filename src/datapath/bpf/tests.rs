@@ -34,8 +34,11 @@ fn abi_layout_is_pinned() {
     assert_eq!(size_of::<types::ipcache_key>(), 24);
     assert_eq!(offset_of!(types::ipcache_key, addr), 8);
     assert_eq!(size_of::<types::ipcache_value>(), 8);
+    assert_eq!(size_of::<types::ipcache_host_key>(), 20);
+    assert_eq!(offset_of!(types::ipcache_host_key, addr), 4);
     assert_eq!(size_of::<types::endpoint_info>(), 16);
     assert_eq!(offset_of!(types::endpoint_info, port_prefix_lens), 8);
+    assert_eq!(offset_of!(types::endpoint_info, any_identity_lens), 12);
     assert_eq!(size_of::<types::ct_key>(), 44);
     assert_eq!(offset_of!(types::ct_key, sport), 32);
     assert_eq!(offset_of!(types::ct_key, endpoint_id), 40);
@@ -113,12 +116,18 @@ fn packet(proto: u8, src: &str, dst: &str, sport: u16, dport: u16) -> Vec<u8> {
 }
 
 impl Loaded {
+    /// An endpoint record as an older agent wrote it: one probe mask for every class.
     fn endpoint(&self, id: u32, identity: u32, flags: u32, prefix_lens: u32) {
+        self.endpoint_split(id, identity, flags, prefix_lens, 0)
+    }
+
+    /// An endpoint record with split probe masks only when `flags` has `EP_SPLIT_LENS`.
+    fn endpoint_split(&self, id: u32, identity: u32, flags: u32, lens: u32, any_lens: u32) {
         let info = types::endpoint_info {
             identity,
             flags,
-            port_prefix_lens: prefix_lens,
-            pad: 0,
+            port_prefix_lens: lens,
+            any_identity_lens: any_lens,
         };
         self.skel
             .maps
@@ -179,6 +188,20 @@ impl Loaded {
         self.skel
             .maps
             .ipcache
+            .update(k.as_bytes(), v.as_bytes(), MapFlags::ANY)
+            .unwrap();
+    }
+
+    fn ipcache_host(&self, ip: &str, identity: u32) {
+        let mut k = types::ipcache_host_key {
+            family: 4,
+            ..Default::default()
+        };
+        k.addr[..4].copy_from_slice(&ipv4(ip));
+        let v = types::ipcache_value { identity, pad: 0 };
+        self.skel
+            .maps
+            .ipcache_hosts
             .update(k.as_bytes(), v.as_bytes(), MapFlags::ANY)
             .unwrap();
     }
@@ -256,6 +279,76 @@ fn ingress_policy_allows_only_what_it_says_and_deny_wins() {
         .unwrap()
         .unwrap();
     assert_eq!(types::policy_value::from_bytes(&v).unwrap().packets, 1);
+}
+
+#[test]
+fn split_probe_masks_probe_only_what_exists_and_any_peer_denies_still_win() {
+    if !privileged() {
+        return;
+    }
+    let mut l = load(8);
+    let split = EP_INGRESS_DEFAULT_DENY | EP_SPLIT_LENS;
+    l.endpoint_split(8, 300, split, 1 << 16, 0);
+    l.policy_map(8);
+    // Host addresses in the host table; a /24 in the trie for what is no known host.
+    l.ipcache_host("10.0.0.2", 400);
+    l.ipcache_host("10.0.0.3", 401);
+    let mut k = types::ipcache_key {
+        prefixlen: 32 + 24,
+        family: 4,
+        ..Default::default()
+    };
+    k.addr[..4].copy_from_slice(&ipv4("10.0.0.0"));
+    let v = types::ipcache_value {
+        identity: 500,
+        pad: 0,
+    };
+    l.skel
+        .maps
+        .ipcache
+        .update(k.as_bytes(), v.as_bytes(), MapFlags::ANY)
+        .unwrap();
+    l.rule(400, false, 6, 80, 16, false);
+    l.rule(500, false, 6, 80, 16, false);
+    let syn = |src: &str, sport: u16| packet(6, src, "10.0.0.1", sport, 80);
+    assert_eq!(
+        l.run(false, &syn("10.0.0.2", 40000)),
+        TC_ACT_OK,
+        "host table: 400"
+    );
+    assert_eq!(
+        l.run(false, &syn("10.0.0.3", 40001)),
+        TC_ACT_SHOT,
+        "401 has no rule"
+    );
+    assert_eq!(
+        l.run(false, &syn("10.0.0.9", 40002)),
+        TC_ACT_OK,
+        "the trie: /24 -> 500"
+    );
+    // An any-peer deny for all of TCP, announced in the any-identity mask: it wins.
+    l.rule(0, false, 6, 0, 0, true);
+    l.endpoint_split(8, 300, split, 1 << 16, 1);
+    assert_eq!(
+        l.run(false, &syn("10.0.0.2", 40003)),
+        TC_ACT_SHOT,
+        "deny wins"
+    );
+    // An any-peer allow for every protocol, announced: UDP from 401 now passes.
+    l.rule(0, false, 0, 0, 0, false);
+    l.endpoint_split(8, 300, split, 1 << 16, 1 | LENS_ALL_PROTOCOLS);
+    assert_eq!(
+        l.run(false, &packet(17, "10.0.0.3", "10.0.0.1", 5000, 53)),
+        TC_ACT_OK
+    );
+    // The record an older agent wrote for these entries (one mask over every identity, no
+    // split flag) probes that mask for any peer too: still a deny.
+    l.endpoint(8, 300, EP_INGRESS_DEFAULT_DENY, 1 << 16 | 1);
+    assert_eq!(
+        l.run(false, &syn("10.0.0.2", 40004)),
+        TC_ACT_SHOT,
+        "compat: deny wins"
+    );
 }
 
 #[test]
