@@ -123,7 +123,11 @@ struct packet {
 	__u8 protocol;
 	__u8 family;
 	__u8 l4_missing; /* a non-first fragment: no L4 header */
+	__u8 tcp_flags;
 };
+
+#define TCP_FIN 0x01
+#define TCP_RST 0x04
 
 static __always_inline void count(__u32 reason)
 {
@@ -150,6 +154,11 @@ static __always_inline int parse_l4(struct __sk_buff *skb, __u32 off, struct pac
 		p->sport = bpf_ntohs(ports[0]);
 		p->dport = bpf_ntohs(ports[1]);
 		p->policy_port = p->dport;
+		/* The flags byte through a helper: clang merges a second direct bounds check with
+		 * the one above in a way the verifier cannot follow. A header too short for flags
+		 * leaves them 0 (decided without them). */
+		if (p->protocol == IPPROTO_TCP)
+			bpf_skb_load_bytes(skb, off + 13, &p->tcp_flags, 1);
 		return 0;
 	}
 	case IPPROTO_ICMP:
@@ -422,9 +431,12 @@ static __always_inline int decide(struct __sk_buff *skb, int egress)
 	struct ct_key fwd, rev;
 	ct_tuple(&fwd, &p, ep, 0);
 	__u64 now = bpf_ktime_get_ns();
+	__u8 closing = p.protocol == IPPROTO_TCP && (p.tcp_flags & (TCP_FIN | TCP_RST));
 	struct ct_value *ct = bpf_map_lookup_elem(&conntrack, &fwd);
 	if (ct && ct->egress == egress) {
 		ct->last_seen_ns = now;
+		if (closing && !ct->closing)
+			ct->closing = 1;
 		__sync_fetch_and_add(&ct->packets, 1);
 		count(CILIATE_ALLOW_ESTABLISHED);
 		return TC_ACT_OK;
@@ -433,6 +445,10 @@ static __always_inline int decide(struct __sk_buff *skb, int egress)
 	ct = bpf_map_lookup_elem(&conntrack, &rev);
 	if (ct && ct->egress != egress) {
 		ct->last_seen_ns = now;
+		if (!ct->replied)
+			ct->replied = 1;
+		if (closing && !ct->closing)
+			ct->closing = 1;
 		__sync_fetch_and_add(&ct->packets, 1);
 		count(CILIATE_ALLOW_REPLY);
 		return TC_ACT_OK;
@@ -462,6 +478,7 @@ static __always_inline int decide(struct __sk_buff *skb, int egress)
 	nv.last_seen_ns = now;
 	nv.packets = 1;
 	nv.egress = egress;
+	nv.closing = closing;
 	bpf_map_update_elem(&conntrack, &fwd, &nv, BPF_ANY);
 	return TC_ACT_OK;
 }

@@ -107,11 +107,21 @@ struct ct_key {
 };
 
 struct ct_value {
-	__u64 last_seen_ns;
+	__u64 last_seen_ns; /* bpf_ktime_get_ns(): CLOCK_MONOTONIC */
 	__u64 packets;
-	__u8 egress; /* the direction that opened the connection */
-	__u8 pad[7];
+	__u8 egress;  /* the direction that opened the connection */
+	__u8 replied; /* a reply was seen (an unanswered TCP SYN expires sooner) */
+	__u8 closing; /* TCP: a FIN or RST was seen (the entry expires soon after) */
+	__u8 pad[5];
 };
+
+/* Conntrack expiry (Cilium's defaults), applied by the agent's garbage collector: an entry not
+ * seen for this long is removed. Zero-initialised fields of entries written by older versions
+ * read as "not replied, not closing": the longest timeouts that can apply, never a cut flow. */
+#define CILIATE_CT_TIMEOUT_TCP_SEC 21600
+#define CILIATE_CT_TIMEOUT_TCP_SYN_SEC 60
+#define CILIATE_CT_TIMEOUT_TCP_CLOSING_SEC 10
+#define CILIATE_CT_TIMEOUT_ANY_SEC 60
 
 /* One policy verdict, sent to user space (drops always, allows when configured). */
 struct verdict_event {

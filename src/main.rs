@@ -45,6 +45,7 @@ fn agent(args: AgentArgs) -> i32 {
         api_socket: args.api_socket,
         debug_addr: args.debug_addr,
         pod_cidr: args.pod_cidr,
+        conntrack_gc_interval: std::time::Duration::from_secs(args.conntrack_gc_interval),
     };
     match run(config) {
         Ok(()) => 0,

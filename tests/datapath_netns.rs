@@ -205,3 +205,110 @@ fn policy_on_real_veths_with_live_edits_replies_and_a_restart_without_a_gap() {
     assert!(tcp_ok(&a.netns, b.addr, 8080));
     assert!(!w.pins.join("policy_1").exists());
 }
+
+/// A server in `b` that, for its one connection, answers `ping` and sends `push` when told to:
+/// data the server initiates, which an isolated egress lets out only as part of a tracked
+/// connection.
+fn push_server(netns: &str, addr: std::net::IpAddr, port: u16) -> std::sync::mpsc::Sender<()> {
+    use std::io::{Read, Write};
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let (push_tx, push_rx) = std::sync::mpsc::channel::<()>();
+    common::netns::in_netns(netns, move || {
+        let l = std::net::TcpListener::bind((addr, port)).unwrap();
+        ready_tx.send(()).unwrap();
+        let (mut s, _) = l.accept().unwrap();
+        let mut buf = [0u8; 4];
+        if s.read_exact(&mut buf).is_ok() {
+            let _ = s.write_all(b"pong");
+        }
+        while push_rx.recv().is_ok() {
+            let _ = s.write_all(b"push");
+        }
+    });
+    ready_rx.recv().unwrap();
+    push_tx
+}
+
+#[test]
+fn conntrack_gc_removes_expired_entries_and_keeps_live_ones() {
+    use std::io::{Read, Write};
+    use std::time::Duration;
+    if !privileged() {
+        return;
+    }
+    let w = world(2);
+    let (a, b) = (&w.pods[0], &w.pods[1]);
+    let (id_a, id_b) = (2001u32, 2002u32);
+    let mut dp = BpfDatapath::open(&w.pins).expect("open the datapath");
+    for (p, ep, ident) in [(a, 1u16, id_a), (b, 2u16, id_b)] {
+        dp.upsert_ipcache(format!("{}/32", p.addr).parse().unwrap(), ident)
+            .unwrap();
+        dp.attach_endpoint(&EndpointAttachment {
+            id: ep,
+            interface: Some(p.host_if.clone()),
+            ips: vec![p.addr],
+            identity: ident,
+        })
+        .unwrap();
+    }
+    dp.sync_policy(1, OPEN, &MapDelta::default(), true).unwrap();
+    // b: ingress from a on 7070 only, egress isolated.
+    dp.sync_policy(
+        2,
+        ISOLATED_BOTH,
+        &allow(&[key(Direction::Ingress, id_a, PROTO_TCP, 7070, 7070)]),
+        true,
+    )
+    .unwrap();
+    let push = push_server(&b.netns, b.addr, 7070);
+    let to = std::net::SocketAddr::new(b.addr, 7070);
+    let mut conn = common::netns::in_netns(&a.netns, move || {
+        std::net::TcpStream::connect_timeout(&to, Duration::from_secs(1)).unwrap()
+    })
+    .join()
+    .unwrap();
+    conn.set_read_timeout(Some(Duration::from_millis(700)))
+        .unwrap();
+    conn.write_all(b"ping").unwrap();
+    let mut buf = [0u8; 4];
+    conn.read_exact(&mut buf)
+        .expect("the reply passes b's isolated egress");
+    assert_eq!(&buf, b"pong");
+
+    let map = libbpf_rs::MapHandle::from_pinned_path(w.pins.join("ciliate/conntrack")).unwrap();
+    let now = ciliate::datapath::bpf::conntrack::monotonic_ns();
+    // Default timeouts: a connection that just talked is kept.
+    let kept = ciliate::datapath::bpf::conntrack::sweep(
+        &map,
+        now,
+        &ciliate::datapath::ConntrackTimeouts::default(),
+    );
+    assert!(kept.scanned >= 2, "a's and b's entries: {kept:?}");
+    assert_eq!(kept.removed, 0, "{kept:?}");
+    push.send(()).unwrap();
+    conn.read_exact(&mut buf)
+        .expect("b may still push on the tracked connection");
+    assert_eq!(&buf, b"push");
+
+    // Zero timeouts: everything is expired and removed; b's egress now has nothing to let its
+    // push out (fail closed), while a's side is re-created by its own allowed egress.
+    let zero = ciliate::datapath::ConntrackTimeouts {
+        tcp: Duration::ZERO,
+        tcp_syn: Duration::ZERO,
+        tcp_closing: Duration::ZERO,
+        other: Duration::ZERO,
+    };
+    std::thread::sleep(Duration::from_millis(5));
+    let gone = ciliate::datapath::bpf::conntrack::sweep(
+        &map,
+        ciliate::datapath::bpf::conntrack::monotonic_ns(),
+        &zero,
+    );
+    assert!(gone.removed >= 2, "{gone:?}");
+    assert_eq!(libbpf_rs::MapCore::keys(&map).count(), 0, "nothing left");
+    push.send(()).unwrap();
+    assert!(
+        conn.read_exact(&mut buf).is_err(),
+        "b's push is dropped: its egress permission was the expired entry"
+    );
+}

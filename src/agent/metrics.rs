@@ -40,6 +40,10 @@ pub struct Metrics {
     pub policy_map_full: Counter,
     pub datapath_errors: Counter,
     pub policies_rejected: Gauge,
+    /// Connection-tracking entries left after the last garbage-collection pass.
+    pub conntrack_entries: Gauge,
+    /// Connection-tracking entries removed as expired.
+    pub conntrack_gc_removed: Counter,
 }
 
 impl Default for Metrics {
@@ -67,6 +71,8 @@ impl Metrics {
             policy_map_full: Counter::default(),
             datapath_errors: Counter::default(),
             policies_rejected: Gauge::default(),
+            conntrack_entries: Gauge::default(),
+            conntrack_gc_removed: Counter::default(),
         };
         r.register(
             "ciliate_policy_implementation_delay_seconds",
@@ -122,6 +128,16 @@ impl Metrics {
             "ciliate_policies_rejected",
             "Policies currently rejected by validation",
             m.policies_rejected.clone(),
+        );
+        r.register(
+            "ciliate_conntrack_entries",
+            "Connection-tracking entries after the last garbage-collection pass",
+            m.conntrack_entries.clone(),
+        );
+        r.register(
+            "ciliate_conntrack_gc_removed",
+            "Connection-tracking entries removed because they expired",
+            m.conntrack_gc_removed.clone(),
         );
         if let Ok(mut reg) = m.registry.lock() {
             *reg = r;

@@ -47,6 +47,8 @@ pub struct AgentConfig {
     pub api_socket: PathBuf,
     pub debug_addr: SocketAddr,
     pub pod_cidr: Option<ipnet::IpNet>,
+    /// How often expired connection-tracking entries are removed.
+    pub conntrack_gc_interval: std::time::Duration,
 }
 
 /// Why the agent could not start (exit status 1, one clear line).
@@ -172,6 +174,26 @@ async fn run_async(
             let _ = events.send(ev);
             true
         }))
+        .map_err(|e| AgentError::Config(format!("--datapath {datapath_name}: {e}")))?;
+    let gc_metrics = shared.metrics.clone();
+    datapath
+        .start_conntrack_gc(
+            config.conntrack_gc_interval,
+            crate::datapath::ConntrackTimeouts::default(),
+            Box::new(move |stats| {
+                gc_metrics
+                    .conntrack_entries
+                    .set((stats.scanned - stats.removed) as i64);
+                gc_metrics.conntrack_gc_removed.inc_by(stats.removed as u64);
+                if stats.removed > 0 {
+                    tracing::debug!(
+                        scanned = stats.scanned,
+                        removed = stats.removed,
+                        "conntrack GC"
+                    );
+                }
+            }),
+        )
         .map_err(|e| AgentError::Config(format!("--datapath {datapath_name}: {e}")))?;
     let Core { loader, repo, .. } = spawn_core(&shared, datapath);
 

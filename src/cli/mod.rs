@@ -146,6 +146,9 @@ pub struct AgentArgs {
     pub pod_cidr: Option<ipnet::IpNet>,
     #[arg(long, value_enum, default_value = "text")]
     pub log_format: LogFormat,
+    /// Seconds between passes of the connection-tracking garbage collector.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    pub conntrack_gc_interval: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

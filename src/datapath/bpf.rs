@@ -187,6 +187,7 @@ unsafe impl Pod for types::ct_value {}
 unsafe impl Pod for types::verdict_event {}
 unsafe impl Pod for types::datapath_config {}
 
+pub mod conntrack;
 pub mod datapath;
 
 #[cfg(test)]

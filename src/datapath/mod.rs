@@ -110,6 +110,51 @@ pub enum DatapathError {
     System { operation: String, message: String },
 }
 
+/// How long an idle connection-tracking entry lives (Cilium's defaults; `CILIATE_CT_TIMEOUT_*`
+/// in `bpf/ciliate.h`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConntrackTimeouts {
+    /// TCP that saw a reply and no FIN/RST.
+    pub tcp: std::time::Duration,
+    /// TCP that never saw a reply (a SYN nobody answered).
+    pub tcp_syn: std::time::Duration,
+    /// TCP that saw a FIN or RST.
+    pub tcp_closing: std::time::Duration,
+    /// Everything else (UDP, ICMP, SCTP).
+    pub other: std::time::Duration,
+}
+
+impl Default for ConntrackTimeouts {
+    fn default() -> Self {
+        use std::time::Duration;
+        ConntrackTimeouts {
+            tcp: Duration::from_secs(21600),
+            tcp_syn: Duration::from_secs(60),
+            tcp_closing: Duration::from_secs(10),
+            other: Duration::from_secs(60),
+        }
+    }
+}
+
+impl ConntrackTimeouts {
+    /// The lifetime of an idle entry of `protocol` in the given state.
+    pub fn for_entry(&self, protocol: u8, replied: bool, closing: bool) -> std::time::Duration {
+        match (protocol, replied, closing) {
+            (6, _, true) => self.tcp_closing,
+            (6, false, false) => self.tcp_syn,
+            (6, true, false) => self.tcp,
+            _ => self.other,
+        }
+    }
+}
+
+/// What one conntrack garbage-collection pass did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct ConntrackGcStats {
+    pub scanned: usize,
+    pub removed: usize,
+}
+
 /// The operations `LoaderActor` performs on a datapath.
 pub trait Datapath: Send + 'static {
     /// A short name for logs and status (`memory`, `bpf`).
@@ -137,6 +182,18 @@ pub trait Datapath: Send + 'static {
     fn dump_ipcache(&self) -> Vec<(IpNet, NumericIdentity)>;
     /// The endpoints attached.
     fn endpoints(&self) -> Vec<EndpointId>;
+    /// Starts garbage-collecting connection tracking every `interval` (entries idle past their
+    /// timeout are removed), reporting each pass to `report`. Off the caller's thread, so a
+    /// long pass never delays a policy update. Datapaths without conntrack do nothing.
+    fn start_conntrack_gc(
+        &self,
+        interval: std::time::Duration,
+        timeouts: ConntrackTimeouts,
+        report: Box<dyn FnMut(ConntrackGcStats) + Send>,
+    ) -> Result<(), DatapathError> {
+        let _ = (interval, timeouts, report);
+        Ok(())
+    }
     /// Starts delivering policy verdict events to `sink` (until it returns false). Datapaths
     /// without events (the in-memory one) deliver none.
     fn start_events(

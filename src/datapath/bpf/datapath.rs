@@ -780,4 +780,18 @@ impl Datapath for BpfDatapath {
     ) -> Result<(), DatapathError> {
         self.spawn_event_reader(sink).map(|_| ())
     }
+
+    fn start_conntrack_gc(
+        &self,
+        interval: std::time::Duration,
+        timeouts: crate::datapath::ConntrackTimeouts,
+        report: Box<dyn FnMut(crate::datapath::ConntrackGcStats) + Send>,
+    ) -> Result<(), DatapathError> {
+        super::conntrack::spawn_gc(self.pins.join("conntrack"), interval, timeouts, report)
+            .map(|_| ())
+            .map_err(|e| DatapathError::System {
+                operation: "start the conntrack garbage collector".into(),
+                message: e.to_string(),
+            })
+    }
 }

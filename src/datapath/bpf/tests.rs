@@ -487,3 +487,36 @@ fn ipv6_link_control_passes_and_icmpv6_follows_policy() {
         TC_ACT_OK
     );
 }
+
+#[test]
+fn conntrack_entries_record_replies_and_tcp_closing() {
+    if !privileged() {
+        return;
+    }
+    let mut l = load(9);
+    l.endpoint_split(9, 300, EP_INGRESS_DEFAULT_DENY | EP_SPLIT_LENS, 1 << 16, 0);
+    l.policy_map(9);
+    l.ipcache_host("10.0.0.2", 400);
+    l.rule(400, false, 6, 80, 16, false);
+    let syn = packet(6, "10.0.0.2", "10.0.0.1", 41000, 80);
+    assert_eq!(l.run(false, &syn), TC_ACT_OK);
+    let entry = || {
+        let map = &l.skel.maps.conntrack;
+        let keys: Vec<Vec<u8>> = map.keys().collect();
+        assert_eq!(keys.len(), 1, "one entry for the connection");
+        let v = map.lookup(&keys[0], MapFlags::ANY).unwrap().unwrap();
+        types::ct_value::from_bytes(&v).unwrap()
+    };
+    let e = entry();
+    assert_eq!((e.egress, e.replied, e.closing), (0, 0, 0));
+    // The reply (SYN-ACK) marks it replied; a FIN from either side marks it closing.
+    let mut synack = packet(6, "10.0.0.1", "10.0.0.2", 80, 41000);
+    synack[47] = 0x12;
+    assert_eq!(l.run(true, &synack), TC_ACT_OK);
+    let e = entry();
+    assert_eq!((e.replied, e.closing, e.packets), (1, 0, 2));
+    let mut fin = syn.clone();
+    fin[47] = 0x11;
+    assert_eq!(l.run(false, &fin), TC_ACT_OK);
+    assert_eq!(entry().closing, 1);
+}
