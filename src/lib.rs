@@ -9,5 +9,6 @@ pub mod api;
 pub mod cli;
 pub mod client;
 pub mod datapath;
+pub mod k8s;
 pub mod policy;
 pub mod simulate;

@@ -3,7 +3,8 @@ use clap::Parser;
 use ciliate::agent::run::{run, AgentConfig, Mode};
 use ciliate::cli::commands::ClientCall;
 use ciliate::cli::{
-    run_client, run_simulate, AgentArgs, Cli, ClientOpts, Command, LogFormat, PolicyCommand,
+    run_client, run_simulate, AgentArgs, Cli, ClientOpts, Command, DevCommand, LogFormat,
+    PolicyCommand,
 };
 use ciliate::simulate::generate::{generate_world, WorldSize};
 
@@ -98,6 +99,17 @@ fn monitor(opts: &ClientOpts, count: Option<u64>) -> i32 {
     }
 }
 
+fn dev_apiserver(listen: std::net::SocketAddr, kubeconfig_out: Option<&std::path::Path>) -> i32 {
+    init_logging(LogFormat::Text);
+    match ciliate::k8s::apiserver::run_until_signal(listen, kubeconfig_out) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("error: {e}");
+            1
+        }
+    }
+}
+
 fn main() {
     let cli = Cli::parse();
     let code = match cli.command {
@@ -141,6 +153,13 @@ fn main() {
         Command::Identity { command, client: c } => client(&c, ClientCall::Identity(&command)),
         Command::Bpf { command, client: c } => client(&c, ClientCall::Bpf(&command)),
         Command::Monitor { count, client: c } => monitor(&c, count),
+        Command::Dev {
+            command:
+                DevCommand::Apiserver {
+                    listen,
+                    kubeconfig_out,
+                },
+        } => dev_apiserver(listen, kubeconfig_out.as_deref()),
     };
     std::process::exit(code);
 }
