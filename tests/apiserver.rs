@@ -610,3 +610,184 @@ fn real_kubectl_apply_get_watch_annotate_label_patch_delete() {
     let cnps = kubectl_json(d, &["get", "cnp", "-A", "-o", "json"]);
     assert_eq!(cnps["items"], json!([]));
 }
+
+/// One raw HTTP/1.1 request; returns the status line's code and the (possibly chunked) body.
+fn raw_http(
+    server: &TestApiServer,
+    method: &str,
+    path: &str,
+    headers: &str,
+    body: &str,
+) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut conn = std::net::TcpStream::connect(server.addr()).expect("connect");
+    conn.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    write!(
+        conn,
+        "{method} {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n{headers}Content-Length: {}\r\n\r\n{body}",
+        server.addr(),
+        body.len()
+    )
+    .expect("send");
+    let mut reply = String::new();
+    conn.read_to_string(&mut reply).expect("read reply");
+    let code = reply
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = reply
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (code, body)
+}
+
+#[test]
+fn errors_are_status_objects_and_watches_follow_the_protocol() {
+    let options = ciliate::k8s::apiserver::ServerOptions {
+        bookmark_interval: Duration::from_millis(200),
+    };
+    let server = TestApiServer::start_with(([127, 0, 0, 1], 0).into(), options).expect("server");
+    let pods = "/api/v1/namespaces/default/pods";
+
+    let (code, body) = raw_http(
+        &server,
+        "POST",
+        pods,
+        "Content-Type: application/vnd.kubernetes.protobuf\r\n",
+        "x",
+    );
+    assert_eq!(code, 415);
+    assert!(
+        body.contains(r#""reason":"UnsupportedMediaType""#),
+        "{body}"
+    );
+    let (code, body) = raw_http(&server, "GET", &format!("{pods}/nope"), "", "");
+    assert_eq!(code, 404);
+    assert!(
+        body.contains(r#""kind":"Status""#) && body.contains(r#""reason":"NotFound""#),
+        "{body}"
+    );
+    let (code, body) = raw_http(
+        &server,
+        "POST",
+        &format!("{pods}/nope"),
+        "Content-Type: application/json\r\n",
+        "{}",
+    );
+    assert_eq!(code, 405, "{body}");
+    let (code, body) = raw_http(
+        &server,
+        "POST",
+        pods,
+        "Content-Type: application/json\r\n",
+        "{not json",
+    );
+    assert_eq!(code, 400, "{body}");
+    let (code, body) = raw_http(
+        &server,
+        "PATCH",
+        &format!("{pods}/p"),
+        "Content-Type: application/json-patch+json\r\n",
+        "[]",
+    );
+    assert_eq!(code, 415, "{body}");
+    let (code, body) = raw_http(&server, "GET", "/version", "", "");
+    assert_eq!(code, 200);
+    assert!(body.contains("v1.32"), "{body}");
+
+    server
+        .apply_json(json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": "default"},
+                           "status": {"podIP": "10.0.0.3"}}))
+        .expect("pod");
+    // No version: a synthetic ADDED per object, then bookmarks; the stream ends at timeoutSeconds.
+    let (code, body) = raw_http(
+        &server,
+        "GET",
+        &format!("{pods}?watch=1&allowWatchBookmarks=true&timeoutSeconds=1"),
+        "",
+        "",
+    );
+    assert_eq!(code, 200);
+    assert!(
+        body.contains(r#""type":"ADDED""#) && body.contains("10.0.0.3"),
+        "{body}"
+    );
+    assert!(body.contains(r#""type":"BOOKMARK""#), "{body}");
+    // A compacted history answers an old version with an in-stream 410.
+    server.compact();
+    let (code, body) = raw_http(
+        &server,
+        "GET",
+        &format!("{pods}?watch=true&resourceVersion=1&timeoutSeconds=1"),
+        "",
+        "",
+    );
+    assert_eq!(code, 200);
+    assert!(
+        body.contains(r#""type":"ERROR""#)
+            && body.contains(r#""code":410"#)
+            && body.contains("Expired"),
+        "{body}"
+    );
+}
+
+#[test]
+fn dev_apiserver_command_serves_until_sigterm() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let kubeconfig = dir.path().join("kubeconfig");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ciliate"))
+        .args([
+            "dev",
+            "apiserver",
+            "--listen",
+            "127.0.0.1:0",
+            "--kubeconfig-out",
+        ])
+        .arg(&kubeconfig)
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn ciliate dev apiserver");
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let text = loop {
+        if let Ok(t) = std::fs::read_to_string(&kubeconfig) {
+            break t;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no kubeconfig written"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let parsed = Kubeconfig::from_yaml(&text).expect("kubeconfig parses");
+    let url = parsed.clusters[0]
+        .cluster
+        .as_ref()
+        .and_then(|c| c.server.clone())
+        .expect("server url");
+    let addr = url.trim_start_matches("http://").to_string();
+    let mut conn = std::net::TcpStream::connect(&addr).expect("connect to dev apiserver");
+    use std::io::{Read, Write};
+    write!(
+        conn,
+        "GET /api/v1/namespaces/default HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .expect("send");
+    let mut reply = String::new();
+    conn.read_to_string(&mut reply).expect("read");
+    assert!(
+        reply.starts_with("HTTP/1.1 200") && reply.contains(r#""name":"default""#),
+        "{reply}"
+    );
+
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("SIGTERM");
+    let status = child.wait().expect("wait");
+    assert!(status.success(), "exit status {status}");
+}
