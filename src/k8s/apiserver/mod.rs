@@ -3,8 +3,15 @@
 //!
 //! `store.rs` holds the objects, versions and history (no HTTP); `http.rs` maps the REST API
 //! onto it; `resources.rs` describes the served types and discovery; `selector.rs` and
-//! `patch.rs` are the label/field selector and patch formats. What it does not do: auth,
-//! admission, defaulting, OpenAPI schemas, pagination, server-side apply field ownership.
+//! `patch.rs` are the label/field selector and patch formats.
+//!
+//! It speaks JSON only: protobuf bodies get 415 (so kubectl's `create namespace`-style
+//! generators fail; use `kubectl apply -f`), and an Accept header that lists JSON after
+//! protobuf gets JSON. It serves a schema-less OpenAPI v3 document that tells kubectl the
+//! server validates fields itself, so `kubectl apply -f` works without `--validate=false`.
+//! What it does not do: auth, admission, defaulting, schema validation, pagination (`limit`
+//! and `continue` are ignored), deletecollection, JSON patch, server-side apply field
+//! ownership (apply patches are merge patches), graceful deletion.
 
 mod http;
 pub mod patch;
