@@ -12,5 +12,6 @@ pub mod cni;
 pub mod datapath;
 pub mod demo;
 pub mod ipam;
+pub mod k8s;
 pub mod policy;
 pub mod simulate;

@@ -1,0 +1,3 @@
+//! Kubernetes plumbing: the in-memory test API server (`apiserver`).
+
+pub mod apiserver;
