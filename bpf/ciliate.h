@@ -43,7 +43,10 @@ enum ciliate_reason {
 	CILIATE_DROP_MALFORMED = 7,
 	CILIATE_PASS_UNMANAGED = 8,
 	CILIATE_PASS_NOT_IP = 9, /* not IP, or IPv6 link control (neighbour discovery, MLD) */
-	CILIATE_REASON_MAX = 10,
+	/* Counted besides the verdict: an allowed connection could not be tracked (table full),
+	 * so its replies meet policy again (fail closed where they are not allowed). */
+	CILIATE_CT_FULL = 10,
+	CILIATE_REASON_MAX = 11,
 };
 
 /* ipcache, part 1: host addresses (/32, /128: pods and nodes, nearly all entries) in a hash,

@@ -520,3 +520,100 @@ fn conntrack_entries_record_replies_and_tcp_closing() {
     assert_eq!(l.run(false, &fin), TC_ACT_OK);
     assert_eq!(entry().closing, 1);
 }
+
+#[test]
+fn maps_pinned_by_an_older_version_are_migrated_not_crashed_on() {
+    if !privileged() {
+        return;
+    }
+    ensure_bpffs(std::path::Path::new("/sys/fs/bpf")).unwrap();
+    let pins = std::path::PathBuf::from(format!(
+        "/sys/fs/bpf/ciliate-unit-migrate-{}",
+        std::process::id()
+    ));
+    std::fs::create_dir_all(&pins).unwrap();
+    struct Cleanup(std::path::PathBuf);
+    impl Drop for Cleanup {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let _cleanup = Cleanup(pins.clone());
+    let opts = libbpf_rs::libbpf_sys::bpf_map_create_opts {
+        sz: size_of::<libbpf_rs::libbpf_sys::bpf_map_create_opts>() as _,
+        ..Default::default()
+    };
+    // The previous version's conntrack: an LRU hash, with one live connection in it.
+    let mut ct = MapHandle::create(
+        MapType::LruHash,
+        Some("conntrack"),
+        size_of::<types::ct_key>() as u32,
+        size_of::<types::ct_value>() as u32,
+        262144,
+        &opts,
+    )
+    .unwrap();
+    let key = types::ct_key {
+        sport: 40000,
+        dport: 80,
+        protocol: 6,
+        family: 4,
+        endpoint_id: 7,
+        ..Default::default()
+    };
+    let value = types::ct_value {
+        last_seen_ns: 42,
+        packets: 3,
+        replied: 1,
+        ..Default::default()
+    };
+    ct.update(key.as_bytes(), value.as_bytes(), MapFlags::ANY)
+        .unwrap();
+    ct.pin(pins.join("conntrack")).unwrap();
+    // Its verdict counters had one reason fewer.
+    let mut counters = MapHandle::create(
+        MapType::PercpuArray,
+        Some("verdict_counters"),
+        4,
+        8,
+        10,
+        &opts,
+    )
+    .unwrap();
+    let ncpu = libbpf_rs::num_possible_cpus().unwrap();
+    let per_cpu: Vec<Vec<u8>> = (0..ncpu).map(|_| 5u64.to_ne_bytes().to_vec()).collect();
+    counters
+        .update_percpu(&0u32.to_ne_bytes(), &per_cpu, MapFlags::ANY)
+        .unwrap();
+    counters.pin(pins.join("verdict_counters")).unwrap();
+    drop((ct, counters));
+
+    let obj = Box::leak(Box::new(MaybeUninit::uninit()));
+    let skel = load_program(obj, &pins, 7).expect("an older version's pins do not stop the load");
+    let ct = MapHandle::from_pinned_path(pins.join("conntrack")).unwrap();
+    assert_eq!(ct.map_type(), MapType::Hash, "this build's definition");
+    let got = ct
+        .lookup(key.as_bytes(), MapFlags::ANY)
+        .unwrap()
+        .expect("the live connection was carried over");
+    assert_eq!(types::ct_value::from_bytes(&got).unwrap().packets, 3);
+    let counters = MapHandle::from_pinned_path(pins.join("verdict_counters")).unwrap();
+    assert_eq!(counters.info().unwrap().info.max_entries, 11);
+    let c = counters
+        .lookup_percpu(&0u32.to_ne_bytes(), MapFlags::ANY)
+        .unwrap()
+        .unwrap();
+    assert!(
+        c.iter().all(|v| v.as_slice() == 5u64.to_ne_bytes()),
+        "counts kept"
+    );
+    assert!(
+        std::fs::read_dir(&pins)
+            .unwrap()
+            .flatten()
+            .all(|e| !e.file_name().to_string_lossy().starts_with("migrating_")),
+        "the old maps are unpinned"
+    );
+    // And the program uses the migrated table: the tracked connection's packet is established.
+    drop(skel);
+}
