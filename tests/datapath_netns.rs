@@ -151,7 +151,18 @@ fn policy_on_real_veths_with_live_edits_replies_and_a_restart_without_a_gap() {
     .unwrap();
     assert!(tcp_ok(&a.netns, b.addr, 9090));
 
-    // The agent goes away: enforcement stays (pinned maps, tc filters hold the programs).
+    // Attached with TCX (this kernel has it): pinned links on each host veth.
+    let link = |ep: u16, dir: &str| {
+        ciliate::datapath::bpf::tcx::pinned_link_info(
+            &w.pins.join(format!("ciliate/link_{ep}_{dir}")),
+        )
+    };
+    let ifindex_b = nix::net::if_::if_nametoindex(b.host_if.as_str()).unwrap();
+    let before = link(2, "egress").expect("b's to_container program is a pinned TCX link");
+    assert_eq!(before.0, ifindex_b, "on b's host veth");
+    assert!(link(2, "ingress").is_some() && link(1, "ingress").is_some());
+
+    // The agent goes away: enforcement stays (pinned maps, pinned links hold the programs).
     drop(dp);
     assert!(
         tcp_ok(&a.netns, b.addr, 9090),
@@ -176,6 +187,12 @@ fn policy_on_real_veths_with_live_edits_replies_and_a_restart_without_a_gap() {
     assert!(
         tcp_ok(&a.netns, b.addr, 9090),
         "re-attaching keeps the realized policy"
+    );
+    let after = link(2, "egress").expect("the link is still pinned");
+    assert_eq!(after.0, ifindex_b);
+    assert_ne!(
+        after.2, before.2,
+        "the same link now runs the new program instance"
     );
     dp.sync_policy(
         1,
@@ -202,6 +219,10 @@ fn policy_on_real_veths_with_live_edits_replies_and_a_restart_without_a_gap() {
     // Detach removes the programs: the path is open again.
     dp.detach_endpoint(1).unwrap();
     dp.detach_endpoint(2).unwrap();
+    assert!(
+        link(2, "egress").is_none() && link(1, "ingress").is_none(),
+        "links unpinned"
+    );
     assert!(tcp_ok(&a.netns, b.addr, 8080));
     assert!(!w.pins.join("policy_1").exists());
 }
@@ -310,5 +331,100 @@ fn conntrack_gc_removes_expired_entries_and_keeps_live_ones() {
     assert!(
         conn.read_exact(&mut buf).is_err(),
         "b's push is dropped: its egress permission was the expired entry"
+    );
+}
+
+fn tc_filters(dev: &str) -> String {
+    let out = std::process::Command::new("tc")
+        .args(["filter", "show", "dev", dev, "ingress"])
+        .output()
+        .expect("tc (iproute2) is installed");
+    String::from_utf8_lossy(&out.stdout).to_string()
+}
+
+#[test]
+fn legacy_tc_attachments_are_taken_over_by_tcx_without_a_gap() {
+    if !privileged() {
+        return;
+    }
+    let w = world(2);
+    let (a, b) = (&w.pods[0], &w.pods[1]);
+    let (id_a, id_b) = (4001u32, 4002u32);
+    tcp_server(&b.netns, b.addr, 8080);
+    tcp_server(&b.netns, b.addr, 9090);
+    let attach_all = |dp: &mut BpfDatapath| {
+        for (p, ep, ident) in [(a, 1u16, id_a), (b, 2u16, id_b)] {
+            dp.upsert_ipcache(format!("{}/32", p.addr).parse().unwrap(), ident)
+                .unwrap();
+            dp.attach_endpoint(&EndpointAttachment {
+                id: ep,
+                interface: Some(p.host_if.clone()),
+                ips: vec![p.addr],
+                identity: ident,
+            })
+            .unwrap();
+        }
+    };
+    // As an older agent did it: legacy clsact filters.
+    let mut dp = BpfDatapath::open_with(
+        &w.pins,
+        ciliate::datapath::bpf::datapath::AttachMode::LegacyTc,
+    )
+    .unwrap();
+    attach_all(&mut dp);
+    dp.sync_policy(1, OPEN, &MapDelta::default(), true).unwrap();
+    dp.sync_policy(
+        2,
+        ISOLATED_IN,
+        &allow(&[key(Direction::Ingress, id_a, PROTO_TCP, 8080, 8080)]),
+        true,
+    )
+    .unwrap();
+    assert!(tc_filters(&a.host_if).contains("bpf"), "a legacy tc filter");
+    assert!(
+        !w.pins.join("ciliate/link_1_ingress").exists(),
+        "no TCX link"
+    );
+    assert!(tcp_ok(&a.netns, b.addr, 8080));
+    assert!(!tcp_ok(&a.netns, b.addr, 9090));
+    drop(dp);
+
+    // The new agent attaches with TCX while a prober keeps the allowed flow busy.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let prober = {
+        let (stop, ns, to) = (stop.clone(), a.netns.clone(), b.addr);
+        std::thread::spawn(move || {
+            let (mut ok, mut failed) = (0, 0);
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                if tcp_ok(&ns, to, 8080) {
+                    ok += 1;
+                } else {
+                    failed += 1;
+                }
+            }
+            (ok, failed)
+        })
+    };
+    let mut dp = BpfDatapath::open(&w.pins).unwrap();
+    attach_all(&mut dp);
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let (ok, failed) = prober.join().unwrap();
+    assert!(
+        ok > 0 && failed == 0,
+        "the take-over broke the allowed flow ({ok} ok, {failed} failed)"
+    );
+    assert!(
+        w.pins.join("ciliate/link_1_ingress").exists(),
+        "TCX links now"
+    );
+    assert!(
+        !tc_filters(&a.host_if).contains("bpf"),
+        "the legacy filter is gone"
+    );
+    assert!(tcp_ok(&a.netns, b.addr, 8080));
+    assert!(
+        !tcp_ok(&a.netns, b.addr, 9090),
+        "still enforced, now through TCX"
     );
 }

@@ -93,6 +93,17 @@ pub fn load_program<'obj>(
     pin_root: &Path,
     endpoint_id: u32,
 ) -> Result<skel::CiliateSkel<'obj>, DatapathError> {
+    load_program_for(storage, pin_root, endpoint_id, false)
+}
+
+/// [`load_program`] for TCX attachment when `tcx`: the programs' expected attach types are
+/// the TCX hooks (libbpf's TCX attach uses them; legacy tc ignores them).
+pub fn load_program_for<'obj>(
+    storage: &'obj mut MaybeUninit<OpenObject>,
+    pin_root: &Path,
+    endpoint_id: u32,
+    tcx: bool,
+) -> Result<skel::CiliateSkel<'obj>, DatapathError> {
     std::fs::create_dir_all(pin_root).map_err(|e| DatapathError::System {
         operation: format!("create {}", pin_root.display()),
         message: e.to_string(),
@@ -112,6 +123,20 @@ pub fn load_program<'obj>(
         .map_err(sys("open the BPF object"))?;
     if let Some(ro) = open.maps.rodata_data.as_deref_mut() {
         ro.ENDPOINT_ID = endpoint_id;
+    }
+    if tcx {
+        use libbpf_rs::libbpf_sys as sys;
+        use libbpf_rs::AsRawLibbpf;
+        unsafe {
+            sys::bpf_program__set_expected_attach_type(
+                open.progs.from_container.as_libbpf_object().as_ptr(),
+                sys::BPF_TCX_INGRESS,
+            );
+            sys::bpf_program__set_expected_attach_type(
+                open.progs.to_container.as_libbpf_object().as_ptr(),
+                sys::BPF_TCX_EGRESS,
+            );
+        }
     }
     let moved = set_aside_incompatible_pins(open.open_object(), pin_root)?;
     let skel = open.load().map_err(sys(format!(
@@ -328,6 +353,7 @@ unsafe impl Pod for types::datapath_config {}
 
 pub mod conntrack;
 pub mod datapath;
+pub mod tcx;
 
 #[cfg(test)]
 mod tests;

@@ -14,8 +14,9 @@ use std::path::{Path, PathBuf};
 use ipnet::IpNet;
 use libbpf_rs::{MapCore, MapFlags, MapHandle, MapType, TcHookBuilder, TC_EGRESS, TC_INGRESS};
 
+use super::tcx::{self, Hook, TcxError};
 use super::{
-    ensure_bpffs, load_program, types, Pod, EP_DROP_ALL, EP_EGRESS_DEFAULT_DENY,
+    ensure_bpffs, load_program, load_program_for, types, Pod, EP_DROP_ALL, EP_EGRESS_DEFAULT_DENY,
     EP_INGRESS_DEFAULT_DENY, EP_SPLIT_LENS, LENS_ALL_PROTOCOLS,
 };
 use crate::datapath::abi::{
@@ -44,9 +45,20 @@ struct Endpoint {
     ifindex: Option<i32>,
 }
 
+/// How programs are attached to interfaces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttachMode {
+    /// TCX links where the kernel has them (6.6+), legacy tc otherwise.
+    Auto,
+    /// Legacy tc only (clsact filters).
+    LegacyTc,
+}
+
 /// See the module documentation.
 pub struct BpfDatapath {
     pins: PathBuf,
+    /// Still trying TCX (Auto mode and no "unsupported" answer yet).
+    use_tcx: bool,
     /// Prefixes shorter than a host address (longest-prefix match).
     ipcache: MapHandle,
     /// Host addresses (/32, /128), probed first.
@@ -247,6 +259,11 @@ fn ipcache_key(prefix: &IpNet) -> types::ipcache_key {
 impl BpfDatapath {
     /// Opens (or creates) the pinned maps under `<bpf_root>/ciliate/`.
     pub fn open(bpf_root: &Path) -> Result<Self, DatapathError> {
+        Self::open_with(bpf_root, AttachMode::Auto)
+    }
+
+    /// [`BpfDatapath::open`] with an explicit way of attaching programs.
+    pub fn open_with(bpf_root: &Path, mode: AttachMode) -> Result<Self, DatapathError> {
         // libbpf's own messages go to the log (some are expected, e.g. an existing clsact).
         libbpf_rs::set_print(Some((
             libbpf_rs::PrintLevel::Info,
@@ -277,6 +294,7 @@ impl BpfDatapath {
             policy_maps: open("policy_maps")?,
             endpoints: BTreeMap::new(),
             pins,
+            use_tcx: mode == AttachMode::Auto,
         };
         dp.migrate_host_prefixes();
         Ok(dp)
@@ -403,10 +421,30 @@ impl BpfDatapath {
             .map_err(sys(format!("update endpoint {id} in the endpoint map")))
     }
 
-    fn attach_programs(&self, id: EndpointId, ifname: &str) -> Result<i32, DatapathError> {
+    fn attach_programs(&mut self, id: EndpointId, ifname: &str) -> Result<i32, DatapathError> {
         let ifindex = nix::net::if_::if_nametoindex(ifname)
             .map_err(sys(format!("interface {ifname} of endpoint {id}")))?
             as i32;
+        if self.use_tcx {
+            match self.attach_tcx(id, ifindex) {
+                Ok(()) => {
+                    // TCX runs first and its verdicts are final: a legacy filter an older
+                    // version left is only cleaned up, after the link is in place.
+                    self.detach_legacy(ifindex);
+                    return Ok(ifindex);
+                }
+                Err(TcxError::Unsupported(why)) => {
+                    tracing::info!(%why, "no TCX: attaching with legacy tc (clsact)");
+                    self.use_tcx = false;
+                    for hook in [Hook::Ingress, Hook::Egress] {
+                        tcx::detach(&self.pins.join(hook.pin_name(id)));
+                    }
+                }
+                Err(TcxError::Failed { operation, message }) => {
+                    return Err(DatapathError::System { operation, message })
+                }
+            }
+        }
         let mut storage = MaybeUninit::uninit();
         let skel = load_program(&mut storage, &self.pins, id as u32)?;
         // The tc filters hold the programs; nothing here needs to live on.
@@ -424,7 +462,29 @@ impl BpfDatapath {
         Ok(ifindex)
     }
 
-    fn detach_programs(&self, ifindex: i32) {
+    /// Loads an instance for TCX and creates or updates the endpoint's pinned links.
+    fn attach_tcx(&self, id: EndpointId, ifindex: i32) -> Result<(), TcxError> {
+        let mut storage = MaybeUninit::uninit();
+        let skel = load_program_for(&mut storage, &self.pins, id as u32, true)
+            .map_err(|e| TcxError::Unsupported(e.to_string()))?;
+        for (prog, hook) in [
+            (&skel.progs.from_container, Hook::Ingress),
+            (&skel.progs.to_container, Hook::Egress),
+        ] {
+            tcx::attach(prog, ifindex, hook, &self.pins.join(hook.pin_name(id)))?;
+        }
+        Ok(())
+    }
+
+    /// Removes an endpoint's programs from its interface, however they were attached.
+    fn detach_programs(&self, id: EndpointId, ifindex: i32) {
+        for hook in [Hook::Ingress, Hook::Egress] {
+            tcx::detach(&self.pins.join(hook.pin_name(id)));
+        }
+        self.detach_legacy(ifindex);
+    }
+
+    fn detach_legacy(&self, ifindex: i32) {
         // tc detach goes by interface, handle and priority; the hook only needs some
         // descriptor to be built with. The interface may already be gone with its pod.
         for point in [TC_INGRESS, TC_EGRESS] {
@@ -492,8 +552,14 @@ impl Datapath for BpfDatapath {
 
     fn detach_endpoint(&mut self, id: EndpointId) -> Result<(), DatapathError> {
         let ifindex = self.endpoints.remove(&id).and_then(|e| e.ifindex);
-        if let Some(i) = ifindex {
-            self.detach_programs(i);
+        match ifindex {
+            Some(i) => self.detach_programs(id, i),
+            // Not attached in this run: its pinned links may still be there.
+            None => {
+                for hook in [Hook::Ingress, Hook::Egress] {
+                    tcx::detach(&self.pins.join(hook.pin_name(id)));
+                }
+            }
         }
         let k = (id as u32).to_ne_bytes();
         let _ = self.policy_maps.delete(&k);
