@@ -366,7 +366,7 @@ fn main() {
     }
     attach_ms.sort_by(|a, b| a.total_cmp(b));
     println!(
-        "attaching an endpoint to an interface (program load + verify + tc attach): median {:.1} ms, max {:.1} ms ({} endpoints)",
+        "attaching an endpoint to an interface (program load + verify + TCX link): median {:.1} ms, max {:.1} ms ({} endpoints)",
         attach_ms[attach_ms.len() / 2],
         attach_ms[attach_ms.len() - 1],
         attach_ms.len()
