@@ -472,3 +472,49 @@ fn sigterm_stops_the_agent_promptly_even_with_a_monitor_stream_open() {
         "an open `ciliate monitor` held shutdown for {took:?}"
     );
 }
+
+#[test]
+fn the_pod_cidr_comes_from_this_nodes_node_object() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = dir.path().join("manifests");
+    std::fs::create_dir_all(&m).unwrap();
+    let node = |extra: &str| {
+        format!(
+            "apiVersion: v1
+kind: Node
+metadata:
+  name: node-1
+  annotations: {{io.cilium.network.ipv4-pod-cidr: 10.66.0.0/24}}
+{extra}status: {{addresses: [{{type: InternalIP, address: 192.0.2.10}}]}}
+"
+        )
+    };
+    std::fs::write(m.join("node.yaml"), node("")).unwrap();
+    let agent = Agent::start_in(dir.path());
+    let ipam = || agent.cli_json(&["status"])["ipam"].clone();
+    agent.wait_until("the annotation's range is served", || {
+        ipam()["pod_cidr"] == "10.66.0.0/24"
+    });
+    assert_eq!(ipam()["source"], "node-annotation");
+    assert_eq!(ipam()["capacity"], 254);
+    // spec.podCIDRs comes first (ParseNode's order); nothing is allocated, so it takes over.
+    std::fs::write(
+        m.join("node.yaml"),
+        node("spec: {podCIDRs: [10.77.0.0/24]}\n"),
+    )
+    .unwrap();
+    agent.wait_until("the spec's range is served", || {
+        ipam()["pod_cidr"] == "10.77.0.0/24"
+    });
+    assert_eq!(ipam()["source"], "node-spec");
+    // An unusable value is reported and changes nothing.
+    std::fs::write(
+        m.join("node.yaml"),
+        node("spec: {podCIDRs: [not-a-cidr]}\n"),
+    )
+    .unwrap();
+    agent.wait_until("the agent reports the bad range", || {
+        agent.log().contains("spec.podCIDRs[0]")
+    });
+    assert_eq!(ipam()["pod_cidr"], "10.77.0.0/24");
+}

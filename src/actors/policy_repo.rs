@@ -898,9 +898,62 @@ traceable!(NodeUpsert, "NodeUpsert", |m| format!(
     m.node.name
 ));
 
+impl PolicyRepoActor {
+    /// This node's Node object names its pod CIDR (`ParseNode`: `spec.podCIDRs`, else the
+    /// annotation): IPAM serves that range from now on, with every endpoint's address
+    /// reserved. A range already handing out addresses is never swapped under its pods.
+    fn adopt_node_pod_cidr(&self, node: &crate::agent::objects::NodeInfo) {
+        use crate::ipam::{node_pod_cidr, Ipam};
+        let (cidr, source) = match node_pod_cidr(&node.pod_cidrs, &node.annotations) {
+            Ok(Some(c)) => c,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::error!(node = %node.name, error = %e, "this node's pod CIDR is unusable; IPAM keeps what it had");
+                return;
+            }
+        };
+        let Ok(mut g) = self.shared.ipam.lock() else {
+            return;
+        };
+        if let Some(cur) = &g.ipam {
+            if IpNet::V4(cur.cidr()) == cidr.trunc() {
+                g.source = Some(source);
+                return;
+            }
+            if cur.used() > 0 {
+                tracing::error!(node = %node.name, node_cidr = %cidr, in_use = %cur.cidr(), allocated = cur.used(), "the Node's pod CIDR differs from the range in use; keeping the range in use");
+                return;
+            }
+        }
+        let mut ipam = match Ipam::new(cidr) {
+            Ok(i) => i,
+            Err(e) => {
+                tracing::error!(node = %node.name, error = %e, "this node's pod CIDR is unusable; IPAM keeps what it had");
+                return;
+            }
+        };
+        for (id, e) in &self.endpoints {
+            let owner = e
+                .record
+                .container_id
+                .clone()
+                .unwrap_or_else(|| format!("endpoint:{id}"));
+            for ip in &e.record.ips {
+                let _ = ipam.reserve(*ip, &owner);
+            }
+        }
+        tracing::info!(node = %node.name, pod_cidr = %ipam.cidr(), ?source, "IPAM serves this node's pod CIDR");
+        g.ipam = Some(ipam);
+        g.source = Some(source);
+    }
+}
+
 impl Handler<NodeUpsert> for PolicyRepoActor {
     type Result = ();
     fn handle(&mut self, msg: NodeUpsert, _: &mut Context<Self>) {
+        if msg.node.name == self.shared.node_name {
+            self.adopt_node_pod_cidr(&msg.node);
+        }
         let identity = if msg.node.name == self.shared.node_name {
             IDENTITY_HOST
         } else {

@@ -41,6 +41,9 @@ pub struct Shared {
     pub ready: Arc<AtomicBool>,
     /// The most recent policy implementations (newest last).
     pub implementations: Arc<Mutex<VecDeque<Implementation>>>,
+    /// Node IPAM (the CNI plugin's addresses): set from `--pod-cidr` at start, or from this
+    /// node's Node object when it gives a pod CIDR.
+    pub ipam: Arc<Mutex<crate::ipam::NodeIpam>>,
     /// Policy verdict events from the datapath, for `ciliate monitor` (each subscriber gets all).
     pub events: tokio::sync::broadcast::Sender<crate::datapath::events::VerdictEvent>,
 }
@@ -67,6 +70,7 @@ impl Shared {
             node_name: node_name.to_string(),
             ready: Arc::new(AtomicBool::new(false)),
             implementations: Arc::new(Mutex::new(VecDeque::new())),
+            ipam: Arc::new(Mutex::new(crate::ipam::NodeIpam::default())),
             events: tokio::sync::broadcast::channel(4096).0,
         }
     }

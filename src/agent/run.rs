@@ -162,7 +162,7 @@ async fn run_async(
     manifests: PathBuf,
     datapath: Box<dyn Datapath>,
     state_dir: StateDir,
-    mut ipam: Option<crate::ipam::Ipam>,
+    ipam: Option<crate::ipam::Ipam>,
 ) -> Result<(), AgentError> {
     let shared = Shared::new(&config.node_name, state_dir.clone());
     let registry = shared.registry.clone();
@@ -198,6 +198,10 @@ async fn run_async(
     let Core { loader, repo, .. } = spawn_core(&shared, datapath);
 
     // restoreOldEndpoints: same ids, identities and IPs, before anything new is allocated.
+    let mut node_ipam = crate::ipam::NodeIpam {
+        source: ipam.as_ref().map(|_| crate::ipam::CidrSource::Flag),
+        ipam,
+    };
     let (records, errors) = state_dir.load_all();
     for e in errors {
         tracing::error!(error = %e, "endpoint state not restored (left on disk)");
@@ -205,7 +209,7 @@ async fn run_async(
     let restored = records.len();
     for rec in records {
         // Their addresses are reserved before the API (and so the CNI plugin) is served.
-        if let Some(ipam) = ipam.as_mut() {
+        if let Some(ipam) = node_ipam.ipam.as_mut() {
             let owner = rec
                 .container_id
                 .clone()
@@ -244,6 +248,9 @@ async fn run_async(
             Err(e) => tracing::error!(endpoint = rec.id, error = %e, "endpoint not restored"),
         }
     }
+    if let Ok(mut g) = shared.ipam.lock() {
+        *g = node_ipam;
+    }
     if restored > 0 {
         tracing::info!(
             restored,
@@ -269,7 +276,6 @@ async fn run_async(
         mode: "standalone",
         datapath: datapath_name,
         started: Instant::now(),
-        ipam: std::sync::Arc::new(std::sync::Mutex::new(ipam)),
     };
     if let Some(parent) = config.api_socket.parent() {
         std::fs::create_dir_all(parent).map_err(|e| AgentError::Io {

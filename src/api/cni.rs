@@ -168,11 +168,11 @@ pub async fn add(st: web::Data<AppState>, req: web::Json<CniRequest>) -> HttpRes
     }
     // IPAM.
     let ip = {
-        let mut ipam = match st.ipam.lock() {
+        let mut ipam = match st.shared.ipam.lock() {
             Ok(g) => g,
             Err(_) => return fail(code::AGENT_FAILURE, "IPAM state is poisoned", ""),
         };
-        let Some(ipam) = ipam.as_mut() else {
+        let Some(ipam) = ipam.ipam.as_mut() else {
             return fail(
                 code::INVALID_CONFIG,
                 "this node has no pod CIDR",
@@ -185,8 +185,8 @@ pub async fn add(st: web::Data<AppState>, req: web::Json<CniRequest>) -> HttpRes
         }
     };
     let release = |st: &AppState| {
-        if let Ok(mut g) = st.ipam.lock() {
-            if let Some(i) = g.as_mut() {
+        if let Ok(mut g) = st.shared.ipam.lock() {
+            if let Some(i) = g.ipam.as_mut() {
                 i.release(IpAddr::V4(ip));
             }
         }
@@ -352,8 +352,8 @@ pub async fn del(st: web::Data<AppState>, req: web::Json<CniRequest>) -> HttpRes
             )
         }
     }
-    if let Ok(mut g) = st.ipam.lock() {
-        if let Some(ipam) = g.as_mut() {
+    if let Ok(mut g) = st.shared.ipam.lock() {
+        if let Some(ipam) = g.ipam.as_mut() {
             for ip in &ips {
                 ipam.release(*ip);
             }

@@ -31,8 +31,6 @@ pub struct AppState {
     pub mode: &'static str,
     pub datapath: &'static str,
     pub started: Instant,
-    /// Node IPAM for the CNI plugin; `None` when the node has no pod CIDR.
-    pub ipam: std::sync::Arc<std::sync::Mutex<Option<crate::ipam::Ipam>>>,
 }
 
 const FROM: &str = "api";
@@ -80,6 +78,8 @@ pub struct StatusModel {
 #[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct IpamStatus {
     pub pod_cidr: String,
+    /// `node-spec`, `node-annotation` or `flag`.
+    pub source: Option<crate::ipam::CidrSource>,
     pub allocated: usize,
     pub capacity: u32,
 }
@@ -256,9 +256,10 @@ async fn status(st: web::Data<AppState>) -> HttpResponse {
             .filter(|p| p.status != "accepted")
             .count(),
         uptime_seconds: st.started.elapsed().as_secs(),
-        ipam: st.ipam.lock().ok().and_then(|g| {
-            g.as_ref().map(|i| IpamStatus {
+        ipam: st.shared.ipam.lock().ok().and_then(|g| {
+            g.ipam.as_ref().map(|i| IpamStatus {
                 pod_cidr: i.cidr().to_string(),
+                source: g.source,
                 allocated: i.used(),
                 capacity: i.capacity(),
             })

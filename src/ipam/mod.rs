@@ -14,6 +14,54 @@ use std::net::{IpAddr, Ipv4Addr};
 
 use ipnet::{IpNet, Ipv4Net};
 
+/// The annotation Cilium reads a node's IPv4 pod CIDR from when `spec.podCIDRs` is empty.
+pub const POD_CIDR_ANNOTATION: &str = "io.cilium.network.ipv4-pod-cidr";
+
+/// Where the node's pod CIDR came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CidrSource {
+    /// The Node's `spec.podCIDRs`.
+    NodeSpec,
+    /// The Node's `io.cilium.network.ipv4-pod-cidr` annotation.
+    NodeAnnotation,
+    /// `--pod-cidr`.
+    Flag,
+}
+
+/// The node's IPv4 pod CIDR, in the order of Cilium's `ParseNode`: the first IPv4 range of
+/// `spec.podCIDRs`, else the annotation. An unparsable value is an error naming the field.
+pub fn node_pod_cidr(
+    pod_cidrs: &[String],
+    annotations: &std::collections::BTreeMap<String, String>,
+) -> Result<Option<(IpNet, CidrSource)>, String> {
+    for (i, c) in pod_cidrs.iter().enumerate() {
+        let net: IpNet = c
+            .parse()
+            .map_err(|_| format!("spec.podCIDRs[{i}]: {c:?} is not a CIDR"))?;
+        if matches!(net, IpNet::V4(_)) {
+            return Ok(Some((net, CidrSource::NodeSpec)));
+        }
+    }
+    match annotations.get(POD_CIDR_ANNOTATION) {
+        Some(a) => a
+            .parse()
+            .map(|n| Some((n, CidrSource::NodeAnnotation)))
+            .map_err(|_| {
+                format!("metadata.annotations[{POD_CIDR_ANNOTATION}]: {a:?} is not a CIDR")
+            }),
+        None => Ok(None),
+    }
+}
+
+/// The node's IPAM as the agent holds it: the allocator (none until a CIDR is known) and
+/// where its range came from.
+#[derive(Debug, Clone, Default)]
+pub struct NodeIpam {
+    pub ipam: Option<Ipam>,
+    pub source: Option<CidrSource>,
+}
+
 /// IPAM failures, naming the address or range concerned.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum IpamError {
@@ -179,6 +227,36 @@ impl Ipam {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn node_cidr_comes_from_the_spec_then_the_annotation() {
+        let ann = |v: &str| {
+            [(POD_CIDR_ANNOTATION.to_string(), v.to_string())]
+                .into_iter()
+                .collect::<std::collections::BTreeMap<_, _>>()
+        };
+        let none = std::collections::BTreeMap::new();
+        assert_eq!(
+            node_pod_cidr(
+                &["fd00::/64".into(), "10.1.0.0/24".into()],
+                &ann("10.9.0.0/24")
+            ),
+            Ok(Some(("10.1.0.0/24".parse().unwrap(), CidrSource::NodeSpec))),
+            "the first IPv4 range of the spec wins"
+        );
+        assert_eq!(
+            node_pod_cidr(&["fd00::/64".into()], &ann("10.9.0.0/24")),
+            Ok(Some((
+                "10.9.0.0/24".parse().unwrap(),
+                CidrSource::NodeAnnotation
+            )))
+        );
+        assert_eq!(node_pod_cidr(&[], &none), Ok(None));
+        let e = node_pod_cidr(&["10.1.0.0/33".into()], &none).unwrap_err();
+        assert!(e.contains("spec.podCIDRs[0]"), "{e}");
+        let e = node_pod_cidr(&[], &ann("nope")).unwrap_err();
+        assert!(e.contains(POD_CIDR_ANNOTATION), "{e}");
+    }
 
     fn ipam(cidr: &str) -> Ipam {
         Ipam::new(cidr.parse().unwrap()).unwrap()
