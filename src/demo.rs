@@ -211,6 +211,29 @@ impl Scratch {
     }
 }
 
+impl Scratch {
+    /// SIGTERM to the agent; true when it exited by itself within 10 s (else it is killed).
+    fn stop_agent(&mut self) -> bool {
+        let Some(mut agent) = self.agent.take() else {
+            return true;
+        };
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(agent.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = agent.try_wait() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = agent.kill();
+        let _ = agent.wait();
+        false
+    }
+}
+
 impl Drop for Scratch {
     fn drop(&mut self) {
         for (container, netns) in std::mem::take(&mut self.added) {
@@ -224,20 +247,8 @@ impl Drop for Scratch {
                 eprintln!("cleanup: {e}");
             }
         }
-        if let Some(mut agent) = self.agent.take() {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(agent.id() as i32),
-                nix::sys::signal::Signal::SIGTERM,
-            );
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while Instant::now() < deadline {
-                if let Ok(Some(_)) = agent.try_wait() {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let _ = agent.kill();
-            let _ = agent.wait();
+        if !self.stop_agent() {
+            eprintln!("cleanup: the agent did not stop on SIGTERM within 10 s and was killed");
         }
         let _ = std::fs::remove_dir_all(&self.pins);
         let _ = std::fs::remove_dir_all(&self.dir);
@@ -424,7 +435,8 @@ fn run_inner(config: &DemoConfig) -> Result<usize, String> {
     println!("ciliate demo: an agent with the eBPF datapath, four pods created through CNI, real TCP connections.");
     println!("  scratch directory {}", dir.display());
     let log = std::fs::File::create(dir.join("agent.log")).map_err(|e| e.to_string())?;
-    let agent = Command::new(&exe)
+    let mut agent = Command::new(&exe);
+    agent
         .args([
             "agent",
             "--mode",
@@ -453,7 +465,17 @@ fn run_inner(config: &DemoConfig) -> Result<usize, String> {
         .stdout(Stdio::null())
         .stderr(log)
         // Its own process group: Ctrl-C reaches the demo, which then cleans up through it.
-        .process_group(0)
+        .process_group(0);
+    // The demo blocks SIGINT/SIGTERM to take them with sigwait, and a child inherits the
+    // mask: unblock them in the agent, or it could never shut down cleanly.
+    unsafe {
+        agent.pre_exec(|| {
+            demo_signals()
+                .thread_unblock()
+                .map_err(std::io::Error::from)
+        });
+    }
+    let agent = agent
         .spawn()
         .map_err(|e| format!("cannot start the agent: {e}"))?;
     scratch.agent = Some(agent);
@@ -601,7 +623,19 @@ fn run_inner(config: &DemoConfig) -> Result<usize, String> {
         let _ = signals.wait();
         println!("\ncleaning up.");
     }
+    // Pods first (CNI DEL needs the agent), then the agent, which must stop by itself.
+    let clean = {
+        for (container, netns) in std::mem::take(&mut scratch.added) {
+            if let Err(e) = scratch.cni("DEL", &container, &netns, None) {
+                eprintln!("cleanup: {e}");
+            }
+        }
+        scratch.stop_agent()
+    };
     drop(scratch);
+    if !clean {
+        return Err("the agent did not stop on SIGTERM within 10 s and was killed".into());
+    }
     Ok(wrong)
 }
 

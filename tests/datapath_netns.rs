@@ -190,9 +190,28 @@ fn policy_on_real_veths_with_live_edits_replies_and_a_restart_without_a_gap() {
     );
     let after = link(2, "egress").expect("the link is still pinned");
     assert_eq!(after.0, ifindex_b);
+    assert_eq!(
+        (after.2, dp.kept_on_reattach),
+        (before.2, 2),
+        "the same build's running instances are kept, not reloaded"
+    );
+    // As an upgrade does it: a new instance swapped into the same link.
+    dp.set_reuse_running_programs(false);
+    dp.attach_endpoint(&EndpointAttachment {
+        id: 2,
+        interface: Some(b.host_if.clone()),
+        ips: vec![b.addr],
+        identity: id_b,
+    })
+    .unwrap();
+    let swapped = link(2, "egress").expect("the link is still pinned");
     assert_ne!(
-        after.2, before.2,
-        "the same link now runs the new program instance"
+        swapped.2, before.2,
+        "the same link now runs a new program instance"
+    );
+    assert!(
+        tcp_ok(&a.netns, b.addr, 9090),
+        "and it enforces the same policy"
     );
     dp.sync_policy(
         1,

@@ -59,6 +59,14 @@ pub struct BpfDatapath {
     pins: PathBuf,
     /// Still trying TCX (Auto mode and no "unsupported" answer yet).
     use_tcx: bool,
+    /// The kernel tags of this build's two programs (the same for every instance).
+    build_tags: Option<([u8; 8], [u8; 8])>,
+    /// Ids of the maps pinned now that every current program instance must use.
+    pinned_map_ids: Vec<u32>,
+    /// Endpoints whose running programs were kept on re-attach (counted for tests and logs).
+    pub kept_on_reattach: usize,
+    /// Keep running programs of this build on re-attach (on by default).
+    reuse_running: bool,
     /// Prefixes shorter than a host address (longest-prefix match).
     ipcache: MapHandle,
     /// Host addresses (/32, /128), probed first.
@@ -276,11 +284,12 @@ impl BpfDatapath {
         )));
         ensure_bpffs(bpf_root)?;
         let pins = bpf_root.join("ciliate");
-        {
+        let build_tags = {
             // Loading an instance creates every map and pins it, or reuses the pins.
             let mut storage = MaybeUninit::uninit();
-            load_program(&mut storage, &pins, 0)?;
-        }
+            let skel = load_program(&mut storage, &pins, 0)?;
+            tcx::tag_of(&skel.progs.from_container).zip(tcx::tag_of(&skel.progs.to_container))
+        };
         let open = |name: &str| {
             MapHandle::from_pinned_path(pins.join(name)).map_err(sys(format!(
                 "open pinned map {}",
@@ -295,7 +304,16 @@ impl BpfDatapath {
             endpoints: BTreeMap::new(),
             pins,
             use_tcx: mode == AttachMode::Auto,
+            build_tags,
+            pinned_map_ids: Vec::new(),
+            kept_on_reattach: 0,
+            reuse_running: true,
         };
+        let mut dp = dp;
+        dp.pinned_map_ids = [&dp.endpoint_map, &dp.policy_maps, &dp.ipcache_hosts]
+            .iter()
+            .filter_map(|m| m.info().ok().map(|i| i.info.id))
+            .collect();
         dp.migrate_host_prefixes();
         Ok(dp)
     }
@@ -331,6 +349,12 @@ impl BpfDatapath {
         if moved > 0 {
             tracing::info!(moved, "ipcache: host addresses moved from the prefix trie to the host table (maps of an older version)");
         }
+    }
+
+    /// Whether re-attaching keeps a running instance of this build instead of loading a new
+    /// one (tests turn it off to exercise the in-place link update an upgrade goes through).
+    pub fn set_reuse_running_programs(&mut self, reuse: bool) {
+        self.reuse_running = reuse;
     }
 
     /// Where the maps are pinned.
@@ -425,6 +449,13 @@ impl BpfDatapath {
         let ifindex = nix::net::if_::if_nametoindex(ifname)
             .map_err(sys(format!("interface {ifname} of endpoint {id}")))?
             as i32;
+        if self.use_tcx && self.reuse_running && self.running_programs_are_current(id, ifindex) {
+            // A restarted agent of the same build: the pinned links already run this
+            // endpoint's instance on these maps; loading and verifying another (tens of
+            // milliseconds per endpoint) would change nothing.
+            self.kept_on_reattach += 1;
+            return Ok(ifindex);
+        }
         if self.use_tcx {
             match self.attach_tcx(id, ifindex) {
                 Ok(()) => {
@@ -460,6 +491,26 @@ impl BpfDatapath {
                 .map_err(sys(format!("attach to tc {what} of {ifname}")))?;
         }
         Ok(ifindex)
+    }
+
+    /// Whether both of the endpoint's pinned links sit on `ifindex` and run an instance of
+    /// this build, for this endpoint, that uses the maps pinned now.
+    fn running_programs_are_current(&self, id: EndpointId, ifindex: i32) -> bool {
+        let Some((tag_in, tag_eg)) = self.build_tags else {
+            return false;
+        };
+        [(Hook::Ingress, tag_in), (Hook::Egress, tag_eg)]
+            .into_iter()
+            .all(|(hook, tag)| {
+                tcx::current_program(&self.pins.join(hook.pin_name(id)), ifindex, hook).is_some_and(
+                    |p| {
+                        p.tag == tag
+                            && p.endpoint_id == Some(id as u32)
+                            && !self.pinned_map_ids.is_empty()
+                            && self.pinned_map_ids.iter().all(|m| p.map_ids.contains(m))
+                    },
+                )
+            })
     }
 
     /// Loads an instance for TCX and creates or updates the endpoint's pinned links.

@@ -154,3 +154,90 @@ pub fn detach(pin: &Path) {
     }
     let _ = std::fs::remove_file(pin);
 }
+
+/// What the kernel says about a loaded program: its tag (a hash of its instructions with map
+/// references blanked, so every instance of one build shares it), the ids of the maps it
+/// uses, and the `ENDPOINT_ID` in its read-only data.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadedProgram {
+    pub tag: [u8; 8],
+    pub map_ids: Vec<u32>,
+    pub endpoint_id: Option<u32>,
+}
+
+fn prog_info(fd: i32, map_ids: Option<&mut Vec<u32>>) -> Option<sys::bpf_prog_info> {
+    let mut info: sys::bpf_prog_info = unsafe { std::mem::zeroed() };
+    if let Some(ids) = map_ids {
+        info.nr_map_ids = ids.len() as u32;
+        info.map_ids = ids.as_mut_ptr() as u64;
+    }
+    let mut len = std::mem::size_of::<sys::bpf_prog_info>() as u32;
+    (unsafe { sys::bpf_prog_get_info_by_fd(fd, &mut info, &mut len) } == 0).then_some(info)
+}
+
+/// The tag of a loaded program.
+pub fn tag_of(prog: &libbpf_rs::Program<'_>) -> Option<[u8; 8]> {
+    prog_info(prog.as_fd().as_raw_fd(), None).map(|i| i.tag)
+}
+
+/// Reads what [`LoadedProgram`] describes for the program with kernel id `prog_id`.
+pub fn loaded_program(prog_id: u32) -> Option<LoadedProgram> {
+    let fd = unsafe { sys::bpf_prog_get_fd_by_id(prog_id) };
+    if fd < 0 {
+        return None;
+    }
+    let out = (|| {
+        let n = prog_info(fd, None)?.nr_map_ids as usize;
+        let mut ids = vec![0u32; n];
+        let info = prog_info(fd, Some(&mut ids))?;
+        ids.truncate(info.nr_map_ids as usize);
+        let mut endpoint_id = None;
+        for id in &ids {
+            let mfd = unsafe { sys::bpf_map_get_fd_by_id(*id) };
+            if mfd < 0 {
+                continue;
+            }
+            let mut m: sys::bpf_map_info = unsafe { std::mem::zeroed() };
+            let mut len = std::mem::size_of::<sys::bpf_map_info>() as u32;
+            let ok = unsafe { sys::bpf_map_get_info_by_fd(mfd, &mut m, &mut len) } == 0;
+            let name: Vec<u8> = m
+                .name
+                .iter()
+                .take_while(|c| **c != 0)
+                .map(|c| *c as u8)
+                .collect();
+            if ok && name.ends_with(b".rodata") && m.value_size >= 4 {
+                let key = 0u32;
+                let mut value = vec![0u8; m.value_size as usize];
+                let found = unsafe {
+                    sys::bpf_map_lookup_elem(
+                        mfd,
+                        &key as *const u32 as *const _,
+                        value.as_mut_ptr() as *mut _,
+                    )
+                } == 0;
+                if found {
+                    endpoint_id =
+                        Some(u32::from_ne_bytes([value[0], value[1], value[2], value[3]]));
+                }
+            }
+            unsafe { nix::libc::close(mfd) };
+        }
+        Some(LoadedProgram {
+            tag: info.tag,
+            map_ids: ids,
+            endpoint_id,
+        })
+    })();
+    unsafe { nix::libc::close(fd) };
+    out
+}
+
+/// The program the pinned link at `pin` runs, if the link sits at `hook` of `ifindex`.
+pub fn current_program(pin: &Path, ifindex: i32, hook: Hook) -> Option<LoadedProgram> {
+    let (i, t, prog_id) = pinned_link_info(pin)?;
+    if i != ifindex as u32 || t != hook.attach_type() {
+        return None;
+    }
+    loaded_program(prog_id)
+}
