@@ -557,10 +557,21 @@ impl Datapath for BpfDatapath {
     fn attach_endpoint(&mut self, att: &EndpointAttachment) -> Result<(), DatapathError> {
         let id = att.id;
         let policy = self.policy_map(id)?;
-        let fd = policy.as_fd().as_raw_fd() as u32;
-        self.policy_maps
-            .update(&(id as u32).to_ne_bytes(), &fd.to_ne_bytes(), MapFlags::ANY)
-            .map_err(sys(format!("register the policy map of endpoint {id}")))?;
+        // A map-in-map update waits for an RCU grace period (milliseconds): skip it when this
+        // very map is registered already (a restarted agent).
+        let registered = self
+            .policy_maps
+            .lookup(&(id as u32).to_ne_bytes(), MapFlags::ANY)
+            .ok()
+            .flatten()
+            .and_then(|b| b.get(..4).map(|x| u32::from_ne_bytes([x[0], x[1], x[2], x[3]])));
+        let this = policy.info().ok().map(|i| i.info.id);
+        if registered.is_none() || registered != this {
+            let fd = policy.as_fd().as_raw_fd() as u32;
+            self.policy_maps
+                .update(&(id as u32).to_ne_bytes(), &fd.to_ne_bytes(), MapFlags::ANY)
+                .map_err(sys(format!("register the policy map of endpoint {id}")))?;
+        }
         // A new endpoint drops until its policy is realized; a known one (agent restart) keeps
         // enforcing what it had.
         let info = match self.read_info(id) {
