@@ -30,6 +30,21 @@ fn allow(keys: &[MapKey]) -> MapDelta {
     }
 }
 
+/// Each pod's address in the ipcache with its identity, and the pod attached as an endpoint.
+fn attach_pods(dp: &mut BpfDatapath, pods: &[(&common::netns::Pod, u16, u32)]) {
+    for (p, ep, ident) in pods {
+        dp.upsert_ipcache(format!("{}/32", p.addr).parse().unwrap(), *ident)
+            .unwrap();
+        dp.attach_endpoint(&EndpointAttachment {
+            id: *ep,
+            interface: Some(p.host_if.clone()),
+            ips: vec![p.addr],
+            identity: *ident,
+        })
+        .unwrap();
+    }
+}
+
 const ISOLATED_IN: EndpointFlags = EndpointFlags {
     ingress_default_deny: true,
     egress_default_deny: false,
@@ -65,17 +80,7 @@ fn policy_on_real_veths_with_live_edits_replies_and_a_restart_without_a_gap() {
     );
 
     let mut dp = BpfDatapath::open(&w.pins).expect("open the datapath");
-    for (p, ep, ident) in [(a, 1u16, id_a), (b, 2u16, id_b)] {
-        dp.upsert_ipcache(format!("{}/32", p.addr).parse().unwrap(), ident)
-            .unwrap();
-        dp.attach_endpoint(&EndpointAttachment {
-            id: ep,
-            interface: Some(p.host_if.clone()),
-            ips: vec![p.addr],
-            identity: ident,
-        })
-        .unwrap();
-    }
+    attach_pods(&mut dp, &[(a, 1, id_a), (b, 2, id_b)]);
     // Attached but not yet realized: fail closed.
     assert!(
         !tcp_ok(&a.netns, b.addr, 8080),
@@ -280,17 +285,7 @@ fn conntrack_gc_removes_expired_entries_and_keeps_live_ones() {
     let (a, b) = (&w.pods[0], &w.pods[1]);
     let (id_a, id_b) = (2001u32, 2002u32);
     let mut dp = BpfDatapath::open(&w.pins).expect("open the datapath");
-    for (p, ep, ident) in [(a, 1u16, id_a), (b, 2u16, id_b)] {
-        dp.upsert_ipcache(format!("{}/32", p.addr).parse().unwrap(), ident)
-            .unwrap();
-        dp.attach_endpoint(&EndpointAttachment {
-            id: ep,
-            interface: Some(p.host_if.clone()),
-            ips: vec![p.addr],
-            identity: ident,
-        })
-        .unwrap();
-    }
+    attach_pods(&mut dp, &[(a, 1, id_a), (b, 2, id_b)]);
     dp.sync_policy(1, OPEN, &MapDelta::default(), true).unwrap();
     // b: ingress from a on 7070 only, egress isolated.
     dp.sync_policy(
@@ -372,17 +367,7 @@ fn legacy_tc_attachments_are_taken_over_by_tcx_without_a_gap() {
     tcp_server(&b.netns, b.addr, 8080);
     tcp_server(&b.netns, b.addr, 9090);
     let attach_all = |dp: &mut BpfDatapath| {
-        for (p, ep, ident) in [(a, 1u16, id_a), (b, 2u16, id_b)] {
-            dp.upsert_ipcache(format!("{}/32", p.addr).parse().unwrap(), ident)
-                .unwrap();
-            dp.attach_endpoint(&EndpointAttachment {
-                id: ep,
-                interface: Some(p.host_if.clone()),
-                ips: vec![p.addr],
-                identity: ident,
-            })
-            .unwrap();
-        }
+        attach_pods(dp, &[(a, 1, id_a), (b, 2, id_b)]);
     };
     // As an older agent did it: legacy clsact filters.
     let mut dp = BpfDatapath::open_with(

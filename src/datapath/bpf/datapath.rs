@@ -219,6 +219,18 @@ fn abi_key(k: &PolicyEntryKey) -> types::policy_key {
     }
 }
 
+/// Every entry of a map as its shared key and value types (entries that vanish while being
+/// read, or do not decode, are skipped).
+fn typed_entries<K: Pod, V: Pod>(map: &MapHandle) -> Vec<(K, V)> {
+    map.keys()
+        .filter_map(|kb| {
+            let k = K::from_bytes(&kb)?;
+            let v = map.lookup(&kb, MapFlags::ANY).ok().flatten()?;
+            Some((k, V::from_bytes(&v)?))
+        })
+        .collect()
+}
+
 /// The host-table key of a host prefix (/32 or /128), `None` for shorter prefixes.
 fn ipcache_host_key(prefix: &IpNet) -> Option<types::ipcache_host_key> {
     if prefix.prefix_len() != prefix.max_prefix_len() {
@@ -564,7 +576,10 @@ impl Datapath for BpfDatapath {
             .lookup(&(id as u32).to_ne_bytes(), MapFlags::ANY)
             .ok()
             .flatten()
-            .and_then(|b| b.get(..4).map(|x| u32::from_ne_bytes([x[0], x[1], x[2], x[3]])));
+            .and_then(|b| {
+                b.get(..4)
+                    .map(|x| u32::from_ne_bytes([x[0], x[1], x[2], x[3]]))
+            });
         let this = policy.info().ok().map(|i| i.info.id);
         if registered.is_none() || registered != this {
             let fd = policy.as_fd().as_raw_fd() as u32;
@@ -822,17 +837,7 @@ impl Datapath for BpfDatapath {
             .ok_or(DatapathError::UnknownEndpoint(id))?;
         let info = self.read_info(id).unwrap_or_default();
         let mut entries = Vec::new();
-        for kb in ep.policy.keys() {
-            let (Some(k), Some(v)) = (
-                types::policy_key::from_bytes(&kb),
-                ep.policy
-                    .lookup(&kb, MapFlags::ANY)
-                    .ok()
-                    .flatten()
-                    .and_then(|b| types::policy_value::from_bytes(&b)),
-            ) else {
-                continue;
-            };
+        for (k, v) in typed_entries::<types::policy_key, types::policy_value>(&ep.policy) {
             let ek = PolicyEntryKey {
                 identity: k.identity,
                 egress: k.egress != 0,
@@ -865,33 +870,15 @@ impl Datapath for BpfDatapath {
 
     fn dump_ipcache(&self) -> Vec<(IpNet, NumericIdentity)> {
         let mut out = Vec::new();
-        for kb in self.ipcache.keys() {
-            let (Some(k), Some(v)) = (
-                types::ipcache_key::from_bytes(&kb),
-                self.ipcache
-                    .lookup(&kb, MapFlags::ANY)
-                    .ok()
-                    .flatten()
-                    .and_then(|b| types::ipcache_value::from_bytes(&b)),
-            ) else {
-                continue;
-            };
+        for (k, v) in typed_entries::<types::ipcache_key, types::ipcache_value>(&self.ipcache) {
             let len = k.prefixlen.saturating_sub(32) as u8;
             if let Ok(n) = IpNet::new(ip_of(k.family, &k.addr), len) {
                 out.push((n, v.identity));
             }
         }
-        for kb in self.ipcache_hosts.keys() {
-            let (Some(k), Some(v)) = (
-                types::ipcache_host_key::from_bytes(&kb),
-                self.ipcache_hosts
-                    .lookup(&kb, MapFlags::ANY)
-                    .ok()
-                    .flatten()
-                    .and_then(|b| types::ipcache_value::from_bytes(&b)),
-            ) else {
-                continue;
-            };
+        for (k, v) in
+            typed_entries::<types::ipcache_host_key, types::ipcache_value>(&self.ipcache_hosts)
+        {
             out.push((IpNet::from(ip_of(k.family, &k.addr)), v.identity));
         }
         out.sort();
