@@ -84,7 +84,14 @@ fn load(endpoint_id: u32) -> Loaded {
         std::process::id()
     ));
     let obj = Box::leak(Box::new(MaybeUninit::uninit()));
-    let skel = load_program(obj, &pins, endpoint_id).expect("the verifier accepts the program");
+    let skel = match load_program(obj, &pins, endpoint_id) {
+        Ok(s) => s,
+        Err(e) => {
+            // No guard exists yet: remove the pin directory here, then fail.
+            let _ = std::fs::remove_dir_all(&pins);
+            panic!("the verifier accepts the program: {e}");
+        }
+    };
     Loaded {
         skel,
         _inner: None,
