@@ -5,6 +5,8 @@
 
 mod common;
 
+use common::eventually;
+
 use std::time::{Duration, Instant};
 
 use common::agent::Agent;
@@ -53,17 +55,6 @@ fn wait_output(mut child: std::process::Child, limit: Duration) -> String {
     let _ = child.kill();
     let out = child.wait_with_output().unwrap();
     String::from_utf8_lossy(&out.stdout).to_string()
-}
-
-fn eventually(what: &str, f: impl Fn() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while Instant::now() < deadline {
-        if f() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    panic!("timed out waiting until {what}");
 }
 
 #[test]

@@ -6,9 +6,11 @@
 
 mod common;
 
+use common::eventually;
+
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::agent::Agent;
 use common::cni::{cni, unique_pod_cidr, CniPods};
@@ -62,17 +64,6 @@ spec:
     - fromEndpoints: [{matchLabels: {app: a}}]
       icmps: [{fields: [{type: 8, family: IPv4}]}]
 ";
-
-fn eventually(what: &str, f: impl Fn() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while Instant::now() < deadline {
-        if f() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    panic!("timed out waiting until {what}");
-}
 
 fn ipam_allocated(agent: &Agent) -> u64 {
     agent.cli_json(&["status"])["ipam"]["allocated"]

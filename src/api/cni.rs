@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use actix_web::http::StatusCode;
 use actix_web::{web, HttpResponse};
 
-use super::{endpoint_models, AppState, FROM};
+use super::{endpoint_model, AppState, FROM};
 use crate::actors::endpoint::EndpointModel;
 use crate::actors::policy_repo::{AddEndpoint, DeleteEndpoint, EndpointRequest, FindEndpoint};
 use crate::cni::{code, CniError, CniInterface, CniIp, CniRequest, CniResult, CniRoute};
@@ -62,12 +62,9 @@ async fn find(st: &AppState, container_id: &str) -> Result<Option<EndpointId>, H
     }
 }
 
+/// ADD polls this while it waits: it must ask only the one endpoint, not every actor.
 async fn model(st: &AppState, id: EndpointId) -> Option<EndpointModel> {
-    endpoint_models(st)
-        .await
-        .ok()?
-        .into_iter()
-        .find(|m| m.id == id)
+    endpoint_model(st, id).await.ok()
 }
 
 fn result_for(req: &CniRequest, m: &EndpointModel, host_mac: &str, pod_mac: &str) -> CniResult {

@@ -160,20 +160,28 @@ async fn endpoints(st: web::Data<AppState>) -> HttpResponse {
     }
 }
 
-async fn endpoint(st: web::Data<AppState>, id: web::Path<EndpointId>) -> HttpResponse {
-    let id = id.into_inner();
-    let handles = match st.repo.send(ListEndpoints, FROM).await {
-        Ok(Ok(h)) => h,
-        Ok(Err(e)) => return api_error(e),
-        Err(e) => return mailbox_error(e),
-    };
+/// One endpoint's model, asking only that endpoint's actor.
+pub async fn endpoint_model(st: &AppState, id: EndpointId) -> Result<EndpointModel, HttpResponse> {
+    let handles = st
+        .repo
+        .send(ListEndpoints, FROM)
+        .await
+        .map_err(mailbox_error)?
+        .map_err(api_error)?;
     let Some((_, addr)) = handles.into_iter().find(|(i, _)| *i == id) else {
-        return api_error(ApiError::NotFound(format!("endpoint {id}")));
+        return Err(api_error(ApiError::NotFound(format!("endpoint {id}"))));
     };
     match addr.send(GetEndpoint, FROM).await {
-        Ok(Ok(m)) => HttpResponse::Ok().json(m),
-        Ok(Err(e)) => error(StatusCode::INTERNAL_SERVER_ERROR, e),
-        Err(e) => mailbox_error(e),
+        Ok(Ok(m)) => Ok(m),
+        Ok(Err(e)) => Err(error(StatusCode::INTERNAL_SERVER_ERROR, e)),
+        Err(e) => Err(mailbox_error(e)),
+    }
+}
+
+async fn endpoint(st: web::Data<AppState>, id: web::Path<EndpointId>) -> HttpResponse {
+    match endpoint_model(&st, id.into_inner()).await {
+        Ok(m) => HttpResponse::Ok().json(m),
+        Err(r) => r,
     }
 }
 

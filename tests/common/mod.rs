@@ -4,3 +4,15 @@
 pub mod agent;
 pub mod cni;
 pub mod netns;
+
+/// Polls `f` every 100 ms for up to 20 s; panics naming `what` when it never holds.
+pub fn eventually(what: &str, f: impl Fn() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while std::time::Instant::now() < deadline {
+        if f() {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    panic!("timed out waiting until {what}");
+}
