@@ -10,6 +10,7 @@
 //! ```
 
 pub mod endpoint;
+pub mod kube_watcher;
 pub mod loader;
 pub mod policy_repo;
 pub mod rule_reaction;

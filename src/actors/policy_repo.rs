@@ -618,7 +618,14 @@ impl Handler<PolicyUpsert> for PolicyRepoActor {
             warnings: msg.policy.warnings.clone(),
             previous_version_enforced: false,
         };
+        let notes = msg.policy.notes.clone();
         let change = self.engine_mut().upsert_policy(msg.policy);
+        self.shared
+            .report_policy(crate::k8s::status::PolicyStatusEvent::Accepted {
+                key: key.clone(),
+                revision: change.revision,
+                notes,
+            });
         self.policies.insert(
             key.clone(),
             PolicyStatus {
@@ -684,6 +691,12 @@ impl Handler<PolicyRejected> for PolicyRepoActor {
                 warnings: vec![],
                 previous_version_enforced: false,
             });
+        self.shared
+            .report_policy(crate::k8s::status::PolicyStatusEvent::Rejected {
+                key: key.clone(),
+                error: msg.error.clone(),
+                previous_enforced: enforced,
+            });
         entry.status = format!("rejected: {}", msg.error);
         entry.source = msg.source;
         entry.previous_version_enforced = enforced;
@@ -707,6 +720,10 @@ impl Handler<PolicyDelete> for PolicyRepoActor {
     fn handle(&mut self, msg: PolicyDelete, _: &mut Context<Self>) -> Self::Result {
         let accepted_at = Instant::now();
         self.policies.remove(&msg.key);
+        self.shared
+            .report_policy(crate::k8s::status::PolicyStatusEvent::Deleted {
+                key: msg.key.clone(),
+            });
         let change = self.engine_mut().delete_policy(&msg.key);
         match change {
             Some(change) => {

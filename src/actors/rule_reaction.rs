@@ -42,6 +42,8 @@ struct Pending {
     endpoints: usize,
     accepted_at: Instant,
     waiting: HashSet<EndpointId>,
+    /// Endpoints that reported a failed regeneration for this change.
+    failed: usize,
     ipcache: Vec<IpcacheChange>,
     observe_delay: bool,
     set_ready: bool,
@@ -99,6 +101,12 @@ impl RuleReactionActor {
                     seconds: p.accepted_at.elapsed().as_secs_f64(),
                 });
         }
+        self.shared
+            .report_policy(crate::k8s::status::PolicyStatusEvent::Realized {
+                revision: p.revision,
+                all_ok: p.failed == 0,
+                initial: p.set_ready,
+            });
         if !p.ipcache.is_empty() {
             self.loader
                 .do_send(UpdateIpcache { changes: p.ipcache }, NAME);
@@ -237,6 +245,7 @@ impl Handler<PolicyReaction> for RuleReactionActor {
                 endpoints: msg.to_regenerate.len(),
                 accepted_at: msg.accepted_at,
                 waiting: msg.to_regenerate.iter().map(|(id, _)| *id).collect(),
+                failed: 0,
                 ipcache: msg.ipcache,
                 observe_delay: msg.observe_delay,
                 set_ready: msg.set_ready,
@@ -288,7 +297,11 @@ impl Handler<EndpointRealized> for RuleReactionActor {
             .iter_mut()
             .filter(|(_, p)| p.revision <= msg.revision || !msg.ok)
             .filter_map(|(seq, p)| {
-                (p.waiting.remove(&msg.id) && p.waiting.is_empty()).then_some(*seq)
+                let was_waiting = p.waiting.remove(&msg.id);
+                if was_waiting && !msg.ok {
+                    p.failed += 1;
+                }
+                (was_waiting && p.waiting.is_empty()).then_some(*seq)
             })
             .collect();
         for seq in done {

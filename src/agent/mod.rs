@@ -46,6 +46,8 @@ pub struct Shared {
     pub ipam: Arc<Mutex<crate::ipam::NodeIpam>>,
     /// Policy verdict events from the datapath, for `ciliate monitor` (each subscriber gets all).
     pub events: tokio::sync::broadcast::Sender<crate::datapath::events::VerdictEvent>,
+    /// Kubernetes mode: where policy outcomes go to be written into CNP/CCNP status.
+    pub policy_status: Option<crate::k8s::status::PolicyStatusSink>,
 }
 
 impl Shared {
@@ -72,6 +74,7 @@ impl Shared {
             implementations: Arc::new(Mutex::new(VecDeque::new())),
             ipam: Arc::new(Mutex::new(crate::ipam::NodeIpam::default())),
             events: tokio::sync::broadcast::channel(4096).0,
+            policy_status: None,
         }
     }
 
@@ -85,6 +88,13 @@ impl Shared {
                 v.pop_front();
             }
             v.push_back(imp);
+        }
+    }
+
+    /// Tells the policy status writer (Kubernetes mode) what happened to a policy.
+    pub fn report_policy(&self, event: crate::k8s::status::PolicyStatusEvent) {
+        if let Some(sink) = &self.policy_status {
+            sink.report(event);
         }
     }
 

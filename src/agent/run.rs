@@ -12,6 +12,7 @@ use actix_web::{web, App, HttpServer};
 use super::introspect::{Registry, TracedAddr};
 use super::state::{StateDir, StateLock};
 use super::Shared;
+use crate::actors::kube_watcher::KubeWatcherActor;
 use crate::actors::loader::LoaderActor;
 use crate::actors::policy_repo::{AddEndpoint, EndpointRequest, PolicyRepoActor, Shutdown};
 use crate::actors::rule_reaction::RuleReactionActor;
@@ -85,23 +86,49 @@ fn leak_kind(name: &str) -> &'static str {
     }
 }
 
+/// Where the cluster state comes from, resolved from the configuration.
+#[derive(Debug, Clone)]
+enum Source {
+    Manifests(PathBuf),
+    Kubernetes { kubeconfig: Option<PathBuf> },
+}
+
+/// The source once connected: the manifest directory, or a client and the channel of policy
+/// outcomes its status writer consumes.
+enum Feed {
+    Manifests(PathBuf),
+    Kubernetes(
+        kube::Client,
+        tokio::sync::mpsc::UnboundedReceiver<crate::k8s::status::PolicyStatusEvent>,
+    ),
+}
+
 /// Runs the agent until SIGTERM/SIGINT.
 pub fn run(config: AgentConfig) -> Result<(), AgentError> {
-    if config.mode == Mode::Kubernetes {
-        return Err(AgentError::Config(
-            "--mode kubernetes is not available in this build yet (issue #5); use --mode standalone --manifests DIR".into(),
-        ));
-    }
-    let manifests = config
-        .manifests
-        .clone()
-        .ok_or_else(|| AgentError::Config("--mode standalone needs --manifests DIR".into()))?;
-    if !manifests.is_dir() {
-        return Err(AgentError::Config(format!(
-            "--manifests {}: not a directory",
-            manifests.display()
-        )));
-    }
+    let source = match config.mode {
+        Mode::Kubernetes => {
+            if config.kubeconfig.is_none() && !crate::k8s::client::in_cluster() {
+                return Err(AgentError::Config(
+                    "--mode kubernetes outside a cluster needs --kubeconfig FILE".into(),
+                ));
+            }
+            Source::Kubernetes {
+                kubeconfig: config.kubeconfig.clone(),
+            }
+        }
+        Mode::Standalone => {
+            let manifests = config.manifests.clone().ok_or_else(|| {
+                AgentError::Config("--mode standalone needs --manifests DIR".into())
+            })?;
+            if !manifests.is_dir() {
+                return Err(AgentError::Config(format!(
+                    "--manifests {}: not a directory",
+                    manifests.display()
+                )));
+            }
+            Source::Manifests(manifests)
+        }
+    };
     let ipam = match config.pod_cidr {
         Some(cidr) => Some(
             crate::ipam::Ipam::new(cidr)
@@ -120,7 +147,7 @@ pub fn run(config: AgentConfig) -> Result<(), AgentError> {
         ),
     };
     let system = actix::System::new();
-    system.block_on(run_async(config, manifests, datapath, state_dir, ipam))
+    system.block_on(run_async(config, source, datapath, state_dir, ipam))
 }
 
 /// The actors every mode shares, wired together.
@@ -159,12 +186,24 @@ pub fn spawn_core(shared: &Shared, datapath: Box<dyn Datapath>) -> Core {
 
 async fn run_async(
     config: AgentConfig,
-    manifests: PathBuf,
+    source: Source,
     datapath: Box<dyn Datapath>,
     state_dir: StateDir,
     ipam: Option<crate::ipam::Ipam>,
 ) -> Result<(), AgentError> {
-    let shared = Shared::new(&config.node_name, state_dir.clone());
+    let mut shared = Shared::new(&config.node_name, state_dir.clone());
+    // Kubernetes mode: the client first, so a bad kubeconfig fails the start at once.
+    let feed = match source {
+        Source::Kubernetes { kubeconfig } => {
+            let client = crate::k8s::client::make_client(kubeconfig.as_deref())
+                .await
+                .map_err(|e| AgentError::Config(e.to_string()))?;
+            let (sink, status_events) = crate::k8s::status::PolicyStatusSink::channel();
+            shared.policy_status = Some(sink);
+            Feed::Kubernetes(client, status_events)
+        }
+        Source::Manifests(dir) => Feed::Manifests(dir),
+    };
     let registry = shared.registry.clone();
     let datapath_name = datapath.name();
     let events = shared.events.clone();
@@ -261,19 +300,44 @@ async fn run_async(
 
     // The initial policy sync; restored endpoints regenerate when it is done.
     let watcher_journal = registry.register("WatcherActor".into(), "WatcherActor");
-    let repo_for_watcher = repo.clone();
-    let dir = manifests.clone();
-    let _watcher = WatcherActor::create(move |ctx| {
-        WatcherActor::new(dir, repo_for_watcher)
-            .with_self(TracedAddr::new(ctx.address(), watcher_journal))
-    });
+    let mode = match feed {
+        Feed::Manifests(dir) => {
+            let repo_for_watcher = repo.clone();
+            WatcherActor::create(move |ctx| {
+                WatcherActor::new(dir, repo_for_watcher)
+                    .with_self(TracedAddr::new(ctx.address(), watcher_journal))
+            });
+            "standalone"
+        }
+        Feed::Kubernetes(client, status_events) => {
+            actix_rt::spawn(crate::k8s::status::run_status_writer(
+                client.clone(),
+                config.node_name.clone(),
+                status_events,
+                crate::k8s::status::WriterOptions::default(),
+            ));
+            let (annotations, wanted) = tokio::sync::watch::channel(Default::default());
+            actix_rt::spawn(crate::k8s::node::run_node_annotator(
+                client.clone(),
+                config.node_name.clone(),
+                wanted,
+            ));
+            let repo_for_watcher = repo.clone();
+            let shared_for_watcher = shared.clone();
+            KubeWatcherActor::create(move |ctx| {
+                KubeWatcherActor::new(client, shared_for_watcher, repo_for_watcher, annotations)
+                    .with_self(TracedAddr::new(ctx.address(), watcher_journal))
+            });
+            "kubernetes"
+        }
+    };
 
     // Serve.
     let state = AppState {
         shared: shared.clone(),
         repo: repo.clone(),
         loader: loader.clone(),
-        mode: "standalone",
+        mode,
         datapath: datapath_name,
         started: Instant::now(),
     };

@@ -16,6 +16,10 @@ use ipnet::{IpNet, Ipv4Net};
 
 /// The annotation Cilium reads a node's IPv4 pod CIDR from when `spec.podCIDRs` is empty.
 pub const POD_CIDR_ANNOTATION: &str = "io.cilium.network.ipv4-pod-cidr";
+/// The name newer Cilium releases write the same annotation under; read when the first is absent.
+pub const POD_CIDR_ANNOTATION_ALIAS: &str = "network.cilium.io/ipv4-pod-cidr";
+/// The annotation the agent writes the node's host IP under (Cilium's `ipv4-cilium-host`).
+pub const HOST_IP_ANNOTATION: &str = "io.cilium.network.ipv4-cilium-host";
 
 /// Where the node's pod CIDR came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -43,15 +47,15 @@ pub fn node_pod_cidr(
             return Ok(Some((net, CidrSource::NodeSpec)));
         }
     }
-    match annotations.get(POD_CIDR_ANNOTATION) {
-        Some(a) => a
-            .parse()
-            .map(|n| Some((n, CidrSource::NodeAnnotation)))
-            .map_err(|_| {
-                format!("metadata.annotations[{POD_CIDR_ANNOTATION}]: {a:?} is not a CIDR")
-            }),
-        None => Ok(None),
+    for name in [POD_CIDR_ANNOTATION, POD_CIDR_ANNOTATION_ALIAS] {
+        if let Some(a) = annotations.get(name) {
+            return a
+                .parse()
+                .map(|n| Some((n, CidrSource::NodeAnnotation)))
+                .map_err(|_| format!("metadata.annotations[{name}]: {a:?} is not a CIDR"));
+        }
     }
+    Ok(None)
 }
 
 /// The node's IPAM as the agent holds it: the allocator (none until a CIDR is known) and
@@ -252,6 +256,19 @@ mod tests {
             )))
         );
         assert_eq!(node_pod_cidr(&[], &none), Ok(None));
+        let alias = [(
+            POD_CIDR_ANNOTATION_ALIAS.to_string(),
+            "10.8.0.0/24".to_string(),
+        )]
+        .into_iter()
+        .collect();
+        assert_eq!(
+            node_pod_cidr(&[], &alias),
+            Ok(Some((
+                "10.8.0.0/24".parse().unwrap(),
+                CidrSource::NodeAnnotation
+            )))
+        );
         let e = node_pod_cidr(&["10.1.0.0/33".into()], &none).unwrap_err();
         assert!(e.contains("spec.podCIDRs[0]"), "{e}");
         let e = node_pod_cidr(&[], &ann("nope")).unwrap_err();

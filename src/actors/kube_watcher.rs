@@ -1,0 +1,712 @@
+//! `WatcherActor` in Kubernetes mode: Cilium's `K8sWatcher` (`EnableK8sWatcher`,
+//! `ciliumNetworkPoliciesInit`, `addCiliumNetworkPolicyV2`) on kube-rs watchers.
+//!
+//! One kube-runtime watcher per resource (Namespaces, Nodes, Services, Pods of every node,
+//! NetworkPolicies, CiliumNetworkPolicies, CiliumClusterwideNetworkPolicies) runs as a task that
+//! hands each event to this actor as a [`WatchEvent`]. The actor converts the object
+//! (`agent::objects`, `policy::translate`), drops events that change nothing the agent uses (a
+//! status write, a pod's condition), and sends the same messages the standalone watcher sends.
+//!
+//! Initial sync. Until every resource has listed once, changes are held; then they go to
+//! `PolicyRepoActor` in dependency order (namespaces, nodes, services, pods, policies) followed
+//! by `InitialSyncDone`, after which `/readyz` turns ready once every endpoint has regenerated.
+//!
+//! Outages. A broken watch resumes from its last resourceVersion; a 410 Gone makes the watcher
+//! relist. Objects are deleted only by a delete event or by a completed relist that no longer
+//! holds them: while the API server is unreachable, every cached object (and so every policy)
+//! stays in force.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::fmt::Debug;
+use std::hash::{Hash, Hasher};
+use std::time::{Duration, Instant};
+
+use actix::{Actor, Context, Handler, Message};
+use futures_util::StreamExt;
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Service};
+use kube::api::{Api, ApiResource, DynamicObject};
+use kube::runtime::watcher::{self, watcher};
+use kube::runtime::WatchStreamExt;
+use kube::Resource;
+use serde::de::DeserializeOwned;
+
+use super::policy_repo::{
+    InitialSyncDone, NamespaceDelete, NamespaceUpsert, NodeDelete, NodeUpsert, PodDelete,
+    PodUpsert, PolicyDelete, PolicyRejected, PolicyRepoActor, PolicyUpsert, ServiceUpsert,
+};
+use crate::agent::introspect::{Traceable, TracedAddr};
+use crate::agent::objects::{
+    namespace_info, node_info, pod_info, service_info, NamespaceInfo, NodeInfo, PodInfo,
+    ServiceInfo,
+};
+use crate::agent::Shared;
+use crate::k8s::crd::{CiliumClusterwideNetworkPolicy, CiliumNetworkPolicy};
+use crate::k8s::node::{desired_annotations, needs_update};
+use crate::policy::rule::{PolicyKey, PolicyKind};
+use crate::policy::translate::parse_policy;
+use crate::traced_actor;
+
+const NAME: &str = "WatcherActor";
+const DEFAULT_NAMESPACE: &str = "default";
+
+/// The watched resources, in the order the initial sync applies them (identities exist before
+/// the rules that select them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Watched {
+    Namespace,
+    Node,
+    Service,
+    Pod,
+    NetworkPolicy,
+    CiliumNetworkPolicy,
+    CiliumClusterwideNetworkPolicy,
+}
+
+impl Watched {
+    pub const ALL: [Watched; 7] = [
+        Watched::Namespace,
+        Watched::Node,
+        Watched::Service,
+        Watched::Pod,
+        Watched::NetworkPolicy,
+        Watched::CiliumNetworkPolicy,
+        Watched::CiliumClusterwideNetworkPolicy,
+    ];
+
+    pub fn kind(self) -> &'static str {
+        match self {
+            Watched::Namespace => "Namespace",
+            Watched::Node => "Node",
+            Watched::Service => "Service",
+            Watched::Pod => "Pod",
+            Watched::NetworkPolicy => "NetworkPolicy",
+            Watched::CiliumNetworkPolicy => "CiliumNetworkPolicy",
+            Watched::CiliumClusterwideNetworkPolicy => "CiliumClusterwideNetworkPolicy",
+        }
+    }
+
+    fn api_version(self) -> &'static str {
+        match self {
+            Watched::NetworkPolicy => "networking.k8s.io/v1",
+            Watched::CiliumNetworkPolicy | Watched::CiliumClusterwideNetworkPolicy => {
+                "cilium.io/v2"
+            }
+            _ => "v1",
+        }
+    }
+}
+
+/// An object as a watcher delivers it. Policies stay untyped: the agent validates them itself
+/// and reports errors by field, and one malformed policy must not fail the whole list.
+#[derive(Debug, Clone)]
+pub enum Object {
+    Namespace(Box<Namespace>),
+    Node(Box<Node>),
+    Service(Box<Service>),
+    Pod(Box<Pod>),
+    Policy(Box<DynamicObject>),
+}
+
+/// One watcher event for one resource.
+#[derive(Debug, Clone)]
+pub enum Change {
+    Apply(Object),
+    Delete(Object),
+    /// A (re)list starts.
+    Init,
+    InitApply(Object),
+    /// The (re)list is complete.
+    InitDone,
+    /// The watch failed; the watcher retries with backoff.
+    Error(String),
+}
+
+/// What a watcher task hands to the actor.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct WatchEvent {
+    pub resource: Watched,
+    pub change: Change,
+}
+
+impl Traceable for WatchEvent {
+    const KIND: &'static str = "WatchEvent";
+    fn summary(&self) -> String {
+        let what = match &self.change {
+            Change::Apply(_) => "apply",
+            Change::Delete(_) => "delete",
+            Change::Init => "relist",
+            Change::InitApply(_) => "list",
+            Change::InitDone => "listed",
+            Change::Error(e) => return format!("{} watch error: {e}", self.resource.kind()),
+        };
+        format!("{} {what}", self.resource.kind())
+    }
+}
+
+/// An object converted to what the agent uses.
+#[derive(Debug, Clone)]
+enum Converted {
+    Namespace(NamespaceInfo),
+    Node(NodeInfo),
+    Service(ServiceInfo),
+    Pod(PodInfo),
+    /// The policy document as `parse_policy` reads it (status and bookkeeping left out).
+    Policy(serde_yaml::Value),
+    /// An object the agent has no use for (a host-network or finished pod): treated as absent.
+    Ignored,
+}
+
+pub struct KubeWatcherActor {
+    client: kube::Client,
+    shared: Shared,
+    repo: TracedAddr<PolicyRepoActor>,
+    me: Option<TracedAddr<KubeWatcherActor>>,
+    /// Per resource: object key -> hash of what was last sent.
+    known: HashMap<Watched, HashMap<String, u64>>,
+    /// Resources that have not listed once yet.
+    unsynced: BTreeSet<Watched>,
+    /// Resources in a (re)list: the keys it delivered so far.
+    relisting: HashMap<Watched, HashSet<String>>,
+    /// Before the initial sync completes: the latest state of each changed object (`None`:
+    /// deleted), sent in `Watched` order once every resource listed.
+    held: BTreeMap<(Watched, String), Option<Converted>>,
+    /// When each resource's last watch error was logged (errors repeat while the API is down).
+    error_logged: HashMap<Watched, Instant>,
+    /// This node's annotations, for the annotator task.
+    annotations: tokio::sync::watch::Sender<BTreeMap<String, String>>,
+    started: Instant,
+}
+
+impl KubeWatcherActor {
+    pub fn new(
+        client: kube::Client,
+        shared: Shared,
+        repo: TracedAddr<PolicyRepoActor>,
+        annotations: tokio::sync::watch::Sender<BTreeMap<String, String>>,
+    ) -> Self {
+        KubeWatcherActor {
+            client,
+            shared,
+            repo,
+            me: None,
+            known: HashMap::new(),
+            unsynced: Watched::ALL.into_iter().collect(),
+            relisting: HashMap::new(),
+            held: BTreeMap::new(),
+            error_logged: HashMap::new(),
+            annotations,
+            started: Instant::now(),
+        }
+    }
+
+    /// Gives the actor its own traced address (for the watcher tasks).
+    pub fn with_self(mut self, me: TracedAddr<KubeWatcherActor>) -> Self {
+        self.me = Some(me);
+        self
+    }
+
+    fn start_watchers(&self) {
+        let Some(me) = self.me.clone() else {
+            return;
+        };
+        let c = &self.client;
+        spawn_watch(
+            Watched::Namespace,
+            Api::<Namespace>::all(c.clone()),
+            |o| Object::Namespace(Box::new(o)),
+            me.clone(),
+        );
+        spawn_watch(
+            Watched::Node,
+            Api::<Node>::all(c.clone()),
+            |o| Object::Node(Box::new(o)),
+            me.clone(),
+        );
+        spawn_watch(
+            Watched::Service,
+            Api::<Service>::all(c.clone()),
+            |o| Object::Service(Box::new(o)),
+            me.clone(),
+        );
+        spawn_watch(
+            Watched::Pod,
+            Api::<Pod>::all(c.clone()),
+            |o| Object::Pod(Box::new(o)),
+            me.clone(),
+        );
+        let policy = |o| Object::Policy(Box::new(o));
+        let np = ApiResource {
+            group: "networking.k8s.io".into(),
+            version: "v1".into(),
+            api_version: "networking.k8s.io/v1".into(),
+            kind: "NetworkPolicy".into(),
+            plural: "networkpolicies".into(),
+        };
+        spawn_watch(
+            Watched::NetworkPolicy,
+            Api::<DynamicObject>::all_with(c.clone(), &np),
+            policy,
+            me.clone(),
+        );
+        spawn_watch(
+            Watched::CiliumNetworkPolicy,
+            Api::<DynamicObject>::all_with(
+                c.clone(),
+                &ApiResource::erase::<CiliumNetworkPolicy>(&()),
+            ),
+            policy,
+            me.clone(),
+        );
+        spawn_watch(
+            Watched::CiliumClusterwideNetworkPolicy,
+            Api::<DynamicObject>::all_with(
+                c.clone(),
+                &ApiResource::erase::<CiliumClusterwideNetworkPolicy>(&()),
+            ),
+            policy,
+            me,
+        );
+    }
+
+    fn on_change(&mut self, resource: Watched, change: Change) {
+        match change {
+            Change::Init => {
+                self.relisting.insert(resource, HashSet::new());
+            }
+            Change::InitApply(obj) => {
+                if let Some(key) = self.update(resource, &obj, false) {
+                    self.relisting.entry(resource).or_default().insert(key);
+                }
+            }
+            Change::Apply(obj) => {
+                self.update(resource, &obj, false);
+            }
+            Change::Delete(obj) => {
+                self.update(resource, &obj, true);
+            }
+            Change::InitDone => {
+                // What the relist no longer holds was deleted while the watch was down.
+                let seen = self.relisting.remove(&resource).unwrap_or_default();
+                let gone: Vec<String> = self
+                    .known
+                    .get(&resource)
+                    .map(|m| m.keys().filter(|k| !seen.contains(*k)).cloned().collect())
+                    .unwrap_or_default();
+                for key in gone {
+                    self.forget(resource, &key);
+                }
+                if self.unsynced.remove(&resource) {
+                    tracing::info!(resource = resource.kind(), objects = seen.len(), "listed");
+                    if self.unsynced.is_empty() {
+                        self.finish_initial_sync();
+                    }
+                } else {
+                    tracing::info!(resource = resource.kind(), objects = seen.len(), "relisted");
+                }
+            }
+            Change::Error(e) => {
+                let now = Instant::now();
+                let quiet = self
+                    .error_logged
+                    .get(&resource)
+                    .is_some_and(|t| now.duration_since(*t) < Duration::from_secs(30));
+                if !quiet {
+                    let hint = if e.contains("404") && resource >= Watched::CiliumNetworkPolicy {
+                        " (are the CRDs installed? kubectl apply -f manifests/crds/)"
+                    } else {
+                        ""
+                    };
+                    tracing::warn!(resource = resource.kind(), error = %e, "watch failed; retrying with backoff, cached objects stay in force{hint}");
+                    self.error_logged.insert(resource, now);
+                }
+            }
+        }
+    }
+
+    /// Converts an object and sends it if it changed anything the agent uses. Returns its key.
+    fn update(&mut self, resource: Watched, obj: &Object, deleted: bool) -> Option<String> {
+        let (key, converted) = match convert(resource, obj) {
+            Ok(c) => c,
+            Err((key, e)) => {
+                tracing::warn!(resource = resource.kind(), object = %key, error = %e, "object not usable; ignored");
+                return Some(key);
+            }
+        };
+        let converted = if deleted || matches!(converted, Converted::Ignored) {
+            None
+        } else {
+            Some(converted)
+        };
+        let known = self.known.entry(resource).or_default();
+        match converted {
+            None => {
+                if known.remove(&key).is_some() {
+                    self.emit(resource, &key, None);
+                }
+            }
+            Some(c) => {
+                let hash = content_hash(&c);
+                if known.insert(key.clone(), hash) != Some(hash) {
+                    self.emit(resource, &key, Some(c));
+                }
+            }
+        }
+        Some(key)
+    }
+
+    fn forget(&mut self, resource: Watched, key: &str) {
+        if let Some(m) = self.known.get_mut(&resource) {
+            if m.remove(key).is_some() {
+                self.emit(resource, key, None);
+            }
+        }
+    }
+
+    fn emit(&mut self, resource: Watched, key: &str, c: Option<Converted>) {
+        if !self.unsynced.is_empty() {
+            self.held.insert((resource, key.to_string()), c);
+            return;
+        }
+        self.send(resource, key, c);
+    }
+
+    fn finish_initial_sync(&mut self) {
+        let held = std::mem::take(&mut self.held);
+        let n = held.len();
+        // Deletes first (policies before what they select), then upserts in dependency order.
+        for ((resource, key), _) in held.iter().rev().filter(|(_, c)| c.is_none()) {
+            self.send(*resource, key, None);
+        }
+        for ((resource, key), c) in held {
+            if c.is_some() {
+                self.send(resource, &key, c);
+            }
+        }
+        self.repo.do_send(InitialSyncDone, NAME);
+        tracing::info!(
+            objects = n,
+            elapsed_ms = self.started.elapsed().as_millis() as u64,
+            "initial sync from the API server done"
+        );
+    }
+
+    fn send(&self, resource: Watched, key: &str, c: Option<Converted>) {
+        match (resource, c) {
+            (Watched::Namespace, Some(Converted::Namespace(namespace))) => {
+                self.repo.do_send(NamespaceUpsert { namespace }, NAME)
+            }
+            (Watched::Namespace, _) => self.repo.do_send(
+                NamespaceDelete {
+                    name: key.to_string(),
+                },
+                NAME,
+            ),
+            (Watched::Node, Some(Converted::Node(node))) => self.send_node(node),
+            (Watched::Node, _) => self.repo.do_send(
+                NodeDelete {
+                    name: key.to_string(),
+                },
+                NAME,
+            ),
+            (Watched::Service, Some(Converted::Service(service))) => self.repo.do_send(
+                ServiceUpsert {
+                    service,
+                    deleted: false,
+                },
+                NAME,
+            ),
+            (Watched::Service, _) => {
+                let (namespace, name) = key.split_once('/').unwrap_or(("", key));
+                self.repo.do_send(
+                    ServiceUpsert {
+                        service: ServiceInfo {
+                            namespace: namespace.into(),
+                            name: name.into(),
+                            selector: Default::default(),
+                            cluster_ips: vec![],
+                        },
+                        deleted: true,
+                    },
+                    NAME,
+                )
+            }
+            (Watched::Pod, Some(Converted::Pod(pod))) => self.repo.do_send(PodUpsert { pod }, NAME),
+            (Watched::Pod, _) => self.repo.do_send(
+                PodDelete {
+                    key: key.to_string(),
+                },
+                NAME,
+            ),
+            (_, Some(Converted::Policy(doc))) => {
+                let location = format!("{} {key}", resource.kind());
+                match parse_policy(&doc, DEFAULT_NAMESPACE, &location) {
+                    Ok(policy) => {
+                        for w in &policy.warnings {
+                            tracing::warn!(policy = %location, "{w}");
+                        }
+                        self.repo.do_send(
+                            PolicyUpsert {
+                                policy,
+                                source: "kubernetes".into(),
+                            },
+                            NAME,
+                        )
+                    }
+                    Err(e) => self.repo.do_send(
+                        PolicyRejected {
+                            key: Some(policy_key(resource, key)),
+                            error: e.to_string(),
+                            source: "kubernetes".into(),
+                        },
+                        NAME,
+                    ),
+                }
+            }
+            (_, _) => self.repo.do_send(
+                PolicyDelete {
+                    key: policy_key(resource, key),
+                },
+                NAME,
+            ),
+        }
+    }
+
+    /// Sends a node; for this node, annotates it once IPAM has seen it (`AnnotateNode`).
+    fn send_node(&self, node: NodeInfo) {
+        if node.name != self.shared.node_name {
+            self.repo.do_send(NodeUpsert { node }, NAME);
+            return;
+        }
+        let done = self.repo.send(NodeUpsert { node: node.clone() }, NAME);
+        let ipam = self.shared.ipam.clone();
+        let annotations = self.annotations.clone();
+        actix_rt::spawn(async move {
+            // IPAM adopts the Node's pod CIDR while handling the upsert.
+            let _ = done.await;
+            let cidr = ipam
+                .lock()
+                .ok()
+                .and_then(|g| g.ipam.as_ref().map(|i| i.cidr()));
+            let want = desired_annotations(&node, cidr);
+            if needs_update(&node.annotations, &want) {
+                annotations.send_if_modified(|cur| {
+                    let changed = *cur != want;
+                    *cur = want;
+                    changed
+                });
+            }
+        });
+    }
+}
+
+fn policy_key(resource: Watched, key: &str) -> PolicyKey {
+    let kind = PolicyKind::from_kind(resource.kind()).unwrap_or(PolicyKind::NetworkPolicy);
+    match key.split_once('/') {
+        Some((ns, name)) if kind.is_namespaced() => PolicyKey::new(kind, Some(ns), name),
+        _ => PolicyKey::new(kind, None, key),
+    }
+}
+
+fn content_hash(c: &Converted) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    match c {
+        Converted::Policy(doc) => doc.hash(&mut h),
+        other => format!("{other:?}").hash(&mut h),
+    }
+    h.finish()
+}
+
+/// `namespace/name`, or `name` for cluster-scoped objects.
+fn object_key(meta: &kube::api::ObjectMeta) -> String {
+    let name = meta.name.as_deref().unwrap_or("");
+    match meta.namespace.as_deref() {
+        Some(ns) if !ns.is_empty() => format!("{ns}/{name}"),
+        _ => name.to_string(),
+    }
+}
+
+/// A pod the agent gives no identity: it shares the node's address, or it has finished and its
+/// address may already belong to another pod.
+fn pod_is_ignored(pod: &Pod) -> bool {
+    let host_network = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.host_network)
+        .unwrap_or(false);
+    let finished = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.phase.as_deref())
+        .is_some_and(|p| p == "Succeeded" || p == "Failed");
+    host_network || finished
+}
+
+/// The policy document `parse_policy` reads: what the user wrote, without status and server
+/// bookkeeping, so that a status write is not a policy change.
+fn policy_document(resource: Watched, obj: &DynamicObject) -> serde_yaml::Value {
+    let mut meta = serde_json::Map::new();
+    meta.insert(
+        "name".into(),
+        obj.metadata.name.clone().unwrap_or_default().into(),
+    );
+    if let Some(ns) = &obj.metadata.namespace {
+        meta.insert("namespace".into(), ns.clone().into());
+    }
+    if let Some(labels) = &obj.metadata.labels {
+        meta.insert(
+            "labels".into(),
+            serde_json::to_value(labels).unwrap_or_default(),
+        );
+    }
+    let mut doc = serde_json::Map::new();
+    doc.insert("apiVersion".into(), resource.api_version().into());
+    doc.insert("kind".into(), resource.kind().into());
+    doc.insert("metadata".into(), meta.into());
+    if let Some(fields) = obj.data.as_object() {
+        for (k, v) in fields {
+            if k != "status" {
+                doc.insert(k.clone(), v.clone());
+            }
+        }
+    }
+    serde_yaml::to_value(serde_json::Value::Object(doc)).unwrap_or(serde_yaml::Value::Null)
+}
+
+fn convert(resource: Watched, obj: &Object) -> Result<(String, Converted), (String, String)> {
+    let meta = match obj {
+        Object::Namespace(o) => &o.metadata,
+        Object::Node(o) => &o.metadata,
+        Object::Service(o) => &o.metadata,
+        Object::Pod(o) => &o.metadata,
+        Object::Policy(o) => &o.metadata,
+    };
+    let key = object_key(meta);
+    let named = |e: String| (key.clone(), e);
+    let c = match obj {
+        Object::Namespace(o) => Converted::Namespace(namespace_info(o).map_err(named)?),
+        Object::Node(o) => Converted::Node(node_info(o).map_err(named)?),
+        Object::Service(o) => {
+            Converted::Service(service_info(o, DEFAULT_NAMESPACE).map_err(named)?)
+        }
+        Object::Pod(o) if pod_is_ignored(o) => Converted::Ignored,
+        Object::Pod(o) => Converted::Pod(pod_info(o, DEFAULT_NAMESPACE).map_err(named)?),
+        Object::Policy(o) => Converted::Policy(policy_document(resource, o)),
+    };
+    Ok((key, c))
+}
+
+/// Runs one resource's watcher in a task, handing its events to the actor.
+fn spawn_watch<K>(
+    resource: Watched,
+    api: Api<K>,
+    wrap: fn(K) -> Object,
+    me: TracedAddr<KubeWatcherActor>,
+) where
+    K: Resource + Clone + DeserializeOwned + Debug + Send + 'static,
+{
+    actix_rt::spawn(async move {
+        let mut stream = watcher(api, watcher::Config::default())
+            .default_backoff()
+            .boxed();
+        while let Some(item) = stream.next().await {
+            let change = match item {
+                Ok(watcher::Event::Apply(o)) => Change::Apply(wrap(o)),
+                Ok(watcher::Event::Delete(o)) => Change::Delete(wrap(o)),
+                Ok(watcher::Event::Init) => Change::Init,
+                Ok(watcher::Event::InitApply(o)) => Change::InitApply(wrap(o)),
+                Ok(watcher::Event::InitDone) => Change::InitDone,
+                Err(e) => Change::Error(e.to_string()),
+            };
+            me.do_send(WatchEvent { resource, change }, "kube-watch");
+        }
+    });
+}
+
+impl Actor for KubeWatcherActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, _: &mut Context<Self>) {
+        tracing::info!("watching the API server");
+        self.start_watchers();
+    }
+}
+traced_actor!(KubeWatcherActor: WatchEvent);
+
+impl Handler<WatchEvent> for KubeWatcherActor {
+    type Result = ();
+    fn handle(&mut self, msg: WatchEvent, _: &mut Context<Self>) {
+        self.on_change(msg.resource, msg.change);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_status_write_is_not_a_policy_change() {
+        let obj: DynamicObject = serde_json::from_value(serde_json::json!({
+            "apiVersion": "cilium.io/v2", "kind": "CiliumNetworkPolicy",
+            "metadata": {"name": "p", "namespace": "x", "resourceVersion": "5", "labels": {"a": "b"}},
+            "spec": {"endpointSelector": {}},
+        }))
+        .unwrap();
+        let mut later = obj.clone();
+        later.metadata.resource_version = Some("6".into());
+        later.data["status"] = serde_json::json!({"nodes": {"n1": {"ok": true}}});
+        let a = content_hash(&Converted::Policy(policy_document(
+            Watched::CiliumNetworkPolicy,
+            &obj,
+        )));
+        let b = content_hash(&Converted::Policy(policy_document(
+            Watched::CiliumNetworkPolicy,
+            &later,
+        )));
+        assert_eq!(a, b);
+        later.data["spec"] = serde_json::json!({"endpointSelector": {"matchLabels": {"a": "b"}}});
+        let c = content_hash(&Converted::Policy(policy_document(
+            Watched::CiliumNetworkPolicy,
+            &later,
+        )));
+        assert_ne!(a, c);
+        let doc = policy_document(Watched::CiliumNetworkPolicy, &obj);
+        let parsed = parse_policy(&doc, "default", "test").expect("parses");
+        assert_eq!(
+            *parsed.key,
+            PolicyKey::new(PolicyKind::CiliumNetworkPolicy, Some("x"), "p")
+        );
+    }
+
+    #[test]
+    fn host_network_and_finished_pods_get_no_identity() {
+        let pod = |extra: serde_json::Value| -> Pod {
+            let mut v = serde_json::json!({"metadata": {"name": "a", "namespace": "x"}});
+            for (k, val) in extra.as_object().unwrap() {
+                v[k] = val.clone();
+            }
+            serde_json::from_value(v).unwrap()
+        };
+        assert!(pod_is_ignored(&pod(
+            serde_json::json!({"spec": {"hostNetwork": true, "containers": []}})
+        )));
+        assert!(pod_is_ignored(&pod(
+            serde_json::json!({"status": {"phase": "Succeeded"}})
+        )));
+        assert!(!pod_is_ignored(&pod(
+            serde_json::json!({"status": {"phase": "Running"}})
+        )));
+    }
+
+    #[test]
+    fn policy_keys_split_namespace_and_name() {
+        assert_eq!(
+            policy_key(Watched::CiliumNetworkPolicy, "x/p"),
+            PolicyKey::new(PolicyKind::CiliumNetworkPolicy, Some("x"), "p")
+        );
+        assert_eq!(
+            policy_key(Watched::CiliumClusterwideNetworkPolicy, "p"),
+            PolicyKey::new(PolicyKind::CiliumClusterwideNetworkPolicy, None, "p")
+        );
+    }
+}

@@ -1,0 +1,42 @@
+//! The Kubernetes client the agent uses: from `--kubeconfig` outside a cluster, else the pod's
+//! service account (`KUBERNETES_SERVICE_HOST`, the mounted token and CA) inside one.
+
+use std::path::Path;
+
+use kube::config::{KubeConfigOptions, Kubeconfig};
+
+/// Why no client could be built; the message names the file or the missing piece.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("--kubeconfig {path}: {message}")]
+    Kubeconfig { path: String, message: String },
+    #[error(
+        "in-cluster configuration (service account): {0}; outside a cluster pass --kubeconfig FILE"
+    )]
+    InCluster(String),
+    #[error("cannot build the Kubernetes client: {0}")]
+    Client(String),
+}
+
+/// True when running in a pod (the variables the kubelet sets for in-cluster clients).
+pub fn in_cluster() -> bool {
+    std::env::var_os("KUBERNETES_SERVICE_HOST").is_some()
+}
+
+/// Builds a client. Must run inside a tokio runtime.
+pub async fn make_client(kubeconfig: Option<&Path>) -> Result<kube::Client, ClientError> {
+    let config = match kubeconfig {
+        Some(path) => {
+            let named = |message: String| ClientError::Kubeconfig {
+                path: path.display().to_string(),
+                message,
+            };
+            let kc = Kubeconfig::read_from(path).map_err(|e| named(e.to_string()))?;
+            kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+                .await
+                .map_err(|e| named(e.to_string()))?
+        }
+        None => kube::Config::incluster().map_err(|e| ClientError::InCluster(e.to_string()))?,
+    };
+    kube::Client::try_from(config).map_err(|e| ClientError::Client(e.to_string()))
+}
