@@ -8,8 +8,19 @@ use ciliate::cli::{
 };
 use ciliate::simulate::generate::{generate_world, WorldSize};
 
+/// kube's client logs every failed request at ERROR, which floods the log while the API server
+/// is unreachable; the watchers report the same failure once per resource and half minute.
+/// Unless `RUST_LOG` says otherwise about it, that logger is silenced.
+const QUIET_KUBE_CLIENT: &str = "kube_client::client::builder=off";
+
 fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+    let spec = std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into());
+    let spec = if spec.contains("kube_client") {
+        spec
+    } else {
+        format!("{spec},{QUIET_KUBE_CLIENT}")
+    };
+    let filter = tracing_subscriber::EnvFilter::try_new(&spec)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let b = tracing_subscriber::fmt()
         .with_env_filter(filter)

@@ -596,6 +596,45 @@ fn convert(resource: Watched, obj: &Object) -> Result<(String, Converted), (Stri
     Ok((key, c))
 }
 
+/// How long a failing watch waits before it retries: 200 ms doubling up to 5 s, each wait
+/// stretched by up to a quarter at random so that the agents of a cluster do not all return to
+/// a restarted API server at once. Reset by any successful event. (kube's default goes up to
+/// 30 s, too long for an agent whose view of the cluster is frozen meanwhile.)
+#[derive(Debug, Clone)]
+pub struct WatchBackoff {
+    next: Duration,
+}
+
+impl WatchBackoff {
+    const FIRST: Duration = Duration::from_millis(200);
+    const MAX: Duration = Duration::from_secs(5);
+}
+
+impl Default for WatchBackoff {
+    fn default() -> Self {
+        WatchBackoff { next: Self::FIRST }
+    }
+}
+
+impl Iterator for WatchBackoff {
+    type Item = Duration;
+    fn next(&mut self) -> Option<Duration> {
+        let wait = self.next;
+        self.next = (self.next * 2).min(Self::MAX);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        Some(wait + wait.mul_f64(f64::from(nanos % 1000) / 4000.0))
+    }
+}
+
+impl kube::runtime::utils::Backoff for WatchBackoff {
+    fn reset(&mut self) {
+        self.next = Self::FIRST;
+    }
+}
+
 /// Runs one resource's watcher in a task, handing its events to the actor.
 fn spawn_watch<K>(
     resource: Watched,
@@ -607,7 +646,7 @@ fn spawn_watch<K>(
 {
     actix_rt::spawn(async move {
         let mut stream = watcher(api, watcher::Config::default())
-            .default_backoff()
+            .backoff(WatchBackoff::default())
             .boxed();
         while let Some(item) = stream.next().await {
             let change = match item {
@@ -696,6 +735,18 @@ mod tests {
         assert!(!pod_is_ignored(&pod(
             serde_json::json!({"status": {"phase": "Running"}})
         )));
+    }
+
+    #[test]
+    fn watch_backoff_doubles_to_five_seconds_and_resets() {
+        use kube::runtime::utils::Backoff;
+        let mut b = WatchBackoff::default();
+        let waits: Vec<Duration> = (0..8).map(|_| b.next().unwrap()).collect();
+        assert!(waits[0] >= Duration::from_millis(200) && waits[0] <= Duration::from_millis(250));
+        assert!(waits[1] >= Duration::from_millis(400));
+        assert!(waits[7] >= Duration::from_secs(5) && waits[7] <= Duration::from_millis(6250));
+        b.reset();
+        assert!(b.next().unwrap() <= Duration::from_millis(250));
     }
 
     #[test]

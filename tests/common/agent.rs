@@ -37,6 +37,22 @@ impl Agent {
 
     /// Starts the agent with extra arguments (e.g. `--datapath bpf --bpf-root DIR`).
     pub fn start_with(dir: &Path, extra: &[&str]) -> Agent {
+        let manifests = dir.join("manifests");
+        let mut args = vec!["--mode", "standalone", "--manifests"];
+        args.push(manifests.to_str().expect("UTF-8 path"));
+        args.extend(extra);
+        Agent::spawn(dir, &args)
+    }
+
+    /// Starts the agent in Kubernetes mode against the API server `kubeconfig` points at.
+    pub fn start_kubernetes(dir: &Path, kubeconfig: &Path, extra: &[&str]) -> Agent {
+        let mut args = vec!["--mode", "kubernetes", "--kubeconfig"];
+        args.push(kubeconfig.to_str().expect("UTF-8 path"));
+        args.extend(extra);
+        Agent::spawn(dir, &args)
+    }
+
+    fn spawn(dir: &Path, args: &[&str]) -> Agent {
         let debug = format!("127.0.0.1:{}", free_port());
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -44,10 +60,8 @@ impl Agent {
             .unwrap_or(0);
         let log = std::fs::File::create(dir.join(format!("agent-{nanos}.log"))).unwrap();
         let child = Command::new(BIN)
-            .args(["agent", "--mode", "standalone", "--node-name", "node-1"])
-            .args(extra)
-            .arg("--manifests")
-            .arg(dir.join("manifests"))
+            .args(["agent", "--node-name", "node-1"])
+            .args(args)
             .arg("--state-dir")
             .arg(dir.join("state"))
             .arg("--api-socket")

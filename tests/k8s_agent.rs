@@ -1,0 +1,361 @@
+//! The agent binary in Kubernetes mode against the in-repo API server (plain HTTP), driven with
+//! the real kubectl: policies applied with kubectl take effect on endpoints (real traffic
+//! between network-namespace pods through the BPF datapath), the CNP status shows this node's
+//! enforcement or the validation error, the Node gets its annotations, pod label changes move
+//! endpoints between identities, and broken watches, 410 Gone and an API server outage are
+//! survived without losing a policy. Privileged (root): with CI=true these tests must run.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use ciliate::k8s::apiserver::{ServerOptions, TestApiServer};
+use common::agent::Agent;
+use common::eventually;
+use common::netns::{privileged, tcp_ok, tcp_server, world};
+use serde_json::{json, Value};
+
+const NODE: &str = "node-1";
+
+struct Kubectl {
+    kubeconfig: PathBuf,
+    cache: PathBuf,
+}
+
+impl Kubectl {
+    fn new(dir: &Path, server: &TestApiServer) -> Kubectl {
+        let kubeconfig = dir.join("kubeconfig");
+        server.kubeconfig(&kubeconfig).expect("write kubeconfig");
+        Kubectl {
+            kubeconfig,
+            cache: dir.join("kube-cache"),
+        }
+    }
+
+    fn run(&self, args: &[&str], stdin: Option<&str>) -> (bool, String, String) {
+        use std::io::Write;
+        let mut child = Command::new("kubectl")
+            .arg("--kubeconfig")
+            .arg(&self.kubeconfig)
+            .arg("--cache-dir")
+            .arg(&self.cache)
+            .args(args)
+            .stdin(if stdin.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("kubectl is installed");
+        if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take()) {
+            pipe.write_all(text.as_bytes())
+                .expect("write kubectl stdin");
+        }
+        let out = child.wait_with_output().expect("kubectl runs");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+
+    fn ok(&self, args: &[&str], stdin: Option<&str>) -> String {
+        let (ok, out, err) = self.run(args, stdin);
+        assert!(ok, "kubectl {args:?} failed:\n{out}\n{err}");
+        out
+    }
+
+    fn apply(&self, yaml: &str) {
+        self.ok(&["apply", "-f", "-"], Some(yaml));
+    }
+
+    fn json(&self, args: &[&str]) -> Value {
+        let mut a = args.to_vec();
+        a.extend(["-o", "json"]);
+        let out = self.ok(&a, None);
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("kubectl {args:?}: {e}: {out}"))
+    }
+}
+
+fn crds_dir() -> String {
+    format!("{}/manifests/crds", env!("CARGO_MANIFEST_DIR"))
+}
+
+/// A pod as the kubelet would have reported it (status with its address).
+fn pod(name: &str, app: &str, ip: &str) -> Value {
+    json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": "x", "labels": {"app": app}},
+        "spec": {"nodeName": NODE, "containers": [{"name": "c", "image": "busybox"}]},
+        "status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}
+    })
+}
+
+/// Namespace x, this node (pod CIDR in the spec, an InternalIP) and the given pods.
+fn seed_cluster(server: &TestApiServer, kubectl: &Kubectl, pods: &[Value]) {
+    kubectl.ok(&["apply", "-f", &crds_dir()], None);
+    kubectl.apply("apiVersion: v1\nkind: Namespace\nmetadata: {name: x, labels: {team: blue}}\n");
+    server
+        .apply_json(json!({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": NODE},
+            "spec": {"podCIDRs": ["10.250.7.0/24"]},
+            "status": {"addresses": [{"type": "InternalIP", "address": "172.31.7.2"}]}
+        }))
+        .expect("node");
+    for p in pods {
+        server.apply_json(p.clone()).expect("pod");
+    }
+}
+
+fn allow_port(name: &str, to: &str, from: &str, port: u16) -> String {
+    format!(
+        "apiVersion: cilium.io/v2
+kind: CiliumNetworkPolicy
+metadata: {{name: {name}, namespace: x}}
+spec:
+  endpointSelector: {{matchLabels: {{app: {to}}}}}
+  ingress:
+  - fromEndpoints: [{{matchLabels: {{app: {from}}}}}]
+    toPorts: [{{ports: [{{port: '{port}', protocol: TCP}}]}}]
+"
+    )
+}
+
+fn node_status(kubectl: &Kubectl, name: &str) -> Value {
+    kubectl.json(&["get", "cnp", "-n", "x", name])["status"]["nodes"][NODE].clone()
+}
+
+fn identity_of(agent: &Agent, ip: &str) -> Option<u64> {
+    agent
+        .json("/debug/ipcache")
+        .as_array()?
+        .iter()
+        .find(|e| {
+            e["prefix"]
+                .as_str()
+                .is_some_and(|p| p.split('/').next() == Some(ip))
+        })
+        .and_then(|e| e["identity"].as_u64())
+}
+
+fn add_endpoint(agent: &Agent, name: &str, ip: &str, interface: Option<&str>) -> u64 {
+    let mut args = vec!["endpoint", "add", "--name", name, "--ip", ip];
+    if let Some(i) = interface {
+        args.extend(["--interface", i]);
+    }
+    agent.cli_json(&args)["id"].as_u64().expect("endpoint id")
+}
+
+#[test]
+fn kubectl_policies_are_enforced_with_status_annotations_and_label_moves() {
+    if !privileged() {
+        return;
+    }
+    let w = world(2);
+    let (a, b) = (&w.pods[0], &w.pods[1]);
+    let (a_ip, b_ip) = (a.addr.to_string(), b.addr.to_string());
+    tcp_server(&b.netns, b.addr, 8080);
+    tcp_server(&b.netns, b.addr, 9090);
+
+    let server = TestApiServer::start().expect("API server");
+    let tmp = tempfile::tempdir().unwrap();
+    let kubectl = Kubectl::new(tmp.path(), &server);
+    seed_cluster(
+        &server,
+        &kubectl,
+        &[pod("a", "a", &a_ip), pod("b", "b", &b_ip)],
+    );
+    let pins = w.pins.to_string_lossy().to_string();
+    let agent = Agent::start_kubernetes(
+        tmp.path(),
+        &kubectl.kubeconfig,
+        &["--datapath", "bpf", "--bpf-root", &pins],
+    );
+    let ep_a = add_endpoint(&agent, "x/a", &a_ip, Some(&a.host_if));
+    let ep_b = add_endpoint(&agent, "x/b", &b_ip, Some(&b.host_if));
+    assert!(agent.endpoint(ep_b)["identity"].as_u64().is_some());
+
+    // No policy selects b yet: both ports open.
+    eventually("a reaches b:8080 and b:9090", || {
+        tcp_ok(&a.netns, b.addr, 8080) && tcp_ok(&a.netns, b.addr, 9090)
+    });
+
+    // A policy applied with kubectl takes effect on real traffic.
+    kubectl.apply(&allow_port("b-from-a", "b", "a", 8080));
+    eventually("the policy is enforced on b", || {
+        tcp_ok(&a.netns, b.addr, 8080) && !tcp_ok(&a.netns, b.addr, 9090)
+    });
+
+    // Its status shows this node's enforcement at the agent's revision.
+    eventually("the CNP status says node-1 enforces it", || {
+        let s = node_status(&kubectl, "b-from-a");
+        s["ok"] == true && s["enforcing"] == true && s["localPolicyRevision"].as_i64() > Some(0)
+    });
+    let cnp = kubectl.json(&["get", "cnp", "-n", "x", "b-from-a"]);
+    let valid = &cnp["status"]["conditions"][0];
+    assert_eq!(
+        (&valid["type"], &valid["status"]),
+        (&json!("Valid"), &json!("True"))
+    );
+
+    // The node carries its pod CIDR and host IP.
+    eventually("the node is annotated", || {
+        let n = kubectl.json(&["get", "node", NODE]);
+        let ann = &n["metadata"]["annotations"];
+        ann["io.cilium.network.ipv4-pod-cidr"] == "10.250.7.0/24"
+            && ann["io.cilium.network.ipv4-cilium-host"] == "172.31.7.2"
+    });
+
+    // An invalid policy gets an error status naming the field; the valid one stays enforced.
+    kubectl.apply(
+        "apiVersion: cilium.io/v2
+kind: CiliumNetworkPolicy
+metadata: {name: broken, namespace: x}
+spec:
+  endpointSelector: {matchLabels: {app: b}}
+  ingress: [{fromCIDR: [not-a-cidr]}]
+",
+    );
+    eventually("the invalid CNP has an error status", || {
+        let cnp = kubectl.json(&["get", "cnp", "-n", "x", "broken"]);
+        let s = &cnp["status"]["nodes"][NODE];
+        let c = &cnp["status"]["conditions"][0];
+        s["ok"] == false
+            && s["error"]
+                .as_str()
+                .is_some_and(|e| e.contains("fromCIDR[0]"))
+            && c["type"] == "Valid"
+            && c["status"] == "False"
+    });
+    let policies = agent.json("/debug/policy");
+    let accepted: Vec<&str> = policies["policies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["status"] == "accepted")
+        .map(|p| p["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(accepted, ["b-from-a"], "{policies}");
+    assert!(tcp_ok(&a.netns, b.addr, 8080) && !tcp_ok(&a.netns, b.addr, 9090));
+
+    // Relabelling pod a moves its endpoint to another identity, which the policy does not admit.
+    let old_a = agent.endpoint(ep_a)["identity"].as_u64().unwrap();
+    kubectl.ok(
+        &["label", "pod", "-n", "x", "a", "app=other", "--overwrite"],
+        None,
+    );
+    eventually("endpoint a moved to a new identity", || {
+        let e = agent.endpoint(ep_a);
+        e["identity"].as_u64().is_some_and(|i| i != old_a)
+            && identity_of(&agent, &a_ip) == e["identity"].as_u64()
+    });
+    eventually("b no longer admits a", || !tcp_ok(&a.netns, b.addr, 8080));
+    // And back: the policy admits it again.
+    kubectl.ok(
+        &["label", "pod", "-n", "x", "a", "app=a", "--overwrite"],
+        None,
+    );
+    eventually("b admits a again", || tcp_ok(&a.netns, b.addr, 8080));
+
+    // Deleting the policy with kubectl opens b again.
+    kubectl.ok(&["delete", "cnp", "-n", "x", "b-from-a"], None);
+    eventually("b is open again", || tcp_ok(&a.netns, b.addr, 9090));
+    drop(agent);
+}
+
+/// True when the endpoint's realized policy map (read from the kernel) admits `identity` on
+/// `port`; false too while the endpoint has no map yet (before its first regeneration).
+fn admits(agent: &Agent, ep: u64, identity: u64, port: u64) -> bool {
+    let (code, out, _) = agent.cli(&["bpf", "policy", "get", &ep.to_string(), "-o", "json"]);
+    if code != 0 {
+        return false;
+    }
+    let v: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    v["entries"].as_array().into_iter().flatten().any(|e| {
+        e["direction"] == "ingress"
+            && e["identity"].as_u64() == Some(identity)
+            && e["port"].as_u64() == Some(port)
+            && e["deny"] != true
+    })
+}
+
+#[test]
+fn broken_watches_410_and_an_api_outage_keep_every_policy() {
+    if !privileged() {
+        return;
+    }
+    let w = world(0);
+    let server = TestApiServer::start().expect("API server");
+    let addr = server.addr();
+    let tmp = tempfile::tempdir().unwrap();
+    let kubectl = Kubectl::new(tmp.path(), &server);
+    let pods = [pod("a", "a", "10.250.8.1"), pod("b", "b", "10.250.8.2")];
+    seed_cluster(&server, &kubectl, &pods);
+    kubectl.apply(&allow_port("p1", "a", "b", 81));
+    let pins = w.pins.to_string_lossy().to_string();
+    let agent = Agent::start_kubernetes(
+        tmp.path(),
+        &kubectl.kubeconfig,
+        &["--datapath", "bpf", "--bpf-root", &pins],
+    );
+    let ep = add_endpoint(&agent, "x/a", "10.250.8.1", None);
+    let b_id = identity_of(&agent, "10.250.8.2").expect("b has an identity");
+    eventually("p1 is realized", || admits(&agent, ep, b_id, 81));
+
+    // A watch broken mid-stream resumes: a policy applied afterwards still arrives.
+    server.break_watches();
+    kubectl.apply(&allow_port("p2", "a", "b", 82));
+    eventually("p2 arrives over the resumed watch", || {
+        admits(&agent, ep, b_id, 82)
+    });
+
+    // A delete the agent only learns from a relist (410 Gone: the history is compacted).
+    server.break_watches();
+    server
+        .delete_object("cilium.io/v2", "CiliumNetworkPolicy", "x", "p2")
+        .expect("delete p2");
+    server.compact();
+    eventually("the relist removes p2 and keeps p1", || {
+        !admits(&agent, ep, b_id, 82) && admits(&agent, ep, b_id, 81)
+    });
+
+    // An outage: the API server goes away. Nothing the agent enforces changes meanwhile.
+    let rv = server.store().current_rv();
+    drop(server);
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    assert!(
+        admits(&agent, ep, b_id, 81),
+        "p1 stays in force during the outage"
+    );
+    assert_eq!(agent.http_get("/healthz").0, 200);
+    let names: Vec<String> = agent.json("/debug/policy")["policies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["name"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(names, ["p1"]);
+
+    // The API server returns (same address, fresh store, later resource versions): the agent
+    // relists and applies what changed meanwhile: p1 gone, p3 new. (It may relist before the
+    // store is seeded again, and then sees b deleted and re-created, with a new identity.)
+    let server = TestApiServer::start_with(addr, ServerOptions::default()).expect("restart");
+    while server.store().current_rv() <= rv {
+        server.compact();
+    }
+    seed_cluster(&server, &kubectl, &pods);
+    kubectl.apply(&allow_port("p3", "a", "b", 83));
+    server.compact();
+    agent.wait_until("after the outage p3 holds and p1 is gone", || {
+        identity_of(&agent, "10.250.8.2")
+            .is_some_and(|b_id| admits(&agent, ep, b_id, 83) && !admits(&agent, ep, b_id, 81))
+    });
+    let p1_gone = agent.json("/debug/policy")["policies"]
+        .as_array()
+        .is_some_and(|p| p.iter().all(|p| p["name"] != "p1"));
+    assert!(p1_gone);
+}
