@@ -27,7 +27,7 @@ fn pod_ip(i: usize) -> String {
 
 fn pod(i: usize) -> Value {
     // Pods 0, 1000, 2000, ... are in ns-0 with app=a0 and run on this node.
-    let node = if i % NAMESPACES == 0 {
+    let node = if i.is_multiple_of(NAMESPACES) {
         NODE.to_string()
     } else {
         format!("node-{}", 2 + i % 100)
@@ -182,9 +182,9 @@ fn main() {
 
     let (_, body) = http_get(&debug, "/debug/policy");
     let policies: Value = serde_json::from_str(&body).expect("/debug/policy");
-    let accepted = policies["policies"]
-        .as_array()
-        .map_or(0, |p| p.iter().filter(|p| p["status"] == "accepted").count());
+    let accepted = policies["policies"].as_array().map_or(0, |p| {
+        p.iter().filter(|p| p["status"] == "accepted").count()
+    });
     assert_eq!(accepted, POLICIES, "every CNP accepted at /readyz");
 
     // The 10 pods of ns-0 on this node become endpoints.

@@ -323,6 +323,52 @@ fn broken_watches_410_and_an_api_outage_keep_every_policy() {
         !admits(&agent, ep, b_id, 82) && admits(&agent, ep, b_id, 81)
     });
 
+    // toServices: a service without a selector, its backends from an EndpointSlice.
+    kubectl.apply(
+        "apiVersion: v1
+kind: Service
+metadata: {name: ext, namespace: x, labels: {external: 'yes'}}
+spec: {ports: [{port: 443}]}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: ext-1, namespace: x, labels: {kubernetes.io/service-name: ext}}
+addressType: IPv4
+endpoints: [{addresses: [192.0.2.10]}]
+---
+apiVersion: cilium.io/v2
+kind: CiliumNetworkPolicy
+metadata: {name: to-ext, namespace: x}
+spec:
+  endpointSelector: {matchLabels: {app: a}}
+  egress:
+  - toServices: [{k8sServiceSelector: {selector: {matchLabels: {external: 'yes'}}}}]
+",
+    );
+    let egress_to = |ip: &str| {
+        identity_of(&agent, ip).is_some_and(|id| {
+            agent
+                .entries(ep)
+                .iter()
+                .any(|(dir, i, _, _, deny)| dir == "egress" && *i == id && !deny)
+        })
+    };
+    agent.wait_until("a may reach the service backend 192.0.2.10", || {
+        egress_to("192.0.2.10")
+    });
+    kubectl.apply(
+        "apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: ext-1, namespace: x, labels: {kubernetes.io/service-name: ext}}
+addressType: IPv4
+endpoints: [{addresses: [192.0.2.11]}]
+",
+    );
+    agent.wait_until("the backend moved to 192.0.2.11", || {
+        egress_to("192.0.2.11") && !egress_to("192.0.2.10")
+    });
+    kubectl.ok(&["delete", "cnp", "-n", "x", "to-ext"], None);
+
     // An outage: the API server goes away. Nothing the agent enforces changes meanwhile.
     let rv = server.store().current_rv();
     drop(server);

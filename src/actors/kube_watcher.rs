@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 use actix::{Actor, Context, Handler, Message};
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{Api, ApiResource, DynamicObject};
 use kube::runtime::watcher::{self, watcher};
 use kube::runtime::WatchStreamExt;
@@ -36,14 +37,15 @@ use super::policy_repo::{
 };
 use crate::agent::introspect::{Traceable, TracedAddr};
 use crate::agent::objects::{
-    namespace_info, node_info, pod_info, service_info, NamespaceInfo, NodeInfo, PodInfo,
-    ServiceInfo,
+    endpoint_slice_info, namespace_info, node_info, pod_info, service_info, EndpointSliceInfo,
+    NamespaceInfo, NodeInfo, PodInfo, ServiceInfo,
 };
 use crate::agent::Shared;
 use crate::k8s::crd::{CiliumClusterwideNetworkPolicy, CiliumNetworkPolicy};
 use crate::k8s::node::{desired_annotations, needs_update};
 use crate::policy::rule::{PolicyKey, PolicyKind};
-use crate::policy::translate::parse_policy;
+use crate::policy::services::{ServiceEntry, ServiceTable};
+use crate::policy::translate::parse_policy_with_services;
 use crate::traced_actor;
 
 const NAME: &str = "WatcherActor";
@@ -56,6 +58,7 @@ pub enum Watched {
     Namespace,
     Node,
     Service,
+    EndpointSlice,
     Pod,
     NetworkPolicy,
     CiliumNetworkPolicy,
@@ -63,10 +66,11 @@ pub enum Watched {
 }
 
 impl Watched {
-    pub const ALL: [Watched; 7] = [
+    pub const ALL: [Watched; 8] = [
         Watched::Namespace,
         Watched::Node,
         Watched::Service,
+        Watched::EndpointSlice,
         Watched::Pod,
         Watched::NetworkPolicy,
         Watched::CiliumNetworkPolicy,
@@ -78,6 +82,7 @@ impl Watched {
             Watched::Namespace => "Namespace",
             Watched::Node => "Node",
             Watched::Service => "Service",
+            Watched::EndpointSlice => "EndpointSlice",
             Watched::Pod => "Pod",
             Watched::NetworkPolicy => "NetworkPolicy",
             Watched::CiliumNetworkPolicy => "CiliumNetworkPolicy",
@@ -103,6 +108,7 @@ pub enum Object {
     Namespace(Box<Namespace>),
     Node(Box<Node>),
     Service(Box<Service>),
+    EndpointSlice(Box<EndpointSlice>),
     Pod(Box<Pod>),
     Policy(Box<DynamicObject>),
 }
@@ -150,6 +156,7 @@ enum Converted {
     Namespace(NamespaceInfo),
     Node(NodeInfo),
     Service(ServiceInfo),
+    EndpointSlice(EndpointSliceInfo),
     Pod(PodInfo),
     /// The policy document as `parse_policy` reads it (status and bookkeeping left out).
     Policy(serde_yaml::Value),
@@ -175,6 +182,13 @@ pub struct KubeWatcherActor {
     error_logged: HashMap<Watched, Instant>,
     /// This node's annotations, for the annotator task.
     annotations: tokio::sync::watch::Sender<BTreeMap<String, String>>,
+    /// Services and their backends, for `toServices`.
+    services: ServiceTable,
+    /// EndpointSlice key -> what it contributes.
+    slices: HashMap<String, EndpointSliceInfo>,
+    /// Policies with `toServices` (document by resource and key): translated again when a
+    /// service or its backends change.
+    service_policies: BTreeMap<(Watched, String), serde_yaml::Value>,
     started: Instant,
 }
 
@@ -196,6 +210,9 @@ impl KubeWatcherActor {
             held: BTreeMap::new(),
             error_logged: HashMap::new(),
             annotations,
+            services: ServiceTable::default(),
+            slices: HashMap::new(),
+            service_policies: BTreeMap::new(),
             started: Instant::now(),
         }
     }
@@ -227,6 +244,12 @@ impl KubeWatcherActor {
             Watched::Service,
             Api::<Service>::all(c.clone()),
             |o| Object::Service(Box::new(o)),
+            me.clone(),
+        );
+        spawn_watch(
+            Watched::EndpointSlice,
+            Api::<EndpointSlice>::all(c.clone()),
+            |o| Object::EndpointSlice(Box::new(o)),
             me.clone(),
         );
         spawn_watch(
@@ -376,7 +399,7 @@ impl KubeWatcherActor {
         let n = held.len();
         // Deletes first (policies before what they select), then upserts in dependency order.
         for ((resource, key), _) in held.iter().rev().filter(|(_, c)| c.is_none()) {
-            self.send(*resource, key, None);
+            self.send(*resource, &key.clone(), None);
         }
         for ((resource, key), c) in held {
             if c.is_some() {
@@ -391,8 +414,49 @@ impl KubeWatcherActor {
         );
     }
 
-    fn send(&self, resource: Watched, key: &str, c: Option<Converted>) {
+    fn send(&mut self, resource: Watched, key: &str, c: Option<Converted>) {
         match (resource, c) {
+            (Watched::EndpointSlice, c) => {
+                let slice = match c {
+                    Some(Converted::EndpointSlice(s)) => Some(s),
+                    _ => None,
+                };
+                let old = match slice {
+                    Some(s) => self.slices.insert(key.to_string(), s),
+                    None => self.slices.remove(key),
+                };
+                let services: BTreeSet<(String, String)> = old
+                    .iter()
+                    .chain(self.slices.get(key))
+                    .map(|s| (s.namespace.clone(), s.service.clone()))
+                    .collect();
+                let mut changed = false;
+                for svc in services {
+                    changed |= self.refresh_backends(&svc);
+                }
+                if changed {
+                    self.resend_service_policies();
+                }
+            }
+            (Watched::Service, Some(Converted::Service(service))) => {
+                let id = (service.namespace.clone(), service.name.clone());
+                let entry = self.services.services.entry(id.clone()).or_default();
+                let before = entry.clone();
+                entry.labels = service.labels.clone();
+                entry.has_selector = !service.selector.is_empty();
+                let changed = *entry != before;
+                self.refresh_backends(&id);
+                self.repo.do_send(
+                    ServiceUpsert {
+                        service,
+                        deleted: false,
+                    },
+                    NAME,
+                );
+                if changed {
+                    self.resend_service_policies();
+                }
+            }
             (Watched::Namespace, Some(Converted::Namespace(namespace))) => {
                 self.repo.do_send(NamespaceUpsert { namespace }, NAME)
             }
@@ -409,20 +473,22 @@ impl KubeWatcherActor {
                 },
                 NAME,
             ),
-            (Watched::Service, Some(Converted::Service(service))) => self.repo.do_send(
-                ServiceUpsert {
-                    service,
-                    deleted: false,
-                },
-                NAME,
-            ),
             (Watched::Service, _) => {
                 let (namespace, name) = key.split_once('/').unwrap_or(("", key));
+                if self
+                    .services
+                    .services
+                    .remove(&(namespace.to_string(), name.to_string()))
+                    .is_some()
+                {
+                    self.resend_service_policies();
+                }
                 self.repo.do_send(
                     ServiceUpsert {
                         service: ServiceInfo {
                             namespace: namespace.into(),
                             name: name.into(),
+                            labels: Default::default(),
                             selector: Default::default(),
                             cluster_ips: vec![],
                         },
@@ -438,34 +504,88 @@ impl KubeWatcherActor {
                 },
                 NAME,
             ),
-            (_, Some(Converted::Policy(doc))) => {
-                let location = format!("{} {key}", resource.kind());
-                match parse_policy(&doc, DEFAULT_NAMESPACE, &location) {
-                    Ok(policy) => {
-                        for w in &policy.warnings {
-                            tracing::warn!(policy = %location, "{w}");
-                        }
-                        self.repo.do_send(
-                            PolicyUpsert {
-                                policy,
-                                source: "kubernetes".into(),
-                            },
-                            NAME,
-                        )
-                    }
-                    Err(e) => self.repo.do_send(
-                        PolicyRejected {
-                            key: Some(policy_key(resource, key)),
-                            error: e.to_string(),
-                            source: "kubernetes".into(),
-                        },
-                        NAME,
-                    ),
-                }
+            (_, Some(Converted::Policy(doc))) => self.send_policy(resource, key, doc),
+            (_, _) => {
+                self.service_policies.remove(&(resource, key.to_string()));
+                self.repo.do_send(
+                    PolicyDelete {
+                        key: policy_key(resource, key),
+                    },
+                    NAME,
+                )
             }
-            (_, _) => self.repo.do_send(
-                PolicyDelete {
-                    key: policy_key(resource, key),
+        }
+    }
+
+    /// A service's backends are the addresses of its EndpointSlices; true when they changed.
+    fn refresh_backends(&mut self, svc: &(String, String)) -> bool {
+        let backends: BTreeSet<std::net::IpAddr> = self
+            .slices
+            .values()
+            .filter(|s| s.namespace == svc.0 && s.service == svc.1)
+            .flat_map(|s| s.addresses.iter().copied())
+            .collect();
+        match self.services.services.get_mut(svc) {
+            Some(e) if e.backends != backends => {
+                e.backends = backends;
+                true
+            }
+            Some(_) => false,
+            // Slices of a service not seen (yet): kept, applied when it appears.
+            None if backends.is_empty() => false,
+            None => {
+                self.services.services.insert(
+                    svc.clone(),
+                    ServiceEntry {
+                        backends,
+                        ..ServiceEntry::default()
+                    },
+                );
+                true
+            }
+        }
+    }
+
+    /// Translates every `toServices` policy again against the current services.
+    fn resend_service_policies(&mut self) {
+        let docs: Vec<((Watched, String), serde_yaml::Value)> = self
+            .service_policies
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        for ((resource, key), doc) in docs {
+            self.send_policy(resource, &key, doc);
+        }
+    }
+
+    fn send_policy(&mut self, resource: Watched, key: &str, doc: serde_yaml::Value) {
+        let location = format!("{} {key}", resource.kind());
+        let parsed = parse_policy_with_services(&doc, DEFAULT_NAMESPACE, &location, &self.services);
+        let uses_services = parsed.as_ref().is_ok_and(|p| p.uses_services);
+        if uses_services {
+            self.service_policies
+                .insert((resource, key.to_string()), doc);
+        } else {
+            self.service_policies.remove(&(resource, key.to_string()));
+        }
+        match parsed {
+            Ok(policy) => {
+                for w in &policy.warnings {
+                    tracing::warn!(policy = %location, "{w}");
+                }
+                self.repo.do_send(
+                    PolicyUpsert {
+                        policy,
+                        source: "kubernetes".into(),
+                    },
+                    NAME,
+                )
+            }
+            Err(e) => self.repo.do_send(
+                PolicyRejected {
+                    key: Some(policy_key(resource, key)),
+                    error: e.to_string(),
+                    source: "kubernetes".into(),
                 },
                 NAME,
             ),
@@ -578,6 +698,7 @@ fn convert(resource: Watched, obj: &Object) -> Result<(String, Converted), (Stri
         Object::Namespace(o) => &o.metadata,
         Object::Node(o) => &o.metadata,
         Object::Service(o) => &o.metadata,
+        Object::EndpointSlice(o) => &o.metadata,
         Object::Pod(o) => &o.metadata,
         Object::Policy(o) => &o.metadata,
     };
@@ -588,6 +709,9 @@ fn convert(resource: Watched, obj: &Object) -> Result<(String, Converted), (Stri
         Object::Node(o) => Converted::Node(node_info(o).map_err(named)?),
         Object::Service(o) => {
             Converted::Service(service_info(o, DEFAULT_NAMESPACE).map_err(named)?)
+        }
+        Object::EndpointSlice(o) => {
+            Converted::EndpointSlice(endpoint_slice_info(o).map_err(named)?)
         }
         Object::Pod(o) if pod_is_ignored(o) => Converted::Ignored,
         Object::Pod(o) => Converted::Pod(pod_info(o, DEFAULT_NAMESPACE).map_err(named)?),
@@ -710,7 +834,8 @@ mod tests {
         )));
         assert_ne!(a, c);
         let doc = policy_document(Watched::CiliumNetworkPolicy, &obj);
-        let parsed = parse_policy(&doc, "default", "test").expect("parses");
+        let parsed =
+            crate::policy::translate::parse_policy(&doc, "default", "test").expect("parses");
         assert_eq!(
             *parsed.key,
             PolicyKey::new(PolicyKind::CiliumNetworkPolicy, Some("x"), "p")

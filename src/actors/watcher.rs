@@ -356,6 +356,7 @@ impl WatcherActor {
                     service: ServiceInfo {
                         namespace: ns.clone(),
                         name: name.clone(),
+                        labels: Default::default(),
                         selector: Default::default(),
                         cluster_ips: vec![],
                     },

@@ -50,8 +50,46 @@ pub struct NodeInfo {
 pub struct ServiceInfo {
     pub namespace: String,
     pub name: String,
+    pub labels: BTreeMap<String, String>,
     pub selector: BTreeMap<String, String>,
     pub cluster_ips: Vec<String>,
+}
+
+/// The ready addresses one EndpointSlice gives its service (for `toServices`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct EndpointSliceInfo {
+    pub namespace: String,
+    /// The `kubernetes.io/service-name` label.
+    pub service: String,
+    pub addresses: Vec<IpAddr>,
+}
+
+/// Converts an EndpointSlice; endpoints whose `conditions.ready` is false are left out.
+pub fn endpoint_slice_info(
+    slice: &k8s_openapi::api::discovery::v1::EndpointSlice,
+) -> Result<EndpointSliceInfo, String> {
+    let labels = slice.metadata.labels.clone().unwrap_or_default();
+    let service = labels
+        .get("kubernetes.io/service-name")
+        .cloned()
+        .unwrap_or_default();
+    let mut addresses = Vec::new();
+    for (i, e) in slice.endpoints.iter().enumerate() {
+        if e.conditions.as_ref().and_then(|c| c.ready) == Some(false) {
+            continue;
+        }
+        for (j, a) in e.addresses.iter().enumerate() {
+            let ip: IpAddr = a.parse().map_err(|_| {
+                format!("endpoints[{i}].addresses[{j}]: {a:?} is not an IP address")
+            })?;
+            addresses.push(ip);
+        }
+    }
+    Ok(EndpointSliceInfo {
+        namespace: slice.metadata.namespace.clone().unwrap_or_default(),
+        service,
+        addresses,
+    })
 }
 
 fn protocol_number(p: Option<&str>) -> u8 {
@@ -191,6 +229,7 @@ pub fn service_info(svc: &Service, default_namespace: &str) -> Result<ServiceInf
             .clone()
             .unwrap_or_else(|| default_namespace.to_string()),
         name,
+        labels: svc.metadata.labels.clone().unwrap_or_default(),
         selector: spec.and_then(|s| s.selector.clone()).unwrap_or_default(),
         cluster_ips: spec.and_then(|s| s.cluster_ips.clone()).unwrap_or_default(),
     })

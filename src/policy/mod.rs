@@ -20,6 +20,7 @@ pub mod repository;
 pub mod rule;
 pub mod selector;
 pub mod selector_cache;
+pub mod services;
 pub mod translate;
 
 pub use engine::{Decision, EndpointPolicy, EndpointView, NamedPort, PolicyChange, PolicyEngine};

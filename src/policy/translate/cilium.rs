@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use ipnet::IpNet;
 use serde_yaml::Value;
 
 use super::common::{
@@ -15,6 +16,7 @@ use crate::policy::rule::{
     PeerRule, Peers, PortMatch, PortSpec, Ports, Protocol, Rule, RuleOrigin, Section, Subject,
 };
 use crate::policy::selector::{CidrSelector, LabelSelector, Selector, SelectorRef};
+use crate::policy::services::ServiceRef;
 
 /// Cilium refuses more than this many ports in one `toPorts` entry.
 const MAX_PORTS: usize = 40;
@@ -354,17 +356,34 @@ fn translate_peer_rule(
         ctx.note(format!("{path}.{dir}Groups: toGroups/fromGroups are not supported yet; they select nothing (fail closed)"));
     }
     if let Some(services) = v.services.filter(|s| !s.is_empty()) {
+        ctx.uses_services = true;
         for (j, s) in services.iter().enumerate() {
-            if s.get("k8sService").is_none() && s.get("k8sServiceSelector").is_none() {
-                return Err(ctx.err(
-                    format!("{path}.toServices[{j}]"),
-                    "needs k8sService or k8sServiceSelector",
+            let p = format!("{path}.toServices[{j}]");
+            let r = ServiceRef::parse(s).map_err(|m| ctx.err(&p, m))?;
+            let mut backends = 0;
+            let mut with_selector = Vec::new();
+            for ((ns, name), entry) in ctx.services.matching(&r) {
+                if entry.has_selector {
+                    with_selector.push(format!("{ns}/{name}"));
+                    continue;
+                }
+                for ip in &entry.backends {
+                    selectors.push(Selector::cidr(CidrSelector::new(IpNet::from(*ip), vec![])));
+                    backends += 1;
+                }
+            }
+            if !with_selector.is_empty() {
+                ctx.note(format!(
+                    "{p}: {} has a pod selector; as in Cilium 1.16, toServices applies only to services without one (select its pods with toEndpoints)",
+                    with_selector.join(", ")
+                ));
+            }
+            if backends == 0 {
+                ctx.note(format!(
+                    "{p}: no matching service without a selector has endpoints yet; selects nothing (fail closed) until one does"
                 ));
             }
         }
-        ctx.note(format!(
-            "{path}.toServices: not supported yet; selects nothing (fail closed)"
-        ));
     }
     if let Some(fqdns) = v.fqdns.filter(|f| !f.is_empty()) {
         for (j, f) in fqdns.iter().enumerate() {

@@ -17,6 +17,7 @@ use serde::de::DeserializeOwned;
 use serde_yaml::Value;
 
 use super::rule::{PolicyKey, PolicyKind, Rule};
+use super::services::ServiceTable;
 
 pub use common::{icmp_type_from_name, is_iana_service_name, parse_cidr};
 
@@ -29,6 +30,8 @@ pub struct ParsedPolicy {
     pub warnings: Vec<String>,
     /// What ciliate accepts but enforces only partly (L7, FQDN, auth, ...), for status and reasons.
     pub notes: Vec<String>,
+    /// The policy has `toServices`: translate it again when services or their backends change.
+    pub uses_services: bool,
 }
 
 /// Why a policy was rejected: which policy, which field, what is wrong.
@@ -43,13 +46,16 @@ pub struct PolicyError {
 }
 
 /// Collects warnings and notes while translating one policy, and builds errors that name it.
-pub(crate) struct Ctx {
+pub(crate) struct Ctx<'s> {
     pub key: Arc<PolicyKey>,
     pub warnings: Vec<String>,
     pub notes: Vec<String>,
+    /// What `toServices` resolves against.
+    pub services: &'s ServiceTable,
+    pub uses_services: bool,
 }
 
-impl Ctx {
+impl Ctx<'_> {
     pub fn err(&self, field: impl Into<String>, message: impl Into<String>) -> PolicyError {
         PolicyError {
             policy: self.key.to_string(),
@@ -137,6 +143,16 @@ pub fn parse_policy(
     default_namespace: &str,
     location: &str,
 ) -> Result<ParsedPolicy, PolicyError> {
+    parse_policy_with_services(doc, default_namespace, location, &ServiceTable::default())
+}
+
+/// [`parse_policy`], resolving `toServices` against `services` (see `policy::services`).
+pub fn parse_policy_with_services(
+    doc: &Value,
+    default_namespace: &str,
+    location: &str,
+    services: &ServiceTable,
+) -> Result<ParsedPolicy, PolicyError> {
     if !doc.is_mapping() {
         return Err(PolicyError {
             policy: location.to_string(),
@@ -182,6 +198,8 @@ pub fn parse_policy(
         key: key.clone(),
         warnings: Vec::new(),
         notes: Vec::new(),
+        services,
+        uses_services: false,
     };
     if name.is_empty() {
         return Err(ctx.err("metadata.name", "missing name"));
@@ -224,6 +242,7 @@ pub fn parse_policy(
         rules,
         warnings: ctx.warnings,
         notes: ctx.notes,
+        uses_services: ctx.uses_services,
     })
 }
 
