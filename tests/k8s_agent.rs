@@ -210,6 +210,16 @@ fn kubectl_policies_are_enforced_with_status_annotations_and_label_moves() {
             && ann["io.cilium.network.ipv4-cilium-host"] == "172.31.7.2"
     });
 
+    // Removed by hand, they come back.
+    kubectl.ok(
+        &["annotate", "node", NODE, "io.cilium.network.ipv4-pod-cidr-"],
+        None,
+    );
+    eventually("the node is annotated again", || {
+        let n = kubectl.json(&["get", "node", NODE]);
+        n["metadata"]["annotations"]["io.cilium.network.ipv4-pod-cidr"] == "10.250.7.0/24"
+    });
+
     // An invalid policy gets an error status naming the field; the valid one stays enforced.
     kubectl.apply(
         "apiVersion: cilium.io/v2

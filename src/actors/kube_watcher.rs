@@ -609,12 +609,9 @@ impl KubeWatcherActor {
                 .ok()
                 .and_then(|g| g.ipam.as_ref().map(|i| i.cidr()));
             let want = desired_annotations(&node, cidr);
+            // Also when someone removed them: the node must carry them again.
             if needs_update(&node.annotations, &want) {
-                annotations.send_if_modified(|cur| {
-                    let changed = *cur != want;
-                    *cur = want;
-                    changed
-                });
+                annotations.send_replace(want);
             }
         });
     }

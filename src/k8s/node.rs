@@ -41,18 +41,18 @@ pub fn needs_update(
     desired.iter().any(|(k, v)| current.get(k) != Some(v))
 }
 
-/// Writes the annotations sent on `desired` to the Node `node_name`, until the sender is dropped.
+/// Writes the annotations sent on `desired` to the Node `node_name` each time they are sent
+/// (the watcher sends them whenever the Node lacks one), until the sender is dropped.
 pub async fn run_node_annotator(
     client: kube::Client,
     node_name: String,
     mut desired: tokio::sync::watch::Receiver<BTreeMap<String, String>>,
 ) {
     let nodes: Api<Node> = Api::all(client);
-    let mut written: BTreeMap<String, String> = BTreeMap::new();
     let mut failures: u32 = 0;
     loop {
         let want = desired.borrow_and_update().clone();
-        if !want.is_empty() && want != written {
+        if !want.is_empty() {
             let patch = json!({"metadata": {"annotations": want}});
             match nodes
                 .patch(&node_name, &PatchParams::default(), &Patch::Merge(&patch))
@@ -60,7 +60,6 @@ pub async fn run_node_annotator(
             {
                 Ok(_) => {
                     tracing::info!(node = %node_name, annotations = ?want, "node annotated");
-                    written = want;
                     failures = 0;
                 }
                 Err(e) => {
