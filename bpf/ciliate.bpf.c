@@ -131,6 +131,8 @@ struct packet {
 
 #define TCP_FIN 0x01
 #define TCP_RST 0x04
+#define TCP_SYN 0x02
+#define TCP_ACK 0x10
 
 static __always_inline void count(__u32 reason)
 {
@@ -444,8 +446,12 @@ static __always_inline int decide(struct __sk_buff *skb, int egress)
 		count(CILIATE_ALLOW_ESTABLISHED);
 		return TC_ACT_OK;
 	}
+	/* A TCP SYN without ACK opens a connection: it is never the reply of one, so the reverse
+	 * probe is skipped (a simultaneous open then meets policy like any new connection). */
+	__u8 opening = p.protocol == IPPROTO_TCP && !p.l4_missing &&
+		       (p.tcp_flags & (TCP_SYN | TCP_ACK)) == TCP_SYN;
 	ct_tuple(&rev, &p, ep, 1);
-	ct = bpf_map_lookup_elem(&conntrack, &rev);
+	ct = opening ? 0 : bpf_map_lookup_elem(&conntrack, &rev);
 	if (ct && ct->egress != egress) {
 		ct->last_seen_ns = now;
 		if (!ct->replied)

@@ -378,15 +378,22 @@ fn replies_of_allowed_connections_pass_under_default_deny() {
         l.run(true, &packet(6, "10.0.0.1", "10.0.0.2", 50000, 443)),
         TC_ACT_OK
     );
-    // ...the reply passes its ingress default deny, and so does the rest of the flow.
+    // A bare SYN back on the same tuple opens a connection (a simultaneous open): it meets
+    // the ingress policy like any new connection, and is denied.
     assert_eq!(
         l.run(false, &packet(6, "10.0.0.2", "10.0.0.1", 443, 50000)),
-        TC_ACT_OK
+        TC_ACT_SHOT
     );
-    assert_eq!(
-        l.run(true, &packet(6, "10.0.0.1", "10.0.0.2", 50000, 443)),
-        TC_ACT_OK
-    );
+    // The reply (SYN-ACK) passes its ingress default deny, and so does the rest of the flow.
+    let mut synack = packet(6, "10.0.0.2", "10.0.0.1", 443, 50000);
+    synack[47] = 0x12;
+    assert_eq!(l.run(false, &synack), TC_ACT_OK);
+    let mut ack = packet(6, "10.0.0.1", "10.0.0.2", 50000, 443);
+    ack[47] = 0x10;
+    assert_eq!(l.run(true, &ack), TC_ACT_OK);
+    let mut reply_data = synack.clone();
+    reply_data[47] = 0x18;
+    assert_eq!(l.run(false, &reply_data), TC_ACT_OK);
     // A new connection from the peer is still denied.
     assert_eq!(
         l.run(false, &packet(6, "10.0.0.2", "10.0.0.1", 443, 50001)),
