@@ -316,6 +316,39 @@ fn broken_watches_410_and_an_api_outage_keep_every_policy() {
     let b_id = identity_of(&agent, "10.250.8.2").expect("b has an identity");
     eventually("p1 is realized", || admits(&agent, ep, b_id, 81));
 
+    // The other two kinds: a Kubernetes NetworkPolicy and a clusterwide policy (whose status
+    // goes through the cluster-scoped status subresource).
+    kubectl.apply(
+        "apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: knp, namespace: x}
+spec:
+  podSelector: {matchLabels: {app: a}}
+  ingress: [{from: [{podSelector: {matchLabels: {app: b}}}], ports: [{port: 84, protocol: TCP}]}]
+---
+apiVersion: cilium.io/v2
+kind: CiliumClusterwideNetworkPolicy
+metadata: {name: ccnp}
+spec:
+  endpointSelector: {matchLabels: {app: a}}
+  ingress:
+  - fromEndpoints: [{matchLabels: {app: b, k8s:io.kubernetes.pod.namespace: x}}]
+    toPorts: [{ports: [{port: '85', protocol: TCP}]}]
+",
+    );
+    eventually("the NetworkPolicy and the CCNP are realized", || {
+        admits(&agent, ep, b_id, 84) && admits(&agent, ep, b_id, 85)
+    });
+    eventually("the CCNP status says node-1 enforces it", || {
+        let s = &kubectl.json(&["get", "ccnp", "ccnp"])["status"]["nodes"][NODE];
+        s["ok"] == true && s["enforcing"] == true
+    });
+    kubectl.ok(&["delete", "ccnp", "ccnp"], None);
+    kubectl.ok(&["delete", "networkpolicy", "-n", "x", "knp"], None);
+    eventually("both are gone", || {
+        !admits(&agent, ep, b_id, 84) && !admits(&agent, ep, b_id, 85)
+    });
+
     // A watch broken mid-stream resumes: a policy applied afterwards still arrives.
     server.break_watches();
     kubectl.apply(&allow_port("p2", "a", "b", 82));
