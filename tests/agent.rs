@@ -518,3 +518,62 @@ metadata:
     });
     assert_eq!(ipam()["pod_cidr"], "10.77.0.0/24");
 }
+
+/// The CIDR identity the agent gave `prefix` (e.g. `192.0.2.10/32`), if any.
+fn prefix_identity(agent: &Agent, prefix: &str) -> Option<u64> {
+    agent
+        .json("/debug/ipcache")
+        .as_array()?
+        .iter()
+        .find(|e| e["prefix"] == prefix)
+        .and_then(|e| e["identity"].as_u64())
+}
+
+#[test]
+fn to_services_follow_the_endpoint_slices_in_the_manifests() {
+    let (_guard, dir) = setup();
+    let services = |ip: &str| {
+        format!(
+            "apiVersion: v1
+kind: Service
+metadata: {{name: ext, namespace: x}}
+spec: {{ports: [{{port: 443}}]}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: ext-1, namespace: x, labels: {{kubernetes.io/service-name: ext}}}}
+addressType: IPv4
+endpoints: [{{addresses: [{ip}]}}]
+---
+apiVersion: cilium.io/v2
+kind: CiliumNetworkPolicy
+metadata: {{name: to-ext, namespace: x}}
+spec:
+  endpointSelector: {{matchLabels: {{app: a}}}}
+  egress:
+  - toServices: [{{k8sService: {{serviceName: ext, namespace: x}}}}]
+"
+        )
+    };
+    let m = dir.join("manifests");
+    std::fs::write(m.join("services.yaml"), services("192.0.2.10")).unwrap();
+    let agent = Agent::start_in(&dir);
+    agent.cli_json(&["endpoint", "add", "--name", "x/a", "--ip", "10.7.0.1"]);
+    agent.wait_realized(agent.revision());
+    let egress_to = |prefix: &str| {
+        prefix_identity(&agent, prefix).is_some_and(|id| {
+            agent
+                .entries(1)
+                .iter()
+                .any(|(dir, i, _, _, deny)| dir == "egress" && *i == id && !deny)
+        })
+    };
+    agent.wait_until("a may reach the backend 192.0.2.10", || {
+        egress_to("192.0.2.10/32")
+    });
+    // The slice changes: the policy follows without being edited.
+    std::fs::write(m.join("services.yaml"), services("192.0.2.11")).unwrap();
+    agent.wait_until("the backend moved to 192.0.2.11", || {
+        egress_to("192.0.2.11/32") && !egress_to("192.0.2.10/32")
+    });
+}

@@ -44,7 +44,7 @@ use crate::agent::Shared;
 use crate::k8s::crd::{CiliumClusterwideNetworkPolicy, CiliumNetworkPolicy};
 use crate::k8s::node::{desired_annotations, needs_update};
 use crate::policy::rule::{PolicyKey, PolicyKind};
-use crate::policy::services::{ServiceEntry, ServiceTable};
+use crate::policy::services::ServiceTracker;
 use crate::policy::translate::parse_policy_with_services;
 use crate::traced_actor;
 
@@ -183,9 +183,7 @@ pub struct KubeWatcherActor {
     /// This node's annotations, for the annotator task.
     annotations: tokio::sync::watch::Sender<BTreeMap<String, String>>,
     /// Services and their backends, for `toServices`.
-    services: ServiceTable,
-    /// EndpointSlice key -> what it contributes.
-    slices: HashMap<String, EndpointSliceInfo>,
+    services: ServiceTracker,
     /// Policies with `toServices` (document by resource and key): translated again when a
     /// service or its backends change.
     service_policies: BTreeMap<(Watched, String), serde_yaml::Value>,
@@ -210,8 +208,7 @@ impl KubeWatcherActor {
             held: BTreeMap::new(),
             error_logged: HashMap::new(),
             annotations,
-            services: ServiceTable::default(),
-            slices: HashMap::new(),
+            services: ServiceTracker::default(),
             service_policies: BTreeMap::new(),
             started: Instant::now(),
         }
@@ -418,34 +415,21 @@ impl KubeWatcherActor {
         match (resource, c) {
             (Watched::EndpointSlice, c) => {
                 let slice = match c {
-                    Some(Converted::EndpointSlice(s)) => Some(s),
+                    Some(Converted::EndpointSlice(s)) => {
+                        Some((s.namespace, s.service, s.addresses))
+                    }
                     _ => None,
                 };
-                let old = match slice {
-                    Some(s) => self.slices.insert(key.to_string(), s),
-                    None => self.slices.remove(key),
-                };
-                let services: BTreeSet<(String, String)> = old
-                    .iter()
-                    .chain(self.slices.get(key))
-                    .map(|s| (s.namespace.clone(), s.service.clone()))
-                    .collect();
-                let mut changed = false;
-                for svc in services {
-                    changed |= self.refresh_backends(&svc);
-                }
-                if changed {
+                if self.services.set_slice(key, slice) {
                     self.resend_service_policies();
                 }
             }
             (Watched::Service, Some(Converted::Service(service))) => {
-                let id = (service.namespace.clone(), service.name.clone());
-                let entry = self.services.services.entry(id.clone()).or_default();
-                let before = entry.clone();
-                entry.labels = service.labels.clone();
-                entry.has_selector = !service.selector.is_empty();
-                let changed = *entry != before;
-                self.refresh_backends(&id);
+                let changed = self.services.set_service(
+                    &service.namespace,
+                    &service.name,
+                    Some((service.labels.clone(), !service.selector.is_empty())),
+                );
                 self.repo.do_send(
                     ServiceUpsert {
                         service,
@@ -475,12 +459,7 @@ impl KubeWatcherActor {
             ),
             (Watched::Service, _) => {
                 let (namespace, name) = key.split_once('/').unwrap_or(("", key));
-                if self
-                    .services
-                    .services
-                    .remove(&(namespace.to_string(), name.to_string()))
-                    .is_some()
-                {
+                if self.services.set_service(namespace, name, None) {
                     self.resend_service_policies();
                 }
                 self.repo.do_send(
@@ -517,35 +496,6 @@ impl KubeWatcherActor {
         }
     }
 
-    /// A service's backends are the addresses of its EndpointSlices; true when they changed.
-    fn refresh_backends(&mut self, svc: &(String, String)) -> bool {
-        let backends: BTreeSet<std::net::IpAddr> = self
-            .slices
-            .values()
-            .filter(|s| s.namespace == svc.0 && s.service == svc.1)
-            .flat_map(|s| s.addresses.iter().copied())
-            .collect();
-        match self.services.services.get_mut(svc) {
-            Some(e) if e.backends != backends => {
-                e.backends = backends;
-                true
-            }
-            Some(_) => false,
-            // Slices of a service not seen (yet): kept, applied when it appears.
-            None if backends.is_empty() => false,
-            None => {
-                self.services.services.insert(
-                    svc.clone(),
-                    ServiceEntry {
-                        backends,
-                        ..ServiceEntry::default()
-                    },
-                );
-                true
-            }
-        }
-    }
-
     /// Translates every `toServices` policy again against the current services.
     fn resend_service_policies(&mut self) {
         let docs: Vec<((Watched, String), serde_yaml::Value)> = self
@@ -560,7 +510,8 @@ impl KubeWatcherActor {
 
     fn send_policy(&mut self, resource: Watched, key: &str, doc: serde_yaml::Value) {
         let location = format!("{} {key}", resource.kind());
-        let parsed = parse_policy_with_services(&doc, DEFAULT_NAMESPACE, &location, &self.services);
+        let parsed =
+            parse_policy_with_services(&doc, DEFAULT_NAMESPACE, &location, self.services.table());
         let uses_services = parsed.as_ref().is_ok_and(|p| p.uses_services);
         if uses_services {
             self.service_policies

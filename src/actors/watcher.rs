@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use actix::{Actor, AsyncContext, Context, Handler, Message};
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 use notify::{Event, EventKind, RecommendedWatcher, RecursiveMode, Watcher};
 use serde_yaml::Value;
 
@@ -21,9 +22,12 @@ use super::policy_repo::{
     ServiceUpsert,
 };
 use crate::agent::introspect::{Traceable, TracedAddr};
-use crate::agent::objects::{namespace_info, node_info, pod_info, service_info, ServiceInfo};
+use crate::agent::objects::{
+    endpoint_slice_info, namespace_info, node_info, pod_info, service_info, ServiceInfo,
+};
 use crate::policy::rule::{PolicyKey, PolicyKind};
-use crate::policy::translate::parse_policy;
+use crate::policy::services::ServiceTracker;
+use crate::policy::translate::parse_policy_with_services;
 use crate::traced_actor;
 
 const NAME: &str = "WatcherActor";
@@ -52,7 +56,7 @@ fn kind_order(kind: &str) -> Option<u8> {
     Some(match kind {
         "Namespace" => 0,
         "Node" => 1,
-        "Service" => 2,
+        "Service" | "EndpointSlice" => 2,
         "Pod" => 3,
         "NetworkPolicy" | "CiliumNetworkPolicy" | "CiliumClusterwideNetworkPolicy" => 4,
         _ => return None,
@@ -138,6 +142,11 @@ pub struct WatcherActor {
     me: Option<TracedAddr<WatcherActor>>,
     /// A rescan is scheduled (changes within `DEBOUNCE` share it).
     rescan_scheduled: bool,
+    /// Services and their EndpointSlice backends, for `toServices`.
+    services: ServiceTracker,
+    /// Policies with `toServices` (document and location): translated again when a service or
+    /// its backends change.
+    service_policies: BTreeMap<ObjKey, (Value, String)>,
 }
 
 /// Edits within this window share one rescan (editors write files in several steps).
@@ -154,6 +163,8 @@ impl WatcherActor {
             watcher: None,
             me: None,
             rescan_scheduled: false,
+            services: ServiceTracker::default(),
+            service_policies: BTreeMap::new(),
         }
     }
 
@@ -272,8 +283,20 @@ impl WatcherActor {
         Ok(sent)
     }
 
-    fn send_upsert(&self, k: &ObjKey, value: &Value, location: &str) {
-        let (_, kind, ns, _) = k;
+    /// Translates every `toServices` policy again against the current services.
+    fn resend_service_policies(&mut self) {
+        let docs: Vec<(ObjKey, (Value, String))> = self
+            .service_policies
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        for (k, (doc, location)) in docs {
+            self.send_upsert(&k, &doc, &location);
+        }
+    }
+
+    fn send_upsert(&mut self, k: &ObjKey, value: &Value, location: &str) {
+        let (_, kind, ns, name) = k;
         let report = |e: String| {
             tracing::warn!(%location, error = %e, "object not usable");
             self.repo.do_send(
@@ -303,13 +326,43 @@ impl WatcherActor {
                 .map_err(|e| e.to_string())
                 .and_then(|s| service_info(&s, ns))
             {
-                Ok(service) => self.repo.do_send(
-                    ServiceUpsert {
-                        service,
-                        deleted: false,
-                    },
-                    NAME,
-                ),
+                Ok(service) => {
+                    let changed = self.services.set_service(
+                        &service.namespace,
+                        &service.name,
+                        Some((service.labels.clone(), !service.selector.is_empty())),
+                    );
+                    self.repo.do_send(
+                        ServiceUpsert {
+                            service,
+                            deleted: false,
+                        },
+                        NAME,
+                    );
+                    if changed {
+                        self.resend_service_policies();
+                    }
+                }
+                Err(e) => report(e),
+            },
+            "EndpointSlice" => match serde_yaml::from_value::<EndpointSlice>(value.clone())
+                .map_err(|e| e.to_string())
+                .and_then(|s| endpoint_slice_info(&s))
+            {
+                Ok(slice) => {
+                    let key = format!("{ns}/{name}");
+                    let namespace = if slice.namespace.is_empty() {
+                        ns.clone()
+                    } else {
+                        slice.namespace
+                    };
+                    if self
+                        .services
+                        .set_slice(&key, Some((namespace, slice.service, slice.addresses)))
+                    {
+                        self.resend_service_policies();
+                    }
+                }
                 Err(e) => report(e),
             },
             "Pod" => match serde_yaml::from_value::<Pod>(value.clone())
@@ -319,8 +372,19 @@ impl WatcherActor {
                 Ok(pod) => self.repo.do_send(PodUpsert { pod }, NAME),
                 Err(e) => report(e),
             },
-            _ => match parse_policy(value, DEFAULT_NAMESPACE, location) {
+            _ => match parse_policy_with_services(
+                value,
+                DEFAULT_NAMESPACE,
+                location,
+                self.services.table(),
+            ) {
                 Ok(policy) => {
+                    if policy.uses_services {
+                        self.service_policies
+                            .insert(k.clone(), (value.clone(), location.to_string()));
+                    } else {
+                        self.service_policies.remove(k);
+                    }
                     for w in &policy.warnings {
                         tracing::warn!(%location, "{w}");
                     }
@@ -344,26 +408,36 @@ impl WatcherActor {
         }
     }
 
-    fn send_delete(&self, k: &ObjKey) {
+    fn send_delete(&mut self, k: &ObjKey) {
         let (_, kind, ns, name) = k;
         match kind.as_str() {
+            "EndpointSlice" => {
+                if self.services.set_slice(&format!("{ns}/{name}"), None) {
+                    self.resend_service_policies();
+                }
+            }
             "Namespace" => self
                 .repo
                 .do_send(NamespaceDelete { name: name.clone() }, NAME),
             "Node" => self.repo.do_send(NodeDelete { name: name.clone() }, NAME),
-            "Service" => self.repo.do_send(
-                ServiceUpsert {
-                    service: ServiceInfo {
-                        namespace: ns.clone(),
-                        name: name.clone(),
-                        labels: Default::default(),
-                        selector: Default::default(),
-                        cluster_ips: vec![],
+            "Service" => {
+                if self.services.set_service(ns, name, None) {
+                    self.resend_service_policies();
+                }
+                self.repo.do_send(
+                    ServiceUpsert {
+                        service: ServiceInfo {
+                            namespace: ns.clone(),
+                            name: name.clone(),
+                            labels: Default::default(),
+                            selector: Default::default(),
+                            cluster_ips: vec![],
+                        },
+                        deleted: true,
                     },
-                    deleted: true,
-                },
-                NAME,
-            ),
+                    NAME,
+                );
+            }
             "Pod" => self.repo.do_send(
                 PodDelete {
                     key: format!("{ns}/{name}"),
@@ -371,6 +445,7 @@ impl WatcherActor {
                 NAME,
             ),
             _ => {
+                self.service_policies.remove(k);
                 if let Some(key) = policy_key(k) {
                     self.repo.do_send(PolicyDelete { key }, NAME);
                 }

@@ -143,6 +143,77 @@ impl ServiceTable {
     }
 }
 
+/// Keeps a [`ServiceTable`] from Service and EndpointSlice events: the table holds the services
+/// that exist, each with the addresses of the slices that name it (a slice may come before its
+/// service, or outlive it; it counts while both exist).
+#[derive(Debug, Clone, Default)]
+pub struct ServiceTracker {
+    table: ServiceTable,
+    /// Slice key -> (namespace, service name, addresses).
+    slices: BTreeMap<String, (String, String, Vec<IpAddr>)>,
+}
+
+impl ServiceTracker {
+    pub fn table(&self) -> &ServiceTable {
+        &self.table
+    }
+
+    fn backends_of(&self, id: &(String, String)) -> BTreeSet<IpAddr> {
+        self.slices
+            .values()
+            .filter(|(ns, svc, _)| *ns == id.0 && *svc == id.1)
+            .flat_map(|(_, _, addrs)| addrs.iter().copied())
+            .collect()
+    }
+
+    /// A service appeared or changed (`Some((labels, has_selector))`) or went away (`None`).
+    /// True when the table changed.
+    pub fn set_service(
+        &mut self,
+        namespace: &str,
+        name: &str,
+        service: Option<(BTreeMap<String, String>, bool)>,
+    ) -> bool {
+        let id = (namespace.to_string(), name.to_string());
+        match service {
+            None => self.table.services.remove(&id).is_some(),
+            Some((labels, has_selector)) => {
+                let entry = ServiceEntry {
+                    labels,
+                    has_selector,
+                    backends: self.backends_of(&id),
+                };
+                self.table.services.insert(id, entry.clone()) != Some(entry)
+            }
+        }
+    }
+
+    /// An EndpointSlice appeared or changed (`Some((namespace, service, addresses))`) or went
+    /// away (`None`). True when the table changed.
+    pub fn set_slice(&mut self, key: &str, slice: Option<(String, String, Vec<IpAddr>)>) -> bool {
+        let old = match slice {
+            Some(s) => self.slices.insert(key.to_string(), s),
+            None => self.slices.remove(key),
+        };
+        let affected: BTreeSet<(String, String)> = old
+            .iter()
+            .chain(self.slices.get(key))
+            .map(|(ns, svc, _)| (ns.clone(), svc.clone()))
+            .collect();
+        let mut changed = false;
+        for id in affected {
+            let backends = self.backends_of(&id);
+            if let Some(e) = self.table.services.get_mut(&id) {
+                if e.backends != backends {
+                    e.backends = backends;
+                    changed = true;
+                }
+            }
+        }
+        changed
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -184,6 +255,38 @@ mod tests {
         assert_eq!(hits, ["myservice"]);
         let r = parse("k8sServiceSelector: {selector: {matchExpressions: [{key: external, operator: Exists}]}}");
         assert_eq!(t.matching(&r).count(), 2);
+    }
+
+    #[test]
+    fn the_tracker_joins_services_and_slices_in_any_order() {
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let mut t = ServiceTracker::default();
+        // A slice before its service: nothing to resolve yet.
+        assert!(!t.set_slice(
+            "x/ext-1",
+            Some(("x".into(), "ext".into(), vec![ip("192.0.2.1")]))
+        ));
+        assert!(t.table().services.is_empty());
+        assert!(t.set_service("x", "ext", Some((BTreeMap::new(), false))));
+        let backends = |t: &ServiceTracker| {
+            t.table().services[&("x".to_string(), "ext".to_string())]
+                .backends
+                .clone()
+        };
+        assert_eq!(backends(&t), [ip("192.0.2.1")].into());
+        assert!(t.set_slice(
+            "x/ext-2",
+            Some(("x".into(), "ext".into(), vec![ip("192.0.2.2")]))
+        ));
+        assert_eq!(backends(&t).len(), 2);
+        assert!(
+            !t.set_service("x", "ext", Some((BTreeMap::new(), false))),
+            "no change"
+        );
+        assert!(t.set_slice("x/ext-1", None));
+        assert_eq!(backends(&t), [ip("192.0.2.2")].into());
+        assert!(t.set_service("x", "ext", None));
+        assert!(!t.set_slice("x/ext-2", None), "the service is gone already");
     }
 
     #[test]
