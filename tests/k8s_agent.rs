@@ -202,6 +202,19 @@ fn kubectl_policies_are_enforced_with_status_annotations_and_label_moves() {
         (&json!("Valid"), &json!("True"))
     );
 
+    let (_, metrics) = agent.http_get("/metrics");
+    for series in [
+        "ciliate_policy_status_writes_total{outcome=\"ok\"}",
+        "ciliate_k8s_watch_events_total{resource=\"CiliumNetworkPolicy\"}",
+        "ciliate_k8s_watch_events_total{resource=\"Pod\"}",
+    ] {
+        let value = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(series))
+            .and_then(|v| v.trim().parse::<f64>().ok());
+        assert!(value.is_some_and(|v| v >= 1.0), "{series} in:\n{metrics}");
+    }
+
     // The node carries its pod CIDR and host IP.
     eventually("the node is annotated", || {
         let n = kubectl.json(&["get", "node", NODE]);

@@ -290,6 +290,15 @@ impl KubeWatcherActor {
     }
 
     fn on_change(&mut self, resource: Watched, change: Change) {
+        let labels = crate::agent::metrics::ResourceLabels {
+            resource: resource.kind().to_string(),
+        };
+        let family = if matches!(change, Change::Error(_)) {
+            &self.shared.metrics.k8s_watch_errors
+        } else {
+            &self.shared.metrics.k8s_watch_events
+        };
+        family.get_or_create(&labels).inc();
         match change {
             Change::Init => {
                 self.relisting.insert(resource, HashSet::new());

@@ -27,6 +27,11 @@ pub struct OutcomeLabels {
 }
 
 /// Every metric the agent exports.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResourceLabels {
+    pub resource: String,
+}
+
 pub struct Metrics {
     registry: Mutex<Registry>,
     pub policy_implementation_delay: Histogram,
@@ -44,6 +49,11 @@ pub struct Metrics {
     pub conntrack_entries: Gauge,
     /// Connection-tracking entries removed as expired.
     pub conntrack_gc_removed: Counter,
+    /// Kubernetes mode: watch events received and watch failures, by resource kind.
+    pub k8s_watch_events: Family<ResourceLabels, Counter>,
+    pub k8s_watch_errors: Family<ResourceLabels, Counter>,
+    /// Kubernetes mode: CNP/CCNP status writes by outcome (`ok`, `error`).
+    pub policy_status_writes: Family<OutcomeLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -73,7 +83,25 @@ impl Metrics {
             policies_rejected: Gauge::default(),
             conntrack_entries: Gauge::default(),
             conntrack_gc_removed: Counter::default(),
+            k8s_watch_events: Family::default(),
+            k8s_watch_errors: Family::default(),
+            policy_status_writes: Family::default(),
         };
+        r.register(
+            "ciliate_k8s_watch_events",
+            "Kubernetes watch events received (list items included), by resource kind",
+            m.k8s_watch_events.clone(),
+        );
+        r.register(
+            "ciliate_k8s_watch_errors",
+            "Kubernetes watch or list failures (each retried with backoff), by resource kind",
+            m.k8s_watch_errors.clone(),
+        );
+        r.register(
+            "ciliate_policy_status_writes",
+            "CiliumNetworkPolicy/CiliumClusterwideNetworkPolicy status writes by outcome",
+            m.policy_status_writes.clone(),
+        );
         r.register(
             "ciliate_policy_implementation_delay_seconds",
             "Time from a policy change being accepted to every affected endpoint's datapath realizing it",

@@ -315,6 +315,7 @@ async fn run_async(
                 config.node_name.clone(),
                 status_events,
                 crate::k8s::status::WriterOptions::default(),
+                shared.metrics.clone(),
             ));
             let (annotations, wanted) = tokio::sync::watch::channel(Default::default());
             actix_rt::spawn(crate::k8s::node::run_node_annotator(

@@ -306,7 +306,16 @@ pub async fn run_status_writer(
     node_name: String,
     mut events: tokio::sync::mpsc::UnboundedReceiver<PolicyStatusEvent>,
     options: WriterOptions,
+    metrics: std::sync::Arc<crate::agent::metrics::Metrics>,
 ) {
+    let outcome = |o: &str| {
+        metrics
+            .policy_status_writes
+            .get_or_create(&crate::agent::metrics::OutcomeLabels {
+                outcome: o.to_string(),
+            })
+            .inc();
+    };
     const TICK: Duration = Duration::from_millis(50);
     let per_tick =
         ((options.max_writes_per_second as u64 * TICK.as_millis() as u64) / 1000).max(1) as usize;
@@ -327,12 +336,16 @@ pub async fn run_status_writer(
                         .patch_status(&key.name, &PatchParams::default(), &Patch::Merge(&patch))
                         .await
                     {
-                        Ok(_) => book.written(&key, Instant::now()),
+                        Ok(_) => {
+                            outcome("ok");
+                            book.written(&key, Instant::now());
+                        }
                         Err(kube::Error::Api(s)) if s.code == 404 => {
                             tracing::debug!(policy = %key, "policy gone before its status was written");
                             book.entries.remove(&key);
                         }
                         Err(e) => {
+                            outcome("error");
                             tracing::warn!(policy = %key, error = %e, "cannot write the policy status; retrying");
                             book.failed(&key, Instant::now());
                         }
