@@ -40,3 +40,44 @@ pub async fn make_client(kubeconfig: Option<&Path>) -> Result<kube::Client, Clie
     };
     kube::Client::try_from(config).map_err(|e| ClientError::Client(e.to_string()))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An HTTPS API server needs the TLS stack to be usable at run time (rustls with its
+    /// crypto provider): building the client must work, and a request must fail cleanly (no
+    /// server listens) instead of panicking.
+    #[tokio::test(flavor = "current_thread")]
+    async fn https_clients_build_and_fail_cleanly_without_a_server() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("kubeconfig");
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free port");
+        std::fs::write(
+            &path,
+            format!(
+                "apiVersion: v1
+kind: Config
+clusters: [{{name: c, cluster: {{server: 'https://127.0.0.1:{port}', insecure-skip-tls-verify: true}}}}]
+contexts: [{{name: c, context: {{cluster: c, user: u}}}}]
+current-context: c
+users: [{{name: u, user: {{token: t}}}}]
+"
+            ),
+        )
+        .expect("write kubeconfig");
+        let client = make_client(Some(&path)).await.expect("an HTTPS client");
+        let err = client
+            .apiserver_version()
+            .await
+            .expect_err("nothing listens there");
+        assert!(!err.to_string().is_empty());
+        match make_client(Some(&dir.path().join("nope"))).await {
+            Err(e) => assert!(e.to_string().contains("--kubeconfig"), "{e}"),
+            Ok(_) => panic!("a missing kubeconfig must be an error"),
+        }
+    }
+}
