@@ -461,3 +461,32 @@ endpoints: [{addresses: [192.0.2.11]}]
         .is_some_and(|p| p.iter().all(|p| p["name"] != "p1"));
     assert!(p1_gone);
 }
+
+#[test]
+fn readyz_says_what_the_initial_sync_waits_for() {
+    if !privileged() {
+        return;
+    }
+    let w = world(0);
+    let server = TestApiServer::start().expect("API server");
+    let tmp = tempfile::tempdir().unwrap();
+    let kubectl = Kubectl::new(tmp.path(), &server);
+    // No CRDs yet: the policy kinds cannot be listed.
+    let pins = w.pins.to_string_lossy().to_string();
+    let agent = Agent::spawn_kubernetes(
+        tmp.path(),
+        &kubectl.kubeconfig,
+        &["--datapath", "bpf", "--bpf-root", &pins],
+    );
+    agent.wait_until("/readyz explains what it waits for", || {
+        let (code, body) = agent.http_get("/readyz");
+        code == 503
+            && body.contains("waiting for CiliumNetworkPolicy to be listed (last error:")
+            && body.contains("CiliumClusterwideNetworkPolicy")
+            && !body.contains("waiting for Pod")
+    });
+    kubectl.ok(&["apply", "-f", &crds_dir()], None);
+    agent.wait_until("ready once the CRDs exist", || {
+        agent.http_get("/readyz").0 == 200
+    });
+}

@@ -180,6 +180,8 @@ pub struct KubeWatcherActor {
     held: BTreeMap<(Watched, String), Option<Converted>>,
     /// When each resource's last watch error was logged (errors repeat while the API is down).
     error_logged: HashMap<Watched, Instant>,
+    /// The last watch error of each resource that has not listed yet (for `/readyz`).
+    last_error: HashMap<Watched, String>,
     /// This node's annotations, for the annotator task.
     annotations: tokio::sync::watch::Sender<BTreeMap<String, String>>,
     /// Services and their backends, for `toServices`.
@@ -207,6 +209,7 @@ impl KubeWatcherActor {
             relisting: HashMap::new(),
             held: BTreeMap::new(),
             error_logged: HashMap::new(),
+            last_error: HashMap::new(),
             annotations,
             services: ServiceTracker::default(),
             service_policies: BTreeMap::new(),
@@ -325,7 +328,10 @@ impl KubeWatcherActor {
                 for key in gone {
                     self.forget(resource, &key);
                 }
-                if self.unsynced.remove(&resource) {
+                let first = self.unsynced.remove(&resource);
+                self.last_error.remove(&resource);
+                self.publish_waiting();
+                if first {
                     tracing::info!(resource = resource.kind(), objects = seen.len(), "listed");
                     if self.unsynced.is_empty() {
                         self.finish_initial_sync();
@@ -335,6 +341,10 @@ impl KubeWatcherActor {
                 }
             }
             Change::Error(e) => {
+                if self.unsynced.contains(&resource) {
+                    self.last_error.insert(resource, e.clone());
+                    self.publish_waiting();
+                }
                 let now = Instant::now();
                 let quiet = self
                     .error_logged
@@ -350,6 +360,21 @@ impl KubeWatcherActor {
                     self.error_logged.insert(resource, now);
                 }
             }
+        }
+    }
+
+    /// Tells `/readyz` which resources the initial sync still waits for, and why.
+    fn publish_waiting(&self) {
+        let waiting: Vec<String> = self
+            .unsynced
+            .iter()
+            .map(|r| match self.last_error.get(r) {
+                Some(e) => format!("{} to be listed (last error: {e})", r.kind()),
+                None => format!("{} to be listed", r.kind()),
+            })
+            .collect();
+        if let Ok(mut w) = self.shared.sync_waiting.lock() {
+            *w = waiting;
         }
     }
 
@@ -748,6 +773,7 @@ impl Actor for KubeWatcherActor {
 
     fn started(&mut self, _: &mut Context<Self>) {
         tracing::info!("watching the API server");
+        self.publish_waiting();
         self.start_watchers();
     }
 }

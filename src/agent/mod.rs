@@ -46,6 +46,9 @@ pub struct Shared {
     pub ipam: Arc<Mutex<crate::ipam::NodeIpam>>,
     /// Policy verdict events from the datapath, for `ciliate monitor` (each subscriber gets all).
     pub events: tokio::sync::broadcast::Sender<crate::datapath::events::VerdictEvent>,
+    /// What the initial sync still waits for (e.g. `CiliumNetworkPolicy: not listed yet (last
+    /// error: ...)`), shown by `/readyz` while not ready.
+    pub sync_waiting: Arc<Mutex<Vec<String>>>,
     /// Kubernetes mode: where policy outcomes go to be written into CNP/CCNP status.
     pub policy_status: Option<crate::k8s::status::PolicyStatusSink>,
 }
@@ -74,6 +77,7 @@ impl Shared {
             implementations: Arc::new(Mutex::new(VecDeque::new())),
             ipam: Arc::new(Mutex::new(crate::ipam::NodeIpam::default())),
             events: tokio::sync::broadcast::channel(4096).0,
+            sync_waiting: Arc::new(Mutex::new(Vec::new())),
             policy_status: None,
         }
     }

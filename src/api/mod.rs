@@ -94,9 +94,19 @@ async fn readyz(st: web::Data<AppState>) -> HttpResponse {
             .content_type("text/plain")
             .body("ready\n")
     } else {
+        let mut body = String::from("initial sync not done\n");
+        for w in st
+            .shared
+            .sync_waiting
+            .lock()
+            .map(|w| w.clone())
+            .unwrap_or_default()
+        {
+            body.push_str(&format!("waiting for {w}\n"));
+        }
         HttpResponse::ServiceUnavailable()
             .content_type("text/plain")
-            .body("initial sync not done\n")
+            .body(body)
     }
 }
 

@@ -46,13 +46,26 @@ impl Agent {
 
     /// Starts the agent in Kubernetes mode against the API server `kubeconfig` points at.
     pub fn start_kubernetes(dir: &Path, kubeconfig: &Path, extra: &[&str]) -> Agent {
+        let a = Agent::spawn_kubernetes(dir, kubeconfig, extra);
+        a.wait_until("the agent is ready", || a.http_get("/readyz").0 == 200);
+        a
+    }
+
+    /// Like `start_kubernetes`, without waiting for it to be ready.
+    pub fn spawn_kubernetes(dir: &Path, kubeconfig: &Path, extra: &[&str]) -> Agent {
         let mut args = vec!["--mode", "kubernetes", "--kubeconfig"];
         args.push(kubeconfig.to_str().expect("UTF-8 path"));
         args.extend(extra);
-        Agent::spawn(dir, &args)
+        Agent::spawn_unready(dir, &args)
     }
 
     fn spawn(dir: &Path, args: &[&str]) -> Agent {
+        let a = Agent::spawn_unready(dir, args);
+        a.wait_until("the agent is ready", || a.http_get("/readyz").0 == 200);
+        a
+    }
+
+    fn spawn_unready(dir: &Path, args: &[&str]) -> Agent {
         let debug = format!("127.0.0.1:{}", free_port());
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -72,13 +85,11 @@ impl Agent {
             .stderr(log)
             .spawn()
             .expect("agent starts");
-        let a = Agent {
+        Agent {
             child: Some(child),
             dir: dir.to_path_buf(),
             debug,
-        };
-        a.wait_until("the agent is ready", || a.http_get("/readyz").0 == 200);
-        a
+        }
     }
 
     pub fn wait_until(&self, what: &str, mut f: impl FnMut() -> bool) {
