@@ -435,7 +435,10 @@ static __always_inline int decide(struct __sk_buff *skb, int egress)
 	/* Conntrack: the tuple as seen from the endpoint's side of this packet. */
 	struct ct_key fwd, rev;
 	ct_tuple(&fwd, &p, ep, 0);
-	__u64 now = bpf_ktime_get_ns();
+	/* CLOCK_MONOTONIC at tick resolution: it reads the timekeeper's last tick instead of the
+	 * clocksource (in a VM a paravirtual clock read), and a few milliseconds are nothing
+	 * against conntrack timeouts of seconds. */
+	__u64 now = bpf_ktime_get_coarse_ns();
 	__u8 closing = p.protocol == IPPROTO_TCP && (p.tcp_flags & (TCP_FIN | TCP_RST));
 	struct ct_value *ct = bpf_map_lookup_elem(&conntrack, &fwd);
 	if (ct && ct->egress == egress) {

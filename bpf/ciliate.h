@@ -110,7 +110,7 @@ struct ct_key {
 };
 
 struct ct_value {
-	__u64 last_seen_ns; /* bpf_ktime_get_ns(): CLOCK_MONOTONIC */
+	__u64 last_seen_ns; /* bpf_ktime_get_coarse_ns(): CLOCK_MONOTONIC, tick resolution */
 	__u64 packets;
 	__u8 egress;  /* the direction that opened the connection */
 	__u8 replied; /* a reply was seen (an unanswered TCP SYN expires sooner) */

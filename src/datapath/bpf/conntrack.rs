@@ -9,7 +9,8 @@ use libbpf_rs::{MapCore, MapFlags, MapHandle};
 use super::{types, Pod};
 use crate::datapath::{ConntrackGcStats, ConntrackTimeouts};
 
-/// `CLOCK_MONOTONIC` in nanoseconds: the clock of `bpf_ktime_get_ns()`.
+/// `CLOCK_MONOTONIC` in nanoseconds: the clock of the program's `bpf_ktime_get_coarse_ns()`
+/// (which lags it by at most a tick, so an entry may look a few milliseconds older than it is).
 pub fn monotonic_ns() -> u64 {
     nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
         .map(|t| t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64)
