@@ -430,7 +430,7 @@ impl KubeWatcherActor {
         let n = held.len();
         // Deletes first (policies before what they select), then upserts in dependency order.
         for ((resource, key), _) in held.iter().rev().filter(|(_, c)| c.is_none()) {
-            self.send(*resource, &key.clone(), None);
+            self.send(*resource, key, None);
         }
         for ((resource, key), c) in held {
             if c.is_some() {

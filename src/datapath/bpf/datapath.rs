@@ -236,18 +236,20 @@ fn ipcache_host_key(prefix: &IpNet) -> Option<types::ipcache_host_key> {
     if prefix.prefix_len() != prefix.max_prefix_len() {
         return None;
     }
-    let mut k = types::ipcache_host_key::default();
-    match prefix.addr() {
+    let (family, addr) = family_and_addr(prefix.addr());
+    Some(types::ipcache_host_key { family, addr })
+}
+
+/// The ABI's address encoding: family 4 or 6, the address left-aligned in 16 bytes.
+fn family_and_addr(ip: IpAddr) -> (u32, [u8; 16]) {
+    let mut addr = [0u8; 16];
+    match ip {
         IpAddr::V4(a) => {
-            k.family = 4;
-            k.addr[..4].copy_from_slice(&a.octets());
+            addr[..4].copy_from_slice(&a.octets());
+            (4, addr)
         }
-        IpAddr::V6(a) => {
-            k.family = 6;
-            k.addr.copy_from_slice(&a.octets());
-        }
+        IpAddr::V6(a) => (6, a.octets()),
     }
-    Some(k)
 }
 
 fn ip_of(family: u32, addr: &[u8; 16]) -> IpAddr {
@@ -259,21 +261,12 @@ fn ip_of(family: u32, addr: &[u8; 16]) -> IpAddr {
 }
 
 fn ipcache_key(prefix: &IpNet) -> types::ipcache_key {
-    let mut k = types::ipcache_key {
+    let (family, addr) = family_and_addr(prefix.network());
+    types::ipcache_key {
         prefixlen: 32 + prefix.prefix_len() as u32,
-        ..Default::default()
-    };
-    match prefix.network() {
-        IpAddr::V4(a) => {
-            k.family = 4;
-            k.addr[..4].copy_from_slice(&a.octets());
-        }
-        IpAddr::V6(a) => {
-            k.family = 6;
-            k.addr.copy_from_slice(&a.octets());
-        }
+        family,
+        addr,
     }
-    k
 }
 
 impl BpfDatapath {
