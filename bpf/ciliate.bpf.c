@@ -49,8 +49,10 @@ struct ipcache_host_key _abi_ipcache_host_key = {};
 struct policy_value _abi_policy_value = {};
 struct verdict_event _abi_verdict_event = {};
 
+/* Endpoint ids are 16-bit, so both per-endpoint tables are arrays indexed by the id: the
+ * verifier inlines their lookups (no hashing), which a new connection's two lookups feel. */
 struct {
-	__uint(type, BPF_MAP_TYPE_HASH_OF_MAPS);
+	__uint(type, BPF_MAP_TYPE_ARRAY_OF_MAPS);
 	__uint(max_entries, CILIATE_ENDPOINTS_MAX);
 	__type(key, __u32);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
@@ -75,8 +77,11 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } ipcache_hosts SEC(".maps");
 
+/* A slot whose identity is 0 holds no endpoint. User space rewrites a record in place, so the
+ * program may read a mix of an old and a new record's fields: the writer orders its updates
+ * so that every such mix is safe (see sync_policy in datapath.rs). */
 struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, CILIATE_ENDPOINTS_MAX);
 	__type(key, __u32);
 	__type(value, struct endpoint_info);
@@ -299,6 +304,15 @@ static __always_inline int probe(void *pmap, struct policy_key *k, struct policy
 	return POLICY_ALLOW;
 }
 
+/* The number of set bits, without branches (BPF has no popcount instruction). */
+static __always_inline __u32 popcount32(__u32 x)
+{
+	x = x - ((x >> 1) & 0x55555555);
+	x = (x & 0x33333333) + ((x >> 2) & 0x33333333);
+	x = (x + (x >> 4)) & 0x0f0f0f0f;
+	return (x * 0x01010101) >> 24;
+}
+
 /* Deny-wins lookup: every entry that could match is probed (only the kinds the endpoint's
  * masks say exist); the first deny decides, else any allow. */
 static __always_inline int policy_lookup(void *pmap, __u32 identity, __u8 egress, struct packet *p,
@@ -337,10 +351,14 @@ static __always_inline int policy_lookup(void *pmap, __u32 identity, __u8 egress
 		}
 		if (p->l4_missing)
 			continue;
-		for (int len = 16; len >= 1; len--) {
-			if (!(lens & (1u << len)))
-				continue;
-			__u16 mask = (__u16)(0xffff << (16 - len));
+		/* One pass per port prefix length in use (a set bit), shortest first, not one
+		 * per possible length: most endpoints use one or two. */
+		__u32 ports = lens & 0x1fffe;
+		for (int j = 0; j < 16 && ports; j++) {
+			__u32 low = ports & -ports;
+			ports ^= low;
+			__u32 len = popcount32(low - 1);
+			__u16 mask = (__u16)(0xffff0000u >> len);
 			k.port = p->policy_port & mask;
 			k.port_prefix_len = len;
 			if (probe(pmap, &k, &allow, bytes) == POLICY_DENY)
@@ -402,7 +420,7 @@ static __always_inline int decide(struct __sk_buff *skb, int egress)
 		return TC_ACT_OK;
 	}
 	struct endpoint_info *info = bpf_map_lookup_elem(&endpoints, &ep);
-	if (!info) {
+	if (!info || !info->identity) {
 		/* Attached but not (or no longer) known: fail closed. */
 		count(CILIATE_DROP_NOT_REALIZED);
 		return TC_ACT_SHOT;
@@ -440,7 +458,12 @@ static __always_inline int decide(struct __sk_buff *skb, int egress)
 	 * against conntrack timeouts of seconds. */
 	__u64 now = bpf_ktime_get_coarse_ns();
 	__u8 closing = p.protocol == IPPROTO_TCP && (p.tcp_flags & (TCP_FIN | TCP_RST));
-	struct ct_value *ct = bpf_map_lookup_elem(&conntrack, &fwd);
+	/* A TCP SYN without ACK opens a connection: it is never part of a tracked flow in either
+	 * direction, so it skips both probes and always meets the policy in force (a retransmitted
+	 * SYN too, and a simultaneous open); when allowed, its entry replaces any older one. */
+	__u8 opening = p.protocol == IPPROTO_TCP && !p.l4_missing &&
+		       (p.tcp_flags & (TCP_SYN | TCP_ACK)) == TCP_SYN;
+	struct ct_value *ct = opening ? 0 : bpf_map_lookup_elem(&conntrack, &fwd);
 	if (ct && ct->egress == egress) {
 		ct->last_seen_ns = now;
 		if (closing && !ct->closing)
@@ -449,12 +472,11 @@ static __always_inline int decide(struct __sk_buff *skb, int egress)
 		count(CILIATE_ALLOW_ESTABLISHED);
 		return TC_ACT_OK;
 	}
-	/* A TCP SYN without ACK opens a connection: it is never the reply of one, so the reverse
-	 * probe is skipped (a simultaneous open then meets policy like any new connection). */
-	__u8 opening = p.protocol == IPPROTO_TCP && !p.l4_missing &&
-		       (p.tcp_flags & (TCP_SYN | TCP_ACK)) == TCP_SYN;
-	ct_tuple(&rev, &p, ep, 1);
-	ct = opening ? 0 : bpf_map_lookup_elem(&conntrack, &rev);
+	ct = 0;
+	if (!opening) {
+		ct_tuple(&rev, &p, ep, 1);
+		ct = bpf_map_lookup_elem(&conntrack, &rev);
+	}
 	if (ct && ct->egress != egress) {
 		ct->last_seen_ns = now;
 		if (!ct->replied)

@@ -69,7 +69,8 @@ struct ipcache_value {
 	__u32 pad;
 };
 
-/* The endpoint map: endpoint id -> what the program needs to know about it. */
+/* The endpoint map: an array indexed by the (16-bit) endpoint id -> what the program needs to
+ * know about it. A slot with identity 0 holds no endpoint. */
 struct endpoint_info {
 	__u32 identity;
 	__u32 flags;

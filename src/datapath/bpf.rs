@@ -234,8 +234,7 @@ pub fn copy_entries(old: &MapHandle, new: &MapHandle) -> (usize, usize) {
             MapType::PercpuArray | MapType::PercpuHash | MapType::LruPercpuHash
         )
     };
-    // Plain data only: map-in-map values read back as ids but are written as descriptors,
-    // and a ring buffer holds no entries.
+    // Plain data (maps of maps are handled above; a ring buffer holds no entries).
     let plain = |t: MapType| {
         matches!(
             t,
@@ -249,6 +248,10 @@ pub fn copy_entries(old: &MapHandle, new: &MapHandle) -> (usize, usize) {
         )
     };
     let (ta, tb) = (a.map_type(), b.map_type());
+    let map_of_maps = |t: MapType| matches!(t, MapType::HashOfMaps | MapType::ArrayOfMaps);
+    if map_of_maps(ta) && map_of_maps(tb) && a.info.key_size == b.info.key_size {
+        return copy_inner_maps(old, new);
+    }
     if !plain(ta) || !plain(tb) {
         return (0, 0);
     }
@@ -272,6 +275,36 @@ pub fn copy_entries(old: &MapHandle, new: &MapHandle) -> (usize, usize) {
                 _ => false,
             }
         };
+        if ok {
+            copied += 1;
+        } else {
+            failed += 1;
+        }
+    }
+    (copied, failed)
+}
+
+/// Copies a map of maps: user space reads an inner map's id but writes a descriptor, so each
+/// inner map is opened by its id and registered in `new` under the same key. An array of
+/// maps lists every index as a key: empty slots read as absent and are skipped.
+fn copy_inner_maps(old: &MapHandle, new: &MapHandle) -> (usize, usize) {
+    use std::os::fd::{AsFd, AsRawFd};
+    let (mut copied, mut failed) = (0, 0);
+    for k in old.keys() {
+        let Ok(Some(v)) = old.lookup(&k, MapFlags::ANY) else {
+            continue;
+        };
+        let Some(id) = v
+            .get(..4)
+            .map(|b| u32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
+        else {
+            failed += 1;
+            continue;
+        };
+        let ok = MapHandle::from_map_id(id).is_ok_and(|inner| {
+            let fd = inner.as_fd().as_raw_fd() as u32;
+            new.update(&k, &fd.to_ne_bytes(), MapFlags::ANY).is_ok()
+        });
         if ok {
             copied += 1;
         } else {

@@ -435,6 +435,7 @@ impl BpfDatapath {
         Ok(m)
     }
 
+    /// The endpoint's record; `None` for an empty slot (identity 0) of the endpoint array.
     fn read_info(&self, id: EndpointId) -> Option<types::endpoint_info> {
         let k = (id as u32).to_ne_bytes();
         self.endpoint_map
@@ -442,8 +443,11 @@ impl BpfDatapath {
             .ok()
             .flatten()
             .and_then(|b| types::endpoint_info::from_bytes(&b))
+            .filter(|i| i.identity != 0)
     }
 
+    /// Rewrites the endpoint's slot in place. The program may read any mix of the old and the
+    /// new record's fields, so callers order their writes so that every mix is safe.
     fn write_info(&self, id: EndpointId, info: &types::endpoint_info) -> Result<(), DatapathError> {
         self.endpoint_map
             .update(&(id as u32).to_ne_bytes(), info.as_bytes(), MapFlags::ANY)
@@ -561,6 +565,16 @@ impl Datapath for BpfDatapath {
 
     fn attach_endpoint(&mut self, att: &EndpointAttachment) -> Result<(), DatapathError> {
         let id = att.id;
+        if id == 0 || att.identity == 0 {
+            // Endpoint 0 is the unmanaged program's id, and identity 0 marks an empty slot.
+            return Err(DatapathError::System {
+                operation: format!("attach endpoint {id}"),
+                message: format!(
+                    "endpoint id and identity must not be 0 (id {id}, identity {})",
+                    att.identity
+                ),
+            });
+        }
         let policy = self.policy_map(id)?;
         // A map-in-map update waits for an RCU grace period (milliseconds): skip it when this
         // very map is registered already (a restarted agent).
@@ -633,7 +647,12 @@ impl Datapath for BpfDatapath {
         }
         let k = (id as u32).to_ne_bytes();
         let _ = self.policy_maps.delete(&k);
-        let _ = self.endpoint_map.delete(&k);
+        // An array slot cannot be deleted: identity 0 empties it.
+        let _ = self.endpoint_map.update(
+            &k,
+            types::endpoint_info::default().as_bytes(),
+            MapFlags::ANY,
+        );
         let path = self.pins.join(format!("policy_{id}"));
         match std::fs::remove_file(&path) {
             Ok(()) => Ok(()),

@@ -536,6 +536,44 @@ fn conntrack_entries_record_replies_and_tcp_closing() {
 }
 
 #[test]
+fn a_syn_always_meets_the_policy_in_force() {
+    if !privileged() {
+        return;
+    }
+    let mut l = load(11);
+    l.endpoint_split(11, 300, EP_INGRESS_DEFAULT_DENY | EP_SPLIT_LENS, 1 << 16, 0);
+    l.policy_map(11);
+    l.ipcache_host("10.0.0.2", 400);
+    l.rule(400, false, 6, 80, 16, false);
+    let syn = packet(6, "10.0.0.2", "10.0.0.1", 42000, 80);
+    let mut ack = syn.clone();
+    ack[47] = 0x10;
+    assert_eq!(l.run(false, &syn), TC_ACT_OK);
+    assert_eq!(l.run(false, &ack), TC_ACT_OK);
+    // The rule goes away: the tracked flow goes on, but a SYN on the same tuple (a
+    // retransmission, or the port reused) is a new connection and is denied.
+    let rule = types::policy_key {
+        identity: 400,
+        egress: 0,
+        protocol: 6,
+        port: 80,
+        port_prefix_len: 16,
+        pad: [0; 3],
+    };
+    l._inner.as_ref().unwrap().delete(rule.as_bytes()).unwrap();
+    assert_eq!(l.run(false, &ack), TC_ACT_OK, "established");
+    assert_eq!(l.run(false, &syn), TC_ACT_SHOT, "a SYN is not established");
+    // Allowed again, the SYN replaces the entry: one entry, counting from this SYN.
+    l.rule(400, false, 6, 80, 16, false);
+    assert_eq!(l.run(false, &syn), TC_ACT_OK);
+    let map = &l.skel.maps.conntrack;
+    let keys: Vec<Vec<u8>> = map.keys().collect();
+    assert_eq!(keys.len(), 1);
+    let v = map.lookup(&keys[0], MapFlags::ANY).unwrap().unwrap();
+    assert_eq!(types::ct_value::from_bytes(&v).unwrap().packets, 1);
+}
+
+#[test]
 fn maps_pinned_by_an_older_version_are_migrated_not_crashed_on() {
     if !privileged() {
         return;
@@ -600,7 +638,74 @@ fn maps_pinned_by_an_older_version_are_migrated_not_crashed_on() {
         .update_percpu(&0u32.to_ne_bytes(), &per_cpu, MapFlags::ANY)
         .unwrap();
     counters.pin(pins.join("verdict_counters")).unwrap();
-    drop((ct, counters));
+    // Its endpoint table was a hash, and its policy maps a hash of maps: endpoint 7 allows
+    // TCP 8080 from identity 400 (the host 10.0.0.2) under ingress default deny.
+    let mut endpoints = MapHandle::create(
+        MapType::Hash,
+        Some("endpoints"),
+        4,
+        size_of::<types::endpoint_info>() as u32,
+        65536,
+        &opts,
+    )
+    .unwrap();
+    let info = types::endpoint_info {
+        identity: 300,
+        flags: EP_INGRESS_DEFAULT_DENY | EP_SPLIT_LENS,
+        port_prefix_lens: 1 << 16,
+        any_identity_lens: 0,
+    };
+    endpoints
+        .update(&7u32.to_ne_bytes(), info.as_bytes(), MapFlags::ANY)
+        .unwrap();
+    endpoints.pin(pins.join("endpoints")).unwrap();
+    let inner = MapHandle::create(
+        MapType::Hash,
+        Some("ciliate_pol_7"),
+        size_of::<types::policy_key>() as u32,
+        size_of::<types::policy_value>() as u32,
+        16384,
+        &opts,
+    )
+    .unwrap();
+    let rule = types::policy_key {
+        identity: 400,
+        egress: 0,
+        protocol: 6,
+        port: 8080,
+        port_prefix_len: 16,
+        pad: [0; 3],
+    };
+    inner
+        .update(
+            rule.as_bytes(),
+            types::policy_value::default().as_bytes(),
+            MapFlags::ANY,
+        )
+        .unwrap();
+    let outer_opts = libbpf_rs::libbpf_sys::bpf_map_create_opts {
+        sz: size_of::<libbpf_rs::libbpf_sys::bpf_map_create_opts>() as _,
+        inner_map_fd: inner.as_fd().as_raw_fd() as u32,
+        ..Default::default()
+    };
+    let mut policy_maps = MapHandle::create(
+        MapType::HashOfMaps,
+        Some("policy_maps"),
+        4,
+        4,
+        65536,
+        &outer_opts,
+    )
+    .unwrap();
+    policy_maps
+        .update(
+            &7u32.to_ne_bytes(),
+            &(inner.as_fd().as_raw_fd() as u32).to_ne_bytes(),
+            MapFlags::ANY,
+        )
+        .unwrap();
+    policy_maps.pin(pins.join("policy_maps")).unwrap();
+    drop((ct, counters, endpoints, policy_maps));
 
     let obj = Box::leak(Box::new(MaybeUninit::uninit()));
     let skel = load_program(obj, &pins, 7).expect("an older version's pins do not stop the load");
@@ -628,6 +733,57 @@ fn maps_pinned_by_an_older_version_are_migrated_not_crashed_on() {
             .all(|e| !e.file_name().to_string_lossy().starts_with("migrating_")),
         "the old maps are unpinned"
     );
-    // And the program uses the migrated table: the tracked connection's packet is established.
+    // The endpoint record and the policy map moved into this build's arrays...
+    assert_eq!(skel.maps.endpoints.map_type(), MapType::Array);
+    let got = skel
+        .maps
+        .endpoints
+        .lookup(&7u32.to_ne_bytes(), MapFlags::ANY)
+        .unwrap()
+        .unwrap();
+    assert_eq!(got.as_slice(), info.as_bytes());
+    assert_eq!(skel.maps.policy_maps.map_type(), MapType::ArrayOfMaps);
+    let registered = skel
+        .maps
+        .policy_maps
+        .lookup(&7u32.to_ne_bytes(), MapFlags::ANY)
+        .unwrap()
+        .expect("the policy map is registered");
+    assert_eq!(
+        u32::from_ne_bytes(registered[..4].try_into().unwrap()),
+        inner.info().unwrap().info.id
+    );
+    // ...and the program enforces them: 8080 from 400 passes, 9090 meets default deny.
+    let mut hk = types::ipcache_host_key {
+        family: 4,
+        ..Default::default()
+    };
+    hk.addr[..4].copy_from_slice(&ipv4("10.0.0.2"));
+    let v = types::ipcache_value {
+        identity: 400,
+        pad: 0,
+    };
+    skel.maps
+        .ipcache_hosts
+        .update(hk.as_bytes(), v.as_bytes(), MapFlags::ANY)
+        .unwrap();
+    let run = |pkt: &[u8]| {
+        skel.progs
+            .to_container
+            .test_run(ProgramInput {
+                data_in: Some(pkt),
+                ..Default::default()
+            })
+            .unwrap()
+            .return_value as i32
+    };
+    assert_eq!(
+        run(&packet(6, "10.0.0.2", "10.0.0.1", 40001, 8080)),
+        TC_ACT_OK
+    );
+    assert_eq!(
+        run(&packet(6, "10.0.0.2", "10.0.0.1", 40002, 9090)),
+        TC_ACT_SHOT
+    );
     drop(skel);
 }
