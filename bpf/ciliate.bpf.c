@@ -88,16 +88,27 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } endpoints SEC(".maps");
 
-/* A preallocated hash, not an LRU: an LRU insert rotates its lists and touches many cold
- * nodes (about 300 ns of a new connection's cost). Expiry is the agent's garbage collector's
- * job; a full table leaves new connections untracked (CILIATE_CT_FULL), never allowed more. */
+/* Conntrack, IPv4: a preallocated hash, not an LRU: an LRU insert rotates its lists and touches
+ * many cold nodes (about 300 ns of a new connection's cost). Expiry is the agent's garbage
+ * collector's job; a full table leaves new connections untracked (CILIATE_CT_FULL), never
+ * allowed more. */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, CILIATE_CT_MAX);
-	__type(key, struct ct_key);
+	__type(key, struct ct4_key);
 	__type(value, struct ct_value);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} conntrack SEC(".maps");
+} conntrack4 SEC(".maps");
+
+/* Conntrack, IPv6: allocated per entry, so a cluster without IPv6 pays no memory for it. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, CILIATE_CT_MAX);
+	__type(key, struct ct6_key);
+	__type(value, struct ct_value);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} conntrack6 SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
@@ -399,8 +410,19 @@ static __always_inline void emit(struct packet *p, __u32 ep, __u32 identity, int
 	bpf_ringbuf_submit(e, 0);
 }
 
-/* The conntrack key of a packet as it travels (reverse = 0), or of its reply (reverse = 1). */
-static __always_inline void ct_tuple(struct ct_key *k, struct packet *p, __u32 ep, int reverse)
+/* The conntrack keys of a packet as it travels (reverse = 0), or of its reply (reverse = 1). */
+static __always_inline void ct4_tuple(struct ct4_key *k, struct packet *p, __u32 ep, int reverse)
+{
+	__builtin_memset(k, 0, sizeof(*k));
+	__builtin_memcpy(k->saddr, reverse ? p->daddr : p->saddr, 4);
+	__builtin_memcpy(k->daddr, reverse ? p->saddr : p->daddr, 4);
+	k->sport = reverse ? p->dport : p->sport;
+	k->dport = reverse ? p->sport : p->dport;
+	k->protocol = p->protocol;
+	k->endpoint_id = ep;
+}
+
+static __always_inline void ct6_tuple(struct ct6_key *k, struct packet *p, __u32 ep, int reverse)
 {
 	__builtin_memset(k, 0, sizeof(*k));
 	__builtin_memcpy(k->saddr, reverse ? p->daddr : p->saddr, 16);
@@ -408,8 +430,34 @@ static __always_inline void ct_tuple(struct ct_key *k, struct packet *p, __u32 e
 	k->sport = reverse ? p->dport : p->sport;
 	k->dport = reverse ? p->sport : p->dport;
 	k->protocol = p->protocol;
-	k->family = p->family;
+	k->family = 6;
 	k->endpoint_id = ep;
+}
+
+/* The entry of the packet's tuple (reverse = 0) or of its reply's (reverse = 1). */
+static __always_inline struct ct_value *ct_lookup(struct packet *p, __u32 ep, int reverse)
+{
+	if (p->family == 4) {
+		struct ct4_key k;
+		ct4_tuple(&k, p, ep, reverse);
+		return bpf_map_lookup_elem(&conntrack4, &k);
+	}
+	struct ct6_key k;
+	ct6_tuple(&k, p, ep, reverse);
+	return bpf_map_lookup_elem(&conntrack6, &k);
+}
+
+/* Tracks the packet's tuple (replacing any entry it had); non-zero when the table is full. */
+static __always_inline long ct_create(struct packet *p, __u32 ep, struct ct_value *v)
+{
+	if (p->family == 4) {
+		struct ct4_key k;
+		ct4_tuple(&k, p, ep, 0);
+		return bpf_map_update_elem(&conntrack4, &k, v, BPF_ANY);
+	}
+	struct ct6_key k;
+	ct6_tuple(&k, p, ep, 0);
+	return bpf_map_update_elem(&conntrack6, &k, v, BPF_ANY);
 }
 
 static __always_inline int decide(struct __sk_buff *skb, int egress)
@@ -451,8 +499,6 @@ static __always_inline int decide(struct __sk_buff *skb, int egress)
 	}
 
 	/* Conntrack: the tuple as seen from the endpoint's side of this packet. */
-	struct ct_key fwd, rev;
-	ct_tuple(&fwd, &p, ep, 0);
 	/* CLOCK_MONOTONIC at tick resolution: it reads the timekeeper's last tick instead of the
 	 * clocksource (in a VM a paravirtual clock read), and a few milliseconds are nothing
 	 * against conntrack timeouts of seconds. */
@@ -463,7 +509,7 @@ static __always_inline int decide(struct __sk_buff *skb, int egress)
 	 * SYN too, and a simultaneous open); when allowed, its entry replaces any older one. */
 	__u8 opening = p.protocol == IPPROTO_TCP && !p.l4_missing &&
 		       (p.tcp_flags & (TCP_SYN | TCP_ACK)) == TCP_SYN;
-	struct ct_value *ct = opening ? 0 : bpf_map_lookup_elem(&conntrack, &fwd);
+	struct ct_value *ct = opening ? 0 : ct_lookup(&p, ep, 0);
 	if (ct && ct->egress == egress) {
 		ct->last_seen_ns = now;
 		if (closing && !ct->closing)
@@ -472,11 +518,7 @@ static __always_inline int decide(struct __sk_buff *skb, int egress)
 		count(CILIATE_ALLOW_ESTABLISHED);
 		return TC_ACT_OK;
 	}
-	ct = 0;
-	if (!opening) {
-		ct_tuple(&rev, &p, ep, 1);
-		ct = bpf_map_lookup_elem(&conntrack, &rev);
-	}
+	ct = opening ? 0 : ct_lookup(&p, ep, 1);
 	if (ct && ct->egress != egress) {
 		ct->last_seen_ns = now;
 		if (!ct->replied)
@@ -513,7 +555,7 @@ static __always_inline int decide(struct __sk_buff *skb, int egress)
 	nv.packets = 1;
 	nv.egress = egress;
 	nv.closing = closing;
-	if (bpf_map_update_elem(&conntrack, &fwd, &nv, BPF_ANY))
+	if (ct_create(&p, ep, &nv))
 		count(CILIATE_CT_FULL);
 	return TC_ACT_OK;
 }

@@ -98,8 +98,22 @@ struct policy_value {
 	__u64 bytes;
 };
 
-/* Connection tracking, keyed by the tuple as the endpoint sends or receives it. */
-struct ct_key {
+/* Connection tracking, keyed by the tuple as the endpoint sends or receives it. IPv4 and IPv6
+ * have a table each: hashing and comparing the key is most of a lookup, and the IPv4 key is
+ * less than half the size of the IPv6 one. */
+struct ct4_key {
+	__u8 saddr[4];
+	__u8 daddr[4];
+	__u16 sport;
+	__u16 dport;
+	__u8 protocol;
+	__u8 pad[3];
+	__u32 endpoint_id;
+};
+
+/* The IPv6 key; also the layout of the single table (`conntrack`) of older versions, whose
+ * entries the agent moves into the two tables. */
+struct ct6_key {
 	__u8 saddr[16];
 	__u8 daddr[16];
 	__u16 sport;

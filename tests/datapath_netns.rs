@@ -310,7 +310,7 @@ fn conntrack_gc_removes_expired_entries_and_keeps_live_ones() {
         .expect("the reply passes b's isolated egress");
     assert_eq!(&buf, b"pong");
 
-    let map = libbpf_rs::MapHandle::from_pinned_path(w.pins.join("ciliate/conntrack")).unwrap();
+    let map = libbpf_rs::MapHandle::from_pinned_path(w.pins.join("ciliate/conntrack4")).unwrap();
     let now = ciliate::datapath::bpf::conntrack::monotonic_ns();
     // Default timeouts: a connection that just talked is kept.
     let kept = ciliate::datapath::bpf::conntrack::sweep(

@@ -379,7 +379,8 @@ unsafe impl Pod for types::ipcache_key {}
 unsafe impl Pod for types::ipcache_host_key {}
 unsafe impl Pod for types::ipcache_value {}
 unsafe impl Pod for types::endpoint_info {}
-unsafe impl Pod for types::ct_key {}
+unsafe impl Pod for types::ct4_key {}
+unsafe impl Pod for types::ct6_key {}
 unsafe impl Pod for types::ct_value {}
 unsafe impl Pod for types::verdict_event {}
 unsafe impl Pod for types::datapath_config {}

@@ -320,6 +320,14 @@ impl BpfDatapath {
             .filter_map(|m| m.info().ok().map(|i| i.info.id))
             .collect();
         dp.migrate_host_prefixes();
+        if let Some(a) = super::conntrack::adopt_legacy(&dp.pins) {
+            tracing::info!(
+                moved = a.moved,
+                failed = a.failed,
+                unpinned = a.unpinned,
+                "conntrack: entries of an older version's single table moved to the IPv4 and IPv6 tables"
+            );
+        }
         Ok(dp)
     }
 
@@ -914,7 +922,7 @@ impl Datapath for BpfDatapath {
         timeouts: crate::datapath::ConntrackTimeouts,
         report: Box<dyn FnMut(crate::datapath::ConntrackGcStats) + Send>,
     ) -> Result<(), DatapathError> {
-        super::conntrack::spawn_gc(self.pins.join("conntrack"), interval, timeouts, report)
+        super::conntrack::spawn_gc(self.pins.clone(), interval, timeouts, report)
             .map(|_| ())
             .map_err(|e| DatapathError::System {
                 operation: "start the conntrack garbage collector".into(),

@@ -241,3 +241,30 @@ pub fn current_program(pin: &Path, ifindex: i32, hook: Hook) -> Option<LoadedPro
     }
     loaded_program(prog_id)
 }
+
+/// Whether any program loaded in the kernel uses the map with kernel id `map_id`.
+pub fn map_in_use(map_id: u32) -> bool {
+    let mut id = 0u32;
+    loop {
+        let mut next = 0u32;
+        if unsafe { sys::bpf_prog_get_next_id(id, &mut next) } != 0 {
+            return false;
+        }
+        id = next;
+        let fd = unsafe { sys::bpf_prog_get_fd_by_id(id) };
+        if fd < 0 {
+            continue; // unloaded meanwhile
+        }
+        let uses = (|| {
+            let n = prog_info(fd, None)?.nr_map_ids as usize;
+            let mut ids = vec![0u32; n];
+            let info = prog_info(fd, Some(&mut ids))?;
+            ids.truncate(info.nr_map_ids as usize);
+            Some(ids.contains(&map_id))
+        })();
+        unsafe { nix::libc::close(fd) };
+        if uses == Some(true) {
+            return true;
+        }
+    }
+}

@@ -39,9 +39,13 @@ fn abi_layout_is_pinned() {
     assert_eq!(size_of::<types::endpoint_info>(), 16);
     assert_eq!(offset_of!(types::endpoint_info, port_prefix_lens), 8);
     assert_eq!(offset_of!(types::endpoint_info, any_identity_lens), 12);
-    assert_eq!(size_of::<types::ct_key>(), 44);
-    assert_eq!(offset_of!(types::ct_key, sport), 32);
-    assert_eq!(offset_of!(types::ct_key, endpoint_id), 40);
+    assert_eq!(size_of::<types::ct4_key>(), 20);
+    assert_eq!(offset_of!(types::ct4_key, sport), 8);
+    assert_eq!(offset_of!(types::ct4_key, protocol), 12);
+    assert_eq!(offset_of!(types::ct4_key, endpoint_id), 16);
+    assert_eq!(size_of::<types::ct6_key>(), 44);
+    assert_eq!(offset_of!(types::ct6_key, sport), 32);
+    assert_eq!(offset_of!(types::ct6_key, endpoint_id), 40);
     assert_eq!(size_of::<types::ct_value>(), 24);
     assert_eq!(size_of::<types::verdict_event>(), 56);
     assert_eq!(offset_of!(types::verdict_event, saddr), 24);
@@ -515,7 +519,7 @@ fn conntrack_entries_record_replies_and_tcp_closing() {
     let syn = packet(6, "10.0.0.2", "10.0.0.1", 41000, 80);
     assert_eq!(l.run(false, &syn), TC_ACT_OK);
     let entry = || {
-        let map = &l.skel.maps.conntrack;
+        let map = &l.skel.maps.conntrack4;
         let keys: Vec<Vec<u8>> = map.keys().collect();
         assert_eq!(keys.len(), 1, "one entry for the connection");
         let v = map.lookup(&keys[0], MapFlags::ANY).unwrap().unwrap();
@@ -566,7 +570,7 @@ fn a_syn_always_meets_the_policy_in_force() {
     // Allowed again, the SYN replaces the entry: one entry, counting from this SYN.
     l.rule(400, false, 6, 80, 16, false);
     assert_eq!(l.run(false, &syn), TC_ACT_OK);
-    let map = &l.skel.maps.conntrack;
+    let map = &l.skel.maps.conntrack4;
     let keys: Vec<Vec<u8>> = map.keys().collect();
     assert_eq!(keys.len(), 1);
     let v = map.lookup(&keys[0], MapFlags::ANY).unwrap().unwrap();
@@ -595,17 +599,18 @@ fn maps_pinned_by_an_older_version_are_migrated_not_crashed_on() {
         sz: size_of::<libbpf_rs::libbpf_sys::bpf_map_create_opts>() as _,
         ..Default::default()
     };
-    // The previous version's conntrack: an LRU hash, with one live connection in it.
+    // An older version's single conntrack table (an LRU hash), with a live connection of each
+    // family: 10.0.0.2:40000 -> 10.0.0.1:80 into endpoint 7, and one over IPv6.
     let mut ct = MapHandle::create(
         MapType::LruHash,
         Some("conntrack"),
-        size_of::<types::ct_key>() as u32,
+        size_of::<types::ct6_key>() as u32,
         size_of::<types::ct_value>() as u32,
         262144,
         &opts,
     )
     .unwrap();
-    let key = types::ct_key {
+    let mut key = types::ct6_key {
         sport: 40000,
         dport: 80,
         protocol: 6,
@@ -613,14 +618,28 @@ fn maps_pinned_by_an_older_version_are_migrated_not_crashed_on() {
         endpoint_id: 7,
         ..Default::default()
     };
+    key.saddr[..4].copy_from_slice(&ipv4("10.0.0.2"));
+    key.daddr[..4].copy_from_slice(&ipv4("10.0.0.1"));
+    let mut key6 = types::ct6_key {
+        sport: 40001,
+        dport: 80,
+        protocol: 6,
+        family: 6,
+        endpoint_id: 7,
+        ..Default::default()
+    };
+    key6.saddr[15] = 2;
+    key6.daddr[15] = 1;
     let value = types::ct_value {
         last_seen_ns: 42,
         packets: 3,
         replied: 1,
         ..Default::default()
     };
-    ct.update(key.as_bytes(), value.as_bytes(), MapFlags::ANY)
-        .unwrap();
+    for k in [&key, &key6] {
+        ct.update(k.as_bytes(), value.as_bytes(), MapFlags::ANY)
+            .unwrap();
+    }
     ct.pin(pins.join("conntrack")).unwrap();
     // Its verdict counters had one reason fewer.
     let mut counters = MapHandle::create(
@@ -709,13 +728,43 @@ fn maps_pinned_by_an_older_version_are_migrated_not_crashed_on() {
 
     let obj = Box::leak(Box::new(MaybeUninit::uninit()));
     let skel = load_program(obj, &pins, 7).expect("an older version's pins do not stop the load");
-    let ct = MapHandle::from_pinned_path(pins.join("conntrack")).unwrap();
-    assert_eq!(ct.map_type(), MapType::Hash, "this build's definition");
-    let got = ct
-        .lookup(key.as_bytes(), MapFlags::ANY)
+    // The old conntrack table is no map of this build: its entries move to the IPv4 and IPv6
+    // tables, and as no program uses it any more, it is unpinned.
+    let moved = conntrack::adopt_legacy(&pins).expect("the old table is found");
+    assert_eq!((moved.moved, moved.failed, moved.unpinned), (2, 0, true));
+    assert!(!pins.join("conntrack").exists());
+    let mut key4 = types::ct4_key {
+        sport: 40000,
+        dport: 80,
+        protocol: 6,
+        endpoint_id: 7,
+        ..Default::default()
+    };
+    key4.saddr = ipv4("10.0.0.2");
+    key4.daddr = ipv4("10.0.0.1");
+    let got = skel
+        .maps
+        .conntrack4
+        .lookup(key4.as_bytes(), MapFlags::ANY)
         .unwrap()
-        .expect("the live connection was carried over");
+        .expect("the IPv4 connection was carried over");
     assert_eq!(types::ct_value::from_bytes(&got).unwrap().packets, 3);
+    let got = skel
+        .maps
+        .conntrack6
+        .lookup(key6.as_bytes(), MapFlags::ANY)
+        .unwrap()
+        .expect("the IPv6 connection was carried over");
+    assert_eq!(types::ct_value::from_bytes(&got).unwrap().packets, 3);
+    assert!(
+        conntrack::adopt_legacy(&pins).is_none(),
+        "nothing left to do"
+    );
+    // The tables this program uses are in use; a map no program holds is not.
+    let id4 = skel.maps.conntrack4.info().unwrap().info.id;
+    assert!(tcx::map_in_use(id4));
+    let unused = MapHandle::create(MapType::Hash, Some("unused"), 4, 4, 1, &opts).unwrap();
+    assert!(!tcx::map_in_use(unused.info().unwrap().info.id));
     let counters = MapHandle::from_pinned_path(pins.join("verdict_counters")).unwrap();
     assert_eq!(counters.info().unwrap().info.max_entries, 11);
     let c = counters
@@ -785,5 +834,9 @@ fn maps_pinned_by_an_older_version_are_migrated_not_crashed_on() {
         run(&packet(6, "10.0.0.2", "10.0.0.1", 40002, 9090)),
         TC_ACT_SHOT
     );
+    // The carried-over connection is established: its packets pass though port 80 has no rule.
+    let mut ack = packet(6, "10.0.0.2", "10.0.0.1", 40000, 80);
+    ack[47] = 0x10;
+    assert_eq!(run(&ack), TC_ACT_OK);
     drop(skel);
 }
