@@ -485,7 +485,12 @@ fn ipv6_link_control_passes_and_icmpv6_follows_policy() {
         return;
     }
     let mut l = load(12);
-    l.endpoint(12, 300, EP_INGRESS_DEFAULT_DENY, 1 << 16);
+    l.endpoint(
+        12,
+        300,
+        EP_INGRESS_DEFAULT_DENY | EP_EGRESS_DEFAULT_DENY,
+        1 << 16,
+    );
     l.policy_map(12);
     // Neighbour solicitation and an MLD report reach an isolated endpoint (no IPv6 otherwise).
     assert_eq!(
@@ -503,6 +508,18 @@ fn ipv6_link_control_passes_and_icmpv6_follows_policy() {
     assert_eq!(
         l.run(false, &icmpv6("2001:db8::9", "fd00::2", 128)),
         TC_ACT_OK
+    );
+    // The echo reply leaves through the isolated egress as the reply of a tracked flow, kept
+    // in the IPv6 table; the endpoint's own echo request to another peer is denied.
+    assert_eq!(
+        l.run(true, &icmpv6("fd00::2", "2001:db8::9", 129)),
+        TC_ACT_OK
+    );
+    assert_eq!(l.skel.maps.conntrack6.keys().count(), 1);
+    assert_eq!(l.skel.maps.conntrack4.keys().count(), 0);
+    assert_eq!(
+        l.run(true, &icmpv6("fd00::2", "2001:db8::7", 128)),
+        TC_ACT_SHOT
     );
 }
 
