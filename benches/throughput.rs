@@ -21,7 +21,7 @@ use ciliate::policy::mapstate::{MapDelta, MapKey};
 use ciliate::policy::rule::{Direction, PROTO_TCP};
 
 const SECONDS: f64 = 2.0;
-const ROUNDS: usize = 5;
+const ROUNDS: usize = 7;
 const PORT: u16 = 5201;
 
 struct Pods {
