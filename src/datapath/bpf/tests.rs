@@ -169,6 +169,24 @@ impl Loaded {
         self._inner = Some(inner);
     }
 
+    /// Endpoint `id` (identity 300) isolated for ingress, allowing TCP 80 from the host
+    /// 10.0.0.2 (identity 400).
+    fn tcp_80_from_400(&mut self, id: u32) {
+        self.endpoint_split(id, 300, EP_INGRESS_DEFAULT_DENY | EP_SPLIT_LENS, 1 << 16, 0);
+        self.policy_map(id);
+        self.ipcache_host("10.0.0.2", 400);
+        self.rule(400, false, 6, 80, 16, false);
+    }
+
+    /// The one IPv4 conntrack entry there is.
+    fn only_ct4_entry(&self) -> types::ct_value {
+        let map = &self.skel.maps.conntrack4;
+        let keys: Vec<Vec<u8>> = map.keys().collect();
+        assert_eq!(keys.len(), 1, "one entry for the connection");
+        let v = map.lookup(&keys[0], MapFlags::ANY).unwrap().unwrap();
+        types::ct_value::from_bytes(&v).unwrap()
+    }
+
     fn rule(&self, identity: u32, egress: bool, protocol: u8, port: u16, plen: u8, deny: bool) {
         let k = types::policy_key {
             identity,
@@ -529,31 +547,21 @@ fn conntrack_entries_record_replies_and_tcp_closing() {
         return;
     }
     let mut l = load(9);
-    l.endpoint_split(9, 300, EP_INGRESS_DEFAULT_DENY | EP_SPLIT_LENS, 1 << 16, 0);
-    l.policy_map(9);
-    l.ipcache_host("10.0.0.2", 400);
-    l.rule(400, false, 6, 80, 16, false);
+    l.tcp_80_from_400(9);
     let syn = packet(6, "10.0.0.2", "10.0.0.1", 41000, 80);
     assert_eq!(l.run(false, &syn), TC_ACT_OK);
-    let entry = || {
-        let map = &l.skel.maps.conntrack4;
-        let keys: Vec<Vec<u8>> = map.keys().collect();
-        assert_eq!(keys.len(), 1, "one entry for the connection");
-        let v = map.lookup(&keys[0], MapFlags::ANY).unwrap().unwrap();
-        types::ct_value::from_bytes(&v).unwrap()
-    };
-    let e = entry();
+    let e = l.only_ct4_entry();
     assert_eq!((e.egress, e.replied, e.closing), (0, 0, 0));
     // The reply (SYN-ACK) marks it replied; a FIN from either side marks it closing.
     let mut synack = packet(6, "10.0.0.1", "10.0.0.2", 80, 41000);
     synack[47] = 0x12;
     assert_eq!(l.run(true, &synack), TC_ACT_OK);
-    let e = entry();
+    let e = l.only_ct4_entry();
     assert_eq!((e.replied, e.closing, e.packets), (1, 0, 2));
     let mut fin = syn.clone();
     fin[47] = 0x11;
     assert_eq!(l.run(false, &fin), TC_ACT_OK);
-    assert_eq!(entry().closing, 1);
+    assert_eq!(l.only_ct4_entry().closing, 1);
 }
 
 #[test]
@@ -562,10 +570,7 @@ fn a_syn_always_meets_the_policy_in_force() {
         return;
     }
     let mut l = load(11);
-    l.endpoint_split(11, 300, EP_INGRESS_DEFAULT_DENY | EP_SPLIT_LENS, 1 << 16, 0);
-    l.policy_map(11);
-    l.ipcache_host("10.0.0.2", 400);
-    l.rule(400, false, 6, 80, 16, false);
+    l.tcp_80_from_400(11);
     let syn = packet(6, "10.0.0.2", "10.0.0.1", 42000, 80);
     let mut ack = syn.clone();
     ack[47] = 0x10;
@@ -587,11 +592,7 @@ fn a_syn_always_meets_the_policy_in_force() {
     // Allowed again, the SYN replaces the entry: one entry, counting from this SYN.
     l.rule(400, false, 6, 80, 16, false);
     assert_eq!(l.run(false, &syn), TC_ACT_OK);
-    let map = &l.skel.maps.conntrack4;
-    let keys: Vec<Vec<u8>> = map.keys().collect();
-    assert_eq!(keys.len(), 1);
-    let v = map.lookup(&keys[0], MapFlags::ANY).unwrap().unwrap();
-    assert_eq!(types::ct_value::from_bytes(&v).unwrap().packets, 1);
+    assert_eq!(l.only_ct4_entry().packets, 1);
 }
 
 #[test]
