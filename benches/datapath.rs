@@ -222,20 +222,24 @@ fn main() {
 
     // New connections: 20,000 distinct packets (source ports), one run each, kernel-timed;
     // sorted nanoseconds per packet.
+    // One kernel-timed test run of `prog` on `pkt`, `repeat` times: (verdict, ns per run).
+    let run = |prog: &libbpf_rs::ProgramMut<'_>, pkt: &[u8], repeat: u32| {
+        let out = prog
+            .test_run(ProgramInput {
+                data_in: Some(pkt),
+                repeat,
+                ..Default::default()
+            })
+            .unwrap();
+        (out.return_value, out.duration.as_nanos() as f64)
+    };
     let new_connections = |src: &dyn Fn(u32) -> [u8; 4]| {
         let mut ns: Vec<f64> = (0..20_000u32)
             .map(|i| {
                 let pkt = packet(src(i), dst, 1024 + (i % 60_000) as u16, 80, SYN);
-                let out = ep
-                    .progs
-                    .to_container
-                    .test_run(ProgramInput {
-                        data_in: Some(&pkt),
-                        ..Default::default()
-                    })
-                    .unwrap();
-                assert_eq!(out.return_value, 0, "allowed");
-                out.duration.as_nanos() as f64
+                let (verdict, ns) = run(&ep.progs.to_container, &pkt, 1);
+                assert_eq!(verdict, 0, "allowed");
+                ns
             })
             .collect();
         ns.sort_by(|a, b| a.total_cmp(b));
@@ -269,16 +273,6 @@ fn main() {
     let denied = packet(addr(5), dst, 999, 81, SYN);
     let opening = packet(addr(1), dst, 1025, 80, SYN);
     let est = packet(addr(1), dst, 1025, 80, ACK);
-    let run = |prog: &libbpf_rs::ProgramMut<'_>, pkt: &[u8], repeat: u32| {
-        let out = prog
-            .test_run(ProgramInput {
-                data_in: Some(pkt),
-                repeat,
-                ..Default::default()
-            })
-            .unwrap();
-        (out.return_value, out.duration.as_nanos() as f64)
-    };
     assert_eq!(run(&ep.progs.to_container, &opening, 1).0, 0);
     const ROUNDS: usize = 7;
     const RUNS: u32 = 100_000;
@@ -319,17 +313,7 @@ fn main() {
     // The same established packet timed one run per call, as the new connections are: what a
     // single-run measurement adds by itself.
     let mut one: Vec<f64> = (0..20_000)
-        .map(|_| {
-            let out = ep
-                .progs
-                .to_container
-                .test_run(ProgramInput {
-                    data_in: Some(&est),
-                    ..Default::default()
-                })
-                .unwrap();
-            out.duration.as_nanos() as f64
-        })
+        .map(|_| run(&ep.progs.to_container, &est, 1).1)
         .collect();
     one.sort_by(|a, b| a.total_cmp(b));
     println!("established flow timed one run per call (control for the new-connection figure): median {:.0} ns", one[one.len() / 2]);

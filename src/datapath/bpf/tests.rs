@@ -746,6 +746,11 @@ fn maps_pinned_by_an_older_version_are_migrated_not_crashed_on() {
 
     let obj = Box::leak(Box::new(MaybeUninit::uninit()));
     let skel = load_program(obj, &pins, 7).expect("an older version's pins do not stop the load");
+    let l = Loaded {
+        skel,
+        _inner: None,
+        pins: pins.clone(),
+    };
     // The old conntrack table is no map of this build: its entries move to the IPv4 and IPv6
     // tables, and as no program uses it any more, it is unpinned.
     let moved = conntrack::adopt_legacy(&pins).expect("the old table is found");
@@ -760,14 +765,16 @@ fn maps_pinned_by_an_older_version_are_migrated_not_crashed_on() {
     };
     key4.saddr = ipv4("10.0.0.2");
     key4.daddr = ipv4("10.0.0.1");
-    let got = skel
+    let got = l
+        .skel
         .maps
         .conntrack4
         .lookup(key4.as_bytes(), MapFlags::ANY)
         .unwrap()
         .expect("the IPv4 connection was carried over");
     assert_eq!(types::ct_value::from_bytes(&got).unwrap().packets, 3);
-    let got = skel
+    let got = l
+        .skel
         .maps
         .conntrack6
         .lookup(key6.as_bytes(), MapFlags::ANY)
@@ -779,7 +786,7 @@ fn maps_pinned_by_an_older_version_are_migrated_not_crashed_on() {
         "nothing left to do"
     );
     // The tables this program uses are in use; a map no program holds is not.
-    let id4 = skel.maps.conntrack4.info().unwrap().info.id;
+    let id4 = l.skel.maps.conntrack4.info().unwrap().info.id;
     assert!(tcx::map_in_use(id4));
     let unused = MapHandle::create(MapType::Hash, Some("unused"), 4, 4, 1, &opts).unwrap();
     assert!(!tcx::map_in_use(unused.info().unwrap().info.id));
@@ -801,16 +808,18 @@ fn maps_pinned_by_an_older_version_are_migrated_not_crashed_on() {
         "the old maps are unpinned"
     );
     // The endpoint record and the policy map moved into this build's arrays...
-    assert_eq!(skel.maps.endpoints.map_type(), MapType::Array);
-    let got = skel
+    assert_eq!(l.skel.maps.endpoints.map_type(), MapType::Array);
+    let got = l
+        .skel
         .maps
         .endpoints
         .lookup(&7u32.to_ne_bytes(), MapFlags::ANY)
         .unwrap()
         .unwrap();
     assert_eq!(got.as_slice(), info.as_bytes());
-    assert_eq!(skel.maps.policy_maps.map_type(), MapType::ArrayOfMaps);
-    let registered = skel
+    assert_eq!(l.skel.maps.policy_maps.map_type(), MapType::ArrayOfMaps);
+    let registered = l
+        .skel
         .maps
         .policy_maps
         .lookup(&7u32.to_ne_bytes(), MapFlags::ANY)
@@ -821,40 +830,18 @@ fn maps_pinned_by_an_older_version_are_migrated_not_crashed_on() {
         inner.info().unwrap().info.id
     );
     // ...and the program enforces them: 8080 from 400 passes, 9090 meets default deny.
-    let mut hk = types::ipcache_host_key {
-        family: 4,
-        ..Default::default()
-    };
-    hk.addr[..4].copy_from_slice(&ipv4("10.0.0.2"));
-    let v = types::ipcache_value {
-        identity: 400,
-        pad: 0,
-    };
-    skel.maps
-        .ipcache_hosts
-        .update(hk.as_bytes(), v.as_bytes(), MapFlags::ANY)
-        .unwrap();
-    let run = |pkt: &[u8]| {
-        skel.progs
-            .to_container
-            .test_run(ProgramInput {
-                data_in: Some(pkt),
-                ..Default::default()
-            })
-            .unwrap()
-            .return_value as i32
-    };
+    l.ipcache_host("10.0.0.2", 400);
     assert_eq!(
-        run(&packet(6, "10.0.0.2", "10.0.0.1", 40001, 8080)),
+        l.run(false, &packet(6, "10.0.0.2", "10.0.0.1", 40001, 8080)),
         TC_ACT_OK
     );
     assert_eq!(
-        run(&packet(6, "10.0.0.2", "10.0.0.1", 40002, 9090)),
+        l.run(false, &packet(6, "10.0.0.2", "10.0.0.1", 40002, 9090)),
         TC_ACT_SHOT
     );
     // The carried-over connection is established: its packets pass though port 80 has no rule.
     let mut ack = packet(6, "10.0.0.2", "10.0.0.1", 40000, 80);
     ack[47] = 0x10;
-    assert_eq!(run(&ack), TC_ACT_OK);
-    drop(skel);
+    assert_eq!(l.run(false, &ack), TC_ACT_OK);
+    drop(l);
 }
