@@ -13,5 +13,6 @@ pub mod datapath;
 pub mod demo;
 pub mod ipam;
 pub mod k8s;
+pub mod manifests;
 pub mod policy;
 pub mod simulate;

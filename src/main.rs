@@ -58,6 +58,11 @@ fn agent(args: AgentArgs) -> i32 {
         debug_addr: args.debug_addr,
         pod_cidr: args.pod_cidr,
         conntrack_gc_interval: std::time::Duration::from_secs(args.conntrack_gc_interval),
+        manifest_limits: ciliate::manifests::Limits {
+            max_file_bytes: args.manifest_max_file_bytes,
+            max_documents: usize::try_from(args.manifest_max_documents).unwrap_or(usize::MAX),
+            ..Default::default()
+        },
     };
     match run(config) {
         Ok(()) => 0,

@@ -50,6 +50,8 @@ pub struct AgentConfig {
     pub pod_cidr: Option<ipnet::IpNet>,
     /// How often expired connection-tracking entries are removed.
     pub conntrack_gc_interval: std::time::Duration,
+    /// Standalone: what the manifest directory may make the agent read and hold.
+    pub manifest_limits: crate::manifests::Limits,
 }
 
 /// Why the agent could not start (exit status 1, one clear line).
@@ -303,8 +305,9 @@ async fn run_async(
     let mode = match feed {
         Feed::Manifests(dir) => {
             let repo_for_watcher = repo.clone();
+            let limits = config.manifest_limits;
             WatcherActor::create(move |ctx| {
-                WatcherActor::new(dir, repo_for_watcher)
+                WatcherActor::new(dir, limits, repo_for_watcher)
                     .with_self(TracedAddr::new(ctx.address(), watcher_journal))
             });
             "standalone"

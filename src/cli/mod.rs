@@ -167,6 +167,13 @@ pub struct AgentArgs {
     /// Seconds between passes of the connection-tracking garbage collector.
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
     pub conntrack_gc_interval: u64,
+    /// Standalone: a manifest file larger than this is refused (its previous objects stay).
+    #[arg(long, default_value_t = 16 << 20, value_parser = clap::value_parser!(u64).range(1..))]
+    pub manifest_max_file_bytes: u64,
+    /// Standalone: documents the manifest directory may hold in all; a file that would exceed
+    /// it is refused (its previous objects stay).
+    #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub manifest_max_documents: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
