@@ -58,6 +58,7 @@ fn agent(args: AgentArgs) -> i32 {
         debug_addr: args.debug_addr,
         pod_cidr: args.pod_cidr,
         conntrack_gc_interval: std::time::Duration::from_secs(args.conntrack_gc_interval),
+        debug_max_connections: args.debug_max_connections as usize,
     };
     match run(config) {
         Ok(()) => 0,
