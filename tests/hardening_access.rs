@@ -198,7 +198,17 @@ fn two_thousand_debug_port_clients_do_not_starve_the_api_under_a_limit_of_1024_f
     }
     let guard = setup();
     let dir = guard.path();
-    let agent = start(dir, dir.join("run/ciliate.sock"), limit_1024);
+    // The socket sits in the scratch directory, which others can enter but not write (as
+    // `/var/run`): the directory is left as it is, and the socket's own mode keeps them out.
+    let socket = dir.join("ciliate.sock");
+    let agent = start(dir, socket.clone(), limit_1024);
+    assert_eq!(mode(dir), 0o755);
+    assert_eq!(mode(&socket), 0o600, "socket mode");
+    assert!(
+        can_connect(&socket, false),
+        "root connects (the probe works)"
+    );
+    assert!(!can_connect(&socket, true), "nobody must not connect");
 
     let mut flood = Vec::with_capacity(CLIENTS);
     for _ in 0..CLIENTS {

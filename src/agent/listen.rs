@@ -142,9 +142,12 @@ fn bind_api_socket(socket: &Path, state_dir: &Path) -> Result<UnixListener, List
     Ok(listener)
 }
 
-/// Makes `dir` a 0700 directory of ours: created so if missing; if it exists, it must be ours
-/// (owned by our user), and a looser mode is tightened only when the directory holds nothing
-/// but the agent's own files, so a shared directory (`/tmp`, `/run`) is refused, never chmodded.
+/// Makes sure nobody else can reach, replace or race the socket in `dir`. A missing directory is
+/// created 0700. An existing one must be owned by our user; it is tightened to 0700 when it is
+/// the agent's own (the state directory, or nothing in it but the socket and the state
+/// directory), never when it is shared: a shared directory is accepted as it is when others
+/// cannot write to it (the socket's own 0600 keeps them out), and refused when they can, as
+/// they could then replace the socket.
 fn secure_dir(socket: &Path, dir: &Path, state_dir: &Path) -> Result<(), ListenError> {
     let refuse = |reason: String| ListenError::Directory {
         socket: socket.to_path_buf(),
@@ -196,12 +199,14 @@ fn secure_dir(socket: &Path, dir: &Path, state_dir: &Path) -> Result<(), ListenE
                 .map_err(io_err("list"))?;
             holds_only_agent_files(&entries, socket, dir, state_dir)
         };
-        if !ours || mode & 0o1000 != 0 {
+        let sticky = mode & 0o1000 != 0;
+        if !ours || sticky {
+            if mode & 0o022 == 0 {
+                return Ok(());
+            }
             return Err(refuse(format!(
-                "is mode {mode:04o} and shared with other files; the agent keeps its socket in a \
-                 directory of its own (mode {SOCKET_DIR_MODE:04o}): create one, or chmod \
-                 {SOCKET_DIR_MODE:o} {}",
-                dir.display()
+                "is mode {mode:04o}: other users could replace the socket; give the socket a \
+                 directory of its own (the agent creates it {SOCKET_DIR_MODE:04o})"
             )));
         }
         tracing::warn!(
@@ -328,6 +333,22 @@ mod tests {
         );
         assert_eq!(fs::metadata(&shared).unwrap().mode() & 0o7777, 0o1777);
         assert!(!socket.exists());
+    }
+
+    #[test]
+    fn a_shared_directory_others_cannot_write_is_left_as_it_is() {
+        let tmp = tempfile::tempdir().unwrap();
+        let shared = tmp.path().join("shared");
+        fs::create_dir(&shared).unwrap();
+        fs::set_permissions(&shared, fs::Permissions::from_mode(0o755)).unwrap();
+        fs::write(shared.join("someone-else"), "x").unwrap();
+        let socket = shared.join("api.sock");
+        let _listener = bind_api_socket(&socket, &tmp.path().join("state")).unwrap();
+        assert_eq!(fs::metadata(&shared).unwrap().mode() & 0o7777, 0o755);
+        assert_eq!(
+            fs::symlink_metadata(&socket).unwrap().mode() & 0o7777,
+            SOCKET_MODE
+        );
     }
 
     #[test]
