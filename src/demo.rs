@@ -413,6 +413,7 @@ pub fn run(config: DemoConfig) -> i32 {
 }
 
 fn run_inner(config: &DemoConfig) -> Result<usize, String> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
     // Ctrl-C and SIGTERM are taken with sigwait, so they must be blocked before any thread
     // exists (threads inherit the mask; spawned programs get a clean one).
     let signals = demo_signals();
@@ -429,6 +430,12 @@ fn run_inner(config: &DemoConfig) -> Result<usize, String> {
         exe: exe.clone(),
     };
     let manifests = dir.join("manifests");
+    // The scratch directory holds the agent's socket: private whatever the caller's umask.
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&dir)
+        .and_then(|()| std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)))
+        .map_err(|e| format!("{}: {e}", dir.display()))?;
     std::fs::create_dir_all(&manifests).map_err(|e| format!("{}: {e}", manifests.display()))?;
     std::fs::write(manifests.join("cluster.yaml"), CLUSTER).map_err(|e| e.to_string())?;
 

@@ -63,6 +63,7 @@ fn agent(args: AgentArgs) -> i32 {
             max_documents: usize::try_from(args.manifest_max_documents).unwrap_or(usize::MAX),
             ..Default::default()
         },
+        debug_max_connections: args.debug_max_connections as usize,
     };
     match run(config) {
         Ok(()) => 0,

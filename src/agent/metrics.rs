@@ -54,6 +54,9 @@ pub struct Metrics {
     pub k8s_watch_errors: Family<ResourceLabels, Counter>,
     /// Kubernetes mode: CNP/CCNP status writes by outcome (`ok`, `error`).
     pub policy_status_writes: Family<OutcomeLabels, Counter>,
+    /// Debug-server connections open now, and those closed at once because the cap was reached.
+    pub debug_connections: Gauge,
+    pub debug_connections_refused: Counter,
 }
 
 impl Default for Metrics {
@@ -86,6 +89,8 @@ impl Metrics {
             k8s_watch_events: Family::default(),
             k8s_watch_errors: Family::default(),
             policy_status_writes: Family::default(),
+            debug_connections: Gauge::default(),
+            debug_connections_refused: Counter::default(),
         };
         r.register(
             "ciliate_k8s_watch_events",
@@ -166,6 +171,16 @@ impl Metrics {
             "ciliate_conntrack_gc_removed",
             "Connection-tracking entries removed because they expired",
             m.conntrack_gc_removed.clone(),
+        );
+        r.register(
+            "ciliate_debug_connections",
+            "Connections open on the debug HTTP server",
+            m.debug_connections.clone(),
+        );
+        r.register(
+            "ciliate_debug_connections_refused",
+            "Debug HTTP connections closed as soon as accepted because --debug-max-connections were open",
+            m.debug_connections_refused.clone(),
         );
         if let Ok(mut reg) = m.registry.lock() {
             *reg = r;

@@ -2,6 +2,7 @@
 //! (introspection, metrics, endpoint state). The actors themselves live in `src/actors/`.
 
 pub mod introspect;
+pub mod listen;
 pub mod metrics;
 pub mod objects;
 pub mod run;

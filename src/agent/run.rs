@@ -7,9 +7,10 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use actix::{Actor, AsyncContext};
-use actix_web::{web, App, HttpServer};
+use actix_web::web;
 
 use super::introspect::{Registry, TracedAddr};
+use super::listen::{raise_fd_limit, ListenError, Listeners};
 use super::state::{StateDir, StateLock};
 use super::Shared;
 use crate::actors::kube_watcher::KubeWatcherActor;
@@ -17,7 +18,7 @@ use crate::actors::loader::LoaderActor;
 use crate::actors::policy_repo::{AddEndpoint, EndpointRequest, PolicyRepoActor, Shutdown};
 use crate::actors::rule_reaction::RuleReactionActor;
 use crate::actors::watcher::WatcherActor;
-use crate::api::{read_routes, socket_routes, AppState};
+use crate::api::{debug_server, socket_server, AppState, DebugLimits};
 use crate::datapath::memory::MemoryDatapath;
 use crate::datapath::Datapath;
 
@@ -52,7 +53,12 @@ pub struct AgentConfig {
     pub conntrack_gc_interval: std::time::Duration,
     /// Standalone: what the manifest directory may make the agent read and hold.
     pub manifest_limits: crate::manifests::Limits,
+    /// Connections the debug server serves at once (any local user can open them).
+    pub debug_max_connections: usize,
 }
+
+/// How long a debug-server connection may sit idle: the debug page polls every two seconds.
+const DEBUG_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Why the agent could not start (exit status 1, one clear line).
 #[derive(Debug, thiserror::Error)]
@@ -61,6 +67,8 @@ pub enum AgentError {
     Config(String),
     #[error(transparent)]
     State(#[from] super::state::StateError),
+    #[error(transparent)]
+    Listen(#[from] ListenError),
     #[error("{what}: {source}")]
     Io {
         what: String,
@@ -138,9 +146,26 @@ pub fn run(config: AgentConfig) -> Result<(), AgentError> {
         ),
         None => None,
     };
-    // The lock first: a second agent must not touch the datapath of the first.
+    // Whatever the agent creates (state directory, endpoint records, the socket) is its own:
+    // a careless `umask 000` must not make it writable by other users.
+    nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
+    match raise_fd_limit() {
+        Ok((old, new)) if old != new => {
+            tracing::info!(
+                from = old,
+                to = new,
+                "raised the open-file limit (RLIMIT_NOFILE)"
+            )
+        }
+        Ok(_) => {}
+        Err(e) => tracing::warn!(error = %e, "could not raise the open-file limit"),
+    }
+    // The lock first: a second agent must not touch the datapath (or the socket) of the first.
     let _lock = StateLock::acquire(&config.state_dir)?;
     let state_dir = StateDir::open(&config.state_dir)?;
+    // Bound before anything runs: a taken port or an unusable socket path ends the start here,
+    // with nothing to tear down. Connections wait in the kernel's queue until served.
+    let listeners = Listeners::bind(&config.api_socket, &config.state_dir, config.debug_addr)?;
     let datapath: Box<dyn Datapath> = match config.datapath {
         DatapathKind::Memory => Box::new(MemoryDatapath::new()),
         DatapathKind::Bpf => Box::new(
@@ -149,7 +174,9 @@ pub fn run(config: AgentConfig) -> Result<(), AgentError> {
         ),
     };
     let system = actix::System::new();
-    system.block_on(run_async(config, source, datapath, state_dir, ipam))
+    system.block_on(run_async(
+        config, source, datapath, state_dir, ipam, listeners,
+    ))
 }
 
 /// The actors every mode shares, wired together.
@@ -192,6 +219,7 @@ async fn run_async(
     datapath: Box<dyn Datapath>,
     state_dir: StateDir,
     ipam: Option<crate::ipam::Ipam>,
+    listeners: Listeners,
 ) -> Result<(), AgentError> {
     let mut shared = Shared::new(&config.node_name, state_dir.clone());
     // Kubernetes mode: the client first, so a bad kubeconfig fails the start at once.
@@ -300,9 +328,41 @@ async fn run_async(
         );
     }
 
+    // The servers, on the listeners bound before: nothing here fails in practice, but if it
+    // does, the actors are stopped as on SIGTERM before the error ends the start.
+    let state = AppState {
+        shared: shared.clone(),
+        repo: repo.clone(),
+        loader: loader.clone(),
+        mode: match feed {
+            Feed::Manifests(_) => "standalone",
+            Feed::Kubernetes(..) => "kubernetes",
+        },
+        datapath: datapath_name,
+        started: Instant::now(),
+    };
+    let Listeners { api, debug, socket } = listeners;
+    let data = web::Data::new(state);
+    let limits = DebugLimits {
+        max_connections: config.debug_max_connections,
+        idle_timeout: DEBUG_IDLE_TIMEOUT,
+    };
+    let servers = socket_server(api, data.clone())
+        .and_then(|api| debug_server(debug, data, limits).map(|debug| (api, debug)));
+    let (socket_server, debug_server) = match servers {
+        Ok(s) => s,
+        Err(e) => {
+            let _ = repo.send(Shutdown, "start-up failure").await;
+            return Err(AgentError::Io {
+                what: format!("serve on {}", socket.path().display()),
+                source: e,
+            });
+        }
+    };
+
     // The initial policy sync; restored endpoints regenerate when it is done.
     let watcher_journal = registry.register("WatcherActor".into(), "WatcherActor");
-    let mode = match feed {
+    match feed {
         Feed::Manifests(dir) => {
             let repo_for_watcher = repo.clone();
             let limits = config.manifest_limits;
@@ -310,7 +370,6 @@ async fn run_async(
                 WatcherActor::new(dir, limits, repo_for_watcher)
                     .with_self(TracedAddr::new(ctx.address(), watcher_journal))
             });
-            "standalone"
         }
         Feed::Kubernetes(client, status_events) => {
             actix_rt::spawn(crate::k8s::status::run_status_writer(
@@ -332,62 +391,15 @@ async fn run_async(
                 KubeWatcherActor::new(client, shared_for_watcher, repo_for_watcher, annotations)
                     .with_self(TracedAddr::new(ctx.address(), watcher_journal))
             });
-            "kubernetes"
         }
-    };
+    }
 
-    // Serve.
-    let state = AppState {
-        shared: shared.clone(),
-        repo: repo.clone(),
-        loader: loader.clone(),
-        mode,
-        datapath: datapath_name,
-        started: Instant::now(),
-    };
-    if let Some(parent) = config.api_socket.parent() {
-        std::fs::create_dir_all(parent).map_err(|e| AgentError::Io {
-            what: format!("create {}", parent.display()),
-            source: e,
-        })?;
-    }
-    if config.api_socket.exists() {
-        // A stale socket of an earlier run (the state lock proves no agent is using it).
-        let _ = std::fs::remove_file(&config.api_socket);
-    }
-    let data = web::Data::new(state);
-    let d1 = data.clone();
-    let socket_server =
-        HttpServer::new(move || App::new().app_data(d1.clone()).configure(socket_routes))
-            .workers(1)
-            .disable_signals()
-            // `/v1/monitor` streams never end by themselves: do not let one hold up shutdown.
-            .shutdown_timeout(1)
-            .bind_uds(&config.api_socket)
-            .map_err(|e| AgentError::Io {
-                what: format!("listen on {}", config.api_socket.display()),
-                source: e,
-            })?
-            .run();
-    let d2 = data.clone();
-    let debug_server =
-        HttpServer::new(move || App::new().app_data(d2.clone()).configure(read_routes))
-            .workers(1)
-            .disable_signals()
-            // `/v1/monitor` streams never end by themselves: do not let one hold up shutdown.
-            .shutdown_timeout(1)
-            .bind(config.debug_addr)
-            .map_err(|e| AgentError::Io {
-                what: format!("listen on {}", config.debug_addr),
-                source: e,
-            })?
-            .run();
     let (socket_handle, debug_handle) = (socket_server.handle(), debug_server.handle());
     actix_rt::spawn(socket_server);
     actix_rt::spawn(debug_server);
     tracing::info!(
         node = %config.node_name,
-        socket = %config.api_socket.display(),
+        socket = %socket.path().display(),
         debug = %config.debug_addr,
         datapath = datapath_name,
         "agent running"
@@ -398,7 +410,7 @@ async fn run_async(
     let _ = repo.send(Shutdown, "signal").await;
     socket_handle.stop(true).await;
     debug_handle.stop(true).await;
-    let _ = std::fs::remove_file(&config.api_socket);
+    drop(socket);
     actix::System::current().stop();
     Ok(())
 }

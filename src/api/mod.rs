@@ -5,11 +5,13 @@
 mod cni;
 mod page;
 
-use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use actix_web::http::StatusCode;
 use actix_web::{web, HttpResponse};
+use futures_util::future::LocalBoxFuture;
 use serde::Serialize;
 
 use crate::actors::endpoint::{EndpointModel, GetEndpoint};
@@ -386,6 +388,118 @@ pub fn read_routes(cfg: &mut web::ServiceConfig) {
         .route("/debug/ipcache", web::get().to(ipcache));
 }
 
+/// Limits of the debug server, which every local user can reach: it must never take the
+/// agent's open files from the API socket and the CNI plugin.
+#[derive(Debug, Clone, Copy)]
+pub struct DebugLimits {
+    /// Connections served at once; any beyond are closed as soon as they are accepted.
+    pub max_connections: usize,
+    /// How long a connection may sit idle, before its first request or between requests.
+    pub idle_timeout: Duration,
+}
+
+/// One of the debug server's connection slots, given back when the connection ends.
+struct ConnectionSlot {
+    active: Arc<AtomicUsize>,
+    metrics: Arc<crate::agent::metrics::Metrics>,
+}
+
+impl ConnectionSlot {
+    /// A slot if fewer than `max` are taken.
+    fn take(
+        active: &Arc<AtomicUsize>,
+        max: usize,
+        metrics: &Arc<crate::agent::metrics::Metrics>,
+    ) -> Option<ConnectionSlot> {
+        active
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .ok()?;
+        metrics.debug_connections.inc();
+        Some(ConnectionSlot {
+            active: active.clone(),
+            metrics: metrics.clone(),
+        })
+    }
+}
+
+impl Drop for ConnectionSlot {
+    fn drop(&mut self) {
+        self.active.fetch_sub(1, Ordering::SeqCst);
+        self.metrics.debug_connections.dec();
+    }
+}
+
+/// The debug server on an already bound listener: the read-only routes behind a connection
+/// cap. actix-web's own `max_connections` stops accepting at the cap, which leaves the excess
+/// in the kernel's queue unseen; here each one is accepted, counted and closed at once.
+pub fn debug_server(
+    listener: std::net::TcpListener,
+    data: web::Data<AppState>,
+    limits: DebugLimits,
+) -> std::io::Result<actix_server::Server> {
+    use actix_service::{apply_fn_factory, map_config, Service};
+    let addr = listener.local_addr()?;
+    let active = Arc::new(AtomicUsize::new(0));
+    let metrics = data.shared.metrics.clone();
+    Ok(actix_server::Server::build()
+        .workers(1)
+        .disable_signals()
+        .shutdown_timeout(1)
+        .listen("debug", listener, move || {
+            let app = actix_web::App::new()
+                .app_data(data.clone())
+                .configure(read_routes);
+            let http = actix_http::HttpService::build()
+                .keep_alive(actix_http::KeepAlive::Timeout(limits.idle_timeout))
+                .client_request_timeout(limits.idle_timeout)
+                .client_disconnect_timeout(Duration::from_secs(1))
+                .local_addr(addr)
+                .finish(map_config(app, |_| actix_web::dev::AppConfig::default()))
+                .tcp();
+            let (active, metrics) = (active.clone(), metrics.clone());
+            apply_fn_factory(http, move |io: actix_rt::net::TcpStream, http| {
+                let served: LocalBoxFuture<'static, _> =
+                    match ConnectionSlot::take(&active, limits.max_connections, &metrics) {
+                        Some(slot) => {
+                            let conn = http.call(io);
+                            Box::pin(async move {
+                                let r = conn.await;
+                                drop(slot);
+                                r
+                            })
+                        }
+                        None => {
+                            metrics.debug_connections_refused.inc();
+                            drop(io);
+                            Box::pin(std::future::ready(Ok(())))
+                        }
+                    };
+                served
+            })
+        })?
+        .run())
+}
+
+/// The unix-socket API server on an already bound listener.
+pub fn socket_server(
+    listener: std::os::unix::net::UnixListener,
+    data: web::Data<AppState>,
+) -> std::io::Result<actix_server::Server> {
+    Ok(actix_web::HttpServer::new(move || {
+        actix_web::App::new()
+            .app_data(data.clone())
+            .configure(socket_routes)
+    })
+    .workers(1)
+    .disable_signals()
+    // `/v1/monitor` streams never end by themselves: do not let one hold up shutdown.
+    .shutdown_timeout(1)
+    .listen_uds(listener)?
+    .run())
+}
+
 /// The REST API of the unix socket (read and write).
 pub fn socket_routes(cfg: &mut web::ServiceConfig) {
     read_routes(cfg);
@@ -403,4 +517,24 @@ pub fn socket_routes(cfg: &mut web::ServiceConfig) {
         .route("/v1/cni/add", web::post().to(cni::add))
         .route("/v1/cni/del", web::post().to(cni::del))
         .route("/v1/cni/check", web::post().to(cni::check));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn connection_slots_stop_at_the_cap_and_come_back_when_connections_end() {
+        let active = Arc::new(AtomicUsize::new(0));
+        let metrics = Arc::new(crate::agent::metrics::Metrics::new());
+        let a = ConnectionSlot::take(&active, 2, &metrics).expect("first slot");
+        let b = ConnectionSlot::take(&active, 2, &metrics).expect("second slot");
+        assert!(ConnectionSlot::take(&active, 2, &metrics).is_none());
+        assert_eq!(metrics.debug_connections.get(), 2);
+        drop(a);
+        let c = ConnectionSlot::take(&active, 2, &metrics).expect("a slot given back");
+        drop((b, c));
+        assert_eq!(active.load(Ordering::SeqCst), 0);
+        assert_eq!(metrics.debug_connections.get(), 0);
+    }
 }

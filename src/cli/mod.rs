@@ -159,6 +159,11 @@ pub struct AgentArgs {
     pub api_socket: PathBuf,
     #[arg(long, default_value = "127.0.0.1:9962")]
     pub debug_addr: std::net::SocketAddr,
+    /// Connections the debug server serves at once; more are closed as soon as accepted (and
+    /// counted in ciliate_debug_connections_refused_total), so local clients of the debug port
+    /// can never take the open files the API socket and the CNI plugin need.
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..=65536))]
+    pub debug_max_connections: u64,
     /// IPAM range when the Node object gives none.
     #[arg(long)]
     pub pod_cidr: Option<ipnet::IpNet>,

@@ -14,6 +14,8 @@ pub struct Agent {
     pub child: Option<Child>,
     pub dir: PathBuf,
     pub debug: String,
+    /// The API socket (`dir/ciliate.sock` unless the test chose another).
+    pub socket: PathBuf,
 }
 
 pub fn free_port() -> u16 {
@@ -28,7 +30,7 @@ impl Agent {
         self.dir.join("manifests")
     }
     pub fn socket(&self) -> PathBuf {
-        self.dir.join("ciliate.sock")
+        self.socket.clone()
     }
 
     pub fn start_in(dir: &Path) -> Agent {
@@ -67,20 +69,35 @@ impl Agent {
 
     fn spawn_unready(dir: &Path, args: &[&str]) -> Agent {
         let debug = format!("127.0.0.1:{}", free_port());
+        let socket = dir.join("ciliate.sock");
+        let mut cmd = Agent::command(dir, &socket, &debug, args);
+        Agent::spawn_command(dir, socket, debug, &mut cmd)
+    }
+
+    /// The agent's command line as the harness runs it (`--state-dir dir/state`, the given
+    /// socket and debug address), for tests that change how the process starts (resource
+    /// limits, umask, environment) or watch a start fail.
+    pub fn command(dir: &Path, socket: &Path, debug: &str, args: &[&str]) -> Command {
+        let mut cmd = Command::new(BIN);
+        cmd.args(["agent", "--node-name", "node-1"])
+            .args(args)
+            .arg("--state-dir")
+            .arg(dir.join("state"))
+            .arg("--api-socket")
+            .arg(socket)
+            .args(["--debug-addr", debug])
+            .env("RUST_LOG", "info");
+        cmd
+    }
+
+    /// Spawns a command made by `command` (its log in `dir`), without waiting for it to be ready.
+    pub fn spawn_command(dir: &Path, socket: PathBuf, debug: String, cmd: &mut Command) -> Agent {
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos())
             .unwrap_or(0);
         let log = std::fs::File::create(dir.join(format!("agent-{nanos}.log"))).unwrap();
-        let child = Command::new(BIN)
-            .args(["agent", "--node-name", "node-1"])
-            .args(args)
-            .arg("--state-dir")
-            .arg(dir.join("state"))
-            .arg("--api-socket")
-            .arg(dir.join("ciliate.sock"))
-            .args(["--debug-addr", &debug])
-            .env("RUST_LOG", "info")
+        let child = cmd
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
@@ -89,6 +106,7 @@ impl Agent {
             child: Some(child),
             dir: dir.to_path_buf(),
             debug,
+            socket,
         }
     }
 
