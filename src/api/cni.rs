@@ -423,7 +423,11 @@ pub async fn add(st: web::Data<AppState>, req: web::Json<CniRequest>) -> HttpRes
         }
     };
     // Only an endpoint whose record is on disk survives a restart: without it, the next agent
-    // would roll this ADD back under a running pod.
+    // would roll this ADD back under a running pod. The endpoint actor writes it when it starts
+    // (and retries with each regeneration).
+    while !st.shared.state_dir.has_endpoint(id) && Instant::now() < deadline {
+        actix_rt::time::sleep(Duration::from_millis(5)).await;
+    }
     if !st.shared.state_dir.has_endpoint(id) {
         made.undo(&st).await;
         return fail(
