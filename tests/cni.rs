@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use common::agent::Agent;
 use common::cni::{cni, unique_pod_cidr, CniPods};
-use common::netns::{icmp_ok, privileged, tcp_ok, tcp_server, udp_ok, udp_server};
+use common::netns::{icmp_ok, ip, privileged, tcp_ok, tcp_server, udp_ok, udp_server};
 
 const CLUSTER: &str = "apiVersion: v1
 kind: Namespace
@@ -583,5 +583,194 @@ fn kill_9_during_fifty_concurrent_adds_leaves_nothing_unreclaimed() {
     assert_eq!(marked(&mark).len(), N);
     drop(pods);
     assert!(marked(&mark).is_empty(), "DEL removes every veth");
+    drop(restarted);
+}
+
+/// A retried ADD finds the half-made host veth of an ADD that never finished (here: created but
+/// not yet marked, as a crash between the two steps leaves it) and replaces it, where it used to
+/// fail with "File exists". A device of that name marked by another agent is never touched.
+#[test]
+fn a_retried_add_replaces_a_stale_half_made_interface_but_not_another_agents() {
+    if !privileged() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tmp.path().join("manifests");
+    std::fs::create_dir_all(&m).unwrap();
+    std::fs::write(m.join("cluster.yaml"), CLUSTER).unwrap();
+    let cidr = unique_pod_cidr();
+    let agent = Agent::start_with(tmp.path(), &["--datapath", "memory", "--pod-cidr", &cidr]);
+    let mark = ciliate::datapath::netdev::agent_mark(&tmp.path().join("state"));
+    let _sweep = SweepMarked(mark.clone());
+    let mut pods = CniPods::new(&agent.socket(), &tmp.path().join("no-pins"));
+    let stale_ctr = format!("ctr-{}-a", pods.tag);
+    let stale_if = ciliate::datapath::netdev::host_interface_name(&stale_ctr);
+    let foreign_ctr = format!("ctr-{}-b", pods.tag);
+    let foreign_if = ciliate::datapath::netdev::host_interface_name(&foreign_ctr);
+    let other_agent = "ciliate:/var/lib/another-agent/state";
+    let _cleanup = SweepMarked(other_agent.into());
+    ip(&[
+        "link",
+        "add",
+        &stale_if,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        &format!("t{}", pods.tag),
+    ]);
+    ip(&[
+        "link",
+        "add",
+        &foreign_if,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        &format!("u{}", pods.tag),
+    ]);
+    ip(&["link", "set", &foreign_if, "alias", other_agent]);
+
+    let a = pods.add("x", "a");
+    assert_eq!(a.host_if, stale_if);
+    assert_eq!(
+        std::fs::read_to_string(format!("/sys/class/net/{stale_if}/ifalias"))
+            .unwrap()
+            .trim_end(),
+        mark,
+        "the replacement is this agent's"
+    );
+    assert_eq!(addresses_in(&a.netns), vec![a.addr]);
+
+    let b_ns = pods.netns("b");
+    let (code, v) = cni(
+        &agent.socket(),
+        "ADD",
+        &foreign_ctr,
+        Some(&b_ns),
+        Some(("x", "b")),
+    );
+    assert_eq!((code, v["code"].as_u64()), (1, Some(100)), "{v}");
+    assert!(
+        v["details"].as_str().unwrap_or("").contains(other_agent),
+        "the error names the other agent: {v}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(format!("/sys/class/net/{foreign_if}/ifalias"))
+            .unwrap()
+            .trim_end(),
+        other_agent,
+        "another agent's device is left alone"
+    );
+    assert_eq!(
+        ipam_allocated(&agent),
+        1,
+        "the failed ADD released its address"
+    );
+    assert!(
+        !tmp.path()
+            .join("state/cni-adds")
+            .read_dir()
+            .unwrap()
+            .any(|_| true),
+        "no ADD record is left"
+    );
+    drop(pods);
+    drop(agent);
+}
+
+/// Two endpoint records on disk claiming one address (state written by a faulty version, or by
+/// hand): the first (lowest id) is restored, the second is not, is set aside with its reason and
+/// reported, and its interface, which held the same address in another pod, is reclaimed. A new
+/// ADD of the refused container gets an address of its own.
+#[test]
+fn a_restored_duplicate_address_is_refused_reported_and_its_interface_reclaimed() {
+    if !privileged() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tmp.path().join("manifests");
+    std::fs::create_dir_all(&m).unwrap();
+    std::fs::write(m.join("cluster.yaml"), CLUSTER).unwrap();
+    let cidr = unique_pod_cidr();
+    let args = ["--datapath", "memory", "--pod-cidr", cidr.as_str()];
+    let mut agent = Agent::start_with(tmp.path(), &args);
+    let mark = ciliate::datapath::netdev::agent_mark(&tmp.path().join("state"));
+    let _sweep = SweepMarked(mark.clone());
+    let mut pods = CniPods::new(&agent.socket(), &tmp.path().join("no-pins"));
+    let a = pods.add("x", "a");
+    let b = pods.add("x", "b");
+    let eps = agent.json("/debug/endpoints");
+    let id_of = |name: &str| {
+        eps.as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["name"] == name)
+            .unwrap()["id"]
+            .as_u64()
+            .unwrap()
+    };
+    let (a_id, b_id) = (id_of("x/a"), id_of("x/b"));
+    assert!(a_id < b_id);
+    assert_eq!(agent.stop(), 0);
+    let file = tmp.path().join(format!("state/{b_id}/endpoint.json"));
+    let mut rec: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    rec["ips"] = serde_json::json!([a.addr.to_string()]);
+    std::fs::write(&file, rec.to_string()).unwrap();
+
+    let restarted = Agent::start_with(tmp.path(), &args);
+    let eps = restarted.json("/debug/endpoints");
+    let names: Vec<&str> = eps
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|e| e["name"].as_str())
+        .collect();
+    assert_eq!(names, vec!["x/a"], "only the first claimant is restored");
+    assert!(
+        restarted.log().contains(&format!(
+            "endpoint {b_id} (x/b) claims {}, which endpoint {a_id} already holds",
+            a.addr
+        )),
+        "the refusal is reported with both endpoints and the address"
+    );
+    let aside: Vec<_> = std::fs::read_dir(tmp.path().join("state"))
+        .unwrap()
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with(&format!("rejected-{b_id}-"))
+        })
+        .collect();
+    assert_eq!(aside.len(), 1, "the refused record is set aside, not lost");
+    assert!(std::fs::read_to_string(aside[0].path().join("reason.txt"))
+        .unwrap()
+        .contains("claims"));
+    assert!(
+        !std::path::Path::new(&format!("/sys/class/net/{}", b.host_if)).exists(),
+        "the refused endpoint's interface is reclaimed"
+    );
+    assert!(
+        addresses_in(&b.netns).is_empty(),
+        "no second pod holds {}",
+        a.addr
+    );
+    assert_eq!(addresses_in(&a.netns), vec![a.addr]);
+    assert_eq!(ipam_allocated(&restarted), 1);
+
+    let (code, v) = cni(
+        &restarted.socket(),
+        "ADD",
+        &b.container_id,
+        Some(&b.netns),
+        Some(("x", "b")),
+    );
+    assert_eq!(code, 0, "a new ADD of b: {v}");
+    let again = result_addr(&v).unwrap();
+    assert_ne!(again, a.addr);
+    assert_eq!(addresses_in(&b.netns), vec![again]);
+    drop(pods);
     drop(restarted);
 }
