@@ -36,13 +36,18 @@ fn cni_error(status: StatusCode, e: CniError) -> HttpResponse {
 }
 
 fn fail(code: u32, msg: impl Into<String>, details: impl Into<String>) -> HttpResponse {
-    let status = match code {
+    respond(CniError::new(code, msg, details))
+}
+
+/// The HTTP answer carrying a CNI error, its status from the CNI code.
+fn respond(e: CniError) -> HttpResponse {
+    let status = match e.code {
         code::UNKNOWN_CONTAINER => StatusCode::NOT_FOUND,
         code::INVALID_ENV | code::INVALID_CONFIG => StatusCode::BAD_REQUEST,
         code::TRY_AGAIN_LATER => StatusCode::SERVICE_UNAVAILABLE,
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
-    cni_error(status, CniError::new(code, msg, details))
+    cni_error(status, e)
 }
 
 async fn find(st: &AppState, container_id: &str) -> Result<Option<EndpointId>, HttpResponse> {
@@ -150,10 +155,9 @@ fn release_ip(st: &AppState, ip: IpAddr) {
 }
 
 /// The container id names files and the interface name a device: both are checked first.
-fn validate(req: &CniRequest) -> Result<(), HttpResponse> {
+fn validate(req: &CniRequest) -> Result<(), CniError> {
     crate::cni::validate_container_id(&req.container_id)
         .and_then(|()| crate::cni::validate_ifname(&req.ifname))
-        .map_err(|e| cni_error(StatusCode::BAD_REQUEST, e))
 }
 
 /// Clears the way for an ADD or DEL of `container_id` as far as intent records go: an ADD of
@@ -212,15 +216,15 @@ async fn settle_intent(st: &AppState, container_id: &str) -> Result<(), HttpResp
 
 /// Takes an address for `container_id`. The addresses of leftover intent records (rollbacks
 /// that failed) are reserved first: a pod may still hold them.
-fn allocate(st: &AppState, container_id: &str) -> Result<Ipv4Addr, HttpResponse> {
+fn allocate(st: &AppState, container_id: &str) -> Result<Ipv4Addr, CniError> {
     let (intents, _) = st.shared.state_dir.load_intents();
     let mut g = st
         .shared
         .ipam
         .lock()
-        .map_err(|_| fail(code::AGENT_FAILURE, "IPAM state is poisoned", ""))?;
+        .map_err(|_| CniError::new(code::AGENT_FAILURE, "IPAM state is poisoned", ""))?;
     let Some(ipam) = g.ipam.as_mut() else {
-        return Err(fail(
+        return Err(CniError::new(
             code::INVALID_CONFIG,
             "this node has no pod CIDR",
             "start the agent with --pod-cidr CIDR (or give the Node spec.podCIDRs)",
@@ -230,7 +234,7 @@ fn allocate(st: &AppState, container_id: &str) -> Result<Ipv4Addr, HttpResponse>
         let _ = ipam.reserve(i.ip, &i.container_id);
     }
     ipam.allocate(container_id)
-        .map_err(|e| fail(code::AGENT_FAILURE, "IP allocation failed", e.to_string()))
+        .map_err(|e| CniError::new(code::AGENT_FAILURE, "IP allocation failed", e.to_string()))
 }
 
 /// What an ADD has made so far, undone in reverse when a later step fails. The intent record
@@ -295,8 +299,8 @@ async fn repeat_add(st: &AppState, req: &CniRequest, netns: &Path, id: EndpointI
 /// is on disk. An agent killed in between finds the record at start-up and rolls the ADD back.
 pub async fn add(st: web::Data<AppState>, req: web::Json<CniRequest>) -> HttpResponse {
     let req = req.into_inner();
-    if let Err(r) = validate(&req) {
-        return r;
+    if let Err(e) = validate(&req) {
+        return respond(e);
     }
     let (Some(ns), Some(pod)) = (req.pod_namespace.clone(), req.pod_name.clone()) else {
         return fail(
@@ -330,7 +334,7 @@ pub async fn add(st: web::Data<AppState>, req: web::Json<CniRequest>) -> HttpRes
     }
     let ip = match allocate(&st, &req.container_id) {
         Ok(ip) => ip,
-        Err(r) => return r,
+        Err(e) => return respond(e),
     };
     let host_if = netdev::host_interface_name(&req.container_id);
     let intent = AddIntent {
@@ -480,8 +484,8 @@ async fn wait_realized(
 /// and the address, whichever of them still exist.
 pub async fn del(st: web::Data<AppState>, req: web::Json<CniRequest>) -> HttpResponse {
     let req = req.into_inner();
-    if let Err(r) = validate(&req) {
-        return r;
+    if let Err(e) = validate(&req) {
+        return respond(e);
     }
     if let Err(r) = settle_intent(&st, &req.container_id).await {
         return r;
@@ -556,8 +560,8 @@ pub async fn del(st: web::Data<AppState>, req: web::Json<CniRequest>) -> HttpRes
 /// interface holds the endpoint's address.
 pub async fn check(st: web::Data<AppState>, req: web::Json<CniRequest>) -> HttpResponse {
     let req = req.into_inner();
-    if let Err(r) = validate(&req) {
-        return r;
+    if let Err(e) = validate(&req) {
+        return respond(e);
     }
     let id = match find(&st, &req.container_id).await {
         Err(r) => return r,
