@@ -121,6 +121,7 @@ fn main() {
             pod_if: "eth0".into(),
             ip: *ip,
             mtu: 1500,
+            mark: format!("{}bench-throughput-{tag}", netdev::MARK_PREFIX),
         })
         .expect("pod interface");
         pods.host_ifs.push(host_if);

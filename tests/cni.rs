@@ -8,13 +8,15 @@ mod common;
 
 use common::eventually;
 
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::Ipv4Addr;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use common::agent::Agent;
 use common::cni::{cni, unique_pod_cidr, CniPods};
-use common::netns::{icmp_ok, privileged, tcp_ok, tcp_server, udp_ok, udp_server};
+use common::netns::{icmp_ok, ip, privileged, tcp_ok, tcp_server, udp_ok, udp_server};
 
 const CLUSTER: &str = "apiVersion: v1
 kind: Namespace
@@ -333,4 +335,442 @@ fn pods_created_through_cni_are_enforced_survive_kill_9_and_restart_and_are_dele
     drop(pods);
     drop(restarted);
     drop(agent);
+}
+
+/// The interfaces of the host namespace whose alias is `mark`: the devices an agent made.
+fn marked(mark: &str) -> BTreeSet<String> {
+    std::fs::read_dir("/sys/class/net")
+        .unwrap()
+        .flatten()
+        .filter(|e| {
+            std::fs::read_to_string(e.path().join("ifalias")).is_ok_and(|a| a.trim_end() == mark)
+        })
+        .map(|e| e.file_name().to_string_lossy().to_string())
+        .collect()
+}
+
+/// Deletes whatever still carries the agent's mark when the test ends, even on failure.
+struct SweepMarked(String);
+
+impl Drop for SweepMarked {
+    fn drop(&mut self) {
+        for name in marked(&self.0) {
+            let _ = std::process::Command::new("ip")
+                .args(["link", "del", &name])
+                .output();
+        }
+    }
+}
+
+/// The global IPv4 addresses inside a network namespace.
+fn addresses_in(netns: &str) -> Vec<Ipv4Addr> {
+    let out = std::process::Command::new("ip")
+        .args(["-n", netns, "-4", "-o", "addr", "show", "scope", "global"])
+        .output()
+        .expect("iproute2");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| {
+            let mut w = l.split_whitespace();
+            w.position(|x| x == "inet")?;
+            w.next()?.split('/').next()?.parse().ok()
+        })
+        .collect()
+}
+
+fn result_addr(v: &serde_json::Value) -> Option<Ipv4Addr> {
+    v["ips"][0]["address"]
+        .as_str()
+        .and_then(|a| a.strip_suffix("/32"))
+        .and_then(|a| a.parse().ok())
+}
+
+/// Runs CNI ADD for every (container, netns, pod) at once: one plugin process each.
+fn concurrent_adds(
+    socket: &std::path::Path,
+    pods: &[(String, String, String)],
+    done: &Arc<AtomicU32>,
+) -> Vec<std::thread::JoinHandle<(i32, serde_json::Value)>> {
+    pods.iter()
+        .cloned()
+        .map(|(cid, ns, name)| {
+            let (socket, done) = (socket.to_path_buf(), done.clone());
+            std::thread::spawn(move || {
+                let r = cni(&socket, "ADD", &cid, Some(&ns), Some(("x", &name)));
+                done.fetch_add(1, Ordering::SeqCst);
+                r
+            })
+        })
+        .collect()
+}
+
+fn many_pods(n: usize) -> String {
+    let mut s = String::from(
+        "apiVersion: v1\nkind: Namespace\nmetadata: {name: x}\n---
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: same-namespace, namespace: x}
+spec:
+  podSelector: {}
+  ingress: [{from: [{podSelector: {}}]}]
+",
+    );
+    for i in 0..n {
+        s.push_str(&format!(
+            "---\napiVersion: v1\nkind: Pod\nmetadata: {{name: p{i}, namespace: x, labels: {{app: p{i}}}}}\n"
+        ));
+    }
+    s
+}
+
+/// Issue #16, item 6: `kill -9` of the agent during 50 concurrent CNI ADDs. The restarted agent
+/// leaves no veth of its own that no endpoint owns, no address is held by two pods, the
+/// interrupted plugins said "try again later" (11), and every retried ADD succeeds.
+#[test]
+fn kill_9_during_fifty_concurrent_adds_leaves_nothing_unreclaimed() {
+    if !privileged() {
+        return;
+    }
+    const N: usize = 50;
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tmp.path().join("manifests");
+    std::fs::create_dir_all(&m).unwrap();
+    std::fs::write(m.join("cluster.yaml"), many_pods(N)).unwrap();
+    let cidr = unique_pod_cidr();
+    let args = ["--datapath", "memory", "--pod-cidr", cidr.as_str()];
+    let mut agent = Agent::start_with(tmp.path(), &args);
+    let state = tmp.path().join("state");
+    let mark = ciliate::datapath::netdev::agent_mark(&state);
+    let _sweep = SweepMarked(mark.clone());
+    let mut pods = CniPods::new(&agent.socket(), &tmp.path().join("no-pins"));
+    let specs: Vec<(String, String, String)> = (0..N)
+        .map(|i| {
+            let name = format!("p{i}");
+            let ns = pods.netns(&name);
+            (format!("ctr-{}-{name}", pods.tag), ns, name)
+        })
+        .collect();
+
+    // 50 ADDs at once; the agent is killed while some are done and others in flight.
+    let done = Arc::new(AtomicU32::new(0));
+    let adds = concurrent_adds(&agent.socket(), &specs, &done);
+    let intents = state.join("cni-adds");
+    let in_flight = || {
+        std::fs::read_dir(&intents)
+            .map(|d| d.flatten().count())
+            .unwrap_or(0)
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !(done.load(Ordering::SeqCst) >= 5 && in_flight() > 0) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never 5 ADDs done with others in flight"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let mut child = agent.child.take().unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let outcomes: Vec<(i32, serde_json::Value)> =
+        adds.into_iter().map(|h| h.join().unwrap()).collect();
+    let succeeded: BTreeMap<usize, Ipv4Addr> = outcomes
+        .iter()
+        .enumerate()
+        .filter(|(_, (code, _))| *code == 0)
+        .map(|(i, (_, v))| (i, result_addr(v).expect("a result has an address")))
+        .collect();
+    for (i, (code, v)) in outcomes.iter().enumerate() {
+        if *code != 0 {
+            assert_eq!(
+                (*code, v["code"].as_u64()),
+                (1, Some(11)),
+                "ADD of p{i} interrupted by the crash: try again later, not {v}"
+            );
+        }
+    }
+    let interrupted = N - succeeded.len();
+    assert!(
+        interrupted > 0,
+        "the kill came after every ADD had finished"
+    );
+    eprintln!(
+        "crash: {} ADDs done, {interrupted} interrupted; left behind: {} marked veths, {} ADD records",
+        succeeded.len(),
+        marked(&mark).len(),
+        in_flight()
+    );
+
+    // The restart reclaims what the interrupted ADDs made.
+    let restarted = Agent::start_with(tmp.path(), &args);
+    assert_eq!(in_flight(), 0, "every ADD record is rolled back or settled");
+    let endpoints = restarted.json("/debug/endpoints");
+    let owned: BTreeSet<String> = endpoints
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|e| e["interface"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(
+        marked(&mark),
+        owned,
+        "the agent's veths are exactly its endpoints' (no orphans)"
+    );
+    assert!(
+        endpoints.as_array().unwrap().len() >= succeeded.len(),
+        "every finished ADD is restored: {endpoints}"
+    );
+    let mut holders: BTreeMap<Ipv4Addr, Vec<&str>> = BTreeMap::new();
+    for (cid, ns, _) in &specs {
+        for ip in addresses_in(ns) {
+            holders.entry(ip).or_default().push(ns);
+        }
+        let host_if = ciliate::datapath::netdev::host_interface_name(cid);
+        let has_endpoint = endpoints
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["container_id"] == cid.as_str());
+        assert_eq!(
+            std::path::Path::new(&format!("/sys/class/net/{host_if}")).exists(),
+            has_endpoint,
+            "{cid}: a host veth exists exactly when the container has an endpoint"
+        );
+    }
+    for (ip, nss) in &holders {
+        assert_eq!(nss.len(), 1, "{ip} is held by {nss:?}");
+    }
+    for (i, ip) in &succeeded {
+        assert_eq!(
+            addresses_in(&specs[*i].1),
+            vec![*ip],
+            "p{i} keeps the address its ADD returned"
+        );
+    }
+
+    // The runtime retries every ADD: all succeed, with 50 distinct addresses, and a finished
+    // one answers with what it has.
+    let done = Arc::new(AtomicU32::new(0));
+    let retries: Vec<(i32, serde_json::Value)> =
+        concurrent_adds(&restarted.socket(), &specs, &done)
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect();
+    let mut addrs = BTreeSet::new();
+    for (i, (code, v)) in retries.iter().enumerate() {
+        assert_eq!(*code, 0, "retried ADD of p{i}: {v}");
+        let ip = result_addr(v).unwrap();
+        if let Some(before) = succeeded.get(&i) {
+            assert_eq!(ip, *before, "p{i} finished before the crash: same address");
+        }
+        assert_eq!(
+            addresses_in(&specs[i].1),
+            vec![ip],
+            "p{i}'s namespace holds its address"
+        );
+        addrs.insert(ip);
+        let (cid, netns, name) = &specs[i];
+        pods.pods.push(common::cni::CniPod {
+            namespace: "x".into(),
+            name: name.clone(),
+            netns: netns.clone(),
+            container_id: cid.clone(),
+            addr: ip,
+            host_if: v["interfaces"][0]["name"].as_str().unwrap().to_string(),
+        });
+    }
+    assert_eq!(addrs.len(), N, "50 distinct addresses");
+    assert_eq!(ipam_allocated(&restarted), N as u64);
+    assert_eq!(marked(&mark).len(), N);
+    drop(pods);
+    assert!(marked(&mark).is_empty(), "DEL removes every veth");
+    drop(restarted);
+}
+
+/// A retried ADD finds the half-made host veth of an ADD that never finished (here: created but
+/// not yet marked, as a crash between the two steps leaves it) and replaces it, where it used to
+/// fail with "File exists". A device of that name marked by another agent is never touched.
+#[test]
+fn a_retried_add_replaces_a_stale_half_made_interface_but_not_another_agents() {
+    if !privileged() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tmp.path().join("manifests");
+    std::fs::create_dir_all(&m).unwrap();
+    std::fs::write(m.join("cluster.yaml"), CLUSTER).unwrap();
+    let cidr = unique_pod_cidr();
+    let agent = Agent::start_with(tmp.path(), &["--datapath", "memory", "--pod-cidr", &cidr]);
+    let mark = ciliate::datapath::netdev::agent_mark(&tmp.path().join("state"));
+    let _sweep = SweepMarked(mark.clone());
+    let mut pods = CniPods::new(&agent.socket(), &tmp.path().join("no-pins"));
+    let stale_ctr = format!("ctr-{}-a", pods.tag);
+    let stale_if = ciliate::datapath::netdev::host_interface_name(&stale_ctr);
+    let foreign_ctr = format!("ctr-{}-b", pods.tag);
+    let foreign_if = ciliate::datapath::netdev::host_interface_name(&foreign_ctr);
+    let other_agent = "ciliate:/var/lib/another-agent/state";
+    let _cleanup = SweepMarked(other_agent.into());
+    ip(&[
+        "link",
+        "add",
+        &stale_if,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        &format!("t{}", pods.tag),
+    ]);
+    ip(&[
+        "link",
+        "add",
+        &foreign_if,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        &format!("u{}", pods.tag),
+    ]);
+    ip(&["link", "set", &foreign_if, "alias", other_agent]);
+
+    let a = pods.add("x", "a");
+    assert_eq!(a.host_if, stale_if);
+    assert_eq!(
+        std::fs::read_to_string(format!("/sys/class/net/{stale_if}/ifalias"))
+            .unwrap()
+            .trim_end(),
+        mark,
+        "the replacement is this agent's"
+    );
+    assert_eq!(addresses_in(&a.netns), vec![a.addr]);
+
+    let b_ns = pods.netns("b");
+    let (code, v) = cni(
+        &agent.socket(),
+        "ADD",
+        &foreign_ctr,
+        Some(&b_ns),
+        Some(("x", "b")),
+    );
+    assert_eq!((code, v["code"].as_u64()), (1, Some(100)), "{v}");
+    assert!(
+        v["details"].as_str().unwrap_or("").contains(other_agent),
+        "the error names the other agent: {v}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(format!("/sys/class/net/{foreign_if}/ifalias"))
+            .unwrap()
+            .trim_end(),
+        other_agent,
+        "another agent's device is left alone"
+    );
+    assert_eq!(
+        ipam_allocated(&agent),
+        1,
+        "the failed ADD released its address"
+    );
+    assert!(
+        !tmp.path()
+            .join("state/cni-adds")
+            .read_dir()
+            .unwrap()
+            .any(|_| true),
+        "no ADD record is left"
+    );
+    drop(pods);
+    drop(agent);
+}
+
+/// Two endpoint records on disk claiming one address (state written by a faulty version, or by
+/// hand): the first (lowest id) is restored, the second is not, is set aside with its reason and
+/// reported, and its interface, which held the same address in another pod, is reclaimed. A new
+/// ADD of the refused container gets an address of its own.
+#[test]
+fn a_restored_duplicate_address_is_refused_reported_and_its_interface_reclaimed() {
+    if !privileged() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tmp.path().join("manifests");
+    std::fs::create_dir_all(&m).unwrap();
+    std::fs::write(m.join("cluster.yaml"), CLUSTER).unwrap();
+    let cidr = unique_pod_cidr();
+    let args = ["--datapath", "memory", "--pod-cidr", cidr.as_str()];
+    let mut agent = Agent::start_with(tmp.path(), &args);
+    let mark = ciliate::datapath::netdev::agent_mark(&tmp.path().join("state"));
+    let _sweep = SweepMarked(mark.clone());
+    let mut pods = CniPods::new(&agent.socket(), &tmp.path().join("no-pins"));
+    let a = pods.add("x", "a");
+    let b = pods.add("x", "b");
+    let eps = agent.json("/debug/endpoints");
+    let id_of = |name: &str| {
+        eps.as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["name"] == name)
+            .unwrap()["id"]
+            .as_u64()
+            .unwrap()
+    };
+    let (a_id, b_id) = (id_of("x/a"), id_of("x/b"));
+    assert!(a_id < b_id);
+    assert_eq!(agent.stop(), 0);
+    let file = tmp.path().join(format!("state/{b_id}/endpoint.json"));
+    let mut rec: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    rec["ips"] = serde_json::json!([a.addr.to_string()]);
+    std::fs::write(&file, rec.to_string()).unwrap();
+
+    let restarted = Agent::start_with(tmp.path(), &args);
+    let eps = restarted.json("/debug/endpoints");
+    let names: Vec<&str> = eps
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|e| e["name"].as_str())
+        .collect();
+    assert_eq!(names, vec!["x/a"], "only the first claimant is restored");
+    assert!(
+        restarted.log().contains(&format!(
+            "endpoint {b_id} (x/b) claims {}, which endpoint {a_id} already holds",
+            a.addr
+        )),
+        "the refusal is reported with both endpoints and the address"
+    );
+    let aside: Vec<_> = std::fs::read_dir(tmp.path().join("state"))
+        .unwrap()
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with(&format!("rejected-{b_id}-"))
+        })
+        .collect();
+    assert_eq!(aside.len(), 1, "the refused record is set aside, not lost");
+    assert!(std::fs::read_to_string(aside[0].path().join("reason.txt"))
+        .unwrap()
+        .contains("claims"));
+    assert!(
+        !std::path::Path::new(&format!("/sys/class/net/{}", b.host_if)).exists(),
+        "the refused endpoint's interface is reclaimed"
+    );
+    assert!(
+        addresses_in(&b.netns).is_empty(),
+        "no second pod holds {}",
+        a.addr
+    );
+    assert_eq!(addresses_in(&a.netns), vec![a.addr]);
+    assert_eq!(ipam_allocated(&restarted), 1);
+
+    let (code, v) = cni(
+        &restarted.socket(),
+        "ADD",
+        &b.container_id,
+        Some(&b.netns),
+        Some(("x", "b")),
+    );
+    assert_eq!(code, 0, "a new ADD of b: {v}");
+    let again = result_addr(&v).unwrap();
+    assert_ne!(again, a.addr);
+    assert_eq!(addresses_in(&b.netns), vec![again]);
+    drop(pods);
+    drop(restarted);
 }

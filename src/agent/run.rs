@@ -272,11 +272,26 @@ async fn run_async(
         ipam,
     };
     let (records, errors) = state_dir.load_all();
+    // An endpoint whose record cannot be read may own a marked veth: nothing is swept then.
+    let all_readable = errors.is_empty();
     for e in errors {
         tracing::error!(error = %e, "endpoint state not restored (left on disk)");
     }
+    // Never two live endpoints with one address: a later record claiming a kept address is
+    // refused, set aside for a human, and its interface reclaimed (crate::cni::recover).
+    let (records, refused) = super::state::partition_duplicate_ips(records);
+    let refused: Vec<_> = refused
+        .into_iter()
+        .map(|(rec, why)| {
+            match state_dir.set_aside(rec.id, &why.to_string()) {
+                Ok(to) => tracing::error!(endpoint = rec.id, error = %why, kept = %to.display(), "endpoint not restored: duplicate address"),
+                Err(e) => tracing::error!(endpoint = rec.id, error = %why, set_aside = %e, "endpoint not restored: duplicate address"),
+            }
+            rec
+        })
+        .collect();
     let restored = records.len();
-    for rec in records {
+    for rec in &records {
         // Their addresses are reserved before the API (and so the CNI plugin) is served.
         if let Some(ipam) = node_ipam.ipam.as_mut() {
             let owner = rec
@@ -316,6 +331,26 @@ async fn run_async(
             Ok(Err(e)) => tracing::error!(endpoint = rec.id, error = %e, "endpoint not restored"),
             Err(e) => tracing::error!(endpoint = rec.id, error = %e, "endpoint not restored"),
         }
+    }
+    // CNI ADDs the previous agent did not finish: rolled back, and orphaned veths of this
+    // agent removed, before any address is handed out again.
+    let recovery = {
+        let state_dir = state_dir.clone();
+        web::block(move || {
+            crate::cni::recover::recover(&state_dir, &records, &refused, all_readable)
+        })
+        .await
+    };
+    match (recovery, node_ipam.ipam.as_mut()) {
+        (Ok(reserve), Some(ipam)) => {
+            for (ip, container) in reserve {
+                if let Err(e) = ipam.reserve(ip, &container) {
+                    tracing::error!(%container, error = %e, "address of an interrupted ADD not reserved");
+                }
+            }
+        }
+        (Ok(_), None) => {}
+        (Err(e), _) => tracing::error!(error = %e, "recovery of interrupted CNI ADDs failed"),
     }
     if let Ok(mut g) = shared.ipam.lock() {
         *g = node_ipam;

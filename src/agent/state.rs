@@ -1,9 +1,12 @@
-//! Per-endpoint state on disk (`STATE_DIR/<endpoint-id>/endpoint.json`) and the state-directory
+//! Per-endpoint state on disk (`STATE_DIR/<endpoint-id>/endpoint.json`), the intent records of
+//! CNI ADDs in progress (`STATE_DIR/cni-adds/<container-id>.json`), and the state-directory
 //! lock that keeps a second agent away.
 //!
 //! Writes are atomic: the new state goes into a fresh directory that then replaces the old one
 //! with `renameat2(RENAME_EXCHANGE)`, so a crash leaves either the old or the new state, never a
-//! torn file.
+//! torn file. An intent record is written to a temporary file and linked into place with
+//! `renameat2(RENAME_NOREPLACE)`: it appears whole or not at all, and a second ADD of the same
+//! container finds the first one's record.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
@@ -19,6 +22,10 @@ use crate::policy::identity::NumericIdentity;
 
 const STATE_FILE: &str = "endpoint.json";
 const LOCK_FILE: &str = "ciliate.lock";
+/// Where the intent records of CNI ADDs in progress live.
+const INTENTS_DIR: &str = "cni-adds";
+/// Prefix of an endpoint directory set aside by restore (kept for a human, never restored).
+const REJECTED_PREFIX: &str = "rejected-";
 
 /// What is kept of an endpoint across agent restarts.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -39,6 +46,68 @@ pub struct EndpointRecord {
     pub netns: Option<String>,
 }
 
+/// A CNI ADD in progress, recorded before anything is created for the container and removed once
+/// its endpoint record is on disk. A record left behind by a crash tells the next agent what to
+/// roll back: the host veth (if it is still this agent's) and the address, which stays reserved
+/// until the rollback is done.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AddIntent {
+    pub container_id: String,
+    /// The host side of the veth pair the ADD creates.
+    pub host_if: String,
+    /// The address IPAM handed out for it.
+    pub ip: IpAddr,
+    pub netns: String,
+    pub ifname: String,
+    /// The agent run that wrote it: a record of another run is a leftover of a crash.
+    pub run: String,
+}
+
+/// A restored endpoint record that was refused because an address it claims is claimed by an
+/// earlier (lower id) record: two live endpoints never share an address.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("endpoint {id} ({name}) claims {ip}, which endpoint {holder} already holds")]
+pub struct DuplicateIp {
+    pub id: EndpointId,
+    pub name: String,
+    pub ip: IpAddr,
+    pub holder: EndpointId,
+}
+
+/// Splits restored records (sorted by id, as `load_all` returns them) into those to restore and
+/// those refused: the lowest id claiming an address keeps it, every later record claiming any
+/// address already kept is refused whole.
+pub fn partition_duplicate_ips(
+    records: Vec<EndpointRecord>,
+) -> (Vec<EndpointRecord>, Vec<(EndpointRecord, DuplicateIp)>) {
+    let mut holders: std::collections::BTreeMap<IpAddr, EndpointId> = Default::default();
+    let (mut keep, mut refused) = (Vec::new(), Vec::new());
+    for rec in records {
+        let clash = rec
+            .ips
+            .iter()
+            .find_map(|ip| holders.get(ip).map(|h| (*ip, *h)));
+        match clash {
+            Some((ip, holder)) => {
+                let why = DuplicateIp {
+                    id: rec.id,
+                    name: rec.name.clone(),
+                    ip,
+                    holder,
+                };
+                refused.push((rec, why));
+            }
+            None => {
+                for ip in &rec.ips {
+                    holders.insert(*ip, rec.id);
+                }
+                keep.push(rec);
+            }
+        }
+    }
+    (keep, refused)
+}
+
 /// Errors of the state directory, naming the path concerned.
 #[derive(Debug, thiserror::Error)]
 pub enum StateError {
@@ -51,6 +120,9 @@ pub enum StateError {
     Invalid { path: PathBuf, message: String },
     #[error("another agent (pid {pid}) holds {path}; stop it or use another --state-dir")]
     Locked { path: PathBuf, pid: String },
+    /// An intent record exists already for this container.
+    #[error("{path}: an ADD of this container is in progress")]
+    InProgress { path: PathBuf },
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> StateError + '_ {
@@ -119,6 +191,151 @@ impl StateDir {
         Ok(())
     }
 
+    /// Whether an endpoint's record is on disk.
+    pub fn has_endpoint(&self, id: EndpointId) -> bool {
+        self.endpoint_dir(id).join(STATE_FILE).is_file()
+    }
+
+    /// Moves an endpoint's directory aside (`rejected-<id>-<nanos>`, with the reason in
+    /// `reason.txt`): it is never restored again, and is kept for a human to look at.
+    pub fn set_aside(&self, id: EndpointId, reason: &str) -> Result<PathBuf, StateError> {
+        let from = self.endpoint_dir(id);
+        let to = self
+            .root
+            .join(format!("{REJECTED_PREFIX}{id}-{}", unique_suffix()));
+        fs::rename(&from, &to).map_err(io(&from))?;
+        let why = to.join("reason.txt");
+        fs::write(&why, format!("{reason}\n")).map_err(io(&why))?;
+        sync_dir(&self.root);
+        Ok(to)
+    }
+
+    fn intents_dir(&self) -> PathBuf {
+        self.root.join(INTENTS_DIR)
+    }
+
+    fn intent_path(&self, container_id: &str) -> Result<PathBuf, StateError> {
+        // The name becomes a file name: nothing that could leave the directory.
+        if container_id.is_empty()
+            || container_id.starts_with('.')
+            || container_id.contains(['/', '\0'])
+        {
+            return Err(StateError::Invalid {
+                path: self.intents_dir(),
+                message: format!("{container_id:?} is not a usable container id"),
+            });
+        }
+        Ok(self.intents_dir().join(format!("{container_id}.json")))
+    }
+
+    /// Records an ADD in progress, durably, before anything is created for it. Fails with
+    /// `InProgress` when a record for the container exists already.
+    pub fn begin_add(&self, intent: &AddIntent) -> Result<(), StateError> {
+        let dst = self.intent_path(&intent.container_id)?;
+        let dir = self.intents_dir();
+        fs::create_dir_all(&dir).map_err(io(&dir))?;
+        let tmp = dir.join(format!(".tmp-{}-{}", intent.container_id, unique_suffix()));
+        let body = serde_json::to_vec_pretty(intent).map_err(|e| StateError::Invalid {
+            path: dst.clone(),
+            message: e.to_string(),
+        })?;
+        let written = File::create(&tmp)
+            .and_then(|mut f| f.write_all(&body).and_then(|()| f.sync_all()))
+            .map_err(io(&tmp));
+        let linked = written.and_then(|()| {
+            renameat2(
+                AT_FDCWD,
+                &tmp,
+                AT_FDCWD,
+                &dst,
+                RenameFlags::RENAME_NOREPLACE,
+            )
+            .map_err(|e| match e {
+                nix::errno::Errno::EEXIST => StateError::InProgress { path: dst.clone() },
+                e => StateError::Io {
+                    path: dst.clone(),
+                    source: e.into(),
+                },
+            })
+        });
+        if linked.is_err() {
+            let _ = fs::remove_file(&tmp);
+        }
+        linked?;
+        sync_dir(&dir);
+        Ok(())
+    }
+
+    /// The intent record of a container, if there is one.
+    pub fn intent(&self, container_id: &str) -> Result<Option<AddIntent>, StateError> {
+        let path = self.intent_path(container_id)?;
+        match fs::read_to_string(&path) {
+            Ok(text) => read_intent(&path, &text).map(Some),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(StateError::Io { path, source: e }),
+        }
+    }
+
+    /// Removes a container's intent record (the ADD finished, or was rolled back).
+    pub fn end_add(&self, container_id: &str) -> Result<(), StateError> {
+        let path = self.intent_path(container_id)?;
+        match fs::remove_file(&path) {
+            Ok(()) => {
+                sync_dir(&self.intents_dir());
+                Ok(())
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(StateError::Io { path, source: e }),
+        }
+    }
+
+    /// Every intent record on disk, plus one error per record that could not be read (left in
+    /// place). Leftover temporary files are removed.
+    pub fn load_intents(&self) -> (Vec<AddIntent>, Vec<StateError>) {
+        let dir = self.intents_dir();
+        let (mut out, mut errs) = (Vec::new(), Vec::new());
+        let entries = match fs::read_dir(&dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return (out, errs),
+            Err(e) => {
+                return (
+                    out,
+                    vec![StateError::Io {
+                        path: dir,
+                        source: e,
+                    }],
+                )
+            }
+        };
+        for e in entries.flatten() {
+            let path = e.path();
+            let name = e.file_name().to_string_lossy().to_string();
+            if name.starts_with(".tmp-") {
+                let _ = fs::remove_file(&path);
+                continue;
+            }
+            let Some(container) = name.strip_suffix(".json") else {
+                continue;
+            };
+            match fs::read_to_string(&path)
+                .map_err(io(&path))
+                .and_then(|t| read_intent(&path, &t))
+            {
+                Ok(i) if i.container_id == container => out.push(i),
+                Ok(i) => errs.push(StateError::Invalid {
+                    path,
+                    message: format!(
+                        "holds container {} in the file of {container}",
+                        i.container_id
+                    ),
+                }),
+                Err(err) => errs.push(err),
+            }
+        }
+        out.sort_by(|a, b| a.container_id.cmp(&b.container_id));
+        (out, errs)
+    }
+
     pub fn remove(&self, id: EndpointId) -> Result<(), StateError> {
         let d = self.endpoint_dir(id);
         match fs::remove_dir_all(&d) {
@@ -177,6 +394,31 @@ impl StateDir {
         }
         recs.sort_by_key(|r| r.id);
         (recs, errs)
+    }
+}
+
+fn read_intent(path: &Path, text: &str) -> Result<AddIntent, StateError> {
+    serde_json::from_str(text).map_err(|e| StateError::Invalid {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })
+}
+
+/// A suffix that makes a temporary name unique within this process and across restarts.
+fn unique_suffix() -> String {
+    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!("{nanos}-{n}")
+}
+
+/// Makes a rename or removal in `dir` durable (best effort: the data itself was synced).
+fn sync_dir(dir: &Path) {
+    if let Ok(d) = File::open(dir) {
+        let _ = d.sync_all();
     }
 }
 
@@ -250,6 +492,102 @@ mod tests {
         s.remove(7).unwrap();
         s.remove(7).unwrap();
         assert_eq!(s.load_all().0, vec![rec(9, 1)]);
+    }
+
+    fn intent(container: &str, ip: &str) -> AddIntent {
+        AddIntent {
+            container_id: container.into(),
+            host_if: "lxc0123456789ab".into(),
+            ip: ip.parse().unwrap(),
+            netns: "/var/run/netns/p".into(),
+            ifname: "eth0".into(),
+            run: "1-1".into(),
+        }
+    }
+
+    #[test]
+    fn intents_are_exclusive_per_container_and_survive_as_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = StateDir::open(dir.path()).unwrap();
+        assert_eq!(s.intent("c1").unwrap(), None);
+        s.begin_add(&intent("c1", "10.0.0.1")).unwrap();
+        s.begin_add(&intent("c2", "10.0.0.2")).unwrap();
+        let second = s.begin_add(&intent("c1", "10.0.0.3")).unwrap_err();
+        assert!(
+            matches!(second, StateError::InProgress { .. }),
+            "a second ADD of c1 is refused: {second}"
+        );
+        assert_eq!(
+            s.intent("c1").unwrap(),
+            Some(intent("c1", "10.0.0.1")),
+            "the first record is untouched"
+        );
+        // A torn temporary file of a crash is swept; a record that does not parse is reported.
+        fs::write(dir.path().join("cni-adds/.tmp-c3-1"), "{").unwrap();
+        fs::write(dir.path().join("cni-adds/c4.json"), "{not json").unwrap();
+        let (all, errs) = s.load_intents();
+        assert_eq!(
+            all,
+            vec![intent("c1", "10.0.0.1"), intent("c2", "10.0.0.2")]
+        );
+        assert_eq!(errs.len(), 1);
+        assert!(errs[0].to_string().contains("c4.json"), "{}", errs[0]);
+        assert!(!dir.path().join("cni-adds/.tmp-c3-1").exists());
+        s.end_add("c1").unwrap();
+        s.end_add("c1").expect("removing twice is fine");
+        assert_eq!(s.intent("c1").unwrap(), None);
+        s.begin_add(&intent("c1", "10.0.0.3"))
+            .expect("after the end, a new ADD may begin");
+        // The endpoint directories are not confused with the intents.
+        assert!(s.load_all().0.is_empty());
+    }
+
+    #[test]
+    fn intent_names_cannot_leave_the_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = StateDir::open(dir.path()).unwrap();
+        for bad in ["", "../x", "a/b", ".hidden"] {
+            let e = s.begin_add(&intent(bad, "10.0.0.1")).unwrap_err();
+            assert!(matches!(e, StateError::Invalid { .. }), "{bad:?}: {e}");
+        }
+        assert!(!dir.path().join("x.json").exists());
+    }
+
+    #[test]
+    fn the_first_record_claiming_an_address_keeps_it() {
+        let mut a = rec(1, 1);
+        a.ips = vec!["10.0.0.1".parse().unwrap()];
+        let mut b = rec(2, 1);
+        b.ips = vec!["10.0.0.2".parse().unwrap(), "10.0.0.1".parse().unwrap()];
+        let mut c = rec(3, 1);
+        c.ips = vec!["10.0.0.2".parse().unwrap()];
+        let (keep, refused) = partition_duplicate_ips(vec![a.clone(), b.clone(), c.clone()]);
+        assert_eq!(
+            keep,
+            vec![a, c],
+            "b is refused whole, so its other address stays free for c"
+        );
+        assert_eq!(refused.len(), 1);
+        assert_eq!(refused[0].0, b);
+        assert_eq!(
+            refused[0].1.to_string(),
+            "endpoint 2 (x/a) claims 10.0.0.1, which endpoint 1 already holds"
+        );
+    }
+
+    #[test]
+    fn a_set_aside_endpoint_is_not_restored_and_keeps_its_reason() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = StateDir::open(dir.path()).unwrap();
+        s.write(&rec(4, 1)).unwrap();
+        let to = s.set_aside(4, "duplicate address").unwrap();
+        assert!(s.load_all().0.is_empty());
+        assert!(!s.has_endpoint(4));
+        assert!(to.join("endpoint.json").is_file());
+        assert_eq!(
+            fs::read_to_string(to.join("reason.txt")).unwrap(),
+            "duplicate address\n"
+        );
     }
 
     #[test]

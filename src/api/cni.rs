@@ -2,9 +2,16 @@
 //! IPAM, the pod's veth pair, the endpoint and its first policy, in the order Cilium's
 //! `cmdAdd` and the agent's `PutEndpointID` do them. Every step of ADD is undone when a later
 //! one fails, so a failed ADD leaves no device, address or endpoint behind.
+//!
+//! An agent killed in the middle of an ADD cannot undo anything, so ADD first writes an intent
+//! record (state.rs) and marks the host veth it creates with an alias naming the state
+//! directory. At start-up, `crate::cni::recover` rolls back every ADD whose record outlived its agent and
+//! sweeps marked veths no endpoint owns.
 
 use std::net::{IpAddr, Ipv4Addr};
+use std::path::Path;
 use std::sync::atomic::Ordering;
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use actix_web::http::StatusCode;
@@ -13,6 +20,7 @@ use actix_web::{web, HttpResponse};
 use super::{endpoint_model, AppState, FROM};
 use crate::actors::endpoint::EndpointModel;
 use crate::actors::policy_repo::{AddEndpoint, DeleteEndpoint, EndpointRequest, FindEndpoint};
+use crate::agent::state::{AddIntent, StateError};
 use crate::cni::{code, CniError, CniInterface, CniIp, CniRequest, CniResult, CniRoute};
 use crate::datapath::netdev::{self, PodInterfaceSpec, POD_GATEWAY};
 use crate::datapath::EndpointId;
@@ -28,13 +36,18 @@ fn cni_error(status: StatusCode, e: CniError) -> HttpResponse {
 }
 
 fn fail(code: u32, msg: impl Into<String>, details: impl Into<String>) -> HttpResponse {
-    let status = match code {
+    respond(CniError::new(code, msg, details))
+}
+
+/// The HTTP answer carrying a CNI error, its status from the CNI code.
+fn respond(e: CniError) -> HttpResponse {
+    let status = match e.code {
         code::UNKNOWN_CONTAINER => StatusCode::NOT_FOUND,
         code::INVALID_ENV | code::INVALID_CONFIG => StatusCode::BAD_REQUEST,
         code::TRY_AGAIN_LATER => StatusCode::SERVICE_UNAVAILABLE,
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
-    cni_error(status, CniError::new(code, msg, details))
+    cni_error(status, e)
 }
 
 async fn find(st: &AppState, container_id: &str) -> Result<Option<EndpointId>, HttpResponse> {
@@ -107,9 +120,188 @@ fn host_mac(name: &str) -> String {
         .unwrap_or_default()
 }
 
-/// `POST /v1/cni/add`.
+/// This agent run, as intent records name it: a record of another run is a crash's leftover.
+fn run_id() -> &'static str {
+    static RUN: OnceLock<String> = OnceLock::new();
+    RUN.get_or_init(|| {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        format!("{}-{nanos}", std::process::id())
+    })
+}
+
+fn mark(st: &AppState) -> String {
+    netdev::agent_mark(st.shared.state_dir.root())
+}
+
+/// Runs blocking netlink work off the actix threads.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, netdev::NetdevError> + Send + 'static,
+) -> Result<T, String> {
+    match web::block(f).await {
+        Ok(r) => r.map_err(|e| e.to_string()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+fn release_ip(st: &AppState, ip: IpAddr) {
+    if let Ok(mut g) = st.shared.ipam.lock() {
+        if let Some(i) = g.ipam.as_mut() {
+            i.release(ip);
+        }
+    }
+}
+
+/// The container id names files and the interface name a device: both are checked first.
+fn validate(req: &CniRequest) -> Result<(), CniError> {
+    crate::cni::validate_container_id(&req.container_id)
+        .and_then(|()| crate::cni::validate_ifname(&req.ifname))
+}
+
+/// Clears the way for an ADD or DEL of `container_id` as far as intent records go: an ADD of
+/// this run in progress means "try again later"; the leftover of an earlier run (its rollback
+/// at start-up failed) is rolled back now.
+async fn settle_intent(st: &AppState, container_id: &str) -> Result<(), HttpResponse> {
+    let intent = match st.shared.state_dir.intent(container_id) {
+        Ok(None) => return Ok(()),
+        Ok(Some(i)) => i,
+        Err(e) => {
+            return Err(fail(
+                code::AGENT_FAILURE,
+                "cannot read the record of an earlier ADD",
+                e.to_string(),
+            ))
+        }
+    };
+    if intent.run == run_id() {
+        return Err(fail(
+            code::TRY_AGAIN_LATER,
+            format!("an ADD of container {container_id} is in progress"),
+            "",
+        ));
+    }
+    let (host_if, mark) = (intent.host_if.clone(), mark(st));
+    match blocking(move || netdev::delete_owned_interface(&host_if, &mark)).await {
+        Ok(r) => {
+            tracing::info!(container = %container_id, interface = %intent.host_if, outcome = ?r, "an interrupted ADD rolled back")
+        }
+        Err(e) => {
+            return Err(fail(
+                code::AGENT_FAILURE,
+                format!(
+                    "the interface {} of an interrupted ADD cannot be removed",
+                    intent.host_if
+                ),
+                e,
+            ))
+        }
+    }
+    if let Ok(mut g) = st.shared.ipam.lock() {
+        if let Some(i) = g.ipam.as_mut() {
+            if i.owner(intent.ip) == Some(container_id) {
+                i.release(intent.ip);
+            }
+        }
+    }
+    st.shared.state_dir.end_add(container_id).map_err(|e| {
+        fail(
+            code::AGENT_FAILURE,
+            "cannot remove an ADD record",
+            e.to_string(),
+        )
+    })
+}
+
+/// Takes an address for `container_id`. The addresses of leftover intent records (rollbacks
+/// that failed) are reserved first: a pod may still hold them.
+fn allocate(st: &AppState, container_id: &str) -> Result<Ipv4Addr, CniError> {
+    let (intents, _) = st.shared.state_dir.load_intents();
+    let mut g = st
+        .shared
+        .ipam
+        .lock()
+        .map_err(|_| CniError::new(code::AGENT_FAILURE, "IPAM state is poisoned", ""))?;
+    let Some(ipam) = g.ipam.as_mut() else {
+        return Err(CniError::new(
+            code::INVALID_CONFIG,
+            "this node has no pod CIDR",
+            "start the agent with --pod-cidr CIDR (or give the Node spec.podCIDRs)",
+        ));
+    };
+    for i in intents.iter().filter(|i| i.run != run_id()) {
+        let _ = ipam.reserve(i.ip, &i.container_id);
+    }
+    ipam.allocate(container_id)
+        .map_err(|e| CniError::new(code::AGENT_FAILURE, "IP allocation failed", e.to_string()))
+}
+
+/// What an ADD has made so far, undone in reverse when a later step fails. The intent record
+/// goes last, so a crash in the middle of the undo is still rolled back by the next agent.
+struct Made {
+    container_id: String,
+    ip: Ipv4Addr,
+    host_if: Option<String>,
+    endpoint: Option<EndpointId>,
+}
+
+impl Made {
+    async fn undo(self, st: &AppState) {
+        if let Some(id) = self.endpoint {
+            let _ = st.repo.send(DeleteEndpoint { id }, FROM).await;
+        }
+        if let Some(name) = self.host_if {
+            let n = name.clone();
+            if let Err(e) = blocking(move || netdev::delete_host_interface(&n)).await {
+                // The address may still be on the pod's side: it stays allocated, and the
+                // record stays for the next agent (or a DEL) to roll back.
+                tracing::error!(interface = %name, error = %e, "a failed ADD's interface cannot be removed");
+                return;
+            }
+        }
+        release_ip(st, IpAddr::V4(self.ip));
+        if let Err(e) = st.shared.state_dir.end_add(&self.container_id) {
+            tracing::error!(container = %self.container_id, error = %e, "cannot remove an ADD record");
+        }
+    }
+}
+
+/// A repeated ADD of a container that has its endpoint answers with what exists.
+async fn repeat_add(st: &AppState, req: &CniRequest, netns: &Path, id: EndpointId) -> HttpResponse {
+    let Some(m) = model(st, id).await else {
+        return fail(code::AGENT_FAILURE, format!("endpoint {id} vanished"), "");
+    };
+    let ip = m.ips.iter().find_map(|s| s.parse::<Ipv4Addr>().ok());
+    let (netns2, ifname) = (netns.to_path_buf(), req.ifname.clone());
+    let pod_mac = match ip {
+        Some(ip) => blocking(move || netdev::inspect_pod_interface(&netns2, &ifname, ip))
+            .await
+            .ok(),
+        None => None,
+    };
+    let Some(pod_mac) = pod_mac else {
+        return fail(
+            code::AGENT_FAILURE,
+            format!(
+                "container {} already has endpoint {id}, but its interface is not as created",
+                req.container_id
+            ),
+            "delete the container (CNI DEL) and add it again",
+        );
+    };
+    let host = host_mac(m.interface.as_deref().unwrap_or(""));
+    HttpResponse::Ok().json(result_for(req, &m, &host, &pod_mac))
+}
+
+/// `POST /v1/cni/add`. Before anything is created, an intent record (container, address, host
+/// interface) is written to the state directory; it is removed once the endpoint's own record
+/// is on disk. An agent killed in between finds the record at start-up and rolls the ADD back.
 pub async fn add(st: web::Data<AppState>, req: web::Json<CniRequest>) -> HttpResponse {
     let req = req.into_inner();
+    if let Err(e) = validate(&req) {
+        return respond(e);
+    }
     let (Some(ns), Some(pod)) = (req.pod_namespace.clone(), req.pod_name.clone()) else {
         return fail(
             code::INVALID_ENV,
@@ -132,93 +324,62 @@ pub async fn add(st: web::Data<AppState>, req: web::Json<CniRequest>) -> HttpRes
         }
         actix_rt::time::sleep(Duration::from_millis(20)).await;
     }
-    // A repeated ADD for a container that has its endpoint answers with what exists.
     match find(&st, &req.container_id).await {
         Err(r) => return r,
-        Ok(Some(id)) => {
-            let Some(m) = model(&st, id).await else {
-                return fail(code::AGENT_FAILURE, format!("endpoint {id} vanished"), "");
-            };
-            let ip = m.ips.iter().find_map(|s| s.parse::<Ipv4Addr>().ok());
-            let (netns2, ifname) = (netns.clone(), req.ifname.clone());
-            let pod_mac = match ip {
-                Some(ip) => web::block(move || netdev::inspect_pod_interface(&netns2, &ifname, ip))
-                    .await
-                    .ok()
-                    .and_then(Result::ok),
-                None => None,
-            };
-            let Some(pod_mac) = pod_mac else {
-                return fail(
-                    code::AGENT_FAILURE,
-                    format!(
-                        "container {} already has endpoint {id}, but its interface is not as created",
-                        req.container_id
-                    ),
-                    "delete the container (CNI DEL) and add it again",
-                );
-            };
-            let host = host_mac(m.interface.as_deref().unwrap_or(""));
-            return HttpResponse::Ok().json(result_for(&req, &m, &host, &pod_mac));
-        }
+        Ok(Some(id)) => return repeat_add(&st, &req, &netns, id).await,
         Ok(None) => {}
     }
-    // IPAM.
-    let ip = {
-        let mut ipam = match st.shared.ipam.lock() {
-            Ok(g) => g,
-            Err(_) => return fail(code::AGENT_FAILURE, "IPAM state is poisoned", ""),
-        };
-        let Some(ipam) = ipam.ipam.as_mut() else {
-            return fail(
-                code::INVALID_CONFIG,
-                "this node has no pod CIDR",
-                "start the agent with --pod-cidr CIDR (or give the Node spec.podCIDRs)",
-            );
-        };
-        match ipam.allocate(&req.container_id) {
-            Ok(ip) => ip,
-            Err(e) => return fail(code::AGENT_FAILURE, "IP allocation failed", e.to_string()),
-        }
+    if let Err(r) = settle_intent(&st, &req.container_id).await {
+        return r;
+    }
+    let ip = match allocate(&st, &req.container_id) {
+        Ok(ip) => ip,
+        Err(e) => return respond(e),
     };
-    let release = |st: &AppState| {
-        if let Ok(mut g) = st.shared.ipam.lock() {
-            if let Some(i) = g.ipam.as_mut() {
-                i.release(IpAddr::V4(ip));
-            }
-        }
-    };
-    // The veth pair and the pod's side.
     let host_if = netdev::host_interface_name(&req.container_id);
+    let intent = AddIntent {
+        container_id: req.container_id.clone(),
+        host_if: host_if.clone(),
+        ip: IpAddr::V4(ip),
+        netns: netns.display().to_string(),
+        ifname: req.ifname.clone(),
+        run: run_id().to_string(),
+    };
+    if let Err(e) = st.shared.state_dir.begin_add(&intent) {
+        release_ip(&st, IpAddr::V4(ip));
+        return match e {
+            StateError::InProgress { .. } => fail(
+                code::TRY_AGAIN_LATER,
+                format!("an ADD of container {} is in progress", req.container_id),
+                "",
+            ),
+            e => fail(code::AGENT_FAILURE, "cannot record the ADD", e.to_string()),
+        };
+    }
+    let mut made = Made {
+        container_id: req.container_id.clone(),
+        ip,
+        host_if: None,
+        endpoint: None,
+    };
+    // The veth pair and the pod's side (a stale half-made interface of this container is
+    // replaced).
     let spec = PodInterfaceSpec {
         host_if: host_if.clone(),
         netns: netns.clone(),
         pod_if: req.ifname.clone(),
         ip,
         mtu: POD_MTU,
+        mark: mark(&st),
     };
-    let ifs = match web::block(move || netdev::create_pod_interface(&spec)).await {
-        Ok(Ok(ifs)) => ifs,
-        Ok(Err(e)) => {
-            release(&st);
-            return fail(
-                code::AGENT_FAILURE,
-                "pod interface setup failed",
-                e.to_string(),
-            );
-        }
+    let ifs = match blocking(move || netdev::create_pod_interface(&spec)).await {
+        Ok(ifs) => ifs,
         Err(e) => {
-            release(&st);
-            return fail(
-                code::AGENT_FAILURE,
-                "pod interface setup failed",
-                e.to_string(),
-            );
+            made.undo(&st).await;
+            return fail(code::AGENT_FAILURE, "pod interface setup failed", e);
         }
     };
-    let undo_interface = |name: String| async move {
-        let _ = web::block(move || netdev::delete_host_interface(&name)).await;
-    };
+    made.host_if = Some(host_if.clone());
     // The endpoint: identity from the Pod and Namespace, programs attached (dropping until its
     // first policy is realized).
     let added = st
@@ -240,8 +401,7 @@ pub async fn add(st: web::Data<AppState>, req: web::Json<CniRequest>) -> HttpRes
     let m = match added {
         Ok(Ok(m)) => m,
         Ok(Err(e)) => {
-            undo_interface(host_if).await;
-            release(&st);
+            made.undo(&st).await;
             return fail(
                 code::AGENT_FAILURE,
                 "endpoint creation failed",
@@ -249,8 +409,7 @@ pub async fn add(st: web::Data<AppState>, req: web::Json<CniRequest>) -> HttpRes
             );
         }
         Err(e) => {
-            undo_interface(host_if).await;
-            release(&st);
+            made.undo(&st).await;
             return fail(
                 code::TRY_AGAIN_LATER,
                 "the agent is shutting down",
@@ -258,35 +417,32 @@ pub async fn add(st: web::Data<AppState>, req: web::Json<CniRequest>) -> HttpRes
             );
         }
     };
-    // Wait for the first policy, so the pod starts with its policy in force rather than with
-    // the drop-all of a fresh endpoint. A pod the agent has no labels for stays fail-closed
-    // (it drops) until its Pod object arrives; that is not worth failing the ADD for.
     let id = m.id;
-    let mut current = m;
-    while current.identity.is_some() && !(current.regenerations > 0 && current.state == "ready") {
-        if Instant::now() > deadline {
-            let _ = st.repo.send(DeleteEndpoint { id }, FROM).await;
-            undo_interface(host_if).await;
-            release(&st);
-            return fail(
-                code::TRY_AGAIN_LATER,
-                format!("endpoint {id} did not realize its policy in time"),
-                current.error.unwrap_or_default(),
-            );
+    made.endpoint = Some(id);
+    let current = match wait_realized(&st, m, deadline).await {
+        Ok(m) => m,
+        Err(r) => {
+            made.undo(&st).await;
+            return r;
         }
+    };
+    // Only an endpoint whose record is on disk survives a restart: without it, the next agent
+    // would roll this ADD back under a running pod. The endpoint actor writes it when it starts
+    // (and retries with each regeneration).
+    while !st.shared.state_dir.has_endpoint(id) && Instant::now() < deadline {
         actix_rt::time::sleep(Duration::from_millis(5)).await;
-        match model(&st, id).await {
-            Some(m) => current = m,
-            None => {
-                undo_interface(host_if).await;
-                release(&st);
-                return fail(
-                    code::AGENT_FAILURE,
-                    format!("endpoint {id} was deleted while being created"),
-                    "",
-                );
-            }
-        }
+    }
+    if !st.shared.state_dir.has_endpoint(id) {
+        made.undo(&st).await;
+        return fail(
+            code::AGENT_FAILURE,
+            format!("the state of endpoint {id} could not be written"),
+            st.shared.state_dir.endpoint_dir(id).display().to_string(),
+        );
+    }
+    if let Err(e) = st.shared.state_dir.end_add(&req.container_id) {
+        // Harmless: at start-up a record whose container has an endpoint is simply dropped.
+        tracing::error!(container = %req.container_id, error = %e, "cannot remove the ADD record");
     }
     if current.identity.is_none() {
         tracing::warn!(endpoint = id, pod = %format!("{ns}/{pod}"), "no Pod object for this container: the endpoint drops all traffic until one arrives");
@@ -295,10 +451,45 @@ pub async fn add(st: web::Data<AppState>, req: web::Json<CniRequest>) -> HttpRes
     HttpResponse::Ok().json(result_for(&req, &current, &ifs.host_mac, &ifs.pod_mac))
 }
 
+/// Waits for the endpoint's first policy, so the pod starts with its policy in force rather
+/// than with the drop-all of a fresh endpoint. A pod the agent has no labels for stays
+/// fail-closed (it drops) until its Pod object arrives; that is not worth failing the ADD for.
+async fn wait_realized(
+    st: &AppState,
+    mut current: EndpointModel,
+    deadline: Instant,
+) -> Result<EndpointModel, HttpResponse> {
+    let id = current.id;
+    while current.identity.is_some() && !(current.regenerations > 0 && current.state == "ready") {
+        if Instant::now() > deadline {
+            return Err(fail(
+                code::TRY_AGAIN_LATER,
+                format!("endpoint {id} did not realize its policy in time"),
+                current.error.unwrap_or_default(),
+            ));
+        }
+        actix_rt::time::sleep(Duration::from_millis(5)).await;
+        current = model(st, id).await.ok_or_else(|| {
+            fail(
+                code::AGENT_FAILURE,
+                format!("endpoint {id} was deleted while being created"),
+                "",
+            )
+        })?;
+    }
+    Ok(current)
+}
+
 /// `POST /v1/cni/del`: idempotent; removes the endpoint (programs and policy map), the veth pair
 /// and the address, whichever of them still exist.
 pub async fn del(st: web::Data<AppState>, req: web::Json<CniRequest>) -> HttpResponse {
     let req = req.into_inner();
+    if let Err(e) = validate(&req) {
+        return respond(e);
+    }
+    if let Err(r) = settle_intent(&st, &req.container_id).await {
+        return r;
+    }
     let mut ips: Vec<IpAddr> = Vec::new();
     let mut host_if = netdev::host_interface_name(&req.container_id);
     match find(&st, &req.container_id).await {
@@ -369,6 +560,9 @@ pub async fn del(st: web::Data<AppState>, req: web::Json<CniRequest>) -> HttpRes
 /// interface holds the endpoint's address.
 pub async fn check(st: web::Data<AppState>, req: web::Json<CniRequest>) -> HttpResponse {
     let req = req.into_inner();
+    if let Err(e) = validate(&req) {
+        return respond(e);
+    }
     let id = match find(&st, &req.container_id).await {
         Err(r) => return r,
         Ok(None) => {
@@ -431,4 +625,15 @@ pub async fn check(st: web::Data<AppState>, req: web::Json<CniRequest>) -> HttpR
         );
     }
     HttpResponse::Ok().json(serde_json::json!({}))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_run_id_is_stable_within_a_run() {
+        assert_eq!(run_id(), run_id());
+        assert!(run_id().starts_with(&format!("{}-", std::process::id())));
+    }
 }

@@ -6,6 +6,8 @@
 //! pod-side configuration, datapath attach, endpoint), and prints the CNI result or a CNI error
 //! object. Everything that must survive the plugin's process lives in the agent.
 
+pub mod recover;
+
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::PathBuf;
@@ -120,6 +122,93 @@ struct NetConf {
     agent_socket: Option<PathBuf>,
 }
 
+/// `CNI_CONTAINERID` as the CNI reference's `ValidateContainerID` accepts it: a letter or digit,
+/// then letters, digits, `_`, `.` and `-`. The agent names files after it.
+pub fn validate_container_id(id: &str) -> Result<(), CniError> {
+    let mut chars = id.chars();
+    let first_ok = chars.next().is_some_and(|c| c.is_ascii_alphanumeric());
+    if first_ok && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-')) {
+        return Ok(());
+    }
+    Err(CniError::new(
+        code::INVALID_ENV,
+        format!("CNI_CONTAINERID {id:?} is not a valid container id"),
+        "a letter or digit, then letters, digits, '_', '.' or '-'",
+    ))
+}
+
+/// `CNI_IFNAME` must be a usable interface name (the CNI reference's `ValidateInterfaceName`).
+pub fn validate_ifname(name: &str) -> Result<(), CniError> {
+    match crate::datapath::netdev::ifname_problem(name) {
+        None => Ok(()),
+        Some(why) => Err(CniError::new(
+            code::INVALID_ENV,
+            format!("CNI_IFNAME {name:?} {why}"),
+            "an interface name: 1 to 15 bytes, not . or .., no '/', ':' or whitespace",
+        )),
+    }
+}
+
+/// The CNI error for a request the agent did not answer. Whenever the agent is unreachable, not
+/// ready, or went away in the middle of the request (killed: the connection is reset or closed
+/// before a whole response arrived), the runtime should try again later (11): every command is
+/// safe to repeat, and a restarted agent rolls back an interrupted ADD.
+pub fn agent_error(command: &str, e: crate::client::ClientError) -> CniError {
+    use crate::client::ClientError;
+    use std::io::ErrorKind;
+    match e {
+        ClientError::Connect { socket, source } => CniError::new(
+            code::TRY_AGAIN_LATER,
+            format!("the ciliate agent is not reachable at {socket}"),
+            source.to_string(),
+        ),
+        ClientError::Status {
+            status, message, ..
+        } => {
+            // The agent answers failures with a CNI error object as its body's `error`.
+            serde_json::from_str::<CniError>(&message).unwrap_or_else(|_| {
+                CniError::new(
+                    match status {
+                        404 => code::UNKNOWN_CONTAINER,
+                        503 => code::TRY_AGAIN_LATER,
+                        _ => code::AGENT_FAILURE,
+                    },
+                    format!("{command} failed in the agent"),
+                    message,
+                )
+            })
+        }
+        ClientError::Io { ref source, .. }
+            if matches!(
+                source.kind(),
+                ErrorKind::ConnectionReset
+                    | ErrorKind::ConnectionAborted
+                    | ErrorKind::BrokenPipe
+                    | ErrorKind::UnexpectedEof
+                    | ErrorKind::TimedOut
+                    | ErrorKind::WouldBlock
+            ) =>
+        {
+            CniError::new(
+                code::TRY_AGAIN_LATER,
+                format!("{command}: the agent went away or stopped answering during the request"),
+                e.to_string(),
+            )
+        }
+        // Only a cut-off response is malformed: the agent died while answering.
+        ClientError::Malformed { .. } => CniError::new(
+            code::TRY_AGAIN_LATER,
+            format!("{command}: the agent closed the connection without a whole answer"),
+            e.to_string(),
+        ),
+        ClientError::Io { .. } => CniError::new(
+            code::IO_FAILURE,
+            format!("{command}: talking to the agent failed"),
+            e.to_string(),
+        ),
+    }
+}
+
 /// `CNI_ARGS`: `K=V;K=V`.
 pub fn parse_cni_args(s: &str) -> Result<BTreeMap<String, String>, CniError> {
     let mut out = BTreeMap::new();
@@ -223,16 +312,21 @@ fn plugin(env: &BTreeMap<String, String>, stdin: &str) -> Result<String, CniErro
             ))
         }
     };
+    let container_id = need("CNI_CONTAINERID")?;
+    validate_container_id(&container_id)?;
+    let netns = match command {
+        "DEL" => env
+            .get("CNI_NETNS")
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from),
+        _ => Some(PathBuf::from(need("CNI_NETNS")?)),
+    };
+    let ifname = need("CNI_IFNAME")?;
+    validate_ifname(&ifname)?;
     let req = CniRequest {
-        container_id: need("CNI_CONTAINERID")?,
-        netns: match command {
-            "DEL" => env
-                .get("CNI_NETNS")
-                .filter(|v| !v.is_empty())
-                .map(PathBuf::from),
-            _ => Some(PathBuf::from(need("CNI_NETNS")?)),
-        },
-        ifname: need("CNI_IFNAME")?,
+        container_id,
+        netns,
+        ifname,
         pod_namespace: args.get("K8S_POD_NAMESPACE").cloned(),
         pod_name: args.get("K8S_POD_NAME").cloned(),
         cni_version: conf.cni_version.clone(),
@@ -242,33 +336,7 @@ fn plugin(env: &BTreeMap<String, String>, stdin: &str) -> Result<String, CniErro
     match crate::client::request(&socket, "POST", path, Some(&body)) {
         Ok(text) if command == "ADD" => Ok(text.trim().to_string()),
         Ok(_) => Ok(String::new()),
-        Err(crate::client::ClientError::Connect { socket, source }) => Err(CniError::new(
-            code::TRY_AGAIN_LATER,
-            format!("the ciliate agent is not reachable at {socket}"),
-            source.to_string(),
-        )),
-        Err(crate::client::ClientError::Status {
-            status, message, ..
-        }) => {
-            // The agent answers failures with a CNI error object as its body's `error`.
-            let err = serde_json::from_str::<CniError>(&message).unwrap_or_else(|_| {
-                CniError::new(
-                    if status == 404 {
-                        code::UNKNOWN_CONTAINER
-                    } else {
-                        code::AGENT_FAILURE
-                    },
-                    format!("{command} failed in the agent"),
-                    message,
-                )
-            });
-            Err(err)
-        }
-        Err(e) => Err(CniError::new(
-            code::IO_FAILURE,
-            format!("{command}: talking to the agent failed"),
-            e.to_string(),
-        )),
+        Err(e) => Err(agent_error(command, e)),
     }
 }
 
@@ -343,6 +411,105 @@ mod tests {
             .as_str()
             .unwrap()
             .contains("/nonexistent/ciliate.sock"));
+    }
+
+    fn add_env(socket_conf: &str) -> (Vec<(&'static str, &'static str)>, String) {
+        (
+            vec![
+                ("CNI_COMMAND", "ADD"),
+                ("CNI_CONTAINERID", "c1"),
+                ("CNI_NETNS", "/var/run/netns/x"),
+                ("CNI_IFNAME", "eth0"),
+                ("CNI_ARGS", "K8S_POD_NAMESPACE=x;K8S_POD_NAME=a"),
+            ],
+            serde_json::json!({"cniVersion": "1.0.0", "type": "ciliate-cni", "agentSocket": socket_conf})
+                .to_string(),
+        )
+    }
+
+    #[test]
+    fn invalid_interface_names_and_container_ids_are_code_4_before_the_agent_is_asked() {
+        // The socket does not exist: reaching for the agent would be code 11.
+        let (base, conf) = add_env("/nonexistent/ciliate.sock");
+        for bad in ["", "1234567890123456", ".", "..", "a/b", "a:b", "a b"] {
+            let mut e = base.clone();
+            e.retain(|(k, _)| *k != "CNI_IFNAME");
+            e.push(("CNI_IFNAME", bad));
+            let (code, v) = run(&e, &conf);
+            assert_eq!((code, v["code"].as_u64()), (1, Some(4)), "{bad:?}: {v}");
+            assert!(v["msg"].as_str().unwrap().contains("CNI_IFNAME"), "{v}");
+        }
+        for bad in ["../../etc", "-x", "a/b", ".hidden", "c 1"] {
+            let mut e = base.clone();
+            e.retain(|(k, _)| *k != "CNI_CONTAINERID");
+            e.push(("CNI_CONTAINERID", bad));
+            let (code, v) = run(&e, &conf);
+            assert_eq!((code, v["code"].as_u64()), (1, Some(4)), "{bad:?}: {v}");
+            assert!(
+                v["msg"].as_str().unwrap().contains("CNI_CONTAINERID"),
+                "{v}"
+            );
+        }
+        assert!(validate_container_id("0123abc_def.g-h").is_ok());
+        assert!(validate_ifname("eth0").is_ok());
+    }
+
+    /// A fake agent on a unix socket that reads one request and then answers `reply` (maybe
+    /// nothing) and closes, or closes without reading when `read` is false.
+    fn fake_agent(dir: &std::path::Path, read: bool, reply: &'static [u8]) -> String {
+        use std::io::Read;
+        let path = dir.join("agent.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            if read {
+                let mut buf = [0u8; 4096];
+                let _ = s.read(&mut buf);
+            }
+            let _ = s.write_all(reply);
+        });
+        path.display().to_string()
+    }
+
+    #[test]
+    fn an_agent_that_goes_away_mid_request_or_is_not_there_means_try_again_later() {
+        let cases: [(&str, bool, &[u8]); 3] = [
+            ("closed after reading the request", true, b""),
+            (
+                "died while answering",
+                true,
+                b"HTTP/1.1 200 OK\r\nContent-Le",
+            ),
+            ("closed without reading", false, b""),
+        ];
+        for (what, read, reply) in cases {
+            let dir = tempfile::tempdir().unwrap();
+            let socket = fake_agent(dir.path(), read, reply);
+            let (e, conf) = add_env(&socket);
+            let (code, v) = run(&e, &conf);
+            assert_eq!((code, v["code"].as_u64()), (1, Some(11)), "{what}: {v}");
+        }
+        // A stale socket file with no agent behind it (ECONNREFUSED).
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("stale.sock");
+        drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
+        let (e, conf) = add_env(path.to_str().unwrap());
+        let (code, v) = run(&e, &conf);
+        assert_eq!(
+            (code, v["code"].as_u64()),
+            (1, Some(11)),
+            "stale socket: {v}"
+        );
+        // An agent that is not ready answers 503 with its own error object, kept as it is.
+        let dir = tempfile::tempdir().unwrap();
+        let socket = fake_agent(
+            dir.path(),
+            true,
+            b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 2\r\n\r\n{}",
+        );
+        let (e, conf) = add_env(&socket);
+        let (_, v) = run(&e, &conf);
+        assert_eq!(v["code"], 11, "503 without a CNI error object: {v}");
     }
 
     #[test]

@@ -45,6 +45,65 @@ pub enum NetdevError {
 
 type Result<T> = std::result::Result<T, NetdevError>;
 
+/// The prefix of the interface alias that marks a host veth as made by a ciliate agent.
+pub const MARK_PREFIX: &str = "ciliate:";
+/// The longest alias the kernel keeps (`IFALIASZ` less the terminating NUL).
+const MAX_ALIAS: usize = 255;
+
+/// The alias this agent gives every host veth it creates: `ciliate:` and its (canonical) state
+/// directory, or a hash of it when the path is too long. Agents on one machine have distinct
+/// state directories (each holds its lock), so each finds its own devices and never another's.
+pub fn agent_mark(state_dir: &Path) -> String {
+    let path = std::fs::canonicalize(state_dir).unwrap_or_else(|_| state_dir.to_path_buf());
+    let path = path.to_string_lossy();
+    let mark = format!("{MARK_PREFIX}{path}");
+    if mark.len() <= MAX_ALIAS {
+        mark
+    } else {
+        format!("{MARK_PREFIX}#{:016x}", fnv1a(path.as_bytes()))
+    }
+}
+
+/// Whether a device the agent knows by name (from its own state: an endpoint record or an ADD
+/// intent) is its own: marked by it, or not marked at all (a crash between the creation and the
+/// marking). A device marked by another agent is never touched.
+pub fn owned(alias: Option<&str>, mark: &str) -> bool {
+    match alias {
+        None | Some("") => true,
+        Some(a) => a == mark,
+    }
+}
+
+/// Why `CNI_IFNAME` cannot name an interface, if it cannot (the CNI reference's
+/// `ValidateInterfaceName`: the kernel's `dev_valid_name`, and no ':').
+pub fn ifname_problem(name: &str) -> Option<&'static str> {
+    if name.is_empty() {
+        Some("is empty")
+    } else if name.len() > 15 {
+        Some("is longer than 15 bytes")
+    } else if name == "." || name == ".." {
+        Some("is . or ..")
+    } else if name
+        .chars()
+        .any(|c| c == '/' || c == ':' || c.is_whitespace())
+    {
+        Some("contains '/', ':' or whitespace")
+    } else {
+        None
+    }
+}
+
+/// What became of a device the agent reclaims.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reclaimed {
+    /// It did not exist.
+    Absent,
+    /// It was the agent's own and is deleted (its veth peer, routes and filters with it).
+    Deleted,
+    /// It carries another agent's mark (the alias): left alone.
+    Foreign(String),
+}
+
 /// What a pod's interface should look like.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PodInterfaceSpec {
@@ -57,6 +116,8 @@ pub struct PodInterfaceSpec {
     /// The pod's IPv4 address.
     pub ip: Ipv4Addr,
     pub mtu: u32,
+    /// The alias that marks the host side as this agent's (`agent_mark`).
+    pub mark: String,
 }
 
 /// What was created.
@@ -71,13 +132,27 @@ pub struct PodInterfaces {
 /// The host-side interface name for a container: `lxc` and 12 hex digits of a hash of its id
 /// (stable, so a CNI DEL after an agent restart finds the same device).
 pub fn host_interface_name(container_id: &str) -> String {
-    // FNV-1a: stable across builds and platforms, unlike std's DefaultHasher.
+    format!(
+        "lxc{:012x}",
+        fnv1a(container_id.as_bytes()) & 0xffff_ffff_ffff
+    )
+}
+
+/// FNV-1a: stable across builds and platforms, unlike std's DefaultHasher.
+fn fnv1a(bytes: &[u8]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in container_id.bytes() {
-        h ^= b as u64;
+    for b in bytes {
+        h ^= *b as u64;
         h = h.wrapping_mul(0x0100_0000_01b3);
     }
-    format!("lxc{:012x}", h & 0xffff_ffff_ffff)
+    h
+}
+
+fn alias(link: &LinkMessage) -> Option<&str> {
+    link.attributes.iter().find_map(|a| match a {
+        LinkAttribute::IfAlias(s) => Some(s.as_str()),
+        _ => None,
+    })
 }
 
 fn nl_err(step: impl Into<String>) -> impl FnOnce(rtnetlink::Error) -> NetdevError {
@@ -195,11 +270,25 @@ pub fn create_pod_interface(spec: &PodInterfaceSpec) -> Result<PodInterfaces> {
             spec.host_if
         )));
     }
-    if spec.pod_if.is_empty() || spec.pod_if.len() > 15 || spec.pod_if.contains('/') {
+    if let Some(why) = ifname_problem(&spec.pod_if) {
         return Err(NetdevError::Invalid(format!(
-            "CNI_IFNAME {:?} is not a valid interface name",
+            "CNI_IFNAME {:?} {why}",
             spec.pod_if
         )));
+    }
+    // A device of this name is the half-made interface of an ADD that never finished (the
+    // caller knows no endpoint of this container): replaced, unless another agent marked it.
+    match delete_owned_interface(&spec.host_if, &spec.mark)? {
+        Reclaimed::Absent => {}
+        Reclaimed::Deleted => {
+            tracing::warn!(interface = %spec.host_if, "a stale interface of an unfinished ADD was replaced")
+        }
+        Reclaimed::Foreign(mark) => {
+            return Err(NetdevError::Invalid(format!(
+                "{} exists and belongs to another agent ({mark})",
+                spec.host_if
+            )))
+        }
     }
     let netns_file = std::fs::File::open(&spec.netns).map_err(|e| NetdevError::Netns {
         path: spec.netns.clone(),
@@ -210,6 +299,7 @@ pub fn create_pod_interface(spec: &PodInterfaceSpec) -> Result<PodInterfaces> {
     let tmp_peer = format!("tmp{}", &spec.host_if[3..]);
     let host = {
         let (host_if, tmp_peer, mtu) = (spec.host_if.clone(), tmp_peer.clone(), spec.mtu);
+        let mark = spec.mark.clone();
         let ns_fd = netns_file.as_raw_fd();
         with_netlink(None, move |h| async move {
             h.link()
@@ -217,6 +307,20 @@ pub fn create_pod_interface(spec: &PodInterfaceSpec) -> Result<PodInterfaces> {
                 .execute()
                 .await
                 .map_err(nl_err(format!("create veth {host_if}")))?;
+            // Marked at once (the kernel ignores an alias in the creating request), before
+            // the peer leaves: from here on a sweep after a crash recognizes it.
+            let created = link_by_name(&h, &host_if)
+                .await?
+                .ok_or_else(|| NetdevError::Invalid(format!("veth {host_if} vanished")))?;
+            h.link()
+                .set(
+                    LinkUnspec::new_with_index(created.header.index)
+                        .alias(mark)
+                        .build(),
+                )
+                .execute()
+                .await
+                .map_err(nl_err(format!("mark {host_if}")))?;
             let peer = link_by_name(&h, &tmp_peer)
                 .await?
                 .ok_or_else(|| NetdevError::Invalid(format!("veth peer {tmp_peer} vanished")))?;
@@ -384,6 +488,48 @@ pub fn delete_host_interface(name: &str) -> Result<bool> {
     })
 }
 
+/// Deletes a host interface the agent knows by name if it is its own (see `owned`).
+pub fn delete_owned_interface(name: &str, mark: &str) -> Result<Reclaimed> {
+    let (name, mark) = (name.to_string(), mark.to_string());
+    with_netlink(None, move |h| async move {
+        let Some(link) = link_by_name(&h, &name).await? else {
+            return Ok(Reclaimed::Absent);
+        };
+        if let Some(other) = alias(&link).filter(|a| !owned(Some(a), &mark)) {
+            return Ok(Reclaimed::Foreign(other.to_string()));
+        }
+        match h.link().del(link.header.index).execute().await {
+            Ok(()) => Ok(Reclaimed::Deleted),
+            Err(rtnetlink::Error::NetlinkError(m))
+                if m.code.map(|c| c.get()) == Some(-nix::libc::ENODEV) =>
+            {
+                Ok(Reclaimed::Absent)
+            }
+            Err(e) => Err(nl_err(format!("delete {name}"))(e)),
+        }
+    })
+}
+
+/// The names of the host interfaces that carry exactly `mark`.
+pub fn marked_interfaces(mark: &str) -> Result<Vec<String>> {
+    let mark = mark.to_string();
+    with_netlink(None, move |h| async move {
+        let mut links = h.link().get().execute();
+        let mut out = Vec::new();
+        while let Some(l) = links.try_next().await.map_err(nl_err("list interfaces"))? {
+            if alias(&l) == Some(mark.as_str()) {
+                if let Some(name) = l.attributes.iter().find_map(|a| match a {
+                    LinkAttribute::IfName(n) => Some(n.clone()),
+                    _ => None,
+                }) {
+                    out.push(name);
+                }
+            }
+        }
+        Ok(out)
+    })
+}
+
 /// The pod side as it is now: the interface's MAC and whether it holds `ip` (CNI CHECK).
 pub fn inspect_pod_interface(netns: &Path, pod_if: &str, ip: Ipv4Addr) -> Result<String> {
     let pod_if = pod_if.to_string();
@@ -490,6 +636,50 @@ mod tests {
         assert_eq!(a.len(), 15);
         assert!(a.starts_with("lxc"));
         assert_ne!(a, host_interface_name("0123456789abcdeg"));
+    }
+
+    #[test]
+    fn interface_names_follow_the_cni_rules() {
+        for ok in ["eth0", "net1", "a", "123456789012345", "e.th-0_x"] {
+            assert_eq!(ifname_problem(ok), None, "{ok:?}");
+        }
+        for (bad, why) in [
+            ("", "is empty"),
+            ("1234567890123456", "is longer than 15 bytes"),
+            (".", "is . or .."),
+            ("..", "is . or .."),
+            ("eth/0", "contains '/', ':' or whitespace"),
+            ("eth:0", "contains '/', ':' or whitespace"),
+            ("eth 0", "contains '/', ':' or whitespace"),
+            ("eth\t0", "contains '/', ':' or whitespace"),
+        ] {
+            assert_eq!(ifname_problem(bad), Some(why), "{bad:?}");
+        }
+        // Bytes, not characters: 8 two-byte characters are 16 bytes.
+        assert!(ifname_problem("éééééééé").is_some());
+    }
+
+    #[test]
+    fn marks_name_the_state_directory_and_only_the_own_devices_are_owned() {
+        let dir = tempfile::tempdir().unwrap();
+        let mark = agent_mark(dir.path());
+        let canonical = std::fs::canonicalize(dir.path()).unwrap();
+        assert_eq!(mark, format!("ciliate:{}", canonical.display()));
+        let long = dir.path().join("x".repeat(200)).join("y".repeat(200));
+        let hashed = agent_mark(&long);
+        assert!(
+            hashed.starts_with("ciliate:#") && hashed.len() <= MAX_ALIAS,
+            "{hashed}"
+        );
+        assert_ne!(hashed, agent_mark(&dir.path().join("x".repeat(200))));
+        assert!(owned(Some(&mark), &mark));
+        assert!(
+            owned(None, &mark),
+            "not marked yet: a crash before the marking"
+        );
+        assert!(owned(Some(""), &mark));
+        assert!(!owned(Some("ciliate:/other/state"), &mark));
+        assert!(!owned(Some("uplink"), &mark), "someone else's alias");
     }
 
     #[test]
