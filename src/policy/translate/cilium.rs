@@ -13,9 +13,10 @@ use super::common::{
 use super::{Ctx, PolicyError};
 use crate::policy::api;
 use crate::policy::rule::{
-    PeerRule, Peers, PortMatch, PortSpec, Ports, Protocol, Rule, RuleOrigin, Section, Subject,
+    PeerRequirement, PeerRule, Peers, PortMatch, PortSpec, Ports, Protocol, Rule, RuleOrigin,
+    Section, Subject,
 };
-use crate::policy::selector::{CidrSelector, LabelSelector, Selector, SelectorRef};
+use crate::policy::selector::{CidrSelector, Selector, SelectorRef};
 use crate::policy::services::ServiceRef;
 
 /// Cilium refuses more than this many ports in one `toPorts` entry.
@@ -225,10 +226,19 @@ fn translate_rule(ctx: &mut Ctx, r: &api::Rule, path: &str) -> Result<Rule, Poli
         ),
     ];
     let mut has = [false; 4];
+    let mut requires = Vec::new();
     for (si, (section, views)) in sections.iter().enumerate() {
         has[si] = !views.is_empty();
-        // fromRequires / toRequires constrain every endpoint selector of the same direction.
-        let requires = collect_requires(ctx, views, *section, path, namespace.as_deref(), init)?;
+        // fromRequires / toRequires are kept apart: the engine ANDs them into the endpoint
+        // selectors of every rule selecting the same endpoint, from any policy.
+        requires.extend(collect_requires(
+            ctx,
+            views,
+            *section,
+            path,
+            namespace.as_deref(),
+            init,
+        )?);
         for (i, v) in views.iter().enumerate() {
             let p = format!("{path}.{}[{i}]", section.as_str());
             peer_rules.push(translate_peer_rule(
@@ -238,7 +248,6 @@ fn translate_rule(ctx: &mut Ctx, r: &api::Rule, path: &str) -> Result<Rule, Poli
                 &p,
                 namespace.as_deref(),
                 init,
-                &requires,
             )?);
         }
     }
@@ -251,6 +260,7 @@ fn translate_rule(ctx: &mut Ctx, r: &api::Rule, path: &str) -> Result<Rule, Poli
         isolates_ingress: ingress_present && default_deny.ingress != Some(false),
         isolates_egress: egress_present && default_deny.egress != Some(false),
         peer_rules,
+        requires,
     })
 }
 
@@ -261,7 +271,7 @@ fn collect_requires(
     path: &str,
     namespace: Option<&str>,
     init: bool,
-) -> Result<Vec<LabelSelector>, PolicyError> {
+) -> Result<Vec<Arc<PeerRequirement>>, PolicyError> {
     let field = if section.direction() == crate::policy::rule::Direction::Ingress {
         "fromRequires"
     } else {
@@ -272,13 +282,46 @@ fn collect_requires(
         for (j, s) in v.requires.iter().copied().flatten().enumerate() {
             let p = format!("{path}.{}[{i}].{field}[{j}]", section.as_str());
             let sel = label_selector(ctx, s, &p)?;
-            out.push(scope_peer_selector(sel, namespace, false, init));
+            out.push(Arc::new(PeerRequirement {
+                origin: Arc::new(RuleOrigin {
+                    policy: ctx.key.clone(),
+                    section,
+                    path: p,
+                    l7: false,
+                }),
+                selector: scope_peer_selector(sel, namespace, false, init),
+                text: selector_text(s),
+            }));
         }
     }
     Ok(out)
 }
 
-#[allow(clippy::too_many_arguments)]
+/// A label selector as written, for explanations: `group=A, tier In (a, b)`.
+fn selector_text(s: &api::LabelSelector) -> String {
+    let mut parts: Vec<String> = s
+        .match_labels
+        .iter()
+        .flatten()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    for e in s.match_expressions.iter().flatten() {
+        let key = e.key.as_deref().unwrap_or_default();
+        let op = e.operator.as_deref().unwrap_or_default();
+        match e.values.as_deref() {
+            Some(vals) if !vals.is_empty() => {
+                parts.push(format!("{key} {op} ({})", vals.join(", ")))
+            }
+            _ => parts.push(format!("{key} {op}")),
+        }
+    }
+    if parts.is_empty() {
+        "{}".to_string()
+    } else {
+        parts.join(", ")
+    }
+}
+
 fn translate_peer_rule(
     ctx: &mut Ctx,
     v: &PeerView,
@@ -286,7 +329,6 @@ fn translate_peer_rule(
     path: &str,
     namespace: Option<&str>,
     init: bool,
-    requires: &[LabelSelector],
 ) -> Result<PeerRule, PolicyError> {
     let dir = if section.direction() == crate::policy::rule::Direction::Ingress {
         "from"
@@ -318,14 +360,11 @@ fn translate_peer_rule(
     let mut any = false;
     for (j, s) in v.endpoints.iter().copied().flatten().enumerate() {
         let p = format!("{path}.{dir}Endpoints[{j}]");
-        let mut sel = scope_peer_selector(label_selector(ctx, s, &p)?, namespace, true, init);
-        for req in requires {
-            for r in req.requirements() {
-                sel.add(r.clone());
-            }
-        }
+        let sel = scope_peer_selector(label_selector(ctx, s, &p)?, namespace, true, init);
         selectors.push(Selector::labels(sel));
     }
+    // Endpoint selectors come first; requirements apply to them only.
+    let endpoint_selectors = selectors.len();
     for (j, c) in v.cidr.iter().copied().flatten().enumerate() {
         let p = format!("{path}.{dir}CIDR[{j}]");
         let prefix = parse_cidr(c).map_err(|m| ctx.err(&p, m))?;
@@ -481,6 +520,7 @@ fn translate_peer_rule(
         }),
         peers,
         ports,
+        endpoint_selectors,
     })
 }
 
