@@ -191,6 +191,9 @@ impl Requirements {
     }
 }
 
+/// Identities a requirement took away from a peer rule, by requirement.
+type Withheld = Vec<(Arc<PeerRequirement>, Vec<NumericIdentity>)>;
+
 /// Port name -> (protocol, port) -> number of endpoints declaring it.
 type NamedPortCounts = HashMap<String, BTreeMap<(u8, u16), u32>>;
 
@@ -588,15 +591,11 @@ impl PolicyEngine {
 
     /// The peer identities of a peer rule once `requires` are ANDed into its endpoint
     /// selectors, and the identities each failing requirement took away (for explanations).
-    #[allow(clippy::type_complexity)]
     fn peer_rule_identities(
         &self,
         pr: &PeerRule,
         requires: &[Arc<PeerRequirement>],
-    ) -> (
-        Vec<NumericIdentity>,
-        Vec<(Arc<PeerRequirement>, Vec<NumericIdentity>)>,
-    ) {
+    ) -> (Vec<NumericIdentity>, Withheld) {
         let Peers::Selectors(all) = &pr.peers else {
             return (vec![IDENTITY_ANY], vec![]);
         };
@@ -605,7 +604,7 @@ impl PolicyEngine {
             return (self.selected_by_any(all), vec![]);
         }
         let mut ids = self.selected_by_any(others);
-        let mut withheld: Vec<(Arc<PeerRequirement>, Vec<NumericIdentity>)> = Vec::new();
+        let mut withheld: Withheld = Vec::new();
         for id in self.selected_by_any(endpoints) {
             // An identity the allocator no longer knows matches nothing (fail closed).
             let labels = self.identities.get(id).map(|i| &i.labels);
