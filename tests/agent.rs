@@ -577,3 +577,54 @@ spec:
         egress_to("192.0.2.11/32") && !egress_to("192.0.2.10/32")
     });
 }
+
+#[test]
+fn a_requirement_in_a_second_policy_revokes_access_granted_by_the_first() {
+    let (_guard, dir) = setup();
+    let agent = Agent::start_in(&dir);
+    agent.cli_json(&["endpoint", "add", "--name", "x/a", "--ip", "10.7.0.1"]);
+    agent.cli_json(&["endpoint", "add", "--name", "x/b", "--ip", "10.7.0.2"]);
+    let rev1 = agent.revision();
+    agent.wait_realized(rev1);
+    let id_b = identity_of(&agent, 2);
+    assert!(agent
+        .entries(1)
+        .contains(&("ingress".into(), id_b, 6, 8080, false)));
+
+    // Another policy on a requires every source to be group=A: b is not, so a-from-b no longer
+    // admits it, although a-from-b itself did not change.
+    std::fs::write(
+        agent.manifests().join("requires.yaml"),
+        "
+apiVersion: cilium.io/v2
+kind: CiliumNetworkPolicy
+metadata: {name: a-needs-group-a, namespace: x}
+spec:
+  endpointSelector: {matchLabels: {app: a}}
+  ingress:
+    - fromRequires: [{matchLabels: {group: A}}]
+",
+    )
+    .unwrap();
+    agent.wait_until("the requiring policy is applied", || {
+        agent.revision() > rev1
+    });
+    agent.wait_realized(agent.revision());
+    let e = agent.entries(1);
+    assert!(!e.iter().any(|x| x.1 == id_b), "{e:?}");
+    assert!(e.contains(&("ingress".into(), 1, 0, 0, false)), "{e:?}");
+
+    // b gains group=A: its new identity meets the requirement and is admitted again.
+    std::fs::write(
+        agent.manifests().join("cluster.yaml"),
+        CLUSTER.replace("labels: {app: b}", "labels: {app: b, group: A}"),
+    )
+    .unwrap();
+    agent.wait_until("b's identity changes", || identity_of(&agent, 2) != id_b);
+    let id_b2 = identity_of(&agent, 2);
+    agent.wait_until("a admits b's new identity", || {
+        agent
+            .entries(1)
+            .contains(&("ingress".into(), id_b2, 6, 8080, false))
+    });
+}

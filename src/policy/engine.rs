@@ -18,8 +18,8 @@ use super::labels::Labels;
 use super::mapstate::{MapKey, MapState, MapVerdict};
 use super::repository::{Repository, StoredPolicy};
 use super::rule::{
-    Direction, PeerRule, Peers, PolicyKey, PolicyKind, PortSpec, Ports, Rule, RuleOrigin, Section,
-    Subject,
+    Direction, PeerRequirement, PeerRule, Peers, PolicyKey, PolicyKind, PortSpec, Ports, Rule,
+    RuleOrigin, Section, Subject,
 };
 use super::selector::{SelectorKind, SelectorRef};
 use super::selector_cache::SelectorCache;
@@ -77,6 +77,11 @@ pub struct EndpointPolicy {
     pub egress: DirectionPolicy,
     /// Policies that select the endpoint at all.
     pub selected_by: Vec<Arc<PolicyKey>>,
+    /// Allow entries a requirement took away, each derived from the requirement's origin; for
+    /// explanations only (never realized in the datapath).
+    pub withheld: MapState,
+    /// The allow requirements in force (origins of `withheld` entries point into these).
+    pub requirements: Vec<Arc<PeerRequirement>>,
 }
 
 /// Why a packet was allowed or dropped.
@@ -89,7 +94,12 @@ pub enum Decision {
     /// A deny entry matched.
     Denied(Arc<RuleOrigin>),
     /// Isolated and nothing allows it.
-    DefaultDenied(Vec<Arc<PolicyKey>>),
+    DefaultDenied {
+        isolated_by: Vec<Arc<PolicyKey>>,
+        /// Requirements (`fromRequires`/`toRequires`) the peer fails that took away an allow
+        /// it would otherwise have had.
+        withheld_by: Vec<Arc<PeerRequirement>>,
+    },
 }
 
 impl Decision {
@@ -122,12 +132,67 @@ impl EndpointPolicy {
                 if iso.is_empty() {
                     Decision::NotIsolated
                 } else {
-                    Decision::DefaultDenied(iso.clone())
+                    Decision::DefaultDenied {
+                        isolated_by: iso.clone(),
+                        withheld_by: self.withheld_by(d, peer, protocol, port),
+                    }
                 }
             }
         }
     }
+
+    /// The requirements that took away an allow for this traffic.
+    fn withheld_by(
+        &self,
+        d: Direction,
+        peer: NumericIdentity,
+        protocol: u8,
+        port: u16,
+    ) -> Vec<Arc<PeerRequirement>> {
+        let MapVerdict::Allowed(e) = self.withheld.lookup(d, peer, protocol, port) else {
+            return vec![];
+        };
+        self.requirements
+            .iter()
+            .filter(|r| e.derived_from.iter().any(|o| Arc::ptr_eq(o, &r.origin)))
+            .cloned()
+            .collect()
+    }
 }
+
+/// The requirements in force for one endpoint, by the section of the peer rules they constrain.
+#[derive(Debug, Default)]
+struct Requirements {
+    by_section: [Vec<Arc<PeerRequirement>>; 4],
+}
+
+impl Requirements {
+    fn index(section: Section) -> usize {
+        match section {
+            Section::Ingress => 0,
+            Section::IngressDeny => 1,
+            Section::Egress => 2,
+            Section::EgressDeny => 3,
+        }
+    }
+
+    /// Every requirement of every rule that selects the endpoint (Cilium's
+    /// `resolveL4IngressPolicy` / `resolveL4EgressPolicy` gather them before resolving).
+    fn gather(rules: &[Arc<Rule>]) -> Self {
+        let mut out = Requirements::default();
+        for req in rules.iter().flat_map(|r| r.requires.iter()) {
+            out.by_section[Self::index(req.origin.section)].push(req.clone());
+        }
+        out
+    }
+
+    fn of(&self, section: Section) -> &[Arc<PeerRequirement>] {
+        &self.by_section[Self::index(section)]
+    }
+}
+
+/// Identities a requirement took away from a peer rule, by requirement.
+type Withheld = Vec<(Arc<PeerRequirement>, Vec<NumericIdentity>)>;
 
 /// Port name -> (protocol, port) -> number of endpoints declaring it.
 type NamedPortCounts = HashMap<String, BTreeMap<(u8, u16), u32>>;
@@ -461,6 +526,7 @@ impl PolicyEngine {
                 v.push(k.clone());
             }
         }
+        let requires = Requirements::gather(&rules);
         for rule in &rules {
             push_once(&mut out.selected_by, &rule.policy);
             if rule.isolates_ingress {
@@ -470,9 +536,21 @@ impl PolicyEngine {
                 push_once(&mut out.egress.isolated_by, &rule.policy);
             }
             for pr in &rule.peer_rules {
-                self.add_peer_rule(&mut out.map, pr, ep);
+                let section = pr.origin.section;
+                let (ids, withheld) = self.peer_rule_identities(pr, requires.of(section));
+                self.add_peer_rule(&mut out.map, pr, ep, &ids, &pr.origin);
+                // Only allows need explaining: a requirement narrowing a deny never drops.
+                if !section.is_deny() {
+                    for (req, ids) in withheld {
+                        self.add_peer_rule(&mut out.withheld, pr, ep, &ids, &req.origin);
+                    }
+                }
             }
         }
+        out.requirements = [Section::Ingress, Section::Egress]
+            .iter()
+            .flat_map(|s| requires.of(*s).iter().cloned())
+            .collect();
         // Cilium's default `allow-localhost`: the node may always reach its own pods (kubelet
         // probes), even under ingress default deny. Deny rules still win over it.
         if !ep.host && !out.ingress.isolated_by.is_empty() {
@@ -491,26 +569,67 @@ impl PolicyEngine {
         out
     }
 
-    fn peer_identities(&self, peers: &Peers) -> Vec<NumericIdentity> {
-        match peers {
-            Peers::Any => vec![IDENTITY_ANY],
-            Peers::Selectors(sels) if sels.len() == 1 => self
+    /// The identities a set of selectors selects, sorted and deduplicated.
+    fn selected_by_any(&self, sels: &[SelectorRef]) -> Vec<NumericIdentity> {
+        if let [one] = sels {
+            return self
                 .selectors
-                .selections(&sels[0])
+                .selections(one)
                 .map(|s| s.iter().copied().collect())
-                .unwrap_or_default(),
-            Peers::Selectors(sels) => {
-                let mut ids: Vec<NumericIdentity> = sels
-                    .iter()
-                    .filter_map(|s: &SelectorRef| self.selectors.selections(s))
-                    .flatten()
-                    .copied()
-                    .collect();
-                ids.sort_unstable();
-                ids.dedup();
-                ids
+                .unwrap_or_default();
+        }
+        let mut ids: Vec<NumericIdentity> = sels
+            .iter()
+            .filter_map(|s| self.selectors.selections(s))
+            .flatten()
+            .copied()
+            .collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids
+    }
+
+    /// The peer identities of a peer rule once `requires` are ANDed into its endpoint
+    /// selectors, and the identities each failing requirement took away (for explanations).
+    fn peer_rule_identities(
+        &self,
+        pr: &PeerRule,
+        requires: &[Arc<PeerRequirement>],
+    ) -> (Vec<NumericIdentity>, Withheld) {
+        let Peers::Selectors(all) = &pr.peers else {
+            return (vec![IDENTITY_ANY], vec![]);
+        };
+        let (endpoints, others) = pr.split_selectors();
+        if requires.is_empty() || endpoints.is_empty() {
+            return (self.selected_by_any(all), vec![]);
+        }
+        let mut ids = self.selected_by_any(others);
+        let mut withheld: Withheld = Vec::new();
+        for id in self.selected_by_any(endpoints) {
+            // An identity the allocator no longer knows matches nothing (fail closed).
+            let labels = self.identities.get(id).map(|i| &i.labels);
+            let failed: Vec<&Arc<PeerRequirement>> = requires
+                .iter()
+                .filter(|r| labels.is_none_or(|l| !r.selector.matches(l)))
+                .collect();
+            if failed.is_empty() {
+                ids.push(id);
+            }
+            for r in failed {
+                match withheld.iter_mut().find(|(w, _)| Arc::ptr_eq(w, r)) {
+                    Some((_, v)) => v.push(id),
+                    None => withheld.push((r.clone(), vec![id])),
+                }
             }
         }
+        ids.sort_unstable();
+        ids.dedup();
+        // Another selector of the rule (an entity, a CIDR) may still select a withheld identity.
+        for (_, v) in &mut withheld {
+            v.retain(|id| ids.binary_search(id).is_err());
+        }
+        withheld.retain(|(_, v)| !v.is_empty());
+        (ids, withheld)
     }
 
     /// The (protocol, port) pairs a name stands for among the endpoints of `peer` (any
@@ -534,11 +653,17 @@ impl PolicyEngine {
             .unwrap_or_default()
     }
 
-    fn add_peer_rule(&self, map: &mut MapState, pr: &PeerRule, ep: &EndpointView) {
+    /// Inserts the entries of `pr`'s ports for the peer identities `ids`, derived from `origin`.
+    fn add_peer_rule(
+        &self,
+        map: &mut MapState,
+        pr: &PeerRule,
+        ep: &EndpointView,
+        ids: &[NumericIdentity],
+        origin: &Arc<RuleOrigin>,
+    ) {
         let direction = pr.origin.section.direction();
         let deny = pr.origin.section.is_deny();
-        let ids = self.peer_identities(&pr.peers);
-        let ids: &[NumericIdentity] = &ids;
         if ids.is_empty() {
             return;
         }
@@ -552,7 +677,7 @@ impl PolicyEngine {
                     port_hi: hi,
                 },
                 deny,
-                &pr.origin,
+                origin,
             );
         };
         let list = match &pr.ports {
@@ -764,5 +889,50 @@ mod tests {
             .resolve(&view(a, &la, &[]))
             .decide(Direction::Ingress, c, PROTO_TCP, 1)
             .is_allowed());
+    }
+
+    #[test]
+    fn requirements_narrow_their_own_kind_of_rule_across_policies_and_kinds() {
+        let mut e = PolicyEngine::new();
+        let la = pod("x", "a");
+        let a = e.allocate_identity(&la).id();
+        let mut lb = pod("x", "b");
+        lb.insert(Label::k8s("group", "A"));
+        let b = e.allocate_identity(&lb).id();
+        let c = e.allocate_identity(&pod("x", "c")).id();
+        // A KNP allow from every pod of x and from a CIDR; a CNP deny of app=c.
+        e.upsert_policy(policy("{apiVersion: networking.k8s.io/v1, kind: NetworkPolicy, metadata: {name: k, namespace: x}, spec: {podSelector: {matchLabels: {app: a}}, ingress: [{from: [{ipBlock: {cidr: 192.0.2.0/24}}, {podSelector: {}}]}]}}"));
+        e.upsert_policy(policy("{apiVersion: cilium.io/v2, kind: CiliumNetworkPolicy, metadata: {name: d, namespace: x}, spec: {endpointSelector: {matchLabels: {app: a}}, ingressDeny: [{fromEndpoints: [{matchLabels: {app: c}}]}]}}"));
+        let change = e.upsert_policy(policy("{apiVersion: cilium.io/v2, kind: CiliumNetworkPolicy, metadata: {name: r, namespace: x}, spec: {endpointSelector: {matchLabels: {app: a}}, ingress: [{fromRequires: [{matchLabels: {group: A}}]}]}}"));
+        assert!(change.affected.contains(&a));
+        let cidr = e.identity_of_ip("192.0.2.1".parse().unwrap());
+        let pol = e.resolve(&view(a, &la, &[]));
+        let ing = |id| pol.decide(Direction::Ingress, id, PROTO_TCP, 80);
+        // The KNP's pod peer is narrowed to group=A, its ipBlock peer is not.
+        assert!(ing(b).is_allowed());
+        assert!(ing(cidr).is_allowed());
+        // The allow requirement does not narrow the deny: c is still denied by it.
+        assert!(matches!(ing(c), Decision::Denied(_)));
+        // A peer that only the requirement keeps out is explained by it.
+        let d = e.allocate_identity(&pod("x", "d")).id();
+        let pol = e.resolve(&view(a, &la, &[]));
+        match pol.decide(Direction::Ingress, d, PROTO_TCP, 80) {
+            Decision::DefaultDenied { withheld_by, .. } => {
+                let names: Vec<String> = withheld_by.iter().map(|r| r.describe()).collect();
+                assert_eq!(names, vec!["x/r requires group=A".to_string()]);
+            }
+            other => panic!("want a default deny, got {other:?}"),
+        }
+        // A deny requirement narrows the denies only: c is denied only when it is group=A.
+        e.upsert_policy(policy("{apiVersion: cilium.io/v2, kind: CiliumNetworkPolicy, metadata: {name: d, namespace: x}, spec: {endpointSelector: {matchLabels: {app: a}}, ingressDeny: [{fromEndpoints: [{}]}, {fromRequires: [{matchLabels: {group: A}}]}]}}"));
+        let pol = e.resolve(&view(a, &la, &[]));
+        assert!(matches!(
+            pol.decide(Direction::Ingress, b, PROTO_TCP, 80),
+            Decision::Denied(_)
+        ));
+        assert!(!matches!(
+            pol.decide(Direction::Ingress, c, PROTO_TCP, 80),
+            Decision::Denied(_)
+        ));
     }
 }

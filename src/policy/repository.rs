@@ -154,6 +154,7 @@ mod tests {
                 isolates_ingress: true,
                 isolates_egress: false,
                 peer_rules: vec![],
+                requires: vec![],
             })],
             notes: vec![],
         }

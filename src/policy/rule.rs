@@ -6,7 +6,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use super::selector::SelectorRef;
+use super::selector::{LabelSelector, SelectorRef};
 
 /// The three policy kinds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -270,6 +270,41 @@ pub struct PeerRule {
     pub origin: Arc<RuleOrigin>,
     pub peers: Peers,
     pub ports: Ports,
+    /// How many of the first selectors of `peers` are endpoint selectors (`fromEndpoints`,
+    /// `toEndpoints`, KNP pod/namespace peers). Requirements are ANDed into those only: Cilium
+    /// folds `fromRequires`/`toRequires` into `FromEndpoints`, never into entities or CIDRs.
+    pub endpoint_selectors: usize,
+}
+
+impl PeerRule {
+    /// The endpoint selectors (requirements apply) and the other selectors (they do not).
+    pub fn split_selectors(&self) -> (&[SelectorRef], &[SelectorRef]) {
+        match &self.peers {
+            Peers::Any => (&[], &[]),
+            Peers::Selectors(s) => s.split_at(self.endpoint_selectors.min(s.len())),
+        }
+    }
+}
+
+/// One `fromRequires` / `toRequires` selector. Cilium gathers the requirements of every rule
+/// that selects an endpoint (`resolveL4IngressPolicy`) and ANDs them into each endpoint peer
+/// selector of that direction, whichever policy it comes from: requirements of allow sections
+/// into allows, those of deny sections into denies. They grant nothing by themselves.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerRequirement {
+    /// The requiring policy, its section, and the field path (`spec.ingress[0].fromRequires[1]`).
+    pub origin: Arc<RuleOrigin>,
+    /// Already namespace-scoped like any peer selector of its policy.
+    pub selector: LabelSelector,
+    /// The selector as written (`group=A`), for explanations.
+    pub text: String,
+}
+
+impl PeerRequirement {
+    /// `x/needs-group-a requires group=A`.
+    pub fn describe(&self) -> String {
+        format!("{} requires {}", self.origin.policy.short(), self.text)
+    }
 }
 
 /// What a rule applies to.
@@ -301,6 +336,9 @@ pub struct Rule {
     pub isolates_egress: bool,
     /// Peer rules of both directions, allow and deny.
     pub peer_rules: Vec<PeerRule>,
+    /// `fromRequires` / `toRequires` of every section; they constrain the peer rules of every
+    /// rule that selects the same endpoint (see `PeerRequirement`).
+    pub requires: Vec<Arc<PeerRequirement>>,
 }
 
 impl Rule {

@@ -523,24 +523,42 @@ impl Sim {
         if let Side::Decided(Decision::Denied(o)) = &egress {
             return ("deny", format!("denied by {}", o.describe()));
         }
-        if let Side::Decided(Decision::DefaultDenied(iso)) = &egress {
+        // A requirement that took an allow away is named after the default deny.
+        let withheld = |w: &[std::sync::Arc<crate::policy::rule::PeerRequirement>]| {
+            if w.is_empty() {
+                return String::new();
+            }
+            let by: Vec<String> = w.iter().map(|r| r.describe()).collect();
+            format!(" ({})", by.join("; "))
+        };
+        if let Side::Decided(Decision::DefaultDenied {
+            isolated_by,
+            withheld_by,
+        }) = &egress
+        {
             return (
                 "deny",
                 format!(
-                    "default deny: {s} is selected by {} for egress and no rule allows {d}",
-                    join(iso)
+                    "default deny: {s} is selected by {} for egress and no rule allows {d}{}",
+                    join(isolated_by),
+                    withheld(withheld_by)
                 ),
             );
         }
         if let Side::Decided(Decision::Denied(o)) = &ingress {
             return ("deny", format!("denied by {}", o.describe()));
         }
-        if let Side::Decided(Decision::DefaultDenied(iso)) = &ingress {
+        if let Side::Decided(Decision::DefaultDenied {
+            isolated_by,
+            withheld_by,
+        }) = &ingress
+        {
             return (
                 "deny",
                 format!(
-                    "default deny: {d} is selected by {} and no rule allows {s}",
-                    join(iso)
+                    "default deny: {d} is selected by {} and no rule allows {s}{}",
+                    join(isolated_by),
+                    withheld(withheld_by)
                 ),
             );
         }

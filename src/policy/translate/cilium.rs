@@ -13,13 +13,16 @@ use super::common::{
 use super::{Ctx, PolicyError};
 use crate::policy::api;
 use crate::policy::rule::{
-    PeerRule, Peers, PortMatch, PortSpec, Ports, Protocol, Rule, RuleOrigin, Section, Subject,
+    PeerRequirement, PeerRule, Peers, PortMatch, PortSpec, Ports, Protocol, Rule, RuleOrigin,
+    Section, Subject,
 };
-use crate::policy::selector::{CidrSelector, LabelSelector, Selector, SelectorRef};
+use crate::policy::selector::{CidrSelector, Selector, SelectorRef};
 use crate::policy::services::ServiceRef;
 
 /// Cilium refuses more than this many ports in one `toPorts` entry.
 const MAX_PORTS: usize = 40;
+/// ... and more than this many fields in one `icmps` entry.
+const MAX_ICMP_FIELDS: usize = 40;
 
 /// A uniform view of the four peer-rule types (ingress, ingressDeny, egress, egressDeny).
 #[derive(Default)]
@@ -224,11 +227,23 @@ fn translate_rule(ctx: &mut Ctx, r: &api::Rule, path: &str) -> Result<Rule, Poli
                 .collect(),
         ),
     ];
+    if matches!(subject, Subject::Nodes(_)) {
+        reject_host_l7(ctx, &sections, path)?;
+    }
     let mut has = [false; 4];
+    let mut requires = Vec::new();
     for (si, (section, views)) in sections.iter().enumerate() {
         has[si] = !views.is_empty();
-        // fromRequires / toRequires constrain every endpoint selector of the same direction.
-        let requires = collect_requires(ctx, views, *section, path, namespace.as_deref(), init)?;
+        // fromRequires / toRequires are kept apart: the engine ANDs them into the endpoint
+        // selectors of every rule selecting the same endpoint, from any policy.
+        requires.extend(collect_requires(
+            ctx,
+            views,
+            *section,
+            path,
+            namespace.as_deref(),
+            init,
+        )?);
         for (i, v) in views.iter().enumerate() {
             let p = format!("{path}.{}[{i}]", section.as_str());
             peer_rules.push(translate_peer_rule(
@@ -238,7 +253,6 @@ fn translate_rule(ctx: &mut Ctx, r: &api::Rule, path: &str) -> Result<Rule, Poli
                 &p,
                 namespace.as_deref(),
                 init,
-                &requires,
             )?);
         }
     }
@@ -251,7 +265,30 @@ fn translate_rule(ctx: &mut Ctx, r: &api::Rule, path: &str) -> Result<Rule, Poli
         isolates_ingress: ingress_present && default_deny.ingress != Some(false),
         isolates_egress: egress_present && default_deny.egress != Some(false),
         peer_rules,
+        requires,
     })
+}
+
+/// Host policies (`nodeSelector`) cannot carry L7 rules, ingress or egress (Cilium's
+/// `Rule.Sanitize`: "host policies do not support L7 rules yet").
+fn reject_host_l7(
+    ctx: &Ctx,
+    sections: &[(Section, Vec<PeerView>)],
+    path: &str,
+) -> Result<(), PolicyError> {
+    for (section, views) in sections {
+        for (i, v) in views.iter().enumerate() {
+            for (j, (_, rule)) in v.to_ports.iter().enumerate() {
+                if l7_rule_count(rule.and_then(|r| r.rules.as_ref())) > 0 {
+                    return Err(ctx.err(
+                        format!("{path}.{}[{i}].toPorts[{j}].rules", section.as_str()),
+                        "host policies (nodeSelector) do not support L7 rules",
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 fn collect_requires(
@@ -261,7 +298,7 @@ fn collect_requires(
     path: &str,
     namespace: Option<&str>,
     init: bool,
-) -> Result<Vec<LabelSelector>, PolicyError> {
+) -> Result<Vec<Arc<PeerRequirement>>, PolicyError> {
     let field = if section.direction() == crate::policy::rule::Direction::Ingress {
         "fromRequires"
     } else {
@@ -272,13 +309,46 @@ fn collect_requires(
         for (j, s) in v.requires.iter().copied().flatten().enumerate() {
             let p = format!("{path}.{}[{i}].{field}[{j}]", section.as_str());
             let sel = label_selector(ctx, s, &p)?;
-            out.push(scope_peer_selector(sel, namespace, false, init));
+            out.push(Arc::new(PeerRequirement {
+                origin: Arc::new(RuleOrigin {
+                    policy: ctx.key.clone(),
+                    section,
+                    path: p,
+                    l7: false,
+                }),
+                selector: scope_peer_selector(sel, namespace, false, init),
+                text: selector_text(s),
+            }));
         }
     }
     Ok(out)
 }
 
-#[allow(clippy::too_many_arguments)]
+/// A label selector as written, for explanations: `group=A, tier In (a, b)`.
+fn selector_text(s: &api::LabelSelector) -> String {
+    let mut parts: Vec<String> = s
+        .match_labels
+        .iter()
+        .flatten()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    for e in s.match_expressions.iter().flatten() {
+        let key = e.key.as_deref().unwrap_or_default();
+        let op = e.operator.as_deref().unwrap_or_default();
+        match e.values.as_deref() {
+            Some(vals) if !vals.is_empty() => {
+                parts.push(format!("{key} {op} ({})", vals.join(", ")))
+            }
+            _ => parts.push(format!("{key} {op}")),
+        }
+    }
+    if parts.is_empty() {
+        "{}".to_string()
+    } else {
+        parts.join(", ")
+    }
+}
+
 fn translate_peer_rule(
     ctx: &mut Ctx,
     v: &PeerView,
@@ -286,7 +356,6 @@ fn translate_peer_rule(
     path: &str,
     namespace: Option<&str>,
     init: bool,
-    requires: &[LabelSelector],
 ) -> Result<PeerRule, PolicyError> {
     let dir = if section.direction() == crate::policy::rule::Direction::Ingress {
         "from"
@@ -312,20 +381,23 @@ fn translate_peer_rule(
     if len(v.icmps) > 0 && !v.to_ports.is_empty() {
         return Err(ctx.err(path, "icmps and toPorts cannot be combined in one rule"));
     }
+    if len(v.services) > 0 && !v.to_ports.is_empty() {
+        return Err(ctx.err(
+            format!("{path}.toServices"),
+            "toServices cannot be combined with toPorts in one rule (as in Cilium 1.16)",
+        ));
+    }
 
     // ----- peers
     let mut selectors: Vec<SelectorRef> = Vec::new();
     let mut any = false;
     for (j, s) in v.endpoints.iter().copied().flatten().enumerate() {
         let p = format!("{path}.{dir}Endpoints[{j}]");
-        let mut sel = scope_peer_selector(label_selector(ctx, s, &p)?, namespace, true, init);
-        for req in requires {
-            for r in req.requirements() {
-                sel.add(r.clone());
-            }
-        }
+        let sel = scope_peer_selector(label_selector(ctx, s, &p)?, namespace, true, init);
         selectors.push(Selector::labels(sel));
     }
+    // Endpoint selectors come first; requirements apply to them only.
+    let endpoint_selectors = selectors.len();
     for (j, c) in v.cidr.iter().copied().flatten().enumerate() {
         let p = format!("{path}.{dir}CIDR[{j}]");
         let prefix = parse_cidr(c).map_err(|m| ctx.err(&p, m))?;
@@ -481,6 +553,7 @@ fn translate_peer_rule(
         }),
         peers,
         ports,
+        endpoint_selectors,
     })
 }
 
@@ -491,6 +564,13 @@ fn icmp_ports(
 ) -> Result<Vec<PortMatch>, PolicyError> {
     let mut out = Vec::new();
     for (k, rule) in icmps.iter().enumerate() {
+        let n = len(rule.fields.as_ref());
+        if n > MAX_ICMP_FIELDS {
+            return Err(ctx.err(
+                format!("{path}.icmps[{k}].fields"),
+                format!("too many ICMP fields ({n}), at most {MAX_ICMP_FIELDS} per icmps entry"),
+            ));
+        }
         for (m, f) in rule.fields.iter().flatten().enumerate() {
             let p = format!("{path}.icmps[{k}].fields[{m}]");
             let v6 = match f.family.as_deref() {
@@ -557,7 +637,92 @@ fn check_dns_chars(ctx: &Ctx, s: &str, pattern: bool, path: &str) -> Result<(), 
     }
 }
 
-/// Validates a port rule's L7 part. Returns whether it has L7 rules at all.
+/// Kafka request types a rule may name in `apiKey` (Cilium's `kafka.APIKeyMap`).
+const KAFKA_API_KEYS: &[&str] = &[
+    "produce",
+    "fetch",
+    "offsets",
+    "metadata",
+    "leaderandisr",
+    "stopreplica",
+    "updatemetadata",
+    "controlledshutdown",
+    "offsetcommit",
+    "offsetfetch",
+    "findcoordinator",
+    "joingroup",
+    "heartbeat",
+    "leavegroup",
+    "syncgroup",
+    "describegroups",
+    "listgroups",
+    "saslhandshake",
+    "apiversions",
+    "createtopics",
+    "deletetopics",
+    "deleterecords",
+    "initproducerid",
+    "offsetforleaderepoch",
+    "addpartitionstotxn",
+    "addoffsetstotxn",
+    "endtxn",
+    "writetxnmarkers",
+    "txnoffsetcommit",
+    "describeacls",
+    "createacls",
+    "deleteacls",
+    "describeconfigs",
+    "alterconfigs",
+];
+
+/// An HTTP `headerMatches` entry (Cilium's `PortRuleHTTP.Sanitize`): a name, a known mismatch
+/// action, and a named secret when a secret is given.
+fn validate_header_match(ctx: &Ctx, m: &Value, path: &str) -> Result<(), PolicyError> {
+    let field = |k: &str| m.get(k).and_then(Value::as_str).unwrap_or_default();
+    if field("name").is_empty() {
+        return Err(ctx.err(format!("{path}.name"), "header name missing"));
+    }
+    let mismatch = field("mismatch");
+    if !matches!(mismatch, "" | "LOG" | "ADD" | "DELETE" | "REPLACE") {
+        return Err(ctx.err(
+            format!("{path}.mismatch"),
+            format!("invalid header action {mismatch:?} (LOG, ADD, DELETE or REPLACE)"),
+        ));
+    }
+    if let Some(secret) = m.get("secret").filter(|s| !s.is_null()) {
+        if secret
+            .get("name")
+            .and_then(Value::as_str)
+            .is_none_or(str::is_empty)
+        {
+            return Err(ctx.err(format!("{path}.secret.name"), "secret name missing"));
+        }
+    }
+    Ok(())
+}
+
+/// The number of L7 rules of a port rule, as Cilium's `L7Rules.Len` counts them: `l7proto`
+/// alone is no rule (Cilium's `IsEmpty` is `Len() == 0`).
+fn l7_rule_count(rules: Option<&api::L7Rules>) -> usize {
+    rules.map_or(0, |r| {
+        len(r.http.as_ref()) + len(r.kafka.as_ref()) + len(r.dns.as_ref()) + len(r.l7.as_ref())
+    })
+}
+
+/// Port `0` (any port) as Cilium's `PortProtocol.sanitize` sees it: a number, never a name.
+fn is_zero_port(port: Option<&api::IntOrString>) -> bool {
+    match port {
+        Some(api::IntOrString::Int(n)) => *n == 0,
+        Some(api::IntOrString::Str(s)) => {
+            let t = s.trim();
+            !t.is_empty() && t.chars().all(|c| c.is_ascii_digit()) && t.parse::<u64>() == Ok(0)
+        }
+        None => false,
+    }
+}
+
+/// Validates a port rule's L7 part, listener and server names (Cilium's `PortRule.sanitize`).
+/// Returns whether it has L7 rules at all.
 fn validate_l7(
     ctx: &Ctx,
     rule: &api::PortRule,
@@ -565,40 +730,83 @@ fn validate_l7(
     section: Section,
     path: &str,
 ) -> Result<bool, PolicyError> {
+    let ingress = section.direction() == crate::policy::rule::Direction::Ingress;
+    let has_rules = l7_rule_count(rule.rules.as_ref()) > 0;
     let mut is_l7 =
         rule.listener.is_some() || rule.server_names.as_ref().is_some_and(|s| !s.is_empty());
+    if has_rules
+        && rule.server_names.as_ref().is_some_and(|s| !s.is_empty())
+        && rule.terminating_tls.is_none()
+    {
+        return Err(ctx.err(
+            format!("{path}.serverNames"),
+            "serverNames are not allowed together with L7 rules without terminatingTLS",
+        ));
+    }
     for (i, sn) in rule.server_names.iter().flatten().enumerate() {
-        if sn.trim().is_empty() {
+        if sn.is_empty() {
             return Err(ctx.err(format!("{path}.serverNames[{i}]"), "empty server name"));
         }
     }
-    let Some(l7) = &rule.rules else {
+    if rule.listener.is_some() {
+        if ingress {
+            return Err(ctx.err(
+                format!("{path}.listener"),
+                "a listener is not allowed on ingress",
+            ));
+        }
+        if has_rules {
+            return Err(ctx.err(
+                format!("{path}.listener"),
+                "a listener is not allowed together with L7 rules",
+            ));
+        }
+    }
+    let Some(l7) = rule.rules.as_ref().filter(|_| has_rules) else {
         return Ok(is_l7);
     };
     let rp = format!("{path}.rules");
+    if let Some(k) = rule
+        .ports
+        .iter()
+        .flatten()
+        .position(|pp| is_zero_port(pp.port.as_ref()))
+    {
+        return Err(ctx.err(
+            format!("{path}.ports[{k}].port"),
+            "L7 rules cannot be used on port 0 (any port)",
+        ));
+    }
     let http = l7.http.as_ref().is_some_and(|v| !v.is_empty());
     let kafka = l7.kafka.as_ref().is_some_and(|v| !v.is_empty());
     let dns = l7.dns.as_ref().is_some_and(|v| !v.is_empty());
     let generic = l7.l7proto.as_ref().is_some_and(|s| !s.is_empty());
-    if [http, kafka, dns, generic].iter().filter(|b| **b).count() > 1 {
-        return Err(ctx.err(rp, "multiple L7 protocol rule types in one port rule"));
-    }
     if l7.l7.is_some() && !generic {
         return Err(ctx.err(
             format!("{rp}.l7"),
             "'l7' may only be specified together with 'l7proto'",
         ));
     }
-    if !(http || kafka || dns || generic) {
-        return Ok(is_l7);
+    if [http, kafka, dns, generic].iter().filter(|b| **b).count() > 1 {
+        return Err(ctx.err(rp, "multiple L7 protocol rule types in one port rule"));
     }
     is_l7 = true;
     if dns {
-        if section.direction() == crate::policy::rule::Direction::Ingress {
+        if ingress {
             return Err(ctx.err(format!("{rp}.dns"), "DNS rules are not allowed on ingress"));
         }
         if ports.is_empty() {
             return Err(ctx.err(format!("{path}.ports"), "DNS rules need an explicit port"));
+        }
+        for (k, pm) in ports.iter().enumerate() {
+            if let PortSpec::Range(lo, hi) = pm.port {
+                if hi > lo {
+                    return Err(ctx.err(
+                        format!("{path}.ports[{k}].endPort"),
+                        "DNS rules do not support port ranges",
+                    ));
+                }
+            }
         }
         for (i, d) in l7.dns.iter().flatten().enumerate() {
             let fq = api::FqdnSelector {
@@ -620,9 +828,15 @@ fn validate_l7(
             }
         }
     }
+    for (i, kv) in l7.l7.iter().flatten().enumerate() {
+        if kv.contains_key("") {
+            return Err(ctx.err(format!("{rp}.l7[{i}]"), "empty key in a generic L7 rule"));
+        }
+    }
     for (i, h) in l7.http.iter().flatten().enumerate() {
         let hp = format!("{rp}.http[{i}]");
-        for (field, val) in [("method", &h.method), ("path", &h.path), ("host", &h.host)] {
+        // Cilium compiles method and path only; host is left to the proxy.
+        for (field, val) in [("method", &h.method), ("path", &h.path)] {
             if let Some(v) = val {
                 if let Err(e) = regex::Regex::new(v) {
                     return Err(ctx.err(
@@ -632,18 +846,37 @@ fn validate_l7(
                 }
             }
         }
+        for (j, m) in h.header_matches.iter().flatten().enumerate() {
+            validate_header_match(ctx, m, &format!("{hp}.headerMatches[{j}]"))?;
+        }
     }
     for (i, k) in l7.kafka.iter().flatten().enumerate() {
         let kp = format!("{rp}.kafka[{i}]");
-        if let Some(role) = &k.role {
+        if let Some(role) = k.role.as_ref().filter(|r| !r.is_empty()) {
             if !matches!(role.to_ascii_lowercase().as_str(), "produce" | "consume") {
                 return Err(ctx.err(
                     format!("{kp}.role"),
                     format!("invalid Kafka role {role:?} (produce or consume)"),
                 ));
             }
-            if k.api_key.is_some() {
+            if k.api_key.as_ref().is_some_and(|a| !a.is_empty()) {
                 return Err(ctx.err(kp, "role and apiKey are mutually exclusive"));
+            }
+        }
+        if let Some(key) = k.api_key.as_ref().filter(|a| !a.is_empty()) {
+            if !KAFKA_API_KEYS.contains(&key.to_ascii_lowercase().as_str()) {
+                return Err(ctx.err(
+                    format!("{kp}.apiKey"),
+                    format!("invalid Kafka apiKey {key:?}"),
+                ));
+            }
+        }
+        if let Some(v) = k.api_version.as_ref().filter(|v| !v.is_empty()) {
+            if v.parse::<i16>().map_or(true, |n| n < 0) {
+                return Err(ctx.err(
+                    format!("{kp}.apiVersion"),
+                    format!("invalid Kafka apiVersion {v:?} (a number in 0..32767)"),
+                ));
             }
         }
         if let Some(t) = &k.topic {

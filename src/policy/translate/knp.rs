@@ -8,7 +8,9 @@ use super::{Ctx, PolicyError};
 use crate::policy::api;
 use crate::policy::labels::{NAMESPACE_LABELS_PREFIX, POD_NAMESPACE_LABEL, SOURCE_K8S};
 use crate::policy::rule::{PeerRule, Peers, PortMatch, Ports, Rule, RuleOrigin, Section, Subject};
-use crate::policy::selector::{LabelSelector, Operator, Requirement, Selector, SelectorRef};
+use crate::policy::selector::{
+    LabelSelector, Operator, Requirement, Selector, SelectorKind, SelectorRef,
+};
 
 pub fn translate(ctx: &mut Ctx, np: &api::NetworkPolicy) -> Result<Vec<Rule>, PolicyError> {
     let Some(spec) = &np.spec else {
@@ -90,6 +92,7 @@ pub fn translate(ctx: &mut Ctx, np: &api::NetworkPolicy) -> Result<Vec<Rule>, Po
         isolates_ingress: ingress,
         isolates_egress: egress,
         peer_rules,
+        requires: vec![],
     }])
 }
 
@@ -102,6 +105,7 @@ fn peer_rule(
     ns: &str,
     field: &str,
 ) -> Result<PeerRule, PolicyError> {
+    let mut endpoint_selectors = 0;
     let peers = match peers.filter(|p| !p.is_empty()) {
         // No `from`/`to`: every peer, in or out of the cluster.
         None => Peers::Any,
@@ -111,6 +115,13 @@ fn peer_rule(
                 let pp = format!("{path}.{field}[{j}]");
                 sels.push(peer(ctx, p, &pp, ns)?);
             }
+            // Pod/namespace peers first: Cilium makes them `FromEndpoints`, which CNP
+            // requirements constrain; `ipBlock` peers become CIDR sets, which they do not.
+            sels.sort_by_key(|s| matches!(s.kind(), SelectorKind::Cidr(_)));
+            endpoint_selectors = sels
+                .iter()
+                .filter(|s| matches!(s.kind(), SelectorKind::Labels(_)))
+                .count();
             Peers::Selectors(sels)
         }
     };
@@ -136,6 +147,7 @@ fn peer_rule(
         }),
         peers,
         ports,
+        endpoint_selectors,
     })
 }
 

@@ -54,17 +54,28 @@ fn ccnp_peers_only_select_pods() {
 }
 
 #[test]
-fn from_requires_constrains_every_from_endpoints_of_the_rule() {
+fn from_requires_is_kept_apart_for_the_engine_with_its_path_and_scope() {
     let p = parse(
         "{apiVersion: cilium.io/v2, kind: CiliumNetworkPolicy, metadata: {name: r, namespace: x},
           spec: {endpointSelector: {}, ingress: [{fromRequires: [{matchLabels: {env: prod}}]}, {fromEndpoints: [{matchLabels: {app: a}}]}]}}",
     )
     .unwrap();
-    let t = selector_text(&p, 0, 1);
+    // The peer selector is not folded here: requirements of other policies apply too, so the
+    // engine ANDs them in when it resolves an endpoint.
     assert_eq!(
-        t,
-        vec!["{any:app=a, any:env=prod, k8s:io.kubernetes.pod.namespace=x}".to_string()]
+        selector_text(&p, 0, 1),
+        vec!["{any:app=a, k8s:io.kubernetes.pod.namespace=x}".to_string()]
     );
+    assert_eq!(p.rules[0].peer_rules[1].endpoint_selectors, 1);
+    let req = &p.rules[0].requires;
+    assert_eq!(req.len(), 1);
+    assert_eq!(req[0].origin.path, "spec.ingress[0].fromRequires[0]");
+    assert_eq!(req[0].origin.section, Section::Ingress);
+    assert_eq!(
+        req[0].selector.to_string(),
+        "{any:env=prod, k8s:io.kubernetes.pod.namespace=x}"
+    );
+    assert_eq!(req[0].describe(), "x/r requires env=prod");
 }
 
 #[test]
