@@ -141,6 +141,12 @@ enum JobResult {
     ReadFile(Result<(Stamp, Vec<u8>), String>),
 }
 
+/// A worker thread: where to send it jobs (each with where to answer), and its handle.
+type Worker = (
+    Sender<(Job, Sender<JobResult>)>,
+    std::thread::JoinHandle<()>,
+);
+
 /// A thread that does the file system calls, so that a call that hangs costs a timeout, not the
 /// caller. A worker that times out is abandoned (it exits once its call returns) and the next
 /// call gets a new one; the path stays marked as blocked until the old call returns.
