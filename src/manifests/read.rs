@@ -152,10 +152,7 @@ type Worker = (
 /// call gets a new one; the path stays marked as blocked until the old call returns.
 pub struct IoWorker {
     timeout: Duration,
-    worker: Option<(
-        Sender<(Job, Sender<JobResult>)>,
-        std::thread::JoinHandle<()>,
-    )>,
+    worker: Option<Worker>,
     /// Paths with a call still in progress on an abandoned worker.
     blocked: Arc<Mutex<HashSet<PathBuf>>>,
 }
@@ -229,12 +226,7 @@ impl IoWorker {
     }
 }
 
-fn spawn_worker(
-    blocked: Arc<Mutex<HashSet<PathBuf>>>,
-) -> (
-    Sender<(Job, Sender<JobResult>)>,
-    std::thread::JoinHandle<()>,
-) {
+fn spawn_worker(blocked: Arc<Mutex<HashSet<PathBuf>>>) -> Worker {
     let (tx, rx): (Sender<(Job, Sender<JobResult>)>, Receiver<_>) = channel();
     let handle = std::thread::Builder::new()
         .name("manifest-io".into())
