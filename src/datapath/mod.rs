@@ -5,6 +5,7 @@
 pub mod abi;
 pub mod bpf;
 pub mod events;
+pub mod masquerade;
 pub mod memory;
 pub mod netdev;
 
