@@ -349,6 +349,26 @@ fn marked(mark: &str) -> BTreeSet<String> {
         .collect()
 }
 
+/// An agent with the memory datapath and a pod CIDR of its own on a fresh directory holding
+/// `cluster`: the directory, the agent, its arguments (to restart it), its veth mark, and a
+/// guard that deletes whatever still carries the mark when the test ends, even on failure.
+fn memory_agent(cluster: &str) -> (tempfile::TempDir, Agent, Vec<String>, String, SweepMarked) {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tmp.path().join("manifests");
+    std::fs::create_dir_all(&m).unwrap();
+    std::fs::write(m.join("cluster.yaml"), cluster).unwrap();
+    let args: Vec<String> = ["--datapath", "memory", "--pod-cidr", &unique_pod_cidr()]
+        .map(String::from)
+        .into();
+    let agent = Agent::start_with(
+        tmp.path(),
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    let mark = ciliate::datapath::netdev::agent_mark(&tmp.path().join("state"));
+    let sweep = SweepMarked(mark.clone());
+    (tmp, agent, args, mark, sweep)
+}
+
 /// Deletes whatever still carries the agent's mark when the test ends, even on failure.
 struct SweepMarked(String);
 
@@ -432,16 +452,9 @@ fn kill_9_during_fifty_concurrent_adds_leaves_nothing_unreclaimed() {
         return;
     }
     const N: usize = 50;
-    let tmp = tempfile::tempdir().unwrap();
-    let m = tmp.path().join("manifests");
-    std::fs::create_dir_all(&m).unwrap();
-    std::fs::write(m.join("cluster.yaml"), many_pods(N)).unwrap();
-    let cidr = unique_pod_cidr();
-    let args = ["--datapath", "memory", "--pod-cidr", cidr.as_str()];
-    let mut agent = Agent::start_with(tmp.path(), &args);
+    let (tmp, mut agent, args, mark, _sweep) = memory_agent(&many_pods(N));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let state = tmp.path().join("state");
-    let mark = ciliate::datapath::netdev::agent_mark(&state);
-    let _sweep = SweepMarked(mark.clone());
     let mut pods = CniPods::new(&agent.socket(), &tmp.path().join("no-pins"));
     let specs: Vec<(String, String, String)> = (0..N)
         .map(|i| {
@@ -594,14 +607,7 @@ fn a_retried_add_replaces_a_stale_half_made_interface_but_not_another_agents() {
     if !privileged() {
         return;
     }
-    let tmp = tempfile::tempdir().unwrap();
-    let m = tmp.path().join("manifests");
-    std::fs::create_dir_all(&m).unwrap();
-    std::fs::write(m.join("cluster.yaml"), CLUSTER).unwrap();
-    let cidr = unique_pod_cidr();
-    let agent = Agent::start_with(tmp.path(), &["--datapath", "memory", "--pod-cidr", &cidr]);
-    let mark = ciliate::datapath::netdev::agent_mark(&tmp.path().join("state"));
-    let _sweep = SweepMarked(mark.clone());
+    let (tmp, agent, _, mark, _sweep) = memory_agent(CLUSTER);
     let mut pods = CniPods::new(&agent.socket(), &tmp.path().join("no-pins"));
     let stale_ctr = format!("ctr-{}-a", pods.tag);
     let stale_if = ciliate::datapath::netdev::host_interface_name(&stale_ctr);
@@ -688,15 +694,8 @@ fn a_restored_duplicate_address_is_refused_reported_and_its_interface_reclaimed(
     if !privileged() {
         return;
     }
-    let tmp = tempfile::tempdir().unwrap();
-    let m = tmp.path().join("manifests");
-    std::fs::create_dir_all(&m).unwrap();
-    std::fs::write(m.join("cluster.yaml"), CLUSTER).unwrap();
-    let cidr = unique_pod_cidr();
-    let args = ["--datapath", "memory", "--pod-cidr", cidr.as_str()];
-    let mut agent = Agent::start_with(tmp.path(), &args);
-    let mark = ciliate::datapath::netdev::agent_mark(&tmp.path().join("state"));
-    let _sweep = SweepMarked(mark.clone());
+    let (tmp, mut agent, args, _, _sweep) = memory_agent(CLUSTER);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let mut pods = CniPods::new(&agent.socket(), &tmp.path().join("no-pins"));
     let a = pods.add("x", "a");
     let b = pods.add("x", "b");
