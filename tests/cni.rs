@@ -773,3 +773,131 @@ fn a_restored_duplicate_address_is_refused_reported_and_its_interface_reclaimed(
     drop(pods);
     drop(restarted);
 }
+
+/// Restore validates and sweeps: a pod whose namespace (and so its veth) was deleted while the
+/// agent was down is not restored (record, address and pins go), a stray pinned policy map and a
+/// stray marked `lxc` veth are removed, and the live endpoints keep enforcing throughout.
+#[test]
+fn a_restart_sweeps_vanished_pods_and_stray_pins_while_live_endpoints_keep_enforcing() {
+    if !privileged() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tmp.path().join("manifests");
+    std::fs::create_dir_all(&m).unwrap();
+    std::fs::write(m.join("cluster.yaml"), CLUSTER).unwrap();
+    std::fs::write(m.join("policy.yaml"), POLICIES.replace("PORT", "8080")).unwrap();
+    let cidr = unique_pod_cidr();
+    let pins = format!("/sys/fs/bpf/ciliate-sweep-{}", std::process::id());
+    let args = [
+        "--datapath",
+        "bpf",
+        "--bpf-root",
+        &pins,
+        "--pod-cidr",
+        &cidr,
+    ];
+    let mut agent = Agent::start_with(tmp.path(), &args);
+    let mark = ciliate::datapath::netdev::agent_mark(&tmp.path().join("state"));
+    let _sweep = SweepMarked(mark.clone());
+    let mut pods = CniPods::new(&agent.socket(), std::path::Path::new(&pins));
+    let a = pods.add("x", "a");
+    let b = pods.add("x", "b");
+    let c = pods.add("x", "c");
+    tcp_server(&b.netns, b.addr.into(), 8080);
+    assert!(tcp_ok(&a.netns, b.addr.into(), 8080));
+    assert!(!tcp_ok(&c.netns, b.addr.into(), 8080));
+    let c_id = agent
+        .json("/debug/endpoints")
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["name"] == "x/c")
+        .and_then(|e| e["id"].as_u64())
+        .unwrap();
+
+    let mut child = agent.child.take().unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    // While the agent is down: c's pod goes (its veth with it), and strays appear.
+    ip(&["netns", "del", &c.netns]);
+    let stray_map = std::path::Path::new(&pins).join("ciliate/policy_4000");
+    let mut map = libbpf_rs::MapHandle::create(
+        libbpf_rs::MapType::Hash,
+        Some("ciliate_stray"),
+        4,
+        4,
+        16,
+        &libbpf_rs::libbpf_sys::bpf_map_create_opts {
+            sz: std::mem::size_of::<libbpf_rs::libbpf_sys::bpf_map_create_opts>() as _,
+            ..Default::default()
+        },
+    )
+    .expect("a map");
+    map.pin(&stray_map).expect("pin the stray map");
+    let stray_if = format!("lxcstray{}", std::process::id() % 10_000);
+    ip(&[
+        "link",
+        "add",
+        &stray_if,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        &format!("{stray_if}p"),
+    ]);
+    ip(&["link", "set", &stray_if, "alias", &mark]);
+
+    // A prober on the allowed flow across the restart.
+    let stop = Arc::new(AtomicBool::new(false));
+    let failures = Arc::new(AtomicU32::new(0));
+    let prober = {
+        let (stop, failures, ns, to) = (stop.clone(), failures.clone(), a.netns.clone(), b.addr);
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::SeqCst) {
+                if !tcp_ok(&ns, to.into(), 8080) {
+                    failures.fetch_add(1, Ordering::SeqCst);
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        })
+    };
+    let restarted = Agent::start_with(tmp.path(), &args);
+    restarted.wait_realized(restarted.revision());
+    let names: Vec<String> = restarted
+        .json("/debug/endpoints")
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["name"].as_str().unwrap_or("").to_string())
+        .collect();
+    assert_eq!(names, vec!["x/a", "x/b"], "c is not restored");
+    assert_eq!(ipam_allocated(&restarted), 2, "c's address is free again");
+    assert!(!tmp.path().join(format!("state/{c_id}")).exists());
+    let pin_dir = std::path::Path::new(&pins).join("ciliate");
+    assert!(!stray_map.exists(), "the stray policy map is unpinned");
+    assert!(
+        !pin_dir.join(format!("policy_{c_id}")).exists(),
+        "c's policy map is unpinned"
+    );
+    assert!(!pin_dir.join(format!("link_{c_id}_ingress")).exists());
+    assert!(
+        !marked(&mark).contains(&stray_if),
+        "the stray veth is removed"
+    );
+    let metrics = restarted.http_get("/metrics").1;
+    for line in [
+        "ciliate_endpoint_restore_total{outcome=\"restored\"} 2",
+        "ciliate_endpoint_restore_total{outcome=\"interface_gone\"} 1",
+        "ciliate_endpoint_restore_total{outcome=\"stray_pins\"} 2",
+    ] {
+        assert!(metrics.contains(line), "{line} in\n{metrics}");
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    stop.store(true, Ordering::SeqCst);
+    prober.join().unwrap();
+    assert_eq!(failures.load(Ordering::SeqCst), 0, "a live flow broke");
+    assert!(!tcp_ok(&a.netns, b.addr.into(), 9090), "still enforcing");
+    drop(pods);
+    drop(restarted);
+}
