@@ -10,7 +10,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use ciliate::k8s::apiserver::{ServerOptions, TestApiServer};
+use ciliate_test_apiserver::{ServerOptions, TestApiServer};
 use common::agent::Agent;
 use common::eventually;
 use common::netns::{privileged, tcp_ok, tcp_server, world};

@@ -114,24 +114,6 @@ pub enum Command {
         #[command(flatten)]
         client: ClientOpts,
     },
-    /// Development tools.
-    Dev {
-        #[command(subcommand)]
-        command: DevCommand,
-    },
-}
-
-#[derive(Debug, Subcommand)]
-pub enum DevCommand {
-    /// Run the in-memory Kubernetes API server (plain HTTP) until SIGINT/SIGTERM.
-    Apiserver {
-        /// Address to listen on (port 0: any free port).
-        #[arg(long, default_value = "127.0.0.1:6443")]
-        listen: std::net::SocketAddr,
-        /// Write a kubeconfig for kubectl and `ciliate agent --kubeconfig` here.
-        #[arg(long)]
-        kubeconfig_out: Option<PathBuf>,
-    },
 }
 
 #[derive(Debug, clap::Args)]
