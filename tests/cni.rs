@@ -73,27 +73,81 @@ fn ipam_allocated(agent: &Agent) -> u64 {
         .expect("status shows IPAM")
 }
 
-#[test]
-fn pods_created_through_cni_are_enforced_survive_kill_9_and_restart_and_are_deleted_cleanly() {
-    if !privileged() {
-        return;
-    }
+/// An agent with the BPF datapath (pins under `/sys/fs/bpf/ciliate-TAG-PID`) and a pod CIDR of
+/// its own, on CLUSTER and POLICIES with b open to a on 8080: the directory, the pins, the
+/// arguments (to restart it) and the agent.
+fn bpf_agent(tag: &str) -> (tempfile::TempDir, String, Vec<String>, Agent) {
     let tmp = tempfile::tempdir().unwrap();
     let m = tmp.path().join("manifests");
     std::fs::create_dir_all(&m).unwrap();
     std::fs::write(m.join("cluster.yaml"), CLUSTER).unwrap();
     std::fs::write(m.join("policy.yaml"), POLICIES.replace("PORT", "8080")).unwrap();
-    let cidr = unique_pod_cidr();
-    let pins = format!("/sys/fs/bpf/ciliate-cni-{}", std::process::id());
-    let args = [
+    let pins = format!("/sys/fs/bpf/ciliate-{tag}-{}", std::process::id());
+    let args: Vec<String> = [
         "--datapath",
         "bpf",
         "--bpf-root",
-        pins.as_str(),
+        &pins,
         "--pod-cidr",
-        cidr.as_str(),
-    ];
-    let mut agent = Agent::start_with(tmp.path(), &args);
+        &unique_pod_cidr(),
+    ]
+    .map(String::from)
+    .into();
+    let agent = Agent::start_with(
+        tmp.path(),
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    (tmp, pins, args, agent)
+}
+
+/// TCP connections from `netns` to `to:port` every 20 ms until stopped: how many were made and
+/// how many failed (an allowed flow must never break while an agent restarts).
+struct Prober {
+    stop: Arc<AtomicBool>,
+    failures: Arc<AtomicU32>,
+    thread: std::thread::JoinHandle<u32>,
+}
+
+impl Prober {
+    fn start(netns: &str, to: Ipv4Addr, port: u16) -> Prober {
+        let stop = Arc::new(AtomicBool::new(false));
+        let failures = Arc::new(AtomicU32::new(0));
+        let (s, f, ns) = (stop.clone(), failures.clone(), netns.to_string());
+        let thread = std::thread::spawn(move || {
+            let mut probes = 0;
+            while !s.load(Ordering::SeqCst) {
+                if !tcp_ok(&ns, to.into(), port) {
+                    f.fetch_add(1, Ordering::SeqCst);
+                }
+                probes += 1;
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            probes
+        });
+        Prober {
+            stop,
+            failures,
+            thread,
+        }
+    }
+
+    /// (probes, failures).
+    fn stop(self) -> (u32, u32) {
+        self.stop.store(true, Ordering::SeqCst);
+        let probes = self.thread.join().unwrap();
+        (probes, self.failures.load(Ordering::SeqCst))
+    }
+}
+
+#[test]
+fn pods_created_through_cni_are_enforced_survive_kill_9_and_restart_and_are_deleted_cleanly() {
+    if !privileged() {
+        return;
+    }
+    let (tmp, pins, args, mut agent) = bpf_agent("cni");
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let m = tmp.path().join("manifests");
+    let cidr = args[5].to_string();
     // Declared after the agent: dropped (CNI DEL, namespaces removed) while it still runs.
     let mut pods = CniPods::new(&agent.socket(), std::path::Path::new(&pins));
 
@@ -224,33 +278,13 @@ fn pods_created_through_cni_are_enforced_survive_kill_9_and_restart_and_are_dele
     );
 
     // Restart with a prober on the allowed flow.
-    let stop = Arc::new(AtomicBool::new(false));
-    let failures = Arc::new(AtomicU32::new(0));
-    let prober = {
-        let (stop, failures, ns, to) = (stop.clone(), failures.clone(), a.netns.clone(), b.addr);
-        std::thread::spawn(move || {
-            let mut probes = 0;
-            while !stop.load(Ordering::SeqCst) {
-                if !tcp_ok(&ns, to.into(), 9090) {
-                    failures.fetch_add(1, Ordering::SeqCst);
-                }
-                probes += 1;
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            probes
-        })
-    };
+    let prober = Prober::start(&a.netns, b.addr, 9090);
     let restarted = Agent::start_with(tmp.path(), &args);
     restarted.wait_realized(restarted.revision());
     std::thread::sleep(Duration::from_millis(300));
-    stop.store(true, Ordering::SeqCst);
-    let probes = prober.join().unwrap();
+    let (probes, failures) = prober.stop();
     assert!(probes > 3, "the prober ran ({probes} probes)");
-    assert_eq!(
-        failures.load(Ordering::SeqCst),
-        0,
-        "an allowed flow broke during the restart"
-    );
+    assert_eq!(failures, 0, "an allowed flow broke during the restart");
     let after = restarted.json("/debug/endpoints");
     assert_eq!(after.as_array().map(Vec::len), Some(3), "{after}");
     for (x, y) in before
@@ -782,22 +816,8 @@ fn a_restart_sweeps_vanished_pods_and_stray_pins_while_live_endpoints_keep_enfor
     if !privileged() {
         return;
     }
-    let tmp = tempfile::tempdir().unwrap();
-    let m = tmp.path().join("manifests");
-    std::fs::create_dir_all(&m).unwrap();
-    std::fs::write(m.join("cluster.yaml"), CLUSTER).unwrap();
-    std::fs::write(m.join("policy.yaml"), POLICIES.replace("PORT", "8080")).unwrap();
-    let cidr = unique_pod_cidr();
-    let pins = format!("/sys/fs/bpf/ciliate-sweep-{}", std::process::id());
-    let args = [
-        "--datapath",
-        "bpf",
-        "--bpf-root",
-        &pins,
-        "--pod-cidr",
-        &cidr,
-    ];
-    let mut agent = Agent::start_with(tmp.path(), &args);
+    let (tmp, pins, args, mut agent) = bpf_agent("sweep");
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let mark = ciliate::datapath::netdev::agent_mark(&tmp.path().join("state"));
     let _sweep = SweepMarked(mark.clone());
     let mut pods = CniPods::new(&agent.socket(), std::path::Path::new(&pins));
@@ -849,19 +869,7 @@ fn a_restart_sweeps_vanished_pods_and_stray_pins_while_live_endpoints_keep_enfor
     ip(&["link", "set", &stray_if, "alias", &mark]);
 
     // A prober on the allowed flow across the restart.
-    let stop = Arc::new(AtomicBool::new(false));
-    let failures = Arc::new(AtomicU32::new(0));
-    let prober = {
-        let (stop, failures, ns, to) = (stop.clone(), failures.clone(), a.netns.clone(), b.addr);
-        std::thread::spawn(move || {
-            while !stop.load(Ordering::SeqCst) {
-                if !tcp_ok(&ns, to.into(), 8080) {
-                    failures.fetch_add(1, Ordering::SeqCst);
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-        })
-    };
+    let prober = Prober::start(&a.netns, b.addr, 8080);
     let restarted = Agent::start_with(tmp.path(), &args);
     restarted.wait_realized(restarted.revision());
     let names: Vec<String> = restarted
@@ -894,9 +902,9 @@ fn a_restart_sweeps_vanished_pods_and_stray_pins_while_live_endpoints_keep_enfor
         assert!(metrics.contains(line), "{line} in\n{metrics}");
     }
     std::thread::sleep(Duration::from_millis(200));
-    stop.store(true, Ordering::SeqCst);
-    prober.join().unwrap();
-    assert_eq!(failures.load(Ordering::SeqCst), 0, "a live flow broke");
+    let (probes, failures) = prober.stop();
+    assert!(probes > 3, "the prober ran ({probes} probes)");
+    assert_eq!(failures, 0, "a live flow broke");
     assert!(!tcp_ok(&a.netns, b.addr.into(), 9090), "still enforcing");
     drop(pods);
     drop(restarted);
