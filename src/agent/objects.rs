@@ -187,12 +187,14 @@ pub fn node_info(node: &Node) -> Result<NodeInfo, String> {
         .filter(|n| !n.is_empty())
         .ok_or("metadata.name: missing")?;
     let mut ips = Vec::new();
-    for a in node
-        .status
-        .iter()
-        .flat_map(|s| s.addresses.iter().flatten())
-    {
-        if a.type_ == "InternalIP" || a.type_ == "ExternalIP" {
+    // InternalIP first: other nodes route this node's pod CIDRs through its first address.
+    for kind in ["InternalIP", "ExternalIP"] {
+        for a in node
+            .status
+            .iter()
+            .flat_map(|s| s.addresses.iter().flatten())
+            .filter(|a| a.type_ == kind)
+        {
             if let Ok(ip) = a.address.parse::<IpAddr>() {
                 if !ips.contains(&ip) {
                     ips.push(ip);
@@ -283,5 +285,21 @@ status: {addresses: [{type: InternalIP, address: 172.18.0.2}, {type: Hostname, a
         let n = node_info(&node).unwrap();
         assert_eq!(n.pod_cidrs, vec!["10.244.1.0/24".to_string()]);
         assert_eq!(n.ips, vec!["172.18.0.2".parse::<IpAddr>().unwrap()]);
+    }
+
+    #[test]
+    fn the_internal_ip_comes_first_whatever_the_order_of_addresses() {
+        let node: Node = serde_yaml::from_str(
+            "metadata: {name: n1}
+status: {addresses: [{type: ExternalIP, address: 1.2.3.4}, {type: InternalIP, address: 172.18.0.2}]}",
+        )
+        .unwrap();
+        let ips: Vec<String> = node_info(&node)
+            .unwrap()
+            .ips
+            .iter()
+            .map(|i| i.to_string())
+            .collect();
+        assert_eq!(ips, ["172.18.0.2", "1.2.3.4"]);
     }
 }

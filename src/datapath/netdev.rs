@@ -155,7 +155,7 @@ fn alias(link: &LinkMessage) -> Option<&str> {
     })
 }
 
-fn nl_err(step: impl Into<String>) -> impl FnOnce(rtnetlink::Error) -> NetdevError {
+pub(crate) fn nl_err(step: impl Into<String>) -> impl FnOnce(rtnetlink::Error) -> NetdevError {
     let step = step.into();
     move |e| NetdevError::Netlink {
         step,
@@ -187,7 +187,7 @@ fn mac_bytes(mac: &str) -> Result<Vec<u8>> {
 
 /// Runs `f` with a netlink handle on a private runtime, in a new thread that first entered
 /// `netns` (or stays in the process's namespace when `None`).
-fn with_netlink<T, F, Fut>(netns: Option<&Path>, f: F) -> Result<T>
+pub(crate) fn with_netlink<T, F, Fut>(netns: Option<&Path>, f: F) -> Result<T>
 where
     T: Send + 'static,
     F: FnOnce(Handle) -> Fut + Send + 'static,
