@@ -1,0 +1,285 @@
+//! Cluster networking on a cluster of network namespaces (tests/common/cluster.rs): pods on
+//! different nodes reach each other over native routes with real TCP, UDP and ICMP; policy on
+//! one node judges remote pods by the labels its ipcache learnt; routes follow Node objects
+//! and survive `kill -9` of an agent, and a restart converges without duplicates. Privileged:
+//! with CI=true, not running as root is a failure.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::time::Duration;
+
+use common::agent::Agent;
+use common::cluster::{node_ip, pod_cidr, Cluster};
+use common::eventually;
+use common::netns::{icmp_ok, in_netns, privileged, tcp_ok, tcp_server, udp_ok, udp_server};
+use serde_json::{json, Value};
+
+/// The routes a node should hold: one per other node's pod CIDR, via that node's address.
+fn expected_routes(local: usize, nodes: &[usize]) -> Vec<(String, String)> {
+    let mut v: Vec<(String, String)> = nodes
+        .iter()
+        .filter(|i| **i != local)
+        .map(|i| (pod_cidr(*i), node_ip(*i).to_string()))
+        .collect();
+    v.sort();
+    v
+}
+
+fn sorted(mut v: Vec<(String, String)>) -> Vec<(String, String)> {
+    v.sort();
+    v
+}
+
+fn row<'a>(list: &'a Value, name: &str) -> &'a Value {
+    list.as_array()
+        .and_then(|a| a.iter().find(|n| n["name"] == name))
+        .unwrap_or_else(|| panic!("no row for {name} in {list}"))
+}
+
+/// A TCP echo server in `netns`, for long-lived connections.
+fn tcp_echo_server(netns: &str, addr: IpAddr, port: u16) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    in_netns(netns, move || {
+        let l = TcpListener::bind(SocketAddr::new(addr, port)).expect("bind");
+        tx.send(()).unwrap();
+        for s in l.incoming().flatten() {
+            std::thread::spawn(move || {
+                let mut s = s;
+                let mut buf = [0u8; 64];
+                while let Ok(n) = s.read(&mut buf) {
+                    if n == 0 || s.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    rx.recv().unwrap();
+}
+
+fn echo(s: &mut TcpStream, msg: &[u8]) -> bool {
+    let mut buf = vec![0u8; msg.len()];
+    s.write_all(msg).is_ok() && s.read_exact(&mut buf).is_ok() && buf == msg
+}
+
+fn cnp_b_from_a() -> Value {
+    json!({
+        "apiVersion": "cilium.io/v2", "kind": "CiliumNetworkPolicy",
+        "metadata": {"name": "b-from-a", "namespace": "x"},
+        "spec": {
+            "endpointSelector": {"matchLabels": {"app": "b"}},
+            "ingress": [{"fromEndpoints": [{"matchLabels": {"app": "a"}}]}]
+        }
+    })
+}
+
+#[test]
+fn pods_reach_each_other_across_nodes_and_node_2_admits_only_app_a_of_node_1() {
+    if !privileged() {
+        return;
+    }
+    let mut c = Cluster::start(3);
+    let a = c.add_pod(1, "a", "a");
+    let other = c.add_pod(1, "c", "c");
+    let b = c.add_pod(2, "b", "b");
+    let d = c.add_pod(3, "d", "d");
+
+    // Every node routes the other nodes' pod CIDRs, once each, and says so.
+    for i in 1..=3 {
+        let node = c.node(i);
+        node.agent()
+            .wait_until("the node's routes are installed", || {
+                sorted(node.kernel_routes()) == expected_routes(i, &[1, 2, 3])
+            });
+        let list = node.node_list();
+        assert_eq!(list.as_array().map(|a| a.len()), Some(3), "{list}");
+        for j in 1..=3 {
+            let r = row(&list, &format!("node-{j}"));
+            assert_eq!(r["local"], i == j, "{r}");
+            assert_eq!(r["route"], if i == j { "none" } else { "installed" }, "{r}");
+            assert_eq!(r["ips"], json!([node_ip(j).to_string()]), "{r}");
+            assert_eq!(r["pod_cidrs"], json!([pod_cidr(j)]), "{r}");
+        }
+        let status = node.agent().cli_json(&["status"]);
+        assert_eq!(status["routing_mode"], "native", "{status}");
+        assert_eq!(status["routes_installed"], 2, "{status}");
+    }
+
+    let (a_addr, b_addr) = (IpAddr::V4(a.addr), IpAddr::V4(b.addr));
+    tcp_server(&b.netns, b_addr, 8080);
+    udp_server(&b.netns, b_addr, 5353);
+    let _ = a_addr;
+    // No policy: pods of nodes 1 and 3 reach b on node 2 with TCP, UDP and ICMP.
+    for p in [&a, &other, &d] {
+        eventually(&format!("{} reaches b across nodes", p.name), || {
+            tcp_ok(&p.netns, b_addr, 8080)
+                && udp_ok(&p.netns, b_addr, 5353)
+                && icmp_ok(&p.netns, b.addr)
+        });
+    }
+    // And back: b reaches a on node 1.
+    tcp_server(&a.netns, a_addr, 8080);
+    assert!(tcp_ok(&b.netns, a_addr, 8080), "b reaches a");
+
+    // Node 2 admits only app=a (of node 1, known through its ipcache) into b.
+    c.api().apply_json(cnp_b_from_a()).expect("policy");
+    eventually("b admits a and no other pod", || {
+        tcp_ok(&a.netns, b_addr, 8080)
+            && !tcp_ok(&other.netns, b_addr, 8080)
+            && !tcp_ok(&d.netns, b_addr, 8080)
+    });
+    assert!(udp_ok(&a.netns, b_addr, 5353), "UDP from a is admitted");
+    assert!(icmp_ok(&a.netns, b.addr), "ICMP from a is admitted");
+    for p in [&other, &d] {
+        assert!(
+            !udp_ok(&p.netns, b_addr, 5353),
+            "UDP from {} is denied",
+            p.name
+        );
+        assert!(!icmp_ok(&p.netns, b.addr), "ICMP from {} is denied", p.name);
+    }
+}
+
+#[test]
+fn kill_9_keeps_cross_node_flows_and_the_restart_converges_after_a_node_left() {
+    if !privileged() {
+        return;
+    }
+    let mut c = Cluster::start(3);
+    let a = c.add_pod(1, "a", "a");
+    let b = c.add_pod(2, "b", "b");
+    let b_addr = IpAddr::V4(b.addr);
+    tcp_echo_server(&b.netns, b_addr, 7000);
+    tcp_server(&b.netns, b_addr, 8080);
+    {
+        let n1 = c.node(1);
+        n1.agent().wait_until("node-1's routes are installed", || {
+            sorted(n1.kernel_routes()) == expected_routes(1, &[1, 2, 3])
+        });
+    }
+    eventually("a reaches b", || tcp_ok(&a.netns, b_addr, 8080));
+    let mut flow = in_netns(&a.netns, move || {
+        TcpStream::connect_timeout(&SocketAddr::new(b_addr, 7000), Duration::from_secs(2))
+    })
+    .join()
+    .unwrap()
+    .expect("an established cross-node flow");
+    flow.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    assert!(echo(&mut flow, b"before"));
+
+    // kill -9: the established flow and new connections keep working, the routes stay.
+    c.node(1).kill9_agent();
+    assert!(
+        echo(&mut flow, b"while down"),
+        "the established flow survives"
+    );
+    assert!(
+        tcp_ok(&a.netns, b_addr, 8080),
+        "new flows work while the agent is down"
+    );
+    assert_eq!(
+        sorted(c.node(1).kernel_routes()),
+        expected_routes(1, &[1, 2, 3])
+    );
+
+    // node-3 leaves while node-1's agent is down: node-2 drops its route at once ...
+    c.api()
+        .delete_object("v1", "Node", "", "node-3")
+        .expect("delete node-3");
+    {
+        let n2 = c.node(2);
+        n2.agent().wait_until("node-2 drops node-3's route", || {
+            sorted(n2.kernel_routes()) == expected_routes(2, &[1, 2])
+        });
+        let list = n2.node_list();
+        assert_eq!(list.as_array().map(|a| a.len()), Some(2), "{list}");
+    }
+    // ... and node-1's restarted agent converges: node-3's route gone, node-2's kept, once.
+    let kubeconfig = c.kubeconfig.clone();
+    c.node(1).start_agent(&kubeconfig);
+    let n1 = c.node(1);
+    n1.agent().wait_until("node-1 converges", || {
+        sorted(n1.kernel_routes()) == expected_routes(1, &[1, 2])
+    });
+    // Stays converged (a later resync adds nothing).
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(sorted(n1.kernel_routes()), expected_routes(1, &[1, 2]));
+    assert_eq!(row(&n1.node_list(), "node-2")["route"], "installed");
+    assert!(
+        echo(&mut flow, b"after restart"),
+        "the flow survives the restart"
+    );
+    assert!(tcp_ok(&a.netns, b_addr, 8080));
+}
+
+/// The memory datapath computes routes but installs none (its tests share the host's
+/// namespace), and a node that cannot be routed says why.
+#[test]
+fn memory_datapath_shows_routes_as_none_and_names_unroutable_nodes() {
+    let dir = tempfile::tempdir().unwrap();
+    let manifests = dir.path().join("manifests");
+    std::fs::create_dir_all(&manifests).unwrap();
+    std::fs::write(
+        manifests.join("nodes.yaml"),
+        "apiVersion: v1
+kind: Node
+metadata: {name: node-1}
+spec: {podCIDRs: [10.210.1.0/24]}
+status: {addresses: [{type: InternalIP, address: 172.21.0.11}]}
+---
+apiVersion: v1
+kind: Node
+metadata: {name: node-2}
+spec: {podCIDRs: [10.210.2.0/24]}
+status: {addresses: [{type: ExternalIP, address: 1.2.3.4}, {type: InternalIP, address: 172.21.0.12}]}
+---
+apiVersion: v1
+kind: Node
+metadata: {name: node-bad}
+spec: {podCIDRs: [not-a-cidr]}
+status: {addresses: [{type: InternalIP, address: 172.21.0.13}]}
+",
+    )
+    .unwrap();
+    let agent = Agent::start_in(dir.path());
+    agent.wait_until("three nodes are listed", || {
+        let (code, out, _) = agent.cli(&["node", "list", "-o", "json"]);
+        code == 0
+            && serde_json::from_str::<Value>(&out)
+                .ok()
+                .and_then(|v| v.as_array().map(|a| a.len()))
+                == Some(3)
+    });
+    let list = agent.cli_json(&["node", "list"]);
+    let n1 = row(&list, "node-1");
+    assert_eq!(n1["local"], true);
+    assert_eq!(n1["route"], "none");
+    let n2 = row(&list, "node-2");
+    assert_eq!(n2["local"], false);
+    assert_eq!(n2["route"], "none", "memory installs nothing");
+    assert_eq!(
+        n2["ips"],
+        json!(["172.21.0.12", "1.2.3.4"]),
+        "InternalIP first"
+    );
+    assert_eq!(n2["pod_cidrs"], json!(["10.210.2.0/24"]));
+    let bad = row(&list, "node-bad")["route"]
+        .as_str()
+        .unwrap_or("")
+        .to_string();
+    assert!(
+        bad.starts_with("error: Node node-bad: spec.podCIDRs[0]"),
+        "{bad}"
+    );
+    let status = agent.cli_json(&["status"]);
+    assert_eq!(status["routing_mode"], "native");
+    assert_eq!(status["routes_installed"], 0);
+    let (code, table, _) = agent.cli(&["node", "list"]);
+    assert_eq!(code, 0);
+    assert!(
+        table.contains("POD CIDRS") && table.contains("10.210.2.0/24"),
+        "{table}"
+    );
+}
