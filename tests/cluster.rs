@@ -283,3 +283,123 @@ status: {addresses: [{type: InternalIP, address: 172.21.0.13}]}
         "{table}"
     );
 }
+
+/// Route ownership in one namespace shared by two agents' appliers: each changes and removes
+/// only the routes its record names, never another agent's nor anyone else's, and a restart
+/// (the record read back) replaces a changed gateway and removes what is no longer wanted.
+#[test]
+fn route_applier_touches_only_its_own_routes_and_a_restart_reconciles_them() {
+    use ciliate::network::netlink::{list_own_protocol_all, RouteApplier};
+    use ciliate::network::routes::NodeRoute;
+    use common::netns::ip;
+    use std::collections::BTreeSet;
+
+    if !privileged() {
+        return;
+    }
+    let ns = format!("crt-{}", std::process::id());
+    ip(&["netns", "add", &ns]);
+    struct Gone(String);
+    impl Drop for Gone {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("ip")
+                .args(["netns", "del", &self.0])
+                .output();
+        }
+    }
+    let _gone = Gone(ns.clone());
+    // A veth pair inside the namespace (no dummy module needed): eth0 carries the subnet.
+    ip(&[
+        "-n", &ns, "link", "add", "eth0", "type", "veth", "peer", "name", "eth1",
+    ]);
+    ip(&["-n", &ns, "addr", "add", "172.22.0.1/24", "dev", "eth0"]);
+    ip(&["-n", &ns, "link", "set", "eth1", "up"]);
+    ip(&["-n", &ns, "link", "set", "eth0", "up"]);
+    // Someone else's route (protocol static) to a prefix an agent will want.
+    ip(&[
+        "-n",
+        &ns,
+        "route",
+        "add",
+        "10.230.3.0/24",
+        "via",
+        "172.22.0.4",
+    ]);
+    let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (pa, pb) = (dir_a.path().to_path_buf(), dir_b.path().to_path_buf());
+    let r = |dst: &str, via: &str| NodeRoute {
+        dst: dst.parse().unwrap(),
+        via: via.parse().unwrap(),
+    };
+    let (r1, r2, r3) = (
+        r("10.230.1.0/24", "172.22.0.2"),
+        r("10.230.2.0/24", "172.22.0.3"),
+        r("10.230.3.0/24", "172.22.0.5"),
+    );
+    let r1_moved = r("10.230.1.0/24", "172.22.0.7");
+    let r1_b = r("10.230.1.0/24", "172.22.0.9");
+    let routes = move || {
+        let mut v: Vec<String> = list_own_protocol_all()
+            .unwrap()
+            .into_iter()
+            .map(|(d, g)| format!("{d} via {}", g.map(|g| g.to_string()).unwrap_or_default()))
+            .collect();
+        v.sort();
+        v
+    };
+    in_netns(&ns, move || {
+        let mut a = RouteApplier::open(&pa).unwrap();
+        let out = a.apply(&BTreeSet::from([r1, r2, r3]));
+        assert_eq!(out[&r1], Ok(()));
+        assert_eq!(out[&r2], Ok(()));
+        let foreign = out[&r3].clone().unwrap_err();
+        assert!(foreign.contains("10.230.3.0/24"), "{foreign}");
+        assert_eq!(
+            routes(),
+            [
+                "10.230.1.0/24 via 172.22.0.2",
+                "10.230.2.0/24 via 172.22.0.3"
+            ]
+        );
+        let static_route = std::process::Command::new("ip")
+            .args(["route", "show", "10.230.3.0/24"])
+            .output()
+            .unwrap();
+        assert!(
+            String::from_utf8_lossy(&static_route.stdout).contains("via 172.22.0.4"),
+            "the static route is untouched"
+        );
+
+        // A second agent in the same namespace: it may not take A's route, and wanting
+        // nothing removes nothing of A's.
+        let mut b = RouteApplier::open(&pb).unwrap();
+        let out = b.apply(&BTreeSet::from([r1_b]));
+        let taken = out[&r1_b].clone().unwrap_err();
+        assert!(taken.contains("another ciliate agent"), "{taken}");
+        assert!(b.apply(&BTreeSet::new()).is_empty());
+        assert_eq!(
+            routes(),
+            [
+                "10.230.1.0/24 via 172.22.0.2",
+                "10.230.2.0/24 via 172.22.0.3"
+            ]
+        );
+
+        // A restarts (its record read back): node 1 moved, node 2 left.
+        drop(a);
+        let mut a = RouteApplier::open(&pa).unwrap();
+        let out = a.apply(&BTreeSet::from([r1_moved]));
+        assert_eq!(out[&r1_moved], Ok(()));
+        assert_eq!(routes(), ["10.230.1.0/24 via 172.22.0.7"]);
+        let record = std::fs::read_to_string(pa.join("routes.json")).unwrap();
+        assert!(
+            record.contains("10.230.1.0/24") && !record.contains("10.230.2.0/24"),
+            "{record}"
+        );
+        // Everything gone: nothing of A's is left behind.
+        assert!(a.apply(&BTreeSet::new()).is_empty());
+        assert!(routes().is_empty());
+    })
+    .join()
+    .expect("ownership checks");
+}
