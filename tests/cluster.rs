@@ -214,6 +214,106 @@ fn kill_9_keeps_cross_node_flows_and_the_restart_converges_after_a_node_left() {
     assert!(tcp_ok(&a.netns, b_addr, 8080));
 }
 
+/// Tunnel mode: the same cross-node traffic through each node's vxlan device, routes via the
+/// device, and pod interfaces 50 bytes smaller than the link.
+#[test]
+fn tunnel_mode_carries_pod_traffic_across_nodes_over_vxlan() {
+    if !privileged() {
+        return;
+    }
+    let mut c = Cluster::start_with(3, &["--routing-mode", "tunnel"]);
+    let a = c.add_pod(1, "a", "a");
+    let b = c.add_pod(2, "b", "b");
+    let d = c.add_pod(3, "d", "d");
+    for i in 1..=3 {
+        let node = c.node(i);
+        node.agent()
+            .wait_until("the node's tunnel routes are installed", || {
+                sorted(node.kernel_routes()) == expected_routes(i, &[1, 2, 3])
+            });
+        let shown = ip_out(&["-n", &node.netns, "route", "show", "proto", "193"]);
+        assert_eq!(
+            shown.matches("dev ciliate_vxlan").count(),
+            2,
+            "both routes go through the tunnel: {shown}"
+        );
+        let dev = ip_out(&["-n", &node.netns, "-d", "link", "show", "ciliate_vxlan"]);
+        assert!(
+            dev.contains("vxlan id 2") && dev.contains("mtu 1450"),
+            "{dev}"
+        );
+        let list = node.node_list();
+        for j in (1..=3).filter(|j| *j != i) {
+            assert_eq!(
+                row(&list, &format!("node-{j}"))["route"],
+                "tunnel",
+                "{list}"
+            );
+        }
+    }
+    let pod_if = ip_out(&["-n", &a.netns, "link", "show", "eth0"]);
+    assert!(
+        pod_if.contains("mtu 1450"),
+        "the pod's MTU is lowered: {pod_if}"
+    );
+    let b_addr = IpAddr::V4(b.addr);
+    tcp_server(&b.netns, b_addr, 8080);
+    udp_server(&b.netns, b_addr, 5353);
+    for p in [&a, &d] {
+        eventually(&format!("{} reaches b through the tunnel", p.name), || {
+            tcp_ok(&p.netns, b_addr, 8080)
+                && udp_ok(&p.netns, b_addr, 5353)
+                && icmp_ok(&p.netns, b.addr)
+        });
+    }
+    // Full-size segments cross too (pod MTU 1450 + 50 of VXLAN fits the 1500 link), and the
+    // packets did go through node 1's tunnel device.
+    tcp_echo_server(&b.netns, b_addr, 7000);
+    let big: Vec<u8> = (0..64 * 1024).map(|i| (i % 251) as u8).collect();
+    let mut flow = in_netns(&a.netns, move || {
+        TcpStream::connect_timeout(&SocketAddr::new(b_addr, 7000), Duration::from_secs(2))
+    })
+    .join()
+    .unwrap()
+    .expect("a connects to b");
+    flow.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    assert!(echo(&mut flow, &big), "64 KiB echoed through the tunnel");
+    let stats = ip_out(&[
+        "-s",
+        "-n",
+        &c.node(1).netns,
+        "link",
+        "show",
+        "ciliate_vxlan",
+    ]);
+    let tx_packets: u64 = stats
+        .lines()
+        .skip_while(|l| !l.trim_start().starts_with("TX:"))
+        .nth(1)
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(0);
+    assert!(tx_packets >= 40, "node 1 sent through its tunnel: {stats}");
+    // Policy still sees the remote pods' identities through the tunnel.
+    c.api().apply_json(cnp_b_from_a()).expect("policy");
+    eventually("b admits a and not d", || {
+        tcp_ok(&a.netns, b_addr, 8080) && !tcp_ok(&d.netns, b_addr, 8080)
+    });
+}
+
+fn ip_out(args: &[&str]) -> String {
+    let out = std::process::Command::new("ip")
+        .args(args)
+        .output()
+        .expect("ip");
+    assert!(
+        out.status.success(),
+        "ip {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).to_string()
+}
+
 /// The memory datapath computes routes but installs none (its tests share the host's
 /// namespace), and a node that cannot be routed says why.
 #[test]
@@ -349,7 +449,7 @@ fn route_applier_touches_only_its_own_routes_and_a_restart_reconciles_them() {
     };
     in_netns(&ns, move || {
         let mut a = RouteApplier::open(&pa).unwrap();
-        let out = a.apply(&BTreeSet::from([r1, r2, r3]));
+        let out = a.apply(&BTreeSet::from([r1, r2, r3]), None);
         assert_eq!(out[&r1], Ok(()));
         assert_eq!(out[&r2], Ok(()));
         let foreign = out[&r3].clone().unwrap_err();
@@ -373,10 +473,10 @@ fn route_applier_touches_only_its_own_routes_and_a_restart_reconciles_them() {
         // A second agent in the same namespace: it may not take A's route, and wanting
         // nothing removes nothing of A's.
         let mut b = RouteApplier::open(&pb).unwrap();
-        let out = b.apply(&BTreeSet::from([r1_b]));
+        let out = b.apply(&BTreeSet::from([r1_b]), None);
         let taken = out[&r1_b].clone().unwrap_err();
         assert!(taken.contains("another ciliate agent"), "{taken}");
-        assert!(b.apply(&BTreeSet::new()).is_empty());
+        assert!(b.apply(&BTreeSet::new(), None).is_empty());
         assert_eq!(
             routes(),
             [
@@ -388,7 +488,7 @@ fn route_applier_touches_only_its_own_routes_and_a_restart_reconciles_them() {
         // A restarts (its record read back): node 1 moved, node 2 left.
         drop(a);
         let mut a = RouteApplier::open(&pa).unwrap();
-        let out = a.apply(&BTreeSet::from([r1_moved]));
+        let out = a.apply(&BTreeSet::from([r1_moved]), None);
         assert_eq!(out[&r1_moved], Ok(()));
         assert_eq!(routes(), ["10.230.1.0/24 via 172.22.0.7"]);
         let record = std::fs::read_to_string(pa.join("routes.json")).unwrap();
@@ -397,7 +497,7 @@ fn route_applier_touches_only_its_own_routes_and_a_restart_reconciles_them() {
             "{record}"
         );
         // Everything gone: nothing of A's is left behind.
-        assert!(a.apply(&BTreeSet::new()).is_empty());
+        assert!(a.apply(&BTreeSet::new(), None).is_empty());
         assert!(routes().is_empty());
     })
     .join()

@@ -56,6 +56,8 @@ pub struct Shared {
     pub nodes: tokio::sync::watch::Sender<crate::network::NodeSet>,
     /// Routing as realized: mode, routes installed, one row per node (`node list`).
     pub routing: Arc<Mutex<crate::network::RoutingView>>,
+    /// The MTU the CNI gives pod interfaces (lowered by the tunnel's overhead in tunnel mode).
+    pub pod_mtu: u32,
 }
 
 impl Shared {
@@ -89,6 +91,7 @@ impl Shared {
                 mode: crate::network::RoutingMode::Native.as_str().into(),
                 ..Default::default()
             })),
+            pod_mtu: crate::network::tunnel::LINK_MTU,
         }
     }
 

@@ -194,17 +194,29 @@ fn open_route_applier(
     config: &AgentConfig,
 ) -> Result<Option<crate::network::netlink::RouteApplier>, AgentError> {
     let r = &config.routing;
-    if r.mode == crate::network::RoutingMode::Tunnel {
-        return Err(AgentError::Config(
-            "--routing-mode tunnel: not supported yet (use native)".into(),
-        ));
-    }
     if !r.install {
         return Ok(None);
     }
-    crate::network::netlink::RouteApplier::open(&config.state_dir)
+    let tunnel = (r.mode == crate::network::RoutingMode::Tunnel).then(|| {
+        (
+            crate::datapath::netdev::agent_mark(&config.state_dir),
+            pod_mtu(r),
+        )
+    });
+    crate::network::netlink::RouteApplier::open_with(&config.state_dir, tunnel)
         .map(Some)
         .map_err(|e| AgentError::Config(format!("route record: {e}")))
+}
+
+/// The MTU of pod interfaces (and of the tunnel device): the link's, less the tunnel's overhead
+/// in tunnel mode.
+fn pod_mtu(r: &crate::network::RoutingConfig) -> u32 {
+    match r.mode {
+        crate::network::RoutingMode::Native => crate::network::tunnel::LINK_MTU,
+        crate::network::RoutingMode::Tunnel => {
+            crate::network::tunnel::LINK_MTU - crate::network::tunnel::VXLAN_OVERHEAD
+        }
+    }
 }
 
 /// The actors every mode shares, wired together.
@@ -254,6 +266,7 @@ async fn run_async(
     if let Ok(mut v) = shared.routing.lock() {
         v.mode = config.routing.mode.as_str().into();
     }
+    shared.pod_mtu = pod_mtu(&config.routing);
     // Kubernetes mode: the client first, so a bad kubeconfig fails the start at once.
     let feed = match source {
         Source::Kubernetes { kubeconfig } => {

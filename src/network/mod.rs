@@ -4,6 +4,7 @@
 
 pub mod netlink;
 pub mod routes;
+pub mod tunnel;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -38,9 +39,10 @@ pub async fn run_route_reconciler(
         let snapshot = nodes.borrow_and_update().clone();
         let plans = routes::desired_routes(&local, &snapshot, &cfg);
         let want = routes::all_routes(&plans);
+        let local_ip = snapshot.get(&local).and_then(routes::node_ipv4);
         let outcome = match applier.take() {
             Some(mut a) => match actix_web::web::block(move || {
-                let o = a.apply(&want);
+                let o = a.apply(&want, local_ip);
                 (a, o)
             })
             .await

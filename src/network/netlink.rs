@@ -40,12 +40,22 @@ pub struct RouteApplier {
     record: PathBuf,
     owned: BTreeSet<Ipv4Net>,
     forwarding_checked: bool,
+    /// Tunnel mode: the mark (alias) of this agent's vxlan device, and its MTU.
+    tunnel: Option<(String, u32)>,
 }
 
 impl RouteApplier {
     /// Reads the record in `state_root` (none yet: nothing owned). An unreadable record is an
     /// error: guessing would either leak routes or take another agent's.
     pub fn open(state_root: &Path) -> Result<RouteApplier, String> {
+        Self::open_with(state_root, None)
+    }
+
+    /// Like `open`, for tunnel mode when `tunnel` is `(device mark, device MTU)`.
+    pub fn open_with(
+        state_root: &Path,
+        tunnel: Option<(String, u32)>,
+    ) -> Result<RouteApplier, String> {
         let record = state_root.join(RECORD_FILE);
         let owned = match std::fs::read(&record) {
             Ok(bytes) => serde_json::from_slice::<Record>(&bytes)
@@ -64,6 +74,7 @@ impl RouteApplier {
             record,
             owned,
             forwarding_checked: false,
+            tunnel,
         })
     }
 
@@ -89,8 +100,9 @@ impl RouteApplier {
         Ok(())
     }
 
-    /// Makes the kernel's main table hold exactly `want` among this agent's routes. Blocks.
-    pub fn apply(&mut self, want: &BTreeSet<NodeRoute>) -> Outcome {
+    /// Makes the kernel's main table hold exactly `want` among this agent's routes (in tunnel
+    /// mode through the vxlan device, whose source address is `local`, this node's). Blocks.
+    pub fn apply(&mut self, want: &BTreeSet<NodeRoute>, local: Option<Ipv4Addr>) -> Outcome {
         let fail_all =
             |e: String| -> Outcome { want.iter().map(|r| (*r, Err(e.clone()))).collect() };
         if !want.is_empty() && !self.forwarding_checked {
@@ -100,7 +112,18 @@ impl RouteApplier {
                 Err(e) => return fail_all(e),
             }
         }
-        let kernel = match list_own_protocol() {
+        let tunnel = match (&self.tunnel, local) {
+            (None, _) => None,
+            (Some(_), _) if want.is_empty() => None,
+            (Some(_), None) => {
+                return fail_all("tunnel: this node's Node object has no IPv4 address yet".into())
+            }
+            (Some((mark, mtu)), Some(local)) => match setup_tunnel(local, *mtu, mark.clone()) {
+                Ok(i) => Some(i),
+                Err(e) => return fail_all(format!("tunnel: {e}")),
+            },
+        };
+        let kernel = match list_own_protocol_oif() {
             Ok(k) => k,
             Err(e) => return fail_all(format!("list routes: {e}")),
         };
@@ -108,7 +131,7 @@ impl RouteApplier {
         let mut to_set = Vec::new();
         for r in want {
             match kernel.get(&r.dst) {
-                Some(gw) if !self.owned.contains(&r.dst) => {
+                Some((gw, _)) if !self.owned.contains(&r.dst) => {
                     let gw = gw.map(|g| g.to_string()).unwrap_or_else(|| "-".into());
                     outcome.insert(
                         *r,
@@ -118,7 +141,8 @@ impl RouteApplier {
                         )),
                     );
                 }
-                Some(Some(gw)) if *gw == r.via => {
+                // Up to date: same gateway, and through the tunnel exactly in tunnel mode.
+                Some((Some(gw), oif)) if *gw == r.via && tunnel.is_none_or(|t| t == *oif) => {
                     outcome.insert(*r, Ok(()));
                 }
                 Some(_) => to_set.push((*r, true)),
@@ -145,7 +169,9 @@ impl RouteApplier {
             .filter(|d| kernel.contains_key(d))
             .copied()
             .collect();
-        let (results, removed) = match run_changes(to_set.clone(), stale_present.clone()) {
+        let peers: Vec<Ipv4Addr> = want.iter().map(|r| r.via).collect();
+        let changes = run_changes(to_set.clone(), stale_present.clone(), tunnel, peers);
+        let (results, removed) = match changes {
             Ok(v) => v,
             Err(e) => {
                 for (r, _) in &to_set {
@@ -199,18 +225,49 @@ fn is_own(h: &RouteHeader) -> bool {
 }
 
 fn dst_and_gateway(m: &RouteMessage) -> Option<(Ipv4Net, Option<Ipv4Addr>)> {
+    dst_gateway_oif(m).map(|(d, g, _)| (d, g))
+}
+
+fn dst_gateway_oif(m: &RouteMessage) -> Option<(Ipv4Net, Option<Ipv4Addr>, u32)> {
     let mut dst = Ipv4Addr::UNSPECIFIED;
     let mut gw = None;
+    let mut oif = 0;
     for a in &m.attributes {
         match a {
             RouteAttribute::Destination(RouteAddress::Inet(d)) => dst = *d,
             RouteAttribute::Gateway(RouteAddress::Inet(g)) => gw = Some(*g),
+            RouteAttribute::Oif(i) => oif = *i,
             _ => {}
         }
     }
     Ipv4Net::new(dst, m.header.destination_prefix_length)
         .ok()
-        .map(|n| (n, gw))
+        .map(|n| (n, gw, oif))
+}
+
+/// Like `list_own_protocol`, with each route's output interface.
+fn list_own_protocol_oif() -> Result<BTreeMap<Ipv4Net, (Option<Ipv4Addr>, u32)>, NetdevError> {
+    with_netlink(None, |h| async move {
+        Ok(dump_own(&h)
+            .await?
+            .iter()
+            .filter_map(dst_gateway_oif)
+            .map(|(d, g, o)| (d, (g, o)))
+            .collect())
+    })
+}
+
+/// The tunnel device, up, with reverse-path filtering off (decapsulated packets come from
+/// remote pods). Returns its index.
+fn setup_tunnel(local: Ipv4Addr, mtu: u32, mark: String) -> Result<u32, NetdevError> {
+    let index = with_netlink(None, move |h| async move {
+        super::tunnel::ensure_device(&h, local, mtu, &mark).await
+    })?;
+    crate::datapath::netdev::sysctl(
+        &format!("net.ipv4.conf.{}.rp_filter", super::tunnel::VXLAN_DEVICE),
+        "0",
+    )?;
+    Ok(index)
 }
 
 async fn dump_own(h: &Handle) -> Result<Vec<RouteMessage>, NetdevError> {
@@ -253,15 +310,38 @@ pub fn list_own_protocol_all() -> Result<Vec<(Ipv4Net, Option<Ipv4Addr>)>, Netde
 type Changes = (Vec<(NodeRoute, Result<(), String>)>, Vec<Ipv4Net>);
 
 /// Adds (or, for an owned route whose gateway changed, replaces) routes and deletes stale ones.
-fn run_changes(set: Vec<(NodeRoute, bool)>, delete: Vec<Ipv4Net>) -> Result<Changes, NetdevError> {
+/// In tunnel mode (`tunnel` is the device's index) the FDB and neighbour entries of every
+/// wanted node (`peers`) are written first and those of other nodes removed.
+fn run_changes(
+    set: Vec<(NodeRoute, bool)>,
+    delete: Vec<Ipv4Net>,
+    tunnel: Option<u32>,
+    peers: Vec<Ipv4Addr>,
+) -> Result<Changes, NetdevError> {
     with_netlink(None, move |h| async move {
         let mut results = Vec::new();
+        let mut peer_errors = BTreeMap::new();
+        if let Some(ifindex) = tunnel {
+            for p in &peers {
+                if let Err(e) = super::tunnel::set_peer(&h, ifindex, *p).await {
+                    peer_errors.insert(*p, e.to_string());
+                }
+            }
+            super::tunnel::prune_peers(&h, ifindex, &peers).await?;
+        }
         for (r, replace) in set {
-            let msg = RouteMessageBuilder::<Ipv4Addr>::new()
+            if let Some(e) = peer_errors.get(&r.via) {
+                results.push((r, Err(e.clone())));
+                continue;
+            }
+            let b = RouteMessageBuilder::<Ipv4Addr>::new()
                 .destination_prefix(r.dst.network(), r.dst.prefix_len())
                 .gateway(r.via)
-                .protocol(RouteProtocol::Other(RTPROT_CILIATE))
-                .build();
+                .protocol(RouteProtocol::Other(RTPROT_CILIATE));
+            let msg = match tunnel {
+                Some(ifindex) => b.output_interface(ifindex).onlink().build(),
+                None => b.build(),
+            };
             let req = h.route().add(msg);
             // Never `replace` a destination ciliate does not own: another route there (a static
             // one, say) makes the add fail with EEXIST, and that is reported.

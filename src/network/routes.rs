@@ -139,7 +139,9 @@ pub fn desired_routes(
                 routes: Vec::new(),
                 problem: None,
             };
-            if local_node || cfg.mode != RoutingMode::Native || !cfg.auto_direct_node_routes {
+            // Tunnel mode routes every remote pod CIDR through the tunnel; native mode only
+            // with auto-direct-node-routes (else the network's router does).
+            if local_node || (cfg.mode == RoutingMode::Native && !cfg.auto_direct_node_routes) {
                 return plan;
             }
             plan.problem = node_routes(name, node, &cidrs[name.as_str()], &claims, cfg)
@@ -221,11 +223,7 @@ pub fn node_row(
 ) -> NodeRow {
     let route = if let Some(p) = &plan.problem {
         format!("error: {p}")
-    } else if plan.local {
-        "none".into()
-    } else if cfg.mode == RoutingMode::Tunnel && cfg.install {
-        "tunnel".into()
-    } else if plan.routes.is_empty() || !cfg.install {
+    } else if plan.local || plan.routes.is_empty() || !cfg.install {
         "none".into()
     } else {
         let errors: Vec<&str> = plan
@@ -237,7 +235,9 @@ pub fn node_row(
                 None => Some("not applied yet"),
             })
             .collect();
-        if errors.is_empty() {
+        if errors.is_empty() && cfg.mode == RoutingMode::Tunnel {
+            "tunnel".into()
+        } else if errors.is_empty() {
             "installed".into()
         } else {
             format!("error: {}", errors.join("; "))
@@ -360,21 +360,28 @@ mod tests {
     }
 
     #[test]
-    fn tunnel_mode_and_disabled_direct_routes_install_nothing() {
+    fn disabled_direct_routes_install_nothing_and_tunnel_mode_routes_through_the_tunnel() {
         let n = nodes(vec![node("b", &["172.18.0.3"], &["10.1.2.0/24"])]);
-        for cfg in [
-            RoutingConfig {
-                auto_direct_node_routes: false,
-                ..native()
-            },
-            RoutingConfig {
-                mode: RoutingMode::Tunnel,
-                ..native()
-            },
-        ] {
-            let plans = desired_routes("a", &n, &cfg);
-            assert!(all_routes(&plans).is_empty());
-        }
+        let cfg = RoutingConfig {
+            auto_direct_node_routes: false,
+            ..native()
+        };
+        assert!(all_routes(&desired_routes("a", &n, &cfg)).is_empty());
+        let tunnel = RoutingConfig {
+            mode: RoutingMode::Tunnel,
+            auto_direct_node_routes: false,
+            ..native()
+        };
+        let plans = desired_routes("a", &n, &tunnel);
+        let r = route("10.1.2.0/24", "172.18.0.3");
+        assert_eq!(all_routes(&plans), BTreeSet::from([r]));
+        let ok = BTreeMap::from([(r, Ok(()))]);
+        assert_eq!(node_row(&plans[0], &tunnel, &ok).route, "tunnel");
+        let memory = RoutingConfig {
+            install: false,
+            ..tunnel
+        };
+        assert_eq!(node_row(&plans[0], &memory, &ok).route, "none");
     }
 
     #[test]

@@ -47,6 +47,8 @@ pub struct ClusterNode {
     pub bpffs: PathBuf,
     pub agent: Option<Agent>,
     pub pods: Option<CniPods>,
+    /// Extra agent flags (e.g. `--routing-mode tunnel`).
+    pub agent_args: Vec<String>,
 }
 
 impl ClusterNode {
@@ -102,6 +104,7 @@ impl ClusterNode {
             .arg(self.socket())
             // The node's own loopback: every node may use the same port.
             .args(["--debug-addr", "127.0.0.1:9962"])
+            .args(&self.agent_args)
             .env("RUST_LOG", "info");
         let fd = ns.as_raw_fd();
         // SAFETY: setns is async-signal-safe; the descriptor outlives the spawn.
@@ -177,6 +180,11 @@ impl Cluster {
     /// `nodes` nodes (1-based names `node-1`...), the API server with namespace `x`, the CRDs
     /// and the Node objects, and an agent running on every node.
     pub fn start(nodes: usize) -> Cluster {
+        Cluster::start_with(nodes, &[])
+    }
+
+    /// Like `start`, every agent with the extra flags `agent_args`.
+    pub fn start_with(nodes: usize, agent_args: &[&str]) -> Cluster {
         let n = N.fetch_add(1, Ordering::SeqCst);
         let tag = format!("{}{}", std::process::id() % 100_000, n);
         let dir = tempfile::tempdir().expect("tempdir");
@@ -220,6 +228,7 @@ impl Cluster {
                 bpffs,
                 agent: None,
                 pods: Some(pods),
+                agent_args: agent_args.iter().map(|a| a.to_string()).collect(),
             });
         }
         c.start_api_server();
