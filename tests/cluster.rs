@@ -214,6 +214,44 @@ fn kill_9_keeps_cross_node_flows_and_the_restart_converges_after_a_node_left() {
     assert!(tcp_ok(&a.netns, b_addr, 8080));
 }
 
+/// A new Node's routes reach every agent quickly: the time from the Node object's creation
+/// until its route is in the kernel of all three nodes, over 20 additions (and removals).
+#[test]
+fn a_new_nodes_routes_are_on_every_agent_within_a_second() {
+    if !privileged() {
+        return;
+    }
+    let mut c = Cluster::start(3);
+    let mut delays = Vec::new();
+    let route = (pod_cidr(9), node_ip(9).to_string());
+    for _ in 0..20 {
+        let t = std::time::Instant::now();
+        c.api()
+            .apply_json(common::cluster::node_object(9))
+            .expect("node-9");
+        for i in 1..=3 {
+            let n = c.node(i);
+            n.agent().wait_until("node-9's route is installed", || {
+                n.kernel_routes().contains(&route)
+            });
+        }
+        delays.push(t.elapsed());
+        c.api()
+            .delete_object("v1", "Node", "", "node-9")
+            .expect("delete node-9");
+        for i in 1..=3 {
+            let n = c.node(i);
+            n.agent().wait_until("node-9's route is removed", || {
+                !n.kernel_routes().contains(&route)
+            });
+        }
+    }
+    delays.sort();
+    let (p50, max) = (delays[delays.len() / 2], delays[delays.len() - 1]);
+    eprintln!("new Node -> routes on all 3 agents: p50 {p50:?}, max (p99 of 20) {max:?}");
+    assert!(max < Duration::from_secs(1), "p99 {max:?}");
+}
+
 /// Tunnel mode: the same cross-node traffic through each node's vxlan device, routes via the
 /// device, and pod interfaces 50 bytes smaller than the link.
 #[test]
@@ -222,6 +260,7 @@ fn tunnel_mode_carries_pod_traffic_across_nodes_over_vxlan() {
         return;
     }
     let mut c = Cluster::start_with(3, &["--routing-mode", "tunnel"]);
+    let kubeconfig = c.kubeconfig.clone();
     let a = c.add_pod(1, "a", "a");
     let b = c.add_pod(2, "b", "b");
     let d = c.add_pod(3, "d", "d");
@@ -299,6 +338,21 @@ fn tunnel_mode_carries_pod_traffic_across_nodes_over_vxlan() {
     eventually("b admits a and not d", || {
         tcp_ok(&a.netns, b_addr, 8080) && !tcp_ok(&d.netns, b_addr, 8080)
     });
+
+    // Node 1 back to native routing: its tunnel device (and the routes through it) go, native
+    // routes take their place, once each.
+    let n1 = c.node(1);
+    n1.kill9_agent();
+    n1.agent_args.clear();
+    n1.start_agent(&kubeconfig);
+    n1.agent().wait_until("node-1 routes natively", || {
+        let shown = ip_out(&["-n", &n1.netns, "route", "show", "proto", "193"]);
+        sorted(n1.kernel_routes()) == expected_routes(1, &[1, 2, 3])
+            && !shown.contains("ciliate_vxlan")
+    });
+    let links = ip_out(&["-n", &n1.netns, "link", "show"]);
+    assert!(!links.contains("ciliate_vxlan"), "{links}");
+    assert_eq!(row(&n1.node_list(), "node-2")["route"], "installed");
 }
 
 fn ip_out(args: &[&str]) -> String {

@@ -197,12 +197,19 @@ fn open_route_applier(
     if !r.install {
         return Ok(None);
     }
-    let tunnel = (r.mode == crate::network::RoutingMode::Tunnel).then(|| {
-        (
-            crate::datapath::netdev::agent_mark(&config.state_dir),
-            pod_mtu(r),
-        )
-    });
+    let mark = crate::datapath::netdev::agent_mark(&config.state_dir);
+    if r.mode == crate::network::RoutingMode::Native {
+        match crate::network::tunnel::retire_device(&mark) {
+            Ok(true) => tracing::info!(
+                device = crate::network::tunnel::VXLAN_DEVICE,
+                "native routing: this agent's tunnel device of an earlier run removed"
+            ),
+            Ok(false) => {}
+            Err(e) => tracing::error!(error = %e, "the tunnel device of an earlier run is left"),
+        }
+    }
+    let tunnel =
+        (r.mode == crate::network::RoutingMode::Tunnel).then(|| (mark.clone(), pod_mtu(r)));
     crate::network::netlink::RouteApplier::open_with(&config.state_dir, tunnel)
         .map(Some)
         .map_err(|e| AgentError::Config(format!("route record: {e}")))

@@ -168,6 +168,17 @@ pub async fn prune_peers(h: &Handle, ifindex: u32, keep: &[Ipv4Addr]) -> Result<
     Ok(())
 }
 
+/// Native mode after tunnel mode: this agent's tunnel device (marked by it) is deleted, and its
+/// routes with it, so the reconciler installs native routes in their place. Returns whether
+/// there was one.
+pub fn retire_device(mark: &str) -> Result<bool> {
+    use crate::datapath::netdev::{delete_owned_interface, marked_interfaces, Reclaimed};
+    if !marked_interfaces(mark)?.iter().any(|n| n == VXLAN_DEVICE) {
+        return Ok(false);
+    }
+    Ok(delete_owned_interface(VXLAN_DEVICE, mark)? == Reclaimed::Deleted)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
