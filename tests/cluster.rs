@@ -430,6 +430,12 @@ status: {addresses: [{type: InternalIP, address: 172.21.0.13}]}
     let status = agent.cli_json(&["status"]);
     assert_eq!(status["routing_mode"], "native");
     assert_eq!(status["routes_installed"], 0);
+    // The debug server (and its page) shows the same.
+    let debug = agent.json("/debug/nodes");
+    assert_eq!(debug["mode"], "native");
+    assert_eq!(debug["nodes"], list);
+    let (_, page) = agent.http_get("/debug/");
+    assert!(page.contains("/debug/nodes"), "the page shows the nodes");
     let (code, table, _) = agent.cli(&["node", "list"]);
     assert_eq!(code, 0);
     assert!(

@@ -303,6 +303,11 @@ fn routing_view(st: &AppState) -> crate::network::RoutingView {
     }
 }
 
+/// `GET /debug/nodes`: the routing mode, the routes installed and every node's row.
+async fn debug_nodes(st: web::Data<AppState>) -> HttpResponse {
+    HttpResponse::Ok().json(routing_view(&st))
+}
+
 /// `GET /v1/nodes`: every node with its addresses, pod CIDRs and route state.
 async fn nodes(st: web::Data<AppState>) -> HttpResponse {
     HttpResponse::Ok().json(routing_view(&st).nodes)
@@ -406,7 +411,8 @@ pub fn read_routes(cfg: &mut web::ServiceConfig) {
         .route("/debug/endpoints", web::get().to(endpoints))
         .route("/debug/policy", web::get().to(policy))
         .route("/debug/identities", web::get().to(identities))
-        .route("/debug/ipcache", web::get().to(ipcache));
+        .route("/debug/ipcache", web::get().to(ipcache))
+        .route("/debug/nodes", web::get().to(debug_nodes));
 }
 
 /// Limits of the debug server, which every local user can reach: it must never take the
