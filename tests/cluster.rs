@@ -11,7 +11,7 @@ use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::time::Duration;
 
 use common::agent::Agent;
-use common::cluster::{node_ip, pod_cidr, Cluster};
+use common::cluster::{node_ip, pod_cidr, Cluster, ClusterNode};
 use common::eventually;
 use common::netns::{icmp_ok, in_netns, privileged, tcp_ok, tcp_server, udp_ok, udp_server};
 use serde_json::{json, Value};
@@ -25,6 +25,23 @@ fn expected_routes(local: usize, nodes: &[usize]) -> Vec<(String, String)> {
         .collect();
     v.sort();
     v
+}
+
+/// Whether node `i` of `nodes` holds exactly its expected routes in the kernel, and its node
+/// list (written once the kernel has them) says `state` for every other node.
+fn routed(node: &ClusterNode, i: usize, nodes: &[usize], state: &str) -> bool {
+    if sorted(node.kernel_routes()) != expected_routes(i, nodes) {
+        return false;
+    }
+    let (code, out, _) = node.agent().cli(&["node", "list", "-o", "json"]);
+    let list: Value = serde_json::from_str(&out).unwrap_or(Value::Null);
+    code == 0
+        && list.as_array().is_some_and(|rows| {
+            rows.len() == nodes.len()
+                && rows
+                    .iter()
+                    .all(|r| r["local"] == true || r["route"] == state)
+        })
 }
 
 fn sorted(mut v: Vec<(String, String)>) -> Vec<(String, String)> {
@@ -91,7 +108,7 @@ fn pods_reach_each_other_across_nodes_and_node_2_admits_only_app_a_of_node_1() {
         let node = c.node(i);
         node.agent()
             .wait_until("the node's routes are installed", || {
-                sorted(node.kernel_routes()) == expected_routes(i, &[1, 2, 3])
+                routed(node, i, &[1, 2, 3], "installed")
             });
         let list = node.node_list();
         assert_eq!(list.as_array().map(|a| a.len()), Some(3), "{list}");
@@ -156,7 +173,7 @@ fn kill_9_keeps_cross_node_flows_and_the_restart_converges_after_a_node_left() {
     {
         let n1 = c.node(1);
         n1.agent().wait_until("node-1's routes are installed", || {
-            sorted(n1.kernel_routes()) == expected_routes(1, &[1, 2, 3])
+            routed(n1, 1, &[1, 2, 3], "installed")
         });
     }
     eventually("a reaches b", || tcp_ok(&a.netns, b_addr, 8080));
@@ -191,18 +208,15 @@ fn kill_9_keeps_cross_node_flows_and_the_restart_converges_after_a_node_left() {
     {
         let n2 = c.node(2);
         n2.agent().wait_until("node-2 drops node-3's route", || {
-            sorted(n2.kernel_routes()) == expected_routes(2, &[1, 2])
+            routed(n2, 2, &[1, 2], "installed")
         });
-        let list = n2.node_list();
-        assert_eq!(list.as_array().map(|a| a.len()), Some(2), "{list}");
     }
     // ... and node-1's restarted agent converges: node-3's route gone, node-2's kept, once.
     let kubeconfig = c.kubeconfig.clone();
     c.node(1).start_agent(&kubeconfig);
     let n1 = c.node(1);
-    n1.agent().wait_until("node-1 converges", || {
-        sorted(n1.kernel_routes()) == expected_routes(1, &[1, 2])
-    });
+    n1.agent()
+        .wait_until("node-1 converges", || routed(n1, 1, &[1, 2], "installed"));
     // Stays converged (a later resync adds nothing).
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(sorted(n1.kernel_routes()), expected_routes(1, &[1, 2]));
@@ -268,7 +282,7 @@ fn tunnel_mode_carries_pod_traffic_across_nodes_over_vxlan() {
         let node = c.node(i);
         node.agent()
             .wait_until("the node's tunnel routes are installed", || {
-                sorted(node.kernel_routes()) == expected_routes(i, &[1, 2, 3])
+                routed(node, i, &[1, 2, 3], "tunnel")
             });
         let shown = ip_out(&["-n", &node.netns, "route", "show", "proto", "193"]);
         assert_eq!(
@@ -347,8 +361,7 @@ fn tunnel_mode_carries_pod_traffic_across_nodes_over_vxlan() {
     n1.start_agent(&kubeconfig);
     n1.agent().wait_until("node-1 routes natively", || {
         let shown = ip_out(&["-n", &n1.netns, "route", "show", "proto", "193"]);
-        sorted(n1.kernel_routes()) == expected_routes(1, &[1, 2, 3])
-            && !shown.contains("ciliate_vxlan")
+        routed(n1, 1, &[1, 2, 3], "installed") && !shown.contains("ciliate_vxlan")
     });
     let links = ip_out(&["-n", &n1.netns, "link", "show"]);
     assert!(!links.contains("ciliate_vxlan"), "{links}");
