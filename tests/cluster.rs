@@ -534,6 +534,9 @@ fn route_applier_touches_only_its_own_routes_and_a_restart_reconciles_them() {
                 "10.230.2.0/24 via 172.22.0.3"
             ]
         );
+        // A destination someone else routes is not recorded as this agent's.
+        let record = std::fs::read_to_string(pa.join("routes.json")).unwrap();
+        assert!(!record.contains("10.230.3.0/24"), "{record}");
         let static_route = std::process::Command::new("ip")
             .args(["route", "show", "10.230.3.0/24"])
             .output()

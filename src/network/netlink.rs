@@ -156,6 +156,7 @@ impl RouteApplier {
             .copied()
             .collect();
         // The intent first: a crash after the add still finds the route recorded.
+        let before = self.owned.clone();
         let mut intent = self.owned.clone();
         intent.extend(to_set.iter().map(|(r, _)| r.dst));
         if let Err(e) = self.save(intent) {
@@ -184,22 +185,20 @@ impl RouteApplier {
         for d in &removed {
             tracing::info!(dst = %d, "route to a removed node's pod CIDR deleted");
         }
-        // Owned now: what is wanted and ours, and what could not be removed.
-        let mut owned: BTreeSet<Ipv4Net> = self
-            .owned
+        // Owned now: what is wanted and in place, what was ours before (a failed replace leaves
+        // it in the kernel), and what could not be removed; a failed add is not ours (the
+        // destination may be someone else's).
+        let owned: BTreeSet<Ipv4Net> = want
             .iter()
-            .filter(|d| {
-                want.iter().any(|r| r.dst == **d)
-                    || (stale_present.contains(d) && !removed.contains(d))
-            })
-            .copied()
+            .filter(|r| outcome.get(r).is_some_and(|o| o.is_ok()) || before.contains(&r.dst))
+            .map(|r| r.dst)
+            .chain(
+                stale_present
+                    .iter()
+                    .filter(|d| !removed.contains(d))
+                    .copied(),
+            )
             .collect();
-        owned.extend(
-            to_set
-                .iter()
-                .filter(|(r, _)| outcome.get(r).is_some_and(|o| o.is_ok()))
-                .map(|(r, _)| r.dst),
-        );
         if let Err(e) = self.save(owned) {
             tracing::error!(error = %e, "route record not updated");
         }
