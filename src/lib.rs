@@ -14,5 +14,6 @@ pub mod demo;
 pub mod ipam;
 pub mod k8s;
 pub mod manifests;
+pub mod network;
 pub mod policy;
 pub mod simulate;

@@ -63,6 +63,13 @@ fn agent(args: AgentArgs) -> i32 {
             ..Default::default()
         },
         debug_max_connections: args.debug_max_connections as usize,
+        routing: ciliate::network::RoutingConfig {
+            mode: args.routing_mode,
+            tunnel_protocol: args.tunnel_protocol,
+            auto_direct_node_routes: args.auto_direct_node_routes,
+            native_routing_cidr: args.ipv4_native_routing_cidr.map(|n| n.trunc()),
+            install: args.datapath == ciliate::agent::run::DatapathKind::Bpf,
+        },
     };
     match run(config) {
         Ok(()) => 0,
@@ -176,6 +183,10 @@ fn main() {
         Command::Status { client: c } => client(&c, ClientCall::Status),
         Command::Endpoint { command, client: c } => client(&c, ClientCall::Endpoint(&command)),
         Command::Identity { command, client: c } => client(&c, ClientCall::Identity(&command)),
+        Command::Node {
+            command: ciliate::cli::NodeCommand::List,
+            client: c,
+        } => client(&c, ClientCall::NodeList),
         Command::Bpf { command, client: c } => client(&c, ClientCall::Bpf(&command)),
         Command::Monitor { count, client: c } => monitor(&c, count),
         Command::Demo {

@@ -351,6 +351,9 @@ fn daemonset_runs_the_agent_privileged_on_the_host_network() {
         "--node-name $(NODE_NAME)",
         "--datapath bpf",
         "--api-socket /var/run/ciliate/ciliate.sock",
+        "--routing-mode $(ROUTING_MODE)",
+        "--auto-direct-node-routes $(AUTO_DIRECT_NODE_ROUTES)",
+        "--ipv4-native-routing-cidr $(IPV4_NATIVE_ROUTING_CIDR)",
     ] {
         assert!(line.contains(flags), "{line} has {flags}");
     }

@@ -965,6 +965,18 @@ impl PolicyRepoActor {
     }
 }
 
+impl PolicyRepoActor {
+    /// Hands the node set to the route reconciler (it keeps only the newest).
+    fn publish_nodes(&self) {
+        self.shared.nodes.send_replace(
+            self.nodes
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+        );
+    }
+}
+
 impl Handler<NodeUpsert> for PolicyRepoActor {
     type Result = ();
     fn handle(&mut self, msg: NodeUpsert, _: &mut Context<Self>) {
@@ -991,6 +1003,7 @@ impl Handler<NodeUpsert> for PolicyRepoActor {
             }
         }
         self.nodes.insert(msg.node.name.clone(), msg.node);
+        self.publish_nodes();
         self.react(
             "node".into(),
             Instant::now(),
@@ -1017,6 +1030,7 @@ impl Handler<NodeDelete> for PolicyRepoActor {
         let Some(old) = self.nodes.remove(&msg.name) else {
             return;
         };
+        self.publish_nodes();
         let mut ipcache = Vec::new();
         {
             let mut engine = self.engine_mut();

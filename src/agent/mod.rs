@@ -53,6 +53,12 @@ pub struct Shared {
     pub sync_waiting: Arc<Mutex<Vec<String>>>,
     /// Kubernetes mode: where policy outcomes go to be written into CNP/CCNP status.
     pub policy_status: Option<crate::k8s::status::PolicyStatusSink>,
+    /// The Node objects known, for the route reconciler (`PolicyRepoActor` publishes them).
+    pub nodes: tokio::sync::watch::Sender<crate::network::NodeSet>,
+    /// Routing as realized: mode, routes installed, one row per node (`node list`).
+    pub routing: Arc<Mutex<crate::network::RoutingView>>,
+    /// The MTU the CNI gives pod interfaces (lowered by the tunnel's overhead in tunnel mode).
+    pub pod_mtu: u32,
 }
 
 impl Shared {
@@ -81,6 +87,12 @@ impl Shared {
             events: tokio::sync::broadcast::channel(4096).0,
             sync_waiting: Arc::new(Mutex::new(Vec::new())),
             policy_status: None,
+            nodes: tokio::sync::watch::channel(Default::default()).0,
+            routing: Arc::new(Mutex::new(crate::network::RoutingView {
+                mode: crate::network::RoutingMode::Native.as_str().into(),
+                ..Default::default()
+            })),
+            pod_mtu: crate::network::tunnel::LINK_MTU,
         }
     }
 

@@ -189,12 +189,14 @@ pub fn node_info(node: &Node) -> Result<NodeInfo, String> {
         .filter(|n| !n.is_empty())
         .ok_or("metadata.name: missing")?;
     let mut ips = Vec::new();
-    for a in node
-        .status
-        .iter()
-        .flat_map(|s| s.addresses.iter().flatten())
-    {
-        if a.type_ == "InternalIP" || a.type_ == "ExternalIP" {
+    // InternalIP first: other nodes route this node's pod CIDRs through its first address.
+    for kind in ["InternalIP", "ExternalIP"] {
+        for a in node
+            .status
+            .iter()
+            .flat_map(|s| s.addresses.iter().flatten())
+            .filter(|a| a.type_ == kind)
+        {
             if let Ok(ip) = a.address.parse::<IpAddr>() {
                 if !ips.contains(&ip) {
                     ips.push(ip);
@@ -310,5 +312,21 @@ status: {addresses: [{type: InternalIP, address: 172.18.0.2}, {type: Hostname, a
             serde_yaml::from_str("metadata: {name: a, labels: {app.kubernetes.io/name: web}}")
                 .unwrap();
         assert!(pod_info(&ok, "x").is_ok());
+    }
+
+    #[test]
+    fn the_internal_ip_comes_first_whatever_the_order_of_addresses() {
+        let node: Node = serde_yaml::from_str(
+            "metadata: {name: n1}
+status: {addresses: [{type: ExternalIP, address: 1.2.3.4}, {type: InternalIP, address: 172.18.0.2}]}",
+        )
+        .unwrap();
+        let ips: Vec<String> = node_info(&node)
+            .unwrap()
+            .ips
+            .iter()
+            .map(|i| i.to_string())
+            .collect();
+        assert_eq!(ips, ["172.18.0.2", "1.2.3.4"]);
     }
 }

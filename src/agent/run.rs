@@ -58,6 +58,8 @@ pub struct AgentConfig {
     pub manifest_limits: crate::manifests::Limits,
     /// Connections the debug server serves at once (any local user can open them).
     pub debug_max_connections: usize,
+    /// Routes between nodes (interfaces.md section 8).
+    pub routing: crate::network::RoutingConfig,
 }
 
 /// How long a debug-server connection may sit idle: the debug page polls every two seconds.
@@ -169,6 +171,7 @@ pub fn run(config: AgentConfig) -> Result<(), AgentError> {
     // Bound before anything runs: a taken port or an unusable socket path ends the start here,
     // with nothing to tear down. Connections wait in the kernel's queue until served.
     let listeners = Listeners::bind(&config.api_socket, &config.state_dir, config.debug_addr)?;
+    let route_applier = open_route_applier(&config)?;
     let datapath: Box<dyn Datapath> = match config.datapath {
         DatapathKind::Memory => Box::new(MemoryDatapath::new()),
         DatapathKind::Bpf => Box::new(
@@ -178,8 +181,52 @@ pub fn run(config: AgentConfig) -> Result<(), AgentError> {
     };
     let system = actix::System::new();
     system.block_on(run_async(
-        config, source, datapath, state_dir, ipam, listeners,
+        config,
+        source,
+        datapath,
+        state_dir,
+        ipam,
+        listeners,
+        route_applier,
     ))
+}
+
+/// The route applier of this agent (its record read from the state directory), or none when
+/// routes are only computed (`--datapath memory`, or native mode without direct routes).
+fn open_route_applier(
+    config: &AgentConfig,
+) -> Result<Option<crate::network::netlink::RouteApplier>, AgentError> {
+    let r = &config.routing;
+    if !r.install {
+        return Ok(None);
+    }
+    let mark = crate::datapath::netdev::agent_mark(&config.state_dir);
+    if r.mode == crate::network::RoutingMode::Native {
+        match crate::network::tunnel::retire_device(&mark) {
+            Ok(true) => tracing::info!(
+                device = crate::network::tunnel::VXLAN_DEVICE,
+                "native routing: this agent's tunnel device of an earlier run removed"
+            ),
+            Ok(false) => {}
+            Err(e) => tracing::error!(error = %e, "the tunnel device of an earlier run is left"),
+        }
+    }
+    let tunnel =
+        (r.mode == crate::network::RoutingMode::Tunnel).then(|| (mark.clone(), pod_mtu(r)));
+    crate::network::netlink::RouteApplier::open_with(&config.state_dir, tunnel)
+        .map(Some)
+        .map_err(|e| AgentError::Config(format!("route record: {e}")))
+}
+
+/// The MTU of pod interfaces (and of the tunnel device): the link's, less the tunnel's overhead
+/// in tunnel mode.
+fn pod_mtu(r: &crate::network::RoutingConfig) -> u32 {
+    match r.mode {
+        crate::network::RoutingMode::Native => crate::network::tunnel::LINK_MTU,
+        crate::network::RoutingMode::Tunnel => {
+            crate::network::tunnel::LINK_MTU - crate::network::tunnel::VXLAN_OVERHEAD
+        }
+    }
 }
 
 /// The actors every mode shares, wired together.
@@ -223,8 +270,13 @@ async fn run_async(
     state_dir: StateDir,
     ipam: Option<crate::ipam::Ipam>,
     listeners: Listeners,
+    route_applier: Option<crate::network::netlink::RouteApplier>,
 ) -> Result<(), AgentError> {
     let mut shared = Shared::new(&config.node_name, state_dir.clone());
+    if let Ok(mut v) = shared.routing.lock() {
+        v.mode = config.routing.mode.as_str().into();
+    }
+    shared.pod_mtu = pod_mtu(&config.routing);
     // Kubernetes mode: the client first, so a bad kubeconfig fails the start at once.
     let feed = match source {
         Source::Kubernetes { kubeconfig } => {
@@ -473,6 +525,15 @@ async fn run_async(
     if sweep_state.mode == "kubernetes" {
         actix_rt::spawn(sweep_podless_endpoints(sweep_state));
     }
+    actix_rt::spawn(crate::network::run_route_reconciler(
+        config.node_name.clone(),
+        config.routing.clone(),
+        route_applier,
+        shared.nodes.subscribe(),
+        shared.ready.clone(),
+        shared.routing.clone(),
+    ));
+
     let (socket_handle, debug_handle) = (socket_server.handle(), debug_server.handle());
     actix_rt::spawn(socket_server);
     actix_rt::spawn(debug_server);

@@ -27,8 +27,6 @@ use crate::datapath::EndpointId;
 
 /// How long ADD waits for the agent's initial sync and for the endpoint's first policy.
 const ADD_WAIT: Duration = Duration::from_secs(20);
-/// The pod interface's MTU.
-const POD_MTU: u32 = 1500;
 
 fn cni_error(status: StatusCode, e: CniError) -> HttpResponse {
     let body = serde_json::to_string(&e).unwrap_or_else(|_| e.msg.clone());
@@ -369,7 +367,7 @@ pub async fn add(st: web::Data<AppState>, req: web::Json<CniRequest>) -> HttpRes
         netns: netns.clone(),
         pod_if: req.ifname.clone(),
         ip,
-        mtu: POD_MTU,
+        mtu: st.shared.pod_mtu,
         mark: mark(&st),
     };
     let ifs = match blocking(move || netdev::create_pod_interface(&spec)).await {

@@ -76,6 +76,12 @@ pub struct StatusModel {
     /// Node IPAM, when the node has a pod CIDR.
     #[serde(default)]
     pub ipam: Option<IpamStatus>,
+    /// `native` or `tunnel` (`--routing-mode`).
+    #[serde(default)]
+    pub routing_mode: String,
+    /// Routes to other nodes' pod CIDRs this agent has in the kernel.
+    #[serde(default)]
+    pub routes_installed: usize,
 }
 
 /// The node's pod CIDR and how much of it is in use.
@@ -259,6 +265,7 @@ async fn status(st: web::Data<AppState>) -> HttpResponse {
             e.identities().len(),
         )
     };
+    let routing = routing_view(&st);
     HttpResponse::Ok().json(StatusModel {
         node_name: st.shared.node_name.clone(),
         mode: st.mode.into(),
@@ -286,7 +293,26 @@ async fn status(st: web::Data<AppState>) -> HttpResponse {
                 capacity: i.capacity(),
             })
         }),
+        routing_mode: routing.mode,
+        routes_installed: routing.routes_installed,
     })
+}
+
+fn routing_view(st: &AppState) -> crate::network::RoutingView {
+    match st.shared.routing.lock() {
+        Ok(g) => g.clone(),
+        Err(p) => p.into_inner().clone(),
+    }
+}
+
+/// `GET /debug/nodes`: the routing mode, the routes installed and every node's row.
+async fn debug_nodes(st: web::Data<AppState>) -> HttpResponse {
+    HttpResponse::Ok().json(routing_view(&st))
+}
+
+/// `GET /v1/nodes`: every node with its addresses, pod CIDRs and route state.
+async fn nodes(st: web::Data<AppState>) -> HttpResponse {
+    HttpResponse::Ok().json(routing_view(&st).nodes)
 }
 
 async fn add_endpoint(st: web::Data<AppState>, req: web::Json<EndpointRequest>) -> HttpResponse {
@@ -387,7 +413,8 @@ pub fn read_routes(cfg: &mut web::ServiceConfig) {
         .route("/debug/endpoints", web::get().to(endpoints))
         .route("/debug/policy", web::get().to(policy))
         .route("/debug/identities", web::get().to(identities))
-        .route("/debug/ipcache", web::get().to(ipcache));
+        .route("/debug/ipcache", web::get().to(ipcache))
+        .route("/debug/nodes", web::get().to(debug_nodes));
 }
 
 /// Limits of the debug server, which every local user can reach: it must never take the
@@ -514,6 +541,7 @@ pub fn socket_routes(cfg: &mut web::ServiceConfig) {
         .route("/v1/policy", web::get().to(policy))
         .route("/v1/identities", web::get().to(identities))
         .route("/v1/ipcache", web::get().to(ipcache))
+        .route("/v1/nodes", web::get().to(nodes))
         .route("/v1/bpf/policy/{id}", web::get().to(bpf_policy))
         .route("/v1/monitor", web::get().to(monitor))
         .route("/v1/cni/add", web::post().to(cni::add))

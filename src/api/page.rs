@@ -27,6 +27,7 @@ const PAGE: &str = r##"<!doctype html>
 </div></div>
 <h2>Endpoints</h2><table id="eps"><thead><tr><th>id</th><th>name</th><th>identity</th><th>state</th><th>revision</th><th>entries</th><th>ips</th><th>error</th></tr></thead><tbody></tbody></table>
 <h2>Policies</h2><table id="pols"><thead><tr><th>kind</th><th>name</th><th>rules</th><th>revision</th><th>status</th><th>notes</th></tr></thead><tbody></tbody></table>
+<h2>Nodes <span id="routing" class="muted"></span></h2><table id="nodes"><thead><tr><th>name</th><th>local</th><th>ips</th><th>pod CIDRs</th><th>route</th></tr></thead><tbody></tbody></table>
 <script>
 let sel = "PolicyRepoActor";
 const esc = s => String(s ?? "").replace(/[&<>"]/g, c => ({"&":"&amp;","<":"&lt;",">":"&gt;",'"':"&quot;"}[c]));
@@ -44,6 +45,9 @@ async function refresh(){
   const msgs = await get("/debug/actors/" + sel.replace("/", "%2F") + "/messages").catch(() => []);
   fill("msgs", msgs.slice(-40).reverse().map(m => `<tr><td>${m.seq}</td><td>${esc(m.message)}</td><td><code>${esc(m.summary)}</code></td><td>${esc(m.from)}</td><td>${micros(m.finished_at) - micros(m.started_at)}</td><td class="${m.outcome==='ok'?'ok':'err'}">${esc(m.outcome)}</td></tr>`));
   fill("eps", eps.map(e => `<tr><td>${e.id}</td><td>${esc(e.name)}</td><td>${e.identity ?? ""}</td><td class="${e.state==='ready'?'ok':'err'}">${esc(e.state)}</td><td>${e.policy_revision}</td><td>${e.policy_entries}</td><td>${esc(e.ips.join(", "))}</td><td class=err>${esc(e.error)}</td></tr>`));
+  const net = await get("/debug/nodes").catch(() => ({mode: "?", routes_installed: 0, nodes: []}));
+  document.getElementById("routing").textContent = `routing ${net.mode} · ${net.routes_installed} routes installed`;
+  fill("nodes", net.nodes.map(n => `<tr><td>${esc(n.name)}</td><td>${n.local ? "yes" : ""}</td><td>${esc(n.ips.join(", "))}</td><td>${esc(n.pod_cidrs.join(", "))}</td><td class="${n.route.startsWith('error')?'err':'ok'}">${esc(n.route)}</td></tr>`));
   fill("pols", pol.policies.map(p => `<tr><td>${esc(p.kind)}</td><td>${esc((p.namespace ? p.namespace + "/" : "") + p.name)}</td><td>${p.rules}</td><td>${p.revision}</td><td class="${p.status==='accepted'?'ok':'err'}">${esc(p.status)}</td><td>${esc(p.notes.join("; "))}</td></tr>`));
  } catch(e) { document.getElementById("hdr").innerHTML = `<span class=err>${esc(e.message)}</span>`; }
 }

@@ -12,6 +12,7 @@ pub enum ClientCall<'a> {
     PolicyGet,
     Identity(&'a IdentityCommand),
     Bpf(&'a BpfCommand),
+    NodeList,
 }
 
 fn s(v: &Value) -> String {
@@ -64,6 +65,24 @@ type Renderer = Box<dyn Fn(&Value) -> String>;
 const ENDPOINT_HEADERS: [&str; 8] = [
     "ID", "NAME", "IDENTITY", "STATE", "REVISION", "ENTRIES", "ENFORCED", "IPS",
 ];
+
+const NODE_HEADERS: [&str; 5] = ["NAME", "LOCAL", "IPS", "POD CIDRS", "ROUTE"];
+
+fn node_rows(v: &Value) -> Vec<Vec<String>> {
+    v.as_array()
+        .into_iter()
+        .flatten()
+        .map(|n| {
+            vec![
+                s(&n["name"]),
+                s(&n["local"]),
+                s(&n["ips"]),
+                s(&n["pod_cidrs"]),
+                s(&n["route"]),
+            ]
+        })
+        .collect()
+}
 
 /// Runs a client command; returns the text to print.
 pub fn run_client(opts: &ClientOpts, call: ClientCall) -> Result<String, ClientError> {
@@ -123,6 +142,10 @@ pub fn run_client(opts: &ClientOpts, call: ClientCall) -> Result<String, ClientE
                 Box::new(move |_| format!("endpoint {id} deleted\n")),
             )
         }
+        ClientCall::NodeList => (
+            request(sock, "GET", "/v1/nodes", None)?,
+            Box::new(|v| table(&NODE_HEADERS, &node_rows(v))),
+        ),
         ClientCall::PolicyGet => (
             request(sock, "GET", "/v1/policy", None)?,
             Box::new(|v| {

@@ -78,6 +78,13 @@ pub enum Command {
         #[command(flatten)]
         client: ClientOpts,
     },
+    /// Cluster nodes: addresses, pod CIDRs and the state of the routes to them.
+    Node {
+        #[command(subcommand)]
+        command: NodeCommand,
+        #[command(flatten)]
+        client: ClientOpts,
+    },
     /// Security identities.
     Identity {
         #[command(subcommand)]
@@ -161,6 +168,18 @@ pub struct AgentArgs {
     /// it is refused (its previous objects stay).
     #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub manifest_max_documents: u64,
+    /// How pod traffic reaches other nodes: native (routes via each node's InternalIP) or tunnel.
+    #[arg(long, value_enum, default_value = "native")]
+    pub routing_mode: crate::network::RoutingMode,
+    /// Tunnel mode: the encapsulation.
+    #[arg(long, value_enum, default_value = "vxlan")]
+    pub tunnel_protocol: crate::network::TunnelProtocol,
+    /// Native mode: install a route to every other node's pod CIDRs via its InternalIP.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub auto_direct_node_routes: bool,
+    /// The cluster's pod address space: other nodes' pod CIDRs outside it are not routed.
+    #[arg(long)]
+    pub ipv4_native_routing_cidr: Option<ipnet::Ipv4Net>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -218,6 +237,12 @@ pub enum EndpointCommand {
     },
     /// Delete an endpoint.
     Delete { id: u16 },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum NodeCommand {
+    /// List the nodes the agent knows.
+    List,
 }
 
 #[derive(Debug, Subcommand)]

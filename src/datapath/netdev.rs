@@ -148,14 +148,14 @@ fn fnv1a(bytes: &[u8]) -> u64 {
     h
 }
 
-fn alias(link: &LinkMessage) -> Option<&str> {
+pub(crate) fn alias(link: &LinkMessage) -> Option<&str> {
     link.attributes.iter().find_map(|a| match a {
         LinkAttribute::IfAlias(s) => Some(s.as_str()),
         _ => None,
     })
 }
 
-fn nl_err(step: impl Into<String>) -> impl FnOnce(rtnetlink::Error) -> NetdevError {
+pub(crate) fn nl_err(step: impl Into<String>) -> impl FnOnce(rtnetlink::Error) -> NetdevError {
     let step = step.into();
     move |e| NetdevError::Netlink {
         step,
@@ -187,7 +187,7 @@ fn mac_bytes(mac: &str) -> Result<Vec<u8>> {
 
 /// Runs `f` with a netlink handle on a private runtime, in a new thread that first entered
 /// `netns` (or stays in the process's namespace when `None`).
-fn with_netlink<T, F, Fut>(netns: Option<&Path>, f: F) -> Result<T>
+pub(crate) fn with_netlink<T, F, Fut>(netns: Option<&Path>, f: F) -> Result<T>
 where
     T: Send + 'static,
     F: FnOnce(Handle) -> Fut + Send + 'static,
@@ -231,7 +231,7 @@ where
         .map_err(|_| NetdevError::Invalid("netlink thread panicked".into()))?
 }
 
-async fn link_by_name(handle: &Handle, name: &str) -> Result<Option<LinkMessage>> {
+pub(crate) async fn link_by_name(handle: &Handle, name: &str) -> Result<Option<LinkMessage>> {
     let mut links = handle.link().get().match_name(name.to_string()).execute();
     match links.try_next().await {
         Ok(l) => Ok(l),
@@ -393,7 +393,8 @@ pub fn create_pod_interface(spec: &PodInterfaceSpec) -> Result<PodInterfaces> {
 /// neighbour and the routes. Returns the pod interface's MAC.
 fn configure_pod_side(spec: &PodInterfaceSpec, tmp_peer: &str, host_mac: &str) -> Result<String> {
     let host_mac = mac_bytes(host_mac)?;
-    let (tmp_peer, pod_if, ip) = (tmp_peer.to_string(), spec.pod_if.clone(), spec.ip);
+    let (tmp_peer, pod_if, ip, mtu) =
+        (tmp_peer.to_string(), spec.pod_if.clone(), spec.ip, spec.mtu);
     with_netlink(Some(&spec.netns), move |h| async move {
         let peer = link_by_name(&h, &tmp_peer).await?.ok_or_else(|| {
             NetdevError::Invalid(format!("{tmp_peer} did not arrive in the pod's namespace"))
@@ -413,11 +414,13 @@ fn configure_pod_side(spec: &PodInterfaceSpec, tmp_peer: &str, host_mac: &str) -
             .execute()
             .await
             .map_err(nl_err(format!("rename {tmp_peer} to {pod_if}")))?;
+        // The pod's side gets the MTU too (a veth's peer keeps the default otherwise): in
+        // tunnel mode it is the link's less the encapsulation.
         h.link()
-            .set(LinkUnspec::new_with_index(index).up().build())
+            .set(LinkUnspec::new_with_index(index).mtu(mtu).up().build())
             .execute()
             .await
-            .map_err(nl_err(format!("set {pod_if} up")))?;
+            .map_err(nl_err(format!("set {pod_if} up, mtu {mtu}")))?;
         if let Some(lo) = link_by_name(&h, "lo").await? {
             h.link()
                 .set(LinkUnspec::new_with_index(lo.header.index).up().build())

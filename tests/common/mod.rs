@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod agent;
+pub mod cluster;
 pub mod cni;
 pub mod netns;
 

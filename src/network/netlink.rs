@@ -1,0 +1,370 @@
+//! Applies the desired routes to the kernel over rtnetlink, in the agent's own network
+//! namespace. Ownership: every route the agent installs carries `rtm_protocol` =
+//! `RTPROT_CILIATE`, and the destinations it owns are recorded in `STATE_DIR/routes.json`
+//! *before* it adds them. Only a route with that protocol whose destination is in this agent's
+//! record is ever changed or removed, so a restart removes what it left behind (no leak), finds
+//! what it installed (no duplicate), and another agent's routes (same protocol, not in this
+//! record) or anyone else's (other protocol) are never touched.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+
+use futures_util::TryStreamExt;
+use ipnet::Ipv4Net;
+use rtnetlink::packet_route::route::{
+    RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteProtocol,
+};
+use rtnetlink::{Handle, RouteMessageBuilder};
+
+use super::routes::NodeRoute;
+use crate::datapath::netdev::{nl_err, with_netlink, NetdevError};
+
+/// The `rtm_protocol` of every route a ciliate agent installs (unassigned in rt_protocols).
+pub const RTPROT_CILIATE: u8 = 193;
+/// The record of owned destinations, in the state directory.
+pub const RECORD_FILE: &str = "routes.json";
+
+#[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
+struct Record {
+    /// Destinations as CIDR text (ipnet has no serde here).
+    routes: BTreeSet<String>,
+}
+
+/// The outcome per desired route: installed, or why not.
+pub type Outcome = BTreeMap<NodeRoute, Result<(), String>>;
+
+/// The routes this agent owns, and the record that proves it across restarts.
+#[derive(Debug)]
+pub struct RouteApplier {
+    record: PathBuf,
+    owned: BTreeSet<Ipv4Net>,
+    forwarding_checked: bool,
+    /// Tunnel mode: the mark (alias) of this agent's vxlan device, and its MTU.
+    tunnel: Option<(String, u32)>,
+}
+
+impl RouteApplier {
+    /// Reads the record in `state_root` (none yet: nothing owned). An unreadable record is an
+    /// error: guessing would either leak routes or take another agent's.
+    pub fn open(state_root: &Path) -> Result<RouteApplier, String> {
+        Self::open_with(state_root, None)
+    }
+
+    /// Like `open`, for tunnel mode when `tunnel` is `(device mark, device MTU)`.
+    pub fn open_with(
+        state_root: &Path,
+        tunnel: Option<(String, u32)>,
+    ) -> Result<RouteApplier, String> {
+        let record = state_root.join(RECORD_FILE);
+        let owned = match std::fs::read(&record) {
+            Ok(bytes) => serde_json::from_slice::<Record>(&bytes)
+                .map_err(|e| format!("{}: {e}", record.display()))?
+                .routes
+                .iter()
+                .map(|c| {
+                    c.parse::<Ipv4Net>()
+                        .map_err(|_| format!("{}: routes: {c:?} is not a CIDR", record.display()))
+                })
+                .collect::<Result<_, _>>()?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => BTreeSet::new(),
+            Err(e) => return Err(format!("{}: {e}", record.display())),
+        };
+        Ok(RouteApplier {
+            record,
+            owned,
+            forwarding_checked: false,
+            tunnel,
+        })
+    }
+
+    /// Destinations this agent owns (installed, or about to be).
+    pub fn owned(&self) -> &BTreeSet<Ipv4Net> {
+        &self.owned
+    }
+
+    fn save(&mut self, owned: BTreeSet<Ipv4Net>) -> Result<(), String> {
+        if owned == self.owned && self.record.exists() {
+            return Ok(());
+        }
+        let text = serde_json::to_vec_pretty(&Record {
+            routes: owned.iter().map(|n| n.to_string()).collect(),
+        })
+        .map_err(|e| e.to_string())?;
+        let tmp = self.record.with_extension("json.tmp");
+        std::fs::write(&tmp, text)
+            .and_then(|_| std::fs::File::open(&tmp)?.sync_all())
+            .and_then(|_| std::fs::rename(&tmp, &self.record))
+            .map_err(|e| format!("{}: {e}", self.record.display()))?;
+        self.owned = owned;
+        Ok(())
+    }
+
+    /// Makes the kernel's main table hold exactly `want` among this agent's routes (in tunnel
+    /// mode through the vxlan device, whose source address is `local`, this node's). Blocks.
+    pub fn apply(&mut self, want: &BTreeSet<NodeRoute>, local: Option<Ipv4Addr>) -> Outcome {
+        let fail_all =
+            |e: String| -> Outcome { want.iter().map(|r| (*r, Err(e.clone()))).collect() };
+        if !want.is_empty() && !self.forwarding_checked {
+            // Pods' packets to other nodes are forwarded by this node.
+            match enable_forwarding() {
+                Ok(()) => self.forwarding_checked = true,
+                Err(e) => return fail_all(e),
+            }
+        }
+        let tunnel = match (&self.tunnel, local) {
+            (None, _) => None,
+            (Some(_), _) if want.is_empty() => None,
+            (Some(_), None) => {
+                return fail_all("tunnel: this node's Node object has no IPv4 address yet".into())
+            }
+            (Some((mark, mtu)), Some(local)) => match setup_tunnel(local, *mtu, mark.clone()) {
+                Ok(i) => Some(i),
+                Err(e) => return fail_all(format!("tunnel: {e}")),
+            },
+        };
+        let kernel = match list_own_protocol_oif() {
+            Ok(k) => k,
+            Err(e) => return fail_all(format!("list routes: {e}")),
+        };
+        let mut outcome = Outcome::new();
+        let mut to_set = Vec::new();
+        for r in want {
+            match kernel.get(&r.dst) {
+                Some((gw, _)) if !self.owned.contains(&r.dst) => {
+                    let gw = gw.map(|g| g.to_string()).unwrap_or_else(|| "-".into());
+                    outcome.insert(
+                        *r,
+                        Err(format!(
+                            "route {} via {gw} belongs to another ciliate agent",
+                            r.dst
+                        )),
+                    );
+                }
+                // Up to date: same gateway, and through the tunnel exactly in tunnel mode.
+                Some((Some(gw), oif)) if *gw == r.via && tunnel.is_none_or(|t| t == *oif) => {
+                    outcome.insert(*r, Ok(()));
+                }
+                Some(_) => to_set.push((*r, true)),
+                None => to_set.push((*r, false)),
+            }
+        }
+        let stale: Vec<Ipv4Net> = self
+            .owned
+            .iter()
+            .filter(|d| !want.iter().any(|r| r.dst == **d))
+            .copied()
+            .collect();
+        // The intent first: a crash after the add still finds the route recorded.
+        let before = self.owned.clone();
+        let mut intent = self.owned.clone();
+        intent.extend(to_set.iter().map(|(r, _)| r.dst));
+        if let Err(e) = self.save(intent) {
+            for (r, _) in &to_set {
+                outcome.insert(*r, Err(format!("record: {e}")));
+            }
+            return outcome;
+        }
+        let stale_present: Vec<Ipv4Net> = stale
+            .iter()
+            .filter(|d| kernel.contains_key(d))
+            .copied()
+            .collect();
+        let peers: Vec<Ipv4Addr> = want.iter().map(|r| r.via).collect();
+        let changes = run_changes(to_set.clone(), stale_present.clone(), tunnel, peers);
+        let (results, removed) = match changes {
+            Ok(v) => v,
+            Err(e) => {
+                for (r, _) in &to_set {
+                    outcome.insert(*r, Err(e.to_string()));
+                }
+                return outcome;
+            }
+        };
+        outcome.extend(results);
+        for d in &removed {
+            tracing::info!(dst = %d, "route to a removed node's pod CIDR deleted");
+        }
+        // Owned now: what is wanted and in place, what was ours before (a failed replace leaves
+        // it in the kernel), and what could not be removed; a failed add is not ours (the
+        // destination may be someone else's).
+        let owned: BTreeSet<Ipv4Net> = want
+            .iter()
+            .filter(|r| outcome.get(r).is_some_and(|o| o.is_ok()) || before.contains(&r.dst))
+            .map(|r| r.dst)
+            .chain(
+                stale_present
+                    .iter()
+                    .filter(|d| !removed.contains(d))
+                    .copied(),
+            )
+            .collect();
+        if let Err(e) = self.save(owned) {
+            tracing::error!(error = %e, "route record not updated");
+        }
+        outcome
+    }
+}
+
+/// Turns on IPv4 forwarding in this network namespace, saying so when it was off.
+fn enable_forwarding() -> Result<(), String> {
+    const KEY: &str = "/proc/sys/net/ipv4/ip_forward";
+    let cur = std::fs::read_to_string(KEY).map_err(|e| format!("{KEY}: {e}"))?;
+    if cur.trim() != "1" {
+        std::fs::write(KEY, "1").map_err(|e| format!("{KEY}: {e}"))?;
+        tracing::info!("IPv4 forwarding enabled in the agent's network namespace (net.ipv4.ip_forward=1): the node forwards pod traffic to other nodes");
+    }
+    Ok(())
+}
+
+fn is_own(h: &RouteHeader) -> bool {
+    h.protocol == RouteProtocol::Other(RTPROT_CILIATE)
+        && h.table == RouteHeader::RT_TABLE_MAIN
+        && h.destination_prefix_length <= 32
+}
+
+fn dst_and_gateway(m: &RouteMessage) -> Option<(Ipv4Net, Option<Ipv4Addr>)> {
+    dst_gateway_oif(m).map(|(d, g, _)| (d, g))
+}
+
+fn dst_gateway_oif(m: &RouteMessage) -> Option<(Ipv4Net, Option<Ipv4Addr>, u32)> {
+    let mut dst = Ipv4Addr::UNSPECIFIED;
+    let mut gw = None;
+    let mut oif = 0;
+    for a in &m.attributes {
+        match a {
+            RouteAttribute::Destination(RouteAddress::Inet(d)) => dst = *d,
+            RouteAttribute::Gateway(RouteAddress::Inet(g)) => gw = Some(*g),
+            RouteAttribute::Oif(i) => oif = *i,
+            _ => {}
+        }
+    }
+    Ipv4Net::new(dst, m.header.destination_prefix_length)
+        .ok()
+        .map(|n| (n, gw, oif))
+}
+
+/// Like `list_own_protocol`, with each route's output interface.
+fn list_own_protocol_oif() -> Result<BTreeMap<Ipv4Net, (Option<Ipv4Addr>, u32)>, NetdevError> {
+    with_netlink(None, |h| async move {
+        Ok(dump_own(&h)
+            .await?
+            .iter()
+            .filter_map(dst_gateway_oif)
+            .map(|(d, g, o)| (d, (g, o)))
+            .collect())
+    })
+}
+
+/// The tunnel device, up, with reverse-path filtering off (decapsulated packets come from
+/// remote pods). Returns its index.
+fn setup_tunnel(local: Ipv4Addr, mtu: u32, mark: String) -> Result<u32, NetdevError> {
+    let index = with_netlink(None, move |h| async move {
+        super::tunnel::ensure_device(&h, local, mtu, &mark).await
+    })?;
+    crate::datapath::netdev::sysctl(
+        &format!("net.ipv4.conf.{}.rp_filter", super::tunnel::VXLAN_DEVICE),
+        "0",
+    )?;
+    Ok(index)
+}
+
+async fn dump_own(h: &Handle) -> Result<Vec<RouteMessage>, NetdevError> {
+    let mut s = h
+        .route()
+        .get(RouteMessageBuilder::<Ipv4Addr>::new().build())
+        .execute();
+    let mut out = Vec::new();
+    while let Some(m) = s.try_next().await.map_err(nl_err("dump IPv4 routes"))? {
+        if is_own(&m.header) {
+            out.push(m);
+        }
+    }
+    Ok(out)
+}
+
+/// The IPv4 routes of the main table with ciliate's protocol: destination -> gateway.
+pub fn list_own_protocol() -> Result<BTreeMap<Ipv4Net, Option<Ipv4Addr>>, NetdevError> {
+    with_netlink(None, |h| async move {
+        Ok(dump_own(&h)
+            .await?
+            .iter()
+            .filter_map(dst_and_gateway)
+            .collect())
+    })
+}
+
+/// Every IPv4 route of the main table with ciliate's protocol, duplicates included (for
+/// tests and diagnostics): (destination, gateway).
+pub fn list_own_protocol_all() -> Result<Vec<(Ipv4Net, Option<Ipv4Addr>)>, NetdevError> {
+    with_netlink(None, |h| async move {
+        Ok(dump_own(&h)
+            .await?
+            .iter()
+            .filter_map(dst_and_gateway)
+            .collect())
+    })
+}
+
+type Changes = (Vec<(NodeRoute, Result<(), String>)>, Vec<Ipv4Net>);
+
+/// Adds (or, for an owned route whose gateway changed, replaces) routes and deletes stale ones.
+/// In tunnel mode (`tunnel` is the device's index) the FDB and neighbour entries of every
+/// wanted node (`peers`) are written first and those of other nodes removed.
+fn run_changes(
+    set: Vec<(NodeRoute, bool)>,
+    delete: Vec<Ipv4Net>,
+    tunnel: Option<u32>,
+    peers: Vec<Ipv4Addr>,
+) -> Result<Changes, NetdevError> {
+    with_netlink(None, move |h| async move {
+        let mut results = Vec::new();
+        let mut peer_errors = BTreeMap::new();
+        if let Some(ifindex) = tunnel {
+            for p in &peers {
+                if let Err(e) = super::tunnel::set_peer(&h, ifindex, *p).await {
+                    peer_errors.insert(*p, e.to_string());
+                }
+            }
+            super::tunnel::prune_peers(&h, ifindex, &peers).await?;
+        }
+        for (r, replace) in set {
+            if let Some(e) = peer_errors.get(&r.via) {
+                results.push((r, Err(e.clone())));
+                continue;
+            }
+            let b = RouteMessageBuilder::<Ipv4Addr>::new()
+                .destination_prefix(r.dst.network(), r.dst.prefix_len())
+                .gateway(r.via)
+                .protocol(RouteProtocol::Other(RTPROT_CILIATE));
+            let msg = match tunnel {
+                Some(ifindex) => b.output_interface(ifindex).onlink().build(),
+                None => b.build(),
+            };
+            let req = h.route().add(msg);
+            // Never `replace` a destination ciliate does not own: another route there (a static
+            // one, say) makes the add fail with EEXIST, and that is reported.
+            let req = if replace { req.replace() } else { req };
+            let res = req
+                .execute()
+                .await
+                .map_err(|e| format!("route {} via {}: {e}", r.dst, r.via));
+            if res.is_ok() {
+                tracing::info!(dst = %r.dst, via = %r.via, replaced = replace, "route to a node's pod CIDR installed");
+            }
+            results.push((r, res));
+        }
+        let mut removed = Vec::new();
+        for d in delete {
+            let msg = RouteMessageBuilder::<Ipv4Addr>::new()
+                .destination_prefix(d.network(), d.prefix_len())
+                .protocol(RouteProtocol::Other(RTPROT_CILIATE))
+                .build();
+            match h.route().del(msg).execute().await {
+                Ok(()) => removed.push(d),
+                Err(e) => tracing::error!(dst = %d, error = %e, "stale route not deleted"),
+            }
+        }
+        Ok((results, removed))
+    })
+}

@@ -1,0 +1,421 @@
+//! Native routing between nodes (Cilium's auto-direct-node-routes): the pure desired state
+//! (nodes -> one route per remote pod CIDR via that node's InternalIP) and what each node's
+//! row of `ciliate node list` says about it. No I/O here; `netlink.rs` applies the result.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::{IpAddr, Ipv4Addr};
+
+use ipnet::Ipv4Net;
+use serde::{Deserialize, Serialize};
+
+use crate::agent::objects::NodeInfo;
+
+/// `--routing-mode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RoutingMode {
+    Native,
+    Tunnel,
+}
+
+impl RoutingMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RoutingMode::Native => "native",
+            RoutingMode::Tunnel => "tunnel",
+        }
+    }
+}
+
+/// `--tunnel-protocol`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TunnelProtocol {
+    Vxlan,
+}
+
+/// The routing settings of one agent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RoutingConfig {
+    pub mode: RoutingMode,
+    pub tunnel_protocol: TunnelProtocol,
+    /// Native mode: install routes to other nodes' pod CIDRs via their InternalIP.
+    pub auto_direct_node_routes: bool,
+    /// The cluster's pod address space: a remote pod CIDR outside it is not routed.
+    pub native_routing_cidr: Option<Ipv4Net>,
+    /// Whether routes go into the kernel (false with `--datapath memory`, which touches no
+    /// kernel state).
+    pub install: bool,
+}
+
+impl Default for RoutingConfig {
+    fn default() -> Self {
+        RoutingConfig {
+            mode: RoutingMode::Native,
+            tunnel_protocol: TunnelProtocol::Vxlan,
+            auto_direct_node_routes: true,
+            native_routing_cidr: None,
+            install: false,
+        }
+    }
+}
+
+/// One route the agent owns: the main table, `dst via gateway`, protocol `RTPROT_CILIATE`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct NodeRoute {
+    pub dst: Ipv4Net,
+    pub via: Ipv4Addr,
+}
+
+/// What the desired state says about one node, before the kernel had its say.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodePlan {
+    pub name: String,
+    pub ips: Vec<IpAddr>,
+    pub pod_cidrs: Vec<String>,
+    pub local: bool,
+    pub routes: Vec<NodeRoute>,
+    /// Why the node gets no route although it should (names the node and field).
+    pub problem: Option<String>,
+}
+
+/// The node's IPv4 pod CIDRs: `spec.podCIDRs`, else the pod-CIDR annotations (as IPAM reads
+/// them). A value that is not a CIDR is an error naming its field.
+pub fn pod_cidrs_v4(node: &NodeInfo) -> Result<Vec<Ipv4Net>, String> {
+    let mut out = Vec::new();
+    for (i, c) in node.pod_cidrs.iter().enumerate() {
+        let net: ipnet::IpNet = c
+            .parse()
+            .map_err(|_| format!("spec.podCIDRs[{i}]: {c:?} is not a CIDR"))?;
+        if let ipnet::IpNet::V4(n) = net {
+            out.push(n.trunc());
+        }
+    }
+    if out.is_empty() {
+        if let Some((ipnet::IpNet::V4(n), _)) = crate::ipam::node_pod_cidr(&[], &node.annotations)?
+        {
+            out.push(n.trunc());
+        }
+    }
+    Ok(out)
+}
+
+/// The address other nodes route through: the first IPv4 address (InternalIP first).
+pub fn node_ipv4(node: &NodeInfo) -> Option<Ipv4Addr> {
+    node.ips.iter().find_map(|ip| match ip {
+        IpAddr::V4(v4) => Some(*v4),
+        IpAddr::V6(_) => None,
+    })
+}
+
+/// The desired state: for every other node, one route per IPv4 pod CIDR via its address.
+/// A node that cannot be routed (no IPv4 address, a bad CIDR, a CIDR outside the native
+/// routing CIDR, or one claimed by another node or by this node) gets no route and a problem.
+pub fn desired_routes(
+    local: &str,
+    nodes: &BTreeMap<String, NodeInfo>,
+    cfg: &RoutingConfig,
+) -> Vec<NodePlan> {
+    let cidrs: BTreeMap<&str, Result<Vec<Ipv4Net>, String>> = nodes
+        .iter()
+        .map(|(name, n)| (name.as_str(), pod_cidrs_v4(n)))
+        .collect();
+    // Who claims each prefix: a prefix claimed twice is routed to neither.
+    let mut claims: HashMap<Ipv4Net, Vec<&str>> = HashMap::new();
+    for (name, c) in &cidrs {
+        for net in c.iter().flatten() {
+            claims.entry(*net).or_default().push(name);
+        }
+    }
+    nodes
+        .iter()
+        .map(|(name, node)| {
+            let local_node = name == local;
+            let mut plan = NodePlan {
+                name: name.clone(),
+                ips: node.ips.clone(),
+                pod_cidrs: node.pod_cidrs.clone(),
+                local: local_node,
+                routes: Vec::new(),
+                problem: None,
+            };
+            // Tunnel mode routes every remote pod CIDR through the tunnel; native mode only
+            // with auto-direct-node-routes (else the network's router does).
+            if local_node || (cfg.mode == RoutingMode::Native && !cfg.auto_direct_node_routes) {
+                return plan;
+            }
+            plan.problem = node_routes(name, node, &cidrs[name.as_str()], &claims, cfg)
+                .map(|r| plan.routes = r)
+                .err();
+            plan
+        })
+        .collect()
+}
+
+fn node_routes(
+    name: &str,
+    node: &NodeInfo,
+    cidrs: &Result<Vec<Ipv4Net>, String>,
+    claims: &HashMap<Ipv4Net, Vec<&str>>,
+    cfg: &RoutingConfig,
+) -> Result<Vec<NodeRoute>, String> {
+    let cidrs = cidrs.as_ref().map_err(|e| format!("Node {name}: {e}"))?;
+    if cidrs.is_empty() {
+        return Ok(Vec::new());
+    }
+    let via = node_ipv4(node)
+        .ok_or_else(|| format!("Node {name}: status.addresses: no IPv4 InternalIP"))?;
+    let mut routes = Vec::new();
+    for net in cidrs {
+        if let Some(space) = cfg.native_routing_cidr {
+            if !space.contains(net) {
+                return Err(format!(
+                    "Node {name}: pod CIDR {net} is outside --ipv4-native-routing-cidr {space}"
+                ));
+            }
+        }
+        if net.contains(&via) {
+            return Err(format!(
+                "Node {name}: pod CIDR {net} holds the node's own address {via}"
+            ));
+        }
+        if let Some(others) = claims.get(net).filter(|c| c.len() > 1) {
+            return Err(format!(
+                "Node {name}: pod CIDR {net} is also claimed by {}",
+                others
+                    .iter()
+                    .filter(|o| **o != name)
+                    .copied()
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ));
+        }
+        routes.push(NodeRoute { dst: *net, via });
+    }
+    Ok(routes)
+}
+
+/// Every route of a plan, once.
+pub fn all_routes(plans: &[NodePlan]) -> BTreeSet<NodeRoute> {
+    plans
+        .iter()
+        .flat_map(|p| p.routes.iter().copied())
+        .collect()
+}
+
+/// One row of `ciliate node list` (interfaces.md section 8).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeRow {
+    pub name: String,
+    pub ips: Vec<String>,
+    pub pod_cidrs: Vec<String>,
+    pub local: bool,
+    /// `installed`, `tunnel`, `none` or `error: ...`.
+    pub route: String,
+}
+
+/// A node's row from its plan and what became of its routes in the kernel (`None` when
+/// nothing is installed: the memory datapath, or no routes).
+pub fn node_row(
+    plan: &NodePlan,
+    cfg: &RoutingConfig,
+    outcome: &BTreeMap<NodeRoute, Result<(), String>>,
+) -> NodeRow {
+    let route = if let Some(p) = &plan.problem {
+        format!("error: {p}")
+    } else if plan.local || plan.routes.is_empty() || !cfg.install {
+        "none".into()
+    } else {
+        let errors: Vec<&str> = plan
+            .routes
+            .iter()
+            .filter_map(|r| match outcome.get(r) {
+                Some(Ok(())) => None,
+                Some(Err(e)) => Some(e.as_str()),
+                None => Some("not applied yet"),
+            })
+            .collect();
+        if errors.is_empty() && cfg.mode == RoutingMode::Tunnel {
+            "tunnel".into()
+        } else if errors.is_empty() {
+            "installed".into()
+        } else {
+            format!("error: {}", errors.join("; "))
+        }
+    };
+    NodeRow {
+        name: plan.name.clone(),
+        ips: plan.ips.iter().map(|i| i.to_string()).collect(),
+        pod_cidrs: plan.pod_cidrs.clone(),
+        local: plan.local,
+        route,
+    }
+}
+
+/// What the agent shows about routing (`node list`, `status`).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct RoutingView {
+    pub mode: String,
+    pub routes_installed: usize,
+    pub nodes: Vec<NodeRow>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(name: &str, ips: &[&str], cidrs: &[&str]) -> NodeInfo {
+        NodeInfo {
+            name: name.into(),
+            labels: Default::default(),
+            annotations: Default::default(),
+            ips: ips.iter().map(|i| i.parse().unwrap()).collect(),
+            pod_cidrs: cidrs.iter().map(|c| c.to_string()).collect(),
+        }
+    }
+
+    fn nodes(list: Vec<NodeInfo>) -> BTreeMap<String, NodeInfo> {
+        list.into_iter().map(|n| (n.name.clone(), n)).collect()
+    }
+
+    fn native() -> RoutingConfig {
+        RoutingConfig {
+            install: true,
+            ..Default::default()
+        }
+    }
+
+    fn route(dst: &str, via: &str) -> NodeRoute {
+        NodeRoute {
+            dst: dst.parse().unwrap(),
+            via: via.parse().unwrap(),
+        }
+    }
+
+    #[test]
+    fn every_other_node_gets_a_route_per_ipv4_pod_cidr_via_its_first_ipv4_address() {
+        let n = nodes(vec![
+            node("a", &["172.18.0.2"], &["10.1.1.0/24"]),
+            node(
+                "b",
+                &["fd00::3", "172.18.0.3", "1.2.3.4"],
+                &["10.1.2.0/24", "fd01::/64", "10.1.12.0/24"],
+            ),
+            node("c", &["172.18.0.4"], &[]),
+        ]);
+        let plans = desired_routes("a", &n, &native());
+        assert_eq!(
+            all_routes(&plans),
+            BTreeSet::from([
+                route("10.1.2.0/24", "172.18.0.3"),
+                route("10.1.12.0/24", "172.18.0.3")
+            ])
+        );
+        assert!(plans[0].local && plans[0].routes.is_empty());
+        assert!(plans.iter().all(|p| p.problem.is_none()), "{plans:?}");
+    }
+
+    #[test]
+    fn annotations_stand_in_for_the_spec_and_host_bits_are_dropped() {
+        let mut b = node("b", &["172.18.0.3"], &[]);
+        b.annotations.insert(
+            crate::ipam::POD_CIDR_ANNOTATION.into(),
+            "10.1.2.7/24".into(),
+        );
+        let plans = desired_routes("a", &nodes(vec![b]), &native());
+        assert_eq!(plans[0].routes, vec![route("10.1.2.0/24", "172.18.0.3")]);
+    }
+
+    #[test]
+    fn unroutable_nodes_get_no_route_and_a_problem_naming_node_and_field() {
+        let cfg = RoutingConfig {
+            native_routing_cidr: Some("10.1.0.0/16".parse().unwrap()),
+            ..native()
+        };
+        let n = nodes(vec![
+            node("a", &["172.18.0.2"], &["10.1.1.0/24"]),
+            node("bad", &["172.18.0.3"], &["ten/24"]),
+            node("noip", &["fd00::1"], &["10.1.4.0/24"]),
+            node("outside", &["172.18.0.5"], &["10.9.0.0/24"]),
+            node("dup1", &["172.18.0.6"], &["10.1.6.0/24"]),
+            node("dup2", &["172.18.0.7"], &["10.1.6.0/24"]),
+            node("mine", &["172.18.0.8"], &["10.1.1.0/24"]),
+        ]);
+        let plans = desired_routes("a", &n, &cfg);
+        assert!(all_routes(&plans).is_empty(), "{plans:?}");
+        let problem = |name: &str| {
+            plans
+                .iter()
+                .find(|p| p.name == name)
+                .and_then(|p| p.problem.clone())
+                .unwrap_or_default()
+        };
+        assert!(problem("bad").contains("Node bad: spec.podCIDRs[0]"));
+        assert!(problem("noip").contains("status.addresses"));
+        assert!(problem("outside").contains("--ipv4-native-routing-cidr"));
+        assert!(problem("dup1").contains("also claimed by dup2"));
+        assert!(problem("dup2").contains("also claimed by dup1"));
+        // A remote node claiming this node's CIDR never steals its pods' traffic.
+        assert!(problem("mine").contains("also claimed by a"));
+    }
+
+    #[test]
+    fn disabled_direct_routes_install_nothing_and_tunnel_mode_routes_through_the_tunnel() {
+        let n = nodes(vec![node("b", &["172.18.0.3"], &["10.1.2.0/24"])]);
+        let cfg = RoutingConfig {
+            auto_direct_node_routes: false,
+            ..native()
+        };
+        assert!(all_routes(&desired_routes("a", &n, &cfg)).is_empty());
+        let tunnel = RoutingConfig {
+            mode: RoutingMode::Tunnel,
+            auto_direct_node_routes: false,
+            ..native()
+        };
+        let plans = desired_routes("a", &n, &tunnel);
+        let r = route("10.1.2.0/24", "172.18.0.3");
+        assert_eq!(all_routes(&plans), BTreeSet::from([r]));
+        let ok = BTreeMap::from([(r, Ok(()))]);
+        assert_eq!(node_row(&plans[0], &tunnel, &ok).route, "tunnel");
+        let memory = RoutingConfig {
+            install: false,
+            ..tunnel
+        };
+        assert_eq!(node_row(&plans[0], &memory, &ok).route, "none");
+    }
+
+    #[test]
+    fn rows_say_installed_none_or_the_error() {
+        let n = nodes(vec![
+            node("a", &["172.18.0.2"], &["10.1.1.0/24"]),
+            node("b", &["172.18.0.3"], &["10.1.2.0/24"]),
+            node("c", &["172.18.0.4"], &["10.1.3.0/24"]),
+        ]);
+        let cfg = native();
+        let plans = desired_routes("a", &n, &cfg);
+        let outcome = BTreeMap::from([
+            (route("10.1.2.0/24", "172.18.0.3"), Ok(())),
+            (
+                route("10.1.3.0/24", "172.18.0.4"),
+                Err("route 10.1.3.0/24: File exists".to_string()),
+            ),
+        ]);
+        let rows: Vec<String> = plans
+            .iter()
+            .map(|p| node_row(p, &cfg, &outcome).route)
+            .collect();
+        assert_eq!(
+            rows,
+            ["none", "installed", "error: route 10.1.3.0/24: File exists"]
+        );
+        let memory = RoutingConfig {
+            install: false,
+            ..cfg
+        };
+        assert_eq!(node_row(&plans[1], &memory, &outcome).route, "none");
+        let row = node_row(&plans[1], &cfg, &outcome);
+        assert_eq!(row.ips, ["172.18.0.3"]);
+        assert_eq!(row.pod_cidrs, ["10.1.2.0/24"]);
+        assert!(!row.local);
+    }
+}

@@ -1,0 +1,194 @@
+//! Tunnel mode: a kernel vxlan device (`ciliate_vxlan`, VNI 2, UDP 8472 as Cilium's) over
+//! rtnetlink. Each node's VTEP MAC is derived from its IP (`vtep_mac`), so nothing has to be
+//! exchanged: for every remote node the agent writes an FDB entry (MAC -> node IP), a permanent
+//! neighbour (node IP -> MAC) on the device, and routes its pod CIDRs `via NODE_IP dev
+//! ciliate_vxlan onlink`. The device carries this agent's mark (its alias), so another agent's
+//! device is never used or changed. Runs inside a `with_netlink` closure (blocking thread).
+
+use std::net::{IpAddr, Ipv4Addr};
+
+use futures_util::TryStreamExt;
+use rtnetlink::packet_route::link::LinkMessage;
+use rtnetlink::packet_route::neighbour::{
+    NeighbourAddress, NeighbourAttribute, NeighbourFlags, NeighbourState,
+};
+use rtnetlink::packet_route::AddressFamily;
+use rtnetlink::{Handle, LinkUnspec, LinkVxlan};
+
+use crate::datapath::netdev::{alias, link_by_name, nl_err, owned, NetdevError};
+
+/// The tunnel device of an agent.
+pub const VXLAN_DEVICE: &str = "ciliate_vxlan";
+/// The VXLAN network identifier of the cluster.
+pub const VXLAN_VNI: u32 = 2;
+/// The VXLAN UDP port (Cilium's default).
+pub const VXLAN_PORT: u16 = 8472;
+/// The MTU of the node's link (and of pod interfaces in native mode).
+pub const LINK_MTU: u32 = 1500;
+/// VXLAN's overhead over IPv4: outer IP 20 + UDP 8 + VXLAN 8 + inner Ethernet 14.
+pub const VXLAN_OVERHEAD: u32 = 50;
+
+/// The VTEP MAC of the node with address `ip`: locally administered unicast `02:c1` and the
+/// four bytes of the address, the same on every node.
+pub fn vtep_mac(ip: Ipv4Addr) -> [u8; 6] {
+    let o = ip.octets();
+    [0x02, 0xc1, o[0], o[1], o[2], o[3]]
+}
+
+type Result<T> = std::result::Result<T, NetdevError>;
+
+fn local_of(link: &LinkMessage) -> Option<Ipv4Addr> {
+    use rtnetlink::packet_route::link::{InfoData, InfoVxlan, LinkAttribute, LinkInfo};
+    link.attributes.iter().find_map(|a| match a {
+        LinkAttribute::LinkInfo(infos) => infos.iter().find_map(|i| match i {
+            LinkInfo::Data(InfoData::Vxlan(v)) => v.iter().find_map(|x| match x {
+                InfoVxlan::Local(ip) => Some(*ip),
+                _ => None,
+            }),
+            _ => None,
+        }),
+        _ => None,
+    })
+}
+
+/// The agent's vxlan device with `local` as its source address and MTU `mtu`, created (or
+/// re-created when its local address changed). Returns its index. A device of that name
+/// marked by another agent is an error.
+pub async fn ensure_device(h: &Handle, local: Ipv4Addr, mtu: u32, mark: &str) -> Result<u32> {
+    if let Some(link) = link_by_name(h, VXLAN_DEVICE).await? {
+        // Unmarked: this agent crashed between creating and marking it (as for veths).
+        if !owned(alias(&link), mark) {
+            return Err(NetdevError::Invalid(format!(
+                "device {VXLAN_DEVICE} exists and is another agent's (alias {:?})",
+                alias(&link)
+            )));
+        }
+        if local_of(&link) == Some(local) {
+            h.link()
+                .set(
+                    LinkUnspec::new_with_index(link.header.index)
+                        .mtu(mtu)
+                        .alias(mark.to_string())
+                        .up()
+                        .build(),
+                )
+                .execute()
+                .await
+                .map_err(nl_err(format!("set {VXLAN_DEVICE} up")))?;
+            return Ok(link.header.index);
+        }
+        h.link()
+            .del(link.header.index)
+            .execute()
+            .await
+            .map_err(nl_err(format!(
+                "delete {VXLAN_DEVICE} (its local address changed)"
+            )))?;
+    }
+    h.link()
+        .add(
+            LinkVxlan::new(VXLAN_DEVICE, VXLAN_VNI)
+                .port(VXLAN_PORT)
+                .local(local)
+                .learning(false)
+                .address(vtep_mac(local).to_vec())
+                .mtu(mtu)
+                .up()
+                .build(),
+        )
+        .execute()
+        .await
+        .map_err(nl_err(format!(
+            "create {VXLAN_DEVICE} (vxlan {VXLAN_VNI}, local {local})"
+        )))?;
+    let link = link_by_name(h, VXLAN_DEVICE)
+        .await?
+        .ok_or_else(|| NetdevError::Invalid(format!("{VXLAN_DEVICE} vanished")))?;
+    // Marked at once: the kernel ignores an alias in the creating request.
+    h.link()
+        .set(
+            LinkUnspec::new_with_index(link.header.index)
+                .alias(mark.to_string())
+                .build(),
+        )
+        .execute()
+        .await
+        .map_err(nl_err(format!("mark {VXLAN_DEVICE}")))?;
+    Ok(link.header.index)
+}
+
+/// The FDB entry (the peer's MAC is reached at its IP) and the neighbour (its IP has that MAC)
+/// of one remote node on the device.
+pub async fn set_peer(h: &Handle, ifindex: u32, peer: Ipv4Addr) -> Result<()> {
+    let mac = vtep_mac(peer);
+    h.neighbours()
+        .add_bridge(ifindex, &mac)
+        .flags(NeighbourFlags::Own)
+        .state(NeighbourState::Permanent)
+        .destination(IpAddr::V4(peer))
+        .replace()
+        .execute()
+        .await
+        .map_err(nl_err(format!("fdb {VXLAN_DEVICE} -> {peer}")))?;
+    h.neighbours()
+        .add(ifindex, IpAddr::V4(peer))
+        .link_layer_address(&mac)
+        .state(NeighbourState::Permanent)
+        .replace()
+        .execute()
+        .await
+        .map_err(nl_err(format!("neighbour {peer} on {VXLAN_DEVICE}")))
+}
+
+/// Removes the device's neighbours and FDB entries of nodes no longer wanted (the device is
+/// this agent's, so all of its entries are).
+pub async fn prune_peers(h: &Handle, ifindex: u32, keep: &[Ipv4Addr]) -> Result<()> {
+    let mut stale = Vec::new();
+    for family in [AddressFamily::Inet, AddressFamily::Bridge] {
+        let mut s = h.neighbours().get().set_address_family(family).execute();
+        while let Some(m) = s.try_next().await.map_err(nl_err("dump neighbours"))? {
+            if m.header.ifindex != ifindex {
+                continue;
+            }
+            let ip = m.attributes.iter().find_map(|a| match a {
+                NeighbourAttribute::Destination(NeighbourAddress::Inet(ip)) => Some(*ip),
+                _ => None,
+            });
+            // Bridge entries without a destination are the device's own.
+            if ip.is_some_and(|ip| !keep.contains(&ip)) {
+                stale.push(m);
+            }
+        }
+    }
+    for m in stale {
+        if let Err(e) = h.neighbours().del(m).execute().await {
+            tracing::warn!(error = %e, "stale tunnel neighbour not removed");
+        }
+    }
+    Ok(())
+}
+
+/// Native mode after tunnel mode: this agent's tunnel device (marked by it) is deleted, and its
+/// routes with it, so the reconciler installs native routes in their place. Returns whether
+/// there was one.
+pub fn retire_device(mark: &str) -> Result<bool> {
+    use crate::datapath::netdev::{delete_owned_interface, marked_interfaces, Reclaimed};
+    if !marked_interfaces(mark)?.iter().any(|n| n == VXLAN_DEVICE) {
+        return Ok(false);
+    }
+    Ok(delete_owned_interface(VXLAN_DEVICE, mark)? == Reclaimed::Deleted)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vtep_macs_are_local_unicast_and_follow_the_node_address() {
+        let m = vtep_mac(Ipv4Addr::new(172, 20, 0, 12));
+        assert_eq!(m, [0x02, 0xc1, 172, 20, 0, 12]);
+        assert_eq!(m[0] & 0x01, 0, "unicast");
+        assert_eq!(m[0] & 0x02, 0x02, "locally administered");
+        assert_ne!(m, vtep_mac(Ipv4Addr::new(172, 20, 0, 13)));
+    }
+}

@@ -1,0 +1,585 @@
+//! Cluster networking on a cluster of network namespaces (tests/common/cluster.rs): pods on
+//! different nodes reach each other over native routes with real TCP, UDP and ICMP; policy on
+//! one node judges remote pods by the labels its ipcache learnt; routes follow Node objects
+//! and survive `kill -9` of an agent, and a restart converges without duplicates. Privileged:
+//! with CI=true, not running as root is a failure.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::time::Duration;
+
+use common::agent::Agent;
+use common::cluster::{node_ip, pod_cidr, Cluster, ClusterNode};
+use common::eventually;
+use common::netns::{icmp_ok, in_netns, privileged, tcp_ok, tcp_server, udp_ok, udp_server};
+use serde_json::{json, Value};
+
+/// The routes a node should hold: one per other node's pod CIDR, via that node's address.
+fn expected_routes(local: usize, nodes: &[usize]) -> Vec<(String, String)> {
+    let mut v: Vec<(String, String)> = nodes
+        .iter()
+        .filter(|i| **i != local)
+        .map(|i| (pod_cidr(*i), node_ip(*i).to_string()))
+        .collect();
+    v.sort();
+    v
+}
+
+/// Whether node `i` of `nodes` holds exactly its expected routes in the kernel, and its node
+/// list (written once the kernel has them) says `state` for every other node.
+fn routed(node: &ClusterNode, i: usize, nodes: &[usize], state: &str) -> bool {
+    if sorted(node.kernel_routes()) != expected_routes(i, nodes) {
+        return false;
+    }
+    let (code, out, _) = node.agent().cli(&["node", "list", "-o", "json"]);
+    let list: Value = serde_json::from_str(&out).unwrap_or(Value::Null);
+    code == 0
+        && list.as_array().is_some_and(|rows| {
+            rows.len() == nodes.len()
+                && rows
+                    .iter()
+                    .all(|r| r["local"] == true || r["route"] == state)
+        })
+}
+
+fn sorted(mut v: Vec<(String, String)>) -> Vec<(String, String)> {
+    v.sort();
+    v
+}
+
+fn row<'a>(list: &'a Value, name: &str) -> &'a Value {
+    list.as_array()
+        .and_then(|a| a.iter().find(|n| n["name"] == name))
+        .unwrap_or_else(|| panic!("no row for {name} in {list}"))
+}
+
+/// A TCP echo server in `netns`, for long-lived connections.
+fn tcp_echo_server(netns: &str, addr: IpAddr, port: u16) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    in_netns(netns, move || {
+        let l = TcpListener::bind(SocketAddr::new(addr, port)).expect("bind");
+        tx.send(()).unwrap();
+        for s in l.incoming().flatten() {
+            std::thread::spawn(move || {
+                let mut s = s;
+                let mut buf = [0u8; 64];
+                while let Ok(n) = s.read(&mut buf) {
+                    if n == 0 || s.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    rx.recv().unwrap();
+}
+
+fn echo(s: &mut TcpStream, msg: &[u8]) -> bool {
+    let mut buf = vec![0u8; msg.len()];
+    s.write_all(msg).is_ok() && s.read_exact(&mut buf).is_ok() && buf == msg
+}
+
+fn cnp_b_from_a() -> Value {
+    json!({
+        "apiVersion": "cilium.io/v2", "kind": "CiliumNetworkPolicy",
+        "metadata": {"name": "b-from-a", "namespace": "x"},
+        "spec": {
+            "endpointSelector": {"matchLabels": {"app": "b"}},
+            "ingress": [{"fromEndpoints": [{"matchLabels": {"app": "a"}}]}]
+        }
+    })
+}
+
+#[test]
+fn pods_reach_each_other_across_nodes_and_node_2_admits_only_app_a_of_node_1() {
+    if !privileged() {
+        return;
+    }
+    let mut c = Cluster::start(3);
+    let a = c.add_pod(1, "a", "a");
+    let other = c.add_pod(1, "c", "c");
+    let b = c.add_pod(2, "b", "b");
+    let d = c.add_pod(3, "d", "d");
+
+    // Every node routes the other nodes' pod CIDRs, once each, and says so.
+    for i in 1..=3 {
+        let node = c.node(i);
+        node.agent()
+            .wait_until("the node's routes are installed", || {
+                routed(node, i, &[1, 2, 3], "installed")
+            });
+        let list = node.node_list();
+        assert_eq!(list.as_array().map(|a| a.len()), Some(3), "{list}");
+        for j in 1..=3 {
+            let r = row(&list, &format!("node-{j}"));
+            assert_eq!(r["local"], i == j, "{r}");
+            assert_eq!(r["route"], if i == j { "none" } else { "installed" }, "{r}");
+            assert_eq!(r["ips"], json!([node_ip(j).to_string()]), "{r}");
+            assert_eq!(r["pod_cidrs"], json!([pod_cidr(j)]), "{r}");
+        }
+        let status = node.agent().cli_json(&["status"]);
+        assert_eq!(status["routing_mode"], "native", "{status}");
+        assert_eq!(status["routes_installed"], 2, "{status}");
+    }
+
+    let (a_addr, b_addr) = (IpAddr::V4(a.addr), IpAddr::V4(b.addr));
+    tcp_server(&b.netns, b_addr, 8080);
+    udp_server(&b.netns, b_addr, 5353);
+    let _ = a_addr;
+    // No policy: pods of nodes 1 and 3 reach b on node 2 with TCP, UDP and ICMP.
+    for p in [&a, &other, &d] {
+        eventually(&format!("{} reaches b across nodes", p.name), || {
+            tcp_ok(&p.netns, b_addr, 8080)
+                && udp_ok(&p.netns, b_addr, 5353)
+                && icmp_ok(&p.netns, b.addr)
+        });
+    }
+    // And back: b reaches a on node 1.
+    tcp_server(&a.netns, a_addr, 8080);
+    assert!(tcp_ok(&b.netns, a_addr, 8080), "b reaches a");
+
+    // Node 2 admits only app=a (of node 1, known through its ipcache) into b.
+    c.api().apply_json(cnp_b_from_a()).expect("policy");
+    eventually("b admits a and no other pod", || {
+        tcp_ok(&a.netns, b_addr, 8080)
+            && !tcp_ok(&other.netns, b_addr, 8080)
+            && !tcp_ok(&d.netns, b_addr, 8080)
+    });
+    assert!(udp_ok(&a.netns, b_addr, 5353), "UDP from a is admitted");
+    assert!(icmp_ok(&a.netns, b.addr), "ICMP from a is admitted");
+    for p in [&other, &d] {
+        assert!(
+            !udp_ok(&p.netns, b_addr, 5353),
+            "UDP from {} is denied",
+            p.name
+        );
+        assert!(!icmp_ok(&p.netns, b.addr), "ICMP from {} is denied", p.name);
+    }
+}
+
+#[test]
+fn kill_9_keeps_cross_node_flows_and_the_restart_converges_after_a_node_left() {
+    if !privileged() {
+        return;
+    }
+    let mut c = Cluster::start(3);
+    let a = c.add_pod(1, "a", "a");
+    let b = c.add_pod(2, "b", "b");
+    let b_addr = IpAddr::V4(b.addr);
+    tcp_echo_server(&b.netns, b_addr, 7000);
+    tcp_server(&b.netns, b_addr, 8080);
+    {
+        let n1 = c.node(1);
+        n1.agent().wait_until("node-1's routes are installed", || {
+            routed(n1, 1, &[1, 2, 3], "installed")
+        });
+    }
+    eventually("a reaches b", || tcp_ok(&a.netns, b_addr, 8080));
+    let mut flow = in_netns(&a.netns, move || {
+        TcpStream::connect_timeout(&SocketAddr::new(b_addr, 7000), Duration::from_secs(2))
+    })
+    .join()
+    .unwrap()
+    .expect("an established cross-node flow");
+    flow.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    assert!(echo(&mut flow, b"before"));
+
+    // kill -9: the established flow and new connections keep working, the routes stay.
+    c.node(1).kill9_agent();
+    assert!(
+        echo(&mut flow, b"while down"),
+        "the established flow survives"
+    );
+    assert!(
+        tcp_ok(&a.netns, b_addr, 8080),
+        "new flows work while the agent is down"
+    );
+    assert_eq!(
+        sorted(c.node(1).kernel_routes()),
+        expected_routes(1, &[1, 2, 3])
+    );
+
+    // node-3 leaves while node-1's agent is down: node-2 drops its route at once ...
+    c.api()
+        .delete_object("v1", "Node", "", "node-3")
+        .expect("delete node-3");
+    {
+        let n2 = c.node(2);
+        n2.agent().wait_until("node-2 drops node-3's route", || {
+            routed(n2, 2, &[1, 2], "installed")
+        });
+    }
+    // ... and node-1's restarted agent converges: node-3's route gone, node-2's kept, once.
+    let kubeconfig = c.kubeconfig.clone();
+    c.node(1).start_agent(&kubeconfig);
+    let n1 = c.node(1);
+    n1.agent()
+        .wait_until("node-1 converges", || routed(n1, 1, &[1, 2], "installed"));
+    // Stays converged (a later resync adds nothing).
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(sorted(n1.kernel_routes()), expected_routes(1, &[1, 2]));
+    assert_eq!(row(&n1.node_list(), "node-2")["route"], "installed");
+    assert!(
+        echo(&mut flow, b"after restart"),
+        "the flow survives the restart"
+    );
+    assert!(tcp_ok(&a.netns, b_addr, 8080));
+}
+
+/// A new Node's routes reach every agent quickly: the time from the Node object's creation
+/// until its route is in the kernel of all three nodes, over 20 additions (and removals).
+#[test]
+fn a_new_nodes_routes_are_on_every_agent_within_a_second() {
+    if !privileged() {
+        return;
+    }
+    let mut c = Cluster::start(3);
+    let mut delays = Vec::new();
+    let route = (pod_cidr(9), node_ip(9).to_string());
+    for _ in 0..20 {
+        let t = std::time::Instant::now();
+        c.api()
+            .apply_json(common::cluster::node_object(9))
+            .expect("node-9");
+        for i in 1..=3 {
+            let n = c.node(i);
+            n.agent().wait_until("node-9's route is installed", || {
+                n.kernel_routes().contains(&route)
+            });
+        }
+        delays.push(t.elapsed());
+        c.api()
+            .delete_object("v1", "Node", "", "node-9")
+            .expect("delete node-9");
+        for i in 1..=3 {
+            let n = c.node(i);
+            n.agent().wait_until("node-9's route is removed", || {
+                !n.kernel_routes().contains(&route)
+            });
+        }
+    }
+    delays.sort();
+    let (p50, max) = (delays[delays.len() / 2], delays[delays.len() - 1]);
+    eprintln!("new Node -> routes on all 3 agents: p50 {p50:?}, max (p99 of 20) {max:?}");
+    assert!(max < Duration::from_secs(1), "p99 {max:?}");
+}
+
+/// Tunnel mode: the same cross-node traffic through each node's vxlan device, routes via the
+/// device, and pod interfaces 50 bytes smaller than the link.
+#[test]
+fn tunnel_mode_carries_pod_traffic_across_nodes_over_vxlan() {
+    if !privileged() {
+        return;
+    }
+    let mut c = Cluster::start_with(3, &["--routing-mode", "tunnel"]);
+    let kubeconfig = c.kubeconfig.clone();
+    let a = c.add_pod(1, "a", "a");
+    let b = c.add_pod(2, "b", "b");
+    let d = c.add_pod(3, "d", "d");
+    for i in 1..=3 {
+        let node = c.node(i);
+        node.agent()
+            .wait_until("the node's tunnel routes are installed", || {
+                routed(node, i, &[1, 2, 3], "tunnel")
+            });
+        let shown = ip_out(&["-n", &node.netns, "route", "show", "proto", "193"]);
+        assert_eq!(
+            shown.matches("dev ciliate_vxlan").count(),
+            2,
+            "both routes go through the tunnel: {shown}"
+        );
+        let dev = ip_out(&["-n", &node.netns, "-d", "link", "show", "ciliate_vxlan"]);
+        assert!(
+            dev.contains("vxlan id 2") && dev.contains("mtu 1450"),
+            "{dev}"
+        );
+        let list = node.node_list();
+        for j in (1..=3).filter(|j| *j != i) {
+            assert_eq!(
+                row(&list, &format!("node-{j}"))["route"],
+                "tunnel",
+                "{list}"
+            );
+        }
+    }
+    let pod_if = ip_out(&["-n", &a.netns, "link", "show", "eth0"]);
+    assert!(
+        pod_if.contains("mtu 1450"),
+        "the pod's MTU is lowered: {pod_if}"
+    );
+    let b_addr = IpAddr::V4(b.addr);
+    tcp_server(&b.netns, b_addr, 8080);
+    udp_server(&b.netns, b_addr, 5353);
+    for p in [&a, &d] {
+        eventually(&format!("{} reaches b through the tunnel", p.name), || {
+            tcp_ok(&p.netns, b_addr, 8080)
+                && udp_ok(&p.netns, b_addr, 5353)
+                && icmp_ok(&p.netns, b.addr)
+        });
+    }
+    // Full-size segments cross too (pod MTU 1450 + 50 of VXLAN fits the 1500 link), and the
+    // packets did go through node 1's tunnel device.
+    tcp_echo_server(&b.netns, b_addr, 7000);
+    let big: Vec<u8> = (0..64 * 1024).map(|i| (i % 251) as u8).collect();
+    let mut flow = in_netns(&a.netns, move || {
+        TcpStream::connect_timeout(&SocketAddr::new(b_addr, 7000), Duration::from_secs(2))
+    })
+    .join()
+    .unwrap()
+    .expect("a connects to b");
+    flow.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    assert!(echo(&mut flow, &big), "64 KiB echoed through the tunnel");
+    let stats = ip_out(&[
+        "-s",
+        "-n",
+        &c.node(1).netns,
+        "link",
+        "show",
+        "ciliate_vxlan",
+    ]);
+    // Bytes, not packets: segmentation offload makes the packet count vary.
+    let tx_bytes: usize = stats
+        .lines()
+        .skip_while(|l| !l.trim_start().starts_with("TX:"))
+        .nth(1)
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|b| b.parse().ok())
+        .unwrap_or(0);
+    assert!(
+        tx_bytes >= big.len(),
+        "node 1 sent the 64 KiB through its tunnel: {stats}"
+    );
+    // Policy still sees the remote pods' identities through the tunnel.
+    c.api().apply_json(cnp_b_from_a()).expect("policy");
+    eventually("b admits a and not d", || {
+        tcp_ok(&a.netns, b_addr, 8080) && !tcp_ok(&d.netns, b_addr, 8080)
+    });
+
+    // Node 1 back to native routing: its tunnel device (and the routes through it) go, native
+    // routes take their place, once each.
+    let n1 = c.node(1);
+    n1.kill9_agent();
+    n1.agent_args.clear();
+    n1.start_agent(&kubeconfig);
+    n1.agent().wait_until("node-1 routes natively", || {
+        let shown = ip_out(&["-n", &n1.netns, "route", "show", "proto", "193"]);
+        routed(n1, 1, &[1, 2, 3], "installed") && !shown.contains("ciliate_vxlan")
+    });
+    let links = ip_out(&["-n", &n1.netns, "link", "show"]);
+    assert!(!links.contains("ciliate_vxlan"), "{links}");
+    assert_eq!(row(&n1.node_list(), "node-2")["route"], "installed");
+}
+
+fn ip_out(args: &[&str]) -> String {
+    let out = std::process::Command::new("ip")
+        .args(args)
+        .output()
+        .expect("ip");
+    assert!(
+        out.status.success(),
+        "ip {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).to_string()
+}
+
+/// The memory datapath computes routes but installs none (its tests share the host's
+/// namespace), and a node that cannot be routed says why.
+#[test]
+fn memory_datapath_shows_routes_as_none_and_names_unroutable_nodes() {
+    let dir = tempfile::tempdir().unwrap();
+    let manifests = dir.path().join("manifests");
+    std::fs::create_dir_all(&manifests).unwrap();
+    std::fs::write(
+        manifests.join("nodes.yaml"),
+        "apiVersion: v1
+kind: Node
+metadata: {name: node-1}
+spec: {podCIDRs: [10.210.1.0/24]}
+status: {addresses: [{type: InternalIP, address: 172.21.0.11}]}
+---
+apiVersion: v1
+kind: Node
+metadata: {name: node-2}
+spec: {podCIDRs: [10.210.2.0/24]}
+status: {addresses: [{type: ExternalIP, address: 1.2.3.4}, {type: InternalIP, address: 172.21.0.12}]}
+---
+apiVersion: v1
+kind: Node
+metadata: {name: node-bad}
+spec: {podCIDRs: [not-a-cidr]}
+status: {addresses: [{type: InternalIP, address: 172.21.0.13}]}
+",
+    )
+    .unwrap();
+    let agent = Agent::start_in(dir.path());
+    agent.wait_until("three nodes are listed", || {
+        let (code, out, _) = agent.cli(&["node", "list", "-o", "json"]);
+        code == 0
+            && serde_json::from_str::<Value>(&out)
+                .ok()
+                .and_then(|v| v.as_array().map(|a| a.len()))
+                == Some(3)
+    });
+    let list = agent.cli_json(&["node", "list"]);
+    let n1 = row(&list, "node-1");
+    assert_eq!(n1["local"], true);
+    assert_eq!(n1["route"], "none");
+    let n2 = row(&list, "node-2");
+    assert_eq!(n2["local"], false);
+    assert_eq!(n2["route"], "none", "memory installs nothing");
+    assert_eq!(
+        n2["ips"],
+        json!(["172.21.0.12", "1.2.3.4"]),
+        "InternalIP first"
+    );
+    assert_eq!(n2["pod_cidrs"], json!(["10.210.2.0/24"]));
+    let bad = row(&list, "node-bad")["route"]
+        .as_str()
+        .unwrap_or("")
+        .to_string();
+    assert!(
+        bad.starts_with("error: Node node-bad: spec.podCIDRs[0]"),
+        "{bad}"
+    );
+    let status = agent.cli_json(&["status"]);
+    assert_eq!(status["routing_mode"], "native");
+    assert_eq!(status["routes_installed"], 0);
+    // The debug server (and its page) shows the same.
+    let debug = agent.json("/debug/nodes");
+    assert_eq!(debug["mode"], "native");
+    assert_eq!(debug["nodes"], list);
+    let (_, page) = agent.http_get("/debug/");
+    assert!(page.contains("/debug/nodes"), "the page shows the nodes");
+    let (code, table, _) = agent.cli(&["node", "list"]);
+    assert_eq!(code, 0);
+    assert!(
+        table.contains("POD CIDRS") && table.contains("10.210.2.0/24"),
+        "{table}"
+    );
+}
+
+/// Route ownership in one namespace shared by two agents' appliers: each changes and removes
+/// only the routes its record names, never another agent's nor anyone else's, and a restart
+/// (the record read back) replaces a changed gateway and removes what is no longer wanted.
+#[test]
+fn route_applier_touches_only_its_own_routes_and_a_restart_reconciles_them() {
+    use ciliate::network::netlink::{list_own_protocol_all, RouteApplier};
+    use ciliate::network::routes::NodeRoute;
+    use common::netns::ip;
+    use std::collections::BTreeSet;
+
+    if !privileged() {
+        return;
+    }
+    let ns = format!("crt-{}", std::process::id());
+    ip(&["netns", "add", &ns]);
+    struct Gone(String);
+    impl Drop for Gone {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("ip")
+                .args(["netns", "del", &self.0])
+                .output();
+        }
+    }
+    let _gone = Gone(ns.clone());
+    // A veth pair inside the namespace (no dummy module needed): eth0 carries the subnet.
+    ip(&[
+        "-n", &ns, "link", "add", "eth0", "type", "veth", "peer", "name", "eth1",
+    ]);
+    ip(&["-n", &ns, "addr", "add", "172.22.0.1/24", "dev", "eth0"]);
+    ip(&["-n", &ns, "link", "set", "eth1", "up"]);
+    ip(&["-n", &ns, "link", "set", "eth0", "up"]);
+    // Someone else's route (protocol static) to a prefix an agent will want.
+    ip(&[
+        "-n",
+        &ns,
+        "route",
+        "add",
+        "10.230.3.0/24",
+        "via",
+        "172.22.0.4",
+    ]);
+    let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (pa, pb) = (dir_a.path().to_path_buf(), dir_b.path().to_path_buf());
+    let r = |dst: &str, via: &str| NodeRoute {
+        dst: dst.parse().unwrap(),
+        via: via.parse().unwrap(),
+    };
+    let (r1, r2, r3) = (
+        r("10.230.1.0/24", "172.22.0.2"),
+        r("10.230.2.0/24", "172.22.0.3"),
+        r("10.230.3.0/24", "172.22.0.5"),
+    );
+    let r1_moved = r("10.230.1.0/24", "172.22.0.7");
+    let r1_b = r("10.230.1.0/24", "172.22.0.9");
+    let routes = move || {
+        let mut v: Vec<String> = list_own_protocol_all()
+            .unwrap()
+            .into_iter()
+            .map(|(d, g)| format!("{d} via {}", g.map(|g| g.to_string()).unwrap_or_default()))
+            .collect();
+        v.sort();
+        v
+    };
+    in_netns(&ns, move || {
+        let mut a = RouteApplier::open(&pa).unwrap();
+        let out = a.apply(&BTreeSet::from([r1, r2, r3]), None);
+        assert_eq!(out[&r1], Ok(()));
+        assert_eq!(out[&r2], Ok(()));
+        let foreign = out[&r3].clone().unwrap_err();
+        assert!(foreign.contains("10.230.3.0/24"), "{foreign}");
+        assert_eq!(
+            routes(),
+            [
+                "10.230.1.0/24 via 172.22.0.2",
+                "10.230.2.0/24 via 172.22.0.3"
+            ]
+        );
+        // A destination someone else routes is not recorded as this agent's.
+        let record = std::fs::read_to_string(pa.join("routes.json")).unwrap();
+        assert!(!record.contains("10.230.3.0/24"), "{record}");
+        let static_route = std::process::Command::new("ip")
+            .args(["route", "show", "10.230.3.0/24"])
+            .output()
+            .unwrap();
+        assert!(
+            String::from_utf8_lossy(&static_route.stdout).contains("via 172.22.0.4"),
+            "the static route is untouched"
+        );
+
+        // A second agent in the same namespace: it may not take A's route, and wanting
+        // nothing removes nothing of A's.
+        let mut b = RouteApplier::open(&pb).unwrap();
+        let out = b.apply(&BTreeSet::from([r1_b]), None);
+        let taken = out[&r1_b].clone().unwrap_err();
+        assert!(taken.contains("another ciliate agent"), "{taken}");
+        assert!(b.apply(&BTreeSet::new(), None).is_empty());
+        assert_eq!(
+            routes(),
+            [
+                "10.230.1.0/24 via 172.22.0.2",
+                "10.230.2.0/24 via 172.22.0.3"
+            ]
+        );
+
+        // A restarts (its record read back): node 1 moved, node 2 left.
+        drop(a);
+        let mut a = RouteApplier::open(&pa).unwrap();
+        let out = a.apply(&BTreeSet::from([r1_moved]), None);
+        assert_eq!(out[&r1_moved], Ok(()));
+        assert_eq!(routes(), ["10.230.1.0/24 via 172.22.0.7"]);
+        let record = std::fs::read_to_string(pa.join("routes.json")).unwrap();
+        assert!(
+            record.contains("10.230.1.0/24") && !record.contains("10.230.2.0/24"),
+            "{record}"
+        );
+        // Everything gone: nothing of A's is left behind.
+        assert!(a.apply(&BTreeSet::new(), None).is_empty());
+        assert!(routes().is_empty());
+    })
+    .join()
+    .expect("ownership checks");
+}

@@ -1,0 +1,334 @@
+//! A cluster on one machine: three nodes, each a network namespace with an `eth0` on a bridge
+//! that lives in a namespace of its own (as kind's Docker network), the in-repo API server in
+//! another namespace on that bridge, and one agent process per node inside its namespace
+//! (entered with setns before exec, so bpffs and /proc stay as they are) with its own state
+//! directory, bpffs mount, API socket and debug port. Pods are created through the CNI plugin
+//! on each node. Names carry a per-run tag; everything is removed on drop, even on failure.
+//!
+//! Addresses are fixed (172.20.0.0/24 for nodes, 10.200.N.0/24 for node N's pods): every
+//! address lives only in this cluster's namespaces, so clusters of parallel tests never meet.
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use ciliate_test_apiserver::{ServerOptions, TestApiServer};
+use serde_json::{json, Value};
+
+use super::agent::{Agent, BIN};
+use super::cni::{CniPod, CniPods};
+use super::netns::{in_netns, ip};
+
+static N: AtomicU32 = AtomicU32::new(0);
+
+/// The API server's address on the cluster bridge.
+pub const API_IP: Ipv4Addr = Ipv4Addr::new(172, 20, 0, 2);
+const API_PORT: u16 = 6443;
+
+/// Node `i` (1-based): its address and pod CIDR.
+pub fn node_ip(i: usize) -> Ipv4Addr {
+    Ipv4Addr::new(172, 20, 0, 10 + i as u8)
+}
+pub fn pod_cidr(i: usize) -> String {
+    format!("10.200.{i}.0/24")
+}
+
+/// One node: its namespace, agent and pods.
+pub struct ClusterNode {
+    pub name: String,
+    pub netns: String,
+    pub ip: Ipv4Addr,
+    pub pod_cidr: String,
+    pub dir: PathBuf,
+    pub bpffs: PathBuf,
+    pub agent: Option<Agent>,
+    pub pods: Option<CniPods>,
+    /// Extra agent flags (e.g. `--routing-mode tunnel`).
+    pub agent_args: Vec<String>,
+}
+
+impl ClusterNode {
+    pub fn socket(&self) -> PathBuf {
+        self.dir.join("ciliate.sock")
+    }
+
+    pub fn agent(&self) -> &Agent {
+        self.agent.as_ref().expect("the node's agent runs")
+    }
+
+    /// Creates `x/name` with `labels` as a kubelet would: the Pod object, then CNI ADD on this
+    /// node, then the Pod's status with the address.
+    pub fn add_pod(&mut self, api: &TestApiServer, name: &str, app: &str) -> CniPod {
+        api.apply_json(pod_object(name, app, &self.name, None))
+            .expect("pod object");
+        let pod = self.pods.as_mut().expect("pods").add("x", name);
+        api.apply_json(pod_object(name, app, &self.name, Some(pod.addr)))
+            .expect("pod status");
+        pod
+    }
+
+    /// `ciliate node list -o json` on this node.
+    pub fn node_list(&self) -> Value {
+        self.agent().cli_json(&["node", "list"])
+    }
+
+    /// The routes with ciliate's protocol in this node's namespace: (destination, gateway).
+    pub fn kernel_routes(&self) -> Vec<(String, String)> {
+        in_netns(&self.netns, || {
+            ciliate::network::netlink::list_own_protocol_all().expect("list routes")
+        })
+        .join()
+        .expect("netlink thread")
+        .into_iter()
+        .map(|(d, g)| (d.to_string(), g.map(|g| g.to_string()).unwrap_or_default()))
+        .collect()
+    }
+
+    /// Starts (or restarts) this node's agent in its namespace and waits until it is ready.
+    pub fn start_agent(&mut self, kubeconfig: &Path) {
+        let ns = std::fs::File::open(format!("/run/netns/{}", self.netns)).expect("node netns");
+        let ns: OwnedFd = ns.into();
+        let mut cmd = Command::new(BIN);
+        cmd.args(["agent", "--node-name", &self.name, "--mode", "kubernetes"])
+            .arg("--kubeconfig")
+            .arg(kubeconfig)
+            .args(["--datapath", "bpf", "--bpf-root"])
+            .arg(&self.bpffs)
+            .arg("--state-dir")
+            .arg(self.dir.join("state"))
+            .arg("--api-socket")
+            .arg(self.socket())
+            // The node's own loopback: every node may use the same port.
+            .args(["--debug-addr", "127.0.0.1:9962"])
+            .args(&self.agent_args)
+            .env("RUST_LOG", "info");
+        let fd = ns.as_raw_fd();
+        // SAFETY: setns is async-signal-safe; the descriptor outlives the spawn.
+        unsafe {
+            cmd.pre_exec(move || {
+                if nix::libc::setns(fd, nix::libc::CLONE_NEWNET) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let agent =
+            Agent::spawn_command(&self.dir, self.socket(), "127.0.0.1:9962".into(), &mut cmd);
+        drop(ns);
+        agent.wait_until("the node's agent is ready with its pod CIDR", || {
+            let (code, out, _) = agent.cli(&["status", "-o", "json"]);
+            let v: Value = serde_json::from_str(&out).unwrap_or(Value::Null);
+            code == 0 && v["ready"] == true && !v["ipam"].is_null()
+        });
+        self.agent = Some(agent);
+    }
+
+    /// `kill -9` of the agent (its datapath stays in place).
+    pub fn kill9_agent(&mut self) {
+        if let Some(mut a) = self.agent.take() {
+            if let Some(c) = a.child.as_mut() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+            a.child = None;
+        }
+    }
+}
+
+/// The cluster; dropping it removes everything it created.
+pub struct Cluster {
+    pub tag: String,
+    pub bridge_ns: String,
+    pub api_ns: String,
+    pub nodes: Vec<ClusterNode>,
+    pub api: Option<TestApiServer>,
+    pub kubeconfig: PathBuf,
+    pub dir: tempfile::TempDir,
+    made_netns: Vec<String>,
+}
+
+pub fn pod_object(name: &str, app: &str, node: &str, ip: Option<Ipv4Addr>) -> Value {
+    let mut v = json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": "x", "labels": {"app": app}},
+        "spec": {"nodeName": node, "containers": [{"name": "c", "image": "busybox"}]},
+        "status": {"phase": "Pending"}
+    });
+    if let Some(ip) = ip {
+        v["status"] = json!({"phase": "Running", "podIP": ip.to_string(), "podIPs": [{"ip": ip.to_string()}]});
+    }
+    v
+}
+
+pub fn node_object(i: usize) -> Value {
+    json!({
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": format!("node-{i}")},
+        "spec": {"podCIDRs": [pod_cidr(i)]},
+        "status": {"addresses": [
+            {"type": "InternalIP", "address": node_ip(i).to_string()},
+            {"type": "Hostname", "address": format!("node-{i}")}
+        ]}
+    })
+}
+
+impl Cluster {
+    /// `nodes` nodes (1-based names `node-1`...), the API server with namespace `x`, the CRDs
+    /// and the Node objects, and an agent running on every node.
+    pub fn start(nodes: usize) -> Cluster {
+        Cluster::start_with(nodes, &[])
+    }
+
+    /// Like `start`, every agent with the extra flags `agent_args`.
+    pub fn start_with(nodes: usize, agent_args: &[&str]) -> Cluster {
+        let n = N.fetch_add(1, Ordering::SeqCst);
+        let tag = format!("{}{}", std::process::id() % 100_000, n);
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut c = Cluster {
+            bridge_ns: format!("cb-{tag}"),
+            api_ns: format!("ca-{tag}"),
+            tag: tag.clone(),
+            nodes: vec![],
+            api: None,
+            kubeconfig: dir.path().join("kubeconfig"),
+            dir,
+            made_netns: vec![],
+        };
+        let br = c.bridge_ns.clone();
+        c.netns_add(&br);
+        ip(&["-n", &br, "link", "add", "br0", "type", "bridge"]);
+        ip(&["-n", &br, "link", "set", "br0", "up"]);
+        let api_ns = c.api_ns.clone();
+        c.attach(&api_ns, "vapi", API_IP);
+        for i in 1..=nodes {
+            let netns = format!("cn-{tag}-{i}");
+            c.attach(&netns, &format!("vn{i}"), node_ip(i));
+            let node_dir = c.dir.path().join(format!("node-{i}"));
+            let bpffs = node_dir.join("bpf");
+            std::fs::create_dir_all(&bpffs).expect("node dir");
+            nix::mount::mount(
+                Some("bpf"),
+                &bpffs,
+                Some("bpf"),
+                nix::mount::MsFlags::empty(),
+                None::<&str>,
+            )
+            .expect("mount a bpf filesystem");
+            let pods = CniPods::new(&node_dir.join("ciliate.sock"), &node_dir.join("no-pins"));
+            c.nodes.push(ClusterNode {
+                name: format!("node-{i}"),
+                netns,
+                ip: node_ip(i),
+                pod_cidr: pod_cidr(i),
+                dir: node_dir,
+                bpffs,
+                agent: None,
+                pods: Some(pods),
+                agent_args: agent_args.iter().map(|a| a.to_string()).collect(),
+            });
+        }
+        c.start_api_server();
+        let api = c.api.as_ref().expect("API server");
+        for crd in ["ciliumnetworkpolicies", "ciliumclusterwidenetworkpolicies"] {
+            let path = format!("{}/manifests/crds/{crd}.yaml", env!("CARGO_MANIFEST_DIR"));
+            let text = std::fs::read_to_string(&path).expect("CRD manifest");
+            let v: Value = serde_yaml::from_str(&text).expect("CRD YAML");
+            api.apply_json(v).expect("CRD");
+        }
+        api.apply_json(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "x"}}))
+            .expect("namespace");
+        for i in 1..=nodes {
+            api.apply_json(node_object(i)).expect("node");
+        }
+        let kubeconfig = c.kubeconfig.clone();
+        for node in &mut c.nodes {
+            node.start_agent(&kubeconfig);
+        }
+        c
+    }
+
+    pub fn api(&self) -> &TestApiServer {
+        self.api.as_ref().expect("API server")
+    }
+
+    /// Node `i` (1-based).
+    pub fn node(&mut self, i: usize) -> &mut ClusterNode {
+        &mut self.nodes[i - 1]
+    }
+
+    /// Creates pod `x/name` labelled `app` on node `i`.
+    pub fn add_pod(&mut self, i: usize, name: &str, app: &str) -> CniPod {
+        let api = self.api.take().expect("API server");
+        let pod = self.nodes[i - 1].add_pod(&api, name, app);
+        self.api = Some(api);
+        pod
+    }
+
+    fn netns_add(&mut self, name: &str) {
+        ip(&["netns", "add", name]);
+        self.made_netns.push(name.to_string());
+        ip(&["-n", name, "link", "set", "lo", "up"]);
+    }
+
+    /// A namespace with an `eth0` (address `addr/24`) whose peer `port` is on the bridge.
+    fn attach(&mut self, netns: &str, port: &str, addr: Ipv4Addr) {
+        self.netns_add(netns);
+        let br = self.bridge_ns.clone();
+        ip(&[
+            "-n", netns, "link", "add", "eth0", "type", "veth", "peer", "name", port, "netns", &br,
+        ]);
+        ip(&["-n", &br, "link", "set", port, "master", "br0", "up"]);
+        ip(&[
+            "-n",
+            netns,
+            "addr",
+            "add",
+            &format!("{addr}/24"),
+            "dev",
+            "eth0",
+        ]);
+        ip(&["-n", netns, "link", "set", "eth0", "up"]);
+    }
+
+    /// The API server, bound in its namespace by a thread that entered it (the server's
+    /// threads are spawned from there and inherit it).
+    fn start_api_server(&mut self) {
+        let addr = SocketAddr::from((API_IP, API_PORT));
+        let server = in_netns(&self.api_ns, move || {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            loop {
+                // The address may still be tentative for a moment after it was added.
+                match TestApiServer::start_with(addr, ServerOptions::default()) {
+                    Ok(s) => return s,
+                    Err(e) if Instant::now() > deadline => panic!("API server: {e}"),
+                    Err(_) => std::thread::sleep(Duration::from_millis(50)),
+                }
+            }
+        })
+        .join()
+        .expect("API server thread");
+        server.kubeconfig(&self.kubeconfig).expect("kubeconfig");
+        self.api = Some(server);
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        // Pods first (CNI DEL needs the agents), then the agents, their bpffs, the namespaces.
+        for node in &mut self.nodes {
+            drop(node.pods.take());
+        }
+        for node in &mut self.nodes {
+            drop(node.agent.take());
+            let _ = nix::mount::umount2(&node.bpffs, nix::mount::MntFlags::MNT_DETACH);
+        }
+        drop(self.api.take());
+        for ns in self.made_netns.iter().rev() {
+            let _ = Command::new("ip").args(["netns", "del", ns]).output();
+        }
+    }
+}
