@@ -69,6 +69,7 @@ fn agent(args: AgentArgs) -> i32 {
             auto_direct_node_routes: args.auto_direct_node_routes,
             native_routing_cidr: args.ipv4_native_routing_cidr.map(|n| n.trunc()),
             install: args.datapath == ciliate::agent::run::DatapathKind::Bpf,
+            masquerade: args.enable_ipv4_masquerade,
         },
     };
     match run(config) {

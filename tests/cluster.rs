@@ -7,7 +7,7 @@
 mod common;
 
 use std::io::{Read, Write};
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::time::Duration;
 
 use common::agent::Agent;
@@ -582,4 +582,76 @@ fn route_applier_touches_only_its_own_routes_and_a_restart_reconciles_them() {
     })
     .join()
     .expect("ownership checks");
+}
+
+/// Masquerading (`--enable-ipv4-masquerade`, default true): a pod reaches a host outside the
+/// cluster, which sees the node's address and answers it; traffic between pods of different
+/// nodes keeps the pod's address (policy still sees the pod). Turned off, the table goes.
+#[test]
+fn pods_leave_the_cluster_masqueraded_to_their_nodes_address_and_pod_traffic_is_not() {
+    if !privileged() {
+        return;
+    }
+    let mut c = Cluster::start_with(2, &["--ipv4-native-routing-cidr", "10.200.0.0/16"]);
+    let (outside, outside_ip) = c.add_outside();
+    let a = c.add_pod(1, "a", "a");
+    let b = c.add_pod(2, "b", "b");
+    // Who is asking, as each server sees it.
+    for (ns, addr) in [(outside.as_str(), outside_ip), (b.netns.as_str(), b.addr)] {
+        let (tx, rx) = std::sync::mpsc::channel();
+        in_netns(ns, move || {
+            let l = TcpListener::bind(SocketAddr::new(IpAddr::V4(addr), 7000)).expect("bind");
+            tx.send(()).unwrap();
+            for mut s in l.incoming().flatten() {
+                let seen = s
+                    .peer_addr()
+                    .map(|p| p.ip().to_string())
+                    .unwrap_or_default();
+                let _ = s.write_all(seen.as_bytes());
+            }
+        });
+        rx.recv().unwrap();
+    }
+    let seen_by = |to: Ipv4Addr| {
+        let ns = a.netns.clone();
+        in_netns(&ns, move || {
+            let mut s = TcpStream::connect_timeout(
+                &SocketAddr::new(IpAddr::V4(to), 7000),
+                Duration::from_millis(700),
+            )
+            .ok()?;
+            s.set_read_timeout(Some(Duration::from_millis(700))).ok()?;
+            let mut seen = String::new();
+            s.read_to_string(&mut seen).ok()?;
+            Some(seen)
+        })
+        .join()
+        .unwrap()
+    };
+    let n1 = &c.nodes[0];
+    n1.agent().wait_until("node 1 masquerades", || {
+        n1.agent().cli_json(&["status"])["masquerade"] == "enabled"
+    });
+    assert_eq!(seen_by(outside_ip), Some(node_ip(1).to_string()));
+    assert_eq!(
+        seen_by(b.addr),
+        Some(a.addr.to_string()),
+        "pod to pod keeps the pod's address"
+    );
+    assert!(
+        icmp_ok(&a.netns, outside_ip),
+        "an echo reply comes back through the NAT"
+    );
+
+    // Turned off: the agent removes its table at start, and the outside can no longer answer.
+    let kubeconfig = c.kubeconfig.clone();
+    let node = c.node(1);
+    node.kill9_agent();
+    node.agent_args
+        .push("--enable-ipv4-masquerade=false".into());
+    node.start_agent(&kubeconfig);
+    node.agent().wait_until("masquerading is off", || {
+        node.agent().cli_json(&["status"])["masquerade"] == "disabled"
+    });
+    assert_eq!(seen_by(outside_ip), None);
 }

@@ -187,6 +187,7 @@ fn pod_traffic_leaving_the_cluster_is_masqueraded_and_pod_and_node_traffic_is_no
     let spec = MasqueradeSpec {
         pod_cidrs: vec!["10.201.1.0/24".parse().unwrap()],
         native_routing_cidr: Some("10.201.0.0/16".parse().unwrap()),
+        cluster_pod_cidrs: vec![],
         node_ips: vec![peer],
     };
     t.masquerade(Some(spec.clone()));

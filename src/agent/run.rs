@@ -529,6 +529,7 @@ async fn run_async(
         config.node_name.clone(),
         config.routing.clone(),
         route_applier,
+        crate::network::Masquerader::new(&config.state_dir, shared.ipam.clone()),
         shared.nodes.subscribe(),
         shared.ready.clone(),
         shared.routing.clone(),

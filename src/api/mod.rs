@@ -82,6 +82,9 @@ pub struct StatusModel {
     /// Routes to other nodes' pod CIDRs this agent has in the kernel.
     #[serde(default)]
     pub routes_installed: usize,
+    /// `--enable-ipv4-masquerade`: `enabled`, `disabled`, `none` (memory datapath) or `error: ...`.
+    #[serde(default)]
+    pub masquerade: String,
 }
 
 /// The node's pod CIDR and how much of it is in use.
@@ -295,6 +298,7 @@ async fn status(st: web::Data<AppState>) -> HttpResponse {
         }),
         routing_mode: routing.mode,
         routes_installed: routing.routes_installed,
+        masquerade: routing.masquerade,
     })
 }
 

@@ -34,29 +34,31 @@ use nftnl::{
 pub struct MasqueradeSpec {
     /// This node's pod CIDRs: only their traffic is masqueraded.
     pub pod_cidrs: Vec<Ipv4Net>,
-    /// The cluster's pod address space (`--ipv4-native-routing-cidr`): never masqueraded. When
-    /// absent, the node's own pod CIDRs are.
+    /// The cluster's pod address space (`--ipv4-native-routing-cidr`): never masqueraded.
     pub native_routing_cidr: Option<Ipv4Net>,
+    /// Every node's pod CIDRs (this node's too): pod-to-pod traffic is never masqueraded, even
+    /// where no native routing CIDR is given.
+    pub cluster_pod_cidrs: Vec<Ipv4Net>,
     /// Every node's addresses: traffic to a node keeps the pod's address.
     pub node_ips: Vec<Ipv4Addr>,
 }
 
 impl MasqueradeSpec {
-    /// The destinations that keep the pod's address, in rule order.
+    /// The destinations that keep the pod's address, in rule order: the native routing CIDR,
+    /// then the pod CIDRs and node addresses it does not already cover.
     pub fn exempt(&self) -> Vec<Ipv4Net> {
-        let mut out: Vec<Ipv4Net> = match self.native_routing_cidr {
-            Some(c) => vec![c],
-            None => self.pod_cidrs.clone(),
-        };
-        let mut nodes: Vec<Ipv4Net> = self
-            .node_ips
+        let mut out: Vec<Ipv4Net> = self.native_routing_cidr.into_iter().collect();
+        let mut rest: Vec<Ipv4Net> = self
+            .pod_cidrs
             .iter()
-            .map(|ip| Ipv4Net::from(*ip))
+            .chain(&self.cluster_pod_cidrs)
+            .copied()
+            .chain(self.node_ips.iter().map(|ip| Ipv4Net::from(*ip)))
             .filter(|n| !out.iter().any(|o| o.contains(n)))
             .collect();
-        nodes.sort();
-        nodes.dedup();
-        out.extend(nodes);
+        rest.sort();
+        rest.dedup();
+        out.extend(rest);
         out
     }
 }
@@ -177,10 +179,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_native_cidr_and_every_node_outside_it_are_exempt() {
+    fn pods_and_nodes_are_exempt_inside_or_outside_the_native_cidr() {
         let spec = MasqueradeSpec {
             pod_cidrs: vec!["10.244.1.0/24".parse().unwrap()],
             native_routing_cidr: Some("10.244.0.0/16".parse().unwrap()),
+            cluster_pod_cidrs: vec![
+                "10.244.2.0/24".parse().unwrap(),
+                "10.99.0.0/24".parse().unwrap(),
+            ],
             node_ips: vec![
                 "172.18.0.3".parse().unwrap(),
                 "172.18.0.2".parse().unwrap(),
@@ -191,16 +197,23 @@ mod tests {
         let exempt: Vec<String> = spec.exempt().iter().map(|n| n.to_string()).collect();
         assert_eq!(
             exempt,
-            vec!["10.244.0.0/16", "172.18.0.2/32", "172.18.0.3/32"]
+            vec![
+                "10.244.0.0/16",
+                "10.99.0.0/24",
+                "172.18.0.2/32",
+                "172.18.0.3/32"
+            ]
         );
+        // Without a native routing CIDR every known pod CIDR is exempt.
         let no_native = MasqueradeSpec {
             native_routing_cidr: None,
             node_ips: vec![],
             ..spec
         };
+        let exempt: Vec<String> = no_native.exempt().iter().map(|n| n.to_string()).collect();
         assert_eq!(
-            no_native.exempt(),
-            vec!["10.244.1.0/24".parse::<Ipv4Net>().unwrap()]
+            exempt,
+            vec!["10.99.0.0/24", "10.244.1.0/24", "10.244.2.0/24"]
         );
     }
 

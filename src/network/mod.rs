@@ -1,5 +1,6 @@
-//! Cluster networking: routes between nodes. `routes.rs` is the pure desired state
-//! (nodes -> routes, and the rows of `ciliate node list`), `netlink.rs` the thin applier, and
+//! Cluster networking: routes between nodes and masquerading. `routes.rs` is the pure desired
+//! state (nodes -> routes, and the rows of `ciliate node list`; nodes -> what to masquerade),
+//! `netlink.rs` the thin route applier (`datapath::masquerade` writes the NAT table), and
 //! `run_route_reconciler` the task that ties them to the Node objects the agent sees.
 
 pub mod netlink;
@@ -28,6 +29,7 @@ pub async fn run_route_reconciler(
     local: String,
     cfg: RoutingConfig,
     mut applier: Option<netlink::RouteApplier>,
+    mut masquerade: Masquerader,
     mut nodes: tokio::sync::watch::Receiver<NodeSet>,
     ready: Arc<AtomicBool>,
     view: Arc<Mutex<RoutingView>>,
@@ -65,13 +67,78 @@ pub async fn run_route_reconciler(
         for r in rows.iter().filter(|r| r.route.starts_with("error")) {
             tracing::warn!(node = %r.name, state = %r.route, "node not routed");
         }
+        let masq = masquerade.reconcile(&local, &snapshot, &cfg).await;
         if let Ok(mut v) = view.lock() {
             v.routes_installed = outcome.values().filter(|o| o.is_ok()).count();
             v.nodes = rows;
+            v.masquerade = masq;
         }
         tokio::select! {
             changed = nodes.changed() => if changed.is_err() { return },
             _ = tokio::time::sleep(RESYNC) => {},
+        }
+    }
+}
+
+/// Keeps this agent's masquerade table in line with the nodes (`--enable-ipv4-masquerade`).
+pub struct Masquerader {
+    /// Names the agent's table (a hash of its state directory).
+    tag: String,
+    /// This node's pod CIDR when its Node object gives none (`--pod-cidr`).
+    ipam: Arc<Mutex<crate::ipam::NodeIpam>>,
+    /// What is in the kernel now (`None`: not written by this run yet).
+    applied: Option<Option<crate::datapath::masquerade::MasqueradeSpec>>,
+}
+
+impl Masquerader {
+    pub fn new(state_dir: &std::path::Path, ipam: Arc<Mutex<crate::ipam::NodeIpam>>) -> Self {
+        Masquerader {
+            tag: crate::datapath::masquerade::tag_for(state_dir),
+            ipam,
+            applied: None,
+        }
+    }
+
+    /// Writes the table when what it should hold changed (or removes it when masquerading is
+    /// off or this node has no pod CIDR); returns the state to show.
+    async fn reconcile(&mut self, local: &str, nodes: &NodeSet, cfg: &RoutingConfig) -> String {
+        if !cfg.install {
+            return "none".into();
+        }
+        let fallback = self
+            .ipam
+            .lock()
+            .ok()
+            .and_then(|g| g.ipam.as_ref().map(|i| i.cidr()));
+        let want = cfg
+            .masquerade
+            .then(|| routes::masquerade_spec(local, nodes, cfg, fallback))
+            .filter(|s| !s.pod_cidrs.is_empty());
+        let shown = match &want {
+            Some(_) => "enabled",
+            None if cfg.masquerade => "enabled (no pod CIDR yet)",
+            None => "disabled",
+        };
+        if self.applied.as_ref() == Some(&want) {
+            return shown.into();
+        }
+        let (tag, spec) = (self.tag.clone(), want.clone());
+        let result = actix_web::web::block(move || match &spec {
+            Some(spec) => crate::datapath::masquerade::apply(&tag, spec),
+            None => crate::datapath::masquerade::remove(&tag),
+        })
+        .await;
+        match result {
+            Ok(Ok(())) => {
+                tracing::info!(table = %crate::datapath::masquerade::table_name(&self.tag), state = shown, spec = ?want, "masquerading");
+                self.applied = Some(want);
+                shown.into()
+            }
+            Ok(Err(e)) => {
+                tracing::error!(error = %e, "masquerading not applied");
+                format!("error: {e}")
+            }
+            Err(e) => format!("error: {e}"),
         }
     }
 }

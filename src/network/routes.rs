@@ -46,6 +46,8 @@ pub struct RoutingConfig {
     /// Whether routes go into the kernel (false with `--datapath memory`, which touches no
     /// kernel state).
     pub install: bool,
+    /// `--enable-ipv4-masquerade`: pod traffic leaving the native routing CIDR is SNATed.
+    pub masquerade: bool,
 }
 
 impl Default for RoutingConfig {
@@ -56,6 +58,7 @@ impl Default for RoutingConfig {
             auto_direct_node_routes: true,
             native_routing_cidr: None,
             install: false,
+            masquerade: true,
         }
     }
 }
@@ -252,11 +255,41 @@ pub fn node_row(
     }
 }
 
+/// What to masquerade: this node's pod CIDRs (from its Node object, else `fallback`, the IPAM
+/// range of `--pod-cidr`), never toward the native routing CIDR or any node's address.
+pub fn masquerade_spec(
+    local: &str,
+    nodes: &BTreeMap<String, NodeInfo>,
+    cfg: &RoutingConfig,
+    fallback: Option<Ipv4Net>,
+) -> crate::datapath::masquerade::MasqueradeSpec {
+    let mut pod_cidrs = nodes
+        .get(local)
+        .and_then(|n| pod_cidrs_v4(n).ok())
+        .unwrap_or_default();
+    if pod_cidrs.is_empty() {
+        pod_cidrs.extend(fallback);
+    }
+    crate::datapath::masquerade::MasqueradeSpec {
+        pod_cidrs,
+        native_routing_cidr: cfg.native_routing_cidr,
+        cluster_pod_cidrs: nodes
+            .values()
+            .filter_map(|n| pod_cidrs_v4(n).ok())
+            .flatten()
+            .collect(),
+        node_ips: nodes.values().filter_map(node_ipv4).collect(),
+    }
+}
+
 /// What the agent shows about routing (`node list`, `status`).
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct RoutingView {
     pub mode: String,
     pub routes_installed: usize,
+    /// `enabled` (the table is in the kernel), `disabled`, `none` (memory datapath: nothing in
+    /// the kernel) or `error: ...`.
+    pub masquerade: String,
     pub nodes: Vec<NodeRow>,
 }
 

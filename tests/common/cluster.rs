@@ -29,6 +29,10 @@ static N: AtomicU32 = AtomicU32::new(0);
 pub const API_IP: Ipv4Addr = Ipv4Addr::new(172, 20, 0, 2);
 const API_PORT: u16 = 6443;
 
+/// The router between the cluster bridge and the outside, and the outside host.
+pub const ROUTER_IP: Ipv4Addr = Ipv4Addr::new(172, 20, 0, 254);
+pub const OUTSIDE_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 2);
+
 /// Node `i` (1-based): its address and pod CIDR.
 pub fn node_ip(i: usize) -> Ipv4Addr {
     Ipv4Addr::new(172, 20, 0, 10 + i as u8)
@@ -266,6 +270,65 @@ impl Cluster {
         let pod = self.nodes[i - 1].add_pod(&api, name, app);
         self.api = Some(api);
         pod
+    }
+
+    /// A router on the bridge (`ROUTER_IP`) with the "outside" behind it (a host at
+    /// `OUTSIDE_IP`, standing in for the internet), and every node's default route through the
+    /// router. The outside knows no pod addresses: it can only answer masqueraded traffic.
+    pub fn add_outside(&mut self) -> (String, Ipv4Addr) {
+        let (router, outside) = (format!("cr-{}", self.tag), format!("co-{}", self.tag));
+        self.attach(&router, "vrt", ROUTER_IP);
+        self.netns_add(&outside);
+        ip(&[
+            "-n", &router, "link", "add", "eth1", "type", "veth", "peer", "name", "eth0", "netns",
+            &outside,
+        ]);
+        ip(&[
+            "-n",
+            &router,
+            "addr",
+            "add",
+            "198.51.100.1/24",
+            "dev",
+            "eth1",
+        ]);
+        ip(&["-n", &router, "link", "set", "eth1", "up"]);
+        ip(&[
+            "-n",
+            &outside,
+            "addr",
+            "add",
+            &format!("{OUTSIDE_IP}/24"),
+            "dev",
+            "eth0",
+        ]);
+        ip(&["-n", &outside, "link", "set", "eth0", "up"]);
+        ip(&[
+            "-n",
+            &outside,
+            "route",
+            "add",
+            "default",
+            "via",
+            "198.51.100.1",
+        ]);
+        in_netns(&router, || {
+            std::fs::write("/proc/sys/net/ipv4/ip_forward", "1").expect("ip_forward")
+        })
+        .join()
+        .expect("router forwarding");
+        for node in &self.nodes {
+            ip(&[
+                "-n",
+                &node.netns,
+                "route",
+                "add",
+                "default",
+                "via",
+                &ROUTER_IP.to_string(),
+            ]);
+        }
+        (outside, OUTSIDE_IP)
     }
 
     fn netns_add(&mut self, name: &str) {
