@@ -1,4 +1,4 @@
-//! Compiles the eBPF datapath (`bpf/ciliate.bpf.c`) at build time into a libbpf skeleton
+//! Compiles the eBPF datapath (`bpf/ciliate.bpf.c`, its parts in `bpf/lib/`) at build time into a libbpf skeleton
 //! (`$OUT_DIR/ciliate.skel.rs`), with clang. `bpf/ciliate.h` is the single source of truth for
 //! the structures user space shares with the program; Rust uses the skeleton's generated types.
 
@@ -41,5 +41,7 @@ fn main() {
     }
     println!("cargo:rerun-if-changed={SRC}");
     println!("cargo:rerun-if-changed={HEADER}");
+    // The program's parts by concern (parse, maps, ipcache, policy, events, conntrack).
+    println!("cargo:rerun-if-changed=bpf/lib");
     println!("cargo:rerun-if-changed=build.rs");
 }

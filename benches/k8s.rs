@@ -10,7 +10,7 @@
 
 use std::time::{Duration, Instant};
 
-use ciliate::k8s::apiserver::TestApiServer;
+use ciliate_test_apiserver::TestApiServer;
 use serde_json::{json, Value};
 
 // The integration tests' harness for the agent binary (spawn, debug HTTP, CLI).

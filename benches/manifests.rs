@@ -200,9 +200,9 @@ fn soak() {
         versions[i] += 1;
         std::fs::write(path(i), pod(i, versions[i])).expect("write");
         edits += 1;
-        if edits % 100 == 0 {
+        if edits.is_multiple_of(100) {
             // Now and then a file comes or goes.
-            if extra.len() < 50 && x % 2 == 0 {
+            if extra.len() < 50 && x.is_multiple_of(2) {
                 let j = FILES + extra.len();
                 std::fs::write(path(j), pod(j, 0)).expect("write");
                 extra.push(j);

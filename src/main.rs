@@ -3,8 +3,7 @@ use clap::Parser;
 use ciliate::agent::run::{run, AgentConfig, Mode};
 use ciliate::cli::commands::ClientCall;
 use ciliate::cli::{
-    run_client, run_simulate, AgentArgs, Cli, ClientOpts, Command, DevCommand, LogFormat,
-    PolicyCommand,
+    run_client, run_simulate, AgentArgs, Cli, ClientOpts, Command, LogFormat, PolicyCommand,
 };
 use ciliate::simulate::generate::{generate_world, WorldSize};
 
@@ -136,17 +135,6 @@ fn cni_plugin() -> i32 {
     ciliate::cni::run_plugin(&env, &stdin, &mut stdout.lock())
 }
 
-fn dev_apiserver(listen: std::net::SocketAddr, kubeconfig_out: Option<&std::path::Path>) -> i32 {
-    init_logging(LogFormat::Text);
-    match ciliate::k8s::apiserver::run_until_signal(listen, kubeconfig_out) {
-        Ok(()) => 0,
-        Err(e) => {
-            eprintln!("error: {e}");
-            1
-        }
-    }
-}
-
 fn main() {
     let invoked_as = std::env::args_os().next().unwrap_or_default();
     if std::path::Path::new(&invoked_as)
@@ -210,13 +198,6 @@ fn main() {
             debug_addr,
             pod_cidr,
         }),
-        Command::Dev {
-            command:
-                DevCommand::Apiserver {
-                    listen,
-                    kubeconfig_out,
-                },
-        } => dev_apiserver(listen, kubeconfig_out.as_deref()),
     };
     std::process::exit(code);
 }

@@ -5,7 +5,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use ciliate::k8s::apiserver::TestApiServer;
+use ciliate_test_apiserver::TestApiServer;
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{
@@ -646,7 +646,7 @@ fn raw_http(
 
 #[test]
 fn errors_are_status_objects_and_watches_follow_the_protocol() {
-    let options = ciliate::k8s::apiserver::ServerOptions {
+    let options = ciliate_test_apiserver::ServerOptions {
         bookmark_interval: Duration::from_millis(200),
     };
     let server = TestApiServer::start_with(([127, 0, 0, 1], 0).into(), options).expect("server");
@@ -732,62 +732,4 @@ fn errors_are_status_objects_and_watches_follow_the_protocol() {
             && body.contains("Expired"),
         "{body}"
     );
-}
-
-#[test]
-fn dev_apiserver_command_serves_until_sigterm() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let kubeconfig = dir.path().join("kubeconfig");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ciliate"))
-        .args([
-            "dev",
-            "apiserver",
-            "--listen",
-            "127.0.0.1:0",
-            "--kubeconfig-out",
-        ])
-        .arg(&kubeconfig)
-        .stdin(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn ciliate dev apiserver");
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    let text = loop {
-        if let Ok(t) = std::fs::read_to_string(&kubeconfig) {
-            break t;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no kubeconfig written"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let parsed = Kubeconfig::from_yaml(&text).expect("kubeconfig parses");
-    let url = parsed.clusters[0]
-        .cluster
-        .as_ref()
-        .and_then(|c| c.server.clone())
-        .expect("server url");
-    let addr = url.trim_start_matches("http://").to_string();
-    let mut conn = std::net::TcpStream::connect(&addr).expect("connect to dev apiserver");
-    use std::io::{Read, Write};
-    write!(
-        conn,
-        "GET /api/v1/namespaces/default HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .expect("send");
-    let mut reply = String::new();
-    conn.read_to_string(&mut reply).expect("read");
-    assert!(
-        reply.starts_with("HTTP/1.1 200") && reply.contains(r#""name":"default""#),
-        "{reply}"
-    );
-
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(child.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .expect("SIGTERM");
-    let status = child.wait().expect("wait");
-    assert!(status.success(), "exit status {status}");
 }

@@ -73,27 +73,81 @@ fn ipam_allocated(agent: &Agent) -> u64 {
         .expect("status shows IPAM")
 }
 
-#[test]
-fn pods_created_through_cni_are_enforced_survive_kill_9_and_restart_and_are_deleted_cleanly() {
-    if !privileged() {
-        return;
-    }
+/// An agent with the BPF datapath (pins under `/sys/fs/bpf/ciliate-TAG-PID`) and a pod CIDR of
+/// its own, on CLUSTER and POLICIES with b open to a on 8080: the directory, the pins, the
+/// arguments (to restart it) and the agent.
+fn bpf_agent(tag: &str) -> (tempfile::TempDir, String, Vec<String>, Agent) {
     let tmp = tempfile::tempdir().unwrap();
     let m = tmp.path().join("manifests");
     std::fs::create_dir_all(&m).unwrap();
     std::fs::write(m.join("cluster.yaml"), CLUSTER).unwrap();
     std::fs::write(m.join("policy.yaml"), POLICIES.replace("PORT", "8080")).unwrap();
-    let cidr = unique_pod_cidr();
-    let pins = format!("/sys/fs/bpf/ciliate-cni-{}", std::process::id());
-    let args = [
+    let pins = format!("/sys/fs/bpf/ciliate-{tag}-{}", std::process::id());
+    let args: Vec<String> = [
         "--datapath",
         "bpf",
         "--bpf-root",
-        pins.as_str(),
+        &pins,
         "--pod-cidr",
-        cidr.as_str(),
-    ];
-    let mut agent = Agent::start_with(tmp.path(), &args);
+        &unique_pod_cidr(),
+    ]
+    .map(String::from)
+    .into();
+    let agent = Agent::start_with(
+        tmp.path(),
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    (tmp, pins, args, agent)
+}
+
+/// TCP connections from `netns` to `to:port` every 20 ms until stopped: how many were made and
+/// how many failed (an allowed flow must never break while an agent restarts).
+struct Prober {
+    stop: Arc<AtomicBool>,
+    failures: Arc<AtomicU32>,
+    thread: std::thread::JoinHandle<u32>,
+}
+
+impl Prober {
+    fn start(netns: &str, to: Ipv4Addr, port: u16) -> Prober {
+        let stop = Arc::new(AtomicBool::new(false));
+        let failures = Arc::new(AtomicU32::new(0));
+        let (s, f, ns) = (stop.clone(), failures.clone(), netns.to_string());
+        let thread = std::thread::spawn(move || {
+            let mut probes = 0;
+            while !s.load(Ordering::SeqCst) {
+                if !tcp_ok(&ns, to.into(), port) {
+                    f.fetch_add(1, Ordering::SeqCst);
+                }
+                probes += 1;
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            probes
+        });
+        Prober {
+            stop,
+            failures,
+            thread,
+        }
+    }
+
+    /// (probes, failures).
+    fn stop(self) -> (u32, u32) {
+        self.stop.store(true, Ordering::SeqCst);
+        let probes = self.thread.join().unwrap();
+        (probes, self.failures.load(Ordering::SeqCst))
+    }
+}
+
+#[test]
+fn pods_created_through_cni_are_enforced_survive_kill_9_and_restart_and_are_deleted_cleanly() {
+    if !privileged() {
+        return;
+    }
+    let (tmp, pins, args, mut agent) = bpf_agent("cni");
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let m = tmp.path().join("manifests");
+    let cidr = args[5].to_string();
     // Declared after the agent: dropped (CNI DEL, namespaces removed) while it still runs.
     let mut pods = CniPods::new(&agent.socket(), std::path::Path::new(&pins));
 
@@ -224,33 +278,13 @@ fn pods_created_through_cni_are_enforced_survive_kill_9_and_restart_and_are_dele
     );
 
     // Restart with a prober on the allowed flow.
-    let stop = Arc::new(AtomicBool::new(false));
-    let failures = Arc::new(AtomicU32::new(0));
-    let prober = {
-        let (stop, failures, ns, to) = (stop.clone(), failures.clone(), a.netns.clone(), b.addr);
-        std::thread::spawn(move || {
-            let mut probes = 0;
-            while !stop.load(Ordering::SeqCst) {
-                if !tcp_ok(&ns, to.into(), 9090) {
-                    failures.fetch_add(1, Ordering::SeqCst);
-                }
-                probes += 1;
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            probes
-        })
-    };
+    let prober = Prober::start(&a.netns, b.addr, 9090);
     let restarted = Agent::start_with(tmp.path(), &args);
     restarted.wait_realized(restarted.revision());
     std::thread::sleep(Duration::from_millis(300));
-    stop.store(true, Ordering::SeqCst);
-    let probes = prober.join().unwrap();
+    let (probes, failures) = prober.stop();
     assert!(probes > 3, "the prober ran ({probes} probes)");
-    assert_eq!(
-        failures.load(Ordering::SeqCst),
-        0,
-        "an allowed flow broke during the restart"
-    );
+    assert_eq!(failures, 0, "an allowed flow broke during the restart");
     let after = restarted.json("/debug/endpoints");
     assert_eq!(after.as_array().map(Vec::len), Some(3), "{after}");
     for (x, y) in before
@@ -349,6 +383,26 @@ fn marked(mark: &str) -> BTreeSet<String> {
         .collect()
 }
 
+/// An agent with the memory datapath and a pod CIDR of its own on a fresh directory holding
+/// `cluster`: the directory, the agent, its arguments (to restart it), its veth mark, and a
+/// guard that deletes whatever still carries the mark when the test ends, even on failure.
+fn memory_agent(cluster: &str) -> (tempfile::TempDir, Agent, Vec<String>, String, SweepMarked) {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tmp.path().join("manifests");
+    std::fs::create_dir_all(&m).unwrap();
+    std::fs::write(m.join("cluster.yaml"), cluster).unwrap();
+    let args: Vec<String> = ["--datapath", "memory", "--pod-cidr", &unique_pod_cidr()]
+        .map(String::from)
+        .into();
+    let agent = Agent::start_with(
+        tmp.path(),
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    let mark = ciliate::datapath::netdev::agent_mark(&tmp.path().join("state"));
+    let sweep = SweepMarked(mark.clone());
+    (tmp, agent, args, mark, sweep)
+}
+
 /// Deletes whatever still carries the agent's mark when the test ends, even on failure.
 struct SweepMarked(String);
 
@@ -432,16 +486,9 @@ fn kill_9_during_fifty_concurrent_adds_leaves_nothing_unreclaimed() {
         return;
     }
     const N: usize = 50;
-    let tmp = tempfile::tempdir().unwrap();
-    let m = tmp.path().join("manifests");
-    std::fs::create_dir_all(&m).unwrap();
-    std::fs::write(m.join("cluster.yaml"), many_pods(N)).unwrap();
-    let cidr = unique_pod_cidr();
-    let args = ["--datapath", "memory", "--pod-cidr", cidr.as_str()];
-    let mut agent = Agent::start_with(tmp.path(), &args);
+    let (tmp, mut agent, args, mark, _sweep) = memory_agent(&many_pods(N));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let state = tmp.path().join("state");
-    let mark = ciliate::datapath::netdev::agent_mark(&state);
-    let _sweep = SweepMarked(mark.clone());
     let mut pods = CniPods::new(&agent.socket(), &tmp.path().join("no-pins"));
     let specs: Vec<(String, String, String)> = (0..N)
         .map(|i| {
@@ -594,14 +641,7 @@ fn a_retried_add_replaces_a_stale_half_made_interface_but_not_another_agents() {
     if !privileged() {
         return;
     }
-    let tmp = tempfile::tempdir().unwrap();
-    let m = tmp.path().join("manifests");
-    std::fs::create_dir_all(&m).unwrap();
-    std::fs::write(m.join("cluster.yaml"), CLUSTER).unwrap();
-    let cidr = unique_pod_cidr();
-    let agent = Agent::start_with(tmp.path(), &["--datapath", "memory", "--pod-cidr", &cidr]);
-    let mark = ciliate::datapath::netdev::agent_mark(&tmp.path().join("state"));
-    let _sweep = SweepMarked(mark.clone());
+    let (tmp, agent, _, mark, _sweep) = memory_agent(CLUSTER);
     let mut pods = CniPods::new(&agent.socket(), &tmp.path().join("no-pins"));
     let stale_ctr = format!("ctr-{}-a", pods.tag);
     let stale_if = ciliate::datapath::netdev::host_interface_name(&stale_ctr);
@@ -688,15 +728,8 @@ fn a_restored_duplicate_address_is_refused_reported_and_its_interface_reclaimed(
     if !privileged() {
         return;
     }
-    let tmp = tempfile::tempdir().unwrap();
-    let m = tmp.path().join("manifests");
-    std::fs::create_dir_all(&m).unwrap();
-    std::fs::write(m.join("cluster.yaml"), CLUSTER).unwrap();
-    let cidr = unique_pod_cidr();
-    let args = ["--datapath", "memory", "--pod-cidr", cidr.as_str()];
-    let mut agent = Agent::start_with(tmp.path(), &args);
-    let mark = ciliate::datapath::netdev::agent_mark(&tmp.path().join("state"));
-    let _sweep = SweepMarked(mark.clone());
+    let (tmp, mut agent, args, _, _sweep) = memory_agent(CLUSTER);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let mut pods = CniPods::new(&agent.socket(), &tmp.path().join("no-pins"));
     let a = pods.add("x", "a");
     let b = pods.add("x", "b");
@@ -771,6 +804,108 @@ fn a_restored_duplicate_address_is_refused_reported_and_its_interface_reclaimed(
     let again = result_addr(&v).unwrap();
     assert_ne!(again, a.addr);
     assert_eq!(addresses_in(&b.netns), vec![again]);
+    drop(pods);
+    drop(restarted);
+}
+
+/// Restore validates and sweeps: a pod whose namespace (and so its veth) was deleted while the
+/// agent was down is not restored (record, address and pins go), a stray pinned policy map and a
+/// stray marked `lxc` veth are removed, and the live endpoints keep enforcing throughout.
+#[test]
+fn a_restart_sweeps_vanished_pods_and_stray_pins_while_live_endpoints_keep_enforcing() {
+    if !privileged() {
+        return;
+    }
+    let (tmp, pins, args, mut agent) = bpf_agent("sweep");
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mark = ciliate::datapath::netdev::agent_mark(&tmp.path().join("state"));
+    let _sweep = SweepMarked(mark.clone());
+    let mut pods = CniPods::new(&agent.socket(), std::path::Path::new(&pins));
+    let a = pods.add("x", "a");
+    let b = pods.add("x", "b");
+    let c = pods.add("x", "c");
+    tcp_server(&b.netns, b.addr.into(), 8080);
+    assert!(tcp_ok(&a.netns, b.addr.into(), 8080));
+    assert!(!tcp_ok(&c.netns, b.addr.into(), 8080));
+    let c_id = agent
+        .json("/debug/endpoints")
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["name"] == "x/c")
+        .and_then(|e| e["id"].as_u64())
+        .unwrap();
+
+    let mut child = agent.child.take().unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    // While the agent is down: c's pod goes (its veth with it), and strays appear.
+    ip(&["netns", "del", &c.netns]);
+    let stray_map = std::path::Path::new(&pins).join("ciliate/policy_4000");
+    let mut map = libbpf_rs::MapHandle::create(
+        libbpf_rs::MapType::Hash,
+        Some("ciliate_stray"),
+        4,
+        4,
+        16,
+        &libbpf_rs::libbpf_sys::bpf_map_create_opts {
+            sz: std::mem::size_of::<libbpf_rs::libbpf_sys::bpf_map_create_opts>() as _,
+            ..Default::default()
+        },
+    )
+    .expect("a map");
+    map.pin(&stray_map).expect("pin the stray map");
+    let stray_if = format!("lxcstray{}", std::process::id() % 10_000);
+    ip(&[
+        "link",
+        "add",
+        &stray_if,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        &format!("{stray_if}p"),
+    ]);
+    ip(&["link", "set", &stray_if, "alias", &mark]);
+
+    // A prober on the allowed flow across the restart.
+    let prober = Prober::start(&a.netns, b.addr, 8080);
+    let restarted = Agent::start_with(tmp.path(), &args);
+    restarted.wait_realized(restarted.revision());
+    let names: Vec<String> = restarted
+        .json("/debug/endpoints")
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["name"].as_str().unwrap_or("").to_string())
+        .collect();
+    assert_eq!(names, vec!["x/a", "x/b"], "c is not restored");
+    assert_eq!(ipam_allocated(&restarted), 2, "c's address is free again");
+    assert!(!tmp.path().join(format!("state/{c_id}")).exists());
+    let pin_dir = std::path::Path::new(&pins).join("ciliate");
+    assert!(!stray_map.exists(), "the stray policy map is unpinned");
+    assert!(
+        !pin_dir.join(format!("policy_{c_id}")).exists(),
+        "c's policy map is unpinned"
+    );
+    assert!(!pin_dir.join(format!("link_{c_id}_ingress")).exists());
+    assert!(
+        !marked(&mark).contains(&stray_if),
+        "the stray veth is removed"
+    );
+    let metrics = restarted.http_get("/metrics").1;
+    for line in [
+        "ciliate_endpoint_restore_total{outcome=\"restored\"} 2",
+        "ciliate_endpoint_restore_total{outcome=\"interface_gone\"} 1",
+        "ciliate_endpoint_restore_total{outcome=\"stray_pins\"} 2",
+    ] {
+        assert!(metrics.contains(line), "{line} in\n{metrics}");
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let (probes, failures) = prober.stop();
+    assert!(probes > 3, "the prober ran ({probes} probes)");
+    assert_eq!(failures, 0, "a live flow broke");
+    assert!(!tcp_ok(&a.netns, b.addr.into(), 9090), "still enforcing");
     drop(pods);
     drop(restarted);
 }

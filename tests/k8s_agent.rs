@@ -10,7 +10,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use ciliate::k8s::apiserver::{ServerOptions, TestApiServer};
+use ciliate_test_apiserver::{ServerOptions, TestApiServer};
 use common::agent::Agent;
 use common::eventually;
 use common::netns::{privileged, tcp_ok, tcp_server, world};
@@ -489,4 +489,52 @@ fn readyz_says_what_the_initial_sync_waits_for() {
     agent.wait_until("ready once the CRDs exist", || {
         agent.http_get("/readyz").0 == 200
     });
+}
+
+/// A pod deleted from the API server while the agent was down (its CNI DEL could not reach the
+/// agent): after the restart's initial sync its endpoint is removed, the other is kept, and the
+/// sweep is counted.
+#[test]
+fn an_endpoint_whose_pod_was_deleted_while_the_agent_was_down_is_removed_at_restart() {
+    if !privileged() {
+        return;
+    }
+    let server = TestApiServer::start().expect("API server");
+    let tmp = tempfile::tempdir().unwrap();
+    let kubectl = Kubectl::new(tmp.path(), &server);
+    seed_cluster(
+        &server,
+        &kubectl,
+        &[pod("a", "a", "10.250.7.11"), pod("b", "b", "10.250.7.12")],
+    );
+    let args = ["--datapath", "memory"];
+    let mut agent = Agent::start_kubernetes(tmp.path(), &kubectl.kubeconfig, &args);
+    let a = add_endpoint(&agent, "x/a", "10.250.7.11", None);
+    let b = add_endpoint(&agent, "x/b", "10.250.7.12", None);
+    agent.wait_realized(agent.revision());
+    agent.stop();
+
+    kubectl.ok(&["delete", "pod", "-n", "x", "b"], None);
+    let agent = Agent::start_kubernetes(tmp.path(), &kubectl.kubeconfig, &args);
+    agent.wait_until("the endpoint of the deleted pod is gone", || {
+        let eps = agent.json("/debug/endpoints");
+        eps.as_array()
+            .is_some_and(|e| e.len() == 1 && e[0]["id"].as_u64() == Some(a))
+    });
+    assert!(
+        !tmp.path().join(format!("state/{b}")).exists(),
+        "its record is gone"
+    );
+    let metrics = agent.http_get("/metrics").1;
+    assert!(
+        metrics.contains("ciliate_endpoint_restore_total{outcome=\"pod_gone\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("ciliate_endpoint_restore_total{outcome=\"restored\"} 2"),
+        "{metrics}"
+    );
+    assert!(agent
+        .log()
+        .contains("endpoint removed: its pod no longer exists"));
 }

@@ -7,11 +7,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use ciliate::k8s::apiserver::TestApiServer;
 use ciliate::k8s::crd::{
     self, CiliumClusterwideNetworkPolicy, CiliumNetworkPolicy, ConditionStatus, PolicyCondition,
     PolicyNodeStatus, CONDITION_VALID,
 };
+use ciliate_test_apiserver::TestApiServer;
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::{ConfigMap, Container, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};

@@ -38,7 +38,7 @@ impl LoaderActor {
 impl Actor for LoaderActor {
     type Context = Context<Self>;
 }
-traced_actor!(LoaderActor: AttachEndpoint, DetachEndpoint, SyncPolicyMap, UpdateIpcache, GetPolicyMap, GetIpcache);
+traced_actor!(LoaderActor: AttachEndpoint, DetachEndpoint, SweepStrayEndpoints, SyncPolicyMap, UpdateIpcache, GetPolicyMap, GetIpcache);
 
 /// Adds or updates an endpoint in the endpoint map and creates its policy map.
 #[derive(Debug, Message)]
@@ -86,6 +86,40 @@ impl Handler<DetachEndpoint> for LoaderActor {
         let r = self.datapath.detach_endpoint(msg.id);
         self.count_error(&r);
         r
+    }
+}
+
+/// Removes whatever is pinned for endpoints not in `keep` (a restart's strays): their links,
+/// policy maps and endpoint-table slots. Returns the endpoints swept.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<Vec<EndpointId>, DatapathError>")]
+pub struct SweepStrayEndpoints {
+    pub keep: Vec<EndpointId>,
+}
+
+impl Traceable for SweepStrayEndpoints {
+    const KIND: &'static str = "SweepStrayEndpoints";
+    fn summary(&self) -> String {
+        format!("keep {} endpoints", self.keep.len())
+    }
+}
+
+impl Handler<SweepStrayEndpoints> for LoaderActor {
+    type Result = Result<Vec<EndpointId>, DatapathError>;
+    fn handle(&mut self, msg: SweepStrayEndpoints, _: &mut Context<Self>) -> Self::Result {
+        let mut swept = Vec::new();
+        for id in self.datapath.pinned_endpoints() {
+            if msg.keep.contains(&id) || self.datapath.endpoints().contains(&id) {
+                continue;
+            }
+            match self.datapath.detach_endpoint(id) {
+                Ok(()) => swept.push(id),
+                Err(e) => {
+                    tracing::warn!(endpoint = id, error = %e, "stray pinned endpoint not removed")
+                }
+            }
+        }
+        Ok(swept)
     }
 }
 

@@ -572,7 +572,7 @@ impl Actor for PolicyRepoActor {
 traced_actor!(PolicyRepoActor:
     PolicyUpsert, PolicyRejected, PolicyDelete, ManifestStatus, PodUpsert, PodDelete, NamespaceUpsert,
     NamespaceDelete, NodeUpsert, NodeDelete, ServiceUpsert, InitialSyncDone, AddEndpoint, DeleteEndpoint,
-    FindEndpoint, ListEndpoints, Shutdown, GetPolicies, GetIdentities, GetIpcacheView, RegenerateAll);
+    FindEndpoint, ListEndpoints, ListPodlessEndpoints, Shutdown, GetPolicies, GetIdentities, GetIpcacheView, RegenerateAll);
 
 macro_rules! traceable {
     ($t:ty, $kind:literal, |$s:ident| $summary:expr) => {
@@ -1200,6 +1200,30 @@ impl Handler<FindEndpoint> for PolicyRepoActor {
             .iter()
             .find(|(_, e)| e.record.container_id.as_deref() == Some(&msg.container_id))
             .map(|(id, _)| *id))
+    }
+}
+
+/// Endpoints whose pod the agent does not know (after the initial sync: pods deleted while the
+/// agent was down), with their container id when CNI made them. Empty before the initial sync.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<Vec<(EndpointId, String, Option<String>)>, ApiError>")]
+pub struct ListPodlessEndpoints;
+traceable!(ListPodlessEndpoints, "ListPodlessEndpoints", |_m| {
+    String::new()
+});
+
+impl Handler<ListPodlessEndpoints> for PolicyRepoActor {
+    type Result = Result<Vec<(EndpointId, String, Option<String>)>, ApiError>;
+    fn handle(&mut self, _: ListPodlessEndpoints, _: &mut Context<Self>) -> Self::Result {
+        if !self.initial_sync_done {
+            return Ok(Vec::new());
+        }
+        Ok(self
+            .endpoints
+            .iter()
+            .filter(|(_, e)| !self.pods.contains_key(&e.record.name))
+            .map(|(id, e)| (*id, e.record.name.clone(), e.record.container_id.clone()))
+            .collect())
     }
 }
 

@@ -57,6 +57,8 @@ pub struct Metrics {
     /// Debug-server connections open now, and those closed at once because the cap was reached.
     pub debug_connections: Gauge,
     pub debug_connections_refused: Counter,
+    /// Saved endpoints at start-up by what became of them (`restored`, `interface_gone`, ...).
+    pub endpoint_restore: Family<OutcomeLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -91,6 +93,7 @@ impl Metrics {
             policy_status_writes: Family::default(),
             debug_connections: Gauge::default(),
             debug_connections_refused: Counter::default(),
+            endpoint_restore: Family::default(),
         };
         r.register(
             "ciliate_k8s_watch_events",
@@ -182,10 +185,24 @@ impl Metrics {
             "Debug HTTP connections closed as soon as accepted because --debug-max-connections were open",
             m.debug_connections_refused.clone(),
         );
+        r.register(
+            "ciliate_endpoint_restore",
+            "Saved endpoints at start-up, by outcome: restored, or removed (interface_gone, netns_gone, pod_gone, duplicate_address), and stray pinned endpoints swept (stray_pins)",
+            m.endpoint_restore.clone(),
+        );
         if let Ok(mut reg) = m.registry.lock() {
             *reg = r;
         }
         m
+    }
+
+    /// Counts one saved endpoint's outcome at start-up.
+    pub fn restore_outcome(&self, outcome: crate::agent::restore::Outcome) {
+        self.endpoint_restore
+            .get_or_create(&OutcomeLabels {
+                outcome: outcome.label().into(),
+            })
+            .inc();
     }
 
     /// The Prometheus text exposition.

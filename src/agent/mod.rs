@@ -5,6 +5,7 @@ pub mod introspect;
 pub mod listen;
 pub mod metrics;
 pub mod objects;
+pub mod restore;
 pub mod run;
 pub mod state;
 

@@ -8,6 +8,7 @@ use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Service};
 use serde::Serialize;
 
 use crate::policy::engine::NamedPort;
+use crate::policy::labels::check_labels;
 use crate::policy::rule::{PROTO_SCTP, PROTO_TCP, PROTO_UDP};
 
 /// `namespace/name` of a namespaced object.
@@ -149,10 +150,12 @@ pub fn pod_info(pod: &Pod, default_namespace: &str) -> Result<PodInfo, String> {
             }
         }
     }
+    let labels = pod.metadata.labels.clone().unwrap_or_default();
+    check_labels(&labels).map_err(|m| format!("metadata.labels: {m}"))?;
     Ok(PodInfo {
         namespace,
         name,
-        labels: pod.metadata.labels.clone().unwrap_or_default(),
+        labels,
         ips,
         node: spec.and_then(|s| s.node_name.clone()),
         service_account: spec
@@ -173,10 +176,9 @@ pub fn namespace_info(ns: &Namespace) -> Result<NamespaceInfo, String> {
         .clone()
         .filter(|n| !n.is_empty())
         .ok_or("metadata.name: missing")?;
-    Ok(NamespaceInfo {
-        name,
-        labels: ns.metadata.labels.clone().unwrap_or_default(),
-    })
+    let labels = ns.metadata.labels.clone().unwrap_or_default();
+    check_labels(&labels).map_err(|m| format!("metadata.labels: {m}"))?;
+    Ok(NamespaceInfo { name, labels })
 }
 
 pub fn node_info(node: &Node) -> Result<NodeInfo, String> {
@@ -207,9 +209,11 @@ pub fn node_info(node: &Node) -> Result<NodeInfo, String> {
     if pod_cidrs.is_empty() {
         pod_cidrs.extend(spec.and_then(|s| s.pod_cidr.clone()));
     }
+    let labels = node.metadata.labels.clone().unwrap_or_default();
+    check_labels(&labels).map_err(|m| format!("metadata.labels: {m}"))?;
     Ok(NodeInfo {
         name,
-        labels: node.metadata.labels.clone().unwrap_or_default(),
+        labels,
         annotations: node.metadata.annotations.clone().unwrap_or_default(),
         ips,
         pod_cidrs,
@@ -301,5 +305,28 @@ status: {addresses: [{type: ExternalIP, address: 1.2.3.4}, {type: InternalIP, ad
             .map(|i| i.to_string())
             .collect();
         assert_eq!(ips, ["172.18.0.2", "1.2.3.4"]);
+    }
+
+    #[test]
+    fn invalid_labels_are_rejected_where_objects_enter() {
+        let long = "v".repeat(64);
+        let pod: Pod =
+            serde_yaml::from_str(&format!("metadata: {{name: a, labels: {{app: {long}}}}}"))
+                .unwrap();
+        let e = pod_info(&pod, "x").unwrap_err();
+        assert!(
+            e.starts_with("metadata.labels: ") && e.contains("\"app\""),
+            "{e}"
+        );
+        let ns: Namespace =
+            serde_yaml::from_str(&format!("metadata: {{name: x, labels: {{{long}: v}}}}")).unwrap();
+        assert!(namespace_info(&ns).unwrap_err().contains("63"));
+        let node: Node =
+            serde_yaml::from_str("metadata: {name: n, labels: {'Bad/zone': a}}").unwrap();
+        assert!(node_info(&node).unwrap_err().contains("RFC 1123"));
+        let ok: Pod =
+            serde_yaml::from_str("metadata: {name: a, labels: {app.kubernetes.io/name: web}}")
+                .unwrap();
+        assert!(pod_info(&ok, "x").is_ok());
     }
 }

@@ -11,11 +11,14 @@ use actix_web::web;
 
 use super::introspect::{Registry, TracedAddr};
 use super::listen::{raise_fd_limit, ListenError, Listeners};
+use super::restore;
 use super::state::{StateDir, StateLock};
 use super::Shared;
 use crate::actors::kube_watcher::KubeWatcherActor;
-use crate::actors::loader::LoaderActor;
-use crate::actors::policy_repo::{AddEndpoint, EndpointRequest, PolicyRepoActor, Shutdown};
+use crate::actors::loader::{LoaderActor, SweepStrayEndpoints};
+use crate::actors::policy_repo::{
+    AddEndpoint, DeleteEndpoint, EndpointRequest, ListPodlessEndpoints, PolicyRepoActor, Shutdown,
+};
 use crate::actors::rule_reaction::RuleReactionActor;
 use crate::actors::watcher::WatcherActor;
 use crate::api::{debug_server, socket_server, AppState, DebugLimits};
@@ -329,12 +332,31 @@ async fn run_async(
     for e in errors {
         tracing::error!(error = %e, "endpoint state not restored (left on disk)");
     }
+    // Pods whose interface or namespace vanished while the agent was down are not restored.
+    let (records, stale) = {
+        let all = records.clone();
+        web::block(move || restore::partition_stale(all, restore::presence))
+            .await
+            .unwrap_or((records, Vec::new()))
+    };
+    for (rec, outcome) in &stale {
+        shared.metrics.restore_outcome(*outcome);
+        match state_dir.remove(rec.id) {
+            Ok(()) => {
+                tracing::warn!(endpoint = rec.id, name = %rec.name, outcome = outcome.label(), "endpoint not restored: its pod is gone from this node; record removed, address free")
+            }
+            Err(e) => {
+                tracing::error!(endpoint = rec.id, name = %rec.name, outcome = outcome.label(), error = %e, "endpoint not restored; its record could not be removed")
+            }
+        }
+    }
     // Never two live endpoints with one address: a later record claiming a kept address is
     // refused, set aside for a human, and its interface reclaimed (crate::cni::recover).
     let (records, refused) = super::state::partition_duplicate_ips(records);
     let refused: Vec<_> = refused
         .into_iter()
         .map(|(rec, why)| {
+            shared.metrics.restore_outcome(restore::Outcome::DuplicateAddress);
             match state_dir.set_aside(rec.id, &why.to_string()) {
                 Ok(to) => tracing::error!(endpoint = rec.id, error = %why, kept = %to.display(), "endpoint not restored: duplicate address"),
                 Err(e) => tracing::error!(endpoint = rec.id, error = %why, set_aside = %e, "endpoint not restored: duplicate address"),
@@ -378,12 +400,30 @@ async fn run_async(
             .await
         {
             Ok(Ok(m)) => {
+                shared.metrics.restore_outcome(restore::Outcome::Restored);
                 tracing::info!(endpoint = m.id, name = %m.name, identity = ?m.identity, "endpoint restored")
             }
             Ok(Err(e)) => tracing::error!(endpoint = rec.id, error = %e, "endpoint not restored"),
             Err(e) => tracing::error!(endpoint = rec.id, error = %e, "endpoint not restored"),
         }
     }
+    // Pinned programs and policy maps of endpoints no record names (a stale record's, or a
+    // crash's leftovers) go before anything is served.
+    let keep: Vec<_> = records.iter().map(|r| r.id).collect();
+    if let Ok(Ok(swept)) = loader.send(SweepStrayEndpoints { keep }, "restore").await {
+        for id in swept {
+            shared.metrics.restore_outcome(restore::Outcome::StrayPins);
+            tracing::warn!(
+                endpoint = id,
+                "stray pinned endpoint removed (links, policy map)"
+            );
+        }
+    }
+    // Stale records' interfaces (if any is left) are reclaimed with the refused ones.
+    let refused: Vec<_> = refused
+        .into_iter()
+        .chain(stale.into_iter().map(|(rec, _)| rec))
+        .collect();
     // CNI ADDs the previous agent did not finish: rolled back, and orphaned veths of this
     // agent removed, before any address is handed out again.
     let recovery = {
@@ -434,6 +474,7 @@ async fn run_async(
         max_connections: config.debug_max_connections,
         idle_timeout: DEBUG_IDLE_TIMEOUT,
     };
+    let sweep_state = data.clone();
     let servers = socket_server(api, data.clone())
         .and_then(|api| debug_server(debug, data, limits).map(|debug| (api, debug)));
     let (socket_server, debug_server) = match servers {
@@ -490,6 +531,9 @@ async fn run_async(
         shared.routing.clone(),
     ));
 
+    if sweep_state.mode == "kubernetes" {
+        actix_rt::spawn(sweep_podless_endpoints(sweep_state));
+    }
     let (socket_handle, debug_handle) = (socket_server.handle(), debug_server.handle());
     actix_rt::spawn(socket_server);
     actix_rt::spawn(debug_server);
@@ -509,6 +553,39 @@ async fn run_async(
     drop(socket);
     actix::System::current().stop();
     Ok(())
+}
+
+/// Kubernetes mode: once the initial sync is done, endpoints whose pod was deleted while the
+/// agent was down (its CNI DEL could not reach the agent) are removed as a CNI DEL would remove
+/// them: endpoint, programs and policy map, host veth, address.
+async fn sweep_podless_endpoints(st: web::Data<AppState>) {
+    while !st.shared.ready.load(std::sync::atomic::Ordering::SeqCst) {
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let Ok(Ok(podless)) = st.repo.send(ListPodlessEndpoints, "restore").await else {
+        return;
+    };
+    for (id, name, container) in podless {
+        let removed = match &container {
+            Some(c) => crate::api::remove_container(&st, c)
+                .await
+                .map(drop)
+                .map_err(|r| format!("HTTP {}", r.status())),
+            None => match st.repo.send(DeleteEndpoint { id }, "restore").await {
+                Ok(r) => r.map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            },
+        };
+        match removed {
+            Ok(()) => {
+                st.shared.metrics.restore_outcome(restore::Outcome::PodGone);
+                tracing::warn!(endpoint = id, %name, "endpoint removed: its pod no longer exists");
+            }
+            Err(e) => {
+                tracing::error!(endpoint = id, %name, error = %e, "endpoint of a deleted pod not removed")
+            }
+        }
+    }
 }
 
 async fn wait_for_signal() {

@@ -488,13 +488,28 @@ pub async fn del(st: web::Data<AppState>, req: web::Json<CniRequest>) -> HttpRes
     if let Err(r) = settle_intent(&st, &req.container_id).await {
         return r;
     }
-    let mut ips: Vec<IpAddr> = Vec::new();
-    let mut host_if = netdev::host_interface_name(&req.container_id);
-    match find(&st, &req.container_id).await {
+    let host_if = match remove_container(&st, &req.container_id).await {
+        Ok(host_if) => host_if,
         Err(r) => return r,
+    };
+    tracing::info!(container = %req.container_id, interface = %host_if, "CNI DEL");
+    HttpResponse::Ok().json(serde_json::json!({}))
+}
+
+/// Removes a container's endpoint (programs and policy map), host veth and addresses, whichever
+/// still exist; returns the host interface's name. CNI DEL, and the start-up sweep of pods that
+/// were deleted while the agent was down.
+pub(crate) async fn remove_container(
+    st: &AppState,
+    container_id: &str,
+) -> Result<String, HttpResponse> {
+    let mut ips: Vec<IpAddr> = Vec::new();
+    let mut host_if = netdev::host_interface_name(container_id);
+    match find(st, container_id).await {
+        Err(r) => return Err(r),
         Ok(None) => {}
         Ok(Some(id)) => {
-            if let Some(m) = model(&st, id).await {
+            if let Some(m) = model(st, id).await {
                 ips = m.ips.iter().filter_map(|s| s.parse().ok()).collect();
                 if let Some(i) = m.interface {
                     host_if = i;
@@ -504,18 +519,18 @@ pub async fn del(st: web::Data<AppState>, req: web::Json<CniRequest>) -> HttpRes
                 Ok(Ok(())) => {}
                 Ok(Err(crate::actors::policy_repo::ApiError::NotFound(_))) => {}
                 Ok(Err(e)) => {
-                    return fail(
+                    return Err(fail(
                         code::AGENT_FAILURE,
                         "endpoint deletion failed",
                         e.to_string(),
-                    )
+                    ))
                 }
                 Err(e) => {
-                    return fail(
+                    return Err(fail(
                         code::TRY_AGAIN_LATER,
                         "the agent is shutting down",
                         e.to_string(),
-                    )
+                    ))
                 }
             }
         }
@@ -524,18 +539,18 @@ pub async fn del(st: web::Data<AppState>, req: web::Json<CniRequest>) -> HttpRes
     match web::block(move || netdev::delete_host_interface(&name)).await {
         Ok(Ok(_)) => {}
         Ok(Err(e)) => {
-            return fail(
+            return Err(fail(
                 code::AGENT_FAILURE,
                 "pod interface removal failed",
                 e.to_string(),
-            )
+            ))
         }
         Err(e) => {
-            return fail(
+            return Err(fail(
                 code::AGENT_FAILURE,
                 "pod interface removal failed",
                 e.to_string(),
-            )
+            ))
         }
     }
     if let Ok(mut g) = st.shared.ipam.lock() {
@@ -545,13 +560,12 @@ pub async fn del(st: web::Data<AppState>, req: web::Json<CniRequest>) -> HttpRes
             }
             // An ADD that died between allocation and endpoint creation leaves its address
             // owned by the container id alone.
-            for ip in ipam.owned_by(&req.container_id) {
+            for ip in ipam.owned_by(container_id) {
                 ipam.release(ip);
             }
         }
     }
-    tracing::info!(container = %req.container_id, interface = %host_if, "CNI DEL");
-    HttpResponse::Ok().json(serde_json::json!({}))
+    Ok(host_if)
 }
 
 /// `POST /v1/cni/check`: the endpoint exists, its host interface exists, and the pod's

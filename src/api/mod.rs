@@ -5,6 +5,8 @@
 mod cni;
 mod page;
 
+pub(crate) use cni::remove_container;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -121,24 +121,6 @@ pub enum Command {
         #[command(flatten)]
         client: ClientOpts,
     },
-    /// Development tools.
-    Dev {
-        #[command(subcommand)]
-        command: DevCommand,
-    },
-}
-
-#[derive(Debug, Subcommand)]
-pub enum DevCommand {
-    /// Run the in-memory Kubernetes API server (plain HTTP) until SIGINT/SIGTERM.
-    Apiserver {
-        /// Address to listen on (port 0: any free port).
-        #[arg(long, default_value = "127.0.0.1:6443")]
-        listen: std::net::SocketAddr,
-        /// Write a kubeconfig for kubectl and `ciliate agent --kubeconfig` here.
-        #[arg(long)]
-        kubeconfig_out: Option<PathBuf>,
-    },
 }
 
 #[derive(Debug, clap::Args)]
@@ -287,16 +269,10 @@ pub enum BpfPolicyCommand {
 /// Runs `ciliate policy simulate`, writing verdicts to `out` and diagnostics to `err`.
 /// Returns the exit status.
 pub fn run_simulate(path: &std::path::Path, out: &mut dyn Write, err: &mut dyn Write) -> i32 {
-    let text = match std::fs::read(path) {
-        Ok(bytes) => match String::from_utf8(bytes) {
-            Ok(t) => t,
-            Err(_) => {
-                let _ = writeln!(err, "error: {}: not UTF-8 text", path.display());
-                return EXIT_UNUSABLE;
-            }
-        },
+    let text = match simulate::read_world(path) {
+        Ok(t) => t,
         Err(e) => {
-            let _ = writeln!(err, "error: {}: cannot read: {e}", path.display());
+            let _ = writeln!(err, "error: {}: {e}", path.display());
             return EXIT_UNUSABLE;
         }
     };

@@ -5,6 +5,7 @@
 pub mod abi;
 pub mod bpf;
 pub mod events;
+pub mod masquerade;
 pub mod memory;
 pub mod netdev;
 
@@ -182,6 +183,11 @@ pub trait Datapath: Send + 'static {
     fn dump_ipcache(&self) -> Vec<(IpNet, NumericIdentity)>;
     /// The endpoints attached.
     fn endpoints(&self) -> Vec<EndpointId>;
+    /// Endpoints with something pinned (programs' links, a policy map), attached in this run or
+    /// not: what a restart finds of the previous run. Datapaths without pins have none.
+    fn pinned_endpoints(&self) -> Vec<EndpointId> {
+        Vec::new()
+    }
     /// Starts garbage-collecting connection tracking every `interval` (entries idle past their
     /// timeout are removed), reporting each pass to `report`. Off the caller's thread, so a
     /// long pass never delays a policy update. Datapaths without conntrack do nothing.

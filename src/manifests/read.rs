@@ -141,15 +141,18 @@ enum JobResult {
     ReadFile(Result<(Stamp, Vec<u8>), String>),
 }
 
+/// A worker thread: where to send it jobs (each with where to answer), and its handle.
+type Worker = (
+    Sender<(Job, Sender<JobResult>)>,
+    std::thread::JoinHandle<()>,
+);
+
 /// A thread that does the file system calls, so that a call that hangs costs a timeout, not the
 /// caller. A worker that times out is abandoned (it exits once its call returns) and the next
 /// call gets a new one; the path stays marked as blocked until the old call returns.
 pub struct IoWorker {
     timeout: Duration,
-    worker: Option<(
-        Sender<(Job, Sender<JobResult>)>,
-        std::thread::JoinHandle<()>,
-    )>,
+    worker: Option<Worker>,
     /// Paths with a call still in progress on an abandoned worker.
     blocked: Arc<Mutex<HashSet<PathBuf>>>,
 }
@@ -223,12 +226,7 @@ impl IoWorker {
     }
 }
 
-fn spawn_worker(
-    blocked: Arc<Mutex<HashSet<PathBuf>>>,
-) -> (
-    Sender<(Job, Sender<JobResult>)>,
-    std::thread::JoinHandle<()>,
-) {
+fn spawn_worker(blocked: Arc<Mutex<HashSet<PathBuf>>>) -> Worker {
     let (tx, rx): (Sender<(Job, Sender<JobResult>)>, Receiver<_>) = channel();
     let handle = std::thread::Builder::new()
         .name("manifest-io".into())

@@ -160,6 +160,140 @@ pub fn split_selector_key(raw: &str) -> (Option<String>, String) {
     }
 }
 
+/// The longest label name (the part after any prefix) and label value Kubernetes accepts.
+pub const MAX_LABEL_NAME: usize = 63;
+/// The longest label-key prefix (a DNS-1123 subdomain) Kubernetes accepts.
+pub const MAX_LABEL_PREFIX: usize = 253;
+
+/// A string for an error message: quoted, and cut after 64 characters (a label value of
+/// 200 MB must not come back in the message).
+pub fn shorten(s: &str) -> String {
+    const MAX: usize = 64;
+    match s.char_indices().nth(MAX) {
+        None => format!("{s:?}"),
+        Some((i, _)) => format!("{:?}... ({} bytes)", &s[..i], s.len()),
+    }
+}
+
+/// `[A-Za-z0-9]`, then `[-A-Za-z0-9_.]*`, ending alphanumeric: the shape of a label name and
+/// of a non-empty label value (apimachinery's qualifiedNameFmt / labelValueFmt).
+fn is_qualified_token(s: &str) -> bool {
+    let b = s.as_bytes();
+    match (b.first(), b.last()) {
+        (Some(f), Some(l)) => {
+            f.is_ascii_alphanumeric()
+                && l.is_ascii_alphanumeric()
+                && b.iter()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'))
+        }
+        _ => false,
+    }
+}
+
+/// A lowercase RFC 1123 subdomain: dot-separated labels of `[a-z0-9-]`, each starting and
+/// ending alphanumeric.
+fn is_dns1123_subdomain(s: &str) -> bool {
+    s.len() <= MAX_LABEL_PREFIX
+        && s.split('.').all(|part| {
+            let b = part.as_bytes();
+            matches!((b.first(), b.last()), (Some(f), Some(l))
+                if (f.is_ascii_lowercase() || f.is_ascii_digit())
+                    && (l.is_ascii_lowercase() || l.is_ascii_digit()))
+                && b.iter()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+        })
+}
+
+/// Why `key` is not a valid Kubernetes label key, as the API server checks it (apimachinery's
+/// `IsQualifiedName`): an optional DNS-1123 subdomain prefix of at most 253 characters and a
+/// `/`, then a name of 1 to 63 characters.
+pub fn label_key_error(key: &str) -> Option<String> {
+    let (prefix, name) = match key.split_once('/') {
+        None => (None, key),
+        Some((p, n)) if !n.contains('/') => (Some(p), n),
+        Some(_) => {
+            return Some(
+                "a label key is a name with an optional DNS subdomain prefix and one '/'".into(),
+            )
+        }
+    };
+    if let Some(p) = prefix {
+        if p.is_empty() {
+            return Some("prefix part must be non-empty".into());
+        }
+        if p.len() > MAX_LABEL_PREFIX {
+            return Some(format!(
+                "prefix part must be no more than {MAX_LABEL_PREFIX} characters"
+            ));
+        }
+        if !is_dns1123_subdomain(p) {
+            return Some("prefix part must be a lowercase RFC 1123 subdomain (lower-case alphanumeric characters, '-' or '.', each part starting and ending alphanumeric)".into());
+        }
+    }
+    if name.is_empty() {
+        return Some("name part must be non-empty".into());
+    }
+    if name.len() > MAX_LABEL_NAME {
+        return Some(format!(
+            "name part must be no more than {MAX_LABEL_NAME} characters"
+        ));
+    }
+    if !is_qualified_token(name) {
+        return Some("name part must consist of alphanumeric characters, '-', '_' or '.', and must start and end with an alphanumeric character".into());
+    }
+    None
+}
+
+/// Why `value` is not a valid Kubernetes label value (apimachinery's `IsValidLabelValue`):
+/// empty, or at most 63 characters shaped like a label name.
+pub fn label_value_error(value: &str) -> Option<String> {
+    if value.len() > MAX_LABEL_NAME {
+        return Some(format!("must be no more than {MAX_LABEL_NAME} characters"));
+    }
+    if !value.is_empty() && !is_qualified_token(value) {
+        return Some("must be empty or consist of alphanumeric characters, '-', '_' or '.', and must start and end with an alphanumeric character".into());
+    }
+    None
+}
+
+/// Why a selector key is invalid, as Cilium checks it (`IsValidCiliumLabelKey`): an optional
+/// source of letters and digits and a `:`, then a Kubernetes label key.
+pub fn selector_key_error(raw: &str) -> Option<String> {
+    let key = match raw.split_once(':') {
+        None => raw,
+        Some((src, key)) => {
+            if key.contains(':') {
+                return Some(
+                    "a selector key has at most one ':', between the source and the key".into(),
+                );
+            }
+            if src.is_empty() || !src.bytes().all(|c| c.is_ascii_alphanumeric()) {
+                return Some(
+                    "the label source must be a non-empty run of letters and digits".into(),
+                );
+            }
+            key
+        }
+    };
+    label_key_error(key)
+}
+
+/// Checks a label map as the API server checks `metadata.labels`; the error names the
+/// offending key.
+pub fn check_labels<'a>(
+    labels: impl IntoIterator<Item = (&'a String, &'a String)>,
+) -> Result<(), String> {
+    for (k, v) in labels {
+        if let Some(m) = label_key_error(k) {
+            return Err(format!("label key {}: {m}", shorten(k)));
+        }
+        if let Some(m) = label_value_error(v) {
+            return Err(format!("value {} of label {}: {m}", shorten(v), shorten(k)));
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -215,5 +349,76 @@ mod tests {
             .into_iter()
             .collect();
         assert_eq!(a, b);
+    }
+
+    #[test]
+    fn label_keys_follow_the_api_server() {
+        let long = |n: usize| "a".repeat(n);
+        for ok in [
+            "app".to_string(),
+            "app.kubernetes.io/name".into(),
+            "a_b-c.d".into(),
+            long(63),
+            format!("{}/x", long(253)),
+            "io.cilium.k8s.namespace.labels.kubernetes.io/metadata.name".into(),
+        ] {
+            assert_eq!(label_key_error(&ok), None, "{ok}");
+        }
+        for (bad, why) in [
+            (long(64), "no more than 63"),
+            (String::new(), "non-empty"),
+            ("/app".into(), "prefix part must be non-empty"),
+            ("Example.com/app".into(), "RFC 1123"),
+            (format!("{}/x", long(254)), "no more than 253"),
+            ("a/b/c".into(), "one '/'"),
+            ("-app".into(), "start and end"),
+            ("app value".into(), "alphanumeric"),
+            ("k8s:app".into(), "alphanumeric"),
+        ] {
+            let e = label_key_error(&bad).unwrap_or_default();
+            assert!(e.contains(why), "{bad:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn label_values_follow_the_api_server() {
+        for ok in ["", "v", "a.b_c-d", &"x".repeat(63)] {
+            assert_eq!(label_value_error(ok), None, "{ok}");
+        }
+        for bad in [
+            "x".repeat(64),
+            "-x".into(),
+            "a b".into(),
+            "x".repeat(1 << 20),
+        ] {
+            assert!(label_value_error(&bad).is_some(), "{}", shorten(&bad));
+        }
+    }
+
+    #[test]
+    fn selector_keys_may_carry_a_source() {
+        for ok in [
+            "k8s:app",
+            "any:app",
+            "reserved:host",
+            "app",
+            "k8s:io.kubernetes.pod.namespace",
+        ] {
+            assert_eq!(selector_key_error(ok), None, "{ok}");
+        }
+        for bad in ["k8s:", ":app", "k-8s:app", "a:b:c", "k8s:-x"] {
+            assert!(selector_key_error(bad).is_some(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn label_errors_name_the_key_and_stay_short() {
+        let big = "v".repeat(1 << 20);
+        let labels: BTreeMap<String, String> = [("app".to_string(), big)].into();
+        let e = check_labels(&labels).unwrap_err();
+        assert!(
+            e.contains("\"app\"") && e.contains("63") && e.len() < 300,
+            "{e}"
+        );
     }
 }

@@ -7,20 +7,24 @@
 
 pub mod generate;
 pub mod world;
+mod yaml;
 
 use std::collections::{BTreeMap, HashMap};
+use std::io::Read;
 use std::net::IpAddr;
+use std::path::Path;
+use std::sync::Arc;
 
+use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::policy::engine::{Decision, EndpointPolicy, EndpointView, NamedPort, PolicyEngine};
 use crate::policy::identity::{
     NumericIdentity, IDENTITY_HOST, IDENTITY_REMOTE_NODE, IDENTITY_WORLD_IPV4, IDENTITY_WORLD_IPV6,
 };
-use crate::policy::labels::{Label, Labels};
+use crate::policy::labels::{check_labels, Label, Labels};
 use crate::policy::rule::{Direction, PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP};
 use crate::policy::translate::{parse_policy, PolicyError};
-use world::World;
 
 /// The world file is unusable (exit status 2).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -60,13 +64,16 @@ pub struct Simulation {
     pub warnings: Vec<String>,
 }
 
+/// A pod, kept small: a world may hold millions. Its labels live once in its identity.
 struct Pod {
-    key: String,
+    key: Arc<str>,
     node: usize,
-    ips: Vec<IpAddr>,
+    ips: Box<[IpAddr]>,
     identity: NumericIdentity,
-    labels: Labels,
-    named_ports: Vec<NamedPort>,
+    /// Index into `Sim::label_sets` (one per identity).
+    label_set: usize,
+    /// Shared by every pod with the same list.
+    named_ports: Arc<[NamedPort]>,
 }
 
 struct Node {
@@ -112,60 +119,136 @@ fn parse_protocol(p: Option<&str>, entry: &str) -> Result<(u8, String), WorldErr
 struct Sim {
     engine: PolicyEngine,
     pods: Vec<Pod>,
+    label_sets: Vec<Labels>,
     nodes: Vec<Node>,
-    pod_by_key: HashMap<String, usize>,
+    pod_by_key: HashMap<Arc<str>, usize>,
     party_by_ip: HashMap<IpAddr, Party>,
-    pod_policy: HashMap<usize, EndpointPolicy>,
+    /// Resolved pod policies by identity and port list: pods that share both share a policy.
+    policies: HashMap<(NumericIdentity, usize), EndpointPolicy>,
     node_policy: HashMap<usize, EndpointPolicy>,
 }
 
+/// The largest world file `simulate` reads. The loaded world takes a few times the file's size
+/// (the text itself, plus pods, addresses and the engine's indexes), so this bounds memory.
+pub const MAX_WORLD_BYTES: u64 = 512 << 20;
+
+/// Reads a world file as text, refusing files over [`MAX_WORLD_BYTES`] without reading them
+/// whole. The error says what is wrong with the file (the caller names it).
+pub fn read_world(path: &Path) -> Result<String, String> {
+    let file = std::fs::File::open(path).map_err(|e| format!("cannot read: {e}"))?;
+    let mut bytes = Vec::new();
+    file.take(MAX_WORLD_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| format!("cannot read: {e}"))?;
+    if bytes.len() as u64 > MAX_WORLD_BYTES {
+        return Err(too_large());
+    }
+    String::from_utf8(bytes).map_err(|_| "not UTF-8 text".to_string())
+}
+
+fn too_large() -> String {
+    format!(
+        "the world file is larger than {} MiB; split it into smaller worlds",
+        MAX_WORLD_BYTES >> 20
+    )
+}
+
 /// Runs a world given as text. `Err` means the world itself is unusable (exit 2).
+///
+/// The text is walked once to find every entry (see `yaml.rs`), then the sections are loaded
+/// entry by entry in dependency order (namespaces, nodes, pods, policies, probes), whatever
+/// their order in the file, so only one entry is ever held as a YAML tree.
 pub fn simulate(text: &str) -> Result<Simulation, WorldError> {
-    let de = serde_yaml::Deserializer::from_str(text);
-    let world: World = match serde_path_to_error::deserialize(de) {
-        Ok(w) => w,
-        Err(e) => {
-            let path = e.path().to_string();
-            let inner = e.into_inner();
-            let entry = match (path.as_str(), inner.location()) {
-                ("." | "?", Some(loc)) => {
-                    format!("(document) line {} column {}", loc.line(), loc.column())
-                }
-                ("." | "?", None) => "(document)".to_string(),
-                _ => path,
-            };
-            return Err(werr(entry, inner.to_string()));
-        }
+    if text.len() as u64 > MAX_WORLD_BYTES {
+        return Err(werr("(document)", too_large()));
+    }
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+    let Some(sections) = yaml::scan(text)? else {
+        return Err(werr(
+            "(document)",
+            "the world file is empty: it declares no namespaces, nodes, pods, policies or probes",
+        ));
     };
     let mut out = Simulation::default();
-    let mut sim = build(&world, &mut out)?;
-    for (i, probe) in world.probes.iter().flatten().enumerate() {
-        let r = sim.probe(probe, i)?;
-        out.results.push(r);
+    let mut sim = build(text, &sections, &mut out)?;
+    for_each(text, &sections, "probes", |i, probe: world::Probe| {
+        out.results.push(sim.probe(&probe, i)?);
+        Ok(())
+    })?;
+    Ok(out)
+}
+
+/// Calls `f` with each entry of the sequence section `name`, deserialised one at a time.
+fn for_each<T: DeserializeOwned>(
+    text: &str,
+    sections: &yaml::Sections,
+    name: &str,
+    mut f: impl FnMut(usize, T) -> Result<(), WorldError>,
+) -> Result<(), WorldError> {
+    let Some(section) = sections.get(name) else {
+        return Ok(());
+    };
+    match &section.entries {
+        Some(spans) => {
+            for (i, span) in spans.iter().enumerate() {
+                f(i, yaml::parse_entry(text, span, &format!("{name}[{i}]"))?)?;
+            }
+        }
+        // Not a sequence (null, or the wrong type): parse it whole for the right error.
+        None => {
+            let all: Option<Vec<T>> = yaml::parse_entry(text, &section.value, name)?;
+            for (i, v) in all.into_iter().flatten().enumerate() {
+                f(i, v)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+type LabelMap = BTreeMap<String, String>;
+
+/// The `namespaces` section: name -> labels, each label checked as the API server would.
+fn namespaces(
+    text: &str,
+    sections: &yaml::Sections,
+) -> Result<BTreeMap<String, LabelMap>, WorldError> {
+    type Entries = BTreeMap<String, Option<LabelMap>>;
+    let mut out = BTreeMap::new();
+    let Some(section) = sections.get("namespaces") else {
+        return Ok(out);
+    };
+    let parts: Vec<Entries> = match &section.entries {
+        Some(spans) => spans
+            .iter()
+            .map(|s| yaml::parse_entry(text, s, "namespaces"))
+            .collect::<Result<_, _>>()?,
+        None => yaml::parse_entry::<Option<Entries>>(text, &section.value, "namespaces")?
+            .into_iter()
+            .collect(),
+    };
+    for (name, labels) in parts.into_iter().flatten() {
+        let entry = format!("namespaces.{name}");
+        let labels = labels.unwrap_or_default();
+        check_labels(&labels).map_err(|m| werr(&entry, m))?;
+        if out.insert(name.clone(), labels).is_some() {
+            return Err(werr(entry, format!("namespace {name:?} is declared twice")));
+        }
     }
     Ok(out)
 }
 
-fn build(world: &World, out: &mut Simulation) -> Result<Sim, WorldError> {
+fn build(text: &str, sections: &yaml::Sections, out: &mut Simulation) -> Result<Sim, WorldError> {
     let mut engine = PolicyEngine::new();
-    let namespaces: BTreeMap<String, BTreeMap<String, String>> = world
-        .namespaces
-        .iter()
-        .flatten()
-        .map(|(k, v)| (k.clone(), v.clone().unwrap_or_default()))
-        .collect();
+    let namespaces = namespaces(text, sections)?;
 
     // Nodes. Without any, one implicit local node holds every pod.
-    let mut nodes = Vec::new();
+    let mut nodes: Vec<Node> = Vec::new();
     let mut local = 0usize;
     let mut party_by_ip: HashMap<IpAddr, Party> = HashMap::new();
-    for (i, n) in world.nodes.iter().flatten().enumerate() {
-        let mut labels: Labels = n
-            .labels
-            .iter()
-            .flatten()
-            .map(|(k, v)| Label::k8s(k, v))
-            .collect();
+    for_each(text, sections, "nodes", |i, n: world::WorldNode| {
+        let raw = n.labels.unwrap_or_default();
+        check_labels(&raw).map_err(|m| werr(format!("nodes[{i}].labels"), m))?;
+        let mut labels: Labels = raw.iter().map(|(k, v)| Label::k8s(k, v)).collect();
         labels.insert(Label::reserved("host"));
         for (j, ip) in n.ips.iter().enumerate() {
             let a = parse_ip(ip, &format!("nodes[{i}].ips[{j}]"))?;
@@ -179,17 +262,18 @@ fn build(world: &World, out: &mut Simulation) -> Result<Sim, WorldError> {
         if n.local == Some(true) {
             local = i;
         }
-        if nodes.iter().any(|x: &Node| x.name == n.name) {
+        if nodes.iter().any(|x| x.name == n.name) {
             return Err(werr(
                 format!("nodes[{i}].name"),
                 format!("node {:?} is declared twice", n.name),
             ));
         }
         nodes.push(Node {
-            name: n.name.clone(),
+            name: n.name,
             labels,
         });
-    }
+        Ok(())
+    })?;
     if nodes.is_empty() {
         let labels: Labels = [Label::reserved("host")].into_iter().collect();
         nodes.push(Node {
@@ -199,13 +283,18 @@ fn build(world: &World, out: &mut Simulation) -> Result<Sim, WorldError> {
     }
 
     let mut pods = Vec::new();
-    let mut pod_by_key = HashMap::new();
-    for (i, p) in world.pods.iter().flatten().enumerate() {
+    let mut pod_by_key: HashMap<Arc<str>, usize> = HashMap::new();
+    // Pods share few distinct port lists: keep one copy of each.
+    let mut port_lists: HashMap<Vec<NamedPort>, Arc<[NamedPort]>> = HashMap::new();
+    let mut label_sets: Vec<Labels> = Vec::new();
+    let mut set_of_identity: HashMap<NumericIdentity, usize> = HashMap::new();
+    let empty = BTreeMap::new();
+    for_each(text, sections, "pods", |i, p: world::WorldPod| {
         let entry = format!("pods[{i}]");
         if p.namespace.is_empty() || p.name.is_empty() {
             return Err(werr(entry, "a pod needs a namespace and a name"));
         }
-        let key = format!("{}/{}", p.namespace, p.name);
+        let key: Arc<str> = format!("{}/{}", p.namespace, p.name).into();
         if pod_by_key.contains_key(&key) {
             return Err(werr(entry, format!("pod {key} is declared twice")));
         }
@@ -216,39 +305,27 @@ fn build(world: &World, out: &mut Simulation) -> Result<Sim, WorldError> {
                 .position(|n| n.name == *name)
                 .ok_or_else(|| werr(format!("{entry}.node"), format!("unknown node {name:?}")))?,
         };
-        let empty = BTreeMap::new();
-        let ns_labels = namespaces.get(&p.namespace).unwrap_or(&empty);
         let pod_labels = p.labels.clone().unwrap_or_default();
+        check_labels(&pod_labels).map_err(|m| werr(format!("{entry}.labels"), m))?;
         let labels = Labels::for_pod(
             &p.namespace,
             &pod_labels,
-            ns_labels,
+            namespaces.get(&p.namespace).unwrap_or(&empty),
             Some(p.service_account.as_deref().unwrap_or("default")),
         );
+        // One label set per identity; a pod only keeps its index.
         let identity = engine.allocate_identity(&labels).id();
-        let mut named_ports = Vec::new();
-        for (j, cp) in p.ports.iter().flatten().enumerate() {
-            let pe = format!("{entry}.ports[{j}]");
-            let port = u16::try_from(cp.port)
-                .ok()
-                .filter(|p| *p > 0)
-                .ok_or_else(|| {
-                    werr(
-                        format!("{pe}.port"),
-                        format!("port {} is outside 1..65535", cp.port),
-                    )
-                })?;
-            let (proto, _) = parse_protocol(cp.protocol.as_deref(), &format!("{pe}.protocol"))?;
-            if let Some(name) = &cp.name {
-                named_ports.push(NamedPort {
-                    name: name.to_ascii_lowercase(),
-                    protocol: proto,
-                    port,
-                });
-            }
-        }
+        let label_set = *set_of_identity.entry(identity).or_insert_with(|| {
+            label_sets.push(labels);
+            label_sets.len() - 1
+        });
+        let named_ports = named_ports(&p, &entry)?;
         engine.add_named_ports(identity, &named_ports);
-        let mut ips = Vec::new();
+        let named_ports = port_lists
+            .entry(named_ports)
+            .or_insert_with_key(|k| k.as_slice().into())
+            .clone();
+        let mut ips = Vec::with_capacity(p.ips.len());
         for (j, ip) in p.ips.iter().enumerate() {
             let a = parse_ip(ip, &format!("{entry}.ips[{j}]"))?;
             if party_by_ip.insert(a, Party::Pod(pods.len())).is_some() {
@@ -264,15 +341,16 @@ fn build(world: &World, out: &mut Simulation) -> Result<Sim, WorldError> {
         pods.push(Pod {
             key,
             node,
-            ips,
+            ips: ips.into_boxed_slice(),
             identity,
-            labels,
+            label_set,
             named_ports,
         });
-    }
+        Ok(())
+    })?;
 
-    for (i, doc) in world.policies.iter().flatten().enumerate() {
-        match parse_policy(doc, "default", &format!("policies[{i}]")) {
+    for_each(text, sections, "policies", |i, doc: serde_yaml::Value| {
+        match parse_policy(&doc, "default", &format!("policies[{i}]")) {
             Ok(p) => {
                 out.warnings.extend(p.warnings.iter().cloned());
                 if engine.policy(&p.key).is_some() {
@@ -285,17 +363,45 @@ fn build(world: &World, out: &mut Simulation) -> Result<Sim, WorldError> {
             }
             Err(e) => out.rejections.push(e),
         }
-    }
+        Ok(())
+    })?;
 
     Ok(Sim {
         engine,
         pods,
+        label_sets,
         nodes,
         pod_by_key,
         party_by_ip,
-        pod_policy: HashMap::new(),
+        policies: HashMap::new(),
         node_policy: HashMap::new(),
     })
+}
+
+/// A pod's named container ports (lower case, as rules are normalised).
+fn named_ports(p: &world::WorldPod, entry: &str) -> Result<Vec<NamedPort>, WorldError> {
+    let mut out = Vec::new();
+    for (j, cp) in p.ports.iter().flatten().enumerate() {
+        let pe = format!("{entry}.ports[{j}]");
+        let port = u16::try_from(cp.port)
+            .ok()
+            .filter(|p| *p > 0)
+            .ok_or_else(|| {
+                werr(
+                    format!("{pe}.port"),
+                    format!("port {} is outside 1..65535", cp.port),
+                )
+            })?;
+        let (proto, _) = parse_protocol(cp.protocol.as_deref(), &format!("{pe}.protocol"))?;
+        if let Some(name) = &cp.name {
+            out.push(NamedPort {
+                name: name.to_ascii_lowercase(),
+                protocol: proto,
+                port,
+            });
+        }
+    }
+    Ok(out)
 }
 
 /// How one side of a probe decided.
@@ -329,7 +435,7 @@ impl Sim {
 
     fn describe(&self, p: Party) -> String {
         match p {
-            Party::Pod(i) => self.pods[i].key.clone(),
+            Party::Pod(i) => self.pods[i].key.to_string(),
             Party::Node(i, ip) => format!("node {} ({ip})", self.nodes[i].name),
             Party::External(ip) => {
                 let id = self.engine.identity_of_ip(ip);
@@ -371,18 +477,22 @@ impl Sim {
     fn policy_of(&mut self, p: Party) -> Option<&EndpointPolicy> {
         match p {
             Party::Pod(i) => {
-                if !self.pod_policy.contains_key(&i) {
-                    let pod = &self.pods[i];
+                let pod = &self.pods[i];
+                let key = (
+                    pod.identity,
+                    Arc::as_ptr(&pod.named_ports) as *const NamedPort as usize,
+                );
+                if !self.policies.contains_key(&key) {
                     let view = EndpointView {
                         identity: pod.identity,
-                        labels: &pod.labels,
+                        labels: &self.label_sets[pod.label_set],
                         named_ports: &pod.named_ports,
                         host: false,
                     };
                     let pol = self.engine.resolve(&view);
-                    self.pod_policy.insert(i, pol);
+                    self.policies.insert(key, pol);
                 }
-                self.pod_policy.get(&i)
+                self.policies.get(&key)
             }
             Party::Node(n, _) => {
                 if !self.node_policy.contains_key(&n) {

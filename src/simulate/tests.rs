@@ -26,6 +26,16 @@ fn unusable_worlds_name_the_entry() {
         ("pods: [{namespace: x, name: a, ips: [10.0.0.1]}, {namespace: x, name: b, ips: [10.0.0.1]}]".to_string(), "pods[1].ips[0]"),
         ("pods: [{namespace: x, name: a, node: ghost}]".to_string(), "pods[0].node"),
         (": : :".to_string(), "(document)"),
+        ("".to_string(), "(document)"),
+        ("# only a comment\n".to_string(), "(document)"),
+        ("---\n".to_string(), "(document)"),
+        ("[]".to_string(), "(document)"),
+        ("pods: []\ncolour: red\n".to_string(), "(document) line 2"),
+        ("pods: []\npods: []\n".to_string(), "(document) line 2"),
+        ("pods: []\n---\npods: []\n".to_string(), "(document) line 2"),
+        ("namespaces: {x: {}}\nnamespaces: {y: {}}\n".to_string(), "(document)"),
+        ("pods: {a: 1}".to_string(), "pods"),
+        ("namespaces: {x: {'bad key': v}}".to_string(), "namespaces.x"),
     ];
     for (text, entry) in cases {
         let e = simulate(&text).expect_err(&text);
@@ -68,4 +78,108 @@ fn results_echo_the_probe_and_explain() {
         line,
         r#"{"from":"x/a","to":"x/b","protocol":"ICMP","icmpType":8,"verdict":"allow","reason":"allowed: x/a egress is not isolated; x/b ingress is not isolated"}"#
     );
+}
+
+#[test]
+fn empty_worlds_are_unusable() {
+    for text in ["", "\n\n", "# a comment\n# another\n", "---\n...\n", "~"] {
+        let e = simulate(text).expect_err(text);
+        assert!(e.message.contains("empty"), "{text:?}: {e}");
+    }
+}
+
+#[test]
+fn type_errors_name_the_path_once() {
+    let e = simulate(&world("  - {from: x/a, to: x/b, port: abc}")).unwrap_err();
+    assert_eq!(e.entry, "probes[0].port");
+    assert!(!e.message.contains("probes[0]"), "{e}");
+    assert!(e.message.ends_with("line 7 column 32"), "{e}");
+    let e = simulate("pods:\n  - {namespace: x, name: a, ips: [10.0.0.1]}\n  - {namespace: x, name: b, ips: {}}\n").unwrap_err();
+    assert_eq!(e.entry, "pods[1].ips");
+    assert!(
+        !e.message.contains("pods[1]") && e.message.contains("line 3"),
+        "{e}"
+    );
+}
+
+#[test]
+fn sections_load_in_dependency_order_whatever_the_file_order() {
+    let text = "probes: [{from: x/a, to: x/b, port: 80}]
+policies:
+  - {apiVersion: networking.k8s.io/v1, kind: NetworkPolicy, metadata: {name: d, namespace: x}, spec: {podSelector: {matchLabels: {app: b}}, policyTypes: [Ingress]}}
+pods:
+  - namespace: x
+    name: a
+    labels: {app: a}
+    ips: [10.0.0.1]
+  - namespace: x
+    name: b
+    labels: {app: b}
+    ips: [10.0.0.2]
+namespaces:
+  x: {team: blue}
+";
+    let sim = simulate(text).unwrap();
+    assert_eq!(sim.results.len(), 1);
+    assert_eq!(sim.results[0].verdict, "deny", "{:?}", sim.results[0]);
+}
+
+#[test]
+fn invalid_labels_make_the_world_unusable() {
+    let long = "v".repeat(64);
+    let huge = "v".repeat(1 << 20);
+    let cases = [
+        (
+            format!("pods: [{{namespace: x, name: a, labels: {{app: {long}}}}}]"),
+            "pods[0].labels",
+        ),
+        (
+            format!("pods: [{{namespace: x, name: a, labels: {{app: {huge}}}}}]"),
+            "pods[0].labels",
+        ),
+        (
+            format!("pods: [{{namespace: x, name: a, labels: {{{long}: v}}}}]"),
+            "pods[0].labels",
+        ),
+        (
+            "pods: [{namespace: x, name: a, labels: {'Bad.Prefix/app': v}}]".to_string(),
+            "pods[0].labels",
+        ),
+        (
+            format!("namespaces: {{x: {{team: {long}}}}}"),
+            "namespaces.x",
+        ),
+        (
+            format!("nodes: [{{name: n, labels: {{zone: {long}}}}}]"),
+            "nodes[0].labels",
+        ),
+    ];
+    for (text, entry) in cases {
+        let e = simulate(&text).expect_err(&text[..60.min(text.len())]);
+        assert_eq!(e.entry, entry, "{e}");
+        assert!(
+            e.message.contains("63") || e.message.contains("RFC 1123"),
+            "{e}"
+        );
+        assert!(
+            e.message.len() < 400,
+            "message echoes the value: {} bytes",
+            e.message.len()
+        );
+    }
+    let ok = format!(
+        "pods: [{{namespace: x, name: a, labels: {{app.kubernetes.io/name: {}}}}}]",
+        "v".repeat(63)
+    );
+    simulate(&ok).expect("63 characters are allowed");
+}
+
+#[test]
+fn oversized_worlds_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("big.yaml");
+    let f = std::fs::File::create(&path).unwrap();
+    f.set_len(MAX_WORLD_BYTES + 1).unwrap();
+    let e = read_world(&path).unwrap_err();
+    assert!(e.contains("larger than"), "{e}");
 }

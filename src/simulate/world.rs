@@ -1,23 +1,12 @@
-//! The world file of `ciliate policy simulate` (interfaces.md section 1).
+//! The entries of a world file of `ciliate policy simulate` (interfaces.md section 1). The
+//! top level (`namespaces`, `nodes`, `pods`, `policies`, `probes`) is walked by `yaml.rs`, and
+//! each entry is deserialised into one of these on its own.
 
 use std::collections::BTreeMap;
 
 use serde::Deserialize;
-use serde_yaml::Value;
 
 use crate::policy::api::IntOrString;
-
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct World {
-    /// Namespace name -> labels (`kubernetes.io/metadata.name=<name>` is implied).
-    pub namespaces: Option<BTreeMap<String, Option<BTreeMap<String, String>>>>,
-    pub nodes: Option<Vec<WorldNode>>,
-    pub pods: Option<Vec<WorldPod>>,
-    /// Verbatim manifests; parsed one by one so one bad document rejects only itself.
-    pub policies: Option<Vec<Value>>,
-    pub probes: Option<Vec<Probe>>,
-}
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -16,7 +16,7 @@ use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use ciliate::k8s::apiserver::{ServerOptions, TestApiServer};
+use ciliate_test_apiserver::{ServerOptions, TestApiServer};
 use serde_json::{json, Value};
 
 use super::agent::{Agent, BIN};

@@ -909,6 +909,18 @@ impl Datapath for BpfDatapath {
         self.endpoints.keys().copied().collect()
     }
 
+    fn pinned_endpoints(&self) -> Vec<EndpointId> {
+        let mut ids: Vec<EndpointId> = std::fs::read_dir(&self.pins)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| pinned_endpoint_id(&e.file_name().to_string_lossy()))
+            .collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids
+    }
+
     fn start_events(
         &self,
         sink: Box<dyn FnMut(crate::datapath::events::VerdictEvent) -> bool + Send>,
@@ -928,5 +940,29 @@ impl Datapath for BpfDatapath {
                 operation: "start the conntrack garbage collector".into(),
                 message: e.to_string(),
             })
+    }
+}
+
+/// The endpoint a pin belongs to: `policy_<id>`, `link_<id>_ingress`, `link_<id>_egress`.
+fn pinned_endpoint_id(name: &str) -> Option<EndpointId> {
+    let id = name.strip_prefix("policy_").or_else(|| {
+        name.strip_prefix("link_")?
+            .strip_suffix("_ingress")
+            .or_else(|| name.strip_prefix("link_")?.strip_suffix("_egress"))
+    })?;
+    id.parse().ok()
+}
+
+#[cfg(test)]
+mod pin_name_tests {
+    #[test]
+    fn pins_name_their_endpoint() {
+        use super::pinned_endpoint_id as id;
+        assert_eq!(id("policy_12"), Some(12));
+        assert_eq!(id("link_7_ingress"), Some(7));
+        assert_eq!(id("link_7_egress"), Some(7));
+        assert_eq!(id("policy_maps"), None);
+        assert_eq!(id("link_x_egress"), None);
+        assert_eq!(id("endpoints"), None);
     }
 }

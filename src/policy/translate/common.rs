@@ -8,8 +8,9 @@ use ipnet::IpNet;
 use super::{Ctx, PolicyError};
 use crate::policy::api;
 use crate::policy::labels::{
-    split_selector_key, CLUSTER_LABEL, DEFAULT_CLUSTER_NAME, NAMESPACE_LABELS_PREFIX,
-    POD_NAMESPACE_LABEL, SOURCE_K8S, SOURCE_RESERVED,
+    label_value_error, selector_key_error, shorten, split_selector_key, CLUSTER_LABEL,
+    DEFAULT_CLUSTER_NAME, NAMESPACE_LABELS_PREFIX, POD_NAMESPACE_LABEL, SOURCE_K8S,
+    SOURCE_RESERVED,
 };
 use crate::policy::rule::{PortSpec, Protocol};
 use crate::policy::selector::{CidrSelector, LabelSelector, Operator, Requirement};
@@ -29,6 +30,18 @@ pub fn label_selector(
                 format!("empty label key {k:?}"),
             ));
         }
+        if let Some(m) = selector_key_error(k) {
+            return Err(ctx.err(
+                format!("{path}.matchLabels"),
+                format!("label key {}: {m}", shorten(k)),
+            ));
+        }
+        if let Some(m) = label_value_error(v) {
+            return Err(ctx.err(
+                format!("{path}.matchLabels"),
+                format!("value {} of label key {}: {m}", shorten(v), shorten(k)),
+            ));
+        }
         reqs.push(Requirement::new(source, key, Operator::In, vec![v.clone()]));
     }
     for (i, e) in raw.match_expressions.iter().flatten().enumerate() {
@@ -37,6 +50,12 @@ pub fn label_selector(
         let (source, key) = split_selector_key(raw_key);
         if key.is_empty() {
             return Err(ctx.err(format!("{p}.key"), "missing label key"));
+        }
+        if let Some(m) = selector_key_error(raw_key) {
+            return Err(ctx.err(
+                format!("{p}.key"),
+                format!("label key {}: {m}", shorten(raw_key)),
+            ));
         }
         let op = match e.operator.as_deref() {
             Some("In") => Operator::In,
@@ -52,6 +71,14 @@ pub fn label_selector(
             None => return Err(ctx.err(format!("{p}.operator"), "missing operator")),
         };
         let values = e.values.clone().unwrap_or_default();
+        for (j, v) in values.iter().enumerate() {
+            if let Some(m) = label_value_error(v) {
+                return Err(ctx.err(
+                    format!("{p}.values[{j}]"),
+                    format!("value {}: {m}", shorten(v)),
+                ));
+            }
+        }
         match op {
             Operator::In | Operator::NotIn if values.is_empty() => {
                 return Err(ctx.err(
@@ -185,80 +212,160 @@ pub fn is_iana_service_name(s: &str) -> bool {
         && !s.contains("--")
 }
 
+/// Kubernetes' port names (`IsValidPortName`): an IANA service name in lower case.
+fn is_kubernetes_port_name(s: &str) -> bool {
+    is_iana_service_name(s) && !s.bytes().any(|c| c.is_ascii_uppercase())
+}
+
+/// A numeric port string as Cilium reads it: `strconv.ParseUint(s, 0, 16)`, so a leading `0`
+/// means octal (`"010"` is 8, `"080"` is no number), `0x`/`0o`/`0b` prefixes work, and `_` may
+/// separate digits. Nothing else, not even a space, is allowed.
+fn go_parse_port(s: &str) -> Option<u16> {
+    let lower = s.to_ascii_lowercase();
+    let (body, radix, prefixed) = if let Some(r) = lower.strip_prefix("0x") {
+        (r, 16, true)
+    } else if let Some(r) = lower.strip_prefix("0o") {
+        (r, 8, true)
+    } else if let Some(r) = lower.strip_prefix("0b") {
+        (r, 2, true)
+    } else if lower.len() > 1 && lower.starts_with('0') {
+        (&lower[1..], 8, true)
+    } else {
+        (lower.as_str(), 10, false)
+    };
+    let bytes = body.as_bytes();
+    // Go: an underscore follows a digit (or the base prefix) and precedes a digit.
+    let mut after_digit = prefixed;
+    let mut any = false;
+    let mut n: u32 = 0;
+    for (i, &c) in bytes.iter().enumerate() {
+        if c == b'_' {
+            let next_digit = bytes
+                .get(i + 1)
+                .is_some_and(|d| char::from(*d).is_digit(radix));
+            if !after_digit || !next_digit {
+                return None;
+            }
+            after_digit = false;
+            continue;
+        }
+        n = n * radix + char::from(c).to_digit(radix)?;
+        if n > u32::from(u16::MAX) {
+            return None;
+        }
+        after_digit = true;
+        any = true;
+    }
+    any.then_some(n as u16)
+}
+
+/// The start of a port spec: `None` for "every port", else a number or a port name.
+enum PortStart {
+    Any,
+    Number(u16),
+    Named(String),
+}
+
+/// A port written as a string. Kubernetes (`kubernetes`, for KNPs) takes a string only as a
+/// port name, as the API server's `IsValidPortName` does; Cilium takes an IANA service name
+/// (any case, lowered) or a number as `strconv.ParseUint(s, 0, 16)` reads it.
+fn port_string(ctx: &Ctx, s: &str, path: &str, kubernetes: bool) -> Result<PortStart, PolicyError> {
+    if kubernetes {
+        if is_kubernetes_port_name(s) {
+            return Ok(PortStart::Named(s.to_string()));
+        }
+        let hint = if !s.is_empty() && s.trim().bytes().all(|c| c.is_ascii_digit()) {
+            " (a string port is a port name; write a number without quotes)"
+        } else {
+            ""
+        };
+        return Err(ctx.err(
+            path,
+            format!(
+                "invalid port name {}: 1-15 lower-case letters, digits and '-', with at least one letter{hint}",
+                shorten(s)
+            ),
+        ));
+    }
+    if s.is_empty() {
+        return Err(ctx.err(path, "port must be specified"));
+    }
+    if is_iana_service_name(s) {
+        return Ok(PortStart::Named(s.to_ascii_lowercase()));
+    }
+    match go_parse_port(s) {
+        Some(0) => Ok(PortStart::Any),
+        Some(n) => Ok(PortStart::Number(n)),
+        None => Err(ctx.err(
+            path,
+            format!(
+                "unable to parse port {}: neither a number in 0..65535 nor a valid port name{}",
+                shorten(s),
+                if s.starts_with('0') {
+                    " (Cilium reads a leading 0 as octal)"
+                } else {
+                    ""
+                }
+            ),
+        )),
+    }
+}
+
 /// Parses a port (number, numeric string, or named port) and its optional `endPort`.
-/// `allow_missing`: a missing port means every port (KNP) rather than an error (CNP).
+/// `kubernetes`: a KNP port, checked as the API server does (a missing port means every port;
+/// a number is 1..65535; a string is a port name), else a CNP port, checked as Cilium does.
 pub fn port_spec(
     ctx: &Ctx,
     port: Option<&api::IntOrString>,
     end_port: Option<i64>,
     path: &str,
-    allow_missing: bool,
+    kubernetes: bool,
 ) -> Result<PortSpec, PolicyError> {
     let port_path = format!("{path}.port");
     let end_path = format!("{path}.endPort");
-    let numeric = |n: i64| -> Result<u16, PolicyError> {
-        u16::try_from(n).map_err(|_| ctx.err(&port_path, format!("port {n} is outside 0..65535")))
+    let lowest = if kubernetes { 1 } else { 0 };
+    let numeric = |n: i64, p: &str, what: &str| -> Result<u16, PolicyError> {
+        u16::try_from(n)
+            .ok()
+            .filter(|v| *v >= lowest)
+            .ok_or_else(|| ctx.err(p, format!("{what} {n} is outside {lowest}..65535")))
     };
     let start = match port {
-        None if allow_missing => None,
+        None if kubernetes => PortStart::Any,
         None => return Err(ctx.err(&port_path, "port must be specified")),
-        Some(api::IntOrString::Int(n)) => Some(numeric(*n)?),
-        Some(api::IntOrString::Str(s)) => {
-            let t = s.trim();
-            if t.is_empty() {
-                if allow_missing {
-                    None
-                } else {
-                    return Err(ctx.err(&port_path, "port must be specified"));
-                }
-            } else if t.chars().all(|c| c.is_ascii_digit()) {
-                let n: i64 = t
-                    .parse()
-                    .map_err(|_| ctx.err(&port_path, format!("port {t} is outside 0..65535")))?;
-                Some(numeric(n)?)
-            } else if is_iana_service_name(t) {
-                if end_port.is_some_and(|e| e != 0) {
-                    return Err(ctx.err(
-                        end_path,
-                        format!("endPort cannot be used with the named port {t:?}"),
-                    ));
-                }
-                return Ok(PortSpec::Named(t.to_ascii_lowercase()));
-            } else {
-                return Err(ctx.err(
-                    &port_path,
-                    format!("unable to parse port {t:?}: neither a number in 0..65535 nor a valid port name"),
-                ));
-            }
-        }
+        Some(api::IntOrString::Int(n)) => match numeric(*n, &port_path, "port")? {
+            0 => PortStart::Any,
+            v => PortStart::Number(v),
+        },
+        Some(api::IntOrString::Str(s)) => port_string(ctx, s, &port_path, kubernetes)?,
     };
-    let Some(start) = start else {
-        if end_port.is_some_and(|e| e != 0) {
-            return Err(ctx.err(end_path, "endPort needs a numeric port"));
-        }
-        return Ok(PortSpec::Range(0, 65535));
+    // A CNP's `endPort: 0` means no range; Kubernetes validates any endPort given.
+    let end = match end_port {
+        Some(0) if !kubernetes => None,
+        e => e,
     };
-    match end_port {
-        None | Some(0) => {
-            if start == 0 {
-                Ok(PortSpec::Range(0, 65535))
-            } else {
-                Ok(PortSpec::Range(start, start))
-            }
+    match (start, end) {
+        (PortStart::Named(name), None) => Ok(PortSpec::Named(name)),
+        (PortStart::Named(name), Some(_)) => Err(ctx.err(
+            end_path,
+            format!(
+                "endPort cannot be used with the named port {}",
+                shorten(&name)
+            ),
+        )),
+        (PortStart::Any, None) => Ok(PortSpec::Range(0, 65535)),
+        (PortStart::Any, Some(_)) if kubernetes || port.is_none() => {
+            Err(ctx.err(end_path, "endPort needs a numeric port"))
         }
-        Some(e) => {
-            let end = u16::try_from(e)
-                .map_err(|_| ctx.err(&end_path, format!("endPort {e} is outside 0..65535")))?;
-            if end < start {
-                return Err(ctx.err(
-                    end_path,
-                    format!("endPort {end} is smaller than port {start}"),
-                ));
+        // Cilium: port 0 is every port, whatever endPort says.
+        (PortStart::Any, Some(_)) => Ok(PortSpec::Range(0, 65535)),
+        (PortStart::Number(p), None) => Ok(PortSpec::Range(p, p)),
+        (PortStart::Number(p), Some(e)) => {
+            let end = numeric(e, &end_path, "endPort")?;
+            if end < p {
+                return Err(ctx.err(end_path, format!("endPort {end} is smaller than port {p}")));
             }
-            if start == 0 {
-                return Ok(PortSpec::Range(0, 65535));
-            }
-            Ok(PortSpec::Range(start, end))
+            Ok(PortSpec::Range(p, end))
         }
     }
 }
@@ -392,4 +499,38 @@ pub fn icmp_type_from_name(name: &str, v6: bool) -> Option<u8> {
     ];
     let table = if v6 { V6 } else { V4 };
     table.iter().find(|(n, _)| *n == name).map(|(_, t)| *t)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::go_parse_port;
+
+    #[test]
+    fn numeric_port_strings_parse_as_go_base_0() {
+        for (s, want) in [
+            ("80", Some(80)),
+            ("0", Some(0)),
+            ("00", Some(0)),
+            ("010", Some(8)),
+            ("0x50", Some(80)),
+            ("0o17", Some(15)),
+            ("0b101", Some(5)),
+            ("1_000", Some(1000)),
+            ("0_10", Some(8)),
+            ("65535", Some(65535)),
+            ("080", None),
+            (" 80", None),
+            ("80 ", None),
+            ("+80", None),
+            ("65536", None),
+            ("_80", None),
+            ("80_", None),
+            ("8__0", None),
+            ("0x", None),
+            ("", None),
+            ("99999999999999999999", None),
+        ] {
+            assert_eq!(go_parse_port(s), want, "{s:?}");
+        }
+    }
 }

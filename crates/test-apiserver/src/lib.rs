@@ -291,7 +291,7 @@ preferences: {{}}
     })
 }
 
-/// `ciliate dev apiserver`: serves on `listen` until SIGINT or SIGTERM.
+/// The `ciliate-test-apiserver` binary: serves on `listen` until SIGINT or SIGTERM.
 pub fn run_until_signal(
     listen: SocketAddr,
     kubeconfig_out: Option<&Path>,

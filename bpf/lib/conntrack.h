@@ -1,0 +1,57 @@
+// SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause)
+/* Connection tracking: per-family tuples, lookups and inserts (replies and established flows
+ * of allowed connections pass). */
+#ifndef CILIATE_LIB_CONNTRACK_H
+#define CILIATE_LIB_CONNTRACK_H
+
+/* The conntrack keys of a packet as it travels (reverse = 0), or of its reply (reverse = 1). */
+static __always_inline void ct4_tuple(struct ct4_key *k, struct packet *p, __u32 ep, int reverse)
+{
+	__builtin_memset(k, 0, sizeof(*k));
+	__builtin_memcpy(k->saddr, reverse ? p->daddr : p->saddr, 4);
+	__builtin_memcpy(k->daddr, reverse ? p->saddr : p->daddr, 4);
+	k->sport = reverse ? p->dport : p->sport;
+	k->dport = reverse ? p->sport : p->dport;
+	k->protocol = p->protocol;
+	k->endpoint_id = ep;
+}
+
+static __always_inline void ct6_tuple(struct ct6_key *k, struct packet *p, __u32 ep, int reverse)
+{
+	__builtin_memset(k, 0, sizeof(*k));
+	__builtin_memcpy(k->saddr, reverse ? p->daddr : p->saddr, 16);
+	__builtin_memcpy(k->daddr, reverse ? p->saddr : p->daddr, 16);
+	k->sport = reverse ? p->dport : p->sport;
+	k->dport = reverse ? p->sport : p->dport;
+	k->protocol = p->protocol;
+	k->family = 6;
+	k->endpoint_id = ep;
+}
+
+/* The entry of the packet's tuple (reverse = 0) or of its reply's (reverse = 1). */
+static __always_inline struct ct_value *ct_lookup(struct packet *p, __u32 ep, int reverse)
+{
+	if (p->family == 4) {
+		struct ct4_key k;
+		ct4_tuple(&k, p, ep, reverse);
+		return bpf_map_lookup_elem(&conntrack4, &k);
+	}
+	struct ct6_key k;
+	ct6_tuple(&k, p, ep, reverse);
+	return bpf_map_lookup_elem(&conntrack6, &k);
+}
+
+/* Tracks the packet's tuple (replacing any entry it had); non-zero when the table is full. */
+static __always_inline long ct_create(struct packet *p, __u32 ep, struct ct_value *v)
+{
+	if (p->family == 4) {
+		struct ct4_key k;
+		ct4_tuple(&k, p, ep, 0);
+		return bpf_map_update_elem(&conntrack4, &k, v, BPF_ANY);
+	}
+	struct ct6_key k;
+	ct6_tuple(&k, p, ep, 0);
+	return bpf_map_update_elem(&conntrack6, &k, v, BPF_ANY);
+}
+
+#endif /* CILIATE_LIB_CONNTRACK_H */

@@ -1,0 +1,103 @@
+// SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause)
+/* Every map of the datapath, pinned by name under <bpf-root>/ciliate/ (shared by each
+ * endpoint's program instance, outliving the agent), and the ABI anchors for the skeleton. */
+#ifndef CILIATE_LIB_MAPS_H
+#define CILIATE_LIB_MAPS_H
+
+struct policy_inner {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, CILIATE_POLICY_MAP_MAX);
+	__uint(key_size, sizeof(struct policy_key));
+	__uint(value_size, sizeof(struct policy_value));
+};
+
+/* Instances that only exist so the skeleton generates Rust definitions of these types. */
+struct policy_key _abi_policy_key = {};
+struct ipcache_host_key _abi_ipcache_host_key = {};
+struct policy_value _abi_policy_value = {};
+struct verdict_event _abi_verdict_event = {};
+
+/* Endpoint ids are 16-bit, so both per-endpoint tables are arrays indexed by the id: the
+ * verifier inlines their lookups (no hashing), which a new connection's two lookups feel. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY_OF_MAPS);
+	__uint(max_entries, CILIATE_ENDPOINTS_MAX);
+	__type(key, __u32);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+	__array(values, struct policy_inner);
+} policy_maps SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(max_entries, CILIATE_IPCACHE_MAX);
+	__type(key, struct ipcache_key);
+	__type(value, struct ipcache_value);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} ipcache SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, CILIATE_IPCACHE_MAX);
+	__type(key, struct ipcache_host_key);
+	__type(value, struct ipcache_value);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} ipcache_hosts SEC(".maps");
+
+/* A slot whose identity is 0 holds no endpoint. User space rewrites a record in place, so the
+ * program may read a mix of an old and a new record's fields: the writer orders its updates
+ * so that every such mix is safe (see sync_policy in datapath.rs). */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, CILIATE_ENDPOINTS_MAX);
+	__type(key, __u32);
+	__type(value, struct endpoint_info);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} endpoints SEC(".maps");
+
+/* Conntrack, IPv4: a preallocated hash, not an LRU: an LRU insert rotates its lists and touches
+ * many cold nodes (about 300 ns of a new connection's cost). Expiry is the agent's garbage
+ * collector's job; a full table leaves new connections untracked (CILIATE_CT_FULL), never
+ * allowed more. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, CILIATE_CT_MAX);
+	__type(key, struct ct4_key);
+	__type(value, struct ct_value);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} conntrack4 SEC(".maps");
+
+/* Conntrack, IPv6: allocated per entry, so a cluster without IPv6 pays no memory for it. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, CILIATE_CT_MAX);
+	__type(key, struct ct6_key);
+	__type(value, struct ct_value);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} conntrack6 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, CILIATE_REASON_MAX);
+	__type(key, __u32);
+	__type(value, __u64);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} verdict_counters SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, CILIATE_EVENTS_BYTES);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} events SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct datapath_config);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} settings SEC(".maps");
+
+#endif /* CILIATE_LIB_MAPS_H */
