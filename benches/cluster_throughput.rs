@@ -11,7 +11,6 @@
 //! machine state. Reported per mode: each round's Gbit/s, the medians and pod/node.
 
 #[path = "../tests/common/mod.rs"]
-#[allow(dead_code)]
 mod common;
 
 use std::io::{Read, Write};
