@@ -135,5 +135,10 @@ fn main() {
         "the cluster throughput bench needs root"
     );
     measure("native routing", &[]);
+    // The masquerade table turns on the kernel's connection tracking in the node's namespace.
+    measure(
+        "native routing, masquerading off",
+        &["--enable-ipv4-masquerade=false"],
+    );
     measure("tunnel (vxlan)", &["--routing-mode", "tunnel"]);
 }
