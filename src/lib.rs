@@ -15,4 +15,5 @@ pub mod ipam;
 pub mod k8s;
 pub mod manifests;
 pub mod policy;
+pub mod services;
 pub mod simulate;
