@@ -64,6 +64,7 @@ fn agent(args: AgentArgs) -> i32 {
             ..Default::default()
         },
         debug_max_connections: args.debug_max_connections as usize,
+        cgroup_root: args.cgroup_root,
     };
     match run(config) {
         Ok(()) => 0,
@@ -188,6 +189,10 @@ fn main() {
         Command::Status { client: c } => client(&c, ClientCall::Status),
         Command::Endpoint { command, client: c } => client(&c, ClientCall::Endpoint(&command)),
         Command::Identity { command, client: c } => client(&c, ClientCall::Identity(&command)),
+        Command::Service {
+            command: ciliate::cli::ServiceCommand::List,
+            client: c,
+        } => client(&c, ClientCall::ServiceList),
         Command::Bpf { command, client: c } => client(&c, ClientCall::Bpf(&command)),
         Command::Monitor { count, client: c } => monitor(&c, count),
         Command::Demo {

@@ -52,6 +52,8 @@ pub struct Shared {
     pub sync_waiting: Arc<Mutex<Vec<String>>>,
     /// Kubernetes mode: where policy outcomes go to be written into CNP/CCNP status.
     pub policy_status: Option<crate::k8s::status::PolicyStatusSink>,
+    /// Services and their translation (in process until the agent attaches the BPF programs).
+    pub services: Arc<crate::services::ServiceLb>,
 }
 
 impl Shared {
@@ -80,6 +82,7 @@ impl Shared {
             events: tokio::sync::broadcast::channel(4096).0,
             sync_waiting: Arc::new(Mutex::new(Vec::new())),
             policy_status: None,
+            services: Arc::new(crate::services::ServiceLb::memory(None)),
         }
     }
 

@@ -55,6 +55,8 @@ pub struct AgentConfig {
     pub manifest_limits: crate::manifests::Limits,
     /// Connections the debug server serves at once (any local user can open them).
     pub debug_max_connections: usize,
+    /// Where socket-level service translation attaches (cgroup v2); none: not translated.
+    pub cgroup_root: Option<PathBuf>,
 }
 
 /// How long a debug-server connection may sit idle: the debug page polls every two seconds.
@@ -173,10 +175,42 @@ pub fn run(config: AgentConfig) -> Result<(), AgentError> {
                 .map_err(|e| AgentError::Config(format!("--datapath bpf: {e}")))?,
         ),
     };
+    let services = service_translation(&config)?;
     let system = actix::System::new();
     system.block_on(run_async(
-        config, source, datapath, state_dir, ipam, listeners,
+        config, source, datapath, state_dir, ipam, listeners, services,
     ))
+}
+
+/// Attaches socket-level service translation under `--cgroup-root` (eBPF datapath) and reads
+/// back the service and backend ids the previous agent left in the pinned maps, before any
+/// watcher talks to the API server (Cilium's `RestoreServices`).
+fn service_translation(
+    config: &AgentConfig,
+) -> Result<std::sync::Arc<crate::services::ServiceLb>, AgentError> {
+    use crate::services::ServiceLb;
+    let lb = match (config.datapath, &config.cgroup_root) {
+        (DatapathKind::Memory, _) => ServiceLb::memory(None),
+        (DatapathKind::Bpf, None) => {
+            tracing::warn!("no --cgroup-root: connections to ClusterIPs are not translated");
+            ServiceLb::memory(Some("no --cgroup-root: not translated".into()))
+        }
+        (DatapathKind::Bpf, Some(cgroup)) => {
+            let pins = config.bpf_root.join("ciliate");
+            let maps = crate::datapath::bpf::services::attach(&pins, cgroup).map_err(|e| {
+                AgentError::Config(format!("--cgroup-root {}: {e}", cgroup.display()))
+            })?;
+            let restored = maps.restore();
+            tracing::info!(
+                cgroup = %cgroup.display(),
+                frontends = restored.frontends.len(),
+                backends = restored.backends.len(),
+                "service translation attached; services restored from the pinned maps"
+            );
+            ServiceLb::new(Box::new(maps), restored, None)
+        }
+    };
+    Ok(std::sync::Arc::new(lb))
 }
 
 /// The actors every mode shares, wired together.
@@ -220,8 +254,10 @@ async fn run_async(
     state_dir: StateDir,
     ipam: Option<crate::ipam::Ipam>,
     listeners: Listeners,
+    services: std::sync::Arc<crate::services::ServiceLb>,
 ) -> Result<(), AgentError> {
     let mut shared = Shared::new(&config.node_name, state_dir.clone());
+    shared.services = services;
     // Kubernetes mode: the client first, so a bad kubeconfig fails the start at once.
     let feed = match source {
         Source::Kubernetes { kubeconfig } => {
@@ -401,8 +437,10 @@ async fn run_async(
         Feed::Manifests(dir) => {
             let repo_for_watcher = repo.clone();
             let limits = config.manifest_limits;
+            let services = shared.services.clone();
             WatcherActor::create(move |ctx| {
                 WatcherActor::new(dir, limits, repo_for_watcher)
+                    .with_services(services)
                     .with_self(TracedAddr::new(ctx.address(), watcher_journal))
             });
         }

@@ -74,6 +74,9 @@ pub struct StatusModel {
     /// Node IPAM, when the node has a pod CIDR.
     #[serde(default)]
     pub ipam: Option<IpamStatus>,
+    /// Services, frontends and backends known, and where they are translated.
+    #[serde(default)]
+    pub services: Option<crate::services::ServiceCounts>,
 }
 
 /// The node's pod CIDR and how much of it is in use.
@@ -284,7 +287,13 @@ async fn status(st: web::Data<AppState>) -> HttpResponse {
                 capacity: i.capacity(),
             })
         }),
+        services: Some(st.shared.services.counts()),
     })
+}
+
+/// `GET /v1/services` (and `ciliate service list`): every frontend with its backends.
+async fn services(st: web::Data<AppState>) -> HttpResponse {
+    HttpResponse::Ok().json(st.shared.services.list())
 }
 
 async fn add_endpoint(st: web::Data<AppState>, req: web::Json<EndpointRequest>) -> HttpResponse {
@@ -512,6 +521,7 @@ pub fn socket_routes(cfg: &mut web::ServiceConfig) {
         .route("/v1/policy", web::get().to(policy))
         .route("/v1/identities", web::get().to(identities))
         .route("/v1/ipcache", web::get().to(ipcache))
+        .route("/v1/services", web::get().to(services))
         .route("/v1/bpf/policy/{id}", web::get().to(bpf_policy))
         .route("/v1/monitor", web::get().to(monitor))
         .route("/v1/cni/add", web::post().to(cni::add))

@@ -105,7 +105,7 @@ pub struct FrontendView {
 }
 
 /// Counts for `ciliate status`.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct ServiceCounts {
     pub services: usize,
     pub frontends: usize,

@@ -7,7 +7,7 @@ use std::net::IpAddr;
 
 use serde::Serialize;
 
-use crate::policy::rule::{PROTO_SCTP, PROTO_TCP, PROTO_UDP};
+use crate::policy::rule::{PROTO_SCTP, PROTO_UDP};
 
 /// A Service port's `targetPort`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -226,7 +226,12 @@ impl ServiceTable {
 
     /// Every frontend, in order. A frontend claimed by two services goes to the first by
     /// (namespace, name); the other is reported in the second list.
-    pub fn frontends(&self) -> (BTreeMap<Frontend, FrontendState>, Vec<(Frontend, ServiceName)>) {
+    pub fn frontends(
+        &self,
+    ) -> (
+        BTreeMap<Frontend, FrontendState>,
+        Vec<(Frontend, ServiceName)>,
+    ) {
         let mut all = BTreeMap::new();
         let mut conflicts = Vec::new();
         for id in self.services.keys() {
@@ -276,7 +281,9 @@ impl Ids {
         let services: BTreeMap<Frontend, u32> = services.into_iter().collect();
         let backends: BTreeMap<Backend, u32> = backends.into_iter().collect();
         let past = |ids: &mut dyn Iterator<Item = u32>, next: u32| {
-            ids.max().map_or(next, |m| next.max(m.saturating_add(1))).max(1)
+            ids.max()
+                .map_or(next, |m| next.max(m.saturating_add(1)))
+                .max(1)
         };
         Ids {
             next_service: past(&mut services.values().copied(), next_service),
@@ -328,6 +335,7 @@ impl Ids {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::policy::rule::PROTO_TCP;
 
     fn ip(s: &str) -> IpAddr {
         s.parse().unwrap()
