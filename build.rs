@@ -1,6 +1,8 @@
-//! Compiles the eBPF datapath (`bpf/ciliate.bpf.c`, its parts in `bpf/lib/`) at build time into a libbpf skeleton
-//! (`$OUT_DIR/ciliate.skel.rs`), with clang. `bpf/ciliate.h` is the single source of truth for
-//! the structures user space shares with the program; Rust uses the skeleton's generated types.
+//! Compiles the eBPF datapath at build time into libbpf skeletons, with clang:
+//! `bpf/ciliate.bpf.c` (the tc programs, its parts by concern in `bpf/lib/`) into `$OUT_DIR/ciliate.skel.rs` and
+//! `bpf/services.bpf.c` (socket-level service translation) into `$OUT_DIR/services.skel.rs`.
+//! `bpf/ciliate.h` and `bpf/services.h` are the single source of truth for the structures user
+//! space shares with the programs; Rust uses the skeletons' generated types.
 
 use std::env;
 use std::ffi::OsString;
@@ -8,12 +10,14 @@ use std::path::PathBuf;
 
 use libbpf_cargo::SkeletonBuilder;
 
-const SRC: &str = "bpf/ciliate.bpf.c";
-const HEADER: &str = "bpf/ciliate.h";
+/// (source, header, skeleton file name)
+const PROGRAMS: [(&str, &str, &str); 2] = [
+    ("bpf/ciliate.bpf.c", "bpf/ciliate.h", "ciliate.skel.rs"),
+    ("bpf/services.bpf.c", "bpf/services.h", "services.skel.rs"),
+];
 
 fn main() {
-    let out = PathBuf::from(env::var_os("OUT_DIR").expect("OUT_DIR is set by cargo"))
-        .join("ciliate.skel.rs");
+    let out_dir = PathBuf::from(env::var_os("OUT_DIR").expect("OUT_DIR is set by cargo"));
     let arch = env::var("CARGO_CFG_TARGET_ARCH").expect("CARGO_CFG_TARGET_ARCH is set by cargo");
     // Debian keeps <asm/types.h> under the multiarch include directory.
     let multiarch = match arch.as_str() {
@@ -29,19 +33,21 @@ fn main() {
         "-Wall".into(),
         "-Werror".into(),
     ];
-    if let Err(e) = SkeletonBuilder::new()
-        .source(SRC)
-        .clang_args(args)
-        .build_and_generate(&out)
-    {
-        panic!(
-            "cannot compile the eBPF datapath {SRC}: {e:#}\n\
-             (it needs clang and the Linux UAPI headers: `bash .ci/setup` installs them)"
-        );
+    for (src, header, skel) in PROGRAMS {
+        if let Err(e) = SkeletonBuilder::new()
+            .source(src)
+            .clang_args(args.clone())
+            .build_and_generate(out_dir.join(skel))
+        {
+            panic!(
+                "cannot compile the eBPF datapath {src}: {e:#}\n\
+                 (it needs clang and the Linux UAPI headers: `bash .ci/setup` installs them)"
+            );
+        }
+        println!("cargo:rerun-if-changed={src}");
+        println!("cargo:rerun-if-changed={header}");
     }
-    println!("cargo:rerun-if-changed={SRC}");
-    println!("cargo:rerun-if-changed={HEADER}");
-    // The program's parts by concern (parse, maps, ipcache, policy, events, conntrack).
+    // The tc program's parts by concern (parse, maps, ipcache, policy, events, conntrack).
     println!("cargo:rerun-if-changed=bpf/lib");
     println!("cargo:rerun-if-changed=build.rs");
 }

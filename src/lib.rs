@@ -16,4 +16,5 @@ pub mod k8s;
 pub mod manifests;
 pub mod network;
 pub mod policy;
+pub mod services;
 pub mod simulate;

@@ -71,6 +71,7 @@ fn agent(args: AgentArgs) -> i32 {
             install: args.datapath == ciliate::agent::run::DatapathKind::Bpf,
             masquerade: args.enable_ipv4_masquerade,
         },
+        cgroup_root: args.cgroup_root,
     };
     match run(config) {
         Ok(()) => 0,
@@ -188,6 +189,10 @@ fn main() {
             command: ciliate::cli::NodeCommand::List,
             client: c,
         } => client(&c, ClientCall::NodeList),
+        Command::Service {
+            command: ciliate::cli::ServiceCommand::List,
+            client: c,
+        } => client(&c, ClientCall::ServiceList),
         Command::Bpf { command, client: c } => client(&c, ClientCall::Bpf(&command)),
         Command::Monitor { count, client: c } => monitor(&c, count),
         Command::Demo {

@@ -437,6 +437,7 @@ impl KubeWatcherActor {
                 self.send(resource, &key, c);
             }
         }
+        self.shared.services.initial_sync_done();
         self.repo.do_send(InitialSyncDone, NAME);
         tracing::info!(
             objects = n,
@@ -448,6 +449,13 @@ impl KubeWatcherActor {
     fn send(&mut self, resource: Watched, key: &str, c: Option<Converted>) {
         match (resource, c) {
             (Watched::EndpointSlice, c) => {
+                let lb_slice = match &c {
+                    Some(Converted::EndpointSlice(s)) => {
+                        Some(s.spec(key.split_once('/').map_or("", |(ns, _)| ns)))
+                    }
+                    _ => None,
+                };
+                self.shared.services.set_slice(key, lb_slice);
                 let slice = match c {
                     Some(Converted::EndpointSlice(s)) => {
                         Some((s.namespace, s.service, s.addresses))
@@ -459,6 +467,11 @@ impl KubeWatcherActor {
                 }
             }
             (Watched::Service, Some(Converted::Service(service))) => {
+                self.shared.services.set_service(
+                    &service.namespace,
+                    &service.name,
+                    Some(service.spec()),
+                );
                 let changed = self.services.set_service(
                     &service.namespace,
                     &service.name,
@@ -493,6 +506,7 @@ impl KubeWatcherActor {
             ),
             (Watched::Service, _) => {
                 let (namespace, name) = key.split_once('/').unwrap_or(("", key));
+                self.shared.services.set_service(namespace, name, None);
                 if self.services.set_service(namespace, name, None) {
                     self.resend_service_policies();
                 }
@@ -504,6 +518,7 @@ impl KubeWatcherActor {
                             labels: Default::default(),
                             selector: Default::default(),
                             cluster_ips: vec![],
+                            ports: vec![],
                         },
                         deleted: true,
                     },

@@ -12,6 +12,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::{Actor, AsyncContext, Context, Handler, Message};
@@ -33,6 +34,7 @@ use crate::manifests::{Body, Delta, Limits, ObjKey, ScanStats, Scanner, DEFAULT_
 use crate::policy::rule::{PolicyKey, PolicyKind};
 use crate::policy::services::ServiceTracker;
 use crate::policy::translate::parse_policy_with_services;
+use crate::services::ServiceLb;
 use crate::traced_actor;
 
 const NAME: &str = "WatcherActor";
@@ -55,6 +57,8 @@ pub struct WatcherActor {
     scans: Option<SyncSender<()>>,
     /// A rescan is scheduled (changes within `DEBOUNCE` share it).
     rescan_scheduled: bool,
+    /// Where Service and EndpointSlice changes go for service translation.
+    services: Option<Arc<ServiceLb>>,
 }
 
 impl WatcherActor {
@@ -67,7 +71,14 @@ impl WatcherActor {
             me: None,
             scans: None,
             rescan_scheduled: false,
+            services: None,
         }
+    }
+
+    /// Gives Service and EndpointSlice changes to service translation too.
+    pub fn with_services(mut self, services: Arc<ServiceLb>) -> Self {
+        self.services = Some(services);
+        self
     }
 
     /// Gives the actor its own traced address (for the file-watch and scanner threads).
@@ -125,7 +136,8 @@ impl Actor for WatcherActor {
         let (scans, requests) = sync_channel(1);
         self.scans = Some(scans);
         let scanner = Scanner::new(self.dir.clone(), self.limits);
-        let feed = Feed::new(self.repo.clone());
+        let mut feed = Feed::new(self.repo.clone());
+        feed.lb = self.services.clone();
         let spawned = std::thread::Builder::new()
             .name("manifest-scan".into())
             .spawn(move || run_scanner(scanner, feed, requests, me));
@@ -169,6 +181,9 @@ fn run_scanner(
                 ),
                 Err(e) => tracing::error!(error = %e, "initial manifest scan failed"),
             }
+            if let Some(lb) = &feed.lb {
+                lb.initial_sync_done();
+            }
             feed.repo.do_send(InitialSyncDone, NAME);
             first = false;
         }
@@ -195,6 +210,8 @@ struct Feed {
     service_policies: BTreeMap<ObjKey, (Body, String)>,
     /// Objects whose last upsert could not be used, with the location it was reported under.
     unusable: HashMap<ObjKey, String>,
+    /// Service translation.
+    lb: Option<Arc<ServiceLb>>,
 }
 
 impl Feed {
@@ -204,6 +221,7 @@ impl Feed {
             services: ServiceTracker::default(),
             service_policies: BTreeMap::new(),
             unusable: HashMap::new(),
+            lb: None,
         }
     }
 
@@ -309,12 +327,16 @@ impl Feed {
                 .map_err(|e| e.to_string())
                 .and_then(|s| endpoint_slice_info(&s))
                 .map(|slice| {
+                    let lb_slice = slice.spec(ns);
                     let namespace = if slice.namespace.is_empty() {
                         ns.clone()
                     } else {
                         slice.namespace
                     };
                     let key = format!("{ns}/{}", k.name);
+                    if let Some(lb) = &self.lb {
+                        lb.set_slice(&key, Some(lb_slice));
+                    }
                     if self
                         .services
                         .set_slice(&key, Some((namespace, slice.service, slice.addresses)))
@@ -338,6 +360,9 @@ impl Feed {
     }
 
     fn upsert_service(&mut self, service: ServiceInfo) {
+        if let Some(lb) = &self.lb {
+            lb.set_service(&service.namespace, &service.name, Some(service.spec()));
+        }
         let changed = self.services.set_service(
             &service.namespace,
             &service.name,
@@ -394,6 +419,9 @@ impl Feed {
         let (ns, name) = (&k.namespace, &k.name);
         match k.kind.as_str() {
             "EndpointSlice" => {
+                if let Some(lb) = &self.lb {
+                    lb.set_slice(&format!("{ns}/{name}"), None);
+                }
                 if self.services.set_slice(&format!("{ns}/{name}"), None) {
                     self.resend_service_policies();
                 }
@@ -403,6 +431,9 @@ impl Feed {
                 .do_send(NamespaceDelete { name: name.clone() }, NAME),
             "Node" => self.repo.do_send(NodeDelete { name: name.clone() }, NAME),
             "Service" => {
+                if let Some(lb) = &self.lb {
+                    lb.set_service(ns, name, None);
+                }
                 if self.services.set_service(ns, name, None) {
                     self.resend_service_policies();
                 }
@@ -414,6 +445,7 @@ impl Feed {
                             labels: Default::default(),
                             selector: Default::default(),
                             cluster_ips: vec![],
+                            ports: vec![],
                         },
                         deleted: true,
                     },

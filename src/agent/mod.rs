@@ -59,6 +59,8 @@ pub struct Shared {
     pub routing: Arc<Mutex<crate::network::RoutingView>>,
     /// The MTU the CNI gives pod interfaces (lowered by the tunnel's overhead in tunnel mode).
     pub pod_mtu: u32,
+    /// Services and their translation (in process until the agent attaches the BPF programs).
+    pub services: Arc<crate::services::ServiceLb>,
 }
 
 impl Shared {
@@ -93,6 +95,7 @@ impl Shared {
                 ..Default::default()
             })),
             pod_mtu: crate::network::tunnel::LINK_MTU,
+            services: Arc::new(crate::services::ServiceLb::memory(None)),
         }
     }
 

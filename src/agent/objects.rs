@@ -7,9 +7,12 @@ use std::net::IpAddr;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Service};
 use serde::Serialize;
 
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+
 use crate::policy::engine::NamedPort;
 use crate::policy::labels::check_labels;
 use crate::policy::rule::{PROTO_SCTP, PROTO_TCP, PROTO_UDP};
+use crate::services::{ServicePort, ServiceSpec, SliceEndpoint, SlicePort, SliceSpec, TargetPort};
 
 /// `namespace/name` of a namespaced object.
 pub type ObjectName = String;
@@ -54,15 +57,50 @@ pub struct ServiceInfo {
     pub labels: BTreeMap<String, String>,
     pub selector: BTreeMap<String, String>,
     pub cluster_ips: Vec<String>,
+    /// `spec.ports`, for service translation.
+    pub ports: Vec<ServicePort>,
 }
 
-/// The ready addresses one EndpointSlice gives its service (for `toServices`).
+impl ServiceInfo {
+    /// What service translation needs: the ClusterIPs (none for a headless service) and ports.
+    pub fn spec(&self) -> ServiceSpec {
+        ServiceSpec {
+            cluster_ips: self
+                .cluster_ips
+                .iter()
+                .filter_map(|ip| ip.parse().ok())
+                .collect(),
+            ports: self.ports.clone(),
+        }
+    }
+}
+
+/// What one EndpointSlice gives its service: the ready addresses (for `toServices`), and every
+/// address with its readiness and the slice's ports (for service translation).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct EndpointSliceInfo {
     pub namespace: String,
     /// The `kubernetes.io/service-name` label.
     pub service: String,
     pub addresses: Vec<IpAddr>,
+    pub endpoints: Vec<SliceEndpoint>,
+    pub ports: Vec<SlicePort>,
+}
+
+impl EndpointSliceInfo {
+    /// What service translation needs; `namespace` when the slice names none.
+    pub fn spec(&self, namespace: &str) -> SliceSpec {
+        SliceSpec {
+            namespace: if self.namespace.is_empty() {
+                namespace.to_string()
+            } else {
+                self.namespace.clone()
+            },
+            service: self.service.clone(),
+            endpoints: self.endpoints.clone(),
+            ports: self.ports.clone(),
+        }
+    }
 }
 
 /// Converts an EndpointSlice; endpoints whose `conditions.ready` is false are left out.
@@ -75,21 +113,43 @@ pub fn endpoint_slice_info(
         .cloned()
         .unwrap_or_default();
     let mut addresses = Vec::new();
+    let mut endpoints = Vec::new();
     for (i, e) in slice.endpoints.iter().enumerate() {
-        if e.conditions.as_ref().and_then(|c| c.ready) == Some(false) {
-            continue;
-        }
+        // An absent condition means ready (the EndpointSlice API's reading).
+        let ready = e.conditions.as_ref().and_then(|c| c.ready) != Some(false);
         for (j, a) in e.addresses.iter().enumerate() {
             let ip: IpAddr = a.parse().map_err(|_| {
                 format!("endpoints[{i}].addresses[{j}]: {a:?} is not an IP address")
             })?;
-            addresses.push(ip);
+            if ready {
+                addresses.push(ip);
+            }
+            endpoints.push(SliceEndpoint { address: ip, ready });
         }
+    }
+    let mut ports = Vec::new();
+    for (i, p) in slice.ports.iter().flatten().enumerate() {
+        let port = p
+            .port
+            .map(|n| {
+                u16::try_from(n)
+                    .ok()
+                    .filter(|n| *n > 0)
+                    .ok_or_else(|| format!("ports[{i}].port: {n} is not a port number"))
+            })
+            .transpose()?;
+        ports.push(SlicePort {
+            name: p.name.clone().unwrap_or_default(),
+            protocol: protocol_number(p.protocol.as_deref()),
+            port,
+        });
     }
     Ok(EndpointSliceInfo {
         namespace: slice.metadata.namespace.clone().unwrap_or_default(),
         service,
         addresses,
+        endpoints,
+        ports,
     })
 }
 
@@ -228,6 +288,46 @@ pub fn service_info(svc: &Service, default_namespace: &str) -> Result<ServiceInf
         .filter(|n| !n.is_empty())
         .ok_or("metadata.name: missing")?;
     let spec = svc.spec.as_ref();
+    let mut cluster_ips: Vec<String> = spec.and_then(|s| s.cluster_ips.clone()).unwrap_or_default();
+    if cluster_ips.is_empty() {
+        cluster_ips.extend(spec.and_then(|s| s.cluster_ip.clone()));
+    }
+    for (i, ip) in cluster_ips.iter().enumerate() {
+        // "None" (and "") is a headless service: no frontend.
+        if !ip.is_empty() && ip != "None" && ip.parse::<IpAddr>().is_err() {
+            return Err(format!("spec.clusterIPs[{i}]: {ip:?} is not an IP address"));
+        }
+    }
+    let mut ports = Vec::new();
+    for (i, p) in spec
+        .and_then(|s| s.ports.as_ref())
+        .into_iter()
+        .flatten()
+        .enumerate()
+    {
+        let port = u16::try_from(p.port)
+            .ok()
+            .filter(|n| *n > 0)
+            .ok_or_else(|| format!("spec.ports[{i}].port: {} is not a port number", p.port))?;
+        let target_port = match &p.target_port {
+            None => None,
+            Some(IntOrString::Int(n)) => Some(TargetPort::Number(
+                u16::try_from(*n).ok().filter(|n| *n > 0).ok_or_else(|| {
+                    format!("spec.ports[{i}].targetPort: {n} is not a port number")
+                })?,
+            )),
+            Some(IntOrString::String(name)) if name.is_empty() => {
+                return Err(format!("spec.ports[{i}].targetPort: empty name"))
+            }
+            Some(IntOrString::String(name)) => Some(TargetPort::Name(name.clone())),
+        };
+        ports.push(ServicePort {
+            name: p.name.clone().unwrap_or_default(),
+            protocol: protocol_number(p.protocol.as_deref()),
+            port,
+            target_port,
+        });
+    }
     Ok(ServiceInfo {
         namespace: svc
             .metadata
@@ -237,7 +337,8 @@ pub fn service_info(svc: &Service, default_namespace: &str) -> Result<ServiceInf
         name,
         labels: svc.metadata.labels.clone().unwrap_or_default(),
         selector: spec.and_then(|s| s.selector.clone()).unwrap_or_default(),
-        cluster_ips: spec.and_then(|s| s.cluster_ips.clone()).unwrap_or_default(),
+        cluster_ips,
+        ports,
     })
 }
 
@@ -276,6 +377,64 @@ status: {podIPs: [{ip: 10.0.0.1}, {ip: 'fd00::1'}]}",
         assert!(pod_info(&pod, "x")
             .unwrap_err()
             .contains("status.podIPs[0].ip"));
+    }
+
+    #[test]
+    fn services_and_slices_convert_with_ports_and_readiness() {
+        let svc: Service = serde_yaml::from_str(
+            "metadata: {name: b, namespace: ns}
+spec:
+  clusterIP: 10.96.0.50
+  ports: [{name: http, port: 80, targetPort: web}, {name: dns, port: 53, protocol: UDP, targetPort: 5353}]",
+        )
+        .unwrap();
+        let s = service_info(&svc, "default").unwrap();
+        let spec = s.spec();
+        assert_eq!(
+            spec.cluster_ips,
+            vec!["10.96.0.50".parse::<IpAddr>().unwrap()]
+        );
+        assert_eq!(
+            spec.ports[0].target_port,
+            Some(TargetPort::Name("web".into()))
+        );
+        assert_eq!(spec.ports[1].protocol, PROTO_UDP);
+        assert_eq!(spec.ports[1].target_port, Some(TargetPort::Number(5353)));
+        let bad: Service =
+            serde_yaml::from_str("metadata: {name: b}\nspec: {ports: [{port: 70000}]}").unwrap();
+        assert!(service_info(&bad, "x")
+            .unwrap_err()
+            .contains("spec.ports[0].port"));
+        let bad: Service =
+            serde_yaml::from_str("metadata: {name: b}\nspec: {clusterIPs: [nope]}").unwrap();
+        assert!(service_info(&bad, "x")
+            .unwrap_err()
+            .contains("spec.clusterIPs[0]"));
+        let headless: Service =
+            serde_yaml::from_str("metadata: {name: h}\nspec: {clusterIP: None}").unwrap();
+        assert!(service_info(&headless, "x")
+            .unwrap()
+            .spec()
+            .cluster_ips
+            .is_empty());
+
+        let slice: k8s_openapi::api::discovery::v1::EndpointSlice = serde_yaml::from_str(
+            "metadata: {name: b-1, labels: {kubernetes.io/service-name: b}}
+addressType: IPv4
+endpoints:
+- {addresses: [10.1.0.2]}
+- {addresses: [10.1.0.3], conditions: {ready: false}}
+ports: [{name: http, port: 8080}]",
+        )
+        .unwrap();
+        let e = endpoint_slice_info(&slice).unwrap();
+        assert_eq!(e.addresses.len(), 1, "toServices sees ready addresses only");
+        let spec = e.spec("ns");
+        assert_eq!(spec.namespace, "ns");
+        assert_eq!(spec.endpoints.len(), 2);
+        assert!(spec.endpoints[0].ready && !spec.endpoints[1].ready);
+        assert_eq!(spec.ports[0].port, Some(8080));
+        assert_eq!(spec.ports[0].protocol, PROTO_TCP);
     }
 
     #[test]

@@ -60,6 +60,8 @@ pub struct AgentConfig {
     pub debug_max_connections: usize,
     /// Routes between nodes (interfaces.md section 8).
     pub routing: crate::network::RoutingConfig,
+    /// Where socket-level service translation attaches (cgroup v2); none: not translated.
+    pub cgroup_root: Option<PathBuf>,
 }
 
 /// How long a debug-server connection may sit idle: the debug page polls every two seconds.
@@ -179,6 +181,7 @@ pub fn run(config: AgentConfig) -> Result<(), AgentError> {
                 .map_err(|e| AgentError::Config(format!("--datapath bpf: {e}")))?,
         ),
     };
+    let services = service_translation(&config)?;
     let system = actix::System::new();
     system.block_on(run_async(
         config,
@@ -188,6 +191,7 @@ pub fn run(config: AgentConfig) -> Result<(), AgentError> {
         ipam,
         listeners,
         route_applier,
+        services,
     ))
 }
 
@@ -227,6 +231,37 @@ fn pod_mtu(r: &crate::network::RoutingConfig) -> u32 {
             crate::network::tunnel::LINK_MTU - crate::network::tunnel::VXLAN_OVERHEAD
         }
     }
+}
+
+/// Attaches socket-level service translation under `--cgroup-root` (eBPF datapath) and reads
+/// back the service and backend ids the previous agent left in the pinned maps, before any
+/// watcher talks to the API server (Cilium's `RestoreServices`).
+fn service_translation(
+    config: &AgentConfig,
+) -> Result<std::sync::Arc<crate::services::ServiceLb>, AgentError> {
+    use crate::services::ServiceLb;
+    let lb = match (config.datapath, &config.cgroup_root) {
+        (DatapathKind::Memory, _) => ServiceLb::memory(None),
+        (DatapathKind::Bpf, None) => {
+            tracing::warn!("no --cgroup-root: connections to ClusterIPs are not translated");
+            ServiceLb::memory(Some("no --cgroup-root: not translated".into()))
+        }
+        (DatapathKind::Bpf, Some(cgroup)) => {
+            let pins = config.bpf_root.join("ciliate");
+            let maps = crate::datapath::bpf::services::attach(&pins, cgroup).map_err(|e| {
+                AgentError::Config(format!("--cgroup-root {}: {e}", cgroup.display()))
+            })?;
+            let restored = maps.restore();
+            tracing::info!(
+                cgroup = %cgroup.display(),
+                frontends = restored.frontends.len(),
+                backends = restored.backends.len(),
+                "service translation attached; services restored from the pinned maps"
+            );
+            ServiceLb::new(Box::new(maps), restored, None)
+        }
+    };
+    Ok(std::sync::Arc::new(lb))
 }
 
 /// The actors every mode shares, wired together.
@@ -271,8 +306,10 @@ async fn run_async(
     ipam: Option<crate::ipam::Ipam>,
     listeners: Listeners,
     route_applier: Option<crate::network::netlink::RouteApplier>,
+    services: std::sync::Arc<crate::services::ServiceLb>,
 ) -> Result<(), AgentError> {
     let mut shared = Shared::new(&config.node_name, state_dir.clone());
+    shared.services = services;
     if let Ok(mut v) = shared.routing.lock() {
         v.mode = config.routing.mode.as_str().into();
     }
@@ -494,8 +531,10 @@ async fn run_async(
         Feed::Manifests(dir) => {
             let repo_for_watcher = repo.clone();
             let limits = config.manifest_limits;
+            let services = shared.services.clone();
             WatcherActor::create(move |ctx| {
                 WatcherActor::new(dir, limits, repo_for_watcher)
+                    .with_services(services)
                     .with_self(TracedAddr::new(ctx.address(), watcher_journal))
             });
         }

@@ -85,6 +85,9 @@ pub struct StatusModel {
     /// `--enable-ipv4-masquerade`: `enabled`, `disabled`, `none` (memory datapath) or `error: ...`.
     #[serde(default)]
     pub masquerade: String,
+    /// Services, frontends and backends known, and where they are translated.
+    #[serde(default)]
+    pub services: Option<crate::services::ServiceCounts>,
 }
 
 /// The node's pod CIDR and how much of it is in use.
@@ -299,6 +302,7 @@ async fn status(st: web::Data<AppState>) -> HttpResponse {
         routing_mode: routing.mode,
         routes_installed: routing.routes_installed,
         masquerade: routing.masquerade,
+        services: Some(st.shared.services.counts()),
     })
 }
 
@@ -317,6 +321,11 @@ async fn debug_nodes(st: web::Data<AppState>) -> HttpResponse {
 /// `GET /v1/nodes`: every node with its addresses, pod CIDRs and route state.
 async fn nodes(st: web::Data<AppState>) -> HttpResponse {
     HttpResponse::Ok().json(routing_view(&st).nodes)
+}
+
+/// `GET /v1/services` (and `ciliate service list`): every frontend with its backends.
+async fn services(st: web::Data<AppState>) -> HttpResponse {
+    HttpResponse::Ok().json(st.shared.services.list())
 }
 
 async fn add_endpoint(st: web::Data<AppState>, req: web::Json<EndpointRequest>) -> HttpResponse {
@@ -546,6 +555,7 @@ pub fn socket_routes(cfg: &mut web::ServiceConfig) {
         .route("/v1/identities", web::get().to(identities))
         .route("/v1/ipcache", web::get().to(ipcache))
         .route("/v1/nodes", web::get().to(nodes))
+        .route("/v1/services", web::get().to(services))
         .route("/v1/bpf/policy/{id}", web::get().to(bpf_policy))
         .route("/v1/monitor", web::get().to(monitor))
         .route("/v1/cni/add", web::post().to(cni::add))

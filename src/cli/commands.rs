@@ -13,6 +13,49 @@ pub enum ClientCall<'a> {
     Identity(&'a IdentityCommand),
     Bpf(&'a BpfCommand),
     NodeList,
+    ServiceList,
+}
+
+/// `ciliate service list` as a table: one row per backend (a frontend without one shows `-`).
+fn service_rows(v: &Value) -> Vec<Vec<String>> {
+    let mut rows = Vec::new();
+    for f in v.as_array().into_iter().flatten() {
+        let name = format!("{}/{}", s(&f["namespace"]), s(&f["name"]));
+        let backends: Vec<String> = f["backends"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|b| {
+                format!(
+                    "{}:{}{}",
+                    s(&b["ip"]),
+                    s(&b["port"]),
+                    if b["ready"] == Value::Bool(true) {
+                        ""
+                    } else {
+                        " (not ready)"
+                    }
+                )
+            })
+            .collect();
+        if backends.is_empty() {
+            rows.push(vec![
+                s(&f["service_id"]),
+                s(&f["frontend"]),
+                name.clone(),
+                "-".into(),
+            ]);
+        }
+        for (i, b) in backends.into_iter().enumerate() {
+            let (id, fe, n) = if i == 0 {
+                (s(&f["service_id"]), s(&f["frontend"]), name.clone())
+            } else {
+                (String::new(), String::new(), String::new())
+            };
+            rows.push(vec![id, fe, n, b]);
+        }
+    }
+    rows
 }
 
 fn s(v: &Value) -> String {
@@ -260,6 +303,10 @@ pub fn run_client(opts: &ClientOpts, call: ClientCall) -> Result<String, ClientE
                 ));
                 out
             }),
+        ),
+        ClientCall::ServiceList => (
+            request(sock, "GET", "/v1/services", None)?,
+            Box::new(|v| table(&["ID", "FRONTEND", "SERVICE", "BACKENDS"], &service_rows(v))),
         ),
     };
     Ok(match opts.output {

@@ -114,6 +114,13 @@ pub enum Command {
         #[arg(long, default_value = "10.248.0.0/24")]
         pod_cidr: ipnet::Ipv4Net,
     },
+    /// Services: every frontend (ClusterIP:port/protocol) with its backends.
+    Service {
+        #[command(subcommand)]
+        command: ServiceCommand,
+        #[command(flatten)]
+        client: ClientOpts,
+    },
     /// The datapath's maps.
     Bpf {
         #[command(subcommand)]
@@ -153,6 +160,11 @@ pub struct AgentArgs {
     /// can never take the open files the API socket and the CNI plugin need.
     #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..=65536))]
     pub debug_max_connections: u64,
+    /// A cgroup v2 directory: sockets of the processes in it (the pods) have their connections
+    /// to ClusterIPs translated to a ready backend (socket-level load balancing). Without it,
+    /// nothing is translated.
+    #[arg(long)]
+    pub cgroup_root: Option<PathBuf>,
     /// IPAM range when the Node object gives none.
     #[arg(long)]
     pub pod_cidr: Option<ipnet::IpNet>,
@@ -252,6 +264,12 @@ pub enum NodeCommand {
 #[derive(Debug, Subcommand)]
 pub enum IdentityCommand {
     /// List identities.
+    List,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ServiceCommand {
+    /// List frontends and their backends.
     List,
 }
 
