@@ -190,8 +190,10 @@ pub fn run(config: AgentConfig) -> Result<(), AgentError> {
         state_dir,
         ipam,
         listeners,
-        route_applier,
-        services,
+        Network {
+            route_applier,
+            services,
+        },
     ))
 }
 
@@ -264,6 +266,12 @@ fn service_translation(
     Ok(std::sync::Arc::new(lb))
 }
 
+/// What start-up opened for cluster networking before the actors run.
+struct Network {
+    route_applier: Option<crate::network::netlink::RouteApplier>,
+    services: std::sync::Arc<crate::services::ServiceLb>,
+}
+
 /// The actors every mode shares, wired together.
 #[derive(Clone)]
 pub struct Core {
@@ -305,9 +313,12 @@ async fn run_async(
     state_dir: StateDir,
     ipam: Option<crate::ipam::Ipam>,
     listeners: Listeners,
-    route_applier: Option<crate::network::netlink::RouteApplier>,
-    services: std::sync::Arc<crate::services::ServiceLb>,
+    network: Network,
 ) -> Result<(), AgentError> {
+    let Network {
+        route_applier,
+        services,
+    } = network;
     let mut shared = Shared::new(&config.node_name, state_dir.clone());
     shared.services = services;
     if let Ok(mut v) = shared.routing.lock() {
