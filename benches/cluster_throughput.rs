@@ -13,52 +13,19 @@
 #[path = "../tests/common/mod.rs"]
 mod common;
 
-use std::io::{Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
-use std::time::{Duration, Instant};
+use std::net::Ipv4Addr;
 
 use common::cluster::Cluster;
-use common::netns::in_netns;
+use common::netns::stream_gbits;
 use serde_json::json;
 
 const SECONDS: f64 = 2.0;
 const ROUNDS: usize = 7;
 const PORT: u16 = 5201;
 
-/// One stream from namespace `from` to `to:PORT` (a server in namespace `at`); Gbit/s as the
-/// receiver counted it.
+/// One stream a -> b (see `stream_gbits`).
 fn stream(from: &str, at: &str, to: Ipv4Addr) -> f64 {
-    let (tx, rx) = std::sync::mpsc::channel();
-    let server = in_netns(at, move || {
-        let l = TcpListener::bind((to, PORT)).expect("listen");
-        tx.send(()).unwrap();
-        let (mut s, _) = l.accept().expect("accept");
-        let mut buf = vec![0u8; 1 << 17];
-        let (mut n, start) = (0u64, Instant::now());
-        loop {
-            match s.read(&mut buf) {
-                Ok(0) | Err(_) => break,
-                Ok(k) => n += k as u64,
-            }
-        }
-        n as f64 * 8.0 / start.elapsed().as_secs_f64() / 1e9
-    });
-    rx.recv().unwrap();
-    in_netns(from, move || {
-        let mut s =
-            TcpStream::connect_timeout(&SocketAddr::new(to.into(), PORT), Duration::from_secs(2))
-                .expect("connect");
-        let buf = vec![7u8; 1 << 17];
-        let end = Instant::now() + Duration::from_secs_f64(SECONDS);
-        while Instant::now() < end {
-            if s.write_all(&buf).is_err() {
-                break;
-            }
-        }
-    })
-    .join()
-    .unwrap();
-    server.join().unwrap()
+    stream_gbits(from, at, to, PORT, SECONDS)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

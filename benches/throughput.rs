@@ -9,10 +9,11 @@
 //! for egress with one rule allowing b), so both see the same machine state. Reported: each
 //! round's Gbit/s, the medians, and enforced/plain.
 
-use std::io::{Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsFd;
-use std::time::{Duration, Instant};
+use std::net::Ipv4Addr;
+
+#[path = "../tests/common/netns.rs"]
+#[allow(dead_code)]
+mod netns;
 
 use ciliate::datapath::bpf::datapath::BpfDatapath;
 use ciliate::datapath::netdev::{self, PodInterfaceSpec};
@@ -42,51 +43,9 @@ impl Drop for Pods {
     }
 }
 
-fn in_netns<T: Send + 'static>(
-    netns: &str,
-    f: impl FnOnce() -> T + Send + 'static,
-) -> std::thread::JoinHandle<T> {
-    let file = std::fs::File::open(std::path::Path::new(netdev::NETNS_DIR).join(netns))
-        .expect("the pod's namespace");
-    std::thread::spawn(move || {
-        nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
-        f()
-    })
-}
-
-/// One stream a -> b for `SECONDS`; returns Gbit/s as the receiver counted it.
+/// One stream a -> b for `SECONDS` (the tests' helper, shared with the cluster bench).
 fn stream(a: &str, b: &str, to: Ipv4Addr) -> f64 {
-    let (tx, rx) = std::sync::mpsc::channel();
-    let server = in_netns(b, move || {
-        let l = TcpListener::bind((to, PORT)).expect("listen");
-        tx.send(()).unwrap();
-        let (mut s, _) = l.accept().expect("accept");
-        let mut buf = vec![0u8; 1 << 17];
-        let (mut n, start) = (0u64, Instant::now());
-        loop {
-            match s.read(&mut buf) {
-                Ok(0) | Err(_) => break,
-                Ok(k) => n += k as u64,
-            }
-        }
-        n as f64 * 8.0 / start.elapsed().as_secs_f64() / 1e9
-    });
-    rx.recv().unwrap();
-    in_netns(a, move || {
-        let mut s =
-            TcpStream::connect_timeout(&SocketAddr::new(to.into(), PORT), Duration::from_secs(2))
-                .expect("connect");
-        let buf = vec![7u8; 1 << 17];
-        let end = Instant::now() + Duration::from_secs_f64(SECONDS);
-        while Instant::now() < end {
-            if s.write_all(&buf).is_err() {
-                break;
-            }
-        }
-    })
-    .join()
-    .unwrap();
-    server.join().unwrap()
+    netns::stream_gbits(a, b, to, PORT, SECONDS)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

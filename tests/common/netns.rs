@@ -307,3 +307,39 @@ pub fn icmp_ok(netns: &str, to: std::net::Ipv4Addr) -> bool {
     .join()
     .unwrap()
 }
+
+/// One TCP stream from namespace `from` to `to:port` (a server in namespace `at`), 128 KiB
+/// writes for `seconds`: Gbit/s as the receiver counted it (the throughput benches).
+pub fn stream_gbits(from: &str, at: &str, to: std::net::Ipv4Addr, port: u16, seconds: f64) -> f64 {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let server = in_netns(at, move || {
+        let l = TcpListener::bind((to, port)).expect("listen");
+        tx.send(()).unwrap();
+        let (mut s, _) = l.accept().expect("accept");
+        let mut buf = vec![0u8; 1 << 17];
+        let (mut n, start) = (0u64, std::time::Instant::now());
+        loop {
+            match s.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(k) => n += k as u64,
+            }
+        }
+        n as f64 * 8.0 / start.elapsed().as_secs_f64() / 1e9
+    });
+    rx.recv().unwrap();
+    in_netns(from, move || {
+        let mut s =
+            TcpStream::connect_timeout(&SocketAddr::new(to.into(), port), Duration::from_secs(2))
+                .expect("connect");
+        let buf = vec![7u8; 1 << 17];
+        let end = std::time::Instant::now() + Duration::from_secs_f64(seconds);
+        while std::time::Instant::now() < end {
+            if s.write_all(&buf).is_err() {
+                break;
+            }
+        }
+    })
+    .join()
+    .unwrap();
+    server.join().unwrap()
+}
