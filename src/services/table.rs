@@ -236,10 +236,13 @@ impl ServiceTable {
         let mut conflicts = Vec::new();
         for id in self.services.keys() {
             for (fe, st) in self.frontends_of(id) {
-                if all.contains_key(&fe) {
-                    conflicts.push((fe, id.clone()));
-                } else {
-                    all.insert(fe, st);
+                match all.entry(fe) {
+                    std::collections::btree_map::Entry::Occupied(_) => {
+                        conflicts.push((fe, id.clone()))
+                    }
+                    std::collections::btree_map::Entry::Vacant(v) => {
+                        v.insert(st);
+                    }
                 }
             }
         }
