@@ -237,11 +237,11 @@ impl ServiceTable {
         for id in self.services.keys() {
             for (fe, st) in self.frontends_of(id) {
                 match all.entry(fe) {
-                    std::collections::btree_map::Entry::Occupied(e) => {
-                        conflicts.push((*e.key(), id.clone()))
+                    std::collections::btree_map::Entry::Occupied(_) => {
+                        conflicts.push((fe, id.clone()))
                     }
-                    std::collections::btree_map::Entry::Vacant(e) => {
-                        e.insert(st);
+                    std::collections::btree_map::Entry::Vacant(v) => {
+                        v.insert(st);
                     }
                 }
             }

@@ -1,0 +1,459 @@
+//! Services resolved before egress policy, on one node with the eBPF datapath: pods through
+//! CNI, the agent's socket-level translation attached to a cgroup of this test, and client
+//! processes that live in that cgroup and in the pod's network namespace. The test's ClusterIP
+//! range is blackholed inside the pods' namespaces, so an untranslated packet goes nowhere.
+//! Privileged: with CI=true these tests must run.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::os::fd::AsRawFd;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::agent::Agent;
+use common::cni::{unique_pod_cidr, CniPod, CniPods};
+use common::eventually;
+use common::netns::{in_netns, ip, privileged};
+use serde_json::Value;
+
+/// Set in a child process of this test binary: what the client should do (see `client_main`).
+const CLIENT_ENV: &str = "CILIATE_TEST_SERVICE_CLIENT";
+
+/// The client side, run as a child process (so it can sit in the test's cgroup and the pod's
+/// namespace): prints one `RESULT: ...` line.
+#[test]
+fn service_client_helper() {
+    let Ok(spec) = std::env::var(CLIENT_ENV) else {
+        return; // An ordinary run: nothing to do.
+    };
+    let (kind, to) = spec.split_once(' ').expect("KIND ADDR:PORT");
+    let to: SocketAddr = to.parse().expect("ADDR:PORT");
+    let started = Instant::now();
+    let result = match kind {
+        "tcp" => match TcpStream::connect_timeout(&to, Duration::from_millis(1500)) {
+            Ok(mut s) => {
+                let _ = s.set_read_timeout(Some(Duration::from_millis(1500)));
+                let mut buf = String::new();
+                let _ = s.read_to_string(&mut buf);
+                format!("ok {buf}")
+            }
+            Err(e) => format!("err {:?} {}ms", e.kind(), started.elapsed().as_millis()),
+        },
+        // Unconnected: sendmsg4 translates, recvmsg4 shows the reply from the ClusterIP.
+        "udp" => {
+            let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+            s.set_read_timeout(Some(Duration::from_millis(1500)))
+                .unwrap();
+            match s.send_to(b"ping", to) {
+                Err(e) => format!("err {:?} {}ms", e.kind(), started.elapsed().as_millis()),
+                Ok(_) => {
+                    let mut buf = [0u8; 64];
+                    match s.recv_from(&mut buf) {
+                        Ok((n, from)) => {
+                            format!("ok {} from={from}", String::from_utf8_lossy(&buf[..n]))
+                        }
+                        Err(e) => format!("err {:?}", e.kind()),
+                    }
+                }
+            }
+        }
+        // Connected: connect4 translates, getpeername4 shows the ClusterIP.
+        "udp-connected" => {
+            let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+            s.set_read_timeout(Some(Duration::from_millis(1500)))
+                .unwrap();
+            match s.connect(to).and_then(|_| s.send(b"ping")) {
+                Err(e) => format!("err {:?}", e.kind()),
+                Ok(_) => {
+                    let mut buf = [0u8; 64];
+                    match s.recv(&mut buf) {
+                        Ok(n) => format!(
+                            "ok {} peer={}",
+                            String::from_utf8_lossy(&buf[..n]),
+                            s.peer_addr().map(|a| a.to_string()).unwrap_or_default()
+                        ),
+                        Err(e) => format!("err {:?}", e.kind()),
+                    }
+                }
+            }
+        }
+        other => panic!("unknown client kind {other}"),
+    };
+    println!("\nRESULT: {result}");
+}
+
+/// Runs the client in `netns` and `cgroup` (joined before exec); returns its result line.
+fn client(netns: &str, cgroup: &Path, kind: &str, to: SocketAddr) -> String {
+    let ns = std::fs::File::open(format!("/run/netns/{netns}")).expect("netns file");
+    let procs = std::fs::OpenOptions::new()
+        .write(true)
+        .open(cgroup.join("cgroup.procs"))
+        .expect("cgroup.procs");
+    let (ns_fd, procs_fd) = (ns.as_raw_fd(), procs.as_raw_fd());
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args([
+        "--exact",
+        "service_client_helper",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env(CLIENT_ENV, format!("{kind} {to}"))
+    .stdout(Stdio::piped())
+    .stderr(Stdio::null());
+    // SAFETY: only async-signal-safe calls between fork and exec (write, setns).
+    unsafe {
+        cmd.pre_exec(move || {
+            // "0" moves the writing process itself.
+            if nix::libc::write(procs_fd, b"0".as_ptr().cast(), 1) != 1 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if nix::libc::setns(ns_fd, nix::libc::CLONE_NEWNET) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let out = cmd.output().expect("the client runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .find_map(|l| l.split_once("RESULT: ").map(|(_, r)| r))
+        .unwrap_or_else(|| panic!("client printed no result: {text}"))
+        .to_string()
+}
+
+/// TCP and UDP servers in a pod's namespace that answer with the pod's name.
+fn named_servers(pod: &CniPod) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (addr, name) = (pod.addr, pod.name.clone());
+    let tx2 = tx.clone();
+    in_netns(&pod.netns, move || {
+        let l = TcpListener::bind((addr, 8080)).expect("bind");
+        tx.send(()).unwrap();
+        for mut s in l.incoming().flatten() {
+            let _ = s.write_all(name.as_bytes());
+        }
+    });
+    let name = pod.name.clone();
+    in_netns(&pod.netns, move || {
+        let s = UdpSocket::bind((addr, 5353)).expect("bind");
+        tx2.send(()).unwrap();
+        let mut buf = [0u8; 64];
+        while let Ok((_, from)) = s.recv_from(&mut buf) {
+            let _ = s.send_to(name.as_bytes(), from);
+        }
+    });
+    rx.recv().unwrap();
+    rx.recv().unwrap();
+}
+
+/// The test's cgroup, removed at the end whatever happens.
+struct Cgroup(PathBuf);
+
+impl Drop for Cgroup {
+    fn drop(&mut self) {
+        for _ in 0..50 {
+            if std::fs::remove_dir(&self.0).is_ok() || !self.0.exists() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+const CLUSTER: &str = "apiVersion: v1
+kind: Namespace
+metadata: {name: x}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: a, namespace: x, labels: {app: a}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: b1, namespace: x, labels: {app: b}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: b2, namespace: x, labels: {app: b}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: c, namespace: x, labels: {app: c}}
+---
+apiVersion: cilium.io/v2
+kind: CiliumNetworkPolicy
+metadata: {name: a-egress, namespace: x}
+spec:
+  endpointSelector: {matchLabels: {app: a}}
+  egress:
+    - toEndpoints: [{matchLabels: {app: b}}]
+      toPorts: [{ports: [{port: '8080', protocol: TCP}, {port: '5353', protocol: UDP}]}]
+";
+
+/// Services on `NET.50` .. `NET.53`, and their EndpointSlices. `b2` ready or not.
+fn services(net: &str, b1: Ipv4Addr, b2: Ipv4Addr, c: Ipv4Addr, b2_in_slice: bool) -> String {
+    let b2_entry = if b2_in_slice {
+        format!("  - {{addresses: ['{b2}']}}\n")
+    } else {
+        String::new()
+    };
+    format!(
+        "apiVersion: v1
+kind: Service
+metadata: {{name: b, namespace: x}}
+spec:
+  clusterIP: {net}.50
+  ports:
+    - {{name: http, port: 80, targetPort: http}}
+    - {{name: dns, port: 53, protocol: UDP, targetPort: 5353}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: b-1, namespace: x, labels: {{kubernetes.io/service-name: b}}}}
+addressType: IPv4
+endpoints:
+  - {{addresses: ['{b1}']}}
+{b2_entry}ports:
+  - {{name: http, port: 8080}}
+  - {{name: dns, port: 5353, protocol: UDP}}
+---
+apiVersion: v1
+kind: Service
+metadata: {{name: b-numbered, namespace: x}}
+spec:
+  clusterIP: {net}.51
+  ports: [{{port: 80, targetPort: 8080}}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: b-numbered-1, namespace: x, labels: {{kubernetes.io/service-name: b-numbered}}}}
+addressType: IPv4
+endpoints: [{{addresses: ['{b1}']}}]
+---
+apiVersion: v1
+kind: Service
+metadata: {{name: c, namespace: x}}
+spec:
+  clusterIP: {net}.52
+  ports: [{{name: http, port: 80, targetPort: 8080}}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: c-1, namespace: x, labels: {{kubernetes.io/service-name: c}}}}
+addressType: IPv4
+endpoints: [{{addresses: ['{c}']}}]
+ports: [{{name: http, port: 8080}}]
+---
+apiVersion: v1
+kind: Service
+metadata: {{name: empty, namespace: x}}
+spec:
+  clusterIP: {net}.53
+  ports: [{{port: 80, targetPort: 8080}}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: empty-1, namespace: x, labels: {{kubernetes.io/service-name: empty}}}}
+addressType: IPv4
+endpoints: [{{addresses: ['{b1}'], conditions: {{ready: false}}}}]
+"
+    )
+}
+
+fn frontend<'a>(list: &'a Value, fe: &str) -> &'a Value {
+    list.as_array()
+        .into_iter()
+        .flatten()
+        .find(|f| f["frontend"] == fe)
+        .unwrap_or_else(|| panic!("no frontend {fe} in {list}"))
+}
+
+/// (frontend, service id, backend ids) of every frontend.
+fn ids(list: &Value) -> Vec<(String, Value, Value)> {
+    list.as_array()
+        .into_iter()
+        .flatten()
+        .map(|f| {
+            (
+                f["frontend"].as_str().unwrap_or("").to_string(),
+                f["service_id"].clone(),
+                f["backend_ids"].clone(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn services_are_translated_before_egress_policy_and_survive_kill_9() {
+    if !privileged() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tmp.path().join("manifests");
+    std::fs::create_dir_all(&m).unwrap();
+    std::fs::write(m.join("cluster.yaml"), CLUSTER).unwrap();
+    let tag = std::process::id();
+    let cgroup = Cgroup(PathBuf::from(format!(
+        "/sys/fs/cgroup/unified/ciliate-svc-{tag}"
+    )));
+    std::fs::create_dir_all(&cgroup.0).expect("a cgroup v2 directory");
+    let cidr = unique_pod_cidr();
+    let pins = format!("/sys/fs/bpf/ciliate-svc-{tag}");
+    let net = format!("10.96.{}", 100 + tag % 150);
+    let args = [
+        "--datapath",
+        "bpf",
+        "--bpf-root",
+        pins.as_str(),
+        "--pod-cidr",
+        cidr.as_str(),
+        "--cgroup-root",
+        cgroup.0.to_str().unwrap(),
+    ];
+    let mut agent = Agent::start_with(tmp.path(), &args);
+    let mut pods = CniPods::new(&agent.socket(), Path::new(&pins));
+    let a = pods.add("x", "a");
+    let b1 = pods.add("x", "b1");
+    let b2 = pods.add("x", "b2");
+    let c = pods.add("x", "c");
+    for p in [&a, &b1, &b2, &c] {
+        ip(&[
+            "-n",
+            &p.netns,
+            "route",
+            "add",
+            "blackhole",
+            &format!("{net}.0/24"),
+        ]);
+    }
+    for p in [&b1, &b2, &c] {
+        named_servers(p);
+    }
+    let to =
+        |last: u8, port: u16| -> SocketAddr { format!("{net}.{last}:{port}").parse().unwrap() };
+
+    // Before any Service: the ClusterIP is blackholed, so nothing reaches anything.
+    let r = client(&a.netns, &cgroup.0, "tcp", to(50, 80));
+    assert!(r.starts_with("err"), "untranslated ClusterIP: {r}");
+
+    std::fs::write(
+        m.join("services.yaml"),
+        services(&net, b1.addr, b2.addr, c.addr, true),
+    )
+    .unwrap();
+    eventually("the services are listed", || {
+        let l = agent.cli_json(&["service", "list"]);
+        l.as_array().is_some_and(|a| a.len() == 5)
+            && frontend(&l, &format!("{net}.50:80/TCP"))["backends"]
+                .as_array()
+                .is_some_and(|b| b.len() == 2)
+    });
+    let list = agent.cli_json(&["service", "list"]);
+    let b = frontend(&list, &format!("{net}.50:80/TCP"));
+    assert_eq!(b["namespace"], "x");
+    assert_eq!(b["name"], "b");
+    assert_eq!(b["backends"][0]["port"], 8080, "named targetPort: {b}");
+    assert_eq!(b["backends"][0]["ready"], true);
+    let empty = frontend(&list, &format!("{net}.53:80/TCP"));
+    assert_eq!(empty["backends"][0]["ready"], false, "{empty}");
+    let status = agent.cli_json(&["status"]);
+    assert_eq!(status["services"]["services"], 4, "{status}");
+    assert_eq!(status["services"]["translation"], "bpf", "{status}");
+    let table = agent.cli(&["service", "list"]).1;
+    assert!(
+        table.contains(&format!("{net}.50:80/TCP")) && table.contains("x/b"),
+        "{table}"
+    );
+
+    // Allowed: a reaches b through its Service, named and numbered targetPorts, TCP and UDP.
+    let mut seen = std::collections::BTreeSet::new();
+    for _ in 0..16 {
+        let r = client(&a.netns, &cgroup.0, "tcp", to(50, 80));
+        assert!(r == "ok b1" || r == "ok b2", "a -> b's Service: {r}");
+        seen.insert(r);
+    }
+    assert_eq!(
+        seen.len(),
+        2,
+        "both ready backends get connections: {seen:?}"
+    );
+    let r = client(&a.netns, &cgroup.0, "tcp", to(51, 80));
+    assert_eq!(r, "ok b1", "numbered targetPort");
+    let r = client(&a.netns, &cgroup.0, "udp", to(50, 53));
+    assert!(
+        r.starts_with("ok b") && r.ends_with(&format!("from={net}.50:53")),
+        "UDP through the Service, the reply seen from the ClusterIP: {r}"
+    );
+    let r = client(&a.netns, &cgroup.0, "udp-connected", to(50, 53));
+    assert!(
+        r.starts_with("ok b") && r.ends_with(&format!("peer={net}.50:53")),
+        "connected UDP: getpeername shows the ClusterIP: {r}"
+    );
+
+    // Denied: c's Service leads to a backend the policy does not allow (judged as c, not as
+    // `world`): the connection is dropped, so it times out.
+    let r = client(&a.netns, &cgroup.0, "tcp", to(52, 80));
+    assert!(
+        r.starts_with("err TimedOut"),
+        "a -> c's Service is denied: {r}"
+    );
+    let r = client(&c.netns, &cgroup.0, "tcp", to(50, 80));
+    assert!(r.starts_with("ok b"), "c has no egress policy: {r}");
+
+    // No ready backend: the connect fails at once, never sent anywhere.
+    let r = client(&a.netns, &cgroup.0, "tcp", to(53, 80));
+    let ms: u64 = r
+        .rsplit(' ')
+        .next()
+        .and_then(|t| t.strip_suffix("ms"))
+        .and_then(|t| t.parse().ok())
+        .unwrap_or(u64::MAX);
+    assert!(
+        r.starts_with("err PermissionDenied") && ms < 1000,
+        "a Service with no ready backend fails the connect at once: {r}"
+    );
+
+    // A backend removed from the EndpointSlice gets no new connections.
+    std::fs::write(
+        m.join("services.yaml"),
+        services(&net, b1.addr, b2.addr, c.addr, false),
+    )
+    .unwrap();
+    eventually("b2 leaves b's Service", || {
+        let l = agent.cli_json(&["service", "list"]);
+        frontend(&l, &format!("{net}.50:80/TCP"))["backends"]
+            .as_array()
+            .is_some_and(|b| b.len() == 1)
+    });
+    for _ in 0..12 {
+        let r = client(&a.netns, &cgroup.0, "tcp", to(50, 80));
+        assert_eq!(r, "ok b1", "only the remaining backend: {r}");
+    }
+
+    // kill -9: translation goes on; the restart keeps every id.
+    let before = ids(&agent.cli_json(&["service", "list"]));
+    assert!(before.iter().all(|(_, s, _)| s.is_u64()), "{before:?}");
+    if let Some(mut child) = agent.child.take() {
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+    let r = client(&a.netns, &cgroup.0, "tcp", to(50, 80));
+    assert_eq!(r, "ok b1", "translation while the agent is down: {r}");
+    let r = client(&a.netns, &cgroup.0, "tcp", to(53, 80));
+    assert!(
+        r.starts_with("err PermissionDenied"),
+        "still fails closed: {r}"
+    );
+    let mut agent = Agent::start_with(tmp.path(), &args);
+    pods.socket = agent.socket();
+    let after = ids(&agent.cli_json(&["service", "list"]));
+    assert_eq!(after, before, "service and backend ids survive the restart");
+    let r = client(&a.netns, &cgroup.0, "tcp", to(50, 80));
+    assert_eq!(r, "ok b1", "after the restart: {r}");
+    drop(pods);
+    agent.stop();
+}
