@@ -13,7 +13,10 @@ use std::time::Duration;
 use common::agent::Agent;
 use common::cluster::{node_ip, pod_cidr, Cluster, ClusterNode};
 use common::eventually;
-use common::netns::{icmp_ok, in_netns, privileged, tcp_ok, tcp_server, udp_ok, udp_server};
+use common::netns::{
+    icmp_ok, in_netns, privileged, seen_over_tcp, tcp_ok, tcp_server, udp_ok, udp_server,
+    who_am_i_servers,
+};
 use serde_json::{json, Value};
 
 /// The routes a node should hold: one per other node's pod CIDR, via that node's address.
@@ -598,36 +601,9 @@ fn pods_leave_the_cluster_masqueraded_to_their_nodes_address_and_pod_traffic_is_
     let b = c.add_pod(2, "b", "b");
     // Who is asking, as each server sees it.
     for (ns, addr) in [(outside.as_str(), outside_ip), (b.netns.as_str(), b.addr)] {
-        let (tx, rx) = std::sync::mpsc::channel();
-        in_netns(ns, move || {
-            let l = TcpListener::bind(SocketAddr::new(IpAddr::V4(addr), 7000)).expect("bind");
-            tx.send(()).unwrap();
-            for mut s in l.incoming().flatten() {
-                let seen = s
-                    .peer_addr()
-                    .map(|p| p.ip().to_string())
-                    .unwrap_or_default();
-                let _ = s.write_all(seen.as_bytes());
-            }
-        });
-        rx.recv().unwrap();
+        who_am_i_servers(ns, addr);
     }
-    let seen_by = |to: Ipv4Addr| {
-        let ns = a.netns.clone();
-        in_netns(&ns, move || {
-            let mut s = TcpStream::connect_timeout(
-                &SocketAddr::new(IpAddr::V4(to), 7000),
-                Duration::from_millis(700),
-            )
-            .ok()?;
-            s.set_read_timeout(Some(Duration::from_millis(700))).ok()?;
-            let mut seen = String::new();
-            s.read_to_string(&mut seen).ok()?;
-            Some(seen)
-        })
-        .join()
-        .unwrap()
-    };
+    let seen_by = |to: Ipv4Addr| seen_over_tcp(&a.netns, to);
     let n1 = &c.nodes[0];
     n1.agent().wait_until("node 1 masquerades", || {
         n1.agent().cli_json(&["status"])["masquerade"] == "enabled"

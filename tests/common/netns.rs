@@ -343,3 +343,62 @@ pub fn stream_gbits(from: &str, at: &str, to: std::net::Ipv4Addr, port: u16, sec
     .unwrap();
     server.join().unwrap()
 }
+
+/// A TCP server that answers each connection with the source address it saw, and a UDP one
+/// that answers each datagram the same way.
+pub fn who_am_i_servers(netns: &str, addr: std::net::Ipv4Addr) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let tx2 = tx.clone();
+    in_netns(netns, move || {
+        let l = TcpListener::bind(SocketAddr::new(IpAddr::V4(addr), 7000)).expect("bind");
+        tx.send(()).unwrap();
+        for mut s in l.incoming().flatten() {
+            let seen = s
+                .peer_addr()
+                .map(|a| a.ip().to_string())
+                .unwrap_or_default();
+            let _ = s.write_all(seen.as_bytes());
+        }
+    });
+    in_netns(netns, move || {
+        let s = UdpSocket::bind(SocketAddr::new(IpAddr::V4(addr), 7000)).expect("bind");
+        tx2.send(()).unwrap();
+        let mut buf = [0u8; 16];
+        while let Ok((_, from)) = s.recv_from(&mut buf) {
+            let _ = s.send_to(from.ip().to_string().as_bytes(), from);
+        }
+    });
+    rx.recv().unwrap();
+    rx.recv().unwrap();
+}
+
+/// The source address `to` saw for a TCP connection from `netns`, if it got through.
+pub fn seen_over_tcp(netns: &str, to: std::net::Ipv4Addr) -> Option<String> {
+    in_netns(netns, move || {
+        let mut s = TcpStream::connect_timeout(
+            &SocketAddr::new(IpAddr::V4(to), 7000),
+            Duration::from_millis(700),
+        )
+        .ok()?;
+        s.set_read_timeout(Some(Duration::from_millis(700))).ok()?;
+        let mut seen = String::new();
+        s.read_to_string(&mut seen).ok()?;
+        Some(seen)
+    })
+    .join()
+    .unwrap()
+}
+
+pub fn seen_over_udp(netns: &str, to: std::net::Ipv4Addr) -> Option<String> {
+    in_netns(netns, move || {
+        let s = UdpSocket::bind("0.0.0.0:0").ok()?;
+        s.set_read_timeout(Some(Duration::from_millis(700))).ok()?;
+        s.send_to(b"?", SocketAddr::new(IpAddr::V4(to), 7000))
+            .ok()?;
+        let mut buf = [0u8; 16];
+        let (n, _) = s.recv_from(&mut buf).ok()?;
+        Some(String::from_utf8_lossy(&buf[..n]).into_owned())
+    })
+    .join()
+    .unwrap()
+}
