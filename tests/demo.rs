@@ -27,25 +27,31 @@ fn the_demo_shows_policies_taking_effect_and_cleans_up() {
         out.status
     );
     assert!(!stdout.contains("unexpected"), "{stdout}");
-    let after = stdout.split("After:").nth(1).expect("an after matrix");
-    let row = |name: &str| {
-        after
+    // The rows of the matrix after `title` (the first cell, the pod, left out).
+    let rows_after = |title: &str, name: &str| -> Vec<String> {
+        stdout
+            .split(title)
+            .nth(1)
+            .unwrap_or_else(|| panic!("no matrix {title:?}: {stdout}"))
             .lines()
             .find(|l| l.trim_start().starts_with(name))
-            .unwrap_or_else(|| panic!("no row {name}: {stdout}"))
+            .unwrap_or_else(|| panic!("no row {name} after {title:?}: {stdout}"))
             .split_whitespace()
             .skip(1)
-            .collect::<Vec<_>>()
+            .map(str::to_string)
+            .collect()
     };
-    // Columns: frontend:80, backend:8080, db:5432, debug:22.
+    let row = |name: &str| rows_after("\nAfter:", name);
+    // Columns: frontend:80, backend:8080 (node 1), db:5432, debug:22 (node 2).
     assert_eq!(
         row("shop/frontend"),
         ["-", "allow", "DENY", "allow"],
         "{stdout}"
     );
+    // The backend's egress allows db:5432 only, across the nodes.
     assert_eq!(
         row("shop/backend"),
-        ["allow", "-", "allow", "allow"],
+        ["DENY", "-", "allow", "DENY"],
         "{stdout}"
     );
     assert_eq!(row("shop/db"), ["allow", "DENY", "-", "allow"], "{stdout}");
@@ -53,6 +59,34 @@ fn the_demo_shows_policies_taking_effect_and_cleans_up() {
         row("tools/debug"),
         ["allow", "DENY", "DENY", "-"],
         "{stdout}"
+    );
+    // Services (svc/db -> db on node 2, svc/frontend -> frontend), from node 1's pods: every
+    // probe got through before the policies; after them the egress rule judges the backend.
+    let services = "Through Services (ClusterIP translated";
+    assert_eq!(
+        rows_after(services, "shop/frontend"),
+        ["allow", "-"],
+        "{stdout}"
+    );
+    assert_eq!(
+        rows_after(services, "shop/backend"),
+        ["allow", "allow"],
+        "{stdout}"
+    );
+    let after = "Through Services, after";
+    assert_eq!(
+        rows_after(after, "shop/frontend"),
+        ["DENY", "-"],
+        "{stdout}"
+    );
+    assert_eq!(
+        rows_after(after, "shop/backend"),
+        ["allow", "DENY"],
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("demo-node-1 -> ") && stdout.contains("(native routing)"),
+        "both nodes route to each other: {stdout}"
     );
     assert!(
         stdout.contains("tools/debug    -> shop/db:TCP/5432") && stdout.contains("policy-deny"),
@@ -77,4 +111,24 @@ fn the_demo_shows_policies_taking_effect_and_cleans_up() {
         .filter(|e| e.file_name().to_string_lossy().starts_with("ciliate-demo-"))
         .collect();
     assert!(pins.is_empty(), "pins left behind: {pins:?}");
+    let links = std::process::Command::new("ip")
+        .args(["-o", "link", "show"])
+        .output()
+        .unwrap();
+    let tag_links: Vec<String> = String::from_utf8_lossy(&links.stdout)
+        .lines()
+        .filter(|l| l.contains(": cdm"))
+        .map(str::to_string)
+        .collect();
+    assert!(
+        tag_links.is_empty(),
+        "node links left behind: {tag_links:?}"
+    );
+    let cgroups: Vec<_> = ["/sys/fs/cgroup/unified", "/sys/fs/cgroup"]
+        .iter()
+        .filter_map(|d| std::fs::read_dir(d).ok())
+        .flat_map(|d| d.flatten())
+        .filter(|e| e.file_name().to_string_lossy().starts_with("ciliate-demo-"))
+        .collect();
+    assert!(cgroups.is_empty(), "cgroups left behind: {cgroups:?}");
 }
