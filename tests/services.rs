@@ -363,6 +363,15 @@ fn services_are_translated_before_egress_policy_and_survive_kill_9() {
     let status = agent.cli_json(&["status"]);
     assert_eq!(status["services"]["services"], 4, "{status}");
     assert_eq!(status["services"]["translation"], "bpf", "{status}");
+    // The debug server (and its page) shows the same counts and frontends.
+    let debug = agent.json("/debug/services");
+    assert_eq!(debug["counts"], status["services"], "{debug}");
+    assert_eq!(debug["frontends"], list, "{debug}");
+    let (_, page) = agent.http_get("/debug/");
+    assert!(
+        page.contains("/debug/services"),
+        "the page shows the Services"
+    );
     let table = agent.cli(&["service", "list"]).1;
     assert!(
         table.contains(&format!("{net}.50:80/TCP")) && table.contains("x/b"),

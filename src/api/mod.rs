@@ -323,6 +323,14 @@ async fn nodes(st: web::Data<AppState>) -> HttpResponse {
     HttpResponse::Ok().json(routing_view(&st).nodes)
 }
 
+/// `GET /debug/services`: the counts `ciliate status` shows and every frontend.
+async fn debug_services(st: web::Data<AppState>) -> HttpResponse {
+    HttpResponse::Ok().json(serde_json::json!({
+        "counts": st.shared.services.counts(),
+        "frontends": st.shared.services.list(),
+    }))
+}
+
 /// `GET /v1/services` (and `ciliate service list`): every frontend with its backends.
 async fn services(st: web::Data<AppState>) -> HttpResponse {
     HttpResponse::Ok().json(st.shared.services.list())
@@ -427,7 +435,8 @@ pub fn read_routes(cfg: &mut web::ServiceConfig) {
         .route("/debug/policy", web::get().to(policy))
         .route("/debug/identities", web::get().to(identities))
         .route("/debug/ipcache", web::get().to(ipcache))
-        .route("/debug/nodes", web::get().to(debug_nodes));
+        .route("/debug/nodes", web::get().to(debug_nodes))
+        .route("/debug/services", web::get().to(debug_services));
 }
 
 /// Limits of the debug server, which every local user can reach: it must never take the

@@ -1,4 +1,5 @@
-//! The `/debug/` page: actors, their mailboxes and recent messages, endpoints and policies,
+//! The `/debug/` page: actors, their mailboxes and recent messages, endpoints, policies, nodes
+//! (routing mode, masquerade, routes) and Services (counts, frontends and backends),
 //! refreshing itself every two seconds from the JSON endpoints.
 
 use actix_web::HttpResponse;
@@ -28,6 +29,7 @@ const PAGE: &str = r##"<!doctype html>
 <h2>Endpoints</h2><table id="eps"><thead><tr><th>id</th><th>name</th><th>identity</th><th>state</th><th>revision</th><th>entries</th><th>ips</th><th>error</th></tr></thead><tbody></tbody></table>
 <h2>Policies</h2><table id="pols"><thead><tr><th>kind</th><th>name</th><th>rules</th><th>revision</th><th>status</th><th>notes</th></tr></thead><tbody></tbody></table>
 <h2>Nodes <span id="routing" class="muted"></span></h2><table id="nodes"><thead><tr><th>name</th><th>local</th><th>ips</th><th>pod CIDRs</th><th>route</th></tr></thead><tbody></tbody></table>
+<h2>Services <span id="svccounts" class="muted"></span></h2><table id="svcs"><thead><tr><th>service</th><th>frontend</th><th>backends</th></tr></thead><tbody></tbody></table>
 <script>
 let sel = "PolicyRepoActor";
 const esc = s => String(s ?? "").replace(/[&<>"]/g, c => ({"&":"&amp;","<":"&lt;",">":"&gt;",'"':"&quot;"}[c]));
@@ -48,6 +50,10 @@ async function refresh(){
   const net = await get("/debug/nodes").catch(() => ({mode: "?", routes_installed: 0, nodes: []}));
   document.getElementById("routing").textContent = `routing ${net.mode} · ${net.routes_installed} routes installed · masquerade ${net.masquerade || "?"}`;
   fill("nodes", net.nodes.map(n => `<tr><td>${esc(n.name)}</td><td>${n.local ? "yes" : ""}</td><td>${esc(n.ips.join(", "))}</td><td>${esc(n.pod_cidrs.join(", "))}</td><td class="${n.route.startsWith('error')?'err':'ok'}">${esc(n.route)}</td></tr>`));
+  const lb = await get("/debug/services").catch(() => ({counts: {}, frontends: []}));
+  const [c, svcs] = [lb.counts, lb.frontends];
+  document.getElementById("svccounts").textContent = `${c.services ?? "?"} services · ${c.frontends ?? "?"} frontends · ${c.backends ?? "?"} backends · translation ${c.translation || "?"}`;
+  fill("svcs", svcs.map(f => `<tr><td>${esc(f.namespace + "/" + f.name)}</td><td>${esc(f.frontend)}</td><td>${f.backends.length ? esc(f.backends.map(b => b.ip + ":" + b.port + (b.ready ? "" : " (not ready)")).join(", ")) : '<span class=err>none: connections are refused</span>'}</td></tr>`));
   fill("pols", pol.policies.map(p => `<tr><td>${esc(p.kind)}</td><td>${esc((p.namespace ? p.namespace + "/" : "") + p.name)}</td><td>${p.rules}</td><td>${p.revision}</td><td class="${p.status==='accepted'?'ok':'err'}">${esc(p.status)}</td><td>${esc(p.notes.join("; "))}</td></tr>`));
  } catch(e) { document.getElementById("hdr").innerHTML = `<span class=err>${esc(e.message)}</span>`; }
 }
