@@ -393,6 +393,88 @@ fn daemonset_runs_the_agent_privileged_on_the_host_network() {
         host_mount(&ds, agent, "/var/run/ciliate").0,
         "/var/run/ciliate"
     );
+    // Socket-level Service translation attaches to the host's cgroup v2 root.
+    assert!(
+        line.contains("--cgroup-root /run/ciliate/cgroupv2"),
+        "{line}"
+    );
+    assert_eq!(
+        host_mount(&ds, agent, "/run/ciliate/cgroupv2").0,
+        "/sys/fs/cgroup"
+    );
+}
+
+/// The ConfigMap's values, as the kubelet substitutes them for `$(VAR)` in the agent's args.
+fn agent_command_line() -> Vec<String> {
+    let config = load_all()
+        .into_iter()
+        .find_map(|(_, o)| match o {
+            Object::ConfigMap(c) => Some(c),
+            _ => None,
+        })
+        .expect("ConfigMap");
+    let data = config.data.unwrap_or_default();
+    let ds = daemonset();
+    let pod = ds
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .expect("pod spec");
+    let agent = container(&pod.containers, "agent");
+    let mut env = BTreeMap::new();
+    for e in agent.env.iter().flatten() {
+        let from = e.value_from.as_ref();
+        let value = match (
+            from.and_then(|v| v.config_map_key_ref.as_ref()),
+            from.and_then(|v| v.field_ref.as_ref()),
+        ) {
+            (Some(key), _) => data[&key.key].clone(),
+            (None, Some(f)) if f.field_path == "spec.nodeName" => "kind-worker".to_string(),
+            _ => e.value.clone().expect("a value"),
+        };
+        env.insert(e.name.clone(), value);
+    }
+    agent
+        .command
+        .iter()
+        .chain(agent.args.iter())
+        .flatten()
+        .map(|a| {
+            let mut a = a.clone();
+            for (k, v) in &env {
+                a = a.replace(&format!("$({k})"), v);
+            }
+            assert!(
+                !a.contains("$("),
+                "{a}: a variable the container does not define"
+            );
+            a
+        })
+        .collect()
+}
+
+#[test]
+fn the_agent_accepts_the_daemonsets_command_line_with_the_configmaps_values() {
+    use clap::Parser;
+    let line = agent_command_line();
+    let cli = ciliate::cli::Cli::try_parse_from(&line)
+        .unwrap_or_else(|e| panic!("the agent refuses {line:?}: {e}"));
+    let ciliate::cli::Command::Agent(args) = cli.command else {
+        panic!("not the agent: {line:?}");
+    };
+    assert_eq!(args.node_name.as_deref(), Some("kind-worker"));
+    assert!(args.enable_ipv4_masquerade && args.auto_direct_node_routes);
+    assert!(args.cgroup_root.is_some());
+    // The cluster's pod space is kind's podSubnet.
+    let cidr = args
+        .ipv4_native_routing_cidr
+        .expect("--ipv4-native-routing-cidr");
+    let kind = fs::read_to_string(Path::new(MANIFESTS).join(KIND_CONFIG)).unwrap();
+    assert!(
+        kind.lines()
+            .any(|l| l.trim().trim_matches('"') == format!("podSubnet: {cidr}")),
+        "kind-config.yaml's podSubnet is not {cidr}:\n{kind}"
+    );
 }
 
 #[test]
