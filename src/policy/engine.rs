@@ -210,6 +210,9 @@ pub struct PolicyEngine {
     named_ports: HashMap<NumericIdentity, NamedPortCounts>,
     /// Origin of the built-in allow-localhost entry.
     allow_localhost: Arc<RuleOrigin>,
+    /// Names each address was learned for from DNS (normalized); each address with names
+    /// holds one reference on its /32 (/128) CIDR identity, which carries them as labels.
+    fqdn_names: HashMap<IpAddr, BTreeSet<String>>,
 }
 
 impl Default for PolicyEngine {
@@ -233,6 +236,7 @@ impl PolicyEngine {
                 path: "allow-localhost".into(),
                 l7: false,
             }),
+            fqdn_names: HashMap::new(),
         };
         let reserved: Vec<IdentityInfo> = e.identities.iter().cloned().collect();
         for info in reserved {
@@ -374,6 +378,102 @@ impl PolicyEngine {
         self.ipcache.lookup(ip)
     }
 
+    // ------------------------------------------------------------------ DNS names
+
+    /// `name` resolved to `ips` (an allowed DNS answer, or a world's `dns:`): every `toFQDNs`
+    /// selector matching the name selects those addresses from now on.
+    pub fn learn_fqdn(&mut self, name: &str, ips: &[IpAddr]) -> PolicyChange {
+        let name = super::fqdn::normalize(name);
+        let mut change = PolicyChange {
+            revision: self.revision(),
+            ..Default::default()
+        };
+        for ip in ips {
+            let names = self.fqdn_names.entry(*ip).or_default();
+            if !names.insert(name.clone()) {
+                continue;
+            }
+            let prefix = IpNet::from(*ip);
+            let fresh = names.len() == 1;
+            let id = if fresh {
+                match self.identities.allocate_cidr(prefix) {
+                    Allocation::New(id) => {
+                        if !self.endpoint_ips.contains_key(&prefix) {
+                            self.ipcache.upsert(prefix, id);
+                            change.new_prefixes.push((prefix, id));
+                        }
+                        change.new_identities.push(id);
+                        id
+                    }
+                    Allocation::Existing(id) => id,
+                }
+            } else {
+                match self.identities.lookup_cidr(&prefix) {
+                    Some(id) => id,
+                    None => continue,
+                }
+            };
+            self.relabel_fqdn(id, *ip, &mut change);
+        }
+        change
+    }
+
+    /// `name` no longer resolves to `ip` (its TTL ran out): selectors of that name let go.
+    pub fn forget_fqdn(&mut self, name: &str, ip: IpAddr) -> PolicyChange {
+        let name = super::fqdn::normalize(name);
+        let mut change = PolicyChange {
+            revision: self.revision(),
+            ..Default::default()
+        };
+        let prefix = IpNet::from(ip);
+        let Some(names) = self.fqdn_names.get_mut(&ip) else {
+            return change;
+        };
+        if !names.remove(&name) {
+            return change;
+        }
+        let last = names.is_empty();
+        if last {
+            self.fqdn_names.remove(&ip);
+        }
+        let Some(id) = self.identities.lookup_cidr(&prefix) else {
+            return change;
+        };
+        if last && self.identities.release(id).is_some() {
+            change
+                .affected
+                .extend(self.endpoints_affected_by_identity(id));
+            self.selectors.remove_identity(id);
+            if !self.endpoint_ips.contains_key(&prefix) {
+                self.ipcache.remove(prefix);
+                change.removed_prefixes.push(prefix);
+            }
+            return change;
+        }
+        self.relabel_fqdn(id, ip, &mut change);
+        change
+    }
+
+    /// Gives `id` the labels of the names of `ip`, re-evaluating every selector on it.
+    fn relabel_fqdn(&mut self, id: NumericIdentity, ip: IpAddr, change: &mut PolicyChange) {
+        change
+            .affected
+            .extend(self.endpoints_affected_by_identity(id));
+        self.selectors.remove_identity(id);
+        let names = self.fqdn_names.get(&ip).cloned().unwrap_or_default();
+        if let Some(info) = self.identities.set_fqdn_names(id, &names).cloned() {
+            self.selectors.add_identity(&info);
+        }
+        change
+            .affected
+            .extend(self.endpoints_affected_by_identity(id));
+    }
+
+    /// Names `ip` was learned for.
+    pub fn fqdn_names_of(&self, ip: IpAddr) -> Option<&BTreeSet<String>> {
+        self.fqdn_names.get(&ip)
+    }
+
     // ------------------------------------------------------------------ policies
 
     fn add_subjects(&self, rule: &Rule, out: &mut BTreeSet<NumericIdentity>) {
@@ -491,7 +591,7 @@ impl PolicyEngine {
                 .iter()
                 .filter(|r| match r.subject.selector().kind() {
                     SelectorKind::Labels(ls) => ls.matches(ep.labels),
-                    SelectorKind::Cidr(_) => false,
+                    SelectorKind::Cidr(_) | SelectorKind::Fqdn(_) => false,
                 })
                 .cloned()
                 .collect()
@@ -796,6 +896,53 @@ mod tests {
             .is_none());
         // Nothing leaks: every selector released.
         assert!(e.selector_cache().is_empty());
+    }
+
+    #[test]
+    fn to_fqdns_selects_the_addresses_learned_for_matching_names_until_they_are_forgotten() {
+        let mut e = PolicyEngine::new();
+        let la = pod("x", "a");
+        let a = e.allocate_identity(&la).id();
+        e.upsert_policy(policy("{apiVersion: cilium.io/v2, kind: CiliumNetworkPolicy, metadata: {name: p, namespace: x}, spec: {endpointSelector: {matchLabels: {app: a}}, egress: [{toFQDNs: [{matchName: api.example.com}, {matchPattern: '*.cdn.example.com'}], toPorts: [{ports: [{port: '443', protocol: TCP}]}]}]}}"));
+        let ip = |s: &str| -> IpAddr { s.parse().unwrap() };
+        let allowed = |e: &PolicyEngine, addr: &str, port: u16| {
+            let pol = e.resolve(&view(a, &la, &[]));
+            pol.decide(
+                Direction::Egress,
+                e.identity_of_ip(ip(addr)),
+                PROTO_TCP,
+                port,
+            )
+            .is_allowed()
+        };
+        // Nothing learned yet: the rule selects nothing (fail closed).
+        assert!(!allowed(&e, "203.0.113.10", 443));
+        // Case and the trailing dot do not matter; the endpoint a is affected.
+        let c = e.learn_fqdn("API.example.com.", &[ip("203.0.113.10")]);
+        assert!(c.affected.contains(&a), "{c:?}");
+        assert!(allowed(&e, "203.0.113.10", 443));
+        assert!(!allowed(&e, "203.0.113.10", 80), "only the rule's port");
+        assert!(
+            !allowed(&e, "203.0.113.11", 443),
+            "an address no name resolved to"
+        );
+        // A pattern: one label only.
+        e.learn_fqdn("img.cdn.example.com", &[ip("203.0.113.20")]);
+        e.learn_fqdn("a.b.cdn.example.com", &[ip("203.0.113.21")]);
+        e.learn_fqdn("evil.test", &[ip("203.0.113.22")]);
+        assert!(allowed(&e, "203.0.113.20", 443));
+        assert!(!allowed(&e, "203.0.113.21", 443) && !allowed(&e, "203.0.113.22", 443));
+        // Two names on one address: forgetting one keeps what the other selects.
+        e.learn_fqdn("evil.test", &[ip("203.0.113.10")]);
+        e.forget_fqdn("evil.test", ip("203.0.113.10"));
+        assert!(allowed(&e, "203.0.113.10", 443));
+        let c = e.forget_fqdn("api.example.com", ip("203.0.113.10"));
+        assert!(
+            c.affected.contains(&a) && c.removed_prefixes.len() == 1,
+            "{c:?}"
+        );
+        assert!(!allowed(&e, "203.0.113.10", 443));
+        assert_eq!(e.identity_of_ip(ip("203.0.113.10")), IDENTITY_WORLD_IPV4);
     }
 
     #[test]

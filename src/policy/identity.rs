@@ -254,6 +254,25 @@ impl IdentityAllocator {
         Some(info)
     }
 
+    /// Gives a CIDR identity the `fqdn:<name>` labels of the names its address was learned
+    /// for (none: back to its plain CIDR labels). The number stays; only the labels change.
+    pub fn set_fqdn_names<'a>(
+        &mut self,
+        id: NumericIdentity,
+        names: impl IntoIterator<Item = &'a String>,
+    ) -> Option<&IdentityInfo> {
+        let (info, _) = self.by_id.get_mut(&id)?;
+        let prefix = info.cidr?;
+        let mut fresh = IdentityInfo::cidr(id, prefix);
+        for n in names {
+            fresh
+                .labels
+                .insert(Label::new(crate::policy::fqdn::SOURCE_FQDN, n, ""));
+        }
+        *info = fresh;
+        Some(info)
+    }
+
     pub fn get(&self, id: NumericIdentity) -> Option<&IdentityInfo> {
         self.by_id.get(&id).map(|(i, _)| i)
     }

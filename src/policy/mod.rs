@@ -12,6 +12,7 @@
 
 pub mod api;
 pub mod engine;
+pub mod fqdn;
 pub mod identity;
 pub mod ipcache;
 pub mod labels;

@@ -274,6 +274,66 @@ pub struct PeerRule {
     /// `toEndpoints`, KNP pod/namespace peers). Requirements are ANDed into those only: Cilium
     /// folds `fromRequires`/`toRequires` into `FromEndpoints`, never into entities or CIDRs.
     pub endpoint_selectors: usize,
+    /// `toPorts[].rules.dns`: the names queries on those ports may ask (egress only).
+    pub dns: Vec<DnsRules>,
+}
+
+/// The DNS rules of one `toPorts` entry: queries to its ports must ask a name that matches.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DnsRules {
+    pub ports: Vec<PortMatch>,
+    pub names: Vec<crate::policy::fqdn::FqdnPattern>,
+}
+
+/// What a peer rule says about a DNS query on `protocol`/`port` (the peer already selected).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DnsVerdict<'a> {
+    /// The rule does not allow the port at all.
+    NotCovered,
+    /// The port is allowed without DNS rules: any name.
+    AnyName,
+    /// Only names matching these.
+    Names(Vec<&'a crate::policy::fqdn::FqdnPattern>),
+}
+
+impl PeerRule {
+    /// How this rule treats a DNS query on `protocol`/`port`. An L3-only rule (`Ports::Any`)
+    /// does not cover it: as in Cilium, a port-less allow never lifts another rule's DNS rules
+    /// on the port (the DNS proxy still sees the query).
+    /// `named` resolves a named port of the destination (`None`: it has no such port).
+    pub fn dns_verdict(
+        &self,
+        protocol: u8,
+        port: u16,
+        named: &dyn Fn(&str, u8) -> Option<u16>,
+    ) -> DnsVerdict<'_> {
+        let covers = |m: &PortMatch| {
+            m.protocol.numbers().contains(&protocol)
+                && match &m.port {
+                    PortSpec::Range(lo, hi) => (*lo..=*hi).contains(&port),
+                    PortSpec::Named(n) => named(n, protocol) == Some(port),
+                }
+        };
+        let Ports::List(list) = &self.ports else {
+            return DnsVerdict::NotCovered;
+        };
+        let with_rules: Vec<&DnsRules> = self
+            .dns
+            .iter()
+            .filter(|d| d.ports.iter().any(covers))
+            .collect();
+        let without_rules = list
+            .iter()
+            .filter(|m| covers(m))
+            .any(|m| !self.dns.iter().any(|d| d.ports.contains(m)));
+        match (without_rules, with_rules.is_empty()) {
+            (true, _) => DnsVerdict::AnyName,
+            (false, true) => DnsVerdict::NotCovered,
+            (false, false) => {
+                DnsVerdict::Names(with_rules.iter().flat_map(|d| d.names.iter()).collect())
+            }
+        }
+    }
 }
 
 impl PeerRule {

@@ -215,6 +215,8 @@ impl fmt::Display for CidrSelector {
 pub enum SelectorKind {
     Labels(LabelSelector),
     Cidr(CidrSelector),
+    /// `toFQDNs`: the addresses learned for names it matches (their `fqdn:` labels).
+    Fqdn(super::fqdn::FqdnPattern),
 }
 
 /// A canonical selector with its hash computed once.
@@ -245,6 +247,10 @@ impl Selector {
         Arc::new(Selector::new(SelectorKind::Cidr(sel)))
     }
 
+    pub fn fqdn(pattern: super::fqdn::FqdnPattern) -> SelectorRef {
+        Arc::new(Selector::new(SelectorKind::Fqdn(pattern)))
+    }
+
     pub fn kind(&self) -> &SelectorKind {
         &self.kind
     }
@@ -253,6 +259,10 @@ impl Selector {
         match &self.kind {
             SelectorKind::Labels(s) => s.matches(&identity.labels),
             SelectorKind::Cidr(c) => c.matches(identity),
+            SelectorKind::Fqdn(p) => identity
+                .labels
+                .iter()
+                .any(|l| l.source == super::fqdn::SOURCE_FQDN && p.matches(&l.key)),
         }
     }
 }
@@ -277,6 +287,7 @@ impl fmt::Display for Selector {
         match &self.kind {
             SelectorKind::Labels(s) => s.fmt(f),
             SelectorKind::Cidr(c) => c.fmt(f),
+            SelectorKind::Fqdn(p) => p.fmt(f),
         }
     }
 }

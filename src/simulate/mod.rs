@@ -46,7 +46,11 @@ fn werr(entry: impl Into<String>, message: impl Into<String>) -> WorldError {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct ProbeResult {
     pub from: String,
+    /// A DNS probe's name (then no protocol, port or ICMP type is printed).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dns: Option<String>,
     pub to: String,
+    #[serde(skip_serializing_if = "String::is_empty")]
     pub protocol: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub port: Option<u16>,
@@ -237,6 +241,39 @@ fn namespaces(
     Ok(out)
 }
 
+/// The `dns` section: name -> addresses (each name checked as a DNS name).
+fn dns_names(
+    text: &str,
+    sections: &yaml::Sections,
+) -> Result<BTreeMap<String, Vec<String>>, WorldError> {
+    type Entries = BTreeMap<String, Vec<String>>;
+    let Some(section) = sections.get("dns") else {
+        return Ok(BTreeMap::new());
+    };
+    let parts: Vec<Entries> = match &section.entries {
+        Some(spans) => spans
+            .iter()
+            .map(|s| yaml::parse_entry(text, s, "dns"))
+            .collect::<Result<_, _>>()?,
+        None => yaml::parse_entry::<Option<Entries>>(text, &section.value, "dns")?
+            .into_iter()
+            .collect(),
+    };
+    let mut out = BTreeMap::new();
+    for (name, ips) in parts.into_iter().flatten() {
+        let valid = !name.is_empty()
+            && name.len() <= 255
+            && name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+        if !valid {
+            return Err(werr(format!("dns.{name}"), "not a DNS name"));
+        }
+        out.insert(name, ips);
+    }
+    Ok(out)
+}
+
 fn build(text: &str, sections: &yaml::Sections, out: &mut Simulation) -> Result<Sim, WorldError> {
     let mut engine = PolicyEngine::new();
     let namespaces = namespaces(text, sections)?;
@@ -349,6 +386,17 @@ fn build(text: &str, sections: &yaml::Sections, out: &mut Simulation) -> Result<
         Ok(())
     })?;
 
+    // Names every pod has already resolved: the addresses `toFQDNs` selectors select.
+    for (name, ips) in dns_names(text, sections)? {
+        let entry = format!("dns.{name}");
+        let ips = ips
+            .iter()
+            .enumerate()
+            .map(|(j, ip)| parse_ip(ip, &format!("{entry}[{j}]")))
+            .collect::<Result<Vec<_>, _>>()?;
+        engine.learn_fqdn(&name, &ips);
+    }
+
     for_each(text, sections, "policies", |i, doc: serde_yaml::Value| {
         match parse_policy(&doc, "default", &format!("policies[{i}]")) {
             Ok(p) => {
@@ -404,6 +452,13 @@ fn named_ports(p: &world::WorldPod, entry: &str) -> Result<Vec<NamedPort>, World
     Ok(out)
 }
 
+/// What DNS rules say about a query that L3/L4 policy lets through.
+enum DnsRuling {
+    Refused(String),
+    AllowedBy(String),
+    NoRules,
+}
+
 /// How one side of a probe decided.
 enum Side {
     /// The party has no policy of its own (outside the cluster).
@@ -438,6 +493,10 @@ impl Sim {
             Party::Pod(i) => self.pods[i].key.to_string(),
             Party::Node(i, ip) => format!("node {} ({ip})", self.nodes[i].name),
             Party::External(ip) => {
+                if let Some(names) = self.engine.fqdn_names_of(ip) {
+                    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+                    return format!("{ip} ({})", names.join(", "));
+                }
                 let id = self.engine.identity_of_ip(ip);
                 match id {
                     IDENTITY_WORLD_IPV4 | IDENTITY_WORLD_IPV6 => format!("{ip} (world)"),
@@ -522,7 +581,15 @@ impl Sim {
 
     fn probe(&mut self, probe: &world::Probe, i: usize) -> Result<ProbeResult, WorldError> {
         let entry = format!("probes[{i}]");
-        let (from_text, to_text) = (probe.from.text(), probe.to.text());
+        if let Some(name) = &probe.dns {
+            return self.dns_probe(probe, name, &entry);
+        }
+        let from_text = probe.from.text();
+        let to_text = probe
+            .to
+            .as_ref()
+            .map(|t| t.text())
+            .ok_or_else(|| werr(format!("{entry}.to"), "a probe needs `to` (or `dns`)"))?;
         let src = self.party(&from_text, &format!("{entry}.from"))?;
         let dst = self.party(&to_text, &format!("{entry}.to"))?;
         let (proto, proto_name) =
@@ -569,6 +636,7 @@ impl Sim {
         };
         Ok(ProbeResult {
             from: from_text,
+            dns: None,
             to: to_text,
             protocol: proto_name,
             port,
@@ -576,6 +644,148 @@ impl Sim {
             verdict,
             reason,
         })
+    }
+
+    /// A DNS query for `name` from a pod to a DNS server pod (UDP 53): `deny` when L3/L4
+    /// policy does not let it through, `refuse` when it does but DNS rules apply to that server
+    /// and port and none matches the name, `allow` otherwise.
+    fn dns_probe(
+        &mut self,
+        probe: &world::Probe,
+        name: &str,
+        entry: &str,
+    ) -> Result<ProbeResult, WorldError> {
+        if probe.port.is_some() || probe.protocol.is_some() || probe.icmp_type.is_some() {
+            return Err(werr(
+                entry,
+                "a dns probe asks UDP 53; it takes no port, protocol or icmpType",
+            ));
+        }
+        let from_text = probe.from.text();
+        let src = self.party(&from_text, &format!("{entry}.from"))?;
+        if !matches!(src, Party::Pod(_)) {
+            return Err(werr(format!("{entry}.from"), "a dns probe starts at a pod"));
+        }
+        let (dst, to_text) = match &probe.to {
+            Some(t) => (self.party(&t.text(), &format!("{entry}.to"))?, t.text()),
+            None => {
+                let i = (0..self.pods.len())
+                    .find(|i| {
+                        self.label_sets[self.pods[*i].label_set]
+                            .get("k8s-app")
+                            .is_some_and(|l| l.value == "kube-dns")
+                    })
+                    .ok_or_else(|| {
+                        werr(
+                            format!("{entry}.to"),
+                            "no pod is labelled k8s-app=kube-dns: name the DNS server with `to`",
+                        )
+                    })?;
+                (Party::Pod(i), self.pods[i].key.to_string())
+            }
+        };
+        self.check_family(src, dst, PROTO_UDP, entry)?;
+        let egress = self.side(src, dst, Direction::Egress, PROTO_UDP, 53);
+        let ingress = self.side(dst, src, Direction::Ingress, PROTO_UDP, 53);
+        let (mut verdict, mut reason) = self.explain(src, dst, egress, ingress);
+        if verdict == "allow" {
+            // The L3/L4 reason flags L7 rules as not enforced: here the DNS ones are.
+            let l3l4 = reason.replace(" (L7 rules not enforced)", "");
+            (verdict, reason) = match self.dns_rules(src, dst, name) {
+                DnsRuling::Refused(why) => ("refuse", why),
+                DnsRuling::AllowedBy(by) => ("allow", format!("{l3l4}; {by}")),
+                DnsRuling::NoRules => ("allow", format!("{l3l4}; no DNS rule applies")),
+            };
+        }
+        Ok(ProbeResult {
+            from: from_text,
+            dns: Some(name.to_string()),
+            to: to_text,
+            protocol: String::new(),
+            port: None,
+            icmp_type: None,
+            verdict,
+            reason,
+        })
+    }
+
+    /// Why DNS rules refuse `name` from `src` to the server `dst` on UDP 53, if they do: every
+    /// egress allow rule of `src` that selects the server and names port 53 carries DNS rules,
+    /// and none matches. (A rule naming the port without DNS rules lets any name through.)
+    fn dns_rules(&mut self, src: Party, dst: Party, name: &str) -> DnsRuling {
+        use crate::policy::rule::{DnsVerdict, Peers, Section};
+        let Party::Pod(i) = src else {
+            return DnsRuling::NoRules;
+        };
+        let peer = self.identity_seen_by(src, dst);
+        let named: Vec<NamedPort> = match dst {
+            Party::Pod(j) => self.pods[j].named_ports.to_vec(),
+            _ => Vec::new(),
+        };
+        let resolve = |n: &str, proto: u8| {
+            named
+                .iter()
+                .find(|p| p.name == n && p.protocol == proto)
+                .map(|p| p.port)
+        };
+        let pod = &self.pods[i];
+        let view = EndpointView {
+            identity: pod.identity,
+            labels: &self.label_sets[pod.label_set],
+            named_ports: &pod.named_ports,
+            host: false,
+        };
+        let cache = self.engine.selector_cache();
+        let mut patterns = Vec::new();
+        let mut rules_with_dns = Vec::new();
+        for rule in self.engine.rules_for(&view) {
+            for pr in rule
+                .peer_rules
+                .iter()
+                .filter(|pr| pr.origin.section == Section::Egress)
+            {
+                let selects = match &pr.peers {
+                    Peers::Any => true,
+                    Peers::Selectors(s) => s
+                        .iter()
+                        .any(|s| cache.selections(s).is_some_and(|ids| ids.contains(&peer))),
+                };
+                if !selects {
+                    continue;
+                }
+                match pr.dns_verdict(PROTO_UDP, 53, &resolve) {
+                    DnsVerdict::NotCovered => {}
+                    DnsVerdict::AnyName => {
+                        return DnsRuling::AllowedBy(format!(
+                            "{} allows UDP 53 without DNS rules: any name",
+                            pr.origin.describe()
+                        ))
+                    }
+                    DnsVerdict::Names(n) => {
+                        if let Some(p) = n.iter().find(|p| p.matches(name)) {
+                            return DnsRuling::AllowedBy(format!(
+                                "DNS rule {p} of {} allows {name:?}",
+                                pr.origin.describe()
+                            ));
+                        }
+                        patterns.extend(n.iter().map(|p| p.to_string()));
+                        rules_with_dns.push(pr.origin.describe());
+                    }
+                }
+            }
+        }
+        if rules_with_dns.is_empty() {
+            return DnsRuling::NoRules;
+        }
+        patterns.sort();
+        patterns.dedup();
+        rules_with_dns.dedup();
+        DnsRuling::Refused(format!(
+            "refused: DNS rules of {} allow only {} on UDP 53 to {}; {name:?} matches none",
+            rules_with_dns.join(", "),
+            patterns.join(", "),
+            self.describe(dst)
+        ))
     }
 
     /// Pods only talk over a family both ends have; an ICMP probe fixes the family.

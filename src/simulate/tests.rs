@@ -183,3 +183,100 @@ fn oversized_worlds_are_refused() {
     let e = read_world(&path).unwrap_err();
     assert!(e.contains("larger than"), "{e}");
 }
+
+/// A pod allowed DNS to kube-dns only for `*.example.com`, and HTTPS to what
+/// `api.example.com` resolved to (interfaces.md section 9).
+const DNS_WORLD: &str = "namespaces: {x: {}, kube-system: {}}
+dns:
+  api.example.com: [203.0.113.10]
+  www.example.com: [203.0.113.30]
+  evil.test: [203.0.113.66]
+pods:
+  - {namespace: x, name: a, labels: {app: a}, ips: [10.0.0.1]}
+  - {namespace: x, name: open, labels: {app: open}, ips: [10.0.0.3]}
+  - {namespace: kube-system, name: coredns, labels: {k8s-app: kube-dns}, ips: [10.0.0.53], ports: [{name: dns, port: 53, protocol: UDP}]}
+  - {namespace: x, name: other-dns, labels: {app: other-dns}, ips: [10.0.0.54]}
+policies:
+  - apiVersion: cilium.io/v2
+    kind: CiliumNetworkPolicy
+    metadata: {name: a-egress, namespace: x}
+    spec:
+      endpointSelector: {matchLabels: {app: a}}
+      egress:
+        - toEndpoints: [{matchLabels: {k8s:io.kubernetes.pod.namespace: kube-system, k8s-app: kube-dns}}]
+          toPorts: [{ports: [{port: dns, protocol: UDP}], rules: {dns: [{matchPattern: '*.example.com'}]}}]
+        - toFQDNs: [{matchName: API.example.com.}]
+          toPorts: [{ports: [{port: '443', protocol: TCP}]}]
+probes:
+  - {from: x/a, dns: api.example.com}
+  - {from: x/a, dns: API.Example.COM.}
+  - {from: x/a, dns: evil.test}
+  - {from: x/a, dns: a.b.example.com}
+  - {from: x/a, dns: api.example.com, to: x/other-dns}
+  - {from: x/open, dns: evil.test}
+  - {from: x/a, to: 203.0.113.10, port: 443}
+  - {from: x/a, to: 203.0.113.10, port: 80}
+  - {from: x/a, to: 203.0.113.30, port: 443}
+  - {from: x/a, to: 203.0.113.66, port: 443}
+";
+
+#[test]
+fn dns_probes_and_to_fqdns_follow_the_names_the_world_resolved() {
+    let sim = simulate(DNS_WORLD).unwrap();
+    assert!(sim.rejections.is_empty(), "{:?}", sim.rejections);
+    let v: Vec<(&str, &str)> = sim
+        .results
+        .iter()
+        .map(|r| (r.verdict, r.reason.as_str()))
+        .collect();
+    let verdicts: Vec<&str> = v.iter().map(|x| x.0).collect();
+    assert_eq!(
+        verdicts,
+        ["allow", "allow", "refuse", "refuse", "deny", "allow", "allow", "deny", "deny", "deny"],
+        "{v:#?}"
+    );
+    // The default server is the kube-dns pod, named in the output.
+    assert_eq!(sim.results[0].to, "kube-system/coredns");
+    assert_eq!(sim.results[0].dns.as_deref(), Some("api.example.com"));
+    assert!(
+        v[2].1.contains("matchPattern:*.example.com") && v[2].1.contains("a-egress"),
+        "{}",
+        v[2].1
+    );
+    // An IP learned for the name is reached through toFQDNs, and named so.
+    assert!(v[6].1.contains("203.0.113.10"), "{}", v[6].1);
+    // The JSON line of a DNS probe: from, dns, to, verdict, reason.
+    let line = serde_json::to_value(&sim.results[2]).unwrap();
+    let keys: Vec<&String> = line.as_object().unwrap().keys().collect();
+    assert_eq!(keys.len(), 5, "{line}");
+    for k in ["from", "dns", "to", "verdict", "reason"] {
+        assert!(line.get(k).is_some(), "{line}");
+    }
+}
+
+#[test]
+fn a_port_rule_without_dns_rules_lets_every_name_through() {
+    let text = DNS_WORLD.replace(
+        "        - toFQDNs:",
+        "        - toEndpoints: [{matchLabels: {k8s-app: kube-dns, k8s:io.kubernetes.pod.namespace: kube-system}}]\n          toPorts: [{ports: [{port: '53', protocol: UDP}]}]\n        - toFQDNs:",
+    );
+    let sim = simulate(&text).unwrap();
+    assert_eq!(sim.results[2].verdict, "allow", "{:?}", sim.results[2]);
+}
+
+#[test]
+fn dns_probe_mistakes_name_the_entry() {
+    for (probe, entry) in [
+        ("  - {from: x/a, dns: x.example.com, port: 53}", "probes[0]"),
+        ("  - {from: 10.9.9.9, dns: x.example.com}", "probes[0].from"),
+        ("  - {from: x/a, dns: x.example.com}", "probes[0].to"),
+        ("  - {from: x/a}", "probes[0].to"),
+    ] {
+        let e = simulate(&world(probe)).expect_err(probe);
+        assert!(e.entry.starts_with(entry), "{probe}: {e}");
+    }
+    let e = simulate("dns: {'bad name!': [10.0.0.1]}").unwrap_err();
+    assert!(e.entry.starts_with("dns."), "{e}");
+    let e = simulate("dns: {a.example.com: [nope]}").unwrap_err();
+    assert_eq!(e.entry, "dns.a.example.com[0]", "{e}");
+}

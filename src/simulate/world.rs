@@ -46,7 +46,10 @@ pub struct ContainerPort {
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct Probe {
     pub from: ProbeEnd,
-    pub to: ProbeEnd,
+    /// Optional for a DNS probe: the first pod labelled `k8s-app=kube-dns`.
+    pub to: Option<ProbeEnd>,
+    /// A DNS query for this name (UDP 53 to `to`), instead of a connection.
+    pub dns: Option<String>,
     pub port: Option<i64>,
     pub protocol: Option<String>,
     pub icmp_type: Option<i64>,

@@ -203,8 +203,9 @@ impl Sections {
 }
 
 /// The sections a world may have, and whether each holds a mapping (else a sequence).
-pub(crate) const SECTIONS: [(&str, bool); 5] = [
+pub(crate) const SECTIONS: [(&str, bool); 6] = [
     ("namespaces", true),
+    ("dns", true),
     ("nodes", false),
     ("pods", false),
     ("policies", false),

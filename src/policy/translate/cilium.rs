@@ -12,9 +12,10 @@ use super::common::{
 };
 use super::{Ctx, PolicyError};
 use crate::policy::api;
+use crate::policy::fqdn::FqdnPattern;
 use crate::policy::rule::{
-    PeerRequirement, PeerRule, Peers, PortMatch, PortSpec, Ports, Protocol, Rule, RuleOrigin,
-    Section, Subject,
+    DnsRules, PeerRequirement, PeerRule, Peers, PortMatch, PortSpec, Ports, Protocol, Rule,
+    RuleOrigin, Section, Subject,
 };
 use crate::policy::selector::{CidrSelector, Selector, SelectorRef};
 use crate::policy::services::ServiceRef;
@@ -459,16 +460,21 @@ fn translate_peer_rule(
     }
     if let Some(fqdns) = v.fqdns.filter(|f| !f.is_empty()) {
         for (j, f) in fqdns.iter().enumerate() {
-            validate_fqdn(ctx, f, &format!("{path}.toFQDNs[{j}]"))?;
+            selectors.push(Selector::fqdn(fqdn_pattern(
+                ctx,
+                f,
+                &format!("{path}.toFQDNs[{j}]"),
+            )?));
         }
         ctx.note(format!(
-            "{path}.toFQDNs: FQDN policy is not enforced yet; selects nothing (fail closed)"
+            "{path}.toFQDNs: selects the addresses learned from DNS answers for matching names; the agent has no DNS proxy yet, so only `policy simulate` (a world's dns:) learns any; the agent selects nothing (fail closed)"
         ));
     }
     let has_l3 = !kinds.is_empty();
 
     // ----- ports
     let mut l7 = false;
+    let mut dns = Vec::new();
     let ports = if let Some(icmps) = v.icmps.filter(|i| !i.is_empty()) {
         Ports::List(icmp_ports(ctx, icmps, path)?)
     } else if !v.to_ports.is_empty() {
@@ -499,6 +505,19 @@ fn translate_peer_rule(
             if let Some(rule) = rule {
                 if validate_l7(ctx, rule, &parsed, section, &p)? {
                     l7 = true;
+                }
+                let names = rule.rules.as_ref().and_then(|r| r.dns.as_ref());
+                if let Some(names) = names.filter(|n| !n.is_empty()) {
+                    dns.push(DnsRules {
+                        ports: parsed.clone(),
+                        names: names
+                            .iter()
+                            .map(|d| match (&d.match_name, &d.match_pattern) {
+                                (Some(n), _) => FqdnPattern::name(n),
+                                (None, p) => FqdnPattern::pattern(p.as_deref().unwrap_or("")),
+                            })
+                            .collect(),
+                    });
                 }
             }
             list.extend(parsed);
@@ -554,6 +573,7 @@ fn translate_peer_rule(
         peers,
         ports,
         endpoint_selectors,
+        dns,
     })
 }
 
@@ -607,10 +627,13 @@ fn icmp_ports(
     Ok(out)
 }
 
-fn validate_fqdn(ctx: &Ctx, f: &api::FqdnSelector, path: &str) -> Result<(), PolicyError> {
+/// A `toFQDNs` entry or a DNS rule, checked and compiled.
+fn fqdn_pattern(ctx: &Ctx, f: &api::FqdnSelector, path: &str) -> Result<FqdnPattern, PolicyError> {
     match (&f.match_name, &f.match_pattern) {
-        (Some(n), None) => check_dns_chars(ctx, n, false, &format!("{path}.matchName")),
-        (None, Some(p)) => check_dns_chars(ctx, p, true, &format!("{path}.matchPattern")),
+        (Some(n), None) => check_dns_chars(ctx, n, false, &format!("{path}.matchName"))
+            .map(|()| FqdnPattern::name(n)),
+        (None, Some(p)) => check_dns_chars(ctx, p, true, &format!("{path}.matchPattern"))
+            .map(|()| FqdnPattern::pattern(p)),
         (Some(_), Some(_)) => {
             Err(ctx.err(path, "matchName and matchPattern are mutually exclusive"))
         }
@@ -813,7 +836,7 @@ fn validate_l7(
                 match_name: d.match_name.clone(),
                 match_pattern: d.match_pattern.clone(),
             };
-            validate_fqdn(ctx, &fq, &format!("{rp}.dns[{i}]"))?;
+            fqdn_pattern(ctx, &fq, &format!("{rp}.dns[{i}]"))?;
         }
     } else {
         for (k, pm) in ports.iter().enumerate() {

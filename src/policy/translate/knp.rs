@@ -148,6 +148,7 @@ fn peer_rule(
         peers,
         ports,
         endpoint_selectors,
+        dns: Vec::new(),
     })
 }
 

@@ -220,8 +220,15 @@ fn l7_fqdn_and_auth_are_accepted_with_notes() {
     assert!(p.notes.iter().any(|n| n.contains("toFQDNs")));
     assert!(p.notes.iter().any(|n| n.contains("L7 rules not enforced")));
     assert!(p.notes.iter().any(|n| n.contains("authentication")));
-    assert_eq!(p.rules[0].peer_rules[0].peers, Peers::Selectors(vec![]));
+    // toFQDNs selects by name (the addresses learned for it); the DNS rules are kept.
+    let Peers::Selectors(s) = &p.rules[0].peer_rules[0].peers else {
+        panic!("selectors");
+    };
+    assert_eq!(s[0].to_string(), "matchName:example.com");
     assert!(p.rules[0].peer_rules[1].origin.l7);
+    let dns = &p.rules[0].peer_rules[1].dns;
+    assert_eq!(dns.len(), 1);
+    assert_eq!(dns[0].names[0].to_string(), "matchPattern:*");
     assert_eq!(p.rules[1].peer_rules[0].peers, Peers::Selectors(vec![]));
 }
 
