@@ -15,6 +15,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::agent::Agent;
+use common::cluster::Cluster;
 use common::cni::{unique_pod_cidr, CniPod, CniPods};
 use common::eventually;
 use common::netns::{in_netns, ip, privileged};
@@ -76,6 +77,26 @@ fn service_client_helper() {
                             String::from_utf8_lossy(&buf[..n]),
                             s.peer_addr().map(|a| a.to_string()).unwrap_or_default()
                         ),
+                        Err(e) => format!("err {:?}", e.kind()),
+                    }
+                }
+            }
+        }
+        // A DNS query (type A) for NAME: prints the first answer's address.
+        dns if dns.starts_with("dns:") => {
+            let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+            s.set_read_timeout(Some(Duration::from_millis(1500)))
+                .unwrap();
+            let query = dns_query(0x5eed, &dns[4..]);
+            match s.send_to(&query, to) {
+                Err(e) => format!("err {:?}", e.kind()),
+                Ok(_) => {
+                    let mut buf = [0u8; 512];
+                    match s.recv_from(&mut buf) {
+                        Ok((n, from)) => match dns_answer(&buf[..n], 0x5eed) {
+                            Some(ip) => format!("ok {ip} from={from}"),
+                            None => format!("err bad answer {:?}", &buf[..n]),
+                        },
                         Err(e) => format!("err {:?}", e.kind()),
                     }
                 }
@@ -465,4 +486,257 @@ fn services_are_translated_before_egress_policy_and_survive_kill_9() {
     assert_eq!(r, "ok b1", "after the restart: {r}");
     drop(pods);
     agent.stop();
+}
+
+// ---------------------------------------------------------------- a tiny DNS, for the test only
+
+/// A DNS query for `name`, type A, class IN (RFC 1035 section 4).
+fn dns_query(id: u16, name: &str) -> Vec<u8> {
+    let mut q = id.to_be_bytes().to_vec();
+    q.extend_from_slice(&[0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0]);
+    for label in name.trim_end_matches('.').split('.') {
+        q.push(label.len() as u8);
+        q.extend_from_slice(label.as_bytes());
+    }
+    q.extend_from_slice(&[0, 0, 1, 0, 1]);
+    q
+}
+
+/// The answer to `query`: the same id and question, one A record (TTL 60) with `addr`.
+fn dns_reply(query: &[u8], addr: Ipv4Addr) -> Option<Vec<u8>> {
+    // Header (12 bytes), then the question: labels up to the root, type and class.
+    let mut end = 12;
+    while *query.get(end)? != 0 {
+        end += 1 + *query.get(end)? as usize;
+    }
+    let question = query.get(12..end + 5)?;
+    let mut r = query.get(..2)?.to_vec();
+    r.extend_from_slice(&[0x81, 0x80, 0, 1, 0, 1, 0, 0, 0, 0]);
+    r.extend_from_slice(question);
+    r.extend_from_slice(&[0xc0, 12, 0, 1, 0, 1, 0, 0, 0, 60, 0, 4]);
+    r.extend_from_slice(&addr.octets());
+    Some(r)
+}
+
+/// The address of the first A record of a reply with id `id`.
+fn dns_answer(reply: &[u8], id: u16) -> Option<Ipv4Addr> {
+    if reply.get(..2)? != id.to_be_bytes() || reply.get(7)? == &0 {
+        return None;
+    }
+    let rdata = reply.len().checked_sub(4)?;
+    let b = reply.get(rdata..)?;
+    Some(Ipv4Addr::new(b[0], b[1], b[2], b[3]))
+}
+
+/// A DNS server in a pod's namespace (UDP 53) that answers every name with `addr`.
+fn dns_server(pod: &CniPod, addr: Ipv4Addr) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let own = pod.addr;
+    in_netns(&pod.netns, move || {
+        let s = UdpSocket::bind((own, 53)).expect("bind 53");
+        tx.send(()).unwrap();
+        let mut buf = [0u8; 512];
+        while let Ok((n, from)) = s.recv_from(&mut buf) {
+            if let Some(r) = dns_reply(&buf[..n], addr) {
+                let _ = s.send_to(&r, from);
+            }
+        }
+    });
+    rx.recv().unwrap();
+}
+
+#[test]
+fn the_tiny_dns_round_trips() {
+    let q = dns_query(7, "www.example.test.");
+    let r = dns_reply(&q, Ipv4Addr::new(192, 0, 2, 7)).expect("a reply");
+    assert_eq!(dns_answer(&r, 7), Some(Ipv4Addr::new(192, 0, 2, 7)));
+    assert_eq!(dns_answer(&r, 8), None, "another id");
+}
+
+/// Services and EndpointSlice objects of namespace x in the cluster's API server.
+fn apply_service(c: &Cluster, name: &str, ip: &str, port: u16, proto: &str, target: Value) {
+    c.api()
+        .apply_json(serde_json::json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": name, "namespace": "x"},
+            "spec": {"clusterIP": ip, "ports": [
+                {"name": "p", "port": port, "protocol": proto, "targetPort": target}]}
+        }))
+        .expect("service");
+}
+
+fn apply_slice(c: &Cluster, service: &str, backends: &[Ipv4Addr], port: u16, proto: &str) {
+    let endpoints: Vec<Value> = backends
+        .iter()
+        .map(|b| serde_json::json!({"addresses": [b.to_string()], "conditions": {"ready": true}}))
+        .collect();
+    c.api()
+        .apply_json(serde_json::json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": format!("{service}-1"), "namespace": "x",
+                         "labels": {"kubernetes.io/service-name": service}},
+            "addressType": "IPv4",
+            "endpoints": endpoints,
+            "ports": [{"name": "p", "port": port, "protocol": proto}]
+        }))
+        .expect("endpointslice");
+}
+
+/// Three nodes in Kubernetes mode, each agent translating Services for its own cgroup. Pod a
+/// on node 1 may talk only to kube-dns on 53 and app=b on 8080. Through ClusterIPs (blackholed
+/// in every pod, so only translation reaches anything): it resolves a name through the kube-dns
+/// Service (the DNS pod on node 3), reaches b on node 2, is denied through c's Service, a
+/// backend taken out of the slice gets no new connection, and with node 1's agent killed (-9)
+/// new connections are still translated, the restart keeping every id.
+#[test]
+fn services_across_nodes_in_kubernetes_mode_are_translated_before_egress_policy() {
+    if !privileged() {
+        return;
+    }
+    let mut c = Cluster::start_with_services(3);
+    let net = format!("10.96.{}", 100 + std::process::id() % 150);
+    let a = c.add_pod(1, "a", "a");
+    let free = c.add_pod(1, "free", "free");
+    let b1 = c.add_pod(2, "b1", "b");
+    let b2 = c.add_pod(3, "b2", "b");
+    let cc = c.add_pod(3, "c", "c");
+    let api = c.api.take().expect("API server");
+    let dns = c.nodes[2].add_pod_labelled(&api, "dns", serde_json::json!({"k8s-app": "kube-dns"}));
+    c.api = Some(api);
+    for p in [&a, &free, &b1, &b2, &cc, &dns] {
+        ip(&[
+            "-n",
+            &p.netns,
+            "route",
+            "add",
+            "blackhole",
+            &format!("{net}.0/24"),
+        ]);
+    }
+    for p in [&b1, &b2, &cc] {
+        named_servers(p);
+    }
+    let answer = Ipv4Addr::new(192, 0, 2, 80);
+    dns_server(&dns, answer);
+    c.api()
+        .apply_json(serde_json::json!({
+            "apiVersion": "cilium.io/v2", "kind": "CiliumNetworkPolicy",
+            "metadata": {"name": "a-egress", "namespace": "x"},
+            "spec": {"endpointSelector": {"matchLabels": {"app": "a"}}, "egress": [
+                {"toEndpoints": [{"matchLabels": {"k8s-app": "kube-dns"}}],
+                 "toPorts": [{"ports": [{"port": "53", "protocol": "UDP"}]}]},
+                {"toEndpoints": [{"matchLabels": {"app": "b"}}],
+                 "toPorts": [{"ports": [{"port": "8080", "protocol": "TCP"}]}]}]}
+        }))
+        .expect("policy");
+    apply_service(
+        &c,
+        "kube-dns",
+        &format!("{net}.10"),
+        53,
+        "UDP",
+        serde_json::json!(53),
+    );
+    apply_slice(&c, "kube-dns", &[dns.addr], 53, "UDP");
+    // b's Service names its targetPort; the slice says which port that is.
+    apply_service(
+        &c,
+        "b",
+        &format!("{net}.20"),
+        80,
+        "TCP",
+        serde_json::json!("p"),
+    );
+    apply_slice(&c, "b", &[b1.addr], 8080, "TCP");
+    apply_service(
+        &c,
+        "c",
+        &format!("{net}.30"),
+        80,
+        "TCP",
+        serde_json::json!(8080),
+    );
+    apply_slice(&c, "c", &[cc.addr], 8080, "TCP");
+    let cgroup = c.nodes[0].cgroup.clone().expect("node 1's cgroup");
+    let to =
+        |last: u8, port: u16| -> SocketAddr { format!("{net}.{last}:{port}").parse().unwrap() };
+    let list = |c: &Cluster| c.nodes[0].agent().cli_json(&["service", "list"]);
+    eventually("node 1 has every Service with its backend", || {
+        let l = list(&c);
+        l.as_array().is_some_and(|l| {
+            l.len() == 3
+                && l.iter()
+                    .all(|f| f["backends"].as_array().is_some_and(|b| b.len() == 1))
+        })
+    });
+    eventually("a's policy is realized on node 1", || {
+        let (code, out, _) = c.nodes[0].agent().cli(&["endpoint", "list", "-o", "json"]);
+        let v: Value = serde_json::from_str(&out).unwrap_or(Value::Null);
+        code == 0
+            && v.as_array()
+                .is_some_and(|e| e.iter().all(|e| e["state"] == "ready"))
+    });
+
+    // DNS through the kube-dns ClusterIP: the reply appears to come from the ClusterIP.
+    let r = client(&a.netns, &cgroup, "dns:www.example.test", to(10, 53));
+    assert_eq!(
+        r,
+        format!("ok {answer} from={}", to(10, 53)),
+        "DNS via kube-dns"
+    );
+    // b through its Service, b on node 2.
+    let r = client(&a.netns, &cgroup, "tcp", to(20, 80));
+    assert_eq!(r, "ok b1", "b through its ClusterIP");
+    // c's Service: translated to c, which a's egress policy does not allow.
+    let r = client(&a.netns, &cgroup, "tcp", to(30, 80));
+    assert!(r.starts_with("err"), "c through its Service is denied: {r}");
+    // ... by a's policy: a pod without one reaches c through the same Service.
+    assert_eq!(client(&free.netns, &cgroup, "tcp", to(30, 80)), "ok c");
+
+    // b2 joins, then b1 leaves the slice: every new connection goes to b2.
+    apply_slice(&c, "b", &[b1.addr, b2.addr], 8080, "TCP");
+    eventually("b has two backends on node 1", || {
+        let l = list(&c);
+        frontend(&l, &format!("{net}.20:80/TCP"))["backends"]
+            .as_array()
+            .map(Vec::len)
+            == Some(2)
+    });
+    apply_slice(&c, "b", &[b2.addr], 8080, "TCP");
+    eventually("b1 is out of b's backends on node 1", || {
+        let l = list(&c);
+        frontend(&l, &format!("{net}.20:80/TCP"))["backends"]
+            .as_array()
+            .map(Vec::len)
+            == Some(1)
+    });
+    for _ in 0..6 {
+        assert_eq!(client(&a.netns, &cgroup, "tcp", to(20, 80)), "ok b2");
+    }
+
+    // kill -9: translation goes on from the pinned maps, and the restart keeps every id.
+    let before = ids(&list(&c));
+    c.nodes[0].kill9_agent();
+    assert_eq!(client(&a.netns, &cgroup, "tcp", to(20, 80)), "ok b2");
+    let r = client(&a.netns, &cgroup, "dns:www.example.test", to(10, 53));
+    assert!(
+        r.starts_with(&format!("ok {answer}")),
+        "DNS with the agent down: {r}"
+    );
+    let kubeconfig = c.kubeconfig.clone();
+    c.nodes[0].start_agent(&kubeconfig);
+    eventually("node 1 is back with every Service", || {
+        ids(&list(&c))
+            .iter()
+            .filter(|(_, _, b)| b.as_array().is_some_and(|b| !b.is_empty()))
+            .count()
+            == 3
+    });
+    assert_eq!(
+        ids(&list(&c)),
+        before,
+        "service and backend ids survive the restart"
+    );
+    assert_eq!(client(&a.netns, &cgroup, "tcp", to(20, 80)), "ok b2");
+    assert!(client(&a.netns, &cgroup, "tcp", to(30, 80)).starts_with("err"));
 }

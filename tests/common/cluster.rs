@@ -8,6 +8,7 @@
 //! Addresses are fixed (172.20.0.0/24 for nodes, 10.200.N.0/24 for node N's pods): every
 //! address lives only in this cluster's namespaces, so clusters of parallel tests never meet.
 
+use std::ffi::OsStr;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
@@ -53,6 +54,9 @@ pub struct ClusterNode {
     pub pods: Option<CniPods>,
     /// Extra agent flags (e.g. `--routing-mode tunnel`).
     pub agent_args: Vec<String>,
+    /// This node's cgroup (`--cgroup-root`), when the cluster translates Services: processes
+    /// that stand for this node's pods run in it.
+    pub cgroup: Option<PathBuf>,
 }
 
 impl ClusterNode {
@@ -67,11 +71,18 @@ impl ClusterNode {
     /// Creates `x/name` with `labels` as a kubelet would: the Pod object, then CNI ADD on this
     /// node, then the Pod's status with the address.
     pub fn add_pod(&mut self, api: &TestApiServer, name: &str, app: &str) -> CniPod {
-        api.apply_json(pod_object(name, app, &self.name, None))
-            .expect("pod object");
+        self.add_pod_labelled(api, name, json!({ "app": app }))
+    }
+
+    /// Like `add_pod`, with any labels.
+    pub fn add_pod_labelled(&mut self, api: &TestApiServer, name: &str, labels: Value) -> CniPod {
+        let mut object = pod_object(name, "", &self.name, None);
+        object["metadata"]["labels"] = labels;
+        api.apply_json(object.clone()).expect("pod object");
         let pod = self.pods.as_mut().expect("pods").add("x", name);
-        api.apply_json(pod_object(name, app, &self.name, Some(pod.addr)))
-            .expect("pod status");
+        let ip = pod.addr.to_string();
+        object["status"] = json!({"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]});
+        api.apply_json(object).expect("pod status");
         pod
     }
 
@@ -109,6 +120,11 @@ impl ClusterNode {
             // The node's own loopback: every node may use the same port.
             .args(["--debug-addr", "127.0.0.1:9962"])
             .args(&self.agent_args)
+            .args(
+                self.cgroup
+                    .iter()
+                    .flat_map(|c| [OsStr::new("--cgroup-root"), c.as_os_str()]),
+            )
             .env("RUST_LOG", "info");
         let fd = ns.as_raw_fd();
         // SAFETY: setns is async-signal-safe; the descriptor outlives the spawn.
@@ -153,6 +169,21 @@ pub struct Cluster {
     pub kubeconfig: PathBuf,
     pub dir: tempfile::TempDir,
     made_netns: Vec<String>,
+    /// The cluster's cgroup (the nodes' are inside), when it translates Services.
+    cgroup: Option<PathBuf>,
+}
+
+/// Where cgroup v2 is mounted (`/sys/fs/cgroup/unified` on hybrid hosts, such as this one).
+pub fn cgroup2_mount() -> PathBuf {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
+    info.lines()
+        .find_map(|l| {
+            let (pre, post) = l.split_once(" - ")?;
+            (post.split_whitespace().next() == Some("cgroup2"))
+                .then(|| pre.split_whitespace().nth(4).map(PathBuf::from))
+                .flatten()
+        })
+        .expect("a cgroup v2 mount")
 }
 
 pub fn pod_object(name: &str, app: &str, node: &str, ip: Option<Ipv4Addr>) -> Value {
@@ -189,6 +220,16 @@ impl Cluster {
 
     /// Like `start`, every agent with the extra flags `agent_args`.
     pub fn start_with(nodes: usize, agent_args: &[&str]) -> Cluster {
+        Cluster::start_inner(nodes, agent_args, false)
+    }
+
+    /// Like `start`, and every node's agent translates Services for the processes in its own
+    /// cgroup (`ClusterNode::cgroup`, under a cgroup of this cluster's).
+    pub fn start_with_services(nodes: usize) -> Cluster {
+        Cluster::start_inner(nodes, &[], true)
+    }
+
+    fn start_inner(nodes: usize, agent_args: &[&str], services: bool) -> Cluster {
         let n = N.fetch_add(1, Ordering::SeqCst);
         let tag = format!("{}{}", std::process::id() % 100_000, n);
         let dir = tempfile::tempdir().expect("tempdir");
@@ -201,7 +242,13 @@ impl Cluster {
             kubeconfig: dir.path().join("kubeconfig"),
             dir,
             made_netns: vec![],
+            cgroup: None,
         };
+        if services {
+            let root = cgroup2_mount().join(format!("ciliate-cluster-{tag}"));
+            std::fs::create_dir_all(&root).expect("the cluster's cgroup");
+            c.cgroup = Some(root);
+        }
         let br = c.bridge_ns.clone();
         c.netns_add(&br);
         ip(&["-n", &br, "link", "add", "br0", "type", "bridge"]);
@@ -233,6 +280,11 @@ impl Cluster {
                 agent: None,
                 pods: Some(pods),
                 agent_args: agent_args.iter().map(|a| a.to_string()).collect(),
+                cgroup: c.cgroup.as_ref().map(|root| {
+                    let dir = root.join(format!("node-{i}"));
+                    std::fs::create_dir_all(&dir).expect("a node's cgroup");
+                    dir
+                }),
             });
         }
         c.start_api_server();
@@ -392,6 +444,16 @@ impl Drop for Cluster {
         drop(self.api.take());
         for ns in self.made_netns.iter().rev() {
             let _ = Command::new("ip").args(["netns", "del", ns]).output();
+        }
+        // The cgroups empty once the clients have exited (they are waited for).
+        let dirs = self.nodes.iter().filter_map(|n| n.cgroup.clone());
+        for dir in dirs.chain(self.cgroup.clone()) {
+            for _ in 0..50 {
+                if std::fs::remove_dir(&dir).is_ok() || !dir.exists() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
         }
     }
 }
