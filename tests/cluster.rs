@@ -631,3 +631,173 @@ fn pods_leave_the_cluster_masqueraded_to_their_nodes_address_and_pod_traffic_is_
     });
     assert_eq!(seen_by(outside_ip), None);
 }
+
+/// The identity node `node`'s agent maps `ip` to, if any (its ipcache, through the API socket).
+fn ipcache_identity(node: &ClusterNode, ip: Ipv4Addr) -> Option<u64> {
+    ipcache_identity_at(&node.socket(), ip)
+}
+
+fn ipcache_identity_at(socket: &std::path::Path, ip: Ipv4Addr) -> Option<u64> {
+    let body = ciliate::client::request(socket, "GET", "/v1/ipcache", None).ok()?;
+    let v: Value = serde_json::from_str(&body).ok()?;
+    let prefix = format!("{ip}/32");
+    v.as_array()?
+        .iter()
+        .find(|e| e["prefix"] == prefix.as_str())
+        .and_then(|e| e["identity"].as_u64())
+}
+
+/// A pod deleted on node 1 whose address goes at once to a new pod with other labels: node 2,
+/// which admits only `app=a`, never admits the new pod under the old pod's identity. Node 1's
+/// pod CIDR is a /29 (6 addresses), filled, so the freed address is the only one left: node 1
+/// holds it back for `ipam::REUSE_DELAY` (the ADD is told to try again), by when node 2 has
+/// dropped the old mapping. From the moment the new pod's CNI ADD returns, four probers connect
+/// every few milliseconds; none may get through. Prints how long node 2 kept the old mapping after the delete and how long it
+/// took to learn the new one after the ADD (the window the issue asks to measure).
+#[test]
+fn a_reused_pod_address_is_never_admitted_under_the_old_pods_identity() {
+    if !privileged() {
+        return;
+    }
+    let mut c = Cluster::start_with_pod_prefix(2, 29);
+    let srv = c.add_pod(2, "srv", "srv");
+    tcp_server(&srv.netns, IpAddr::V4(srv.addr), 8080);
+    c.api()
+        .apply_json(json!({
+            "apiVersion": "cilium.io/v2", "kind": "CiliumNetworkPolicy",
+            "metadata": {"name": "srv-from-a", "namespace": "x"},
+            "spec": {"endpointSelector": {"matchLabels": {"app": "srv"}},
+                     "ingress": [{"fromEndpoints": [{"matchLabels": {"app": "a"}}]}]}
+        }))
+        .expect("policy");
+    let old = c.add_pod(1, "old", "a");
+    let capacity = c.node(1).agent().cli_json(&["status"])["ipam"]["capacity"]
+        .as_u64()
+        .expect("IPAM capacity");
+    let fillers: Vec<_> = (1..capacity)
+        .map(|k| c.add_pod(1, &format!("filler-{k}"), "filler"))
+        .collect();
+    let dst = IpAddr::V4(srv.addr);
+    eventually("node 2 admits the app=a pod", || {
+        tcp_ok(&old.netns, dst, 8080)
+    });
+    assert!(
+        !tcp_ok(&fillers[0].netns, dst, 8080),
+        "a filler is not admitted"
+    );
+    let old_identity = ipcache_identity(c.node(2), old.addr).expect("node 2 knows old");
+
+    // Delete old as a kubelet would (CNI DEL, then the Pod object), then create new at once.
+    // Node 2's ipcache, watched from before the delete: when does the old mapping go, and
+    // when does a new one (another identity) arrive?
+    let deleted = std::time::Instant::now();
+    let watcher = {
+        let (socket, addr) = (c.node(2).socket(), old.addr);
+        std::thread::spawn(move || {
+            let (mut gone, mut known) = (None, None);
+            while known.is_none() && deleted.elapsed() < Duration::from_secs(30) {
+                let id = ipcache_identity_at(&socket, addr);
+                if gone.is_none() && id != Some(old_identity) {
+                    gone = Some(deleted.elapsed());
+                }
+                if id.is_some_and(|i| i != old_identity) {
+                    known = Some(deleted.elapsed());
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            (gone, known)
+        })
+    };
+    let (code, out) = c.node(1).pods.as_ref().unwrap().del(&old);
+    assert_eq!(code, 0, "CNI DEL: {out}");
+    c.api()
+        .delete_object("v1", "Pod", "x", "old")
+        .expect("delete the Pod");
+    let api = c.api.take().expect("API server");
+    let mut object = common::cluster::pod_object("new", "c", "node-1", None);
+    api.apply_json(object.clone()).expect("pod object");
+    // The only free address was just freed: node 1 does not hand it out before the other
+    // nodes have surely seen the delete (the kubelet retries "try again later").
+    let (new, refused) =
+        c.nodes[0]
+            .pods
+            .as_mut()
+            .unwrap()
+            .add_retrying("x", "new", Duration::from_secs(15));
+    let added = std::time::Instant::now();
+    assert_eq!(new.addr, old.addr, "the freed address is reused");
+    let held_back = added - deleted;
+    assert!(
+        !refused.is_empty() && held_back >= ciliate::ipam::REUSE_DELAY,
+        "the address was handed out again after {held_back:?} ({} refusals)",
+        refused.len()
+    );
+    assert!(
+        refused.iter().all(|r| r["msg"] == "IP allocation failed"
+            && r["details"]
+                .as_str()
+                .is_some_and(|d| d.contains("try again"))),
+        "{refused:?}"
+    );
+    // Probers from the moment the ADD returned.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let probers: Vec<_> = (0..4)
+        .map(|k| {
+            let stop = stop.clone();
+            in_netns(&new.netns, move || {
+                std::thread::sleep(Duration::from_millis(5 * k));
+                let (mut tries, mut admitted) = (0u32, 0u32);
+                while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                    tries += 1;
+                    let to = SocketAddr::new(dst, 8080);
+                    if let Ok(mut s) = TcpStream::connect_timeout(&to, Duration::from_millis(100)) {
+                        let _ = s.set_read_timeout(Some(Duration::from_millis(300)));
+                        let mut buf = [0u8; 4];
+                        if s.read_exact(&mut buf).is_ok() {
+                            admitted += 1;
+                        }
+                    }
+                }
+                (tries, admitted)
+            })
+        })
+        .collect();
+    let ip = new.addr.to_string();
+    object["status"] = json!({"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]});
+    api.apply_json(object).expect("pod status");
+    c.api = Some(api);
+    let (old_gone, new_known) = watcher.join().expect("watcher");
+    std::thread::sleep(Duration::from_millis(500));
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let (mut tries, mut admitted) = (0, 0);
+    for p in probers {
+        let (t, a) = p.join().expect("prober");
+        tries += t;
+        admitted += a;
+    }
+    let old_gone = old_gone.expect("node 2 dropped the old mapping");
+    let new_known = new_known.expect("node 2 learned the new pod") - (added - deleted);
+    // The window in which node 2 could have taken the new pod for the old one: from the ADD
+    // until the old mapping was gone (zero when it went before the ADD returned).
+    let window = old_gone.saturating_sub(added - deleted);
+    println!(
+        "IP reuse: the address came back {:.0} ms after the delete ({} ADDs told to try again); \
+         node 2's old mapping was gone {:.1} ms after the delete, and \
+         it knew the new pod {:.1} ms after the ADD; window under the old identity {:.1} ms; \
+         {admitted} of {tries} connection attempts admitted",
+        held_back.as_secs_f64() * 1e3,
+        refused.len(),
+        old_gone.as_secs_f64() * 1e3,
+        new_known.as_secs_f64() * 1e3,
+        window.as_secs_f64() * 1e3,
+    );
+    assert!(
+        window.is_zero(),
+        "node 2 still had the old mapping after the ADD"
+    );
+    assert_eq!(
+        admitted, 0,
+        "the new pod got in under the old pod's identity"
+    );
+    assert!(tries >= 8, "the probers ran ({tries} attempts)");
+}

@@ -231,8 +231,13 @@ fn allocate(st: &AppState, container_id: &str) -> Result<Ipv4Addr, CniError> {
     for i in intents.iter().filter(|i| i.run != run_id()) {
         let _ = ipam.reserve(i.ip, &i.container_id);
     }
-    ipam.allocate(container_id)
-        .map_err(|e| CniError::new(code::AGENT_FAILURE, "IP allocation failed", e.to_string()))
+    ipam.allocate(container_id).map_err(|e| match e {
+        // Addresses come back by themselves: the kubelet's retry succeeds.
+        crate::ipam::IpamError::Cooling { .. } => {
+            CniError::new(code::TRY_AGAIN_LATER, "IP allocation failed", e.to_string())
+        }
+        e => CniError::new(code::AGENT_FAILURE, "IP allocation failed", e.to_string()),
+    })
 }
 
 /// What an ADD has made so far, undone in reverse when a later step fails. The intent record

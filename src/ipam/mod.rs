@@ -7,10 +7,21 @@
 //!
 //! Allocation walks the range round-robin from the last address handed out, so a freed address
 //! is reused as late as possible: a new pod does not inherit conntrack entries or peers' caches
-//! of a pod that just went away.
+//! of a pod that just went away. And never sooner than [`REUSE_DELAY`] after it was freed: the
+//! other nodes learn of the old pod's deletion through their own watches, a few milliseconds to
+//! seconds later, and until then they map the address to the old pod's identity. A new pod
+//! handed the address at once could be admitted under that identity (measured by the cluster
+//! test `a_reused_pod_address_is_never_admitted_under_the_old_pods_identity`). When every free
+//! address is that fresh, allocation fails with [`IpamError::Cooling`], which the CNI plugin
+//! reports as "try again later" (the kubelet retries).
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr};
+use std::time::{Duration, Instant};
+
+/// How long a freed address stays out of use (see the module documentation): longer than the
+/// other agents need to see a Pod deletion, short enough that a full range recovers quickly.
+pub const REUSE_DELAY: Duration = Duration::from_secs(5);
 
 use ipnet::{IpNet, Ipv4Net};
 
@@ -81,6 +92,9 @@ pub enum IpamError {
     /// A reservation of an address someone else holds.
     #[error("{ip} is already allocated to {owner}")]
     InUse { ip: Ipv4Addr, owner: String },
+    /// Every free address was freed too recently to be handed out again.
+    #[error("pod CIDR {cidr}: the {free} free address(es) were freed less than {}s ago and are not reused yet (other nodes may still map them to the old pods); try again", REUSE_DELAY.as_secs())]
+    Cooling { cidr: Ipv4Net, free: u32 },
 }
 
 /// The allocator of one node's pod CIDR.
@@ -94,6 +108,8 @@ pub struct Ipam {
     cursor: u32,
     /// Address -> owner (a container id, or `restored:<endpoint>`).
     allocated: BTreeMap<Ipv4Addr, String>,
+    /// Addresses freed less than `REUSE_DELAY` ago, and when (pruned as they age).
+    freed: BTreeMap<Ipv4Addr, Instant>,
 }
 
 impl Ipam {
@@ -120,6 +136,7 @@ impl Ipam {
             last,
             cursor: 1,
             allocated: BTreeMap::new(),
+            freed: BTreeMap::new(),
         })
     }
 
@@ -144,6 +161,13 @@ impl Ipam {
 
     /// Hands out a free address to `owner`.
     pub fn allocate(&mut self, owner: &str) -> Result<Ipv4Addr, IpamError> {
+        self.allocate_at(owner, Instant::now())
+    }
+
+    /// `allocate` at time `now`: addresses freed less than `REUSE_DELAY` before are skipped.
+    pub fn allocate_at(&mut self, owner: &str, now: Instant) -> Result<Ipv4Addr, IpamError> {
+        self.freed
+            .retain(|_, at| now.saturating_duration_since(*at) < REUSE_DELAY);
         let capacity = self.capacity();
         if self.allocated.len() as u64 >= capacity as u64 {
             return Err(IpamError::Exhausted {
@@ -158,15 +182,18 @@ impl Ipam {
             }
             let ip = self.addr(offset);
             offset += 1;
+            if self.freed.contains_key(&ip) {
+                continue;
+            }
             if let std::collections::btree_map::Entry::Vacant(slot) = self.allocated.entry(ip) {
                 slot.insert(owner.to_string());
                 self.cursor = offset;
                 return Ok(ip);
             }
         }
-        Err(IpamError::Exhausted {
+        Err(IpamError::Cooling {
             cidr: self.cidr,
-            capacity,
+            free: capacity - self.allocated.len() as u32,
         })
     }
 
@@ -195,10 +222,21 @@ impl Ipam {
         }
     }
 
-    /// Frees `ip`; returns whether it was allocated.
+    /// Frees `ip`; returns whether it was allocated. It is not handed out again for
+    /// `REUSE_DELAY`.
     pub fn release(&mut self, ip: IpAddr) -> bool {
+        self.release_at(ip, Instant::now())
+    }
+
+    pub fn release_at(&mut self, ip: IpAddr, now: Instant) -> bool {
         match ip {
-            IpAddr::V4(v4) => self.allocated.remove(&v4).is_some(),
+            IpAddr::V4(v4) => {
+                let was = self.allocated.remove(&v4).is_some();
+                if was {
+                    self.freed.insert(v4, now);
+                }
+                was
+            }
             IpAddr::V6(_) => false,
         }
     }
@@ -301,23 +339,33 @@ mod tests {
     }
 
     #[test]
-    fn freed_addresses_are_reused_last() {
+    fn freed_addresses_are_reused_last_and_never_within_the_reuse_delay() {
+        let t0 = Instant::now();
         let mut i = ipam("10.9.0.0/29");
-        let a = i.allocate("a").unwrap();
-        let b = i.allocate("b").unwrap();
-        assert!(i.release(a.into()));
-        assert!(!i.release(a.into()), "a second release is a no-op");
-        let c = i.allocate("c").unwrap();
+        let a = i.allocate_at("a", t0).unwrap();
+        let b = i.allocate_at("b", t0).unwrap();
+        assert!(i.release_at(a.into(), t0));
+        assert!(!i.release_at(a.into(), t0), "a second release is a no-op");
+        let c = i.allocate_at("c", t0).unwrap();
         assert_ne!(
             c, a,
             "round robin: the freed address is not the next one out"
         );
         assert_ne!(c, b);
         for n in 0..3 {
-            i.allocate(&format!("x{n}")).unwrap();
+            i.allocate_at(&format!("x{n}"), t0).unwrap();
         }
-        // Only the freed one is left, and it is found by wrapping around.
-        assert_eq!(i.allocate("last").unwrap(), a);
+        // Only the freed one is left: not while other nodes may still map it to the old pod.
+        let soon = t0 + REUSE_DELAY - Duration::from_millis(1);
+        assert_eq!(
+            i.allocate_at("early", soon),
+            Err(IpamError::Cooling {
+                cidr: "10.9.0.0/29".parse().unwrap(),
+                free: 1
+            })
+        );
+        // Then it is found by wrapping around.
+        assert_eq!(i.allocate_at("last", t0 + REUSE_DELAY).unwrap(), a);
     }
 
     #[test]

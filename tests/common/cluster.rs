@@ -39,7 +39,11 @@ pub fn node_ip(i: usize) -> Ipv4Addr {
     Ipv4Addr::new(172, 20, 0, 10 + i as u8)
 }
 pub fn pod_cidr(i: usize) -> String {
-    format!("10.200.{i}.0/24")
+    pod_cidr_sized(i, 24)
+}
+/// Node `i`'s pod CIDR with another prefix length (a small one forces address reuse).
+pub fn pod_cidr_sized(i: usize, prefix: u8) -> String {
+    format!("10.200.{i}.0/{prefix}")
 }
 
 /// One node: its namespace, agent and pods.
@@ -200,10 +204,14 @@ pub fn pod_object(name: &str, app: &str, node: &str, ip: Option<Ipv4Addr>) -> Va
 }
 
 pub fn node_object(i: usize) -> Value {
+    node_object_sized(i, 24)
+}
+
+pub fn node_object_sized(i: usize, prefix: u8) -> Value {
     json!({
         "apiVersion": "v1", "kind": "Node",
         "metadata": {"name": format!("node-{i}")},
-        "spec": {"podCIDRs": [pod_cidr(i)]},
+        "spec": {"podCIDRs": [pod_cidr_sized(i, prefix)]},
         "status": {"addresses": [
             {"type": "InternalIP", "address": node_ip(i).to_string()},
             {"type": "Hostname", "address": format!("node-{i}")}
@@ -220,16 +228,21 @@ impl Cluster {
 
     /// Like `start`, every agent with the extra flags `agent_args`.
     pub fn start_with(nodes: usize, agent_args: &[&str]) -> Cluster {
-        Cluster::start_inner(nodes, agent_args, false)
+        Cluster::start_inner(nodes, agent_args, false, 24)
+    }
+
+    /// Like `start`, with pod CIDRs of `prefix` bits (a /29 holds 6 pods: addresses come back).
+    pub fn start_with_pod_prefix(nodes: usize, prefix: u8) -> Cluster {
+        Cluster::start_inner(nodes, &[], false, prefix)
     }
 
     /// Like `start`, and every node's agent translates Services for the processes in its own
     /// cgroup (`ClusterNode::cgroup`, under a cgroup of this cluster's).
     pub fn start_with_services(nodes: usize) -> Cluster {
-        Cluster::start_inner(nodes, &[], true)
+        Cluster::start_inner(nodes, &[], true, 24)
     }
 
-    fn start_inner(nodes: usize, agent_args: &[&str], services: bool) -> Cluster {
+    fn start_inner(nodes: usize, agent_args: &[&str], services: bool, prefix: u8) -> Cluster {
         let n = N.fetch_add(1, Ordering::SeqCst);
         let tag = format!("{}{}", std::process::id() % 100_000, n);
         let dir = tempfile::tempdir().expect("tempdir");
@@ -274,7 +287,7 @@ impl Cluster {
                 name: format!("node-{i}"),
                 netns,
                 ip: node_ip(i),
-                pod_cidr: pod_cidr(i),
+                pod_cidr: pod_cidr_sized(i, prefix),
                 dir: node_dir,
                 bpffs,
                 agent: None,
@@ -298,7 +311,7 @@ impl Cluster {
         api.apply_json(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "x"}}))
             .expect("namespace");
         for i in 1..=nodes {
-            api.apply_json(node_object(i)).expect("node");
+            api.apply_json(node_object_sized(i, prefix)).expect("node");
         }
         let kubeconfig = c.kubeconfig.clone();
         for node in &mut c.nodes {

@@ -113,15 +113,40 @@ impl CniPods {
 
     /// Creates `namespace/name` through CNI ADD and checks the result's shape.
     pub fn add(&mut self, namespace: &str, name: &str) -> CniPod {
+        let (pod, refused) = self.add_retrying(namespace, name, std::time::Duration::ZERO);
+        assert!(
+            refused.is_empty(),
+            "CNI ADD {namespace}/{name}: {refused:?}"
+        );
+        pod
+    }
+
+    /// Like `add`, retrying every 50 ms for up to `patience` while the plugin answers "try
+    /// again later" (code 11), as the kubelet does. Returns the pod and the refusals seen.
+    pub fn add_retrying(
+        &mut self,
+        namespace: &str,
+        name: &str,
+        patience: std::time::Duration,
+    ) -> (CniPod, Vec<Value>) {
         let netns = self.netns(name);
         let container_id = format!("ctr-{}-{name}", self.tag);
-        let (code, v) = cni(
-            &self.socket,
-            "ADD",
-            &container_id,
-            Some(&netns),
-            Some((namespace, name)),
-        );
+        let deadline = std::time::Instant::now() + patience;
+        let mut refused = Vec::new();
+        let (code, v) = loop {
+            let (code, v) = cni(
+                &self.socket,
+                "ADD",
+                &container_id,
+                Some(&netns),
+                Some((namespace, name)),
+            );
+            if code == 0 || v["code"] != 11 || std::time::Instant::now() >= deadline {
+                break (code, v);
+            }
+            refused.push(v);
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        };
         assert_eq!(code, 0, "CNI ADD {namespace}/{name}: {v}");
         assert_eq!(v["cniVersion"], "1.0.0", "{v}");
         let addr: std::net::Ipv4Addr = v["ips"][0]["address"]
@@ -147,7 +172,7 @@ impl CniPods {
             host_if,
         };
         self.pods.push(pod.clone());
-        pod
+        (pod, refused)
     }
 
     /// CNI DEL of one pod: (exit status, output).
