@@ -23,6 +23,8 @@ mod agent;
 use agent::Agent;
 const NODE: &str = "node-1";
 const EDITS: usize = 30;
+const SLICE_CHANGES: usize = 200;
+const NEW_NODES: usize = 50;
 
 /// The cluster's size, from `CILIATE_BENCH_*` (defaults: the CI-sized run).
 #[derive(Debug, Clone, Copy)]
@@ -253,6 +255,91 @@ fn main() {
         percentile(&to_start, 0.95),
         percentile(&to_start, 0.99),
         to_start[to_start.len() - 1]
+    );
+
+    // An EndpointSlice change reaching the agent's service table (and, with the BPF datapath,
+    // its maps: `cargo bench --bench service_lb` times that write alone).
+    server
+        .apply_json(json!({"apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": "svc-bench", "namespace": "ns-0"},
+            "spec": {"clusterIP": "10.96.255.1", "ports": [{"name": "http", "port": 80, "targetPort": 8080}]}}))
+        .expect("service");
+    let socket = agent.socket();
+    let backends_of = || -> Option<Vec<String>> {
+        let body = ciliate::client::request(&socket, "GET", "/v1/services", None).ok()?;
+        let v: Value = serde_json::from_str(&body).ok()?;
+        let f = v
+            .as_array()?
+            .iter()
+            .find(|f| f["frontend"] == "10.96.255.1:80/TCP")?
+            .clone();
+        Some(
+            f["backends"]
+                .as_array()?
+                .iter()
+                .filter_map(|b| b["ip"].as_str().map(str::to_string))
+                .collect(),
+        )
+    };
+    let mut slice_ms = Vec::new();
+    for round in 0..SLICE_CHANGES {
+        let ip = format!("10.63.{}.{}", round / 250, round % 250 + 1);
+        let t = Instant::now();
+        server
+            .apply_json(
+                json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                "metadata": {"name": "svc-bench-1", "namespace": "ns-0",
+                             "labels": {"kubernetes.io/service-name": "svc-bench"}},
+                "addressType": "IPv4",
+                "endpoints": [{"addresses": [ip.clone()]}],
+                "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}]}),
+            )
+            .expect("endpointslice");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while backends_of().is_none_or(|b| b != [ip.clone()]) {
+            assert!(
+                Instant::now() < deadline,
+                "slice change {round} never arrived"
+            );
+            std::thread::sleep(Duration::from_micros(500));
+        }
+        slice_ms.push(t.elapsed().as_secs_f64() * 1000.0);
+    }
+    slice_ms.sort_by(f64::total_cmp);
+    println!(
+        "EndpointSlice change -> service table ({SLICE_CHANGES} changes): p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms (target p99 <= 100 ms)",
+        percentile(&slice_ms, 0.5),
+        percentile(&slice_ms, 0.99),
+        slice_ms[slice_ms.len() - 1]
+    );
+
+    // A new Node reaching the agent's node table (where its routes come from).
+    let mut node_ms = Vec::new();
+    for k in 0..NEW_NODES {
+        let name = format!("node-new-{k}");
+        let t = Instant::now();
+        server
+            .apply_json(json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name},
+                "spec": {"podCIDRs": [format!("10.62.{k}.0/24")]},
+                "status": {"addresses": [{"type": "InternalIP", "address": format!("172.31.0.{}", k + 1)}]}}))
+            .expect("node");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let body =
+                ciliate::client::request(&socket, "GET", "/v1/nodes", None).unwrap_or_default();
+            if body.contains(&format!("\"{name}\"")) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "node {name} never arrived");
+            std::thread::sleep(Duration::from_micros(500));
+        }
+        node_ms.push(t.elapsed().as_secs_f64() * 1000.0);
+    }
+    node_ms.sort_by(f64::total_cmp);
+    println!(
+        "new Node -> the agent's node table ({NEW_NODES} nodes): p50 {:.1} ms, p99 {:.1} ms (target p99 <= 1 s with its routes; the route itself is one netlink call)",
+        percentile(&node_ms, 0.5),
+        percentile(&node_ms, 0.99)
     );
     drop(agent);
 }
