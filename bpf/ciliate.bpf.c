@@ -40,6 +40,7 @@ const volatile __u32 ENDPOINT_ID = 0;
 #include "lib/policy.h"
 #include "lib/events.h"
 #include "lib/conntrack.h"
+#include "lib/hostroute.h"
 
 static __always_inline int decide(struct __sk_buff *skb, int egress)
 {
@@ -144,7 +145,10 @@ static __always_inline int decide(struct __sk_buff *skb, int egress)
 SEC("tc")
 int from_container(struct __sk_buff *skb)
 {
-	return decide(skb, 1);
+	int verdict = decide(skb, 1);
+	if (verdict != TC_ACT_OK || ENDPOINT_ID == 0)
+		return verdict;
+	return host_route(skb);
 }
 
 SEC("tc")

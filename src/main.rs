@@ -45,6 +45,10 @@ fn agent(args: AgentArgs) -> i32 {
             .and_then(|h| h.into_string().ok())
             .unwrap_or_else(|| "localhost".into())
     });
+    let bpf_host_routing = (args.datapath == ciliate::agent::run::DatapathKind::Bpf
+        && args.routing_mode == ciliate::network::RoutingMode::Native
+        && !args.enable_host_legacy_routing)
+        .then(|| args.bpf_root.join("ciliate"));
     let config = AgentConfig {
         mode,
         manifests: args.manifests,
@@ -70,6 +74,7 @@ fn agent(args: AgentArgs) -> i32 {
             native_routing_cidr: args.ipv4_native_routing_cidr.map(|n| n.trunc()),
             install: args.datapath == ciliate::agent::run::DatapathKind::Bpf,
             masquerade: args.enable_ipv4_masquerade,
+            bpf_host_routing,
         },
         cgroup_root: args.cgroup_root,
     };

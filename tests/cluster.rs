@@ -801,3 +801,64 @@ fn a_reused_pod_address_is_never_admitted_under_the_old_pods_identity() {
     );
     assert!(tries >= 8, "the probers ran ({tries} attempts)");
 }
+
+/// Packets node `i`'s pods sent to other nodes through BPF host routing.
+fn host_routed(c: &mut Cluster, i: usize) -> u64 {
+    let pins = c.node(i).bpffs.join("ciliate");
+    ciliate::datapath::bpf::host_routes::routed_packets(&pins).expect("read host_routed")
+}
+
+/// Native routing sends an allowed packet from the pod's veth straight out of the node's
+/// device (BPF host routing), and policy still decides on both ends: node 1's egress rule drops
+/// before the redirect, node 2's ingress rule judges what arrives. With
+/// `--enable-host-legacy-routing` the packets take the host stack instead.
+#[test]
+fn bpf_host_routing_carries_allowed_pod_traffic_and_policy_still_decides_on_both_ends() {
+    if !privileged() {
+        return;
+    }
+    let mut c = Cluster::start(2);
+    let a = c.add_pod(1, "a", "a");
+    let other = c.add_pod(1, "other", "other");
+    let b = c.add_pod(2, "b", "b");
+    let dst = IpAddr::V4(b.addr);
+    tcp_server(&b.netns, dst, 8080);
+    eventually("a reaches b across nodes", || tcp_ok(&a.netns, dst, 8080));
+    let before = host_routed(&mut c, 1);
+    assert!(before > 0, "the packets left through BPF host routing");
+    assert!(tcp_ok(&a.netns, dst, 8080));
+    assert!(
+        host_routed(&mut c, 1) > before,
+        "every new flow takes it too"
+    );
+
+    // Node 2's ingress policy still judges what host routing delivered.
+    c.api().apply_json(cnp_b_from_a()).expect("policy");
+    eventually("b admits a only", || {
+        tcp_ok(&a.netns, dst, 8080) && !tcp_ok(&other.netns, dst, 8080)
+    });
+    // Node 1's egress policy drops before any redirect.
+    c.api()
+        .apply_json(json!({
+            "apiVersion": "cilium.io/v2", "kind": "CiliumNetworkPolicy",
+            "metadata": {"name": "a-egress-none", "namespace": "x"},
+            "spec": {"endpointSelector": {"matchLabels": {"app": "a"}},
+                     "egressDeny": [{"toEndpoints": [{"matchLabels": {"app": "b"}}]}]}
+        }))
+        .expect("policy");
+    eventually("a's egress deny holds", || !tcp_ok(&a.netns, dst, 8080));
+}
+
+#[test]
+fn legacy_host_routing_keeps_pod_traffic_on_the_host_stack() {
+    if !privileged() {
+        return;
+    }
+    let mut c = Cluster::start_with(2, &["--enable-host-legacy-routing=true"]);
+    let a = c.add_pod(1, "a", "a");
+    let b = c.add_pod(2, "b", "b");
+    let dst = IpAddr::V4(b.addr);
+    tcp_server(&b.netns, dst, 8080);
+    eventually("a reaches b across nodes", || tcp_ok(&a.netns, dst, 8080));
+    assert_eq!(host_routed(&mut c, 1), 0, "nothing took BPF host routing");
+}

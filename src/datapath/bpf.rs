@@ -387,6 +387,7 @@ unsafe impl Pod for types::datapath_config {}
 
 pub mod conntrack;
 pub mod datapath;
+pub mod host_routes;
 pub mod services;
 pub mod tcx;
 

@@ -67,6 +67,18 @@ pub async fn run_route_reconciler(
         for r in rows.iter().filter(|r| r.route.starts_with("error")) {
             tracing::warn!(node = %r.name, state = %r.route, "node not routed");
         }
+        if let Some(pins) = &cfg.bpf_host_routing {
+            // Only prefixes whose kernel route is in place: the program's FIB lookup must find
+            // the route this agent installed.
+            let routed: std::collections::BTreeSet<ipnet::Ipv4Net> = outcome
+                .iter()
+                .filter(|(_, o)| o.is_ok())
+                .map(|(r, _)| r.dst)
+                .collect();
+            if let Err(e) = crate::datapath::bpf::host_routes::sync(pins, &routed) {
+                tracing::warn!(error = %e, "BPF host routing map not updated; pod traffic to other nodes takes the host stack");
+            }
+        }
         let masq = masquerade.reconcile(&local, &snapshot, &cfg).await;
         if let Ok(mut v) = view.lock() {
             v.routes_installed = outcome.values().filter(|o| o.is_ok()).count();

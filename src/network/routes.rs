@@ -48,6 +48,9 @@ pub struct RoutingConfig {
     pub install: bool,
     /// `--enable-ipv4-masquerade`: pod traffic leaving the native routing CIDR is SNATed.
     pub masquerade: bool,
+    /// BPF host routing (native mode, eBPF datapath, unless `--enable-host-legacy-routing`):
+    /// where the pinned maps are, whose `host_routes` gets the installed routes' prefixes.
+    pub bpf_host_routing: Option<std::path::PathBuf>,
 }
 
 impl Default for RoutingConfig {
@@ -59,6 +62,7 @@ impl Default for RoutingConfig {
             native_routing_cidr: None,
             install: false,
             masquerade: true,
+            bpf_host_routing: None,
         }
     }
 }
@@ -443,7 +447,7 @@ mod tests {
         );
         let memory = RoutingConfig {
             install: false,
-            ..cfg
+            ..cfg.clone()
         };
         assert_eq!(node_row(&plans[1], &memory, &outcome).route, "none");
         let row = node_row(&plans[1], &cfg, &outcome);

@@ -1,0 +1,91 @@
+//! The prefixes BPF host routing applies to (`bpf/lib/hostroute.h`): the other nodes' pod
+//! CIDRs this agent has kernel routes for. Written by the route reconciler after each pass,
+//! so a prefix is in the map only while its route is in the kernel: the program's FIB lookup
+//! then always finds the route the agent installed.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+
+use ipnet::Ipv4Net;
+use libbpf_rs::{MapCore, MapFlags, MapHandle};
+
+use crate::datapath::DatapathError;
+
+/// The pinned map's name under `<bpf-root>/ciliate/`.
+pub const MAP: &str = "host_routes";
+/// The count of packets sent by host routing (per CPU), for tests and introspection.
+pub const COUNTER: &str = "host_routed";
+
+/// The map key: prefix length, then the address in network order.
+pub fn key(net: Ipv4Net) -> [u8; 8] {
+    let mut k = [0u8; 8];
+    k[..4].copy_from_slice(&u32::from(net.prefix_len()).to_ne_bytes());
+    k[4..].copy_from_slice(&net.network().octets());
+    k
+}
+
+fn decode(k: &[u8]) -> Option<Ipv4Net> {
+    let len = u32::from_ne_bytes(k.get(..4)?.try_into().ok()?);
+    let a: [u8; 4] = k.get(4..8)?.try_into().ok()?;
+    Ipv4Net::new(a.into(), u8::try_from(len).ok()?).ok()
+}
+
+/// Makes the map hold exactly `want`. `Ok(false)`: the datapath has not created the map (yet).
+pub fn sync(pins: &Path, want: &BTreeSet<Ipv4Net>) -> Result<bool, DatapathError> {
+    let path = pins.join(MAP);
+    if !path.exists() {
+        return Ok(false);
+    }
+    let err = |what: String| {
+        move |e: libbpf_rs::Error| DatapathError::System {
+            operation: what,
+            message: e.to_string(),
+        }
+    };
+    let map =
+        MapHandle::from_pinned_path(&path).map_err(err(format!("open {}", path.display())))?;
+    let have: BTreeSet<Ipv4Net> = map.keys().filter_map(|k| decode(&k)).collect();
+    for gone in have.difference(want) {
+        map.delete(&key(*gone))
+            .map_err(err(format!("remove host route {gone}")))?;
+    }
+    for add in want.difference(&have) {
+        map.update(&key(*add), &1u32.to_ne_bytes(), MapFlags::ANY)
+            .map_err(err(format!("add host route {add}")))?;
+    }
+    Ok(true)
+}
+
+/// Packets sent by host routing so far (all CPUs).
+pub fn routed_packets(pins: &Path) -> Result<u64, DatapathError> {
+    let path = pins.join(COUNTER);
+    let map = MapHandle::from_pinned_path(&path).map_err(|e| DatapathError::System {
+        operation: format!("open {}", path.display()),
+        message: e.to_string(),
+    })?;
+    let per_cpu = map
+        .lookup_percpu(&0u32.to_ne_bytes(), MapFlags::ANY)
+        .map_err(|e| DatapathError::System {
+            operation: "read host_routed".into(),
+            message: e.to_string(),
+        })?
+        .unwrap_or_default();
+    Ok(per_cpu
+        .iter()
+        .filter_map(|v| v.get(..8).and_then(|b| b.try_into().ok()))
+        .map(u64::from_ne_bytes)
+        .sum())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_round_trip_in_the_programs_layout() {
+        let net: Ipv4Net = "10.200.2.0/24".parse().unwrap();
+        let k = key(net);
+        assert_eq!(&k[4..], &[10, 200, 2, 0], "the address in network order");
+        assert_eq!(decode(&k), Some(net));
+    }
+}
