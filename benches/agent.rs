@@ -19,12 +19,12 @@ use ciliate::actors::policy_repo::{
     AddEndpoint, EndpointRequest, GetPolicies, InitialSyncDone, ListEndpoints, NamespaceUpsert,
     PodUpsert, PolicyUpsert,
 };
-use ciliate::agent::objects::{NamespaceInfo, PodInfo};
 use ciliate::agent::run::{spawn_core, Core};
-use ciliate::agent::state::StateDir;
-use ciliate::agent::Shared;
 use ciliate::datapath::memory::MemoryDatapath;
+use ciliate::endpoint::state::StateDir;
+use ciliate::objects::{NamespaceInfo, PodInfo};
 use ciliate::policy::translate::parse_policy;
+use ciliate::runtime::Shared;
 
 const NAMESPACES: usize = 50;
 const REMOTE_PODS: usize = 5000;

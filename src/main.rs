@@ -45,7 +45,7 @@ fn agent(args: AgentArgs) -> i32 {
             .and_then(|h| h.into_string().ok())
             .unwrap_or_else(|| "localhost".into())
     });
-    let bpf_host_routing = (args.datapath == ciliate::agent::run::DatapathKind::Bpf
+    let bpf_host_routing = (args.datapath == ciliate::config::DatapathKind::Bpf
         && args.routing_mode == ciliate::network::RoutingMode::Native
         && !args.enable_host_legacy_routing)
         .then(|| args.bpf_root.join("ciliate"));
@@ -72,7 +72,7 @@ fn agent(args: AgentArgs) -> i32 {
             tunnel_protocol: args.tunnel_protocol,
             auto_direct_node_routes: args.auto_direct_node_routes,
             native_routing_cidr: args.ipv4_native_routing_cidr.map(|n| n.trunc()),
-            install: args.datapath == ciliate::agent::run::DatapathKind::Bpf,
+            install: args.datapath == ciliate::config::DatapathKind::Bpf,
             masquerade: args.enable_ipv4_masquerade,
             bpf_host_routing,
         },

@@ -585,7 +585,8 @@ fn apply_slice(c: &Cluster, service: &str, backends: &[Ipv4Addr], port: u16, pro
 /// Three nodes in Kubernetes mode, each agent translating Services for its own cgroup. Pod a
 /// on node 1 may talk only to kube-dns on 53 and app=b on 8080. Through ClusterIPs (blackholed
 /// in every pod, so only translation reaches anything): it resolves a name through the kube-dns
-/// Service (the DNS pod on node 3), reaches b on node 2, is denied through c's Service, a
+/// Service (the DNS pod on node 3), reaches b on node 2 (also with a kube-proxy-style DNAT rule
+/// for the ClusterIP present on the node), is denied through c's Service, a
 /// backend taken out of the slice gets no new connection, and with node 1's agent killed (-9)
 /// new connections are still translated, the restart keeping every id.
 #[test]
@@ -687,6 +688,34 @@ fn services_across_nodes_in_kubernetes_mode_are_translated_before_egress_policy(
     // b through its Service, b on node 2.
     let r = client(&a.netns, &cgroup, "tcp", to(20, 80));
     assert_eq!(r, "ok b1", "b through its ClusterIP");
+    // With kube-proxy's rules present too (here a DNAT of b's ClusterIP to c in node 1's nat
+    // table, as kube-proxy's nftables mode writes it), the agent's translation comes first:
+    // the packets already carry b's address, the rule never matches, b's identity is judged.
+    let node1_ns = c.nodes[0].netns.clone();
+    let rules = format!(
+        "table ip kube-proxy-test {{ chain pre {{ type nat hook prerouting priority dstnat; \
+         ip daddr {net}.20 tcp dport 80 dnat to {}:8080; }} }}",
+        cc.addr
+    );
+    let nft = Command::new("ip")
+        .args(["netns", "exec", &node1_ns, "nft", &rules])
+        .output()
+        .expect("nft runs (nftables is installed by .ci/setup)");
+    assert!(
+        nft.status.success(),
+        "{}",
+        String::from_utf8_lossy(&nft.stderr)
+    );
+    assert_eq!(client(&a.netns, &cgroup, "tcp", to(20, 80)), "ok b1");
+    let _ = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &node1_ns,
+            "nft",
+            "delete table ip kube-proxy-test",
+        ])
+        .output();
     // c's Service: translated to c, which a's egress policy does not allow.
     let r = client(&a.netns, &cgroup, "tcp", to(30, 80));
     assert!(r.starts_with("err"), "c through its Service is denied: {r}");

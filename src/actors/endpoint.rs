@@ -21,14 +21,14 @@ use serde::Serialize;
 
 use super::loader::{AttachEndpoint, DetachEndpoint, LoaderActor, SyncPolicyMap};
 use super::rule_reaction::{EndpointGone, EndpointRealized, RuleReactionActor};
-use crate::agent::introspect::{Journal, Traceable, TracedAddr};
-use crate::agent::state::EndpointRecord;
-use crate::agent::Shared;
 use crate::datapath::{DatapathError, EndpointAttachment, EndpointFlags, EndpointId, SyncStats};
+use crate::endpoint::state::EndpointRecord;
+use crate::introspect::{Journal, Traceable, TracedAddr};
 use crate::policy::engine::{EndpointView, NamedPort, PolicyEngine};
 use crate::policy::identity::NumericIdentity;
 use crate::policy::labels::Labels;
 use crate::policy::mapstate::MapState;
+use crate::runtime::Shared;
 
 /// Where an endpoint is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -344,8 +344,8 @@ impl EndpointActor {
     }
 }
 
-fn outcome_label(s: &str) -> crate::agent::metrics::OutcomeLabels {
-    crate::agent::metrics::OutcomeLabels {
+fn outcome_label(s: &str) -> crate::metrics::OutcomeLabels {
+    crate::metrics::OutcomeLabels {
         outcome: s.to_string(),
     }
 }

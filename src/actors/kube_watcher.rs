@@ -4,7 +4,7 @@
 //! One kube-runtime watcher per resource (Namespaces, Nodes, Services, Pods of every node,
 //! NetworkPolicies, CiliumNetworkPolicies, CiliumClusterwideNetworkPolicies) runs as a task that
 //! hands each event to this actor as a [`WatchEvent`]. The actor converts the object
-//! (`agent::objects`, `policy::translate`), drops events that change nothing the agent uses (a
+//! (`objects`, `policy::translate`), drops events that change nothing the agent uses (a
 //! status write, a pod's condition), and sends the same messages the standalone watcher sends.
 //!
 //! Initial sync. Until every resource has listed once, changes are held; then they go to
@@ -35,17 +35,17 @@ use super::policy_repo::{
     InitialSyncDone, NamespaceDelete, NamespaceUpsert, NodeDelete, NodeUpsert, PodDelete,
     PodUpsert, PolicyDelete, PolicyRejected, PolicyRepoActor, PolicyUpsert, ServiceUpsert,
 };
-use crate::agent::introspect::{Traceable, TracedAddr};
-use crate::agent::objects::{
+use crate::introspect::{Traceable, TracedAddr};
+use crate::k8s::crd::{CiliumClusterwideNetworkPolicy, CiliumNetworkPolicy};
+use crate::k8s::node::{desired_annotations, needs_update};
+use crate::objects::{
     endpoint_slice_info, namespace_info, node_info, pod_info, service_info, EndpointSliceInfo,
     NamespaceInfo, NodeInfo, PodInfo, ServiceInfo,
 };
-use crate::agent::Shared;
-use crate::k8s::crd::{CiliumClusterwideNetworkPolicy, CiliumNetworkPolicy};
-use crate::k8s::node::{desired_annotations, needs_update};
 use crate::policy::rule::{PolicyKey, PolicyKind};
 use crate::policy::services::ServiceTracker;
 use crate::policy::translate::parse_policy_with_services;
+use crate::runtime::Shared;
 use crate::traced_actor;
 
 const NAME: &str = "WatcherActor";
@@ -293,7 +293,7 @@ impl KubeWatcherActor {
     }
 
     fn on_change(&mut self, resource: Watched, change: Change) {
-        let labels = crate::agent::metrics::ResourceLabels {
+        let labels = crate::metrics::ResourceLabels {
             resource: resource.kind().to_string(),
         };
         let family = if matches!(change, Change::Error(_)) {

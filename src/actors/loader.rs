@@ -4,14 +4,14 @@
 use actix::{Actor, Context, Handler, Message};
 use ipnet::IpNet;
 
-use crate::agent::introspect::Traceable;
-use crate::agent::Shared;
 use crate::datapath::{
     Datapath, DatapathError, EndpointAttachment, EndpointFlags, EndpointId, PolicyMapDump,
     SyncStats,
 };
+use crate::introspect::Traceable;
 use crate::policy::identity::NumericIdentity;
 use crate::policy::mapstate::MapDelta;
+use crate::runtime::Shared;
 use crate::traced_actor;
 
 pub struct LoaderActor {

@@ -1,6 +1,6 @@
 //! The agent's actors (actix). Each file holds one actor and the messages it receives; the
-//! handlers are thin and call the pure libraries (`policy`, `datapath`, `agent::state`).
-//! Every message travels in a `Traced` envelope (see `agent::introspect`).
+//! handlers are thin and call the pure libraries (`policy`, `datapath`, `endpoint::state`).
+//! Every message travels in a `Traced` envelope (see `introspect`).
 //!
 //! ```text
 //! WatcherActor --PolicyUpsert/PodUpsert/...--> PolicyRepoActor --PolicyReaction--> RuleReactionActor

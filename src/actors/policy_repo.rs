@@ -15,11 +15,10 @@ use serde::Serialize;
 use super::endpoint::{Delete, EndpointActor, EndpointModel, Regenerate, SetIdentity};
 use super::loader::{IpcacheChange, LoaderActor};
 use super::rule_reaction::{EndpointHandle, PolicyReaction, RuleReactionActor};
-use crate::agent::introspect::{Traceable, TracedAddr};
-use crate::agent::objects::{NamespaceInfo, NodeInfo, PodInfo, ServiceInfo};
-use crate::agent::state::EndpointRecord;
-use crate::agent::Shared;
 use crate::datapath::EndpointId;
+use crate::endpoint::state::EndpointRecord;
+use crate::introspect::{Traceable, TracedAddr};
+use crate::objects::{NamespaceInfo, NodeInfo, PodInfo, ServiceInfo};
 use crate::policy::engine::{NamedPort, PolicyEngine};
 use crate::policy::identity::{
     reserved_name, NumericIdentity, IDENTITY_HOST, IDENTITY_REMOTE_NODE,
@@ -27,6 +26,7 @@ use crate::policy::identity::{
 use crate::policy::labels::{Label, Labels};
 use crate::policy::rule::PolicyKey;
 use crate::policy::translate::ParsedPolicy;
+use crate::runtime::Shared;
 use crate::traced_actor;
 
 const NAME: &str = "PolicyRepoActor";
@@ -82,7 +82,7 @@ pub struct PolicyOverview {
     /// Manifest files that could not be read, with the error (their last good objects stay).
     pub manifest_errors: BTreeMap<String, String>,
     /// Recent policy changes and how long each took to be enforced everywhere it applies.
-    pub recent_implementations: Vec<crate::agent::Implementation>,
+    pub recent_implementations: Vec<crate::runtime::Implementation>,
 }
 
 /// `/debug/identities`.
@@ -919,7 +919,7 @@ impl PolicyRepoActor {
     /// This node's Node object names its pod CIDR (`ParseNode`: `spec.podCIDRs`, else the
     /// annotation): IPAM serves that range from now on, with every endpoint's address
     /// reserved. A range already handing out addresses is never swapped under its pods.
-    fn adopt_node_pod_cidr(&self, node: &crate::agent::objects::NodeInfo) {
+    fn adopt_node_pod_cidr(&self, node: &crate::objects::NodeInfo) {
         use crate::ipam::{node_pod_cidr, Ipam};
         let (cidr, source) = match node_pod_cidr(&node.pod_cidrs, &node.annotations) {
             Ok(Some(c)) => c,

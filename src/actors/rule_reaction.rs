@@ -21,9 +21,9 @@ use actix::{Actor, AsyncContext, Context, Handler, Message, SpawnHandle};
 
 use super::endpoint::{BumpRevision, EndpointActor, Regenerate};
 use super::loader::{IpcacheChange, LoaderActor, UpdateIpcache};
-use crate::agent::introspect::{Traceable, TracedAddr};
-use crate::agent::Shared;
 use crate::datapath::EndpointId;
+use crate::introspect::{Traceable, TracedAddr};
+use crate::runtime::Shared;
 use crate::traced_actor;
 
 const NAME: &str = "RuleReactionActor";
@@ -94,7 +94,7 @@ impl RuleReactionActor {
         };
         if p.observe_delay {
             self.shared
-                .record_implementation(crate::agent::Implementation {
+                .record_implementation(crate::runtime::Implementation {
                     revision: p.revision,
                     reason: p.reason,
                     endpoints: p.endpoints,

@@ -26,11 +26,11 @@ use super::policy_repo::{
     PodDelete, PodUpsert, PolicyDelete, PolicyRejected, PolicyRepoActor, PolicyUpsert,
     ServiceUpsert,
 };
-use crate::agent::introspect::{Traceable, TracedAddr};
-use crate::agent::objects::{
+use crate::introspect::{Traceable, TracedAddr};
+use crate::manifests::{Body, Delta, Limits, ObjKey, ScanStats, Scanner, DEFAULT_NAMESPACE};
+use crate::objects::{
     endpoint_slice_info, namespace_info, node_info, pod_info, service_info, ServiceInfo,
 };
-use crate::manifests::{Body, Delta, Limits, ObjKey, ScanStats, Scanner, DEFAULT_NAMESPACE};
 use crate::policy::rule::{PolicyKey, PolicyKind};
 use crate::policy::services::ServiceTracker;
 use crate::policy::translate::parse_policy_with_services;

@@ -9,11 +9,7 @@ use std::time::Instant;
 use actix::{Actor, AsyncContext};
 use actix_web::web;
 
-use super::introspect::{Registry, TracedAddr};
 use super::listen::{raise_fd_limit, ListenError, Listeners};
-use super::restore;
-use super::state::{StateDir, StateLock};
-use super::Shared;
 use crate::actors::kube_watcher::KubeWatcherActor;
 use crate::actors::loader::{LoaderActor, SweepStrayEndpoints};
 use crate::actors::policy_repo::{
@@ -24,20 +20,12 @@ use crate::actors::watcher::WatcherActor;
 use crate::api::{debug_server, socket_server, AppState, DebugLimits};
 use crate::datapath::memory::MemoryDatapath;
 use crate::datapath::Datapath;
+use crate::endpoint::restore;
+use crate::endpoint::state::{StateDir, StateLock};
+use crate::introspect::{Registry, TracedAddr};
+use crate::runtime::Shared;
 
-/// Where the cluster state comes from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Mode {
-    Standalone,
-    Kubernetes,
-}
-
-/// Which datapath enforces policy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum DatapathKind {
-    Bpf,
-    Memory,
-}
+pub use crate::config::{DatapathKind, Mode};
 
 /// `ciliate agent` settings (interfaces.md section 2).
 #[derive(Debug, Clone)]
@@ -73,7 +61,7 @@ pub enum AgentError {
     #[error("{0}")]
     Config(String),
     #[error(transparent)]
-    State(#[from] super::state::StateError),
+    State(#[from] crate::endpoint::state::StateError),
     #[error(transparent)]
     Listen(#[from] ListenError),
     #[error("{what}: {source}")]
@@ -400,7 +388,7 @@ async fn run_async(
     }
     // Never two live endpoints with one address: a later record claiming a kept address is
     // refused, set aside for a human, and its interface reclaimed (crate::cni::recover).
-    let (records, refused) = super::state::partition_duplicate_ips(records);
+    let (records, refused) = crate::endpoint::state::partition_duplicate_ips(records);
     let refused: Vec<_> = refused
         .into_iter()
         .map(|(rec, why)| {

@@ -20,10 +20,10 @@ use actix_web::{web, HttpResponse};
 use super::{endpoint_model, AppState, FROM};
 use crate::actors::endpoint::EndpointModel;
 use crate::actors::policy_repo::{AddEndpoint, DeleteEndpoint, EndpointRequest, FindEndpoint};
-use crate::agent::state::{AddIntent, StateError};
 use crate::cni::{code, CniError, CniInterface, CniIp, CniRequest, CniResult, CniRoute};
 use crate::datapath::netdev::{self, PodInterfaceSpec, POD_GATEWAY};
 use crate::datapath::EndpointId;
+use crate::endpoint::state::{AddIntent, StateError};
 
 /// How long ADD waits for the agent's initial sync and for the endpoint's first policy.
 const ADD_WAIT: Duration = Duration::from_secs(20);

@@ -22,9 +22,9 @@ use crate::actors::policy_repo::{
     AddEndpoint, ApiError, DeleteEndpoint, EndpointRequest, FindEndpoint, GetIdentities,
     GetIpcacheView, GetPolicies, ListEndpoints, PolicyRepoActor,
 };
-use crate::agent::introspect::TracedAddr;
-use crate::agent::Shared;
 use crate::datapath::EndpointId;
+use crate::introspect::TracedAddr;
+use crate::runtime::Shared;
 
 /// What every handler can reach.
 #[derive(Clone)]
@@ -130,7 +130,7 @@ async fn metrics(st: web::Data<AppState>) -> HttpResponse {
     let m = &st.shared.metrics;
     for (kind, depth) in st.shared.registry.mailboxes_by_kind() {
         m.actor_mailbox
-            .get_or_create(&crate::agent::metrics::ActorLabels {
+            .get_or_create(&crate::metrics::ActorLabels {
                 actor: kind.to_string(),
             })
             .set(depth);
@@ -452,7 +452,7 @@ pub struct DebugLimits {
 /// One of the debug server's connection slots, given back when the connection ends.
 struct ConnectionSlot {
     active: Arc<AtomicUsize>,
-    metrics: Arc<crate::agent::metrics::Metrics>,
+    metrics: Arc<crate::metrics::Metrics>,
 }
 
 impl ConnectionSlot {
@@ -460,7 +460,7 @@ impl ConnectionSlot {
     fn take(
         active: &Arc<AtomicUsize>,
         max: usize,
-        metrics: &Arc<crate::agent::metrics::Metrics>,
+        metrics: &Arc<crate::metrics::Metrics>,
     ) -> Option<ConnectionSlot> {
         active
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
@@ -579,7 +579,7 @@ mod tests {
     #[test]
     fn connection_slots_stop_at_the_cap_and_come_back_when_connections_end() {
         let active = Arc::new(AtomicUsize::new(0));
-        let metrics = Arc::new(crate::agent::metrics::Metrics::new());
+        let metrics = Arc::new(crate::metrics::Metrics::new());
         let a = ConnectionSlot::take(&active, 2, &metrics).expect("first slot");
         let b = ConnectionSlot::take(&active, 2, &metrics).expect("second slot");
         assert!(ConnectionSlot::take(&active, 2, &metrics).is_none());

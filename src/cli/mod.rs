@@ -20,7 +20,7 @@ pub mod commands;
 pub use commands::run_client;
 
 /// Default paths and addresses (interfaces.md section 2).
-pub const DEFAULT_SOCKET: &str = "/var/run/ciliate/ciliate.sock";
+pub use crate::config::DEFAULT_SOCKET;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -135,7 +135,7 @@ pub struct AgentArgs {
     /// standalone (manifests directory) or kubernetes. Default: kubernetes in a cluster or with
     /// --kubeconfig, else standalone.
     #[arg(long, value_enum)]
-    pub mode: Option<crate::agent::run::Mode>,
+    pub mode: Option<crate::config::Mode>,
     /// Standalone: a directory of YAML manifests, watched for edits.
     #[arg(long)]
     pub manifests: Option<PathBuf>,
@@ -146,7 +146,7 @@ pub struct AgentArgs {
     #[arg(long)]
     pub node_name: Option<String>,
     #[arg(long, value_enum, default_value = "bpf")]
-    pub datapath: crate::agent::run::DatapathKind,
+    pub datapath: crate::config::DatapathKind,
     #[arg(long, default_value = "/var/run/ciliate")]
     pub state_dir: PathBuf,
     #[arg(long, default_value = "/sys/fs/bpf")]

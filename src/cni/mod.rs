@@ -279,7 +279,7 @@ fn plugin(env: &BTreeMap<String, String>, stdin: &str) -> Result<String, CniErro
     let socket = conf
         .agent_socket
         .clone()
-        .unwrap_or_else(|| PathBuf::from(crate::cli::DEFAULT_SOCKET));
+        .unwrap_or_else(|| PathBuf::from(crate::config::DEFAULT_SOCKET));
     let need = |k: &str| -> Result<String, CniError> {
         env.get(k)
             .filter(|v| !v.is_empty())

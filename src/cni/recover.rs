@@ -5,8 +5,8 @@
 
 use std::net::IpAddr;
 
-use crate::agent::state::{AddIntent, EndpointRecord, StateDir};
 use crate::datapath::netdev;
+use crate::endpoint::state::{AddIntent, EndpointRecord, StateDir};
 
 /// What a leftover intent record asks for at start-up.
 #[derive(Debug, Clone, PartialEq, Eq)]

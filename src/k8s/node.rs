@@ -14,8 +14,8 @@ use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::json;
 
-use crate::agent::objects::NodeInfo;
 use crate::ipam::{HOST_IP_ANNOTATION, POD_CIDR_ANNOTATION};
+use crate::objects::NodeInfo;
 
 /// The annotations this node should carry: the pod CIDR IPAM serves (if any) and the node's
 /// first IPv4 address (if any).

@@ -306,12 +306,12 @@ pub async fn run_status_writer(
     node_name: String,
     mut events: tokio::sync::mpsc::UnboundedReceiver<PolicyStatusEvent>,
     options: WriterOptions,
-    metrics: std::sync::Arc<crate::agent::metrics::Metrics>,
+    metrics: std::sync::Arc<crate::metrics::Metrics>,
 ) {
     let outcome = |o: &str| {
         metrics
             .policy_status_writes
-            .get_or_create(&crate::agent::metrics::OutcomeLabels {
+            .get_or_create(&crate::metrics::OutcomeLabels {
                 outcome: o.to_string(),
             })
             .inc();

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::agent::objects::NodeInfo;
+use crate::objects::NodeInfo;
 pub use routes::{RoutingConfig, RoutingMode, RoutingView, TunnelProtocol};
 
 /// How often the kernel's routes are compared with the desired state even without a Node

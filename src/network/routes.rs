@@ -8,7 +8,7 @@ use std::net::{IpAddr, Ipv4Addr};
 use ipnet::Ipv4Net;
 use serde::{Deserialize, Serialize};
 
-use crate::agent::objects::NodeInfo;
+use crate::objects::NodeInfo;
 
 /// `--routing-mode`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]

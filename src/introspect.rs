@@ -426,15 +426,15 @@ pub fn record_handled<R: Outcome>(
 macro_rules! traced_actor {
     ($actor:ty : $($msg:ty),+ $(,)?) => {
         $(
-            impl ::actix::Handler<$crate::agent::introspect::Traced<$msg>> for $actor {
+            impl ::actix::Handler<$crate::introspect::Traced<$msg>> for $actor {
                 type Result = <$actor as ::actix::Handler<$msg>>::Result;
 
-                fn handle(&mut self, t: $crate::agent::introspect::Traced<$msg>, ctx: &mut Self::Context) -> Self::Result {
-                    let $crate::agent::introspect::Traced { msg, from, enqueued_at, journal } = t;
-                    let summary = $crate::agent::introspect::Traceable::summary(&msg);
-                    $crate::agent::introspect::record_handled(
+                fn handle(&mut self, t: $crate::introspect::Traced<$msg>, ctx: &mut Self::Context) -> Self::Result {
+                    let $crate::introspect::Traced { msg, from, enqueued_at, journal } = t;
+                    let summary = $crate::introspect::Traceable::summary(&msg);
+                    $crate::introspect::record_handled(
                         &journal,
-                        <$msg as $crate::agent::introspect::Traceable>::KIND,
+                        <$msg as $crate::introspect::Traceable>::KIND,
                         summary,
                         from,
                         enqueued_at,

@@ -197,7 +197,7 @@ impl Metrics {
     }
 
     /// Counts one saved endpoint's outcome at start-up.
-    pub fn restore_outcome(&self, outcome: crate::agent::restore::Outcome) {
+    pub fn restore_outcome(&self, outcome: crate::endpoint::restore::Outcome) {
         self.endpoint_restore
             .get_or_create(&OutcomeLabels {
                 outcome: outcome.label().into(),

@@ -11,7 +11,7 @@
 
 use std::path::Path;
 
-use crate::agent::state::EndpointRecord;
+use crate::endpoint::state::EndpointRecord;
 
 /// What start-up decided for one saved endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

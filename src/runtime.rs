@@ -1,0 +1,123 @@
+//! The services every actor and the API share while the agent runs (`Shared`): introspection,
+//! metrics, the engine, the endpoint state directory, IPAM, the node and routing views, Service
+//! translation, and the record of recent policy implementations. A leaf of the runtime: it
+//! imports the libraries it holds and nothing that builds on it (actors, API, agent).
+
+use std::collections::VecDeque;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex, RwLock};
+
+use serde::Serialize;
+
+use crate::policy::engine::PolicyEngine;
+
+/// How many recent policy implementations `/debug/policy` keeps.
+pub const IMPLEMENTATIONS_KEPT: usize = 256;
+
+/// One policy change, from being accepted to every affected endpoint realizing it.
+#[derive(Debug, Clone, Serialize)]
+pub struct Implementation {
+    pub revision: u64,
+    pub reason: String,
+    pub endpoints: usize,
+    pub seconds: f64,
+}
+
+/// Services every actor can reach.
+#[derive(Clone)]
+pub struct Shared {
+    pub registry: Arc<crate::introspect::Registry>,
+    pub metrics: Arc<crate::metrics::Metrics>,
+    /// The policy engine. `PolicyRepoActor` is its only writer; endpoints read it to resolve
+    /// their policy at the revision they observe.
+    pub engine: Arc<RwLock<PolicyEngine>>,
+    pub state_dir: crate::endpoint::state::StateDir,
+    pub node_name: String,
+    /// Initial sync done and every restored endpoint regenerated.
+    pub ready: Arc<AtomicBool>,
+    /// The most recent policy implementations (newest last).
+    pub implementations: Arc<Mutex<VecDeque<Implementation>>>,
+    /// Node IPAM (the CNI plugin's addresses): set from `--pod-cidr` at start, or from this
+    /// node's Node object when it gives a pod CIDR.
+    pub ipam: Arc<Mutex<crate::ipam::NodeIpam>>,
+    /// Policy verdict events from the datapath, for `ciliate monitor` (each subscriber gets all).
+    pub events: tokio::sync::broadcast::Sender<crate::datapath::events::VerdictEvent>,
+    /// What the initial sync still waits for (e.g. `CiliumNetworkPolicy: not listed yet (last
+    /// error: ...)`), shown by `/readyz` while not ready.
+    pub sync_waiting: Arc<Mutex<Vec<String>>>,
+    /// Kubernetes mode: where policy outcomes go to be written into CNP/CCNP status.
+    pub policy_status: Option<crate::k8s::status::PolicyStatusSink>,
+    /// The Node objects known, for the route reconciler (`PolicyRepoActor` publishes them).
+    pub nodes: tokio::sync::watch::Sender<crate::network::NodeSet>,
+    /// Routing as realized: mode, routes installed, one row per node (`node list`).
+    pub routing: Arc<Mutex<crate::network::RoutingView>>,
+    /// The MTU the CNI gives pod interfaces (lowered by the tunnel's overhead in tunnel mode).
+    pub pod_mtu: u32,
+    /// Services and their translation (in process until the agent attaches the BPF programs).
+    pub services: Arc<crate::services::ServiceLb>,
+}
+
+impl Shared {
+    /// Fresh services for one agent: metrics hooked to the actors' journals.
+    pub fn new(node_name: &str, state_dir: crate::endpoint::state::StateDir) -> Shared {
+        let metrics = Arc::new(crate::metrics::Metrics::new());
+        let hook_metrics = metrics.clone();
+        let hook: crate::introspect::HandledHook = Arc::new(move |actor, message, _ok| {
+            hook_metrics
+                .actor_messages_handled
+                .get_or_create(&crate::metrics::ActorMessageLabels {
+                    actor: actor.to_string(),
+                    message: message.to_string(),
+                })
+                .inc();
+        });
+        Shared {
+            registry: Arc::new(crate::introspect::Registry::new(Some(hook))),
+            metrics,
+            engine: Arc::new(RwLock::new(PolicyEngine::new())),
+            state_dir,
+            node_name: node_name.to_string(),
+            ready: Arc::new(AtomicBool::new(false)),
+            implementations: Arc::new(Mutex::new(VecDeque::new())),
+            ipam: Arc::new(Mutex::new(crate::ipam::NodeIpam::default())),
+            events: tokio::sync::broadcast::channel(4096).0,
+            sync_waiting: Arc::new(Mutex::new(Vec::new())),
+            policy_status: None,
+            nodes: tokio::sync::watch::channel(Default::default()).0,
+            routing: Arc::new(Mutex::new(crate::network::RoutingView {
+                mode: crate::network::RoutingMode::Native.as_str().into(),
+                ..Default::default()
+            })),
+            pod_mtu: crate::network::tunnel::LINK_MTU,
+            services: Arc::new(crate::services::ServiceLb::memory(None)),
+        }
+    }
+
+    /// Records a finished policy implementation.
+    pub fn record_implementation(&self, imp: Implementation) {
+        self.metrics
+            .policy_implementation_delay
+            .observe(imp.seconds);
+        if let Ok(mut v) = self.implementations.lock() {
+            if v.len() == IMPLEMENTATIONS_KEPT {
+                v.pop_front();
+            }
+            v.push_back(imp);
+        }
+    }
+
+    /// Tells the policy status writer (Kubernetes mode) what happened to a policy.
+    pub fn report_policy(&self, event: crate::k8s::status::PolicyStatusEvent) {
+        if let Some(sink) = &self.policy_status {
+            sink.report(event);
+        }
+    }
+
+    /// The recorded implementations, oldest first.
+    pub fn implementations(&self) -> Vec<Implementation> {
+        self.implementations
+            .lock()
+            .map(|v| v.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+}
