@@ -595,7 +595,8 @@ fn services_across_nodes_in_kubernetes_mode_are_translated_before_egress_policy(
         return;
     }
     let mut c = Cluster::start_with_services(3);
-    let net = format!("10.96.{}", 100 + std::process::id() % 150);
+    // Not the single-node test's range (same process id): each test's ClusterIPs are its own.
+    let net = format!("10.97.{}", 100 + std::process::id() % 150);
     let a = c.add_pod(1, "a", "a");
     let free = c.add_pod(1, "free", "free");
     let b1 = c.add_pod(2, "b1", "b");
@@ -693,12 +694,14 @@ fn services_across_nodes_in_kubernetes_mode_are_translated_before_egress_policy(
     // the packets already carry b's address, the rule never matches, b's identity is judged.
     let node1_ns = c.nodes[0].netns.clone();
     let rules = format!(
-        "table ip kube-proxy-test {{ chain pre {{ type nat hook prerouting priority dstnat; \
-         ip daddr {net}.20 tcp dport 80 dnat to {}:8080; }} }}",
+        "table ip kube-proxy-test {{\n  chain pre {{\n    type nat hook prerouting priority dstnat;\n    ip daddr {net}.20 tcp dport 80 dnat to {}:8080\n  }}\n}}\n",
         cc.addr
     );
+    let file = tempfile::NamedTempFile::new().expect("a rules file");
+    std::fs::write(file.path(), rules).expect("write the rules");
     let nft = Command::new("ip")
-        .args(["netns", "exec", &node1_ns, "nft", &rules])
+        .args(["netns", "exec", &node1_ns, "nft", "-f"])
+        .arg(file.path())
         .output()
         .expect("nft runs (nftables is installed by .ci/setup)");
     assert!(
