@@ -28,18 +28,6 @@ fn env(name: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
-fn cgroup2_mount() -> PathBuf {
-    let info = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
-    info.lines()
-        .find_map(|l| {
-            let (pre, post) = l.split_once(" - ")?;
-            (post.split_whitespace().next() == Some("cgroup2"))
-                .then(|| pre.split_whitespace().nth(4).map(PathBuf::from))
-                .flatten()
-        })
-        .expect("a cgroup v2 mount")
-}
-
 /// Removes what the bench made, whatever happens.
 struct Cleanup {
     cgroup: PathBuf,
@@ -84,14 +72,9 @@ fn main() {
     let services = env("CILIATE_BENCH_SERVICES", 10_000).clamp(1, 60_000);
     let connections = env("CILIATE_BENCH_CONNECTIONS", 10_000);
     let tag = std::process::id();
-    let mount = cgroup2_mount();
-    let own = std::fs::read_to_string("/proc/self/cgroup").expect("/proc/self/cgroup");
-    let home = mount.join(
-        own.lines()
-            .find_map(|l| l.strip_prefix("0::"))
-            .expect("a cgroup v2 line")
-            .trim_start_matches('/'),
-    );
+    use ciliate::datapath::cgroup;
+    let mount = cgroup::cgroup2_mount().expect("a cgroup v2 mount");
+    let home = cgroup::own_cgroup(&mount).expect("this process's cgroup");
     let cleanup = Cleanup {
         cgroup: mount.join(format!("ciliate-lbbench-{tag}")),
         home,
@@ -170,11 +153,7 @@ fn main() {
     );
 
     // This process joins the cgroup; the measuring threads run in a namespace with only lo.
-    std::fs::write(
-        cleanup.cgroup.join("cgroup.procs"),
-        std::process::id().to_string(),
-    )
-    .expect("join the bench's cgroup");
+    cgroup::join_cgroup(&cleanup.cgroup).expect("join the bench's cgroup");
     let ns_path = ciliate::datapath::netdev::create_netns(&cleanup.netns).expect("netns");
     let enter = move || {
         let ns = std::fs::File::open(&ns_path).expect("netns file");

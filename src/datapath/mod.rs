@@ -4,6 +4,7 @@
 
 pub mod abi;
 pub mod bpf;
+pub mod cgroup;
 pub mod events;
 pub mod masquerade;
 pub mod memory;

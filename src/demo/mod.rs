@@ -352,7 +352,7 @@ impl Drop for Scratch {
     fn drop(&mut self) {
         self.remove_pods_and_stop_agents();
         if let Some(home) = &self.home_cgroup {
-            if let Err(e) = net::join_cgroup(home) {
+            if let Err(e) = crate::datapath::cgroup::join_cgroup(home) {
                 eprintln!("cleanup: {e}");
             }
         }
@@ -667,7 +667,7 @@ fn run_inner(config: &DemoConfig) -> Result<usize, String> {
     let exe = std::env::current_exe().map_err(|e| format!("cannot find this program: {e}"))?;
     let tag = std::process::id();
     let dir = std::env::temp_dir().join(format!("ciliate-demo-{tag}"));
-    let cgroup_mount = net::cgroup2_mount()?;
+    let cgroup_mount = crate::datapath::cgroup::cgroup2_mount()?;
     let cgroup = cgroup_mount.join(format!("ciliate-demo-{tag}"));
     let mut scratch = Scratch {
         dir: dir.clone(),
@@ -742,8 +742,8 @@ fn run_inner(config: &DemoConfig) -> Result<usize, String> {
     }
     // The demo's own connections (made from inside node 1's pods) are translated by node 1's
     // agent: this process joins node 1's cgroup (after the agents started, so they stay out).
-    scratch.home_cgroup = Some(net::own_cgroup(&cgroup_mount)?);
-    net::join_cgroup(&scratch.nodes[0].cgroup)?;
+    scratch.home_cgroup = Some(crate::datapath::cgroup::own_cgroup(&cgroup_mount)?);
+    crate::datapath::cgroup::join_cgroup(&scratch.nodes[0].cgroup)?;
 
     // Pods through CNI, on their nodes.
     let mut pods: Vec<Running> = Vec::new();

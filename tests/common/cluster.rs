@@ -179,15 +179,7 @@ pub struct Cluster {
 
 /// Where cgroup v2 is mounted (`/sys/fs/cgroup/unified` on hybrid hosts, such as this one).
 pub fn cgroup2_mount() -> PathBuf {
-    let info = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
-    info.lines()
-        .find_map(|l| {
-            let (pre, post) = l.split_once(" - ")?;
-            (post.split_whitespace().next() == Some("cgroup2"))
-                .then(|| pre.split_whitespace().nth(4).map(PathBuf::from))
-                .flatten()
-        })
-        .expect("a cgroup v2 mount")
+    ciliate::datapath::cgroup::cgroup2_mount().expect("a cgroup v2 mount")
 }
 
 pub fn pod_object(name: &str, app: &str, node: &str, ip: Option<Ipv4Addr>) -> Value {
