@@ -33,8 +33,9 @@ use serde::de::DeserializeOwned;
 
 use super::policy_repo::{
     InitialSyncDone, NamespaceDelete, NamespaceUpsert, NodeDelete, NodeUpsert, PodDelete,
-    PodUpsert, PolicyDelete, PolicyRejected, PolicyRepoActor, PolicyUpsert, ServiceUpsert,
+    PodUpsert, PolicyDelete, PolicyRejected, PolicyRepoActor, PolicyUpsert,
 };
+use super::services_feed::ServicesFeed;
 use crate::introspect::{Traceable, TracedAddr};
 use crate::k8s::crd::{CiliumClusterwideNetworkPolicy, CiliumNetworkPolicy};
 use crate::k8s::node::{desired_annotations, needs_update};
@@ -43,7 +44,6 @@ use crate::objects::{
     NamespaceInfo, NodeInfo, PodInfo, ServiceInfo,
 };
 use crate::policy::rule::{PolicyKey, PolicyKind};
-use crate::policy::services::ServiceTracker;
 use crate::policy::translate::parse_policy_with_services;
 use crate::runtime::Shared;
 use crate::traced_actor;
@@ -184,11 +184,8 @@ pub struct KubeWatcherActor {
     last_error: HashMap<Watched, String>,
     /// This node's annotations, for the annotator task.
     annotations: tokio::sync::watch::Sender<BTreeMap<String, String>>,
-    /// Services and their backends, for `toServices`.
-    services: ServiceTracker,
-    /// Policies with `toServices` (document by resource and key): translated again when a
-    /// service or its backends change.
-    service_policies: BTreeMap<(Watched, String), serde_yaml::Value>,
+    /// Services, EndpointSlices and the `toServices` policies (document by resource and key).
+    services: ServicesFeed<(Watched, String), serde_yaml::Value>,
     started: Instant,
 }
 
@@ -199,6 +196,7 @@ impl KubeWatcherActor {
         repo: TracedAddr<PolicyRepoActor>,
         annotations: tokio::sync::watch::Sender<BTreeMap<String, String>>,
     ) -> Self {
+        let lb = shared.services.clone();
         KubeWatcherActor {
             client,
             shared,
@@ -211,8 +209,7 @@ impl KubeWatcherActor {
             error_logged: HashMap::new(),
             last_error: HashMap::new(),
             annotations,
-            services: ServiceTracker::default(),
-            service_policies: BTreeMap::new(),
+            services: ServicesFeed::new(Some(lb)),
             started: Instant::now(),
         }
     }
@@ -449,44 +446,18 @@ impl KubeWatcherActor {
     fn send(&mut self, resource: Watched, key: &str, c: Option<Converted>) {
         match (resource, c) {
             (Watched::EndpointSlice, c) => {
-                let lb_slice = match &c {
-                    Some(Converted::EndpointSlice(s)) => {
-                        Some(s.spec(key.split_once('/').map_or("", |(ns, _)| ns)))
-                    }
-                    _ => None,
-                };
-                self.shared.services.set_slice(key, lb_slice);
+                let (namespace, name) = key.split_once('/').unwrap_or(("", key));
                 let slice = match c {
-                    Some(Converted::EndpointSlice(s)) => {
-                        Some((s.namespace, s.service, s.addresses))
-                    }
+                    Some(Converted::EndpointSlice(s)) => Some(s),
                     _ => None,
                 };
-                if self.services.set_slice(key, slice) {
-                    self.resend_service_policies();
-                }
+                let again = self.services.set_slice(namespace, name, slice);
+                self.resend(again);
             }
             (Watched::Service, Some(Converted::Service(service))) => {
-                self.shared.services.set_service(
-                    &service.namespace,
-                    &service.name,
-                    Some(service.spec()),
-                );
-                let changed = self.services.set_service(
-                    &service.namespace,
-                    &service.name,
-                    Some((service.labels.clone(), !service.selector.is_empty())),
-                );
-                self.repo.do_send(
-                    ServiceUpsert {
-                        service,
-                        deleted: false,
-                    },
-                    NAME,
-                );
-                if changed {
-                    self.resend_service_policies();
-                }
+                let (msg, again) = self.services.upsert_service(service);
+                self.repo.do_send(msg, NAME);
+                self.resend(again);
             }
             (Watched::Namespace, Some(Converted::Namespace(namespace))) => {
                 self.repo.do_send(NamespaceUpsert { namespace }, NAME)
@@ -506,24 +477,9 @@ impl KubeWatcherActor {
             ),
             (Watched::Service, _) => {
                 let (namespace, name) = key.split_once('/').unwrap_or(("", key));
-                self.shared.services.set_service(namespace, name, None);
-                if self.services.set_service(namespace, name, None) {
-                    self.resend_service_policies();
-                }
-                self.repo.do_send(
-                    ServiceUpsert {
-                        service: ServiceInfo {
-                            namespace: namespace.into(),
-                            name: name.into(),
-                            labels: Default::default(),
-                            selector: Default::default(),
-                            cluster_ips: vec![],
-                            ports: vec![],
-                        },
-                        deleted: true,
-                    },
-                    NAME,
-                )
+                let (msg, again) = self.services.delete_service(namespace, name);
+                self.resend(again);
+                self.repo.do_send(msg, NAME)
             }
             (Watched::Pod, Some(Converted::Pod(pod))) => self.repo.do_send(PodUpsert { pod }, NAME),
             (Watched::Pod, _) => self.repo.do_send(
@@ -534,7 +490,7 @@ impl KubeWatcherActor {
             ),
             (_, Some(Converted::Policy(doc))) => self.send_policy(resource, key, doc),
             (_, _) => {
-                self.service_policies.remove(&(resource, key.to_string()));
+                self.services.policy_deleted(&(resource, key.to_string()));
                 self.repo.do_send(
                     PolicyDelete {
                         key: policy_key(resource, key),
@@ -545,14 +501,9 @@ impl KubeWatcherActor {
         }
     }
 
-    /// Translates every `toServices` policy again against the current services.
-    fn resend_service_policies(&mut self) {
-        let docs: Vec<((Watched, String), serde_yaml::Value)> = self
-            .service_policies
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        for ((resource, key), doc) in docs {
+    /// Translates `toServices` policies again against the current services.
+    fn resend(&mut self, policies: Vec<((Watched, String), serde_yaml::Value)>) {
+        for ((resource, key), doc) in policies {
             self.send_policy(resource, &key, doc);
         }
     }
@@ -562,12 +513,8 @@ impl KubeWatcherActor {
         let parsed =
             parse_policy_with_services(&doc, DEFAULT_NAMESPACE, &location, self.services.table());
         let uses_services = parsed.as_ref().is_ok_and(|p| p.uses_services);
-        if uses_services {
-            self.service_policies
-                .insert((resource, key.to_string()), doc);
-        } else {
-            self.service_policies.remove(&(resource, key.to_string()));
-        }
+        self.services
+            .policy_translated((resource, key.to_string()), doc, uses_services);
         match parsed {
             Ok(policy) => {
                 for w in &policy.warnings {

@@ -14,4 +14,5 @@ pub mod kube_watcher;
 pub mod loader;
 pub mod policy_repo;
 pub mod rule_reaction;
+pub mod services_feed;
 pub mod watcher;

@@ -9,7 +9,7 @@
 //! The actor itself watches the directory (inotify through `notify`, debounced), schedules
 //! rescans (also periodically, as a backstop for missed events) and records what each scan did.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
@@ -24,15 +24,14 @@ use serde_yaml::Value;
 use super::policy_repo::{
     InitialSyncDone, ManifestStatus, NamespaceDelete, NamespaceUpsert, NodeDelete, NodeUpsert,
     PodDelete, PodUpsert, PolicyDelete, PolicyRejected, PolicyRepoActor, PolicyUpsert,
-    ServiceUpsert,
 };
+use super::services_feed::ServicesFeed;
 use crate::introspect::{Traceable, TracedAddr};
 use crate::manifests::{Body, Delta, Limits, ObjKey, ScanStats, Scanner, DEFAULT_NAMESPACE};
 use crate::objects::{
     endpoint_slice_info, namespace_info, node_info, pod_info, service_info, ServiceInfo,
 };
 use crate::policy::rule::{PolicyKey, PolicyKind};
-use crate::policy::services::ServiceTracker;
 use crate::policy::translate::parse_policy_with_services;
 use crate::services::ServiceLb;
 use crate::traced_actor;
@@ -136,11 +135,14 @@ impl Actor for WatcherActor {
         let (scans, requests) = sync_channel(1);
         self.scans = Some(scans);
         let scanner = Scanner::new(self.dir.clone(), self.limits);
+        let lb = self.services.clone();
         let mut feed = Feed::new(self.repo.clone());
-        feed.lb = self.services.clone();
+        if let Some(lb) = &lb {
+            feed.services.set_lb(lb.clone());
+        }
         let spawned = std::thread::Builder::new()
             .name("manifest-scan".into())
-            .spawn(move || run_scanner(scanner, feed, requests, me));
+            .spawn(move || run_scanner(scanner, feed, lb, requests, me));
         if let Err(e) = spawned {
             tracing::error!(error = %e, "cannot start the manifest scanner");
             self.scans = None;
@@ -160,6 +162,7 @@ traced_actor!(WatcherActor: Rescan, FilesChanged, ScanDone);
 fn run_scanner(
     mut scanner: Scanner,
     mut feed: Feed,
+    lb: Option<Arc<ServiceLb>>,
     requests: Receiver<()>,
     watcher: TracedAddr<WatcherActor>,
 ) {
@@ -181,7 +184,7 @@ fn run_scanner(
                 ),
                 Err(e) => tracing::error!(error = %e, "initial manifest scan failed"),
             }
-            if let Some(lb) = &feed.lb {
+            if let Some(lb) = &lb {
                 lb.initial_sync_done();
             }
             feed.repo.do_send(InitialSyncDone, NAME);
@@ -203,25 +206,18 @@ fn run_scanner(
 /// Turns deltas into the repository's typed messages, and keeps what `toServices` needs.
 struct Feed {
     repo: TracedAddr<PolicyRepoActor>,
-    /// Services and their EndpointSlice backends, for `toServices`.
-    services: ServiceTracker,
-    /// Policies with `toServices` (document and location): translated again when a service or
-    /// its backends change.
-    service_policies: BTreeMap<ObjKey, (Body, String)>,
+    /// Services, EndpointSlices and the `toServices` policies (document and location).
+    services: ServicesFeed<ObjKey, (Body, String)>,
     /// Objects whose last upsert could not be used, with the location it was reported under.
     unusable: HashMap<ObjKey, String>,
-    /// Service translation.
-    lb: Option<Arc<ServiceLb>>,
 }
 
 impl Feed {
     fn new(repo: TracedAddr<PolicyRepoActor>) -> Feed {
         Feed {
             repo,
-            services: ServiceTracker::default(),
-            service_policies: BTreeMap::new(),
+            services: ServicesFeed::new(None),
             unusable: HashMap::new(),
-            lb: None,
         }
     }
 
@@ -262,14 +258,9 @@ impl Feed {
         sent
     }
 
-    /// Translates every `toServices` policy again against the current services.
-    fn resend_service_policies(&mut self) {
-        let docs: Vec<(ObjKey, (Body, String))> = self
-            .service_policies
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        for (k, (body, location)) in docs {
+    /// Translates `toServices` policies again against the current services.
+    fn resend(&mut self, policies: Vec<(ObjKey, (Body, String))>) {
+        for (k, (body, location)) in policies {
             self.send_upsert(&k, &body, &location);
         }
     }
@@ -327,22 +318,8 @@ impl Feed {
                 .map_err(|e| e.to_string())
                 .and_then(|s| endpoint_slice_info(&s))
                 .map(|slice| {
-                    let lb_slice = slice.spec(ns);
-                    let namespace = if slice.namespace.is_empty() {
-                        ns.clone()
-                    } else {
-                        slice.namespace
-                    };
-                    let key = format!("{ns}/{}", k.name);
-                    if let Some(lb) = &self.lb {
-                        lb.set_slice(&key, Some(lb_slice));
-                    }
-                    if self
-                        .services
-                        .set_slice(&key, Some((namespace, slice.service, slice.addresses)))
-                    {
-                        self.resend_service_policies();
-                    }
+                    let again = self.services.set_slice(ns, &k.name, Some(slice));
+                    self.resend(again);
                 }),
             "Pod" => serde_yaml::from_value::<Pod>(value)
                 .map_err(|e| e.to_string())
@@ -360,24 +337,9 @@ impl Feed {
     }
 
     fn upsert_service(&mut self, service: ServiceInfo) {
-        if let Some(lb) = &self.lb {
-            lb.set_service(&service.namespace, &service.name, Some(service.spec()));
-        }
-        let changed = self.services.set_service(
-            &service.namespace,
-            &service.name,
-            Some((service.labels.clone(), !service.selector.is_empty())),
-        );
-        self.repo.do_send(
-            ServiceUpsert {
-                service,
-                deleted: false,
-            },
-            NAME,
-        );
-        if changed {
-            self.resend_service_policies();
-        }
+        let (msg, again) = self.services.upsert_service(service);
+        self.repo.do_send(msg, NAME);
+        self.resend(again);
     }
 
     /// A policy is validated here; a rejection is the repository's to record (the previous
@@ -386,12 +348,11 @@ impl Feed {
         match parse_policy_with_services(value, DEFAULT_NAMESPACE, location, self.services.table())
         {
             Ok(policy) => {
-                if policy.uses_services {
-                    self.service_policies
-                        .insert(k.clone(), (body.clone(), location.to_string()));
-                } else {
-                    self.service_policies.remove(k);
-                }
+                self.services.policy_translated(
+                    k.clone(),
+                    (body.clone(), location.to_string()),
+                    policy.uses_services,
+                );
                 for w in &policy.warnings {
                     tracing::warn!(%location, "{w}");
                 }
@@ -419,38 +380,17 @@ impl Feed {
         let (ns, name) = (&k.namespace, &k.name);
         match k.kind.as_str() {
             "EndpointSlice" => {
-                if let Some(lb) = &self.lb {
-                    lb.set_slice(&format!("{ns}/{name}"), None);
-                }
-                if self.services.set_slice(&format!("{ns}/{name}"), None) {
-                    self.resend_service_policies();
-                }
+                let again = self.services.set_slice(ns, name, None);
+                self.resend(again);
             }
             "Namespace" => self
                 .repo
                 .do_send(NamespaceDelete { name: name.clone() }, NAME),
             "Node" => self.repo.do_send(NodeDelete { name: name.clone() }, NAME),
             "Service" => {
-                if let Some(lb) = &self.lb {
-                    lb.set_service(ns, name, None);
-                }
-                if self.services.set_service(ns, name, None) {
-                    self.resend_service_policies();
-                }
-                self.repo.do_send(
-                    ServiceUpsert {
-                        service: ServiceInfo {
-                            namespace: ns.clone(),
-                            name: name.clone(),
-                            labels: Default::default(),
-                            selector: Default::default(),
-                            cluster_ips: vec![],
-                            ports: vec![],
-                        },
-                        deleted: true,
-                    },
-                    NAME,
-                );
+                let (msg, again) = self.services.delete_service(ns, name);
+                self.resend(again);
+                self.repo.do_send(msg, NAME);
             }
             "Pod" => self.repo.do_send(
                 PodDelete {
@@ -459,7 +399,7 @@ impl Feed {
                 NAME,
             ),
             _ => {
-                self.service_policies.remove(k);
+                self.services.policy_deleted(k);
                 if let Some(key) = policy_key(k) {
                     self.repo.do_send(PolicyDelete { key }, NAME);
                 }
