@@ -113,6 +113,67 @@ struct EndpointEntry {
     named_ports: Vec<NamedPort>,
 }
 
+/// What one change asks of the endpoints, sent as one `PolicyReaction` by `react`.
+#[derive(Debug)]
+struct Reaction {
+    reason: String,
+    accepted_at: Instant,
+    /// Endpoint identities whose policy changed: their endpoints regenerate.
+    affected: BTreeSet<NumericIdentity>,
+    /// Endpoints that regenerate whatever their identity.
+    extra: Vec<EndpointId>,
+    /// Regenerate even when the computed policy did not change.
+    force: bool,
+    ipcache: Vec<IpcacheChange>,
+    /// A policy change: the other endpoints bump their revision, and the implementation delay
+    /// is observed.
+    policy_change: bool,
+}
+
+impl Reaction {
+    fn new(reason: impl Into<String>) -> Reaction {
+        Reaction {
+            reason: reason.into(),
+            accepted_at: Instant::now(),
+            affected: BTreeSet::new(),
+            extra: Vec::new(),
+            force: false,
+            ipcache: Vec::new(),
+            policy_change: false,
+        }
+    }
+    fn at(mut self, t: Instant) -> Self {
+        self.accepted_at = t;
+        self
+    }
+    fn affecting(mut self, ids: impl IntoIterator<Item = NumericIdentity>) -> Self {
+        self.affected.extend(ids);
+        self
+    }
+    fn regenerating(mut self, ids: impl IntoIterator<Item = EndpointId>) -> Self {
+        self.extra.extend(ids);
+        self
+    }
+    fn forced(self) -> Self {
+        self.force(true)
+    }
+    fn force(mut self, force: bool) -> Self {
+        self.force = force;
+        self
+    }
+    fn ipcache(mut self, changes: Vec<IpcacheChange>) -> Self {
+        self.ipcache = changes;
+        self
+    }
+    fn policy_change(self) -> Self {
+        self.policy_change_if(true)
+    }
+    fn policy_change_if(mut self, yes: bool) -> Self {
+        self.policy_change = yes;
+        self
+    }
+}
+
 pub struct PolicyRepoActor {
     shared: Shared,
     loader: TracedAddr<LoaderActor>,
@@ -181,28 +242,18 @@ impl PolicyRepoActor {
         self.shared.metrics.policies_rejected.set(rejected as i64);
     }
 
-    /// Sends one reaction: `affected` endpoints regenerate, the others bump (policy changes only).
-    #[allow(clippy::too_many_arguments)]
-    fn react(
-        &self,
-        reason: String,
-        accepted_at: Instant,
-        affected: &BTreeSet<NumericIdentity>,
-        extra: &[EndpointId],
-        force: bool,
-        ipcache: Vec<IpcacheChange>,
-        observe_delay: bool,
-    ) {
+    /// Sends one reaction: its endpoints regenerate, the others bump (policy changes only).
+    fn react(&self, r: Reaction) {
         let revision = self.engine().revision();
         let (mut to_regenerate, mut to_bump): (Vec<EndpointHandle>, Vec<EndpointHandle>) =
             (vec![], vec![]);
         if self.initial_sync_done {
             for (id, e) in &self.endpoints {
-                let hit =
-                    e.record.identity.is_some_and(|i| affected.contains(&i)) || extra.contains(id);
+                let hit = e.record.identity.is_some_and(|i| r.affected.contains(&i))
+                    || r.extra.contains(id);
                 if hit {
                     to_regenerate.push((*id, e.addr.clone()));
-                } else if observe_delay && e.record.identity.is_some() {
+                } else if r.policy_change && e.record.identity.is_some() {
                     to_bump.push((*id, e.addr.clone()));
                 }
             }
@@ -210,13 +261,13 @@ impl PolicyRepoActor {
         self.reaction.do_send(
             PolicyReaction {
                 revision,
-                accepted_at,
-                reason,
+                accepted_at: r.accepted_at,
+                reason: r.reason,
                 to_regenerate,
                 to_bump,
-                force,
-                ipcache,
-                observe_delay,
+                force: r.force,
+                ipcache: r.ipcache,
+                observe_delay: r.policy_change,
                 set_ready: false,
             },
             NAME,
@@ -515,13 +566,11 @@ impl PolicyRepoActor {
             .map(|i| self.engine().endpoints_affected_by_identity(i))
             .unwrap_or_default();
         self.react(
-            format!("endpoint {id} added"),
-            Instant::now(),
-            &affected,
-            &[id],
-            true,
-            ipcache,
-            false,
+            Reaction::new(format!("endpoint {id} added"))
+                .affecting(affected.iter().copied())
+                .regenerating([id])
+                .forced()
+                .ipcache(ipcache),
         );
         Ok(model)
     }
@@ -553,15 +602,7 @@ impl PolicyRepoActor {
                 engine.release_identity(i);
             }
         }
-        self.react(
-            format!("endpoint {id} deleted"),
-            Instant::now(),
-            &BTreeSet::new(),
-            &[],
-            false,
-            ipcache,
-            false,
-        );
+        self.react(Reaction::new(format!("endpoint {id} deleted")).ipcache(ipcache));
         Ok(())
     }
 }
@@ -645,13 +686,11 @@ impl Handler<PolicyUpsert> for PolicyRepoActor {
             )
             .collect();
         self.react(
-            format!("policy {}", key.short()),
-            accepted_at,
-            &change.affected,
-            &[],
-            false,
-            ipcache,
-            true,
+            Reaction::new(format!("policy {}", key.short()))
+                .at(accepted_at)
+                .affecting(change.affected.iter().copied())
+                .ipcache(ipcache)
+                .policy_change(),
         );
         Ok(change.revision)
     }
@@ -733,13 +772,11 @@ impl Handler<PolicyDelete> for PolicyRepoActor {
                     .map(|p| IpcacheChange::Remove(*p))
                     .collect();
                 self.react(
-                    format!("policy {} deleted", msg.key.short()),
-                    accepted_at,
-                    &change.affected,
-                    &[],
-                    false,
-                    ipcache,
-                    true,
+                    Reaction::new(format!("policy {} deleted", msg.key.short()))
+                        .at(accepted_at)
+                        .affecting(change.affected.iter().copied())
+                        .ipcache(ipcache)
+                        .policy_change(),
                 );
                 Ok(change.revision)
             }
@@ -795,13 +832,11 @@ impl Handler<PodUpsert> for PolicyRepoActor {
         let (affected, eps, ipcache) = self.apply_pod(&key, Some(msg.pod));
         if !affected.is_empty() || !eps.is_empty() || !ipcache.is_empty() {
             self.react(
-                format!("pod {key}"),
-                Instant::now(),
-                &affected,
-                &eps,
-                true,
-                ipcache,
-                false,
+                Reaction::new(format!("pod {key}"))
+                    .affecting(affected.iter().copied())
+                    .regenerating(eps.iter().copied())
+                    .forced()
+                    .ipcache(ipcache),
             );
         }
     }
@@ -821,13 +856,11 @@ impl Handler<PodDelete> for PolicyRepoActor {
     fn handle(&mut self, msg: PodDelete, _: &mut Context<Self>) {
         let (affected, eps, ipcache) = self.apply_pod(&msg.key, None);
         self.react(
-            format!("pod {} deleted", msg.key),
-            Instant::now(),
-            &affected,
-            &eps,
-            true,
-            ipcache,
-            false,
+            Reaction::new(format!("pod {} deleted", msg.key))
+                .affecting(affected.iter().copied())
+                .regenerating(eps.iter().copied())
+                .forced()
+                .ipcache(ipcache),
         );
     }
 }
@@ -872,13 +905,11 @@ impl PolicyRepoActor {
         }
         if !affected.is_empty() || !eps.is_empty() || !ipcache.is_empty() {
             self.react(
-                format!("namespace {name}"),
-                Instant::now(),
-                &affected,
-                &eps,
-                true,
-                ipcache,
-                false,
+                Reaction::new(format!("namespace {name}"))
+                    .affecting(affected.iter().copied())
+                    .regenerating(eps.iter().copied())
+                    .forced()
+                    .ipcache(ipcache),
             );
         }
     }
@@ -1004,15 +1035,7 @@ impl Handler<NodeUpsert> for PolicyRepoActor {
         }
         self.nodes.insert(msg.node.name.clone(), msg.node);
         self.publish_nodes();
-        self.react(
-            "node".into(),
-            Instant::now(),
-            &BTreeSet::new(),
-            &[],
-            false,
-            ipcache,
-            false,
-        );
+        self.react(Reaction::new("node").ipcache(ipcache));
     }
 }
 
@@ -1039,15 +1062,7 @@ impl Handler<NodeDelete> for PolicyRepoActor {
                 ipcache.push(IpcacheChange::Remove(IpNet::from(*ip)));
             }
         }
-        self.react(
-            "node deleted".into(),
-            Instant::now(),
-            &BTreeSet::new(),
-            &[],
-            false,
-            ipcache,
-            false,
-        );
+        self.react(Reaction::new("node deleted").ipcache(ipcache));
     }
 }
 
