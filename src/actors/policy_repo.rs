@@ -951,8 +951,7 @@ impl PolicyRepoActor {
     /// annotation): IPAM serves that range from now on, with every endpoint's address
     /// reserved. A range already handing out addresses is never swapped under its pods.
     fn adopt_node_pod_cidr(&self, node: &crate::objects::NodeInfo) {
-        use crate::ipam::{node_pod_cidr, Ipam};
-        let (cidr, source) = match node_pod_cidr(&node.pod_cidrs, &node.annotations) {
+        let (cidr, source) = match crate::ipam::node_pod_cidr(&node.pod_cidrs, &node.annotations) {
             Ok(Some(c)) => c,
             Ok(None) => return,
             Err(e) => {
@@ -960,39 +959,24 @@ impl PolicyRepoActor {
                 return;
             }
         };
-        let Ok(mut g) = self.shared.ipam.lock() else {
-            return;
-        };
-        if let Some(cur) = &g.ipam {
-            if IpNet::V4(cur.cidr()) == cidr.trunc() {
-                g.source = Some(source);
-                return;
-            }
-            if cur.used() > 0 {
-                tracing::error!(node = %node.name, node_cidr = %cidr, in_use = %cur.cidr(), allocated = cur.used(), "the Node's pod CIDR differs from the range in use; keeping the range in use");
-                return;
-            }
-        }
-        let mut ipam = match Ipam::new(cidr) {
-            Ok(i) => i,
-            Err(e) => {
-                tracing::error!(node = %node.name, error = %e, "this node's pod CIDR is unusable; IPAM keeps what it had");
-                return;
-            }
-        };
-        for (id, e) in &self.endpoints {
+        let held = self.endpoints.iter().flat_map(|(id, e)| {
             let owner = e
                 .record
                 .container_id
                 .clone()
                 .unwrap_or_else(|| format!("endpoint:{id}"));
-            for ip in &e.record.ips {
-                let _ = ipam.reserve(*ip, &owner);
+            e.record.ips.iter().map(move |ip| (*ip, owner.clone()))
+        });
+        let Ok(mut g) = self.shared.ipam.lock() else {
+            return;
+        };
+        match g.adopt(cidr, source, held) {
+            Ok(true) => {
+                tracing::info!(node = %node.name, pod_cidr = %cidr, ?source, "IPAM serves this node's pod CIDR")
             }
+            Ok(false) => {}
+            Err(e) => tracing::error!(node = %node.name, error = %e, "IPAM keeps what it had"),
         }
-        tracing::info!(node = %node.name, pod_cidr = %ipam.cidr(), ?source, "IPAM serves this node's pod CIDR");
-        g.ipam = Some(ipam);
-        g.source = Some(source);
     }
 }
 

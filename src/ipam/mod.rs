@@ -77,6 +77,40 @@ pub struct NodeIpam {
     pub source: Option<CidrSource>,
 }
 
+impl NodeIpam {
+    /// Serves the pod CIDR the Node object names (`cidr`, from `source`). The range in use
+    /// keeps serving when it is the same (only the source is updated); an unused range is
+    /// replaced, the new one reserving `held` (address, owner: the endpoints' addresses); a
+    /// range with addresses handed out is never replaced. `Ok(true)`: a range was adopted.
+    pub fn adopt(
+        &mut self,
+        cidr: IpNet,
+        source: CidrSource,
+        held: impl IntoIterator<Item = (IpAddr, String)>,
+    ) -> Result<bool, String> {
+        if let Some(cur) = &self.ipam {
+            if IpNet::V4(cur.cidr()) == cidr.trunc() {
+                self.source = Some(source);
+                return Ok(false);
+            }
+            if cur.used() > 0 {
+                return Err(format!(
+                    "the Node's pod CIDR {cidr} differs from the range in use ({}, {} allocated); keeping the range in use",
+                    cur.cidr(),
+                    cur.used()
+                ));
+            }
+        }
+        let mut ipam = Ipam::new(cidr).map_err(|e| e.to_string())?;
+        for (ip, owner) in held {
+            let _ = ipam.reserve(ip, &owner);
+        }
+        self.ipam = Some(ipam);
+        self.source = Some(source);
+        Ok(true)
+    }
+}
+
 /// IPAM failures, naming the address or range concerned.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum IpamError {
@@ -311,6 +345,40 @@ mod tests {
         assert!(e.contains("spec.podCIDRs[0]"), "{e}");
         let e = node_pod_cidr(&[], &ann("nope")).unwrap_err();
         assert!(e.contains(POD_CIDR_ANNOTATION), "{e}");
+    }
+
+    #[test]
+    fn a_node_cidr_is_adopted_kept_or_refused_when_in_use() {
+        let mut n = NodeIpam::default();
+        let a: IpNet = "10.7.0.0/24".parse().unwrap();
+        let held = [("10.7.0.9".parse().unwrap(), "restored:1".to_string())];
+        assert_eq!(n.adopt(a, CidrSource::NodeSpec, held.clone()), Ok(true));
+        assert_eq!(
+            n.ipam.as_ref().unwrap().owner("10.7.0.9".parse().unwrap()),
+            Some("restored:1"),
+            "endpoints' addresses stay theirs"
+        );
+        // The same range again: kept (the source may change).
+        assert_eq!(n.adopt(a, CidrSource::NodeAnnotation, []), Ok(false));
+        assert_eq!(n.source, Some(CidrSource::NodeAnnotation));
+        // Another range while addresses are handed out: refused, the range in use stays.
+        let b: IpNet = "10.8.0.0/24".parse().unwrap();
+        let e = n.adopt(b, CidrSource::NodeSpec, []).unwrap_err();
+        assert!(
+            e.contains("10.8.0.0/24") && e.contains("10.7.0.0/24"),
+            "{e}"
+        );
+        assert_eq!(
+            n.ipam.as_ref().unwrap().cidr(),
+            "10.7.0.0/24".parse::<Ipv4Net>().unwrap()
+        );
+        // An unused range is replaced; an unusable one is an error.
+        let mut m = NodeIpam::default();
+        assert_eq!(m.adopt(a, CidrSource::Flag, []), Ok(true));
+        assert_eq!(m.adopt(b, CidrSource::NodeSpec, []), Ok(true));
+        assert!(m
+            .adopt("fd00::/64".parse().unwrap(), CidrSource::NodeSpec, [])
+            .is_err());
     }
 
     fn ipam(cidr: &str) -> Ipam {
