@@ -74,6 +74,51 @@ pub struct PolicyStatus {
     pub previous_version_enforced: bool,
 }
 
+impl PolicyStatus {
+    /// The record of `key` before anything is known of it but where it came from.
+    fn new(key: &PolicyKey, source: String) -> PolicyStatus {
+        PolicyStatus {
+            kind: key.kind.as_str().into(),
+            namespace: key.namespace.clone(),
+            name: key.name.clone(),
+            rules: 0,
+            status: String::new(),
+            revision: 0,
+            source,
+            notes: vec![],
+            warnings: vec![],
+            previous_version_enforced: false,
+        }
+    }
+
+    /// An accepted policy, enforced from `revision`.
+    fn accepted(policy: &ParsedPolicy, source: String, revision: u64) -> PolicyStatus {
+        PolicyStatus {
+            rules: policy.rules.len(),
+            status: "accepted".into(),
+            revision,
+            notes: policy.notes.clone(),
+            warnings: policy.warnings.clone(),
+            ..PolicyStatus::new(&policy.key, source)
+        }
+    }
+}
+
+/// The ipcache entries a policy change adds (its new CIDR identities) and removes.
+fn ipcache_of(change: &crate::policy::engine::PolicyChange) -> Vec<IpcacheChange> {
+    change
+        .new_prefixes
+        .iter()
+        .map(|(p, id)| IpcacheChange::Upsert(*p, *id))
+        .chain(
+            change
+                .removed_prefixes
+                .iter()
+                .map(|p| IpcacheChange::Remove(*p)),
+        )
+        .collect()
+}
+
 /// `/debug/policy`.
 #[derive(Debug, Clone, Serialize)]
 pub struct PolicyOverview {
@@ -183,6 +228,9 @@ pub struct PolicyRepoActor {
     nodes: HashMap<String, NodeInfo>,
     services: HashMap<String, ServiceInfo>,
     endpoints: BTreeMap<EndpointId, EndpointEntry>,
+    /// The last endpoint id handed out: ids go round, so a deleted endpoint's id is not given
+    /// to a new one while messages for the old one may still be in flight (to the loader).
+    last_endpoint_id: std::cell::Cell<EndpointId>,
     policies: BTreeMap<PolicyKey, PolicyStatus>,
     manifest_errors: BTreeMap<String, String>,
     initial_sync_done: bool,
@@ -203,6 +251,7 @@ impl PolicyRepoActor {
             nodes: HashMap::new(),
             services: HashMap::new(),
             endpoints: BTreeMap::new(),
+            last_endpoint_id: std::cell::Cell::new(0),
             policies: BTreeMap::new(),
             manifest_errors: BTreeMap::new(),
             initial_sync_done: false,
@@ -405,7 +454,13 @@ impl PolicyRepoActor {
     }
 
     fn next_endpoint_id(&self) -> Option<EndpointId> {
-        (1..=EndpointId::MAX).find(|id| !self.endpoints.contains_key(id))
+        let after = self
+            .last_endpoint_id
+            .get()
+            .max(self.endpoints.keys().next_back().copied().unwrap_or(0));
+        let id = next_free_id(after, |id| self.endpoints.contains_key(&id))?;
+        self.last_endpoint_id.set(id);
+        Some(id)
     }
 
     fn spawn_endpoint(
@@ -607,6 +662,34 @@ impl PolicyRepoActor {
     }
 }
 
+/// The first id after `after` (going round past the largest) that `taken` does not hold.
+fn next_free_id(after: EndpointId, taken: impl Fn(EndpointId) -> bool) -> Option<EndpointId> {
+    let (after, max) = (u32::from(after), u32::from(EndpointId::MAX));
+    (after + 1..=max)
+        .chain(1..=after)
+        .filter_map(|id| EndpointId::try_from(id).ok())
+        .find(|id| *id != 0 && !taken(*id))
+}
+
+#[cfg(test)]
+mod id_tests {
+    use super::next_free_id;
+
+    #[test]
+    fn ids_go_round_so_a_freed_id_is_not_reused_at_once() {
+        let taken = [1u16, 2, 4];
+        let free = |after| next_free_id(after, |id| taken.contains(&id));
+        assert_eq!(free(0), Some(3));
+        assert_eq!(
+            free(3),
+            Some(5),
+            "3 was just handed out and freed: not again"
+        );
+        assert_eq!(free(u16::MAX), Some(3), "wraps to the lowest free");
+        assert_eq!(next_free_id(7, |_| true), None);
+    }
+}
+
 impl Actor for PolicyRepoActor {
     type Context = Context<Self>;
 }
@@ -647,19 +730,10 @@ impl Handler<PolicyUpsert> for PolicyRepoActor {
     fn handle(&mut self, msg: PolicyUpsert, _: &mut Context<Self>) -> Self::Result {
         let accepted_at = Instant::now();
         let key = (*msg.policy.key).clone();
-        let status = PolicyStatus {
-            kind: key.kind.as_str().into(),
-            namespace: key.namespace.clone(),
-            name: key.name.clone(),
-            rules: msg.policy.rules.len(),
-            status: "accepted".into(),
-            revision: 0,
-            source: msg.source,
-            notes: msg.policy.notes.clone(),
-            warnings: msg.policy.warnings.clone(),
-            previous_version_enforced: false,
-        };
-        let notes = msg.policy.notes.clone();
+        let (notes, rules_status) = (
+            msg.policy.notes.clone(),
+            PolicyStatus::accepted(&msg.policy, msg.source, 0),
+        );
         let change = self.engine_mut().upsert_policy(msg.policy);
         self.shared
             .report_policy(crate::k8s::status::PolicyStatusEvent::Accepted {
@@ -667,29 +741,16 @@ impl Handler<PolicyUpsert> for PolicyRepoActor {
                 revision: change.revision,
                 notes,
             });
-        self.policies.insert(
-            key.clone(),
-            PolicyStatus {
-                revision: change.revision,
-                ..status
-            },
-        );
-        let ipcache: Vec<IpcacheChange> = change
-            .new_prefixes
-            .iter()
-            .map(|(p, id)| IpcacheChange::Upsert(*p, *id))
-            .chain(
-                change
-                    .removed_prefixes
-                    .iter()
-                    .map(|p| IpcacheChange::Remove(*p)),
-            )
-            .collect();
+        let status = PolicyStatus {
+            revision: change.revision,
+            ..rules_status
+        };
+        self.policies.insert(key.clone(), status);
         self.react(
             Reaction::new(format!("policy {}", key.short()))
                 .at(accepted_at)
                 .affecting(change.affected.iter().copied())
-                .ipcache(ipcache)
+                .ipcache(ipcache_of(&change))
                 .policy_change(),
         );
         Ok(change.revision)
@@ -718,18 +779,7 @@ impl Handler<PolicyRejected> for PolicyRepoActor {
         let entry = self
             .policies
             .entry(key.clone())
-            .or_insert_with(|| PolicyStatus {
-                kind: key.kind.as_str().into(),
-                namespace: key.namespace.clone(),
-                name: key.name.clone(),
-                rules: 0,
-                status: String::new(),
-                revision: 0,
-                source: msg.source.clone(),
-                notes: vec![],
-                warnings: vec![],
-                previous_version_enforced: false,
-            });
+            .or_insert_with(|| PolicyStatus::new(&key, msg.source.clone()));
         self.shared
             .report_policy(crate::k8s::status::PolicyStatusEvent::Rejected {
                 key: key.clone(),
@@ -766,16 +816,11 @@ impl Handler<PolicyDelete> for PolicyRepoActor {
         let change = self.engine_mut().delete_policy(&msg.key);
         match change {
             Some(change) => {
-                let ipcache = change
-                    .removed_prefixes
-                    .iter()
-                    .map(|p| IpcacheChange::Remove(*p))
-                    .collect();
                 self.react(
                     Reaction::new(format!("policy {} deleted", msg.key.short()))
                         .at(accepted_at)
                         .affecting(change.affected.iter().copied())
-                        .ipcache(ipcache)
+                        .ipcache(ipcache_of(&change))
                         .policy_change(),
                 );
                 Ok(change.revision)

@@ -19,6 +19,7 @@ use actix_web::{web, HttpResponse};
 
 use super::{endpoint_model, AppState, FROM};
 use crate::actors::endpoint::EndpointModel;
+use crate::actors::loader::DetachEndpoint;
 use crate::actors::policy_repo::{AddEndpoint, DeleteEndpoint, EndpointRequest, FindEndpoint};
 use crate::cni::{code, CniError, CniInterface, CniIp, CniRequest, CniResult, CniRoute};
 use crate::datapath::netdev::{self, PodInterfaceSpec, POD_GATEWAY};
@@ -521,7 +522,26 @@ pub(crate) async fn remove_container(
                 }
             }
             match st.repo.send(DeleteEndpoint { id }, FROM).await {
-                Ok(Ok(())) => {}
+                // Detached from the datapath before DEL answers. The endpoint's actor detaches
+                // too, sooner or later; whichever runs second finds nothing to do, and the id is
+                // not handed out again meanwhile (ids go round, see next_endpoint_id).
+                Ok(Ok(())) => match st.loader.send(DetachEndpoint { id }, FROM).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => {
+                        return Err(fail(
+                            code::AGENT_FAILURE,
+                            "datapath detach failed",
+                            e.to_string(),
+                        ))
+                    }
+                    Err(e) => {
+                        return Err(fail(
+                            code::TRY_AGAIN_LATER,
+                            "the agent is shutting down",
+                            e.to_string(),
+                        ))
+                    }
+                },
                 Ok(Err(crate::actors::policy_repo::ApiError::NotFound(_))) => {}
                 Ok(Err(e)) => {
                     return Err(fail(
