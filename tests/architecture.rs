@@ -165,3 +165,49 @@ fn only_the_composition_root_names_the_agent() {
         "modules below the agent name it: {users:?}"
     );
 }
+
+/// `(length, first line)` of every `fn handle` in `text` (the lines from its signature to its
+/// closing brace).
+fn handler_lengths(text: &str) -> Vec<(usize, usize)> {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < lines.len() {
+        if lines[i].trim_start().starts_with("fn handle(") {
+            let (start, mut depth, mut opened) = (i, 0i32, false);
+            while i < lines.len() {
+                depth += lines[i].matches('{').count() as i32;
+                depth -= lines[i].matches('}').count() as i32;
+                opened |= lines[i].contains('{');
+                if opened && depth == 0 {
+                    break;
+                }
+                i += 1;
+            }
+            out.push((i - start + 1, start + 1));
+        }
+        i += 1;
+    }
+    out
+}
+
+/// The repository actor stays a thin layer over the pure state: no handler over 30 lines.
+#[test]
+fn policy_repo_handlers_stay_short() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/actors/policy_repo.rs");
+    let text = std::fs::read_to_string(&path).expect("policy_repo.rs");
+    let handlers = handler_lengths(&text);
+    assert!(
+        handlers.len() >= 15,
+        "the handlers were found: {handlers:?}"
+    );
+    let long: Vec<_> = handlers.iter().filter(|(n, _)| *n > 30).collect();
+    assert!(
+        long.is_empty(),
+        "handlers over 30 lines (length, line): {long:?}"
+    );
+    assert_eq!(
+        handler_lengths("fn handle(&mut self) {\n    if x {\n    }\n}\n"),
+        [(4, 1)]
+    );
+}

@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
 use std::time::Instant;
 
-use actix::{Actor, AsyncContext, Context, Handler, Message};
+use actix::{Actor, Context, Handler, Message};
 use ipnet::IpNet;
 use serde::Serialize;
 
@@ -1127,26 +1127,17 @@ traceable!(InitialSyncDone, "InitialSyncDone", |_m| String::new());
 
 impl Handler<InitialSyncDone> for PolicyRepoActor {
     type Result = ();
-    fn handle(&mut self, _: InitialSyncDone, ctx: &mut Context<Self>) {
+    fn handle(&mut self, _: InitialSyncDone, _: &mut Context<Self>) {
         if self.initial_sync_done {
             return;
         }
         self.initial_sync_done = true;
-        // Restored endpoints whose pods are now known take their identity from the pod.
-        let ids: Vec<EndpointId> = self.endpoints.keys().copied().collect();
-        let mut ipcache = Vec::new();
-        for id in ids {
-            self.refresh_endpoint_identity(id, &mut ipcache);
-        }
+        let ipcache = self.refresh_all_identities();
         let revision = self.engine().revision();
-        let to_regenerate: Vec<EndpointHandle> = self
-            .endpoints
-            .iter()
-            .map(|(id, e)| (*id, e.addr.clone()))
-            .collect();
+        let to_regenerate = self.endpoints_with_identity();
         tracing::info!(
             revision,
-            endpoints = to_regenerate.len(),
+            endpoints = self.endpoints.len(),
             "initial sync done; regenerating endpoints"
         );
         self.reaction.do_send(
@@ -1154,14 +1145,7 @@ impl Handler<InitialSyncDone> for PolicyRepoActor {
                 revision,
                 accepted_at: Instant::now(),
                 reason: "initial sync".into(),
-                to_regenerate: to_regenerate
-                    .into_iter()
-                    .filter(|(id, _)| {
-                        self.endpoints
-                            .get(id)
-                            .is_some_and(|e| e.record.identity.is_some())
-                    })
-                    .collect(),
+                to_regenerate,
                 to_bump: vec![],
                 force: true,
                 ipcache,
@@ -1171,7 +1155,28 @@ impl Handler<InitialSyncDone> for PolicyRepoActor {
             NAME,
         );
         self.update_gauges();
-        let _ = ctx.address();
+    }
+}
+
+impl PolicyRepoActor {
+    /// Restored endpoints whose pods are now known take their identity from the pod; returns
+    /// the ipcache changes that makes.
+    fn refresh_all_identities(&mut self) -> Vec<IpcacheChange> {
+        let ids: Vec<EndpointId> = self.endpoints.keys().copied().collect();
+        let mut ipcache = Vec::new();
+        for id in ids {
+            self.refresh_endpoint_identity(id, &mut ipcache);
+        }
+        ipcache
+    }
+
+    /// Every endpoint that has an identity (the others cannot be regenerated yet).
+    fn endpoints_with_identity(&self) -> Vec<EndpointHandle> {
+        self.endpoints
+            .iter()
+            .filter(|(_, e)| e.record.identity.is_some())
+            .map(|(id, e)| (*id, e.addr.clone()))
+            .collect()
     }
 }
 
