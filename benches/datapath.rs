@@ -269,20 +269,25 @@ fn main() {
     // - denied: a SYN to port 81, which no rule allows (default deny; a verdict event).
     // - established: the connection's SYN once, then its ACK again and again (a conntrack hit).
     // - unmanaged: the program of an interface that is no endpoint.
+    // - reply, egress: the endpoint's answer to the established connection through
+    //   from_container (a conntrack reply hit, then the BPF host routing lookup, which finds
+    //   no prefix here and leaves the packet to the stack).
     let syn = packet(addr(6), dst, 4444, 80, SYN);
     let denied = packet(addr(5), dst, 999, 81, SYN);
     let opening = packet(addr(1), dst, 1025, 80, SYN);
     let est = packet(addr(1), dst, 1025, 80, ACK);
+    let reply = packet(dst, addr(1), 80, 1025, ACK);
     assert_eq!(run(&ep.progs.to_container, &opening, 1).0, 0);
     const ROUNDS: usize = 7;
     const RUNS: u32 = 100_000;
-    let mut rounds: [Vec<f64>; 4] = Default::default();
+    let mut rounds: [Vec<f64>; 5] = Default::default();
     for _ in 0..ROUNDS {
         for (i, (prog, pkt, verdict)) in [
             (&ep.progs.to_container, &syn, 0),
             (&ep.progs.to_container, &denied, 2),
             (&ep.progs.to_container, &est, 0),
             (&unmanaged.progs.to_container, &est, 0),
+            (&ep.progs.from_container, &reply, 0),
         ]
         .into_iter()
         .enumerate()
@@ -301,7 +306,7 @@ fn main() {
             v[v.len() - 1]
         );
     };
-    let [syn_ns, denied_ns, est_ns, unmanaged_ns] = &mut rounds;
+    let [syn_ns, denied_ns, est_ns, unmanaged_ns, reply_ns] = &mut rounds;
     report(
         "new TCP connection (SYN) allowed by an L3/L4 rule, warm",
         syn_ns,
@@ -309,6 +314,10 @@ fn main() {
     report("denied packet (default deny, with its event)", denied_ns);
     report("established flow through conntrack", est_ns);
     report("unmanaged interface", unmanaged_ns);
+    report(
+        "reply of an established flow, egress (conntrack, host routing lookup)",
+        reply_ns,
+    );
 
     // The same established packet timed one run per call, as the new connections are: what a
     // single-run measurement adds by itself.
