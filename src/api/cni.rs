@@ -38,6 +38,23 @@ fn fail(code: u32, msg: impl Into<String>, details: impl Into<String>) -> HttpRe
     respond(CniError::new(code, msg, details))
 }
 
+/// An actor's answer: its value, or the CNI error to answer with (the agent failed: 100; its
+/// actors are gone, it is shutting down: 11).
+fn answered<T>(
+    r: Result<Result<T, String>, actix::MailboxError>,
+    failed: &str,
+) -> Result<T, CniError> {
+    match r {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(CniError::new(code::AGENT_FAILURE, failed, e)),
+        Err(e) => Err(CniError::new(
+            code::TRY_AGAIN_LATER,
+            "the agent is shutting down",
+            e.to_string(),
+        )),
+    }
+}
+
 /// The HTTP answer carrying a CNI error, its status from the CNI code.
 fn respond(e: CniError) -> HttpResponse {
     let status = match e.code {
@@ -521,42 +538,20 @@ pub(crate) async fn remove_container(
                     host_if = i;
                 }
             }
-            match st.repo.send(DeleteEndpoint { id }, FROM).await {
-                // Detached from the datapath before DEL answers. The endpoint's actor detaches
-                // too, sooner or later; whichever runs second finds nothing to do, and the id is
-                // not handed out again meanwhile (ids go round, see next_endpoint_id).
-                Ok(Ok(())) => match st.loader.send(DetachEndpoint { id }, FROM).await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => {
-                        return Err(fail(
-                            code::AGENT_FAILURE,
-                            "datapath detach failed",
-                            e.to_string(),
-                        ))
-                    }
-                    Err(e) => {
-                        return Err(fail(
-                            code::TRY_AGAIN_LATER,
-                            "the agent is shutting down",
-                            e.to_string(),
-                        ))
-                    }
-                },
-                Ok(Err(crate::actors::policy_repo::ApiError::NotFound(_))) => {}
-                Ok(Err(e)) => {
-                    return Err(fail(
-                        code::AGENT_FAILURE,
-                        "endpoint deletion failed",
-                        e.to_string(),
-                    ))
-                }
-                Err(e) => {
-                    return Err(fail(
-                        code::TRY_AGAIN_LATER,
-                        "the agent is shutting down",
-                        e.to_string(),
-                    ))
-                }
+            // Detached from the datapath before DEL answers. The endpoint's actor detaches
+            // too, sooner or later; whichever runs second finds nothing to do, and the id is not
+            // handed out again meanwhile (ids go round, see next_endpoint_id).
+            let deleted = match st.repo.send(DeleteEndpoint { id }, FROM).await {
+                Ok(Err(crate::actors::policy_repo::ApiError::NotFound(_))) => Ok(Ok(false)),
+                r => r.map(|r| r.map(|()| true).map_err(|e| e.to_string())),
+            };
+            if answered(deleted, "endpoint deletion failed").map_err(respond)? {
+                let detached = st
+                    .loader
+                    .send(DetachEndpoint { id }, FROM)
+                    .await
+                    .map(|r| r.map_err(|e| e.to_string()));
+                answered(detached, "datapath detach failed").map_err(respond)?;
             }
         }
     }
