@@ -187,6 +187,7 @@ async fn in_process() {
             interface: Some(format!("lxc{i}")),
             container_id: None,
             netns: None,
+            mac: None,
         };
         core.repo
             .send(

@@ -81,6 +81,7 @@ fn main() {
         interface: None,
         ips: vec![],
         identity: 1,
+        mac: None,
     })
     .unwrap();
     let flags = EndpointFlags {
@@ -348,6 +349,7 @@ fn main() {
             interface: Some(ifname.clone()),
             ips: vec![],
             identity: 2000 + i as u32,
+            mac: None,
         })
         .unwrap();
         attach_ms.push(t.elapsed().as_secs_f64() * 1e3);
@@ -358,6 +360,7 @@ fn main() {
             interface: Some(ifname.clone()),
             ips: vec![],
             identity: 2000 + i as u32,
+            mac: None,
         };
         let t = Instant::now();
         dp.attach_endpoint(&again).unwrap();

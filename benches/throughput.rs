@@ -116,6 +116,7 @@ fn main() {
                 interface: Some(pods.host_ifs[i].clone()),
                 ips: vec![addrs[i].into()],
                 identity: ids[i],
+                mac: None,
             })
             .unwrap();
         }

@@ -42,9 +42,14 @@ const volatile __u32 ENDPOINT_ID = 0;
 #include "lib/conntrack.h"
 #include "lib/hostroute.h"
 
-static __always_inline int decide(struct __sk_buff *skb, int egress)
+/* The endpoint's verdict on a packet (TC_ACT_OK or TC_ACT_SHOT). from_device: the packet came
+ * to the node's device and has not met the host stack (from_netdev); then TC_ACT_UNSPEC means
+ * "not this program's to deliver". *bypass: the packet may skip the host stack (BPF host
+ * routing) because no netfilter NAT of this node can be part of its connection. */
+static __always_inline int decide(struct __sk_buff *skb, __u32 ep, int egress, int from_device,
+				  __u8 *bypass)
 {
-	__u32 ep = ENDPOINT_ID;
+	*bypass = 0;
 	if (ep == 0) {
 		count(CILIATE_PASS_UNMANAGED);
 		return TC_ACT_OK;
@@ -98,6 +103,8 @@ static __always_inline int decide(struct __sk_buff *skb, int egress)
 			ct->closing = 1;
 		__sync_fetch_and_add(&ct->packets, 1);
 		count(CILIATE_ALLOW_ESTABLISHED);
+		/* The opening direction: the pod's own packets, or what arrives for it as it did. */
+		*bypass = 1;
 		return TC_ACT_OK;
 	}
 	ct = opening ? 0 : ct_lookup(&p, ep, 1);
@@ -109,8 +116,17 @@ static __always_inline int decide(struct __sk_buff *skb, int egress)
 			ct->closing = 1;
 		__sync_fetch_and_add(&ct->packets, 1);
 		count(CILIATE_ALLOW_REPLY);
+		/* A reply the pod sends skips the stack only if its connection did; a reply that
+		 * arrives with the very tuple the pod sent to was translated by nobody. */
+		*bypass = egress ? ct->direct : 1;
 		return TC_ACT_OK;
 	}
+	/* At the node's device only a new TCP connection is judged: any other packet of no
+	 * tracked flow may be the reply to a connection the stack translated on its way out
+	 * (kube-proxy's DNAT of a LoadBalancer IP), which only the stack translates back. It
+	 * takes the stack, and to_container judges it there. */
+	if (from_device && !opening)
+		return TC_ACT_UNSPEC;
 
 	__u32 identity = peer_identity(&p, egress);
 	__u32 reason;
@@ -137,6 +153,8 @@ static __always_inline int decide(struct __sk_buff *skb, int egress)
 	nv.packets = 1;
 	nv.egress = egress;
 	nv.closing = closing;
+	nv.direct = from_device;
+	*bypass = egress || from_device;
 	if (ct_create(&p, ep, &nv))
 		count(CILIATE_CT_FULL);
 	return TC_ACT_OK;
@@ -145,8 +163,9 @@ static __always_inline int decide(struct __sk_buff *skb, int egress)
 SEC("tc")
 int from_container(struct __sk_buff *skb)
 {
-	int verdict = decide(skb, 1);
-	if (verdict != TC_ACT_OK || ENDPOINT_ID == 0)
+	__u8 bypass;
+	int verdict = decide(skb, ENDPOINT_ID, 1, 0, &bypass);
+	if (verdict != TC_ACT_OK || !bypass)
 		return verdict;
 	return host_route(skb);
 }
@@ -154,5 +173,22 @@ int from_container(struct __sk_buff *skb)
 SEC("tc")
 int to_container(struct __sk_buff *skb)
 {
-	return decide(skb, 0);
+	__u8 bypass;
+	return decide(skb, ENDPOINT_ID, 0, 0, &bypass);
+}
+
+/* The node's device, tc ingress (one instance per agent, ENDPOINT_ID 0): packets for a local
+ * pod meet its ingress policy here and are delivered into it (lib/hostroute.h). Everything
+ * else goes on (TC_ACT_UNSPEC: the next TCX program, or the stack). */
+SEC("tc")
+int from_netdev(struct __sk_buff *skb)
+{
+	struct local_endpoint le;
+	if (!local_endpoint_of(skb, &le))
+		return TC_ACT_UNSPEC;
+	__u8 bypass;
+	int verdict = decide(skb, le.endpoint_id, 0, 1, &bypass);
+	if (verdict != TC_ACT_OK)
+		return verdict;
+	return bypass ? local_deliver(skb, &le) : TC_ACT_UNSPEC;
 }

@@ -130,7 +130,12 @@ struct ct_value {
 	__u8 egress;  /* the direction that opened the connection */
 	__u8 replied; /* a reply was seen (an unanswered TCP SYN expires sooner) */
 	__u8 closing; /* TCP: a FIN or RST was seen (the entry expires soon after) */
-	__u8 pad[5];
+	/* An ingress connection delivered straight from the node's device (BPF host routing), so
+	 * no netfilter NAT of this node touched it: its replies may skip the host stack too.
+	 * Connections that came in through the stack (0) reply through it, which translates back
+	 * whatever it translated (a kube-proxy NodePort or hostPort DNAT). */
+	__u8 direct;
+	__u8 pad[4];
 };
 
 /* Conntrack expiry (Cilium's defaults), applied by the agent's garbage collector: an entry not
@@ -154,6 +159,16 @@ struct verdict_event {
 	__u8 pad[2];
 	__u8 saddr[16];
 	__u8 daddr[16];
+};
+
+/* BPF host routing, receive side: a local pod's IPv4 address (network order, the key of
+ * local_endpoints) -> where a packet for it arriving on the node's device is delivered once
+ * its policy allowed it (bpf_redirect_peer into the pod, with these addresses). */
+struct local_endpoint {
+	__u32 endpoint_id;
+	__u32 ifindex;     /* the host side of the pod's veth */
+	__u8 mac[6];       /* the pod's interface */
+	__u8 node_mac[6];  /* the host side, the pod's gateway */
 };
 
 /* Datapath-wide settings (array, one element). */

@@ -49,6 +49,8 @@ fn agent(args: AgentArgs) -> i32 {
         && args.routing_mode == ciliate::network::RoutingMode::Native
         && !args.enable_host_legacy_routing)
         .then(|| args.bpf_root.join("ciliate"));
+    let bpf_pins = (args.datapath == ciliate::config::DatapathKind::Bpf)
+        .then(|| args.bpf_root.join("ciliate"));
     let config = AgentConfig {
         mode,
         manifests: args.manifests,
@@ -75,6 +77,7 @@ fn agent(args: AgentArgs) -> i32 {
             install: args.datapath == ciliate::config::DatapathKind::Bpf,
             masquerade: args.enable_ipv4_masquerade,
             bpf_host_routing,
+            bpf_pins,
         },
         cgroup_root: args.cgroup_root,
     };

@@ -14,7 +14,7 @@ use common::agent::Agent;
 use common::cluster::{node_ip, pod_cidr, Cluster, ClusterNode};
 use common::eventually;
 use common::netns::{
-    icmp_ok, in_netns, privileged, seen_over_tcp, tcp_ok, tcp_server, udp_ok, udp_server,
+    icmp_ok, in_netns, ip, privileged, seen_over_tcp, tcp_ok, tcp_server, udp_ok, udp_server,
     who_am_i_servers,
 };
 use serde_json::{json, Value};
@@ -808,10 +808,38 @@ fn host_routed(c: &mut Cluster, i: usize) -> u64 {
     ciliate::datapath::bpf::host_routes::routed_packets(&pins).expect("read host_routed")
 }
 
+/// Packets node `i`'s device program delivered straight into its pods.
+fn host_delivered(c: &mut Cluster, i: usize) -> u64 {
+    let pins = c.node(i).bpffs.join("ciliate");
+    ciliate::datapath::bpf::host_delivery::delivered_packets(&pins).expect("read host_delivered")
+}
+
+/// The addresses node `i`'s device program delivers to, with their endpoint ids.
+fn local_endpoints(c: &mut Cluster, i: usize) -> Vec<(Ipv4Addr, u32)> {
+    let pins = c.node(i).bpffs.join("ciliate");
+    let map = libbpf_rs::MapHandle::from_pinned_path(
+        pins.join(ciliate::datapath::bpf::host_delivery::MAP),
+    )
+    .expect("open local_endpoints");
+    ciliate::datapath::bpf::host_delivery::entries(&map)
+        .into_iter()
+        .map(|(a, r)| (a, r.endpoint_id))
+        .collect()
+}
+
+fn host_routing_state(node: &ClusterNode) -> String {
+    node.agent().cli_json(&["status"])["host_routing"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
+}
+
 /// Native routing sends an allowed packet from the pod's veth straight out of the node's
-/// device (BPF host routing), and policy still decides on both ends: node 1's egress rule drops
-/// before the redirect, node 2's ingress rule judges what arrives. With
-/// `--enable-host-legacy-routing` the packets take the host stack instead.
+/// device, and the receiving node's device program delivers it straight into the pod (BPF
+/// host routing, both ends), with policy deciding on both ends: node 1's egress rule drops
+/// before the redirect, node 2's ingress rule judges what arrives at its device, for TCP, UDP
+/// and ICMP. A deleted pod's address leaves the device program's map with its endpoint.
+/// With `--enable-host-legacy-routing` the packets take the host stack instead.
 #[test]
 fn bpf_host_routing_carries_allowed_pod_traffic_and_policy_still_decides_on_both_ends() {
     if !privileged() {
@@ -823,20 +851,58 @@ fn bpf_host_routing_carries_allowed_pod_traffic_and_policy_still_decides_on_both
     let b = c.add_pod(2, "b", "b");
     let dst = IpAddr::V4(b.addr);
     tcp_server(&b.netns, dst, 8080);
-    eventually("a reaches b across nodes", || tcp_ok(&a.netns, dst, 8080));
-    let before = host_routed(&mut c, 1);
-    assert!(before > 0, "the packets left through BPF host routing");
-    assert!(tcp_ok(&a.netns, dst, 8080));
+    udp_server(&b.netns, dst, 5353);
+    eventually("both nodes run the device program", || {
+        host_routing_state(&c.nodes[0]) == "bpf (eth0)"
+            && host_routing_state(&c.nodes[1]) == "bpf (eth0)"
+    });
+    let b_id = c
+        .node(2)
+        .agent()
+        .cli_json(&["endpoint", "list"])
+        .as_array()
+        .and_then(|l| {
+            l.iter()
+                .find(|e| e["name"] == "x/b")
+                .map(|e| e["id"].as_u64().unwrap_or(0))
+        })
+        .expect("b's endpoint");
     assert!(
-        host_routed(&mut c, 1) > before,
-        "every new flow takes it too"
+        local_endpoints(&mut c, 2).contains(&(b.addr, b_id as u32)),
+        "node 2 delivers to b: {:?}",
+        local_endpoints(&mut c, 2)
+    );
+    eventually("a reaches b across nodes", || tcp_ok(&a.netns, dst, 8080));
+    let (sent, delivered) = (host_routed(&mut c, 1), host_delivered(&mut c, 2));
+    assert!(sent > 0, "the packets left through BPF host routing");
+    assert!(
+        delivered > 0,
+        "node 2's device program delivered them into b"
+    );
+    assert!(tcp_ok(&a.netns, dst, 8080));
+    assert!(udp_ok(&a.netns, dst, 5353), "UDP across nodes");
+    assert!(icmp_ok(&a.netns, b.addr), "ICMP across nodes");
+    assert!(host_routed(&mut c, 1) > sent, "every new flow takes it too");
+    assert!(
+        host_delivered(&mut c, 2) > delivered,
+        "and is delivered by the device program"
     );
 
-    // Node 2's ingress policy still judges what host routing delivered.
+    // Node 2's ingress policy judges at the device what host routing sent.
     c.api().apply_json(cnp_b_from_a()).expect("policy");
     eventually("b admits a only", || {
         tcp_ok(&a.netns, dst, 8080) && !tcp_ok(&other.netns, dst, 8080)
     });
+    let before = host_delivered(&mut c, 2);
+    assert!(!tcp_ok(&other.netns, dst, 8080));
+    assert!(!udp_ok(&other.netns, dst, 5353), "UDP from other is denied");
+    assert!(!icmp_ok(&other.netns, b.addr), "ICMP from other is denied");
+    assert_eq!(
+        host_delivered(&mut c, 2),
+        before,
+        "nothing denied was delivered"
+    );
+    assert!(tcp_ok(&a.netns, dst, 8080));
     // Node 1's egress policy drops before any redirect.
     c.api()
         .apply_json(json!({
@@ -847,6 +913,135 @@ fn bpf_host_routing_carries_allowed_pod_traffic_and_policy_still_decides_on_both
         }))
         .expect("policy");
     eventually("a's egress deny holds", || !tcp_ok(&a.netns, dst, 8080));
+
+    // The pod goes: its address leaves the device program's map with its endpoint.
+    let (code, out) = c.node(2).pods.as_ref().unwrap().del(&b);
+    assert_eq!(code, 0, "CNI DEL: {out}");
+    assert!(
+        !local_endpoints(&mut c, 2).iter().any(|(a, _)| *a == b.addr),
+        "b's address is gone from node 2's device program"
+    );
+}
+
+/// Loads nftables rules into a node's namespace (kube-proxy's nftables mode, in miniature).
+fn nft(netns: &str, rules: &str) {
+    let file = tempfile::NamedTempFile::new().expect("a rules file");
+    std::fs::write(file.path(), rules).expect("write the rules");
+    let out = std::process::Command::new("ip")
+        .args(["netns", "exec", netns, "nft", "-f"])
+        .arg(file.path())
+        .output()
+        .expect("nft runs (nftables is installed by .ci/setup)");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A UDP exchange on a connected socket: only a reply from `to:port` itself counts.
+fn udp_connected_ok(netns: &str, to: SocketAddr) -> bool {
+    in_netns(netns, move || {
+        let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+        s.set_read_timeout(Some(Duration::from_millis(700)))
+            .unwrap();
+        s.connect(to).unwrap();
+        let _ = s.send(b"ping");
+        let mut buf = [0u8; 8];
+        matches!(s.recv(&mut buf), Ok(4))
+    })
+    .join()
+    .unwrap()
+}
+
+/// kube-proxy's NAT stays right with BPF host routing on both ends. A LoadBalancer-style
+/// address that node 1's stack DNATs (TCP and UDP) to b on node 2: b's replies reach node 1's
+/// device with b's address as source, match no flow a opened, so they take node 1's stack,
+/// which translates them back (a connected socket only takes replies from the address it
+/// dialled). A NodePort-style DNAT on node 2 that keeps the client's address
+/// (externalTrafficPolicy: Local): the connection came to b through node 2's stack, so b's
+/// replies go back through it too and leave with the node's address.
+#[test]
+fn kube_proxy_nat_around_bpf_host_routing_is_translated_back() {
+    if !privileged() {
+        return;
+    }
+    let mut c = Cluster::start(2);
+    let a = c.add_pod(1, "a", "a");
+    let b = c.add_pod(2, "b", "b");
+    let (n1, n2, n2_ip) = (
+        c.nodes[0].netns.clone(),
+        c.nodes[1].netns.clone(),
+        c.nodes[1].ip,
+    );
+    tcp_echo_server(&b.netns, IpAddr::V4(b.addr), 8080);
+    udp_server(&b.netns, IpAddr::V4(b.addr), 5353);
+    // The test-only load-balancer range goes nowhere on node 1 but through the DNAT.
+    ip(&["-n", &n1, "route", "add", "blackhole", "10.98.0.0/16"]);
+    nft(
+        &n1,
+        &format!(
+            "table ip kube-proxy-test {{\n  chain pre {{\n    type nat hook prerouting priority dstnat;\n    ip daddr 10.98.0.1 tcp dport 80 dnat to {b}:8080\n    ip daddr 10.98.0.1 udp dport 53 dnat to {b}:5353\n  }}\n}}\n",
+            b = b.addr
+        ),
+    );
+    nft(
+        &n2,
+        &format!(
+            "table ip kube-proxy-test {{\n  chain pre {{\n    type nat hook prerouting priority dstnat;\n    ip daddr {n2_ip} tcp dport 30080 dnat to {b}:8080\n  }}\n}}\n",
+            b = b.addr
+        ),
+    );
+    eventually("both nodes run the device program", || {
+        host_routing_state(&c.nodes[0]) == "bpf (eth0)"
+            && host_routing_state(&c.nodes[1]) == "bpf (eth0)"
+    });
+    let direct = SocketAddr::new(IpAddr::V4(b.addr), 8080);
+    eventually("a reaches b across nodes", || {
+        in_netns(&a.netns, move || {
+            TcpStream::connect_timeout(&direct, Duration::from_millis(700))
+                .map(|mut s| echo(&mut s, b"hello"))
+                .unwrap_or(false)
+        })
+        .join()
+        .unwrap()
+    });
+    let delivered = host_delivered(&mut c, 2);
+    for (what, to) in [
+        (
+            "the load-balancer address (node 1's DNAT)",
+            SocketAddr::new("10.98.0.1".parse().unwrap(), 80),
+        ),
+        (
+            "node 2's NodePort (its DNAT)",
+            SocketAddr::new(IpAddr::V4(n2_ip), 30080),
+        ),
+    ] {
+        let ok = in_netns(&a.netns, move || {
+            let Ok(mut s) = TcpStream::connect_timeout(&to, Duration::from_secs(2)) else {
+                return Err("connect failed".to_string());
+            };
+            let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+            let peer = s.peer_addr().map_err(|e| e.to_string())?;
+            for i in 0..20 {
+                if !echo(&mut s, format!("message {i}").as_bytes()) {
+                    return Err(format!("echo {i} failed"));
+                }
+            }
+            Ok(peer)
+        })
+        .join()
+        .unwrap();
+        assert_eq!(ok, Ok(to), "a talks to {what} over TCP");
+    }
+    assert!(
+        udp_connected_ok(&a.netns, SocketAddr::new("10.98.0.1".parse().unwrap(), 53)),
+        "a talks to the load-balancer address over UDP"
+    );
+    assert!(
+        host_delivered(&mut c, 2) > delivered,
+        "node 2's device program delivered the DNATed connections' packets into b"
+    );
 }
 
 #[test]
@@ -861,4 +1056,10 @@ fn legacy_host_routing_keeps_pod_traffic_on_the_host_stack() {
     tcp_server(&b.netns, dst, 8080);
     eventually("a reaches b across nodes", || tcp_ok(&a.netns, dst, 8080));
     assert_eq!(host_routed(&mut c, 1), 0, "nothing took BPF host routing");
+    assert_eq!(
+        host_delivered(&mut c, 2),
+        0,
+        "nothing was delivered by a device program"
+    );
+    assert_eq!(host_routing_state(&c.nodes[1]), "legacy");
 }

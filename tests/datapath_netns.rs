@@ -40,6 +40,7 @@ fn attach_pods(dp: &mut BpfDatapath, pods: &[(&common::netns::Pod, u16, u32)]) {
             interface: Some(p.host_if.clone()),
             ips: vec![p.addr],
             identity: *ident,
+            mac: None,
         })
         .unwrap();
     }
@@ -186,6 +187,7 @@ fn policy_on_real_veths_with_live_edits_replies_and_a_restart_without_a_gap() {
             interface: Some(p.host_if.clone()),
             ips: vec![p.addr],
             identity: ident,
+            mac: None,
         })
         .unwrap();
     }
@@ -207,6 +209,7 @@ fn policy_on_real_veths_with_live_edits_replies_and_a_restart_without_a_gap() {
         interface: Some(b.host_if.clone()),
         ips: vec![b.addr],
         identity: id_b,
+        mac: None,
     })
     .unwrap();
     let swapped = link(2, "egress").expect("the link is still pinned");

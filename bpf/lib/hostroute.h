@@ -1,14 +1,23 @@
 // SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause)
 /*
- * BPF host routing (Cilium's, for the native-routing path): an IPv4 packet the pod sends to a
- * pod of another node, once policy allowed it, goes from the pod's host veth straight out of
- * the node's device with bpf_redirect_neigh, skipping the host stack's forwarding path
- * (routing, netfilter's hooks and conntrack). Only destinations in host_routes take it: the
- * other nodes' pod CIDRs the agent installed kernel routes for (native routing). The kernel's
- * FIB still picks the device and the next hop, so the packet leaves exactly where the route
- * says; any lookup that does not plainly succeed leaves the packet to the stack, as before.
- * Traffic leaving the cluster never matches (it keeps the stack, and so masquerading), and
- * the receiving node's to_container program judges the packet as before.
+ * BPF host routing (Cilium's, for the native-routing path), both ends of a pod-to-pod packet
+ * between nodes:
+ *
+ * Sending (host_route, after from_container allowed the packet): an IPv4 packet the pod sends
+ * to a pod of another node goes from the pod's host veth straight out of the node's device
+ * with bpf_redirect_neigh, skipping the host stack's forwarding path (routing, netfilter's
+ * hooks and conntrack). Only destinations in host_routes take it: the other nodes' pod CIDRs
+ * the agent installed kernel routes for (native routing). The kernel's FIB still picks the
+ * device and the next hop, so the packet leaves exactly where the route says; any lookup that
+ * does not plainly succeed leaves the packet to the stack, as before. Traffic leaving the
+ * cluster never matches (it keeps the stack, and so masquerading).
+ *
+ * Receiving (from_netdev, on the tc ingress of the node's device): an IPv4 packet addressed
+ * to a pod of this node (local_endpoints) meets that pod's ingress policy right there, the
+ * same decision to_container makes (same policy map, same conntrack entries), and once
+ * allowed goes into the pod with bpf_redirect_peer, skipping this node's stack. Anything else
+ * (not for a local pod, not addressed to this host's MAC, about to expire) is left alone for
+ * the next program or the stack.
  */
 #ifndef CILIATE_LIB_HOSTROUTE_H
 #define CILIATE_LIB_HOSTROUTE_H
@@ -42,18 +51,103 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } host_routed SEC(".maps");
 
-static __always_inline int host_route(struct __sk_buff *skb)
+/* This node's pods by IPv4 address (struct local_endpoint), written by the agent once an
+ * endpoint's programs are in place and removed before they go. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, CILIATE_ENDPOINTS_MAX);
+	__type(key, __u32);
+	__type(value, struct local_endpoint);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} local_endpoints SEC(".maps");
+
+/* Packets delivered into a pod by from_netdev (one slot, like host_routed). */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u64);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} host_delivered SEC(".maps");
+
+static __always_inline void bump(void *counter)
+{
+	__u32 zero = 0;
+	__u64 *n = bpf_map_lookup_elem(counter, &zero);
+	if (n)
+		*n += 1;
+}
+
+/* Forwarding decrements the TTL; the checksum follows (ttl is the high byte of its word).
+ * 0: done; 1: nothing changed (leave the packet to the stack); -1: the packet is broken. */
+static __always_inline int ttl_decrement(struct __sk_buff *skb, __u8 ttl)
+{
+	__u8 next = ttl - 1;
+	if (bpf_l3_csum_replace(skb, ETH_HLEN + offsetof(struct iphdr, check),
+				bpf_htons((__u16)ttl << 8), bpf_htons((__u16)next << 8), 2) < 0)
+		return 1;
+	if (bpf_skb_store_bytes(skb, ETH_HLEN + offsetof(struct iphdr, ttl), &next, 1, 0) < 0)
+		return -1; /* the checksum already changed: never send it half-rewritten */
+	return 0;
+}
+
+/* The IPv4 header of a packet the stack would forward (TTL above 1), or 0. */
+static __always_inline struct iphdr *forwardable_ipv4(struct __sk_buff *skb)
 {
 	void *data = (void *)(long)skb->data;
 	void *end = (void *)(long)skb->data_end;
 	struct ethhdr *eth = data;
 	if ((void *)(eth + 1) > end || eth->h_proto != bpf_htons(ETH_P_IP))
-		return TC_ACT_OK;
+		return 0;
 	struct iphdr *ip = (void *)(eth + 1);
 	if ((void *)(ip + 1) > end)
-		return TC_ACT_OK;
+		return 0;
 	/* A packet about to expire is the stack's to answer (ICMP time exceeded). */
 	if (ip->ttl <= 1)
+		return 0;
+	return ip;
+}
+
+/* The local pod a packet arriving on the node's device is for, copied into *out (the map's
+ * record may be rewritten meanwhile); 0 when it is not for one. */
+static __always_inline int local_endpoint_of(struct __sk_buff *skb, struct local_endpoint *out)
+{
+	/* Frames for another host's MAC (a bridge floods unknown unicast) are not ours. */
+	if (skb->pkt_type != 0 /* PACKET_HOST */)
+		return 0;
+	struct iphdr *ip = forwardable_ipv4(skb);
+	if (!ip)
+		return 0;
+	__u32 daddr = ip->daddr;
+	struct local_endpoint *le = bpf_map_lookup_elem(&local_endpoints, &daddr);
+	if (!le || !le->endpoint_id || !le->ifindex)
+		return 0;
+	*out = *le;
+	return 1;
+}
+
+/* Delivers an allowed packet into the pod: TTL as forwarding would, the pod's gateway MAC as
+ * source, the pod's MAC as destination, then straight into the pod's namespace. */
+static __always_inline int local_deliver(struct __sk_buff *skb, const struct local_endpoint *le)
+{
+	struct iphdr *ip = forwardable_ipv4(skb);
+	if (!ip)
+		return TC_ACT_OK;
+	int r = ttl_decrement(skb, ip->ttl);
+	if (r)
+		return r < 0 ? TC_ACT_SHOT : TC_ACT_OK;
+	if (bpf_skb_store_bytes(skb, 0, le->mac, 6, 0) < 0 ||
+	    bpf_skb_store_bytes(skb, 6, le->node_mac, 6, 0) < 0)
+		return TC_ACT_SHOT;
+	bump(&host_delivered);
+	return bpf_redirect_peer(le->ifindex, 0);
+}
+
+static __always_inline int host_route(struct __sk_buff *skb)
+{
+	struct iphdr *ip = forwardable_ipv4(skb);
+	if (!ip)
 		return TC_ACT_OK;
 	struct host_route_key k = { .prefixlen = 32, .addr = ip->daddr };
 	if (!bpf_map_lookup_elem(&host_routes, &k))
@@ -66,20 +160,13 @@ static __always_inline int host_route(struct __sk_buff *skb)
 	f.ipv4_src = ip->saddr;
 	f.ipv4_dst = ip->daddr;
 	f.ifindex = skb->ingress_ifindex;
+	__u8 ttl = ip->ttl;
 	if (bpf_fib_lookup(skb, &f, sizeof(f), 0) != BPF_FIB_LKUP_RET_SUCCESS)
 		return TC_ACT_OK;
-	/* Forwarding decrements the TTL; the checksum follows (ttl is the high byte of its word). */
-	__u8 ttl = ip->ttl;
-	__u8 next = ttl - 1;
-	if (bpf_l3_csum_replace(skb, ETH_HLEN + offsetof(struct iphdr, check),
-				bpf_htons((__u16)ttl << 8), bpf_htons((__u16)next << 8), 2) < 0)
-		return TC_ACT_OK;
-	if (bpf_skb_store_bytes(skb, ETH_HLEN + offsetof(struct iphdr, ttl), &next, 1, 0) < 0)
-		return TC_ACT_SHOT; /* the checksum already changed: never send it half-rewritten */
-	__u32 zero = 0;
-	__u64 *n = bpf_map_lookup_elem(&host_routed, &zero);
-	if (n)
-		*n += 1;
+	int r = ttl_decrement(skb, ttl);
+	if (r)
+		return r < 0 ? TC_ACT_SHOT : TC_ACT_OK;
+	bump(&host_routed);
 	return bpf_redirect_neigh(f.ifindex, 0, 0, 0);
 }
 

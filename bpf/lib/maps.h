@@ -16,6 +16,7 @@ struct policy_key _abi_policy_key = {};
 struct ipcache_host_key _abi_ipcache_host_key = {};
 struct policy_value _abi_policy_value = {};
 struct verdict_event _abi_verdict_event = {};
+struct local_endpoint _abi_local_endpoint = {};
 
 /* Endpoint ids are 16-bit, so both per-endpoint tables are arrays indexed by the id: the
  * verifier inlines their lookups (no hashing), which a new connection's two lookups feel. */

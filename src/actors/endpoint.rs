@@ -142,6 +142,17 @@ impl EndpointActor {
         format!("EndpointActor/{}", self.record.id)
     }
 
+    /// What the datapath needs of this endpoint, with `identity`.
+    fn attachment(&self, identity: NumericIdentity) -> EndpointAttachment {
+        EndpointAttachment {
+            id: self.record.id,
+            interface: self.record.interface.clone(),
+            ips: self.record.ips.clone(),
+            identity,
+            mac: self.record.mac.clone(),
+        }
+    }
+
     fn model(&self) -> EndpointModel {
         EndpointModel {
             id: self.record.id,
@@ -238,12 +249,7 @@ impl EndpointActor {
         };
         let name = self.name();
         if !self.attached {
-            let att = EndpointAttachment {
-                id: self.record.id,
-                interface: self.record.interface.clone(),
-                ips: self.record.ips.clone(),
-                identity,
-            };
+            let att = self.attachment(identity);
             self.loader
                 .do_send(AttachEndpoint { attachment: att }, name.clone());
             self.attached = true;
@@ -492,12 +498,7 @@ impl Handler<SetIdentity> for EndpointActor {
                         self.state = EndpointState::Ready;
                     }
                     if self.attached {
-                        let att = EndpointAttachment {
-                            id: self.record.id,
-                            interface: self.record.interface.clone(),
-                            ips: self.record.ips.clone(),
-                            identity: id,
-                        };
+                        let att = self.attachment(id);
                         self.loader
                             .do_send(AttachEndpoint { attachment: att }, self.name());
                     }

@@ -53,6 +53,10 @@ pub struct EndpointRequest {
     pub interface: Option<String>,
     pub container_id: Option<String>,
     pub netns: Option<String>,
+    /// The pod interface's MAC (`aa:bb:..`), when the CNI plugin made it: BPF host routing
+    /// delivers packets into the pod with it.
+    #[serde(default)]
+    pub mac: Option<String>,
 }
 
 /// A policy as `/debug/policy` lists it.
@@ -615,6 +619,7 @@ impl PolicyRepoActor {
             policy_revision: restore.as_ref().map(|r| r.policy_revision).unwrap_or(0),
             container_id: req.container_id.clone(),
             netns: req.netns.clone(),
+            mac: req.mac.clone(),
         };
         let model = self.spawn_endpoint(record, labels, ports);
         let affected: BTreeSet<NumericIdentity> = identity

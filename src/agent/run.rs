@@ -424,6 +424,7 @@ async fn run_async(
             interface: rec.interface.clone(),
             container_id: rec.container_id.clone(),
             netns: rec.netns.clone(),
+            mac: rec.mac.clone(),
         };
         match repo
             .send(

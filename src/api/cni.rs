@@ -413,6 +413,7 @@ pub async fn add(st: web::Data<AppState>, req: web::Json<CniRequest>) -> HttpRes
                     interface: Some(host_if.clone()),
                     container_id: Some(req.container_id.clone()),
                     netns: Some(netns.display().to_string()),
+                    mac: Some(ifs.pod_mac.clone()),
                 },
                 restore: None,
             },

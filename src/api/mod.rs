@@ -85,6 +85,9 @@ pub struct StatusModel {
     /// `--enable-ipv4-masquerade`: `enabled`, `disabled`, `none` (memory datapath) or `error: ...`.
     #[serde(default)]
     pub masquerade: String,
+    /// BPF host routing: `bpf (<device>)`, `bpf, send side only: <why>`, `legacy` or `none`.
+    #[serde(default)]
+    pub host_routing: String,
     /// Services, frontends and backends known, and where they are translated.
     #[serde(default)]
     pub services: Option<crate::services::ServiceCounts>,
@@ -302,6 +305,7 @@ async fn status(st: web::Data<AppState>) -> HttpResponse {
         routing_mode: routing.mode,
         routes_installed: routing.routes_installed,
         masquerade: routing.masquerade,
+        host_routing: routing.host_routing,
         services: Some(st.shared.services.counts()),
     })
 }

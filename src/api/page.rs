@@ -48,7 +48,7 @@ async function refresh(){
   fill("msgs", msgs.slice(-40).reverse().map(m => `<tr><td>${m.seq}</td><td>${esc(m.message)}</td><td><code>${esc(m.summary)}</code></td><td>${esc(m.from)}</td><td>${micros(m.finished_at) - micros(m.started_at)}</td><td class="${m.outcome==='ok'?'ok':'err'}">${esc(m.outcome)}</td></tr>`));
   fill("eps", eps.map(e => `<tr><td>${e.id}</td><td>${esc(e.name)}</td><td>${e.identity ?? ""}</td><td class="${e.state==='ready'?'ok':'err'}">${esc(e.state)}</td><td>${e.policy_revision}</td><td>${e.policy_entries}</td><td>${esc(e.ips.join(", "))}</td><td class=err>${esc(e.error)}</td></tr>`));
   const net = await get("/debug/nodes").catch(() => ({mode: "?", routes_installed: 0, nodes: []}));
-  document.getElementById("routing").textContent = `routing ${net.mode} · ${net.routes_installed} routes installed · masquerade ${net.masquerade || "?"}`;
+  document.getElementById("routing").textContent = `routing ${net.mode} · ${net.routes_installed} routes installed · masquerade ${net.masquerade || "?"} · host routing ${net.host_routing || "?"}`;
   fill("nodes", net.nodes.map(n => `<tr><td>${esc(n.name)}</td><td>${n.local ? "yes" : ""}</td><td>${esc(n.ips.join(", "))}</td><td>${esc(n.pod_cidrs.join(", "))}</td><td class="${n.route.startsWith('error')?'err':'ok'}">${esc(n.route)}</td></tr>`));
   const lb = await get("/debug/services").catch(() => ({counts: {}, frontends: []}));
   const [c, svcs] = [lb.counts, lb.frontends];

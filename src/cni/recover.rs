@@ -132,6 +132,7 @@ mod tests {
             policy_revision: 0,
             container_id: container.map(str::to_string),
             netns: None,
+            mac: None,
         }
     }
 

@@ -104,6 +104,36 @@ pub fn load_program_for<'obj>(
     endpoint_id: u32,
     tcx: bool,
 ) -> Result<skel::CiliateSkel<'obj>, DatapathError> {
+    load_instance(storage, pin_root, Instance::Endpoint(endpoint_id), tcx)
+}
+
+/// Loads the node device's program (`from_netdev`, BPF host routing's receive side) on the
+/// pinned maps; only that program of the object is loaded.
+pub fn load_netdev_program<'obj>(
+    storage: &'obj mut MaybeUninit<OpenObject>,
+    pin_root: &Path,
+    tcx: bool,
+) -> Result<skel::CiliateSkel<'obj>, DatapathError> {
+    load_instance(storage, pin_root, Instance::Netdev, tcx)
+}
+
+/// Which programs of the object an instance carries: each one verified costs load time.
+#[derive(Clone, Copy)]
+enum Instance {
+    /// `from_container` and `to_container` with `ENDPOINT_ID` set.
+    Endpoint(u32),
+    /// `from_netdev` (`ENDPOINT_ID` 0).
+    Netdev,
+}
+
+fn load_instance<'obj>(
+    storage: &'obj mut MaybeUninit<OpenObject>,
+    pin_root: &Path,
+    instance: Instance,
+    tcx: bool,
+) -> Result<skel::CiliateSkel<'obj>, DatapathError> {
+    use libbpf_rs::libbpf_sys as lsys;
+    use libbpf_rs::AsRawLibbpf;
     std::fs::create_dir_all(pin_root).map_err(|e| DatapathError::System {
         operation: format!("create {}", pin_root.display()),
         message: e.to_string(),
@@ -113,35 +143,46 @@ pub fn load_program_for<'obj>(
             operation: format!("pin root {}", pin_root.display()),
             message: e.to_string(),
         })?;
-    let opts = libbpf_rs::libbpf_sys::bpf_object_open_opts {
-        sz: std::mem::size_of::<libbpf_rs::libbpf_sys::bpf_object_open_opts>() as _,
+    let opts = lsys::bpf_object_open_opts {
+        sz: std::mem::size_of::<lsys::bpf_object_open_opts>() as _,
         pin_root_path: root.as_ptr(),
         ..Default::default()
     };
     let mut open = skel::CiliateSkelBuilder::default()
         .open_opts(opts, storage)
         .map_err(sys("open the BPF object"))?;
+    let (endpoint_id, netdev) = match instance {
+        Instance::Endpoint(id) => (id, false),
+        Instance::Netdev => (0, true),
+    };
     if let Some(ro) = open.maps.rodata_data.as_deref_mut() {
         ro.ENDPOINT_ID = endpoint_id;
     }
+    open.progs.from_container.set_autoload(!netdev);
+    open.progs.to_container.set_autoload(!netdev);
+    open.progs.from_netdev.set_autoload(netdev);
     if tcx {
-        use libbpf_rs::libbpf_sys as sys;
-        use libbpf_rs::AsRawLibbpf;
         unsafe {
-            sys::bpf_program__set_expected_attach_type(
+            lsys::bpf_program__set_expected_attach_type(
                 open.progs.from_container.as_libbpf_object().as_ptr(),
-                sys::BPF_TCX_INGRESS,
+                lsys::BPF_TCX_INGRESS,
             );
-            sys::bpf_program__set_expected_attach_type(
+            lsys::bpf_program__set_expected_attach_type(
                 open.progs.to_container.as_libbpf_object().as_ptr(),
-                sys::BPF_TCX_EGRESS,
+                lsys::BPF_TCX_EGRESS,
+            );
+            lsys::bpf_program__set_expected_attach_type(
+                open.progs.from_netdev.as_libbpf_object().as_ptr(),
+                lsys::BPF_TCX_INGRESS,
             );
         }
     }
     let moved = set_aside_incompatible_pins(open.open_object(), pin_root)?;
-    let skel = open.load().map_err(sys(format!(
-        "load the BPF program for endpoint {endpoint_id}"
-    )))?;
+    let what = match instance {
+        Instance::Endpoint(id) => format!("load the BPF program for endpoint {id}"),
+        Instance::Netdev => "load the node device's BPF program".to_string(),
+    };
+    let skel = open.load().map_err(sys(what))?;
     for m in moved {
         m.finish(pin_root);
     }
@@ -384,9 +425,11 @@ unsafe impl Pod for types::ct6_key {}
 unsafe impl Pod for types::ct_value {}
 unsafe impl Pod for types::verdict_event {}
 unsafe impl Pod for types::datapath_config {}
+unsafe impl Pod for types::local_endpoint {}
 
 pub mod conntrack;
 pub mod datapath;
+pub mod host_delivery;
 pub mod host_routes;
 pub mod services;
 pub mod tcx;

@@ -248,6 +248,7 @@ mod tests {
             interface: None,
             ips: vec![],
             identity: 300,
+            mac: None,
         })
         .unwrap();
     }

@@ -28,6 +28,9 @@ pub struct EndpointAttachment {
     pub interface: Option<String>,
     pub ips: Vec<IpAddr>,
     pub identity: NumericIdentity,
+    /// The pod interface's MAC (`aa:bb:..`), when known: with it (and an interface) packets
+    /// arriving on the node's device are delivered straight into the pod.
+    pub mac: Option<String>,
 }
 
 /// Per-endpoint switches in the endpoint map.

@@ -109,6 +109,7 @@ mod tests {
             policy_revision: 0,
             container_id: container.map(String::from),
             netns: container.map(|_| format!("/run/netns/p{id}")),
+            mac: None,
         }
     }
 

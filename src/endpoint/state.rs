@@ -44,6 +44,10 @@ pub struct EndpointRecord {
     pub container_id: Option<String>,
     #[serde(default)]
     pub netns: Option<String>,
+    /// The pod interface's MAC, when the CNI plugin made it (records of older versions have
+    /// none: their pods are then reached through the host stack only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mac: Option<String>,
 }
 
 /// A CNI ADD in progress, recorded before anything is created for the container and removed once
@@ -471,6 +475,7 @@ mod tests {
             policy_revision: rev,
             container_id: None,
             netns: None,
+            mac: None,
         }
     }
 

@@ -37,6 +37,7 @@ pub async fn run_route_reconciler(
     while !ready.load(Ordering::SeqCst) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    let mut netdev = NetdevProgram::default();
     loop {
         let snapshot = nodes.borrow_and_update().clone();
         let plans = routes::desired_routes(&local, &snapshot, &cfg);
@@ -79,8 +80,10 @@ pub async fn run_route_reconciler(
                 tracing::warn!(error = %e, "BPF host routing map not updated; pod traffic to other nodes takes the host stack");
             }
         }
+        let host_routing = netdev.reconcile(&cfg, local_ip).await;
         let masq = masquerade.reconcile(&local, &snapshot, &cfg).await;
         if let Ok(mut v) = view.lock() {
+            v.host_routing = host_routing;
             v.routes_installed = outcome.values().filter(|o| o.is_ok()).count();
             v.nodes = rows;
             v.masquerade = masq;
@@ -88,6 +91,78 @@ pub async fn run_route_reconciler(
         tokio::select! {
             changed = nodes.changed() => if changed.is_err() { return },
             _ = tokio::time::sleep(RESYNC) => {},
+        }
+    }
+}
+
+/// BPF host routing's receive side: the node device's program, on the device that holds the
+/// node's InternalIP. Attached once per run (a restarted agent swaps in its own build) and again
+/// whenever that device changes; taken off once when BPF host routing is off.
+#[derive(Default)]
+struct NetdevProgram {
+    /// The device this run attached the program to.
+    attached: Option<u32>,
+    /// This run took a left-over program off (host routing off).
+    cleared: bool,
+    /// What was shown last (a failure is logged once, not every pass).
+    shown: String,
+}
+
+impl NetdevProgram {
+    async fn reconcile(
+        &mut self,
+        cfg: &RoutingConfig,
+        local_ip: Option<std::net::Ipv4Addr>,
+    ) -> String {
+        let shown = match (&cfg.bpf_host_routing, &cfg.bpf_pins) {
+            (None, None) => "none".to_string(),
+            (None, Some(pins)) => {
+                if !self.cleared {
+                    let pins = pins.clone();
+                    let _ = actix_web::web::block(move || {
+                        crate::datapath::bpf::host_delivery::detach(&pins)
+                    })
+                    .await;
+                    self.cleared = true;
+                }
+                "legacy".to_string()
+            }
+            (Some(pins), _) => self.attach(pins, local_ip).await,
+        };
+        if shown != self.shown && shown.contains("send side only") && local_ip.is_some() {
+            tracing::warn!(state = %shown, "BPF host routing: packets for this node's pods take the host stack");
+        }
+        self.shown = shown.clone();
+        shown
+    }
+
+    async fn attach(
+        &mut self,
+        pins: &std::path::Path,
+        local_ip: Option<std::net::Ipv4Addr>,
+    ) -> String {
+        let Some(ip) = local_ip else {
+            return "bpf, send side only: this node has no InternalIP yet".into();
+        };
+        let Some((name, ifindex)) = netlink::device_with_address(ip) else {
+            return format!("bpf, send side only: no device of this node holds {ip}");
+        };
+        if self.attached == Some(ifindex) {
+            return format!("bpf ({name})");
+        }
+        let p = pins.to_path_buf();
+        match actix_web::web::block(move || {
+            crate::datapath::bpf::host_delivery::attach(&p, ifindex)
+        })
+        .await
+        {
+            Ok(Ok(())) => {
+                tracing::info!(device = %name, "BPF host routing: the node device's program is attached");
+                self.attached = Some(ifindex);
+                format!("bpf ({name})")
+            }
+            Ok(Err(e)) => format!("bpf, send side only: {e}"),
+            Err(e) => format!("bpf, send side only: {e}"),
         }
     }
 }

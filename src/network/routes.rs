@@ -49,8 +49,12 @@ pub struct RoutingConfig {
     /// `--enable-ipv4-masquerade`: pod traffic leaving the native routing CIDR is SNATed.
     pub masquerade: bool,
     /// BPF host routing (native mode, eBPF datapath, unless `--enable-host-legacy-routing`):
-    /// where the pinned maps are, whose `host_routes` gets the installed routes' prefixes.
+    /// where the pinned maps are, whose `host_routes` gets the installed routes' prefixes and
+    /// whose node device program is attached to the device holding the node's InternalIP.
     pub bpf_host_routing: Option<std::path::PathBuf>,
+    /// The eBPF datapath's pin root (`None` with the in-memory datapath): with BPF host routing
+    /// off, a node device program an earlier run attached is taken off.
+    pub bpf_pins: Option<std::path::PathBuf>,
 }
 
 impl Default for RoutingConfig {
@@ -63,6 +67,7 @@ impl Default for RoutingConfig {
             install: false,
             masquerade: true,
             bpf_host_routing: None,
+            bpf_pins: None,
         }
     }
 }
@@ -294,6 +299,10 @@ pub struct RoutingView {
     /// `enabled` (the table is in the kernel), `disabled`, `none` (memory datapath: nothing in
     /// the kernel) or `error: ...`.
     pub masquerade: String,
+    /// `bpf (<device>)`: BPF host routing both ways; `bpf, send side only: <why>`; `legacy`
+    /// (`--enable-host-legacy-routing`, or tunnel mode): the host stack forwards; `none`
+    /// (in-memory datapath).
+    pub host_routing: String,
     pub nodes: Vec<NodeRow>,
 }
 

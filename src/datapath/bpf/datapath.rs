@@ -73,6 +73,8 @@ pub struct BpfDatapath {
     ipcache_hosts: MapHandle,
     endpoint_map: MapHandle,
     policy_maps: MapHandle,
+    /// This node's pods by address, for the node device's program (`host_delivery`).
+    local_endpoints: MapHandle,
     endpoints: BTreeMap<EndpointId, Endpoint>,
 }
 
@@ -306,6 +308,7 @@ impl BpfDatapath {
             ipcache_hosts: open("ipcache_hosts")?,
             endpoint_map: open("endpoints")?,
             policy_maps: open("policy_maps")?,
+            local_endpoints: open(super::host_delivery::MAP)?,
             endpoints: BTreeMap::new(),
             pins,
             use_tcx: mode == AttachMode::Auto,
@@ -510,6 +513,38 @@ impl BpfDatapath {
         Ok(ifindex)
     }
 
+    /// Makes the endpoint's IPv4 addresses deliverable by the node device's program (BPF host
+    /// routing), when its pod MAC is known; without one it is only reached through the stack.
+    fn publish_local(
+        &self,
+        att: &EndpointAttachment,
+        ifname: &str,
+        ifindex: u32,
+    ) -> Result<(), DatapathError> {
+        use super::host_delivery as hd;
+        let Some(mac) = att.mac.as_deref() else {
+            return Ok(());
+        };
+        let mac = hd::parse_mac(mac).ok_or_else(|| DatapathError::System {
+            operation: format!("endpoint {}", att.id),
+            message: format!("bad pod MAC address {mac:?}"),
+        })?;
+        let node_mac = hd::interface_mac(ifname)?;
+        let addrs: Vec<std::net::Ipv4Addr> = att
+            .ips
+            .iter()
+            .filter_map(|ip| match ip {
+                IpAddr::V4(a) => Some(*a),
+                IpAddr::V6(_) => None,
+            })
+            .collect();
+        hd::publish(
+            &self.local_endpoints,
+            &addrs,
+            &hd::record(att.id, ifindex, mac, node_mac),
+        )
+    }
+
     /// Whether both of the endpoint's pinned links sit on `ifindex` and run an instance of
     /// this build, for this endpoint, that uses the maps pinned now.
     fn running_programs_are_current(&self, id: EndpointId, ifindex: i32) -> bool {
@@ -616,6 +651,10 @@ impl Datapath for BpfDatapath {
             Some(ifname) => Some(self.attach_programs(id, ifname)?),
             None => None,
         };
+        // Only now that its programs are in place may the node device's program deliver to it.
+        if let (Some(ifname), Some(ifindex)) = (&att.interface, ifindex) {
+            self.publish_local(att, ifname, ifindex as u32)?;
+        }
         let flags = EndpointFlags {
             ingress_default_deny: info.flags & EP_INGRESS_DEFAULT_DENY != 0,
             egress_default_deny: info.flags & EP_EGRESS_DEFAULT_DENY != 0,
@@ -643,6 +682,8 @@ impl Datapath for BpfDatapath {
     }
 
     fn detach_endpoint(&mut self, id: EndpointId) -> Result<(), DatapathError> {
+        // First: the node device's program stops delivering to it.
+        super::host_delivery::withdraw(&self.local_endpoints, id)?;
         let ifindex = self.endpoints.remove(&id).and_then(|e| e.ifindex);
         match ifindex {
             Some(i) => self.detach_programs(id, i),
@@ -964,5 +1005,6 @@ mod pin_name_tests {
         assert_eq!(id("policy_maps"), None);
         assert_eq!(id("link_x_egress"), None);
         assert_eq!(id("endpoints"), None);
+        assert_eq!(id("link_netdev_ingress"), None);
     }
 }

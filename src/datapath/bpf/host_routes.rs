@@ -58,7 +58,12 @@ pub fn sync(pins: &Path, want: &BTreeSet<Ipv4Net>) -> Result<bool, DatapathError
 
 /// Packets sent by host routing so far (all CPUs).
 pub fn routed_packets(pins: &Path) -> Result<u64, DatapathError> {
-    let path = pins.join(COUNTER);
+    percpu_counter(pins, COUNTER)
+}
+
+/// The sum over CPUs of a pinned one-slot per-CPU counter (`host_routed`, `host_delivered`).
+pub fn percpu_counter(pins: &Path, name: &str) -> Result<u64, DatapathError> {
+    let path = pins.join(name);
     let map = MapHandle::from_pinned_path(&path).map_err(|e| DatapathError::System {
         operation: format!("open {}", path.display()),
         message: e.to_string(),
@@ -66,7 +71,7 @@ pub fn routed_packets(pins: &Path) -> Result<u64, DatapathError> {
     let per_cpu = map
         .lookup_percpu(&0u32.to_ne_bytes(), MapFlags::ANY)
         .map_err(|e| DatapathError::System {
-            operation: "read host_routed".into(),
+            operation: format!("read {name}"),
             message: e.to_string(),
         })?
         .unwrap_or_default();

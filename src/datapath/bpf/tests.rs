@@ -36,6 +36,9 @@ fn abi_layout_is_pinned() {
     assert_eq!(size_of::<types::ipcache_value>(), 8);
     assert_eq!(size_of::<types::ipcache_host_key>(), 20);
     assert_eq!(offset_of!(types::ipcache_host_key, addr), 4);
+    assert_eq!(size_of::<types::local_endpoint>(), 20);
+    assert_eq!(offset_of!(types::local_endpoint, mac), 8);
+    assert_eq!(offset_of!(types::local_endpoint, node_mac), 14);
     assert_eq!(size_of::<types::endpoint_info>(), 16);
     assert_eq!(offset_of!(types::endpoint_info, port_prefix_lens), 8);
     assert_eq!(offset_of!(types::endpoint_info, any_identity_lens), 12);
@@ -844,4 +847,97 @@ fn maps_pinned_by_an_older_version_are_migrated_not_crashed_on() {
     ack[47] = 0x10;
     assert_eq!(l.run(false, &ack), TC_ACT_OK);
     drop(l);
+}
+
+/// The node device's program (BPF host routing, receive side): a packet for a local pod meets
+/// that pod's ingress policy (the maps `to_container` uses) and, allowed, is redirected into
+/// the pod with the pod's MAC as destination and its gateway's as source, TTL decremented; a
+/// denied one is dropped; only tracked flows and new TCP connections are delivered; anything not for a local pod, or not addressed to this host, goes on
+/// untouched (TC_ACT_UNSPEC: the next program or the stack).
+#[test]
+fn node_device_program_applies_the_pods_ingress_policy_before_delivering() {
+    if !privileged() {
+        return;
+    }
+    use super::host_delivery;
+    let mut l = load(7);
+    l.tcp_80_from_400(7);
+    let storage = Box::leak(Box::new(MaybeUninit::uninit()));
+    let nd =
+        load_netdev_program(storage, &l.pins, false).expect("the verifier accepts from_netdev");
+    let pod_mac = [0x0a, 0x58, 10, 0, 0, 7];
+    let gw_mac = [0xee; 6];
+    host_delivery::publish(
+        &l.skel.maps.local_endpoints,
+        &["10.0.0.7".parse().unwrap()],
+        &host_delivery::record(7, 42, pod_mac, gw_mac),
+    )
+    .unwrap();
+    let run = |pkt: &[u8]| -> (i32, Vec<u8>) {
+        let mut out = vec![0u8; pkt.len()];
+        let input = ProgramInput {
+            data_in: Some(pkt),
+            data_out: Some(&mut out),
+            ..Default::default()
+        };
+        let r = nd
+            .progs
+            .from_netdev
+            .test_run(input)
+            .expect("BPF_PROG_TEST_RUN");
+        (r.return_value as i32, out)
+    };
+    const UNSPEC: i32 = -1;
+    const SHOT: i32 = 2;
+    const REDIRECT: i32 = 7;
+
+    let allowed = packet(6, "10.0.0.2", "10.0.0.7", 40000, 80);
+    let (verdict, out) = run(&allowed);
+    assert_eq!(verdict, REDIRECT, "allowed: delivered into the pod");
+    assert_eq!(&out[..6], &pod_mac, "to the pod's MAC");
+    assert_eq!(&out[6..12], &gw_mac, "from its gateway's");
+    assert_eq!(out[22], 63, "TTL decremented as forwarding does");
+    let entry = l.only_ct4_entry();
+    assert_eq!(entry.egress, 0, "tracked as the pod's ingress");
+    assert_eq!(
+        entry.direct, 1,
+        "delivered around the stack: its replies may skip it too"
+    );
+    let mut ack = allowed.clone();
+    ack[47] = 0x10;
+    assert_eq!(run(&ack).0, REDIRECT, "the connection's next packets too");
+    // A packet of no tracked flow other than a TCP SYN may be the reply to a connection the
+    // stack translated (kube-proxy's DNAT): the stack takes it, to_container judges it.
+    let mut stray = packet(6, "10.0.0.2", "10.0.0.7", 40009, 80);
+    stray[47] = 0x12; // SYN-ACK
+    assert_eq!(
+        run(&stray).0,
+        UNSPEC,
+        "a SYN-ACK of no connection goes to the stack"
+    );
+    let udp = packet(17, "10.0.0.2", "10.0.0.7", 40010, 80);
+    assert_eq!(run(&udp).0, UNSPEC, "a new UDP flow goes to the stack");
+
+    let denied = packet(6, "10.0.0.2", "10.0.0.7", 40001, 81);
+    assert_eq!(run(&denied).0, SHOT, "a port the policy does not allow");
+    let stranger = packet(6, "10.0.0.3", "10.0.0.7", 40002, 80);
+    assert_eq!(run(&stranger).0, SHOT, "a peer the policy does not allow");
+
+    let elsewhere = packet(6, "10.0.0.2", "10.0.0.8", 40003, 80);
+    let (verdict, out) = run(&elsewhere);
+    assert_eq!(verdict, UNSPEC, "not a local pod: left alone");
+    assert_eq!(out, elsewhere, "and untouched");
+    let mut other_host = allowed.clone();
+    other_host[..6].copy_from_slice(&[0x02, 0, 0, 0, 0, 1]);
+    assert_eq!(run(&other_host).0, UNSPEC, "a frame for another host's MAC");
+    let mut expiring = allowed.clone();
+    expiring[22] = 1;
+    assert_eq!(run(&expiring).0, UNSPEC, "TTL 1: the stack answers it");
+
+    // Without the endpoint's record (being detached) the pod is never reached around policy.
+    l.endpoint(7, 0, 0, 0);
+    assert_eq!(run(&allowed).0, SHOT, "fails closed");
+    host_delivery::withdraw(&l.skel.maps.local_endpoints, 7).unwrap();
+    assert!(host_delivery::entries(&l.skel.maps.local_endpoints).is_empty());
+    assert_eq!(run(&allowed).0, UNSPEC, "withdrawn: left to the stack");
 }
