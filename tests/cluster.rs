@@ -14,7 +14,7 @@ use common::agent::Agent;
 use common::cluster::{node_ip, pod_cidr, Cluster, ClusterNode};
 use common::eventually;
 use common::netns::{
-    icmp_ok, in_netns, ip, privileged, seen_over_tcp, tcp_ok, tcp_server, udp_ok, udp_server,
+    icmp_ok, in_netns, ip, nft, privileged, seen_over_tcp, tcp_ok, tcp_server, udp_ok, udp_server,
     who_am_i_servers,
 };
 use serde_json::{json, Value};
@@ -920,22 +920,6 @@ fn bpf_host_routing_carries_allowed_pod_traffic_and_policy_still_decides_on_both
     assert!(
         !local_endpoints(&mut c, 2).iter().any(|(a, _)| *a == b.addr),
         "b's address is gone from node 2's device program"
-    );
-}
-
-/// Loads nftables rules into a node's namespace (kube-proxy's nftables mode, in miniature).
-fn nft(netns: &str, rules: &str) {
-    let file = tempfile::NamedTempFile::new().expect("a rules file");
-    std::fs::write(file.path(), rules).expect("write the rules");
-    let out = std::process::Command::new("ip")
-        .args(["netns", "exec", netns, "nft", "-f"])
-        .arg(file.path())
-        .output()
-        .expect("nft runs (nftables is installed by .ci/setup)");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
     );
 }
 

@@ -18,7 +18,7 @@ use common::agent::Agent;
 use common::cluster::Cluster;
 use common::cni::{unique_pod_cidr, CniPod, CniPods};
 use common::eventually;
-use common::netns::{in_netns, ip, privileged};
+use common::netns::{in_netns, ip, nft, privileged};
 use serde_json::Value;
 
 /// Set in a child process of this test binary: what the client should do (see `client_main`).
@@ -697,18 +697,7 @@ fn services_across_nodes_in_kubernetes_mode_are_translated_before_egress_policy(
         "table ip kube-proxy-test {{\n  chain pre {{\n    type nat hook prerouting priority dstnat;\n    ip daddr {net}.20 tcp dport 80 dnat to {}:8080\n  }}\n}}\n",
         cc.addr
     );
-    let file = tempfile::NamedTempFile::new().expect("a rules file");
-    std::fs::write(file.path(), rules).expect("write the rules");
-    let nft = Command::new("ip")
-        .args(["netns", "exec", &node1_ns, "nft", "-f"])
-        .arg(file.path())
-        .output()
-        .expect("nft runs (nftables is installed by .ci/setup)");
-    assert!(
-        nft.status.success(),
-        "{}",
-        String::from_utf8_lossy(&nft.stderr)
-    );
+    nft(&node1_ns, &rules);
     assert_eq!(client(&a.netns, &cgroup, "tcp", to(20, 80)), "ok b1");
     let _ = Command::new("ip")
         .args([

@@ -402,3 +402,19 @@ pub fn seen_over_udp(netns: &str, to: std::net::Ipv4Addr) -> Option<String> {
     .join()
     .unwrap()
 }
+
+/// Loads nftables rules into a node's namespace (kube-proxy's nftables mode, in miniature).
+pub fn nft(netns: &str, rules: &str) {
+    let file = tempfile::NamedTempFile::new().expect("a rules file");
+    std::fs::write(file.path(), rules).expect("write the rules");
+    let out = std::process::Command::new("ip")
+        .args(["netns", "exec", netns, "nft", "-f"])
+        .arg(file.path())
+        .output()
+        .expect("nft runs (nftables is installed by .ci/setup)");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
