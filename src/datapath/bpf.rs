@@ -21,7 +21,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
-use libbpf_rs::{MapCore, MapFlags, MapHandle, MapType, OpenObject};
+use libbpf_rs::OpenObject;
 
 use super::DatapathError;
 
@@ -177,7 +177,7 @@ fn load_instance<'obj>(
             );
         }
     }
-    let moved = set_aside_incompatible_pins(open.open_object(), pin_root)?;
+    let moved = migrate::set_aside_incompatible_pins(open.open_object(), pin_root)?;
     let what = match instance {
         Instance::Endpoint(id) => format!("load the BPF program for endpoint {id}"),
         Instance::Netdev => "load the node device's BPF program".to_string(),
@@ -187,172 +187,6 @@ fn load_instance<'obj>(
         m.finish(pin_root);
     }
     Ok(skel)
-}
-
-/// A pinned map whose definition differs from this build's, moved aside for migration.
-struct MovedPin {
-    name: String,
-    old_path: std::path::PathBuf,
-    old: MapHandle,
-}
-
-fn same_definition(want: &libbpf_rs::OpenMap<'_>, have: &libbpf_rs::MapInfo) -> bool {
-    want.map_type() == have.map_type()
-        && want.key_size() == have.info.key_size
-        && want.value_size() == have.info.value_size
-        && want.max_entries() == have.info.max_entries
-        && want.map_flags() == have.info.map_flags
-}
-
-/// Maps pinned by another version with another definition (type, key or value size, capacity,
-/// flags) would make the load fail. Each is moved aside so the load creates this build's map;
-/// [`MovedPin::finish`] then carries its entries over. Programs of the old version keep the old
-/// maps (they hold them) until they are replaced, so enforcement goes on meanwhile.
-fn set_aside_incompatible_pins(
-    obj: &OpenObject,
-    pin_root: &Path,
-) -> Result<Vec<MovedPin>, DatapathError> {
-    let mut moved = Vec::new();
-    for want in obj.maps() {
-        let name = want.name().to_string_lossy().to_string();
-        let path = pin_root.join(&name);
-        if !path.exists() {
-            continue;
-        }
-        let Ok(old) = MapHandle::from_pinned_path(&path) else {
-            continue;
-        };
-        let Ok(have) = old.info() else {
-            continue;
-        };
-        if same_definition(&want, &have) {
-            continue;
-        }
-        // No dots: bpffs refuses them in names.
-        let old_path = pin_root.join(format!("migrating_{name}"));
-        let _ = std::fs::remove_file(&old_path);
-        std::fs::rename(&path, &old_path).map_err(|e| DatapathError::System {
-            operation: format!("move {} aside for migration", path.display()),
-            message: e.to_string(),
-        })?;
-        tracing::warn!(
-            map = %name,
-            old = ?(have.map_type(), have.info.key_size, have.info.value_size, have.info.max_entries, have.info.map_flags),
-            new = ?(want.map_type(), want.key_size(), want.value_size(), want.max_entries(), want.map_flags()),
-            "pinned map of another version: migrating"
-        );
-        moved.push(MovedPin {
-            name,
-            old_path,
-            old,
-        });
-    }
-    Ok(moved)
-}
-
-impl MovedPin {
-    /// Copies what fits into this build's map (same key and value sizes), then unpins the old.
-    fn finish(self, pin_root: &Path) {
-        let new_path = pin_root.join(&self.name);
-        let (copied, failed) = match MapHandle::from_pinned_path(&new_path) {
-            Ok(new) => copy_entries(&self.old, &new),
-            Err(_) => (0, 0),
-        };
-        let _ = std::fs::remove_file(&self.old_path);
-        tracing::info!(map = %self.name, copied, not_copied = failed, "pinned map migrated");
-    }
-}
-
-/// Copies every entry of `old` into `new` when their key and value sizes agree (per-CPU values
-/// included). Returns (copied, not copied).
-pub fn copy_entries(old: &MapHandle, new: &MapHandle) -> (usize, usize) {
-    let (Ok(a), Ok(b)) = (old.info(), new.info()) else {
-        return (0, 0);
-    };
-    let percpu = |t: MapType| {
-        matches!(
-            t,
-            MapType::PercpuArray | MapType::PercpuHash | MapType::LruPercpuHash
-        )
-    };
-    // Plain data (maps of maps are handled above; a ring buffer holds no entries).
-    let plain = |t: MapType| {
-        matches!(
-            t,
-            MapType::Hash
-                | MapType::LruHash
-                | MapType::PercpuHash
-                | MapType::LruPercpuHash
-                | MapType::Array
-                | MapType::PercpuArray
-                | MapType::LpmTrie
-        )
-    };
-    let (ta, tb) = (a.map_type(), b.map_type());
-    let map_of_maps = |t: MapType| matches!(t, MapType::HashOfMaps | MapType::ArrayOfMaps);
-    if map_of_maps(ta) && map_of_maps(tb) && a.info.key_size == b.info.key_size {
-        return copy_inner_maps(old, new);
-    }
-    if !plain(ta) || !plain(tb) {
-        return (0, 0);
-    }
-    let keys: Vec<Vec<u8>> = old.keys().collect();
-    if a.info.key_size != b.info.key_size
-        || a.info.value_size != b.info.value_size
-        || percpu(ta) != percpu(tb)
-    {
-        return (0, keys.len());
-    }
-    let (mut copied, mut failed) = (0, 0);
-    for k in keys {
-        let ok = if percpu(ta) {
-            match old.lookup_percpu(&k, MapFlags::ANY) {
-                Ok(Some(v)) => new.update_percpu(&k, &v, MapFlags::ANY).is_ok(),
-                _ => false,
-            }
-        } else {
-            match old.lookup(&k, MapFlags::ANY) {
-                Ok(Some(v)) => new.update(&k, &v, MapFlags::ANY).is_ok(),
-                _ => false,
-            }
-        };
-        if ok {
-            copied += 1;
-        } else {
-            failed += 1;
-        }
-    }
-    (copied, failed)
-}
-
-/// Copies a map of maps: user space reads an inner map's id but writes a descriptor, so each
-/// inner map is opened by its id and registered in `new` under the same key. An array of
-/// maps lists every index as a key: empty slots read as absent and are skipped.
-fn copy_inner_maps(old: &MapHandle, new: &MapHandle) -> (usize, usize) {
-    use std::os::fd::{AsFd, AsRawFd};
-    let (mut copied, mut failed) = (0, 0);
-    for k in old.keys() {
-        let Ok(Some(v)) = old.lookup(&k, MapFlags::ANY) else {
-            continue;
-        };
-        let Some(id) = v
-            .get(..4)
-            .map(|b| u32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
-        else {
-            failed += 1;
-            continue;
-        };
-        let ok = MapHandle::from_map_id(id).is_ok_and(|inner| {
-            let fd = inner.as_fd().as_raw_fd() as u32;
-            new.update(&k, &fd.to_ne_bytes(), MapFlags::ANY).is_ok()
-        });
-        if ok {
-            copied += 1;
-        } else {
-            failed += 1;
-        }
-    }
-    (copied, failed)
 }
 
 /// Program return codes (`linux/pkt_cls.h`).
@@ -429,8 +263,11 @@ unsafe impl Pod for types::local_endpoint {}
 
 pub mod conntrack;
 pub mod datapath;
+mod encoding;
 pub mod host_delivery;
 pub mod host_routes;
+mod map_io;
+mod migrate;
 pub mod services;
 pub mod tcx;
 

@@ -7,17 +7,20 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::mem::MaybeUninit;
-use std::net::IpAddr;
 use std::os::fd::{AsFd, AsRawFd};
 use std::path::{Path, PathBuf};
 
 use ipnet::IpNet;
-use libbpf_rs::{MapCore, MapFlags, MapHandle, MapType, TcHookBuilder, TC_EGRESS, TC_INGRESS};
+use libbpf_rs::{MapCore, MapFlags, MapHandle, MapType};
 
-use super::tcx::{self, Hook, TcxError};
+use super::encoding::{
+    abi_key, flags_bits, ip_of, ipcache_host_key, ipcache_key, pinned_endpoint_id, ProbeMasks,
+};
+use super::map_io::{delete_batch, typed_entries, update_batch};
+use super::tcx::{self, Hook};
 use super::{
-    ensure_bpffs, load_program, load_program_for, types, Pod, EP_DROP_ALL, EP_EGRESS_DEFAULT_DENY,
-    EP_INGRESS_DEFAULT_DENY, EP_SPLIT_LENS, LENS_ALL_PROTOCOLS,
+    ensure_bpffs, load_program, types, Pod, EP_DROP_ALL, EP_EGRESS_DEFAULT_DENY,
+    EP_INGRESS_DEFAULT_DENY,
 };
 use crate::datapath::abi::{
     EntryChange, EntryTable, PolicyEntryKey, IPCACHE_MAX_ENTRIES, POLICY_MAP_MAX_ENTRIES,
@@ -28,6 +31,8 @@ use crate::datapath::{
 };
 use crate::policy::identity::NumericIdentity;
 use crate::policy::mapstate::MapDelta;
+
+mod attach;
 
 fn sys<E: std::fmt::Display>(operation: impl Into<String>) -> impl FnOnce(E) -> DatapathError {
     let operation = operation.into();
@@ -76,199 +81,6 @@ pub struct BpfDatapath {
     /// This node's pods by address, for the node device's program (`host_delivery`).
     local_endpoints: MapHandle,
     endpoints: BTreeMap<EndpointId, Endpoint>,
-}
-
-/// Updates many entries in one `bpf_map_update_batch` call. `keys` and `values` are the
-/// concatenated entries.
-fn update_batch(
-    map: &MapHandle,
-    keys: &[u8],
-    values: &[u8],
-    count: usize,
-) -> Result<(), std::io::Error> {
-    if count == 0 {
-        return Ok(());
-    }
-    let opts = libbpf_rs::libbpf_sys::bpf_map_batch_opts {
-        sz: std::mem::size_of::<libbpf_rs::libbpf_sys::bpf_map_batch_opts>() as _,
-        ..Default::default()
-    };
-    let mut n = count as u32;
-    // SAFETY: the buffers hold `count` keys and values of the map's sizes, and outlive the call.
-    let r = unsafe {
-        libbpf_rs::libbpf_sys::bpf_map_update_batch(
-            map.as_fd().as_raw_fd(),
-            keys.as_ptr().cast(),
-            values.as_ptr().cast(),
-            &mut n,
-            &opts,
-        )
-    };
-    if r < 0 {
-        return Err(std::io::Error::from_raw_os_error(-r));
-    }
-    Ok(())
-}
-
-/// Deletes many entries in one `bpf_map_delete_batch` call; entries already gone are skipped
-/// one by one (a batch stops at the first missing key).
-fn delete_batch(map: &MapHandle, keys: &[u8], key_size: usize) {
-    if keys.is_empty() {
-        return;
-    }
-    let opts = libbpf_rs::libbpf_sys::bpf_map_batch_opts {
-        sz: std::mem::size_of::<libbpf_rs::libbpf_sys::bpf_map_batch_opts>() as _,
-        ..Default::default()
-    };
-    let mut n = (keys.len() / key_size) as u32;
-    // SAFETY: `keys` holds `n` keys of the map's key size and outlives the call.
-    let r = unsafe {
-        libbpf_rs::libbpf_sys::bpf_map_delete_batch(
-            map.as_fd().as_raw_fd(),
-            keys.as_ptr().cast(),
-            &mut n,
-            &opts,
-        )
-    };
-    if r < 0 {
-        // `n` entries were deleted; finish one by one.
-        for k in keys[n as usize * key_size..].chunks(key_size) {
-            let _ = map.delete(k);
-        }
-    }
-}
-
-fn flags_bits(f: EndpointFlags) -> u32 {
-    (if f.ingress_default_deny {
-        EP_INGRESS_DEFAULT_DENY
-    } else {
-        0
-    }) | (if f.egress_default_deny {
-        EP_EGRESS_DEFAULT_DENY
-    } else {
-        0
-    }) | (if f.drop_all { EP_DROP_ALL } else { 0 })
-}
-
-/// What the program must probe for an endpoint's entries (`CILIATE_LENS_*` bits): for entries
-/// with a specific peer identity, and for entries with any peer (identity 0).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-struct ProbeMasks {
-    identity: u32,
-    any_identity: u32,
-}
-
-impl ProbeMasks {
-    fn of(table: &EntryTable) -> ProbeMasks {
-        let mut m = ProbeMasks::default();
-        for (k, _) in table.entries() {
-            let bit = if k.protocol == 0 {
-                LENS_ALL_PROTOCOLS
-            } else {
-                1u32 << k.port_prefix_len
-            };
-            if k.identity == 0 {
-                m.any_identity |= bit;
-            } else {
-                m.identity |= bit;
-            }
-        }
-        m
-    }
-
-    /// What an endpoint record holds; a record of an older agent (no split) stands for
-    /// everything it could probe.
-    fn of_info(info: &types::endpoint_info) -> ProbeMasks {
-        if info.flags & EP_SPLIT_LENS != 0 {
-            ProbeMasks {
-                identity: info.port_prefix_lens,
-                any_identity: info.any_identity_lens,
-            }
-        } else {
-            let all = info.port_prefix_lens | LENS_ALL_PROTOCOLS;
-            ProbeMasks {
-                identity: all,
-                any_identity: all,
-            }
-        }
-    }
-
-    fn union(self, o: ProbeMasks) -> ProbeMasks {
-        ProbeMasks {
-            identity: self.identity | o.identity,
-            any_identity: self.any_identity | o.any_identity,
-        }
-    }
-
-    fn info(self, identity: NumericIdentity, flags: u32) -> types::endpoint_info {
-        types::endpoint_info {
-            identity,
-            flags: flags | EP_SPLIT_LENS,
-            port_prefix_lens: self.identity,
-            any_identity_lens: self.any_identity,
-        }
-    }
-}
-
-fn abi_key(k: &PolicyEntryKey) -> types::policy_key {
-    types::policy_key {
-        identity: k.identity,
-        egress: k.egress as u8,
-        protocol: k.protocol,
-        port: k.port,
-        port_prefix_len: k.port_prefix_len,
-        pad: [0; 3],
-    }
-}
-
-/// Every entry of a map as its shared key and value types (entries that vanish while being
-/// read, or do not decode, are skipped).
-fn typed_entries<K: Pod, V: Pod>(map: &MapHandle) -> Vec<(K, V)> {
-    map.keys()
-        .filter_map(|kb| {
-            let k = K::from_bytes(&kb)?;
-            let v = map.lookup(&kb, MapFlags::ANY).ok().flatten()?;
-            Some((k, V::from_bytes(&v)?))
-        })
-        .collect()
-}
-
-/// The host-table key of a host prefix (/32 or /128), `None` for shorter prefixes.
-fn ipcache_host_key(prefix: &IpNet) -> Option<types::ipcache_host_key> {
-    if prefix.prefix_len() != prefix.max_prefix_len() {
-        return None;
-    }
-    let (family, addr) = family_and_addr(prefix.addr());
-    Some(types::ipcache_host_key { family, addr })
-}
-
-/// The ABI's address encoding: family 4 or 6, the address left-aligned in 16 bytes.
-fn family_and_addr(ip: IpAddr) -> (u32, [u8; 16]) {
-    let mut addr = [0u8; 16];
-    match ip {
-        IpAddr::V4(a) => {
-            addr[..4].copy_from_slice(&a.octets());
-            (4, addr)
-        }
-        IpAddr::V6(a) => (6, a.octets()),
-    }
-}
-
-fn ip_of(family: u32, addr: &[u8; 16]) -> IpAddr {
-    if family == 4 {
-        IpAddr::from([addr[0], addr[1], addr[2], addr[3]])
-    } else {
-        IpAddr::from(*addr)
-    }
-}
-
-fn ipcache_key(prefix: &IpNet) -> types::ipcache_key {
-    let (family, addr) = family_and_addr(prefix.network());
-    types::ipcache_key {
-        prefixlen: 32 + prefix.prefix_len() as u32,
-        family,
-        addr,
-    }
 }
 
 impl BpfDatapath {
@@ -322,7 +134,7 @@ impl BpfDatapath {
             .iter()
             .filter_map(|m| m.info().ok().map(|i| i.info.id))
             .collect();
-        dp.migrate_host_prefixes();
+        super::migrate::migrate_host_prefixes(&dp.ipcache, &dp.ipcache_hosts);
         if let Some(a) = super::conntrack::adopt_legacy(&dp.pins) {
             tracing::info!(
                 moved = a.moved,
@@ -332,39 +144,6 @@ impl BpfDatapath {
             );
         }
         Ok(dp)
-    }
-
-    /// Maps pinned by an older version kept host addresses in the trie: each is copied to the
-    /// host table before it leaves the trie, so no lookup misses it on the way.
-    fn migrate_host_prefixes(&self) {
-        let mut moved = 0usize;
-        for kb in self.ipcache.keys() {
-            let Some(k) = types::ipcache_key::from_bytes(&kb) else {
-                continue;
-            };
-            let full = if k.family == 4 { 64 } else { 160 };
-            if k.prefixlen != full {
-                continue;
-            }
-            let Some(v) = self.ipcache.lookup(&kb, MapFlags::ANY).ok().flatten() else {
-                continue;
-            };
-            let hk = types::ipcache_host_key {
-                family: k.family,
-                addr: k.addr,
-            };
-            if self
-                .ipcache_hosts
-                .update(hk.as_bytes(), &v, MapFlags::ANY)
-                .is_ok()
-            {
-                let _ = self.ipcache.delete(&kb);
-                moved += 1;
-            }
-        }
-        if moved > 0 {
-            tracing::info!(moved, "ipcache: host addresses moved from the prefix trie to the host table (maps of an older version)");
-        }
     }
 
     /// Whether re-attaching keeps a running instance of this build instead of loading a new
@@ -463,141 +242,6 @@ impl BpfDatapath {
         self.endpoint_map
             .update(&(id as u32).to_ne_bytes(), info.as_bytes(), MapFlags::ANY)
             .map_err(sys(format!("update endpoint {id} in the endpoint map")))
-    }
-
-    fn attach_programs(&mut self, id: EndpointId, ifname: &str) -> Result<i32, DatapathError> {
-        let ifindex = nix::net::if_::if_nametoindex(ifname)
-            .map_err(sys(format!("interface {ifname} of endpoint {id}")))?
-            as i32;
-        if self.use_tcx && self.reuse_running && self.running_programs_are_current(id, ifindex) {
-            // A restarted agent of the same build: the pinned links already run this
-            // endpoint's instance on these maps; loading and verifying another (tens of
-            // milliseconds per endpoint) would change nothing.
-            self.kept_on_reattach += 1;
-            return Ok(ifindex);
-        }
-        if self.use_tcx {
-            match self.attach_tcx(id, ifindex) {
-                Ok(()) => {
-                    // TCX runs first and its verdicts are final: a legacy filter an older
-                    // version left is only cleaned up, after the link is in place.
-                    self.detach_legacy(ifindex);
-                    return Ok(ifindex);
-                }
-                Err(TcxError::Unsupported(why)) => {
-                    tracing::info!(%why, "no TCX: attaching with legacy tc (clsact)");
-                    self.use_tcx = false;
-                    for hook in [Hook::Ingress, Hook::Egress] {
-                        tcx::detach(&self.pins.join(hook.pin_name(id)));
-                    }
-                }
-                Err(TcxError::Failed { operation, message }) => {
-                    return Err(DatapathError::System { operation, message })
-                }
-            }
-        }
-        let mut storage = MaybeUninit::uninit();
-        let skel = load_program(&mut storage, &self.pins, id as u32)?;
-        // The tc filters hold the programs; nothing here needs to live on.
-        for (prog, point, what) in [
-            (skel.progs.from_container.as_fd(), TC_INGRESS, "ingress"),
-            (skel.progs.to_container.as_fd(), TC_EGRESS, "egress"),
-        ] {
-            let mut b = TcHookBuilder::new(prog);
-            b.ifindex(ifindex).replace(true).handle(1).priority(1);
-            let mut hook = b.hook(point);
-            let _ = hook.create(); // clsact may exist already
-            hook.attach()
-                .map_err(sys(format!("attach to tc {what} of {ifname}")))?;
-        }
-        Ok(ifindex)
-    }
-
-    /// Makes the endpoint's IPv4 addresses deliverable by the node device's program (BPF host
-    /// routing), when its pod MAC is known; without one it is only reached through the stack.
-    fn publish_local(
-        &self,
-        att: &EndpointAttachment,
-        ifname: &str,
-        ifindex: u32,
-    ) -> Result<(), DatapathError> {
-        use super::host_delivery as hd;
-        let Some(mac) = att.mac.as_deref() else {
-            return Ok(());
-        };
-        let mac = hd::parse_mac(mac).ok_or_else(|| DatapathError::System {
-            operation: format!("endpoint {}", att.id),
-            message: format!("bad pod MAC address {mac:?}"),
-        })?;
-        let node_mac = hd::interface_mac(ifname)?;
-        let addrs: Vec<std::net::Ipv4Addr> = att
-            .ips
-            .iter()
-            .filter_map(|ip| match ip {
-                IpAddr::V4(a) => Some(*a),
-                IpAddr::V6(_) => None,
-            })
-            .collect();
-        hd::publish(
-            &self.local_endpoints,
-            &addrs,
-            &hd::record(att.id, ifindex, mac, node_mac),
-        )
-    }
-
-    /// Whether both of the endpoint's pinned links sit on `ifindex` and run an instance of
-    /// this build, for this endpoint, that uses the maps pinned now.
-    fn running_programs_are_current(&self, id: EndpointId, ifindex: i32) -> bool {
-        let Some((tag_in, tag_eg)) = self.build_tags else {
-            return false;
-        };
-        [(Hook::Ingress, tag_in), (Hook::Egress, tag_eg)]
-            .into_iter()
-            .all(|(hook, tag)| {
-                tcx::current_program(&self.pins.join(hook.pin_name(id)), ifindex, hook).is_some_and(
-                    |p| {
-                        p.tag == tag
-                            && p.endpoint_id == Some(id as u32)
-                            && !self.pinned_map_ids.is_empty()
-                            && self.pinned_map_ids.iter().all(|m| p.map_ids.contains(m))
-                    },
-                )
-            })
-    }
-
-    /// Loads an instance for TCX and creates or updates the endpoint's pinned links.
-    fn attach_tcx(&self, id: EndpointId, ifindex: i32) -> Result<(), TcxError> {
-        let mut storage = MaybeUninit::uninit();
-        let skel = load_program_for(&mut storage, &self.pins, id as u32, true)
-            .map_err(|e| TcxError::Unsupported(e.to_string()))?;
-        for (prog, hook) in [
-            (&skel.progs.from_container, Hook::Ingress),
-            (&skel.progs.to_container, Hook::Egress),
-        ] {
-            tcx::attach(prog, ifindex, hook, &self.pins.join(hook.pin_name(id)))?;
-        }
-        Ok(())
-    }
-
-    /// Removes an endpoint's programs from its interface, however they were attached.
-    fn detach_programs(&self, id: EndpointId, ifindex: i32) {
-        for hook in [Hook::Ingress, Hook::Egress] {
-            tcx::detach(&self.pins.join(hook.pin_name(id)));
-        }
-        self.detach_legacy(ifindex);
-    }
-
-    fn detach_legacy(&self, ifindex: i32) {
-        // tc detach goes by interface, handle and priority; the hook only needs some
-        // descriptor to be built with. The interface may already be gone with its pod.
-        for point in [TC_INGRESS, TC_EGRESS] {
-            let mut hook = libbpf_rs::TcHook::new(self.ipcache.as_fd());
-            hook.ifindex(ifindex)
-                .attach_point(point)
-                .handle(1)
-                .priority(1);
-            let _ = hook.detach();
-        }
     }
 }
 
@@ -981,30 +625,5 @@ impl Datapath for BpfDatapath {
                 operation: "start the conntrack garbage collector".into(),
                 message: e.to_string(),
             })
-    }
-}
-
-/// The endpoint a pin belongs to: `policy_<id>`, `link_<id>_ingress`, `link_<id>_egress`.
-fn pinned_endpoint_id(name: &str) -> Option<EndpointId> {
-    let id = name.strip_prefix("policy_").or_else(|| {
-        name.strip_prefix("link_")?
-            .strip_suffix("_ingress")
-            .or_else(|| name.strip_prefix("link_")?.strip_suffix("_egress"))
-    })?;
-    id.parse().ok()
-}
-
-#[cfg(test)]
-mod pin_name_tests {
-    #[test]
-    fn pins_name_their_endpoint() {
-        use super::pinned_endpoint_id as id;
-        assert_eq!(id("policy_12"), Some(12));
-        assert_eq!(id("link_7_ingress"), Some(7));
-        assert_eq!(id("link_7_egress"), Some(7));
-        assert_eq!(id("policy_maps"), None);
-        assert_eq!(id("link_x_egress"), None);
-        assert_eq!(id("endpoints"), None);
-        assert_eq!(id("link_netdev_ingress"), None);
     }
 }
