@@ -395,6 +395,63 @@ impl<A: Actor> TracedAddr<A> {
     }
 }
 
+/// A traced address for one message type, whoever handles it: a sender that must not name its
+/// receiver's actor type (an endpoint reporting to whoever tracks reactions) holds this.
+pub struct TracedRecipient<M>
+where
+    M: Message + Send + 'static,
+    M::Result: Send,
+{
+    recipient: actix::Recipient<Traced<M>>,
+    journal: Arc<Journal>,
+}
+
+impl<M> Clone for TracedRecipient<M>
+where
+    M: Message + Send + 'static,
+    M::Result: Send,
+{
+    fn clone(&self) -> Self {
+        TracedRecipient {
+            recipient: self.recipient.clone(),
+            journal: self.journal.clone(),
+        }
+    }
+}
+
+impl<M> TracedRecipient<M>
+where
+    M: Message + Send + 'static,
+    M::Result: Send,
+{
+    /// Sends without waiting for the result.
+    pub fn do_send(&self, msg: M, from: impl Into<Sender>) {
+        self.journal.enqueued();
+        self.recipient.do_send(Traced {
+            msg,
+            from: from.into(),
+            enqueued_at: Utc::now(),
+            journal: self.journal.clone(),
+        })
+    }
+}
+
+impl<A: Actor> TracedAddr<A> {
+    /// This address for one of its message types.
+    pub fn recipient<M>(&self) -> TracedRecipient<M>
+    where
+        M: Message + Send + 'static,
+        M::Result: Send,
+        A: Handler<Traced<M>>,
+        A::Context: ToEnvelope<A, Traced<M>>,
+    {
+        TracedRecipient {
+            recipient: self.addr.clone().recipient(),
+            journal: self.journal.clone(),
+        }
+    }
+}
+
 /// Records one message around the inner handler. Used by [`traced_actor!`].
 pub fn record_handled<R: Outcome>(
     journal: &Journal,

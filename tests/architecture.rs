@@ -211,3 +211,41 @@ fn policy_repo_handlers_stay_short() {
         [(4, 1)]
     );
 }
+
+/// The actor files import each other's messages without a cycle: an actor that must report to
+/// one that drives it holds a recipient of the message (`TracedRecipient`), never its type.
+#[test]
+fn actor_files_form_no_cycle() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/actors");
+    let names: BTreeSet<String> = std::fs::read_dir(&dir)
+        .expect("src/actors")
+        .flatten()
+        .filter_map(|e| {
+            let n = e.file_name().to_string_lossy().to_string();
+            n.strip_suffix(".rs").map(str::to_string)
+        })
+        .filter(|n| n != "mod")
+        .collect();
+    let mut g: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
+    for from in &names {
+        let text = std::fs::read_to_string(dir.join(format!("{from}.rs"))).expect("an actor file");
+        for to in &names {
+            let named = [format!("super::{to}::"), format!("actors::{to}::")]
+                .iter()
+                .any(|p| text.contains(p.as_str()));
+            if to != from && named {
+                g.entry(from.clone())
+                    .or_default()
+                    .insert(to.clone(), format!("{from}.rs"));
+            }
+        }
+    }
+    assert!(
+        g.get("policy_repo")
+            .is_some_and(|e| e.contains_key("endpoint")),
+        "the graph was read: {g:?}"
+    );
+    for start in g.keys() {
+        assert_eq!(cycle_from(&g, start), None, "actor files import each other");
+    }
+}

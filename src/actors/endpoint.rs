@@ -20,10 +20,9 @@ use actix::{
 use serde::Serialize;
 
 use super::loader::{AttachEndpoint, DetachEndpoint, LoaderActor, SyncPolicyMap};
-use super::rule_reaction::{EndpointGone, EndpointRealized, RuleReactionActor};
 use crate::datapath::{DatapathError, EndpointAttachment, EndpointFlags, EndpointId, SyncStats};
 use crate::endpoint::state::EndpointRecord;
-use crate::introspect::{Journal, Traceable, TracedAddr};
+use crate::introspect::{Journal, Traceable, Traced, TracedAddr, TracedRecipient};
 use crate::policy::engine::{EndpointView, NamedPort, PolicyEngine};
 use crate::policy::identity::NumericIdentity;
 use crate::policy::labels::Labels;
@@ -91,11 +90,70 @@ pub struct EndpointActor {
     regenerations: u64,
     engine: Arc<RwLock<PolicyEngine>>,
     loader: TracedAddr<LoaderActor>,
-    reaction: TracedAddr<RuleReactionActor>,
+    reports: Reports,
     shared: Shared,
     journal: Arc<Journal>,
     /// The state directory is behind what a restore needs.
     needs_persist: bool,
+}
+
+/// An endpoint finished a regeneration (or a revision bump) at `revision`.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct EndpointRealized {
+    pub id: EndpointId,
+    pub revision: u64,
+    /// False when the regeneration failed: the endpoint stops counting as pending, without a
+    /// delay observation.
+    pub ok: bool,
+}
+
+impl Traceable for EndpointRealized {
+    const KIND: &'static str = "EndpointRealized";
+    fn summary(&self) -> String {
+        format!(
+            "endpoint {}, rev {}{}",
+            self.id,
+            self.revision,
+            if self.ok { "" } else { ", failed" }
+        )
+    }
+}
+
+/// An endpoint went away: nothing waits for it any more.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct EndpointGone {
+    pub id: EndpointId,
+}
+
+impl Traceable for EndpointGone {
+    const KIND: &'static str = "EndpointGone";
+    fn summary(&self) -> String {
+        format!("endpoint {}", self.id)
+    }
+}
+
+/// Where an endpoint reports its regenerations and its end (the reaction tracker), without
+/// naming the actor that listens.
+#[derive(Clone)]
+pub struct Reports {
+    pub realized: TracedRecipient<EndpointRealized>,
+    pub gone: TracedRecipient<EndpointGone>,
+}
+
+impl Reports {
+    pub fn to<A>(addr: &TracedAddr<A>) -> Reports
+    where
+        A: Actor + Handler<Traced<EndpointRealized>> + Handler<Traced<EndpointGone>>,
+        A::Context: actix::dev::ToEnvelope<A, Traced<EndpointRealized>>
+            + actix::dev::ToEnvelope<A, Traced<EndpointGone>>,
+    {
+        Reports {
+            realized: addr.recipient(),
+            gone: addr.recipient(),
+        }
+    }
 }
 
 impl EndpointActor {
@@ -105,7 +163,7 @@ impl EndpointActor {
         named_ports: Vec<NamedPort>,
         shared: Shared,
         loader: TracedAddr<LoaderActor>,
-        reaction: TracedAddr<RuleReactionActor>,
+        reports: Reports,
         journal: Arc<Journal>,
     ) -> Self {
         let state = if record.identity.is_some() {
@@ -130,7 +188,7 @@ impl EndpointActor {
             regenerations: 0,
             engine: shared.engine.clone(),
             loader,
-            reaction,
+            reports,
             journal,
             shared,
             needs_persist: true,
@@ -204,7 +262,7 @@ impl EndpointActor {
     }
 
     fn report(&self, revision: u64, ok: bool) {
-        self.reaction.do_send(
+        self.reports.realized.do_send(
             EndpointRealized {
                 id: self.record.id,
                 revision,
@@ -579,7 +637,8 @@ impl Handler<Delete> for EndpointActor {
                 .remove(self.record.id)
                 .map_err(|e| e.to_string())?;
         }
-        self.reaction
+        self.reports
+            .gone
             .do_send(EndpointGone { id: self.record.id }, self.name());
         ctx.stop();
         Ok(())

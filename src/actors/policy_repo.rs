@@ -482,7 +482,7 @@ impl PolicyRepoActor {
             ports,
             self.shared.clone(),
             self.loader.clone(),
-            self.reaction.clone(),
+            super::endpoint::Reports::to(&self.reaction),
             journal.clone(),
         );
         let addr = TracedAddr::new(actor.start(), journal);

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use actix::{Actor, AsyncContext, Context, Handler, Message, SpawnHandle};
 
-use super::endpoint::{BumpRevision, EndpointActor, Regenerate};
+use super::endpoint::{BumpRevision, EndpointActor, EndpointGone, EndpointRealized, Regenerate};
 use super::loader::{IpcacheChange, LoaderActor, UpdateIpcache};
 use crate::datapath::EndpointId;
 use crate::introspect::{Traceable, TracedAddr};
@@ -260,29 +260,6 @@ impl Handler<PolicyReaction> for RuleReactionActor {
     }
 }
 
-/// An endpoint finished a regeneration (or a revision bump) at `revision`.
-#[derive(Debug, Message)]
-#[rtype(result = "()")]
-pub struct EndpointRealized {
-    pub id: EndpointId,
-    pub revision: u64,
-    /// False when the regeneration failed: the endpoint stops counting as pending, without a
-    /// delay observation.
-    pub ok: bool,
-}
-
-impl Traceable for EndpointRealized {
-    const KIND: &'static str = "EndpointRealized";
-    fn summary(&self) -> String {
-        format!(
-            "endpoint {}, rev {}{}",
-            self.id,
-            self.revision,
-            if self.ok { "" } else { ", failed" }
-        )
-    }
-}
-
 impl Handler<EndpointRealized> for RuleReactionActor {
     type Result = ();
     fn handle(&mut self, msg: EndpointRealized, _: &mut Context<Self>) {
@@ -307,20 +284,6 @@ impl Handler<EndpointRealized> for RuleReactionActor {
         for seq in done {
             self.complete(seq);
         }
-    }
-}
-
-/// An endpoint went away: nothing waits for it any more.
-#[derive(Debug, Message)]
-#[rtype(result = "()")]
-pub struct EndpointGone {
-    pub id: EndpointId,
-}
-
-impl Traceable for EndpointGone {
-    const KIND: &'static str = "EndpointGone";
-    fn summary(&self) -> String {
-        format!("endpoint {}", self.id)
     }
 }
 

@@ -161,8 +161,16 @@ mod tests {
             any_identity: LENS_ALL_PROTOCOLS,
         };
         let info = m.info(300, flags_bits(f));
-        assert_eq!(info.flags & EP_SPLIT_LENS, EP_SPLIT_LENS, "this version splits");
-        assert_eq!(ProbeMasks::of_info(&info), m, "a record reads back as written");
+        assert_eq!(
+            info.flags & EP_SPLIT_LENS,
+            EP_SPLIT_LENS,
+            "this version splits"
+        );
+        assert_eq!(
+            ProbeMasks::of_info(&info),
+            m,
+            "a record reads back as written"
+        );
         // A record of an older agent (no split): every class is probed with its one mask.
         let old = types::endpoint_info {
             identity: 300,
