@@ -12,7 +12,7 @@
 //! one can never land after a newer one.
 
 use std::sync::{Arc, RwLock};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use actix::{
     Actor, ActorContext, ActorFutureExt, AsyncContext, Context, Handler, Message, WrapFuture,
@@ -21,6 +21,8 @@ use serde::Serialize;
 
 use super::loader::{AttachEndpoint, DetachEndpoint, LoaderActor, SyncPolicyMap};
 use crate::datapath::{DatapathError, EndpointAttachment, EndpointFlags, EndpointId, SyncStats};
+pub use crate::endpoint::regeneration::EndpointState;
+use crate::endpoint::regeneration::{Action, Event, Regeneration};
 use crate::endpoint::state::EndpointRecord;
 use crate::introspect::{Journal, Traceable, Traced, TracedAddr, TracedRecipient};
 use crate::policy::engine::{EndpointView, NamedPort, PolicyEngine};
@@ -28,29 +30,6 @@ use crate::policy::identity::NumericIdentity;
 use crate::policy::labels::Labels;
 use crate::policy::mapstate::MapState;
 use crate::runtime::Shared;
-
-/// Where an endpoint is in its life.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum EndpointState {
-    WaitingForIdentity,
-    Ready,
-    Regenerating,
-    NotReady,
-    Disconnecting,
-}
-
-impl EndpointState {
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            EndpointState::WaitingForIdentity => "waiting-for-identity",
-            EndpointState::Ready => "ready",
-            EndpointState::Regenerating => "regenerating",
-            EndpointState::NotReady => "not-ready",
-            EndpointState::Disconnecting => "disconnecting",
-        }
-    }
-}
 
 /// An endpoint as the API shows it (`/debug/endpoints`, `ciliate endpoint get`).
 #[derive(Debug, Clone, Serialize, serde::Deserialize)]
@@ -75,19 +54,11 @@ pub struct EndpointActor {
     record: EndpointRecord,
     labels: Labels,
     named_ports: Vec<NamedPort>,
-    state: EndpointState,
-    error: Option<String>,
+    /// Wanted and realized revisions, queueing, failures (`endpoint::regeneration`).
+    regen: Regeneration,
     realized: MapState,
     realized_flags: EndpointFlags,
-    realized_revision: u64,
-    wanted_revision: u64,
-    dirty: bool,
-    scheduled: bool,
     attached: bool,
-    /// The datapath's map is not known to match `realized` (first sync, after an error).
-    needs_replace: bool,
-    retry_delay: Duration,
-    regenerations: u64,
     engine: Arc<RwLock<PolicyEngine>>,
     loader: TracedAddr<LoaderActor>,
     reports: Reports,
@@ -166,26 +137,13 @@ impl EndpointActor {
         reports: Reports,
         journal: Arc<Journal>,
     ) -> Self {
-        let state = if record.identity.is_some() {
-            EndpointState::Ready
-        } else {
-            EndpointState::WaitingForIdentity
-        };
         EndpointActor {
             labels,
             named_ports,
-            state,
-            error: None,
+            regen: Regeneration::new(record.identity.is_some()),
             realized: MapState::new(),
             realized_flags: EndpointFlags::default(),
-            realized_revision: 0,
-            wanted_revision: 0,
-            dirty: true,
-            scheduled: false,
             attached: false,
-            needs_replace: true,
-            retry_delay: Duration::from_millis(500),
-            regenerations: 0,
             engine: shared.engine.clone(),
             loader,
             reports,
@@ -219,13 +177,13 @@ impl EndpointActor {
             labels: self.labels.to_strings(),
             ips: self.record.ips.iter().map(|i| i.to_string()).collect(),
             interface: self.record.interface.clone(),
-            state: self.state.as_str().to_string(),
-            policy_revision: self.realized_revision,
+            state: self.regen.state.as_str().to_string(),
+            policy_revision: self.regen.realized,
             policy_entries: self.realized.len(),
             ingress_enforced: self.realized_flags.ingress_default_deny,
             egress_enforced: self.realized_flags.egress_default_deny,
-            regenerations: self.regenerations,
-            error: self.error.clone(),
+            regenerations: self.regen.regenerations,
+            error: self.regen.error.clone(),
             container_id: self.record.container_id.clone(),
         }
     }
@@ -248,17 +206,19 @@ impl EndpointActor {
         }
     }
 
-    fn schedule(&mut self, ctx: &mut Context<Self>) {
-        if self.scheduled
-            || self.record.identity.is_none()
-            || self.state == EndpointState::Disconnecting
-        {
-            return;
+    /// Feeds the state machine one event and carries out what it says.
+    fn step(&mut self, ctx: &mut Context<Self>, event: Event) {
+        for action in self.regen.step(event) {
+            match action {
+                Action::Queue => ctx.notify(DoRegenerate),
+                Action::QueueAfter(delay) => {
+                    ctx.run_later(delay, |_, ctx| ctx.notify(DoRegenerate));
+                }
+                Action::Compute { replace } => self.regenerate(ctx, replace),
+                Action::Report { revision, ok } => self.report(revision, ok),
+            }
         }
-        if self.dirty || self.wanted_revision > self.realized_revision {
-            self.scheduled = true;
-            ctx.notify(DoRegenerate);
-        }
+        self.record.policy_revision = self.regen.realized;
     }
 
     fn report(&self, revision: u64, ok: bool) {
@@ -272,15 +232,12 @@ impl EndpointActor {
         );
     }
 
-    fn regenerate(&mut self, ctx: &mut Context<Self>) {
+    /// Computes the policy and sends it to the datapath; the answer comes back in `finish`.
+    fn regenerate(&mut self, ctx: &mut Context<Self>, replace: bool) {
         let Some(identity) = self.record.identity else {
-            self.scheduled = false;
-            self.state = EndpointState::WaitingForIdentity;
-            return;
+            return; // the machine only computes with an identity
         };
         let started = Instant::now();
-        self.state = EndpointState::Regenerating;
-        self.dirty = false;
         let (revision, policy) = {
             let engine = match self.engine.read() {
                 Ok(e) => e,
@@ -299,7 +256,6 @@ impl EndpointActor {
             egress_default_deny: !policy.egress.isolated_by.is_empty(),
             drop_all: false,
         };
-        let replace = self.needs_replace;
         let delta = if replace {
             policy.map.diff_from(&MapState::new())
         } else {
@@ -345,8 +301,6 @@ impl EndpointActor {
         res: Result<SyncStats, DatapathError>,
         started: Instant,
     ) {
-        self.scheduled = false;
-        self.regenerations += 1;
         let elapsed = started.elapsed();
         self.shared
             .metrics
@@ -367,42 +321,23 @@ impl EndpointActor {
         };
         self.journal
             .note("PolicyRealized", summary, "LoaderActor", started_at, result);
+        let label = if res.is_ok() { "ok" } else { "error" };
+        self.shared
+            .metrics
+            .regenerations
+            .get_or_create(&outcome_label(label))
+            .inc();
         match res {
             Ok(_) => {
-                self.shared
-                    .metrics
-                    .regenerations
-                    .get_or_create(&outcome_label("ok"))
-                    .inc();
                 self.realized = map;
                 self.realized_flags = flags;
-                self.realized_revision = self.realized_revision.max(revision);
-                self.record.policy_revision = self.realized_revision;
-                self.needs_replace = false;
-                self.error = None;
-                self.state = EndpointState::Ready;
-                self.retry_delay = Duration::from_millis(500);
+                self.step(ctx, Event::Realized { revision });
                 self.persist();
-                self.report(self.realized_revision, true);
-                self.schedule(ctx);
             }
             Err(e) => {
-                self.shared
-                    .metrics
-                    .regenerations
-                    .get_or_create(&outcome_label("error"))
-                    .inc();
                 tracing::error!(endpoint = self.record.id, error = %e, "regeneration failed; the endpoint fails closed");
-                self.error = Some(e.to_string());
-                self.state = EndpointState::NotReady;
-                self.needs_replace = true;
-                self.dirty = true;
-                self.report(revision, false);
-                // Retry with backoff: a later policy may fit.
-                let delay = self.retry_delay;
-                self.retry_delay = (self.retry_delay * 2).min(Duration::from_secs(30));
-                self.scheduled = true;
-                ctx.run_later(delay, |_, ctx| ctx.notify(DoRegenerate));
+                let error = e.to_string();
+                self.step(ctx, Event::Failed { revision, error });
             }
         }
     }
@@ -454,18 +389,8 @@ impl Traceable for Regenerate {
 impl Handler<Regenerate> for EndpointActor {
     type Result = ();
     fn handle(&mut self, msg: Regenerate, ctx: &mut Context<Self>) {
-        self.wanted_revision = self.wanted_revision.max(msg.revision);
-        self.dirty |= msg.force;
-        if !self.scheduled && !self.dirty && self.wanted_revision <= self.realized_revision {
-            // Coalesced into an earlier regeneration that already saw this revision.
-            self.report(self.realized_revision, true);
-            return;
-        }
-        self.schedule(ctx);
-        if self.record.identity.is_none() {
-            // Nothing to enforce yet; do not hold up the change.
-            self.report(msg.revision, true);
-        }
+        let (revision, force) = (msg.revision, msg.force);
+        self.step(ctx, Event::Requested { revision, force });
     }
 }
 
@@ -485,17 +410,9 @@ impl Traceable for BumpRevision {
 
 impl Handler<BumpRevision> for EndpointActor {
     type Result = ();
-    fn handle(&mut self, msg: BumpRevision, _: &mut Context<Self>) {
-        // With a regeneration pending, that regeneration reads a revision >= this one.
-        if !self.scheduled
-            && !self.dirty
-            && self.wanted_revision <= self.realized_revision
-            && self.state == EndpointState::Ready
-        {
-            self.realized_revision = self.realized_revision.max(msg.revision);
-            self.wanted_revision = self.realized_revision;
-            self.record.policy_revision = self.realized_revision;
-        }
+    fn handle(&mut self, msg: BumpRevision, ctx: &mut Context<Self>) {
+        let revision = msg.revision;
+        self.step(ctx, Event::Bumped { revision });
     }
 }
 
@@ -507,17 +424,17 @@ pub struct DoRegenerate;
 impl Handler<DoRegenerate> for EndpointActor {
     type Result = ();
     fn handle(&mut self, _: DoRegenerate, ctx: &mut Context<Self>) {
-        if self.state == EndpointState::Disconnecting {
+        if self.regen.state == EndpointState::Disconnecting {
             return;
         }
         self.journal.note(
             "DoRegenerate",
-            format!("wanted rev {}", self.wanted_revision),
+            format!("wanted rev {}", self.regen.wanted),
             "self",
             chrono::Utc::now(),
             Ok(()),
         );
-        self.regenerate(ctx);
+        self.step(ctx, Event::Due);
     }
 }
 
@@ -542,25 +459,18 @@ impl Traceable for SetIdentity {
 
 impl Handler<SetIdentity> for EndpointActor {
     type Result = ();
-    fn handle(&mut self, msg: SetIdentity, _: &mut Context<Self>) {
+    fn handle(&mut self, msg: SetIdentity, ctx: &mut Context<Self>) {
         let changed = msg.identity != self.record.identity || msg.named_ports != self.named_ports;
         self.record.identity = msg.identity;
         self.labels = msg.labels;
         self.named_ports = msg.named_ports;
         if changed {
-            self.dirty = true;
-            match msg.identity {
-                None => self.state = EndpointState::WaitingForIdentity,
-                Some(id) => {
-                    if self.state == EndpointState::WaitingForIdentity {
-                        self.state = EndpointState::Ready;
-                    }
-                    if self.attached {
-                        let att = self.attachment(id);
-                        self.loader
-                            .do_send(AttachEndpoint { attachment: att }, self.name());
-                    }
-                }
+            let has_identity = msg.identity.is_some();
+            self.step(ctx, Event::IdentityChanged { has_identity });
+            if let (Some(id), true) = (msg.identity, self.attached) {
+                let att = self.attachment(id);
+                self.loader
+                    .do_send(AttachEndpoint { attachment: att }, self.name());
             }
             self.needs_persist = true;
             self.persist();
@@ -628,7 +538,7 @@ impl Traceable for Delete {
 impl Handler<Delete> for EndpointActor {
     type Result = Result<(), String>;
     fn handle(&mut self, msg: Delete, ctx: &mut Context<Self>) -> Self::Result {
-        self.state = EndpointState::Disconnecting;
+        self.step(ctx, Event::Disconnect);
         if !msg.keep_datapath {
             self.loader
                 .do_send(DetachEndpoint { id: self.record.id }, self.name());

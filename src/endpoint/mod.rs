@@ -1,5 +1,7 @@
 //! Endpoints at rest: the state directory (one record per endpoint, written atomically, with
-//! the CNI plugin's intent records) and the pure restore decisions taken at start-up.
+//! the CNI plugin's intent records), the pure restore decisions taken at start-up, and the
+//! regeneration state machine `EndpointActor` runs.
 
+pub mod regeneration;
 pub mod restore;
 pub mod state;
