@@ -160,12 +160,7 @@ impl Handler<SyncPolicyMap> for LoaderActor {
     }
 }
 
-/// One ipcache change.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum IpcacheChange {
-    Upsert(IpNet, NumericIdentity),
-    Remove(IpNet),
-}
+pub use crate::policy::ipcache::IpcacheChange;
 
 /// Applies ipcache changes in order.
 #[derive(Debug, Message)]

@@ -18,11 +18,10 @@ use super::rule_reaction::{EndpointHandle, PolicyReaction, RuleReactionActor};
 use crate::datapath::EndpointId;
 use crate::endpoint::state::EndpointRecord;
 use crate::introspect::{Traceable, TracedAddr};
+use crate::objects::index::{ClusterIndex, IndexChange};
 use crate::objects::{NamespaceInfo, NodeInfo, PodInfo, ServiceInfo};
 use crate::policy::engine::{NamedPort, PolicyEngine};
-use crate::policy::identity::{
-    reserved_name, NumericIdentity, IDENTITY_HOST, IDENTITY_REMOTE_NODE,
-};
+use crate::policy::identity::{reserved_name, NumericIdentity};
 use crate::policy::labels::{Label, Labels};
 use crate::policy::rule::PolicyKey;
 use crate::policy::translate::ParsedPolicy;
@@ -149,12 +148,6 @@ pub struct IpcacheModel {
     pub identity: NumericIdentity,
 }
 
-struct PodRecord {
-    info: PodInfo,
-    labels: Labels,
-    identity: NumericIdentity,
-}
-
 struct EndpointEntry {
     record: EndpointRecord,
     addr: TracedAddr<EndpointActor>,
@@ -227,9 +220,8 @@ pub struct PolicyRepoActor {
     shared: Shared,
     loader: TracedAddr<LoaderActor>,
     reaction: TracedAddr<RuleReactionActor>,
-    namespaces: HashMap<String, NamespaceInfo>,
-    pods: HashMap<String, PodRecord>,
-    nodes: HashMap<String, NodeInfo>,
+    /// Pods, namespaces and nodes -> identities and ipcache (`objects::index`).
+    index: ClusterIndex,
     services: HashMap<String, ServiceInfo>,
     endpoints: BTreeMap<EndpointId, EndpointEntry>,
     /// The last endpoint id handed out: ids go round, so a deleted endpoint's id is not given
@@ -250,9 +242,7 @@ impl PolicyRepoActor {
             shared,
             loader,
             reaction,
-            namespaces: HashMap::new(),
-            pods: HashMap::new(),
-            nodes: HashMap::new(),
+            index: ClusterIndex::default(),
             services: HashMap::new(),
             endpoints: BTreeMap::new(),
             last_endpoint_id: std::cell::Cell::new(0),
@@ -267,6 +257,16 @@ impl PolicyRepoActor {
             Ok(g) => g,
             Err(p) => p.into_inner(),
         }
+    }
+
+    /// Applies a change to the cluster index, on the engine.
+    fn indexed<R>(&mut self, f: impl FnOnce(&mut ClusterIndex, &mut PolicyEngine) -> R) -> R {
+        let engine = self.shared.engine.clone();
+        let mut guard = match engine.write() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        f(&mut self.index, &mut guard)
     }
 
     fn engine(&self) -> std::sync::RwLockReadGuard<'_, PolicyEngine> {
@@ -328,89 +328,34 @@ impl PolicyRepoActor {
         self.update_gauges();
     }
 
-    fn pod_labels(&self, info: &PodInfo) -> Labels {
-        let empty = BTreeMap::new();
-        let ns_labels = self
-            .namespaces
-            .get(&info.namespace)
-            .map(|n| &n.labels)
-            .unwrap_or(&empty);
-        Labels::for_pod(
-            &info.namespace,
-            &info.labels,
-            ns_labels,
-            Some(&info.service_account),
-        )
-    }
-
-    /// Applies a pod's new state (or its deletion); returns affected identities, endpoint ids
-    /// whose own identity changed, and ipcache changes.
-    fn apply_pod(
-        &mut self,
-        key: &str,
-        info: Option<PodInfo>,
-    ) -> (
-        BTreeSet<NumericIdentity>,
-        Vec<EndpointId>,
-        Vec<IpcacheChange>,
-    ) {
-        let mut affected = BTreeSet::new();
-        let mut ipcache = Vec::new();
-        let new = info.map(|i| {
-            let labels = self.pod_labels(&i);
-            (i, labels)
-        });
-        let old = self.pods.get(key);
-        if let (Some(o), Some((ni, nl))) = (old, &new) {
-            if o.info == *ni && o.labels == *nl {
-                return (affected, vec![], ipcache);
-            }
+    /// Sends on what a change of the cluster index did: local endpoints of changed pods follow
+    /// their pod's identity, and the selecting endpoints regenerate.
+    fn index_changed(&mut self, reason: String, change: IndexChange) {
+        if change.is_empty() {
+            return;
         }
-        let old = self.pods.remove(key);
-        let mut engine = self.engine_mut();
-        let new_rec = new.map(|(info, labels)| {
-            let identity = engine.allocate_identity(&labels).id();
-            engine.add_named_ports(identity, &info.named_ports);
-            for ip in &info.ips {
-                engine.upsert_endpoint_ip(*ip, identity);
-                ipcache.push(IpcacheChange::Upsert(IpNet::from(*ip), identity));
-            }
-            affected.extend(engine.endpoints_affected_by_identity(identity));
-            PodRecord {
-                info,
-                labels,
-                identity,
-            }
-        });
-        if let Some(o) = &old {
-            affected.extend(engine.endpoints_affected_by_identity(o.identity));
-            engine.remove_named_ports(o.identity, &o.info.named_ports);
-            for ip in &o.info.ips {
-                if !new_rec.as_ref().is_some_and(|n| n.info.ips.contains(ip)) {
-                    engine.remove_endpoint_ip(*ip);
-                    ipcache.push(IpcacheChange::Remove(IpNet::from(*ip)));
-                }
-            }
-            engine.release_identity(o.identity);
-        }
-        drop(engine);
-        if let Some(r) = new_rec {
-            self.pods.insert(key.to_string(), r);
-        }
-        // Local endpoints of this pod follow its identity.
-        let mut changed_eps = Vec::new();
+        let IndexChange {
+            affected,
+            mut ipcache,
+            pods,
+        } = change;
         let ids: Vec<EndpointId> = self
             .endpoints
             .iter()
-            .filter(|(_, e)| e.record.name == key)
+            .filter(|(_, e)| pods.contains(&e.record.name))
             .map(|(id, _)| *id)
             .collect();
-        for id in ids {
-            if self.refresh_endpoint_identity(id, &mut ipcache) {
-                changed_eps.push(id);
-            }
-        }
-        (affected, changed_eps, ipcache)
+        let changed: Vec<EndpointId> = ids
+            .into_iter()
+            .filter(|id| self.refresh_endpoint_identity(*id, &mut ipcache))
+            .collect();
+        self.react(
+            Reaction::new(reason)
+                .affecting(affected.iter().copied())
+                .regenerating(changed)
+                .forced()
+                .ipcache(ipcache),
+        );
     }
 
     /// Re-derives an endpoint's identity and named ports from its pod. Returns true when
@@ -423,7 +368,7 @@ impl PolicyRepoActor {
         let Some(entry) = self.endpoints.get(&id) else {
             return false;
         };
-        let (labels, ports) = match self.pods.get(&entry.record.name) {
+        let (labels, ports) = match self.index.pod(&entry.record.name) {
             Some(p) => (p.labels.clone(), p.info.named_ports.clone()),
             None => return false, // keep what it has (restored, or pod deleted: stays until the endpoint is)
         };
@@ -580,8 +525,8 @@ impl PolicyRepoActor {
         let mut ipcache = Vec::new();
         let (identity, labels, ports) = {
             let pod_state = self
-                .pods
-                .get(&key)
+                .index
+                .pod(&key)
                 .map(|p| (p.labels.clone(), p.info.named_ports.clone()));
             let mut engine = self.engine_mut();
             match (pod_state, &restore) {
@@ -646,8 +591,8 @@ impl PolicyRepoActor {
         }
         let mut ipcache = Vec::new();
         let pod_ips: Vec<IpAddr> = self
-            .pods
-            .get(&entry.record.name)
+            .index
+            .pod(&entry.record.name)
             .map(|p| p.info.ips.clone())
             .unwrap_or_default();
         {
@@ -879,16 +824,8 @@ impl Handler<PodUpsert> for PolicyRepoActor {
     type Result = ();
     fn handle(&mut self, msg: PodUpsert, _: &mut Context<Self>) {
         let key = msg.pod.key();
-        let (affected, eps, ipcache) = self.apply_pod(&key, Some(msg.pod));
-        if !affected.is_empty() || !eps.is_empty() || !ipcache.is_empty() {
-            self.react(
-                Reaction::new(format!("pod {key}"))
-                    .affecting(affected.iter().copied())
-                    .regenerating(eps.iter().copied())
-                    .forced()
-                    .ipcache(ipcache),
-            );
-        }
+        let change = self.indexed(|ix, e| ix.apply_pod(e, &key, Some(msg.pod)));
+        self.index_changed(format!("pod {key}"), change);
     }
 }
 
@@ -904,14 +841,8 @@ traceable!(PodDelete, "PodDelete", |m| format!("pod {}", m.key));
 impl Handler<PodDelete> for PolicyRepoActor {
     type Result = ();
     fn handle(&mut self, msg: PodDelete, _: &mut Context<Self>) {
-        let (affected, eps, ipcache) = self.apply_pod(&msg.key, None);
-        self.react(
-            Reaction::new(format!("pod {} deleted", msg.key))
-                .affecting(affected.iter().copied())
-                .regenerating(eps.iter().copied())
-                .forced()
-                .ipcache(ipcache),
-        );
+        let change = self.indexed(|ix, e| ix.apply_pod(e, &msg.key, None));
+        self.index_changed(format!("pod {} deleted", msg.key), change);
     }
 }
 
@@ -930,38 +861,8 @@ impl Handler<NamespaceUpsert> for PolicyRepoActor {
     type Result = ();
     fn handle(&mut self, msg: NamespaceUpsert, _: &mut Context<Self>) {
         let name = msg.namespace.name.clone();
-        if self.namespaces.get(&name) == Some(&msg.namespace) {
-            return;
-        }
-        self.namespaces.insert(name.clone(), msg.namespace);
-        self.refresh_namespace(&name);
-    }
-}
-
-impl PolicyRepoActor {
-    fn refresh_namespace(&mut self, name: &str) {
-        let pods: Vec<(String, PodInfo)> = self
-            .pods
-            .iter()
-            .filter(|(_, p)| p.info.namespace == name)
-            .map(|(k, p)| (k.clone(), p.info.clone()))
-            .collect();
-        let (mut affected, mut eps, mut ipcache) = (BTreeSet::new(), Vec::new(), Vec::new());
-        for (k, info) in pods {
-            let (a, e, i) = self.apply_pod(&k, Some(info));
-            affected.extend(a);
-            eps.extend(e);
-            ipcache.extend(i);
-        }
-        if !affected.is_empty() || !eps.is_empty() || !ipcache.is_empty() {
-            self.react(
-                Reaction::new(format!("namespace {name}"))
-                    .affecting(affected.iter().copied())
-                    .regenerating(eps.iter().copied())
-                    .forced()
-                    .ipcache(ipcache),
-            );
-        }
+        let change = self.indexed(|ix, e| ix.upsert_namespace(e, msg.namespace));
+        self.index_changed(format!("namespace {name}"), change);
     }
 }
 
@@ -979,9 +880,8 @@ traceable!(NamespaceDelete, "NamespaceDelete", |m| format!(
 impl Handler<NamespaceDelete> for PolicyRepoActor {
     type Result = ();
     fn handle(&mut self, msg: NamespaceDelete, _: &mut Context<Self>) {
-        if self.namespaces.remove(&msg.name).is_some() {
-            self.refresh_namespace(&msg.name);
-        }
+        let change = self.indexed(|ix, e| ix.delete_namespace(e, &msg.name));
+        self.index_changed(format!("namespace {} deleted", msg.name), change);
     }
 }
 
@@ -1034,7 +934,8 @@ impl PolicyRepoActor {
     /// Hands the node set to the route reconciler (it keeps only the newest).
     fn publish_nodes(&self) {
         self.shared.nodes.send_replace(
-            self.nodes
+            self.index
+                .nodes()
                 .iter()
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect(),
@@ -1048,28 +949,10 @@ impl Handler<NodeUpsert> for PolicyRepoActor {
         if msg.node.name == self.shared.node_name {
             self.adopt_node_pod_cidr(&msg.node);
         }
-        let identity = if msg.node.name == self.shared.node_name {
-            IDENTITY_HOST
-        } else {
-            IDENTITY_REMOTE_NODE
-        };
-        let mut ipcache = Vec::new();
-        {
-            let mut engine = self.engine_mut();
-            if let Some(old) = self.nodes.get(&msg.node.name) {
-                for ip in old.ips.iter().filter(|ip| !msg.node.ips.contains(ip)) {
-                    engine.remove_endpoint_ip(*ip);
-                    ipcache.push(IpcacheChange::Remove(IpNet::from(*ip)));
-                }
-            }
-            for ip in &msg.node.ips {
-                engine.upsert_endpoint_ip(*ip, identity);
-                ipcache.push(IpcacheChange::Upsert(IpNet::from(*ip), identity));
-            }
-        }
-        self.nodes.insert(msg.node.name.clone(), msg.node);
+        let local = msg.node.name == self.shared.node_name;
+        let change = self.indexed(|ix, e| ix.upsert_node(e, msg.node, local));
         self.publish_nodes();
-        self.react(Reaction::new("node").ipcache(ipcache));
+        self.react(Reaction::new("node").ipcache(change.ipcache));
     }
 }
 
@@ -1084,19 +967,11 @@ traceable!(NodeDelete, "NodeDelete", |m| format!("node {}", m.name));
 impl Handler<NodeDelete> for PolicyRepoActor {
     type Result = ();
     fn handle(&mut self, msg: NodeDelete, _: &mut Context<Self>) {
-        let Some(old) = self.nodes.remove(&msg.name) else {
+        let Some(change) = self.indexed(|ix, e| ix.delete_node(e, &msg.name)) else {
             return;
         };
         self.publish_nodes();
-        let mut ipcache = Vec::new();
-        {
-            let mut engine = self.engine_mut();
-            for ip in &old.ips {
-                engine.remove_endpoint_ip(*ip);
-                ipcache.push(IpcacheChange::Remove(IpNet::from(*ip)));
-            }
-        }
-        self.react(Reaction::new("node deleted").ipcache(ipcache));
+        self.react(Reaction::new("node deleted").ipcache(change.ipcache));
     }
 }
 
@@ -1275,7 +1150,7 @@ impl Handler<ListPodlessEndpoints> for PolicyRepoActor {
         Ok(self
             .endpoints
             .iter()
-            .filter(|(_, e)| !self.pods.contains_key(&e.record.name))
+            .filter(|(_, e)| !self.index.has_pod(&e.record.name))
             .map(|(id, e)| (*id, e.record.name.clone(), e.record.container_id.clone()))
             .collect())
     }

@@ -11,6 +11,13 @@ use ipnet::IpNet;
 
 use super::identity::{NumericIdentity, IDENTITY_WORLD_IPV4, IDENTITY_WORLD_IPV6};
 
+/// One change of the ipcache, as the datapath applies them (in order).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum IpcacheChange {
+    Upsert(IpNet, NumericIdentity),
+    Remove(IpNet),
+}
+
 #[derive(Debug, Clone, Default)]
 struct Family {
     /// (prefix length, masked address) -> identity.

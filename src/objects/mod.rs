@@ -1,6 +1,8 @@
 //! The cluster objects the agent needs, independent of where they come from (a manifest
 //! directory now, kube-rs watchers in Kubernetes mode): converted from k8s-openapi types.
 
+pub mod index;
+
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 

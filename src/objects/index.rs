@@ -1,0 +1,380 @@
+//! `ClusterIndex`: the cluster objects that carry identities (pods, namespaces, nodes), turned
+//! into identity and ipcache changes on the policy engine, pure and unit-tested with small
+//! structs (linkerd's policy-controller `Index::apply` in spirit). `PolicyRepoActor` owns one,
+//! feeds it watch events and sends on what each change returns.
+//!
+//! - A pod's identity comes from its labels, its namespace's labels and its service account
+//!   (`Labels::for_pod`); its addresses map to that identity in the ipcache.
+//! - A namespace change re-labels every pod in it.
+//! - A node's addresses are `host` (this node) or `remote-node`.
+//! - Identities are reference-counted by the engine: every allocation here is released when
+//!   the pod goes or moves to another identity.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use ipnet::IpNet;
+
+use super::{NamespaceInfo, NodeInfo, PodInfo};
+use crate::policy::engine::PolicyEngine;
+use crate::policy::identity::{NumericIdentity, IDENTITY_HOST, IDENTITY_REMOTE_NODE};
+use crate::policy::ipcache::IpcacheChange;
+use crate::policy::labels::Labels;
+
+/// A pod as the index holds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodRecord {
+    pub info: PodInfo,
+    pub labels: Labels,
+    pub identity: NumericIdentity,
+}
+
+/// What one change did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct IndexChange {
+    /// Identities whose selecting endpoints must regenerate (the old and the new identity of
+    /// a pod that changed).
+    pub affected: BTreeSet<NumericIdentity>,
+    /// Ipcache changes, in order.
+    pub ipcache: Vec<IpcacheChange>,
+    /// Pods (`namespace/name`) whose labels or named ports changed or that went away: local
+    /// endpoints of these pods follow them.
+    pub pods: Vec<String>,
+}
+
+impl IndexChange {
+    pub fn is_empty(&self) -> bool {
+        self.affected.is_empty() && self.ipcache.is_empty() && self.pods.is_empty()
+    }
+
+    fn extend(&mut self, other: IndexChange) {
+        self.affected.extend(other.affected);
+        self.ipcache.extend(other.ipcache);
+        self.pods.extend(other.pods);
+    }
+}
+
+/// See the module documentation.
+#[derive(Debug, Default)]
+pub struct ClusterIndex {
+    namespaces: HashMap<String, NamespaceInfo>,
+    pods: HashMap<String, PodRecord>,
+    nodes: BTreeMap<String, NodeInfo>,
+}
+
+impl ClusterIndex {
+    pub fn pod(&self, key: &str) -> Option<&PodRecord> {
+        self.pods.get(key)
+    }
+
+    pub fn has_pod(&self, key: &str) -> bool {
+        self.pods.contains_key(key)
+    }
+
+    pub fn nodes(&self) -> &BTreeMap<String, NodeInfo> {
+        &self.nodes
+    }
+
+    /// The identity labels of a pod: its own, its namespace's, its service account.
+    pub fn pod_labels(&self, info: &PodInfo) -> Labels {
+        let empty = BTreeMap::new();
+        let ns_labels = self
+            .namespaces
+            .get(&info.namespace)
+            .map(|n| &n.labels)
+            .unwrap_or(&empty);
+        Labels::for_pod(
+            &info.namespace,
+            &info.labels,
+            ns_labels,
+            Some(&info.service_account),
+        )
+    }
+
+    /// A pod's new state (`None`: it was deleted).
+    pub fn apply_pod(
+        &mut self,
+        engine: &mut PolicyEngine,
+        key: &str,
+        info: Option<PodInfo>,
+    ) -> IndexChange {
+        let mut change = IndexChange::default();
+        let new = info.map(|i| {
+            let labels = self.pod_labels(&i);
+            (i, labels)
+        });
+        let old = self.pods.get(key);
+        if let (Some(o), Some((ni, nl))) = (old, &new) {
+            if o.info == *ni && o.labels == *nl {
+                return change;
+            }
+        }
+        if old.is_none() && new.is_none() {
+            return change;
+        }
+        let old = self.pods.remove(key);
+        let new_rec = new.map(|(info, labels)| {
+            let identity = engine.allocate_identity(&labels).id();
+            engine.add_named_ports(identity, &info.named_ports);
+            for ip in &info.ips {
+                engine.upsert_endpoint_ip(*ip, identity);
+                change
+                    .ipcache
+                    .push(IpcacheChange::Upsert(IpNet::from(*ip), identity));
+            }
+            change
+                .affected
+                .extend(engine.endpoints_affected_by_identity(identity));
+            PodRecord {
+                info,
+                labels,
+                identity,
+            }
+        });
+        if let Some(o) = &old {
+            change
+                .affected
+                .extend(engine.endpoints_affected_by_identity(o.identity));
+            engine.remove_named_ports(o.identity, &o.info.named_ports);
+            for ip in &o.info.ips {
+                if !new_rec.as_ref().is_some_and(|n| n.info.ips.contains(ip)) {
+                    engine.remove_endpoint_ip(*ip);
+                    change.ipcache.push(IpcacheChange::Remove(IpNet::from(*ip)));
+                }
+            }
+            engine.release_identity(o.identity);
+        }
+        if let Some(r) = new_rec {
+            self.pods.insert(key.to_string(), r);
+        }
+        change.pods.push(key.to_string());
+        change
+    }
+
+    /// A namespace appeared or changed: its pods are re-labelled.
+    pub fn upsert_namespace(
+        &mut self,
+        engine: &mut PolicyEngine,
+        ns: NamespaceInfo,
+    ) -> IndexChange {
+        if self.namespaces.get(&ns.name) == Some(&ns) {
+            return IndexChange::default();
+        }
+        let name = ns.name.clone();
+        self.namespaces.insert(name.clone(), ns);
+        self.relabel_namespace(engine, &name)
+    }
+
+    /// A namespace went away: its pods lose its labels.
+    pub fn delete_namespace(&mut self, engine: &mut PolicyEngine, name: &str) -> IndexChange {
+        if self.namespaces.remove(name).is_none() {
+            return IndexChange::default();
+        }
+        self.relabel_namespace(engine, name)
+    }
+
+    fn relabel_namespace(&mut self, engine: &mut PolicyEngine, name: &str) -> IndexChange {
+        let mut pods: Vec<(String, PodInfo)> = self
+            .pods
+            .iter()
+            .filter(|(_, p)| p.info.namespace == name)
+            .map(|(k, p)| (k.clone(), p.info.clone()))
+            .collect();
+        pods.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut change = IndexChange::default();
+        for (k, info) in pods {
+            change.extend(self.apply_pod(engine, &k, Some(info)));
+        }
+        change
+    }
+
+    /// A node appeared or changed: its addresses map to `host` (`local`) or `remote-node`.
+    pub fn upsert_node(
+        &mut self,
+        engine: &mut PolicyEngine,
+        node: NodeInfo,
+        local: bool,
+    ) -> IndexChange {
+        let identity = if local {
+            IDENTITY_HOST
+        } else {
+            IDENTITY_REMOTE_NODE
+        };
+        let mut change = IndexChange::default();
+        if let Some(old) = self.nodes.get(&node.name) {
+            for ip in old.ips.iter().filter(|ip| !node.ips.contains(ip)) {
+                engine.remove_endpoint_ip(*ip);
+                change.ipcache.push(IpcacheChange::Remove(IpNet::from(*ip)));
+            }
+        }
+        for ip in &node.ips {
+            engine.upsert_endpoint_ip(*ip, identity);
+            change
+                .ipcache
+                .push(IpcacheChange::Upsert(IpNet::from(*ip), identity));
+        }
+        self.nodes.insert(node.name.clone(), node);
+        change
+    }
+
+    /// A node went away: its addresses leave the ipcache. `None` when it was not known.
+    pub fn delete_node(&mut self, engine: &mut PolicyEngine, name: &str) -> Option<IndexChange> {
+        let old = self.nodes.remove(name)?;
+        let mut change = IndexChange::default();
+        for ip in &old.ips {
+            engine.remove_endpoint_ip(*ip);
+            change.ipcache.push(IpcacheChange::Remove(IpNet::from(*ip)));
+        }
+        Some(change)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::IpAddr;
+
+    fn mk_pod(ns: &str, name: &str, app: &str, ip: &str) -> PodInfo {
+        PodInfo {
+            namespace: ns.into(),
+            name: name.into(),
+            labels: [("app".to_string(), app.to_string())].into(),
+            ips: vec![ip.parse().unwrap()],
+            node: None,
+            service_account: "default".into(),
+            named_ports: vec![],
+        }
+    }
+
+    fn mk_ns(name: &str, team: &str) -> NamespaceInfo {
+        NamespaceInfo {
+            name: name.into(),
+            labels: [("team".to_string(), team.to_string())].into(),
+        }
+    }
+
+    fn mk_node(name: &str, ip: &str) -> NodeInfo {
+        NodeInfo {
+            name: name.into(),
+            labels: Default::default(),
+            annotations: Default::default(),
+            ips: vec![ip.parse().unwrap()],
+            pod_cidrs: vec![],
+        }
+    }
+
+    fn identity_of(engine: &PolicyEngine, ip: &str) -> NumericIdentity {
+        engine.ipcache().lookup(ip.parse::<IpAddr>().unwrap())
+    }
+
+    fn upserts(c: &IndexChange) -> Vec<(String, NumericIdentity)> {
+        c.ipcache
+            .iter()
+            .filter_map(|x| match x {
+                IpcacheChange::Upsert(n, id) => Some((n.to_string(), *id)),
+                IpcacheChange::Remove(_) => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_pod_gets_an_identity_from_its_labels_and_its_address_maps_to_it() {
+        let (mut ix, mut engine) = (ClusterIndex::default(), PolicyEngine::new());
+        let c = ix.apply_pod(&mut engine, "x/a", Some(mk_pod("x", "a", "a", "10.0.0.1")));
+        let id = ix.pod("x/a").unwrap().identity;
+        assert_eq!(upserts(&c), vec![("10.0.0.1/32".to_string(), id)]);
+        assert_eq!(c.pods, vec!["x/a".to_string()]);
+        assert_eq!(identity_of(&engine, "10.0.0.1"), id);
+        // Two pods with the same labels share it; the same state again changes nothing.
+        ix.apply_pod(
+            &mut engine,
+            "x/a2",
+            Some(mk_pod("x", "a2", "a", "10.0.0.2")),
+        );
+        assert_eq!(ix.pod("x/a2").unwrap().identity, id);
+        let again = ix.apply_pod(&mut engine, "x/a", Some(mk_pod("x", "a", "a", "10.0.0.1")));
+        assert!(again.is_empty());
+    }
+
+    #[test]
+    fn a_label_change_moves_the_pod_and_a_delete_clears_its_address() {
+        let (mut ix, mut engine) = (ClusterIndex::default(), PolicyEngine::new());
+        ix.apply_pod(&mut engine, "x/a", Some(mk_pod("x", "a", "a", "10.0.0.1")));
+        let old = ix.pod("x/a").unwrap().identity;
+        let c = ix.apply_pod(&mut engine, "x/a", Some(mk_pod("x", "a", "b", "10.0.0.1")));
+        let new = ix.pod("x/a").unwrap().identity;
+        assert_ne!(old, new);
+        assert_eq!(upserts(&c), vec![("10.0.0.1/32".to_string(), new)]);
+        assert!(
+            !c.ipcache
+                .iter()
+                .any(|x| matches!(x, IpcacheChange::Remove(_))),
+            "the address stays, under the new identity"
+        );
+        assert_eq!(identity_of(&engine, "10.0.0.1"), new);
+        // A new address: the old one goes.
+        let c = ix.apply_pod(&mut engine, "x/a", Some(mk_pod("x", "a", "b", "10.0.0.9")));
+        assert!(c
+            .ipcache
+            .contains(&IpcacheChange::Remove("10.0.0.1/32".parse().unwrap())));
+        let c = ix.apply_pod(&mut engine, "x/a", None);
+        assert_eq!(
+            c.ipcache,
+            vec![IpcacheChange::Remove("10.0.0.9/32".parse().unwrap())]
+        );
+        assert!(!ix.has_pod("x/a"));
+        assert!(
+            ix.apply_pod(&mut engine, "x/a", None).is_empty(),
+            "deleting twice is nothing"
+        );
+    }
+
+    #[test]
+    fn a_namespace_label_change_relabels_its_pods_only() {
+        let (mut ix, mut engine) = (ClusterIndex::default(), PolicyEngine::new());
+        ix.upsert_namespace(&mut engine, mk_ns("x", "red"));
+        ix.apply_pod(&mut engine, "x/a", Some(mk_pod("x", "a", "a", "10.0.0.1")));
+        ix.apply_pod(&mut engine, "y/a", Some(mk_pod("y", "a", "a", "10.0.1.1")));
+        let (xa, ya) = (
+            ix.pod("x/a").unwrap().identity,
+            ix.pod("y/a").unwrap().identity,
+        );
+        assert!(ix
+            .pod("x/a")
+            .unwrap()
+            .labels
+            .to_strings()
+            .iter()
+            .any(|l| l.contains("team=red")));
+        let c = ix.upsert_namespace(&mut engine, mk_ns("x", "blue"));
+        assert_eq!(c.pods, vec!["x/a".to_string()]);
+        assert_ne!(ix.pod("x/a").unwrap().identity, xa);
+        assert_eq!(ix.pod("y/a").unwrap().identity, ya);
+        assert!(ix
+            .upsert_namespace(&mut engine, mk_ns("x", "blue"))
+            .is_empty());
+        let c = ix.delete_namespace(&mut engine, "x");
+        assert_eq!(c.pods, vec!["x/a".to_string()]);
+        assert!(ix.delete_namespace(&mut engine, "x").is_empty());
+    }
+
+    #[test]
+    fn node_addresses_are_host_or_remote_node_and_leave_with_the_node() {
+        let (mut ix, mut engine) = (ClusterIndex::default(), PolicyEngine::new());
+        ix.upsert_node(&mut engine, mk_node("n1", "172.20.0.11"), true);
+        ix.upsert_node(&mut engine, mk_node("n2", "172.20.0.12"), false);
+        assert_eq!(identity_of(&engine, "172.20.0.11"), IDENTITY_HOST);
+        assert_eq!(identity_of(&engine, "172.20.0.12"), IDENTITY_REMOTE_NODE);
+        let c = ix.upsert_node(&mut engine, mk_node("n2", "172.20.0.22"), false);
+        assert_eq!(
+            c.ipcache[0],
+            IpcacheChange::Remove("172.20.0.12/32".parse().unwrap())
+        );
+        assert_eq!(ix.nodes().len(), 2);
+        let c = ix.delete_node(&mut engine, "n2").expect("known");
+        assert_eq!(
+            c.ipcache,
+            vec![IpcacheChange::Remove("172.20.0.22/32".parse().unwrap())]
+        );
+        assert!(ix.delete_node(&mut engine, "n2").is_none());
+    }
+}
