@@ -8,6 +8,7 @@
 //! directory. At start-up, `crate::cni::recover` rolls back every ADD whose record outlived its agent and
 //! sweeps marked veths no endpoint owns.
 
+use crate::endpoint::cni::{AddProgress, Undo};
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::Path;
 use std::sync::atomic::Ordering;
@@ -258,32 +259,28 @@ fn allocate(st: &AppState, container_id: &str) -> Result<Ipv4Addr, CniError> {
     })
 }
 
-/// What an ADD has made so far, undone in reverse when a later step fails. The intent record
-/// goes last, so a crash in the middle of the undo is still rolled back by the next agent.
-struct Made {
-    container_id: String,
-    ip: Ipv4Addr,
-    host_if: Option<String>,
-    endpoint: Option<EndpointId>,
-}
-
-impl Made {
-    async fn undo(self, st: &AppState) {
-        if let Some(id) = self.endpoint {
-            let _ = st.repo.send(DeleteEndpoint { id }, FROM).await;
-        }
-        if let Some(name) = self.host_if {
-            let n = name.clone();
-            if let Err(e) = blocking(move || netdev::delete_host_interface(&n)).await {
-                // The address may still be on the pod's side: it stays allocated, and the
-                // record stays for the next agent (or a DEL) to roll back.
-                tracing::error!(interface = %name, error = %e, "a failed ADD's interface cannot be removed");
-                return;
+/// Undoes what an ADD made (`endpoint::cni::AddProgress`), newest first.
+async fn undo(made: AddProgress, st: &AppState) {
+    for step in made.undo() {
+        match step {
+            Undo::Endpoint(id) => {
+                let _ = st.repo.send(DeleteEndpoint { id }, FROM).await;
             }
-        }
-        release_ip(st, IpAddr::V4(self.ip));
-        if let Err(e) = st.shared.state_dir.end_add(&self.container_id) {
-            tracing::error!(container = %self.container_id, error = %e, "cannot remove an ADD record");
+            Undo::Interface(name) => {
+                let n = name.clone();
+                if let Err(e) = blocking(move || netdev::delete_host_interface(&n)).await {
+                    // The address may still be on the pod's side: it stays allocated, and the
+                    // record stays for the next agent (or a DEL) to roll back.
+                    tracing::error!(interface = %name, error = %e, "a failed ADD's interface cannot be removed");
+                    return;
+                }
+            }
+            Undo::Address(ip) => release_ip(st, ip),
+            Undo::Intent(container) => {
+                if let Err(e) = st.shared.state_dir.end_add(&container) {
+                    tracing::error!(%container, error = %e, "cannot remove an ADD record");
+                }
+            }
         }
     }
 }
@@ -377,12 +374,7 @@ pub async fn add(st: web::Data<AppState>, req: web::Json<CniRequest>) -> HttpRes
             e => fail(code::AGENT_FAILURE, "cannot record the ADD", e.to_string()),
         };
     }
-    let mut made = Made {
-        container_id: req.container_id.clone(),
-        ip,
-        host_if: None,
-        endpoint: None,
-    };
+    let mut made = AddProgress::new(&req.container_id, IpAddr::V4(ip));
     // The veth pair and the pod's side (a stale half-made interface of this container is
     // replaced).
     let spec = PodInterfaceSpec {
@@ -396,11 +388,11 @@ pub async fn add(st: web::Data<AppState>, req: web::Json<CniRequest>) -> HttpRes
     let ifs = match blocking(move || netdev::create_pod_interface(&spec)).await {
         Ok(ifs) => ifs,
         Err(e) => {
-            made.undo(&st).await;
+            undo(made, &st).await;
             return fail(code::AGENT_FAILURE, "pod interface setup failed", e);
         }
     };
-    made.host_if = Some(host_if.clone());
+    made.made_interface(&host_if);
     // The endpoint: identity from the Pod and Namespace, programs attached (dropping until its
     // first policy is realized).
     let added = st
@@ -423,7 +415,7 @@ pub async fn add(st: web::Data<AppState>, req: web::Json<CniRequest>) -> HttpRes
     let m = match added {
         Ok(Ok(m)) => m,
         Ok(Err(e)) => {
-            made.undo(&st).await;
+            undo(made, &st).await;
             return fail(
                 code::AGENT_FAILURE,
                 "endpoint creation failed",
@@ -431,7 +423,7 @@ pub async fn add(st: web::Data<AppState>, req: web::Json<CniRequest>) -> HttpRes
             );
         }
         Err(e) => {
-            made.undo(&st).await;
+            undo(made, &st).await;
             return fail(
                 code::TRY_AGAIN_LATER,
                 "the agent is shutting down",
@@ -440,11 +432,11 @@ pub async fn add(st: web::Data<AppState>, req: web::Json<CniRequest>) -> HttpRes
         }
     };
     let id = m.id;
-    made.endpoint = Some(id);
+    made.made_endpoint(id);
     let current = match wait_realized(&st, m, deadline).await {
         Ok(m) => m,
         Err(r) => {
-            made.undo(&st).await;
+            undo(made, &st).await;
             return r;
         }
     };
@@ -455,7 +447,7 @@ pub async fn add(st: web::Data<AppState>, req: web::Json<CniRequest>) -> HttpRes
         actix_rt::time::sleep(Duration::from_millis(5)).await;
     }
     if !st.shared.state_dir.has_endpoint(id) {
-        made.undo(&st).await;
+        undo(made, &st).await;
         return fail(
             code::AGENT_FAILURE,
             format!("the state of endpoint {id} could not be written"),
