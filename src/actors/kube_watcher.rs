@@ -565,11 +565,11 @@ impl KubeWatcherActor {
 }
 
 fn policy_key(resource: Watched, key: &str) -> PolicyKey {
-    let kind = PolicyKind::from_kind(resource.kind()).unwrap_or(PolicyKind::NetworkPolicy);
-    match key.split_once('/') {
-        Some((ns, name)) if kind.is_namespaced() => PolicyKey::new(kind, Some(ns), name),
-        _ => PolicyKey::new(kind, None, key),
-    }
+    let (ns, name) = key.split_once('/').unwrap_or(("", key));
+    PolicyKey::for_object(resource.kind(), ns, name).unwrap_or_else(|| {
+        // Only policy resources reach here; an unknown kind is a programming error, kept visible.
+        PolicyKey::new(PolicyKind::NetworkPolicy, None, key)
+    })
 }
 
 fn content_hash(c: &Converted) -> u64 {

@@ -31,7 +31,7 @@ use crate::manifests::{Body, Delta, Limits, ObjKey, ScanStats, Scanner, DEFAULT_
 use crate::objects::{
     endpoint_slice_info, namespace_info, node_info, pod_info, service_info, ServiceInfo,
 };
-use crate::policy::rule::{PolicyKey, PolicyKind};
+use crate::policy::rule::PolicyKey;
 use crate::policy::translate::parse_policy_with_services;
 use crate::services::ServiceLb;
 use crate::traced_actor;
@@ -409,14 +409,7 @@ impl Feed {
 }
 
 fn policy_key(k: &ObjKey) -> Option<PolicyKey> {
-    let kind = PolicyKind::from_kind(&k.kind)?;
-    (!k.name.is_empty()).then(|| {
-        PolicyKey::new(
-            kind,
-            kind.is_namespaced().then_some(k.namespace.as_str()),
-            &k.name,
-        )
-    })
+    PolicyKey::for_object(&k.kind, &k.namespace, &k.name)
 }
 
 /// Re-read the manifest directory (queued on the scanner).

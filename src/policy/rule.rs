@@ -63,6 +63,14 @@ impl PolicyKey {
         }
     }
 
+    /// The key of an object of `kind` (`CiliumNetworkPolicy`, ...), as both watchers name it:
+    /// the namespace counts only for namespaced kinds. `None` for other kinds or no name.
+    pub fn for_object(kind: &str, namespace: &str, name: &str) -> Option<Self> {
+        let kind = PolicyKind::from_kind(kind)?;
+        (!name.is_empty())
+            .then(|| PolicyKey::new(kind, kind.is_namespaced().then_some(namespace), name))
+    }
+
     /// `namespace/name`, or `name` for clusterwide policies.
     pub fn short(&self) -> String {
         match (&self.namespace, self.kind) {
