@@ -88,6 +88,7 @@ fn main() {
         ingress_default_deny: true,
         egress_default_deny: false,
         drop_all: false,
+        ..Default::default()
     };
     let keys: Vec<(MapKey, bool)> = (0..16_384u32)
         .map(|i| {
@@ -109,6 +110,7 @@ fn main() {
         &MapDelta {
             upserts: keys,
             deletes: vec![],
+            ..Default::default()
         },
         true,
     )
@@ -146,6 +148,7 @@ fn main() {
                     })
                     .collect()
             },
+            ..Default::default()
         };
         // Keep the map within its capacity: drop 10,000 of the port-80 entries first.
         if round == 0 {
@@ -160,6 +163,7 @@ fn main() {
                         port_hi: 80,
                     })
                     .collect(),
+                ..Default::default()
             };
             dp.sync_policy(7, flags, &shrink, false).unwrap();
         }
@@ -200,6 +204,7 @@ fn main() {
                 port_hi: 447,
             })
             .collect(),
+        ..Default::default()
     };
     dp.sync_policy(7, flags, &refill, false).unwrap();
     assert_eq!(dp.dump_policy(7).unwrap().entries.len(), 16_384);

@@ -103,11 +103,13 @@ fn main() {
         ingress_default_deny: false,
         egress_default_deny: true,
         drop_all: false,
+        ..Default::default()
     };
     let ingress_only = EndpointFlags {
         ingress_default_deny: true,
         egress_default_deny: false,
         drop_all: false,
+        ..Default::default()
     };
     let enforce = |dp: &mut BpfDatapath| {
         for i in 0..2 {
@@ -123,6 +125,7 @@ fn main() {
         let one = |k| MapDelta {
             upserts: vec![(k, false)],
             deletes: vec![],
+            ..Default::default()
         };
         dp.sync_policy(1, egress_only, &one(key(Direction::Egress, ids[1])), true)
             .unwrap();

@@ -68,7 +68,7 @@ static __always_inline int decide(struct __sk_buff *skb, __u32 ep, int egress, i
 	}
 	if (r < 0) {
 		count(CILIATE_DROP_MALFORMED);
-		emit(&p, ep, 0, egress, CILIATE_DROP_MALFORMED);
+		emit(&p, ep, 0, egress, CILIATE_DROP_MALFORMED, 0);
 		return TC_ACT_SHOT;
 	}
 	/* IPv6 link control, handled before policy as Cilium does: neighbour discovery (router and
@@ -81,7 +81,7 @@ static __always_inline int decide(struct __sk_buff *skb, __u32 ep, int egress, i
 	}
 	if (info->flags & CILIATE_EP_DROP_ALL) {
 		count(CILIATE_DROP_NOT_REALIZED);
-		emit(&p, ep, 0, egress, CILIATE_DROP_NOT_REALIZED);
+		emit(&p, ep, 0, egress, CILIATE_DROP_NOT_REALIZED, 0);
 		return TC_ACT_SHOT;
 	}
 
@@ -132,8 +132,9 @@ static __always_inline int decide(struct __sk_buff *skb, __u32 ep, int egress, i
 	__u32 reason;
 	void *pmap = bpf_map_lookup_elem(&policy_maps, &ep);
 	int verdict = POLICY_NONE;
+	__u32 cookie = 0;
 	if (pmap)
-		verdict = policy_lookup(pmap, identity, egress, &p, info, skb->len);
+		verdict = policy_lookup(pmap, identity, egress, &p, info, skb->len, &cookie);
 	if (verdict == POLICY_DENY) {
 		reason = CILIATE_DROP_POLICY_DENY;
 	} else if (verdict == POLICY_ALLOW) {
@@ -142,9 +143,10 @@ static __always_inline int decide(struct __sk_buff *skb, __u32 ep, int egress, i
 		__u32 isolated = egress ? (info->flags & CILIATE_EP_EGRESS_DEFAULT_DENY)
 					: (info->flags & CILIATE_EP_INGRESS_DEFAULT_DENY);
 		reason = isolated ? CILIATE_DROP_DEFAULT_DENY : CILIATE_ALLOW_NOT_ISOLATED;
+		cookie = isolated ? (egress ? info->egress_cookie : info->ingress_cookie) : 0;
 	}
 	count(reason);
-	emit(&p, ep, identity, egress, reason);
+	emit(&p, ep, identity, egress, reason, cookie);
 	if (reason == CILIATE_DROP_POLICY_DENY || reason == CILIATE_DROP_DEFAULT_DENY)
 		return TC_ACT_SHOT;
 

@@ -79,6 +79,11 @@ struct endpoint_info {
 	 * use, so an endpoint with exact-port rules costs one or two hash lookups. */
 	__u32 port_prefix_lens;
 	__u32 any_identity_lens;
+	/* Attribution of a default deny: the cookie of the policies that isolate the endpoint in
+	 * each direction (0: unknown, a record of an older agent). Appended fields read as 0 in
+	 * records migrated from an older version. */
+	__u32 ingress_cookie;
+	__u32 egress_cookie;
 };
 
 /* One policy map per endpoint (an inner map of policy_maps). */
@@ -93,7 +98,10 @@ struct policy_key {
 
 struct policy_value {
 	__u8 deny;
-	__u8 pad[7];
+	__u8 pad[3];
+	/* Attribution: the rules this entry was derived from, as a cookie the agent resolves
+	 * (policy kind, namespace, name, rule). 0: unknown (written by an older agent). */
+	__u32 cookie;
 	__u64 packets;
 	__u64 bytes;
 };
@@ -159,6 +167,10 @@ struct verdict_event {
 	__u8 pad[2];
 	__u8 saddr[16];
 	__u8 daddr[16];
+	/* The deciding entry's cookie (allow, deny rule), or the endpoint's isolation cookie
+	 * (default deny); 0 when nothing attributes it. */
+	__u32 cookie;
+	__u32 pad2;
 };
 
 /* BPF host routing, receive side: a local pod's IPv4 address (network order, the key of

@@ -5,6 +5,7 @@ use ciliate::cli::commands::ClientCall;
 use ciliate::cli::{
     run_client, run_simulate, AgentArgs, Cli, ClientOpts, Command, LogFormat, PolicyCommand,
 };
+use ciliate::datapath::events::FlowFilter;
 use ciliate::simulate::generate::{generate_world, WorldSize};
 
 /// kube's client logs every failed request at ERROR, which floods the log while the API server
@@ -103,19 +104,18 @@ fn client(opts: &ClientOpts, call: ClientCall) -> i32 {
     }
 }
 
-fn monitor(opts: &ClientOpts, count: Option<u64>) -> i32 {
+fn monitor(opts: &ClientOpts, count: Option<u64>, filter: &FlowFilter) -> i32 {
     use std::io::Write;
     let mut seen = 0u64;
     let stdout = std::io::stdout();
     let r = ciliate::client::stream_lines(&opts.socket, "/v1/monitor", |line| {
-        let text = match opts.output {
-            ciliate::cli::Output::Json => line.to_string(),
-            ciliate::cli::Output::Table => {
-                match serde_json::from_str::<ciliate::datapath::events::VerdictEvent>(line) {
-                    Ok(ev) => ev.line(),
-                    Err(_) => line.to_string(),
-                }
-            }
+        let ev = serde_json::from_str::<ciliate::datapath::events::VerdictEvent>(line).ok();
+        if ev.as_ref().is_some_and(|e| !filter.accepts(e)) {
+            return true;
+        }
+        let text = match (&opts.output, ev) {
+            (ciliate::cli::Output::Table, Some(ev)) => ev.line(),
+            _ => line.to_string(),
         };
         let mut out = stdout.lock();
         if writeln!(out, "{text}").and_then(|_| out.flush()).is_err() {
@@ -202,7 +202,11 @@ fn main() {
             client: c,
         } => client(&c, ClientCall::ServiceList),
         Command::Bpf { command, client: c } => client(&c, ClientCall::Bpf(&command)),
-        Command::Monitor { count, client: c } => monitor(&c, count),
+        Command::Monitor {
+            count,
+            filter,
+            client: c,
+        } => monitor(&c, count, &filter),
         Command::Demo {
             once,
             debug_addr,

@@ -41,6 +41,10 @@ pub struct Shared {
     /// node's Node object when it gives a pod CIDR.
     pub ipam: Arc<Mutex<crate::ipam::NodeIpam>>,
     /// Policy verdict events from the datapath, for `ciliate monitor` (each subscriber gets all).
+    /// What each attribution cookie the datapath may report stands for.
+    pub cookies: Arc<crate::policy::attribution::CookieJar>,
+    /// Pods by address (`namespace/name`), for flows (`source_pod`, `destination_pod`).
+    pub pod_names: Arc<dashmap::DashMap<std::net::IpAddr, String>>,
     pub events: tokio::sync::broadcast::Sender<crate::datapath::events::VerdictEvent>,
     /// What the initial sync still waits for (e.g. `CiliumNetworkPolicy: not listed yet (last
     /// error: ...)`), shown by `/readyz` while not ready.
@@ -81,6 +85,8 @@ impl Shared {
             implementations: Arc::new(Mutex::new(VecDeque::new())),
             ipam: Arc::new(Mutex::new(crate::ipam::NodeIpam::default())),
             events: tokio::sync::broadcast::channel(4096).0,
+            cookies: Default::default(),
+            pod_names: Default::default(),
             sync_waiting: Arc::new(Mutex::new(Vec::new())),
             policy_status: None,
             nodes: tokio::sync::watch::channel(Default::default()).0,

@@ -97,7 +97,16 @@ fn the_agent_enforces_on_real_veths_and_survives_kill_9() {
     assert!(!tcp_ok(&a.netns, b.addr, 9090), "and nothing else into b");
     // `ciliate monitor` shows the drop of a denied connection.
     let mon = std::process::Command::new(common::agent::BIN)
-        .args(["monitor", "--count", "1", "-o", "json", "--socket"])
+        .args([
+            "monitor",
+            "--count",
+            "1",
+            "--verdict",
+            "dropped",
+            "-o",
+            "json",
+            "--socket",
+        ])
         .arg(agent.socket())
         .stdout(std::process::Stdio::piped())
         .spawn()
@@ -109,8 +118,12 @@ fn the_agent_enforces_on_real_veths_and_survives_kill_9() {
         .unwrap_or_else(|e| panic!("{e}: {out:?}"));
     assert_eq!(
         (ev["verdict"].as_str(), ev["reason"].as_str()),
-        (Some("drop"), Some("default-deny")),
+        (Some("dropped"), Some("default-deny")),
         "{ev}"
+    );
+    assert_eq!(
+        ev["policies"][0]["name"], "b-from-a",
+        "the drop names the policy: {ev}"
     );
     assert_eq!(
         (

@@ -27,6 +27,7 @@ fn allow(keys: &[MapKey]) -> MapDelta {
     MapDelta {
         upserts: keys.iter().map(|k| (*k, false)).collect(),
         deletes: vec![],
+        ..Default::default()
     }
 }
 
@@ -50,16 +51,22 @@ const ISOLATED_IN: EndpointFlags = EndpointFlags {
     ingress_default_deny: true,
     egress_default_deny: false,
     drop_all: false,
+    ingress_cookie: 0,
+    egress_cookie: 0,
 };
 const ISOLATED_BOTH: EndpointFlags = EndpointFlags {
     ingress_default_deny: true,
     egress_default_deny: true,
     drop_all: false,
+    ingress_cookie: 0,
+    egress_cookie: 0,
 };
 const OPEN: EndpointFlags = EndpointFlags {
     ingress_default_deny: false,
     egress_default_deny: false,
     drop_all: false,
+    ingress_cookie: 0,
+    egress_cookie: 0,
 };
 
 #[test]
@@ -110,6 +117,7 @@ fn policy_on_real_veths_with_live_edits_replies_and_a_restart_without_a_gap() {
     let edit = MapDelta {
         upserts: vec![(key(Direction::Ingress, id_a, PROTO_TCP, 9090, 9090), false)],
         deletes: vec![key(Direction::Ingress, id_a, PROTO_TCP, 8080, 8080)],
+        ..Default::default()
     };
     dp.sync_policy(2, ISOLATED_IN, &edit, false).unwrap();
     assert!(tcp_ok(&a.netns, b.addr, 9090));
@@ -140,6 +148,7 @@ fn policy_on_real_veths_with_live_edits_replies_and_a_restart_without_a_gap() {
         &MapDelta {
             upserts: vec![(key(Direction::Ingress, 0, 0, 0, 65535), true)],
             deletes: vec![],
+            ..Default::default()
         },
         false,
     )
@@ -151,6 +160,7 @@ fn policy_on_real_veths_with_live_edits_replies_and_a_restart_without_a_gap() {
         &MapDelta {
             upserts: vec![],
             deletes: vec![key(Direction::Ingress, 0, 0, 0, 65535)],
+            ..Default::default()
         },
         false,
     )

@@ -11,7 +11,8 @@ static __always_inline void count(__u32 reason)
 }
 
 
-static __always_inline void emit(struct packet *p, __u32 ep, __u32 identity, int egress, __u32 reason)
+static __always_inline void emit(struct packet *p, __u32 ep, __u32 identity, int egress, __u32 reason,
+				 __u32 cookie)
 {
 	int is_drop = reason >= CILIATE_DROP_POLICY_DENY && reason <= CILIATE_DROP_MALFORMED;
 	if (!is_drop) {
@@ -32,6 +33,7 @@ static __always_inline void emit(struct packet *p, __u32 ep, __u32 identity, int
 	e->port = p->policy_port;
 	e->reason = reason;
 	e->family = p->family;
+	e->cookie = cookie;
 	__builtin_memcpy(e->saddr, p->saddr, 16);
 	__builtin_memcpy(e->daddr, p->daddr, 16);
 	bpf_ringbuf_submit(e, 0);

@@ -8,9 +8,10 @@
 #define POLICY_ALLOW 1
 #define POLICY_DENY 2
 
-/* Probes one policy entry; returns POLICY_DENY (and counts it) on a deny, remembers an allow. */
+/* Probes one policy entry; returns POLICY_DENY (and counts it, its cookie in *cookie) on a
+ * deny, remembers an allow. */
 static __always_inline int probe(void *pmap, struct policy_key *k, struct policy_value **allow,
-				 __u64 bytes)
+				 __u64 bytes, __u32 *cookie)
 {
 	struct policy_value *v = bpf_map_lookup_elem(pmap, k);
 	if (!v)
@@ -18,6 +19,7 @@ static __always_inline int probe(void *pmap, struct policy_key *k, struct policy
 	if (v->deny) {
 		__sync_fetch_and_add(&v->packets, 1);
 		__sync_fetch_and_add(&v->bytes, bytes);
+		*cookie = v->cookie;
 		return POLICY_DENY;
 	}
 	if (!*allow)
@@ -35,9 +37,9 @@ static __always_inline __u32 popcount32(__u32 x)
 }
 
 /* Deny-wins lookup: every entry that could match is probed (only the kinds the endpoint's
- * masks say exist); the first deny decides, else any allow. */
+ * masks say exist); the first deny decides, else any allow. *cookie: the deciding entry's. */
 static __always_inline int policy_lookup(void *pmap, __u32 identity, __u8 egress, struct packet *p,
-					 struct endpoint_info *info, __u64 bytes)
+					 struct endpoint_info *info, __u64 bytes, __u32 *cookie)
 {
 	struct policy_value *allow = 0;
 	struct policy_key k = {};
@@ -60,14 +62,14 @@ static __always_inline int policy_lookup(void *pmap, __u32 identity, __u8 egress
 			k.protocol = 0;
 			k.port = 0;
 			k.port_prefix_len = 0;
-			if (probe(pmap, &k, &allow, bytes) == POLICY_DENY)
+			if (probe(pmap, &k, &allow, bytes, cookie) == POLICY_DENY)
 				return POLICY_DENY;
 		}
 		k.protocol = p->protocol;
 		if (lens & 1) {
 			k.port = 0;
 			k.port_prefix_len = 0;
-			if (probe(pmap, &k, &allow, bytes) == POLICY_DENY)
+			if (probe(pmap, &k, &allow, bytes, cookie) == POLICY_DENY)
 				return POLICY_DENY;
 		}
 		if (p->l4_missing)
@@ -82,13 +84,14 @@ static __always_inline int policy_lookup(void *pmap, __u32 identity, __u8 egress
 			__u16 mask = (__u16)(0xffff0000u >> len);
 			k.port = p->policy_port & mask;
 			k.port_prefix_len = len;
-			if (probe(pmap, &k, &allow, bytes) == POLICY_DENY)
+			if (probe(pmap, &k, &allow, bytes, cookie) == POLICY_DENY)
 				return POLICY_DENY;
 		}
 	}
 	if (allow) {
 		__sync_fetch_and_add(&allow->packets, 1);
 		__sync_fetch_and_add(&allow->bytes, bytes);
+		*cookie = allow->cookie;
 		return POLICY_ALLOW;
 	}
 	return POLICY_NONE;

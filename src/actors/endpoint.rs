@@ -25,6 +25,7 @@ pub use crate::endpoint::regeneration::EndpointState;
 use crate::endpoint::regeneration::{Action, Event, Regeneration};
 use crate::endpoint::state::EndpointRecord;
 use crate::introspect::{Journal, Traceable, Traced, TracedAddr, TracedRecipient};
+use crate::policy::attribution::{isolation_cookie, MatchKind};
 use crate::policy::engine::{EndpointView, NamedPort, PolicyEngine};
 use crate::policy::identity::NumericIdentity;
 use crate::policy::labels::Labels;
@@ -251,16 +252,27 @@ impl EndpointActor {
             };
             (engine.revision(), engine.resolve(&view))
         };
+        let (ingress_cookie, ingress_by) = isolation_cookie(&policy.ingress.isolated_by);
+        let (egress_cookie, egress_by) = isolation_cookie(&policy.egress.isolated_by);
         let flags = EndpointFlags {
             ingress_default_deny: !policy.ingress.isolated_by.is_empty(),
             egress_default_deny: !policy.egress.isolated_by.is_empty(),
             drop_all: false,
+            ingress_cookie,
+            egress_cookie,
         };
         let delta = if replace {
             policy.map.diff_from(&MapState::new())
         } else {
             policy.map.diff_from(&self.realized)
         };
+        // Every cookie is resolvable before the datapath can report it.
+        let jar = &self.shared.cookies;
+        for (cookie, kind, refs) in &delta.attributions {
+            jar.register(*cookie, *kind, refs.clone(), revision);
+        }
+        jar.register(ingress_cookie, MatchKind::DefaultDeny, ingress_by, revision);
+        jar.register(egress_cookie, MatchKind::DefaultDeny, egress_by, revision);
         let name = self.name();
         if !self.attached {
             let att = self.attachment(identity);

@@ -339,6 +339,16 @@ impl PolicyRepoActor {
             mut ipcache,
             pods,
         } = change;
+        for c in &ipcache {
+            if let IpcacheChange::Remove(net) = c {
+                self.shared.pod_names.remove(&net.addr());
+            }
+        }
+        for key in &pods {
+            for ip in self.index.pod(key).into_iter().flat_map(|p| &p.info.ips) {
+                self.shared.pod_names.insert(*ip, key.clone());
+            }
+        }
         let ids: Vec<EndpointId> = self
             .endpoints
             .iter()

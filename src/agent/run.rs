@@ -328,8 +328,11 @@ async fn run_async(
     let registry = shared.registry.clone();
     let datapath_name = datapath.name();
     let events = shared.events.clone();
+    let (cookies, pod_names) = (shared.cookies.clone(), shared.pod_names.clone());
     datapath
-        .start_events(Box::new(move |ev| {
+        .start_events(Box::new(move |mut ev| {
+            ev.attribute(&cookies);
+            ev.name_pods(|ip| pod_names.get(&ip).map(|n| n.clone()));
             // No subscriber is not an error: the event is simply not shown anywhere.
             let _ = events.send(ev);
             true

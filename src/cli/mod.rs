@@ -92,12 +92,14 @@ pub enum Command {
         #[command(flatten)]
         client: ClientOpts,
     },
-    /// Stream policy verdict events from the datapath (drops, and allows when enabled), one
-    /// line each.
+    /// Stream flows: the datapath's policy verdicts (every drop, the first packet of every new
+    /// allowed connection), one line each, naming the deciding policies.
     Monitor {
-        /// Exit after this many events.
+        /// Exit after this many (matching) events.
         #[arg(long)]
         count: Option<u64>,
+        #[command(flatten)]
+        filter: crate::datapath::events::FlowFilter,
         #[command(flatten)]
         client: ClientOpts,
     },

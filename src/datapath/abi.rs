@@ -9,6 +9,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use crate::policy::attribution::Cookie;
 use crate::policy::identity::NumericIdentity;
 use crate::policy::mapstate::{MapDelta, MapKey};
 use crate::policy::rule::Direction;
@@ -100,19 +101,35 @@ pub fn expand_key(k: &MapKey) -> Vec<PolicyEntryKey> {
         .collect()
 }
 
-/// A change to apply to the kernel map.
+/// A change to apply to the kernel map: an entry with its deny flag and attribution cookie.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EntryChange {
-    Upsert(PolicyEntryKey, bool),
+    Upsert(PolicyEntryKey, bool, Cookie),
     Delete(PolicyEntryKey),
+}
+
+/// The engine keys that expand to one datapath entry (usually one), with their deny flag and
+/// cookie. The entry denies if any does; its cookie is the first (smallest key) of those that
+/// decide it, so an entry several rules overlap on names one of them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct Contributors(Vec<(MapKey, bool, Cookie)>);
+
+impl Contributors {
+    fn value(&self) -> Option<(bool, Cookie)> {
+        let deny = self.0.iter().any(|c| c.1);
+        self.0
+            .iter()
+            .filter(|c| c.1 == deny)
+            .min_by_key(|c| c.0)
+            .map(|c| (deny, c.2))
+    }
 }
 
 /// Engine keys realized in one endpoint's map, with the datapath entries they expand to.
 #[derive(Debug, Clone, Default)]
 pub struct EntryTable {
-    engine_keys: HashMap<MapKey, bool>,
-    /// entry -> (allow contributors, deny contributors)
-    entries: BTreeMap<PolicyEntryKey, (u32, u32)>,
+    engine_keys: HashMap<MapKey, (bool, Cookie)>,
+    entries: BTreeMap<PolicyEntryKey, Contributors>,
 }
 
 impl EntryTable {
@@ -131,28 +148,36 @@ impl EntryTable {
 
     /// The datapath entries and their deny flag.
     pub fn entries(&self) -> impl Iterator<Item = (PolicyEntryKey, bool)> + '_ {
-        self.entries.iter().map(|(k, (_, d))| (*k, *d > 0))
+        self.entries
+            .iter()
+            .filter_map(|(k, c)| c.value().map(|(d, _)| (*k, d)))
     }
 
-    fn contribute(&mut self, key: &MapKey, deny: bool, add: bool) {
+    /// The datapath entries with their deny flag and cookie.
+    pub fn values(&self) -> impl Iterator<Item = (PolicyEntryKey, bool, Cookie)> + '_ {
+        self.entries
+            .iter()
+            .filter_map(|(k, c)| c.value().map(|(d, cookie)| (*k, d, cookie)))
+    }
+
+    fn contribute(&mut self, key: &MapKey, value: (bool, Cookie), add: bool) {
         for e in expand_key(key) {
-            let c = self.entries.entry(e).or_insert((0, 0));
-            let slot = if deny { &mut c.1 } else { &mut c.0 };
+            let c = self.entries.entry(e).or_default();
             if add {
-                *slot += 1;
-            } else {
-                *slot = slot.saturating_sub(1);
+                c.0.push((*key, value.0, value.1));
+            } else if let Some(i) = c.0.iter().position(|x| x.0 == *key) {
+                c.0.swap_remove(i);
             }
-            if c.0 + c.1 == 0 {
+            if c.0.is_empty() {
                 self.entries.remove(&e);
             }
         }
     }
 
     /// Applies an engine-level delta and returns the entry-level changes for the kernel map
-    /// (only entries whose presence or deny flag actually changed).
+    /// (only entries whose presence, deny flag or cookie actually changed).
     pub fn apply(&mut self, delta: &MapDelta) -> Vec<EntryChange> {
-        let mut before: BTreeMap<PolicyEntryKey, Option<bool>> = BTreeMap::new();
+        let mut before: BTreeMap<PolicyEntryKey, Option<(bool, Cookie)>> = BTreeMap::new();
         for k in delta
             .upserts
             .iter()
@@ -162,7 +187,7 @@ impl EntryTable {
             for e in expand_key(k) {
                 before
                     .entry(e)
-                    .or_insert_with(|| self.entries.get(&e).map(|c| c.1 > 0));
+                    .or_insert_with(|| self.entries.get(&e).and_then(Contributors::value));
             }
         }
         for k in &delta.deletes {
@@ -171,18 +196,19 @@ impl EntryTable {
             }
         }
         for (k, deny) in &delta.upserts {
-            match self.engine_keys.insert(*k, *deny) {
-                Some(old) if old == *deny => continue,
+            let value = (*deny, delta.cookies.get(k).copied().unwrap_or(0));
+            match self.engine_keys.insert(*k, value) {
+                Some(old) if old == value => continue,
                 Some(old) => self.contribute(k, old, false),
                 None => {}
             }
-            self.contribute(k, *deny, true);
+            self.contribute(k, value, true);
         }
         let mut out = Vec::new();
         for (e, was) in before {
-            match (was, self.entries.get(&e).map(|c| c.1 > 0)) {
+            match (was, self.entries.get(&e).and_then(Contributors::value)) {
                 (a, b) if a == b => {}
-                (_, Some(deny)) => out.push(EntryChange::Upsert(e, deny)),
+                (_, Some((deny, cookie))) => out.push(EntryChange::Upsert(e, deny, cookie)),
                 (Some(_), None) => out.push(EntryChange::Delete(e)),
                 (None, None) => {}
             }
@@ -221,9 +247,9 @@ impl EntryTable {
                     port: u16::MAX,
                     port_prefix_len: u8::MAX,
                 };
-                for (k, (_, d)) in self.entries.range(lo..=hi) {
+                for (k, c) in self.entries.range(lo..=hi) {
                     if k.covers_port(port) {
-                        if *d > 0 {
+                        if c.value().is_some_and(|(deny, _)| deny) {
                             return Some(true);
                         }
                         allowed = true;
@@ -288,6 +314,7 @@ mod tests {
         let ch = t.apply(&MapDelta {
             upserts: vec![(mk(300, 79, 80), false), (mk(300, 80, 80), false)],
             deletes: vec![],
+            ..Default::default()
         });
         assert_eq!(t.len(), 2, "79/16 and 80/16");
         assert_eq!(ch.len(), 2);
@@ -295,6 +322,7 @@ mod tests {
         let ch = t.apply(&MapDelta {
             upserts: vec![],
             deletes: vec![mk(300, 80, 80)],
+            ..Default::default()
         });
         assert!(ch.is_empty());
         assert_eq!(t.lookup(300, false, 6, 80), Some(false));
@@ -302,6 +330,7 @@ mod tests {
         let ch = t.apply(&MapDelta {
             upserts: vec![(mk(300, 80, 80), true)],
             deletes: vec![],
+            ..Default::default()
         });
         assert_eq!(
             ch,
@@ -313,8 +342,19 @@ mod tests {
                     port: 80,
                     port_prefix_len: 16
                 },
-                true
+                true,
+                0
             )]
+        );
+        // An attribution change alone rewrites the entry (its cookie), nothing else.
+        let ch = t.apply(&MapDelta {
+            upserts: vec![(mk(300, 80, 80), true)],
+            cookies: [(mk(300, 80, 80), 77)].into_iter().collect(),
+            ..Default::default()
+        });
+        assert!(
+            matches!(ch.as_slice(), [EntryChange::Upsert(k, true, 77)] if k.port == 80),
+            "{ch:?}"
         );
         assert_eq!(t.lookup(300, false, 6, 80), Some(true));
         assert_eq!(t.lookup(300, false, 6, 79), Some(false));
@@ -334,6 +374,7 @@ mod tests {
         t.apply(&MapDelta {
             upserts: vec![(mk(300, 1000, 2000), false), (any, true)],
             deletes: vec![],
+            ..Default::default()
         });
         assert_eq!(t.lookup(300, false, 6, 1500), Some(true));
         assert_eq!(t.lookup(300, true, 6, 1500), None);

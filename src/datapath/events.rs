@@ -4,11 +4,15 @@ use std::net::IpAddr;
 
 use serde::{Deserialize, Serialize};
 
+use crate::policy::attribution::{CookieJar, MatchKind, PolicyRef};
 use crate::policy::rule::protocol_name;
 
-/// One verdict.
+/// One verdict (a flow, as `ciliate monitor` shows it).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VerdictEvent {
+    /// `flow`.
+    #[serde(rename = "type", default = "flow")]
+    pub kind: String,
     /// Kernel monotonic time of the decision, in nanoseconds.
     pub timestamp_ns: u64,
     pub endpoint: u32,
@@ -17,30 +21,152 @@ pub struct VerdictEvent {
     pub protocol: String,
     /// Destination port, or the ICMP type.
     pub port: u16,
-    /// `allow` or `drop`.
+    /// Hubble's words: `forwarded`, `dropped` (or `audit`).
     pub verdict: String,
     /// Why: `policy-deny`, `default-deny`, `not-realized`, `malformed`, `policy`, ...
     pub reason: String,
     pub source: String,
     pub destination: String,
+    /// `namespace/name` of the source, when it is a pod the agent knows.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_pod: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub destination_pod: Option<String>,
+    /// How it matched: `l3-only`, `l3-l4`, `l4-only`, `all`, `deny-rule`, `default-deny`,
+    /// `no-policy`; absent when nothing decided by policy (established flows, not realized).
+    #[serde(rename = "match", default, skip_serializing_if = "Option::is_none")]
+    pub match_kind: Option<String>,
+    /// The deciding policies: the rules that allowed or denied it, or for a default deny the
+    /// policies that selected the endpoint in that direction.
+    #[serde(default)]
+    pub policies: Vec<PolicyRef>,
+    /// The policy revision the deciding entry was written at.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revision: Option<u64>,
+    /// The datapath's attribution cookie (resolved into the fields above).
+    #[serde(skip)]
+    pub cookie: u32,
+}
+
+/// `ns/pod (address)` when the pod is known, else the address.
+fn shown(addr: &str, pod: &Option<String>) -> String {
+    match pod {
+        Some(p) => format!("{p} ({addr})"),
+        None => addr.to_string(),
+    }
+}
+
+fn flow() -> String {
+    "flow".into()
 }
 
 impl VerdictEvent {
     /// One readable line, as `ciliate monitor` prints it.
     pub fn line(&self) -> String {
-        format!(
-            "{} {:<6} endpoint {} {} {} -> {} {}/{} peer identity {} ({})",
+        let mut line = format!(
+            "{} {:<9} endpoint {} {} {} -> {} {}/{} peer identity {} ({})",
             self.timestamp_ns,
             self.verdict.to_uppercase(),
             self.endpoint,
             self.direction,
-            self.source,
-            self.destination,
+            shown(&self.source, &self.source_pod),
+            shown(&self.destination, &self.destination_pod),
             self.protocol,
             self.port,
             self.peer_identity,
             self.reason
-        )
+        );
+        if let Some(why) = self.why() {
+            line.push_str(": ");
+            line.push_str(&why);
+        }
+        line
+    }
+
+    /// Which policies decided, in words: `allowed by CiliumNetworkPolicy x/a[0]`, `denied by
+    /// ...`, `default deny: selected by ... (none allows the peer)`, `no policy selects the
+    /// endpoint`.
+    pub fn why(&self) -> Option<String> {
+        let names = || {
+            self.policies
+                .iter()
+                .map(|p| format!("{} {}", p.kind, p.short()))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        match self.match_kind.as_deref()? {
+            "no-policy" => Some("no policy selects the endpoint".into()),
+            "default-deny" if self.policies.is_empty() => Some("default deny".into()),
+            "default-deny" => Some(format!(
+                "default deny: selected by {} (none allows the peer)",
+                names()
+            )),
+            "deny-rule" => Some(format!("denied by {}", names())),
+            _ if self.policies.is_empty() => None,
+            m => Some(format!("allowed by {} ({m})", names())),
+        }
+    }
+
+    /// Names the pods behind the source and destination addresses.
+    pub fn name_pods(&mut self, pod_of: impl Fn(IpAddr) -> Option<String>) {
+        let name = |a: &str| a.parse().ok().and_then(&pod_of);
+        self.source_pod = name(&self.source);
+        self.destination_pod = name(&self.destination);
+    }
+
+    /// Fills in the deciding policies from the agent's cookie jar.
+    pub fn attribute(&mut self, jar: &CookieJar) {
+        if let Some(a) = jar.resolve(self.cookie) {
+            self.match_kind = Some(a.match_kind.as_str().to_string());
+            self.policies = a.policies.clone();
+            self.revision = Some(a.revision);
+        } else if self.reason == "not-isolated" {
+            self.match_kind = Some(MatchKind::NoPolicy.as_str().to_string());
+        } else if self.reason == "default-deny" {
+            self.match_kind = Some(MatchKind::DefaultDeny.as_str().to_string());
+        }
+    }
+}
+
+/// `ciliate monitor`'s filters (all given ones must hold).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct FlowFilter {
+    /// Only flows from this address (or `NS/POD`, when the event names pods).
+    #[arg(long)]
+    pub from: Option<String>,
+    /// Only flows to this address (or `NS/POD`).
+    #[arg(long)]
+    pub to: Option<String>,
+    /// Only flows to this port (or ICMP type).
+    #[arg(long)]
+    pub port: Option<u16>,
+    /// Only `forwarded`, `dropped` or `audit` flows.
+    #[arg(long, value_parser = ["forwarded", "dropped", "audit"])]
+    pub verdict: Option<String>,
+    /// Only flows a policy decided: `NS/NAME`, or `NAME` for clusterwide ones.
+    #[arg(long)]
+    pub policy: Option<String>,
+}
+
+impl FlowFilter {
+    pub fn accepts(&self, e: &VerdictEvent) -> bool {
+        let peer = |want: &Option<String>, addr: &str, pod: &Option<String>| {
+            want.as_deref()
+                .is_none_or(|w| w == addr || pod.as_deref() == Some(w))
+        };
+        peer(&self.from, &e.source, &e.source_pod)
+            && peer(&self.to, &e.destination, &e.destination_pod)
+            && self.port.is_none_or(|p| p == e.port)
+            && self.verdict.as_deref().is_none_or(|v| v == e.verdict)
+            && self.policy.as_deref().is_none_or(|want| {
+                e.policies.iter().any(|p| {
+                    let name = match &p.namespace {
+                        Some(ns) => format!("{ns}/{}", p.name),
+                        None => p.name.clone(),
+                    };
+                    name == want
+                })
+            })
     }
 }
 
@@ -57,6 +183,7 @@ pub fn verdict_event(
     family: u8,
     saddr: [u8; 16],
     daddr: [u8; 16],
+    cookie: u32,
 ) -> VerdictEvent {
     let addr = |a: [u8; 16]| -> String {
         if family == 4 {
@@ -66,20 +193,28 @@ pub fn verdict_event(
         }
     };
     let (verdict, reason) = match reason.split_once('-') {
-        Some((v @ ("allow" | "drop" | "pass"), r)) => (v.to_string(), r.to_string()),
-        _ => ("drop".to_string(), reason.to_string()),
+        Some(("allow" | "pass", r)) => ("forwarded", r.to_string()),
+        Some(("drop", r)) => ("dropped", r.to_string()),
+        _ => ("dropped", reason.to_string()),
     };
     VerdictEvent {
+        kind: flow(),
         timestamp_ns,
         endpoint,
         peer_identity,
         direction: if egress { "egress" } else { "ingress" }.into(),
         protocol: protocol_name(protocol),
         port,
-        verdict,
+        verdict: verdict.into(),
         reason,
         source: addr(saddr),
         destination: addr(daddr),
+        source_pod: None,
+        destination_pod: None,
+        match_kind: None,
+        policies: vec![],
+        revision: None,
+        cookie,
     }
 }
 
@@ -93,9 +228,71 @@ mod tests {
         s[..4].copy_from_slice(&[10, 0, 0, 1]);
         let mut d = [0u8; 16];
         d[..4].copy_from_slice(&[10, 0, 0, 2]);
-        let e = verdict_event(7, 2, 300, false, 6, 8080, "drop-default-deny", 4, s, d);
-        assert_eq!(e.verdict, "drop");
+        let mut e = verdict_event(7, 2, 300, false, 6, 8080, "drop-default-deny", 4, s, d, 0);
+        assert_eq!(e.verdict, "dropped");
         assert_eq!(e.reason, "default-deny");
-        assert_eq!(e.line(), "7 DROP   endpoint 2 ingress 10.0.0.1 -> 10.0.0.2 TCP/8080 peer identity 300 (default-deny)");
+        assert_eq!(e.line(), "7 DROPPED   endpoint 2 ingress 10.0.0.1 -> 10.0.0.2 TCP/8080 peer identity 300 (default-deny)");
+        // Attributed through the cookie jar.
+        let jar = CookieJar::default();
+        let p = std::sync::Arc::new(crate::policy::rule::PolicyKey::new(
+            crate::policy::rule::PolicyKind::NetworkPolicy,
+            Some("x"),
+            "deny-all",
+        ));
+        let (c, refs) = crate::policy::attribution::isolation_cookie(&[p]);
+        jar.register(c, MatchKind::DefaultDeny, refs, 4);
+        e.cookie = c;
+        e.attribute(&jar);
+        assert_eq!(e.match_kind.as_deref(), Some("default-deny"));
+        assert_eq!(e.revision, Some(4));
+        assert!(
+            e.line().ends_with(
+                "(default-deny): default deny: selected by NetworkPolicy x/deny-all (none allows the peer)"
+            ),
+            "{}",
+            e.line()
+        );
+        let json = serde_json::to_value(&e).unwrap();
+        assert_eq!(json["type"], "flow");
+        assert_eq!(json["policies"][0]["name"], "deny-all");
+        assert_eq!(json["match"], "default-deny");
+        // The monitor's filters.
+        let f = |args: &[&str]| {
+            use clap::Parser;
+            #[derive(clap::Parser)]
+            struct P {
+                #[command(flatten)]
+                f: FlowFilter,
+            }
+            let mut v = vec!["x"];
+            v.extend(args);
+            P::parse_from(v).f.accepts(&e)
+        };
+        assert!(f(&[]));
+        assert!(f(&[
+            "--verdict",
+            "dropped",
+            "--to",
+            "10.0.0.2",
+            "--port",
+            "8080"
+        ]));
+        assert!(f(&["--policy", "x/deny-all", "--from", "10.0.0.1"]));
+        assert!(!f(&["--verdict", "forwarded"]));
+        assert!(!f(&["--policy", "x/other"]));
+        assert!(!f(&["--from", "10.0.0.2"]));
+        assert!(!f(&["--port", "80"]));
+        e.name_pods(|ip| (ip.to_string() == "10.0.0.2").then(|| "x/b".to_string()));
+        assert_eq!(e.destination_pod.as_deref(), Some("x/b"));
+        assert!(
+            e.line().contains("10.0.0.1 -> x/b (10.0.0.2) TCP/8080"),
+            "{}",
+            e.line()
+        );
+        let to_b = FlowFilter {
+            to: Some("x/b".into()),
+            ..Default::default()
+        };
+        assert!(to_b.accepts(&e), "pods by name");
     }
 }

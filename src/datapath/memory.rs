@@ -287,6 +287,7 @@ mod tests {
             &MapDelta {
                 upserts: vec![allow(400, 80, 80)],
                 deletes: vec![],
+                ..Default::default()
             },
             false,
         )
@@ -319,6 +320,7 @@ mod tests {
             &MapDelta {
                 upserts: vec![allow(400, 80, 80)],
                 deletes: vec![],
+                ..Default::default()
             },
             false,
         )
@@ -331,6 +333,7 @@ mod tests {
                 &MapDelta {
                     upserts: vec![allow(401, 1, 1000)],
                     deletes: vec![],
+                    ..Default::default()
                 },
                 false,
             )

@@ -42,6 +42,10 @@ pub struct EndpointFlags {
     pub egress_default_deny: bool,
     /// Drop everything: set when the policy could not be realized (fail closed).
     pub drop_all: bool,
+    /// Attribution of a default deny per direction: the cookie of the isolating policies
+    /// (`policy::attribution::isolation_cookie`; 0 when not isolated).
+    pub ingress_cookie: u32,
+    pub egress_cookie: u32,
 }
 
 /// One realized policy map entry, for `ciliate bpf policy get`.

@@ -881,7 +881,7 @@ fn run_inner(config: &DemoConfig) -> Result<usize, String> {
     let mut shown = std::collections::BTreeSet::new();
     println!("\nWhy? The datapath's drop events (`ciliate monitor`):");
     for (node, ev) in seen {
-        if ev.verdict == "drop" && shown.insert((ev.source.clone(), ev.destination.clone())) {
+        if ev.verdict == "dropped" && shown.insert((ev.source.clone(), ev.destination.clone())) {
             let who = |ip: &str| {
                 pods.iter()
                     .find(|(_, _, a)| a.to_string() == ip)

@@ -11,6 +11,7 @@
 use rustc_hash::FxHashMap as HashMap;
 use std::sync::Arc;
 
+use super::attribution::{entry_cookie, Cookie, MatchKind, PolicyRef};
 use super::identity::{NumericIdentity, IDENTITY_ANY};
 use super::rule::{Direction, RuleOrigin};
 
@@ -62,6 +63,10 @@ pub struct MapDelta {
     /// Entries to add or overwrite, with their deny flag.
     pub upserts: Vec<(MapKey, bool)>,
     pub deletes: Vec<MapKey>,
+    /// The attribution cookie of upserted entries (absent: 0, not attributed).
+    pub cookies: HashMap<MapKey, Cookie>,
+    /// What each cookie of `cookies` stands for, once per cookie.
+    pub attributions: Vec<(Cookie, MatchKind, Vec<PolicyRef>)>,
 }
 
 impl MapDelta {
@@ -198,10 +203,26 @@ impl MapState {
     /// The changes that turn `realized` into `self`.
     pub fn diff_from(&self, realized: &MapState) -> MapDelta {
         let mut delta = MapDelta::default();
+        // Entries mostly share their origin lists: hash each distinct one once.
+        let mut known: HashMap<(Vec<usize>, MatchKind), Cookie> = HashMap::default();
         for (k, e) in self.entries() {
             match realized.get(&k) {
-                Some(old) if old.deny == e.deny => {}
-                _ => delta.upserts.push((k, e.deny)),
+                Some(old) if old.deny == e.deny && old.derived_from == e.derived_from => {}
+                _ => {
+                    delta.upserts.push((k, e.deny));
+                    let kind = MatchKind::of_entry(&k, e.deny);
+                    let ptrs = e
+                        .derived_from
+                        .iter()
+                        .map(|o| Arc::as_ptr(o) as usize)
+                        .collect();
+                    let cookie = *known.entry((ptrs, kind)).or_insert_with(|| {
+                        let (cookie, refs) = entry_cookie(&e.derived_from, kind);
+                        delta.attributions.push((cookie, kind, refs));
+                        cookie
+                    });
+                    delta.cookies.insert(k, cookie);
+                }
             }
         }
         for (k, _) in realized.entries() {

@@ -11,6 +11,7 @@
 //! [`mapstate::MapState`] whose lookups decide traffic and explain the decision.
 
 pub mod api;
+pub mod attribution;
 pub mod engine;
 pub mod fqdn;
 pub mod identity;

@@ -14,14 +14,11 @@ use ipnet::IpNet;
 use libbpf_rs::{MapCore, MapFlags, MapHandle, MapType};
 
 use super::encoding::{
-    abi_key, flags_bits, ip_of, ipcache_host_key, ipcache_key, pinned_endpoint_id, ProbeMasks,
+    abi_key, flags_of_info, ip_of, ipcache_host_key, ipcache_key, pinned_endpoint_id, ProbeMasks,
 };
 use super::map_io::{delete_batch, typed_entries, update_batch};
 use super::tcx::{self, Hook};
-use super::{
-    ensure_bpffs, load_program, types, Pod, EP_DROP_ALL, EP_EGRESS_DEFAULT_DENY,
-    EP_INGRESS_DEFAULT_DENY,
-};
+use super::{ensure_bpffs, load_program, types, Pod, EP_DROP_ALL};
 use crate::datapath::abi::{
     EntryChange, EntryTable, PolicyEntryKey, IPCACHE_MAX_ENTRIES, POLICY_MAP_MAX_ENTRIES,
 };
@@ -143,7 +140,23 @@ impl BpfDatapath {
                 "conntrack: entries of an older version's single table moved to the IPv4 and IPv6 tables"
             );
         }
+        // Policy verdict events for the first packet of every new allowed connection, as
+        // Cilium's policy-verdict notifications (drops are always reported).
+        dp.set_allow_events(true)?;
         Ok(dp)
+    }
+
+    /// Whether the programs report allowed new connections too (drops are always reported).
+    pub fn set_allow_events(&self, on: bool) -> Result<(), DatapathError> {
+        let path = self.pins.join("settings");
+        let map =
+            MapHandle::from_pinned_path(&path).map_err(sys(format!("open {}", path.display())))?;
+        let c = types::datapath_config {
+            emit_allow_events: on as u32,
+            pad: 0,
+        };
+        map.update(&0u32.to_ne_bytes(), c.as_bytes(), MapFlags::ANY)
+            .map_err(sys("write the datapath settings"))
     }
 
     /// Whether re-attaching keeps a running instance of this build instead of loading a new
@@ -173,10 +186,14 @@ impl BpfDatapath {
                 let keep_cb = keep.clone();
                 let mut builder = libbpf_rs::RingBufferBuilder::new();
                 let added = builder.add(&map, move |data: &[u8]| {
-                    if let Some(e) = types::verdict_event::from_bytes(&data[..data.len().min(std::mem::size_of::<types::verdict_event>())]) {
+                    // Events of an older program are shorter: the fields they lack read as 0.
+                    let mut buf = [0u8; std::mem::size_of::<types::verdict_event>()];
+                    let n = data.len().min(buf.len());
+                    buf[..n].copy_from_slice(&data[..n]);
+                    if let Some(e) = types::verdict_event::from_bytes(&buf) {
                         let reason = super::REASONS.get(e.reason as usize).copied().unwrap_or("drop-unknown");
                         let ev = crate::datapath::events::verdict_event(
-                            e.timestamp_ns, e.endpoint_id, e.peer_identity, e.egress != 0, e.protocol, e.port, reason, e.family, e.saddr, e.daddr,
+                            e.timestamp_ns, e.endpoint_id, e.peer_identity, e.egress != 0, e.protocol, e.port, reason, e.family, e.saddr, e.daddr, e.cookie,
                         );
                         if !sink(ev) {
                             keep_cb.set(false);
@@ -299,11 +316,7 @@ impl Datapath for BpfDatapath {
         if let (Some(ifname), Some(ifindex)) = (&att.interface, ifindex) {
             self.publish_local(att, ifname, ifindex as u32)?;
         }
-        let flags = EndpointFlags {
-            ingress_default_deny: info.flags & EP_INGRESS_DEFAULT_DENY != 0,
-            egress_default_deny: info.flags & EP_EGRESS_DEFAULT_DENY != 0,
-            drop_all: info.flags & EP_DROP_ALL != 0,
-        };
+        let flags = flags_of_info(&info);
         match self.endpoints.get_mut(&id) {
             Some(e) => {
                 e.attachment = att.clone();
@@ -380,7 +393,13 @@ impl Datapath for BpfDatapath {
             .map(|i| ProbeMasks::of_info(&i))
             .unwrap_or_default();
         if table.len() > POLICY_MAP_MAX_ENTRIES {
-            let info = old_masks.info(identity, flags_bits(flags) | EP_DROP_ALL);
+            let info = old_masks.info_for(
+                identity,
+                EndpointFlags {
+                    drop_all: true,
+                    ..flags
+                },
+            );
             self.write_info(id, &info)?;
             return Err(DatapathError::PolicyMapFull {
                 endpoint: id,
@@ -397,8 +416,8 @@ impl Datapath for BpfDatapath {
                 .map(|(k, _)| abi_key(&k).as_bytes().to_vec())
                 .collect();
             changes = table
-                .entries()
-                .map(|(k, d)| EntryChange::Upsert(k, d))
+                .values()
+                .map(|(k, d, c)| EntryChange::Upsert(k, d, c))
                 .collect();
             for kb in policy.keys() {
                 if !desired.contains(&kb) {
@@ -416,9 +435,7 @@ impl Datapath for BpfDatapath {
         }
         let new_masks = ProbeMasks::of(&table);
         // While entries change, probe what the old and the new entries need.
-        let during = old_masks
-            .union(new_masks)
-            .info(identity, flags_bits(ep.flags));
+        let during = old_masks.union(new_masks).info_for(identity, ep.flags);
         self.write_info(id, &during)?;
         let mut stats = SyncStats::default();
         // Order by safety, which also keeps the map within its capacity: first remove allows
@@ -444,7 +461,7 @@ impl Datapath for BpfDatapath {
         let (mut allow_del, mut deny_del) = (Vec::new(), Vec::new());
         for c in &changes {
             match c {
-                EntryChange::Upsert(k, deny) => {
+                EntryChange::Upsert(k, deny, cookie) => {
                     let key = abi_key(k);
                     let kb = key.as_bytes();
                     // Keep the counters of an entry that already exists and only changes verdict.
@@ -454,6 +471,7 @@ impl Datapath for BpfDatapath {
                         types::policy_value::default()
                     };
                     v.deny = *deny as u8;
+                    v.cookie = *cookie;
                     let g = if *deny { &mut deny_up } else { &mut allow_up };
                     g.0.extend_from_slice(kb);
                     g.1.extend_from_slice(v.as_bytes());
@@ -488,7 +506,7 @@ impl Datapath for BpfDatapath {
         stats.upserted = upserts;
         stats.deleted = deletes;
         stats.entries = table.len();
-        let info = new_masks.info(identity, flags_bits(flags));
+        let info = new_masks.info_for(identity, flags);
         self.write_info(id, &info)?;
         if let Some(e) = self.endpoints.get_mut(&id) {
             e.table = table;
@@ -563,11 +581,7 @@ impl Datapath for BpfDatapath {
         });
         Ok(PolicyMapDump {
             endpoint: id,
-            flags: EndpointFlags {
-                ingress_default_deny: info.flags & EP_INGRESS_DEFAULT_DENY != 0,
-                egress_default_deny: info.flags & EP_EGRESS_DEFAULT_DENY != 0,
-                drop_all: info.flags & EP_DROP_ALL != 0,
-            },
+            flags: flags_of_info(&info),
             capacity: POLICY_MAP_MAX_ENTRIES,
             entries,
         })

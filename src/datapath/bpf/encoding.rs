@@ -25,6 +25,17 @@ pub(super) fn flags_bits(f: EndpointFlags) -> u32 {
     }) | (if f.drop_all { EP_DROP_ALL } else { 0 })
 }
 
+/// The flags and isolation cookies an endpoint record holds.
+pub(super) fn flags_of_info(info: &types::endpoint_info) -> EndpointFlags {
+    EndpointFlags {
+        ingress_default_deny: info.flags & EP_INGRESS_DEFAULT_DENY != 0,
+        egress_default_deny: info.flags & EP_EGRESS_DEFAULT_DENY != 0,
+        drop_all: info.flags & EP_DROP_ALL != 0,
+        ingress_cookie: info.ingress_cookie,
+        egress_cookie: info.egress_cookie,
+    }
+}
+
 /// What the program must probe for an endpoint's entries (`CILIATE_LENS_*` bits): for entries
 /// with a specific peer identity, and for entries with any peer (identity 0).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -81,6 +92,20 @@ impl ProbeMasks {
             flags: flags | EP_SPLIT_LENS,
             port_prefix_lens: self.identity,
             any_identity_lens: self.any_identity,
+            ..Default::default()
+        }
+    }
+
+    /// [`ProbeMasks::info`] with the endpoint's isolation cookies (default-deny attribution).
+    pub(super) fn info_for(
+        self,
+        identity: NumericIdentity,
+        flags: EndpointFlags,
+    ) -> types::endpoint_info {
+        types::endpoint_info {
+            ingress_cookie: flags.ingress_cookie,
+            egress_cookie: flags.egress_cookie,
+            ..self.info(identity, flags_bits(flags))
         }
     }
 }
@@ -154,6 +179,7 @@ mod tests {
             ingress_default_deny: true,
             egress_default_deny: false,
             drop_all: true,
+            ..Default::default()
         };
         assert_eq!(flags_bits(f), EP_INGRESS_DEFAULT_DENY | EP_DROP_ALL);
         let m = ProbeMasks {
@@ -177,6 +203,7 @@ mod tests {
             flags: 0,
             port_prefix_lens: 1 << 16,
             any_identity_lens: 0,
+            ..Default::default()
         };
         let all = (1 << 16) | LENS_ALL_PROTOCOLS;
         assert_eq!(

@@ -118,6 +118,14 @@ pub fn copy_entries(old: &MapHandle, new: &MapHandle) -> (usize, usize) {
         return (0, 0);
     }
     let keys: Vec<Vec<u8>> = old.keys().collect();
+    // Values that grew (fields appended, which read as 0: "unknown") carry over zero-extended.
+    let grown = !percpu(ta)
+        && !percpu(tb)
+        && a.info.key_size == b.info.key_size
+        && b.info.value_size > a.info.value_size;
+    if grown {
+        return copy_grown(old, new, &keys, b.info.value_size as usize);
+    }
     if a.info.key_size != b.info.key_size
         || a.info.value_size != b.info.value_size
         || percpu(ta) != percpu(tb)
@@ -136,6 +144,26 @@ pub fn copy_entries(old: &MapHandle, new: &MapHandle) -> (usize, usize) {
                 Ok(Some(v)) => new.update(&k, &v, MapFlags::ANY).is_ok(),
                 _ => false,
             }
+        };
+        if ok {
+            copied += 1;
+        } else {
+            failed += 1;
+        }
+    }
+    (copied, failed)
+}
+
+/// Copies entries whose value type grew at its end: the new fields are zero.
+fn copy_grown(old: &MapHandle, new: &MapHandle, keys: &[Vec<u8>], size: usize) -> (usize, usize) {
+    let (mut copied, mut failed) = (0, 0);
+    for k in keys {
+        let ok = match old.lookup(k, MapFlags::ANY) {
+            Ok(Some(mut v)) => {
+                v.resize(size, 0);
+                new.update(k, &v, MapFlags::ANY).is_ok()
+            }
+            _ => false,
         };
         if ok {
             copied += 1;

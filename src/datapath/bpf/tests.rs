@@ -39,9 +39,11 @@ fn abi_layout_is_pinned() {
     assert_eq!(size_of::<types::local_endpoint>(), 20);
     assert_eq!(offset_of!(types::local_endpoint, mac), 8);
     assert_eq!(offset_of!(types::local_endpoint, node_mac), 14);
-    assert_eq!(size_of::<types::endpoint_info>(), 16);
+    assert_eq!(size_of::<types::endpoint_info>(), 24);
     assert_eq!(offset_of!(types::endpoint_info, port_prefix_lens), 8);
     assert_eq!(offset_of!(types::endpoint_info, any_identity_lens), 12);
+    assert_eq!(offset_of!(types::endpoint_info, ingress_cookie), 16);
+    assert_eq!(offset_of!(types::policy_value, cookie), 4);
     assert_eq!(size_of::<types::ct4_key>(), 20);
     assert_eq!(offset_of!(types::ct4_key, sport), 8);
     assert_eq!(offset_of!(types::ct4_key, protocol), 12);
@@ -50,8 +52,9 @@ fn abi_layout_is_pinned() {
     assert_eq!(offset_of!(types::ct6_key, sport), 32);
     assert_eq!(offset_of!(types::ct6_key, endpoint_id), 40);
     assert_eq!(size_of::<types::ct_value>(), 24);
-    assert_eq!(size_of::<types::verdict_event>(), 56);
+    assert_eq!(size_of::<types::verdict_event>(), 64);
     assert_eq!(offset_of!(types::verdict_event, saddr), 24);
+    assert_eq!(offset_of!(types::verdict_event, cookie), 56);
     assert_eq!(size_of::<types::datapath_config>(), 8);
     // No implicit padding in any Pod type: the fields add up to the size.
     let k = types::policy_key::default();
@@ -61,7 +64,7 @@ fn abi_layout_is_pinned() {
     );
     let e = types::verdict_event::default();
     assert_eq!(
-        8 + 4 + 4 + 1 + 1 + 2 + 1 + 1 + e.pad.len() + 16 + 16,
+        8 + 4 + 4 + 1 + 1 + 2 + 1 + 1 + e.pad.len() + 16 + 16 + 4 + 4,
         size_of::<types::verdict_event>()
     );
 }
@@ -142,6 +145,7 @@ impl Loaded {
             flags,
             port_prefix_lens: lens,
             any_identity_lens: any_lens,
+            ..Default::default()
         };
         self.skel
             .maps
@@ -680,23 +684,18 @@ fn maps_pinned_by_an_older_version_are_migrated_not_crashed_on() {
     counters.pin(pins.join("verdict_counters")).unwrap();
     // Its endpoint table was a hash, and its policy maps a hash of maps: endpoint 7 allows
     // TCP 8080 from identity 400 (the host 10.0.0.2) under ingress default deny.
-    let mut endpoints = MapHandle::create(
-        MapType::Hash,
-        Some("endpoints"),
-        4,
-        size_of::<types::endpoint_info>() as u32,
-        65536,
-        &opts,
-    )
-    .unwrap();
+    // Its records were 16 bytes: no attribution cookies yet.
+    let mut endpoints =
+        MapHandle::create(MapType::Hash, Some("endpoints"), 4, 16, 65536, &opts).unwrap();
     let info = types::endpoint_info {
         identity: 300,
         flags: EP_INGRESS_DEFAULT_DENY | EP_SPLIT_LENS,
         port_prefix_lens: 1 << 16,
         any_identity_lens: 0,
+        ..Default::default()
     };
     endpoints
-        .update(&7u32.to_ne_bytes(), info.as_bytes(), MapFlags::ANY)
+        .update(&7u32.to_ne_bytes(), &info.as_bytes()[..16], MapFlags::ANY)
         .unwrap();
     endpoints.pin(pins.join("endpoints")).unwrap();
     let inner = MapHandle::create(
@@ -819,7 +818,11 @@ fn maps_pinned_by_an_older_version_are_migrated_not_crashed_on() {
         .lookup(&7u32.to_ne_bytes(), MapFlags::ANY)
         .unwrap()
         .unwrap();
-    assert_eq!(got.as_slice(), info.as_bytes());
+    assert_eq!(
+        got.as_slice(),
+        info.as_bytes(),
+        "the record grew: its cookies read as 0"
+    );
     assert_eq!(l.skel.maps.policy_maps.map_type(), MapType::ArrayOfMaps);
     let registered = l
         .skel

@@ -1,0 +1,352 @@
+//! Verdict attribution: every policy map entry carries a 32-bit cookie naming the rules it was
+//! derived from and the kind of match (L3 only, L3+L4, L4 only, everything, a deny rule), and
+//! every endpoint record the cookie of the policies that isolate it in each direction (a
+//! default deny). The datapath copies the deciding cookie into its verdict event; the agent
+//! resolves it here.
+//!
+//! Cookies are a hash of what they stand for (FNV-1a over the policies' kind, namespace, name
+//! and rule path), not a counter: the same rules get the same cookie in every run, so entries
+//! an earlier run left in the pinned maps resolve after a restart, and an event always resolves
+//! to what the entry said when the packet met it, never to a later edit (an edited rule set is
+//! another cookie). 0 means "not attributed" (entries of an older version).
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use dashmap::DashMap;
+use serde::Serialize;
+
+use super::mapstate::MapKey;
+use super::rule::{PolicyKey, PolicyKind, RuleOrigin};
+
+pub type Cookie = u32;
+
+/// How a verdict matched (Hubble's `match` words).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum MatchKind {
+    /// A peer identity, every port.
+    L3Only,
+    /// A peer identity and a port.
+    L3L4,
+    /// Any peer, a port.
+    L4Only,
+    /// Any peer, every port.
+    All,
+    /// A deny rule.
+    DenyRule,
+    /// No entry matched and policies isolate the endpoint.
+    DefaultDeny,
+    /// No policy selects the endpoint in that direction.
+    NoPolicy,
+}
+
+impl MatchKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MatchKind::L3Only => "l3-only",
+            MatchKind::L3L4 => "l3-l4",
+            MatchKind::L4Only => "l4-only",
+            MatchKind::All => "all",
+            MatchKind::DenyRule => "deny-rule",
+            MatchKind::DefaultDeny => "default-deny",
+            MatchKind::NoPolicy => "no-policy",
+        }
+    }
+
+    /// The kind of match an entry stands for.
+    pub fn of_entry(key: &MapKey, deny: bool) -> MatchKind {
+        if deny {
+            return MatchKind::DenyRule;
+        }
+        let every_port = key.protocol == 0 || (key.port_lo == 0 && key.port_hi == u16::MAX);
+        match (key.identity != 0, every_port) {
+            (true, true) => MatchKind::L3Only,
+            (true, false) => MatchKind::L3L4,
+            (false, false) => MatchKind::L4Only,
+            (false, true) => MatchKind::All,
+        }
+    }
+}
+
+/// One policy a verdict names (`policies` of a flow).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, serde::Deserialize)]
+pub struct PolicyRef {
+    pub kind: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
+    pub name: String,
+    /// The rule's index in its section (`spec.ingress[1]` -> 1); absent for a default deny.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rule: Option<usize>,
+}
+
+impl PolicyRef {
+    fn of_policy(p: &PolicyKey, rule: Option<usize>) -> PolicyRef {
+        PolicyRef {
+            kind: p.kind.as_str().to_string(),
+            namespace: p.namespace.clone(),
+            name: p.name.clone(),
+            rule,
+        }
+    }
+
+    /// `ns/name` (or `name`), with `[rule]`.
+    pub fn short(&self) -> String {
+        let name = match &self.namespace {
+            Some(ns) => format!("{ns}/{}", self.name),
+            None => self.name.clone(),
+        };
+        match self.rule {
+            Some(r) => format!("{name}[{r}]"),
+            None => name,
+        }
+    }
+}
+
+/// What a cookie stands for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Attribution {
+    #[serde(rename = "match")]
+    pub match_kind: MatchKind,
+    pub policies: Vec<PolicyRef>,
+    /// The policy revision the cookie was first realized at.
+    pub revision: u64,
+}
+
+/// The last `[N]` of a rule path (`specs[0].egressDeny[2]` -> 2).
+fn rule_index(path: &str) -> Option<usize> {
+    let open = path.rfind('[')?;
+    path[open + 1..].strip_suffix(']')?.parse().ok()
+}
+
+fn fnv1a32(h: &mut u32, bytes: &[u8]) {
+    for b in bytes {
+        *h ^= *b as u32;
+        *h = h.wrapping_mul(0x0100_0193);
+    }
+}
+
+fn finish(h: u32) -> Cookie {
+    // 0 is "not attributed".
+    if h == 0 {
+        1
+    } else {
+        h
+    }
+}
+
+fn policy_words(h: &mut u32, p: &PolicyKey) {
+    fnv1a32(h, p.kind.as_str().as_bytes());
+    fnv1a32(h, b"\0");
+    fnv1a32(h, p.namespace.as_deref().unwrap_or("").as_bytes());
+    fnv1a32(h, b"\0");
+    fnv1a32(h, p.name.as_bytes());
+    fnv1a32(h, b"\0");
+}
+
+/// The cookie of an entry derived from `origins` (in any order) matching as `kind`, and what
+/// it stands for.
+pub fn entry_cookie(origins: &[Arc<RuleOrigin>], kind: MatchKind) -> (Cookie, Vec<PolicyRef>) {
+    let refs: BTreeSet<(&PolicyKey, &str)> = origins
+        .iter()
+        .filter(|o| o.policy.kind != PolicyKind::Builtin)
+        .map(|o| (o.policy.as_ref(), o.path.as_str()))
+        .collect();
+    let mut h = 0x811c_9dc5u32;
+    fnv1a32(&mut h, kind.as_str().as_bytes());
+    let mut policies = Vec::with_capacity(refs.len());
+    for (p, path) in refs {
+        policy_words(&mut h, p);
+        fnv1a32(&mut h, path.as_bytes());
+        fnv1a32(&mut h, b"\n");
+        policies.push(PolicyRef::of_policy(p, rule_index(path)));
+    }
+    (finish(h), policies)
+}
+
+/// The cookie of a default deny by the policies that isolate an endpoint in one direction;
+/// 0 when none does (nothing to attribute: the direction is not enforced).
+pub fn isolation_cookie(isolated_by: &[Arc<PolicyKey>]) -> (Cookie, Vec<PolicyRef>) {
+    if isolated_by.is_empty() {
+        return (0, vec![]);
+    }
+    let keys: BTreeSet<&PolicyKey> = isolated_by.iter().map(|p| p.as_ref()).collect();
+    let mut h = 0x811c_9dc5u32;
+    fnv1a32(&mut h, MatchKind::DefaultDeny.as_str().as_bytes());
+    let mut policies = Vec::with_capacity(keys.len());
+    for p in keys {
+        policy_words(&mut h, p);
+        fnv1a32(&mut h, b"\n");
+        policies.push(PolicyRef::of_policy(p, None));
+    }
+    (finish(h), policies)
+}
+
+/// Every cookie the agent has written, resolvable by the event reader. Entries are never
+/// removed in a run: an event may arrive after the entry that made it is gone.
+#[derive(Debug, Default)]
+pub struct CookieJar {
+    cookies: DashMap<Cookie, Arc<Attribution>>,
+}
+
+impl CookieJar {
+    /// Records what `cookie` stands for (the first revision it was realized at is kept).
+    pub fn register(
+        &self,
+        cookie: Cookie,
+        match_kind: MatchKind,
+        policies: Vec<PolicyRef>,
+        revision: u64,
+    ) {
+        if cookie == 0 || self.cookies.contains_key(&cookie) {
+            return;
+        }
+        self.cookies.insert(
+            cookie,
+            Arc::new(Attribution {
+                match_kind,
+                policies,
+                revision,
+            }),
+        );
+    }
+
+    pub fn resolve(&self, cookie: Cookie) -> Option<Arc<Attribution>> {
+        (cookie != 0)
+            .then(|| self.cookies.get(&cookie).map(|a| a.clone()))
+            .flatten()
+    }
+
+    pub fn len(&self) -> usize {
+        self.cookies.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.cookies.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::identity::NumericIdentity;
+    use crate::policy::rule::{Direction, Section};
+
+    fn origin(kind: PolicyKind, ns: Option<&str>, name: &str, path: &str) -> Arc<RuleOrigin> {
+        Arc::new(RuleOrigin {
+            policy: Arc::new(PolicyKey::new(kind, ns, name)),
+            section: Section::Ingress,
+            path: path.into(),
+            l7: false,
+        })
+    }
+
+    fn key(identity: NumericIdentity, protocol: u8, lo: u16, hi: u16) -> MapKey {
+        MapKey {
+            direction: Direction::Ingress,
+            identity,
+            protocol,
+            port_lo: lo,
+            port_hi: hi,
+        }
+    }
+
+    #[test]
+    fn cookies_are_stable_order_free_and_differ_by_rule_and_match() {
+        let a = origin(
+            PolicyKind::CiliumNetworkPolicy,
+            Some("x"),
+            "a",
+            "spec.ingress[1]",
+        );
+        let b = origin(PolicyKind::NetworkPolicy, Some("x"), "b", "spec.ingress[0]");
+        let (c1, refs) = entry_cookie(&[a.clone(), b.clone()], MatchKind::L3L4);
+        let (c2, _) = entry_cookie(&[b.clone(), a.clone()], MatchKind::L3L4);
+        assert_eq!(c1, c2, "the order of origins does not matter");
+        assert_ne!(c1, 0);
+        assert_eq!(
+            refs.iter().map(PolicyRef::short).collect::<Vec<_>>(),
+            ["x/b[0]", "x/a[1]"],
+            "sorted by kind, then name"
+        );
+        assert_ne!(
+            entry_cookie(std::slice::from_ref(&a), MatchKind::L3L4).0,
+            c1
+        );
+        assert_ne!(
+            entry_cookie(std::slice::from_ref(&a), MatchKind::L3Only).0,
+            entry_cookie(std::slice::from_ref(&a), MatchKind::L3L4).0
+        );
+        let a2 = origin(
+            PolicyKind::CiliumNetworkPolicy,
+            Some("x"),
+            "a",
+            "spec.ingress[2]",
+        );
+        assert_ne!(
+            entry_cookie(&[a], MatchKind::L3L4).0,
+            entry_cookie(&[a2], MatchKind::L3L4).0
+        );
+    }
+
+    #[test]
+    fn match_kinds_follow_the_entry() {
+        assert_eq!(
+            MatchKind::of_entry(&key(300, 6, 80, 80), false),
+            MatchKind::L3L4
+        );
+        assert_eq!(
+            MatchKind::of_entry(&key(300, 0, 0, 65535), false),
+            MatchKind::L3Only
+        );
+        assert_eq!(
+            MatchKind::of_entry(&key(300, 6, 0, 65535), false),
+            MatchKind::L3Only
+        );
+        assert_eq!(
+            MatchKind::of_entry(&key(0, 17, 53, 53), false),
+            MatchKind::L4Only
+        );
+        assert_eq!(
+            MatchKind::of_entry(&key(0, 0, 0, 65535), false),
+            MatchKind::All
+        );
+        assert_eq!(
+            MatchKind::of_entry(&key(300, 6, 80, 80), true),
+            MatchKind::DenyRule
+        );
+    }
+
+    #[test]
+    fn isolation_cookies_name_the_policies_and_the_jar_resolves_them() {
+        let p = Arc::new(PolicyKey::new(
+            PolicyKind::NetworkPolicy,
+            Some("x"),
+            "deny-all",
+        ));
+        let q = Arc::new(PolicyKey::new(
+            PolicyKind::CiliumClusterwideNetworkPolicy,
+            None,
+            "base",
+        ));
+        assert_eq!(isolation_cookie(&[]).0, 0);
+        let (c, refs) = isolation_cookie(&[p.clone(), q.clone()]);
+        assert_eq!(c, isolation_cookie(&[q, p]).0);
+        let jar = CookieJar::default();
+        jar.register(c, MatchKind::DefaultDeny, refs.clone(), 7);
+        jar.register(c, MatchKind::DefaultDeny, vec![], 9);
+        let a = jar.resolve(c).expect("registered");
+        assert_eq!(
+            (a.match_kind, a.revision),
+            (MatchKind::DefaultDeny, 7),
+            "first registration kept"
+        );
+        assert_eq!(a.policies, refs);
+        assert!(refs
+            .iter()
+            .any(|r| r.namespace.is_none() && r.name == "base"));
+        assert!(jar.resolve(0).is_none());
+        assert!(jar.resolve(c ^ 1).is_none());
+    }
+}

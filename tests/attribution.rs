@@ -1,0 +1,334 @@
+//! Every verdict names its policy, on real traffic between network-namespace pods with the BPF
+//! datapath: the datapath copies the deciding entry's cookie (or the endpoint's isolation
+//! cookie) into its event, the agent resolves it, and `ciliate monitor -o json` shows the
+//! policies. Cases: an allow through two overlapping policies (a NetworkPolicy and a
+//! CiliumNetworkPolicy) names both; a default deny names every policy that selects the pod; an
+//! `ingressDeny` drop names the CCNP; a pod no policy selects says so; an edit between two
+//! packets gives each the revision and policies it met; a restart keeps attribution right.
+//! Privileged: with CI=true these tests must run.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::agent::Agent;
+use common::netns::{privileged, tcp_ok, tcp_server, world};
+use serde_json::Value;
+
+/// `ciliate monitor -o json`, its events collected as they come.
+struct Monitor {
+    child: std::process::Child,
+    events: Arc<Mutex<Vec<Value>>>,
+}
+
+impl Monitor {
+    fn start(agent: &Agent) -> Monitor {
+        let mut child = std::process::Command::new(common::agent::BIN)
+            .args(["monitor", "-o", "json", "--socket"])
+            .arg(agent.socket())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("ciliate monitor");
+        let out = child.stdout.take().expect("stdout");
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let sink = events.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if let Ok(v) = serde_json::from_str::<Value>(&line) {
+                    sink.lock().unwrap().push(v);
+                }
+            }
+        });
+        // The subscription is in place once the command has connected.
+        std::thread::sleep(Duration::from_millis(300));
+        Monitor { child, events }
+    }
+
+    /// The first event (from now on) `pred` accepts.
+    fn expect(&self, what: &str, pred: impl Fn(&Value) -> bool) -> Value {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(v) = self.events.lock().unwrap().iter().find(|v| pred(v)) {
+                return v.clone();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no event: {what}; seen: {:#?}",
+                self.events.lock().unwrap()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn clear(&self) {
+        self.events.lock().unwrap().clear();
+    }
+}
+
+impl Drop for Monitor {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Waits for a child to exit (killing it after `limit`) and returns its stdout.
+fn wait_output(mut child: std::process::Child, limit: Duration) -> String {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if let Ok(Some(_)) = child.try_wait() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let out = child.wait_with_output().unwrap();
+    String::from_utf8_lossy(&out.stdout).to_string()
+}
+
+/// `kind ns/name` of every policy an event names, sorted.
+fn named(ev: &Value) -> Vec<String> {
+    let mut v: Vec<String> = ev["policies"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|p| {
+            let ns = p["namespace"]
+                .as_str()
+                .map(|n| format!("{n}/"))
+                .unwrap_or_default();
+            format!(
+                "{} {ns}{}",
+                p["kind"].as_str().unwrap_or("?"),
+                p["name"].as_str().unwrap_or("?")
+            )
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+fn flow(ev: &Value, dst: &str, port: u64, verdict: &str) -> bool {
+    ev["type"] == "flow"
+        && ev["destination"] == dst
+        && ev["port"].as_u64() == Some(port)
+        && ev["verdict"] == verdict
+        && ev["direction"] == "ingress"
+}
+
+fn cluster(a: &str, b: &str, c: &str) -> String {
+    format!(
+        "apiVersion: v1
+kind: Namespace
+metadata: {{name: x}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {{name: a, namespace: x, labels: {{app: a}}}}
+status: {{podIPs: [{{ip: {a}}}]}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {{name: b, namespace: x, labels: {{app: b}}}}
+status: {{podIPs: [{{ip: {b}}}]}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {{name: c, namespace: x, labels: {{app: c}}}}
+status: {{podIPs: [{{ip: {c}}}]}}
+"
+    )
+}
+
+const KNP: &str = "apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: b-from-a, namespace: x}
+spec:
+  podSelector: {matchLabels: {app: b}}
+  policyTypes: [Ingress]
+  ingress:
+    - from: [{podSelector: {matchLabels: {app: a}}}]
+      ports: [{port: 8080, protocol: TCP}]
+";
+
+fn cnp(port: u16) -> String {
+    format!(
+        "apiVersion: cilium.io/v2
+kind: CiliumNetworkPolicy
+metadata: {{name: b-from-a-too, namespace: x}}
+spec:
+  endpointSelector: {{matchLabels: {{app: b}}}}
+  ingress:
+    - fromEndpoints: [{{matchLabels: {{app: a}}}}]
+      toPorts: [{{ports: [{{port: '{port}', protocol: TCP}}]}}]
+"
+    )
+}
+
+const CCNP: &str = "apiVersion: cilium.io/v2
+kind: CiliumClusterwideNetworkPolicy
+metadata: {name: no-c-into-b}
+spec:
+  endpointSelector: {matchLabels: {app: b}}
+  ingressDeny:
+    - fromEndpoints: [{matchLabels: {app: c}}]
+";
+
+#[test]
+fn every_verdict_names_its_policies_across_edits_and_restarts() {
+    if !privileged() {
+        return;
+    }
+    let w = world(3);
+    let (a, b, c) = (&w.pods[0], &w.pods[1], &w.pods[2]);
+    for port in [8080, 9090] {
+        tcp_server(&b.netns, b.addr, port);
+        tcp_server(&a.netns, a.addr, port);
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tmp.path().join("manifests");
+    std::fs::create_dir_all(&m).unwrap();
+    let (sa, sb, sc) = (a.addr.to_string(), b.addr.to_string(), c.addr.to_string());
+    std::fs::write(m.join("cluster.yaml"), cluster(&sa, &sb, &sc)).unwrap();
+    std::fs::write(m.join("knp.yaml"), KNP).unwrap();
+    std::fs::write(m.join("cnp.yaml"), cnp(8080)).unwrap();
+    std::fs::write(m.join("ccnp.yaml"), CCNP).unwrap();
+    let pins = w.pins.to_string_lossy().to_string();
+    let args = ["--datapath", "bpf", "--bpf-root", pins.as_str()];
+    let mut agent = Agent::start_with(tmp.path(), &args);
+    for (name, pod) in [("x/a", a), ("x/b", b), ("x/c", c)] {
+        agent.cli_json(&[
+            "endpoint",
+            "add",
+            "--name",
+            name,
+            "--ip",
+            &pod.addr.to_string(),
+            "--interface",
+            &pod.host_if,
+        ]);
+    }
+    agent.wait_realized(agent.revision());
+    let mon = Monitor::start(&agent);
+
+    // An allow through two overlapping policies names both.
+    assert!(tcp_ok(&a.netns, b.addr, 8080));
+    let ev = mon.expect("a -> b:8080 forwarded", |e| flow(e, &sb, 8080, "forwarded"));
+    assert_eq!(
+        named(&ev),
+        [
+            "CiliumNetworkPolicy x/b-from-a-too",
+            "NetworkPolicy x/b-from-a"
+        ],
+        "{ev}"
+    );
+    assert_eq!(ev["match"], "l3-l4", "{ev}");
+    assert_eq!(
+        (ev["source_pod"].as_str(), ev["destination_pod"].as_str()),
+        (Some("x/a"), Some("x/b")),
+        "pods by name: {ev}"
+    );
+    assert!(ev["policies"][0]["rule"].is_u64(), "rules are named: {ev}");
+    let first_revision = ev["revision"].as_u64().expect("a revision");
+
+    // A default deny names every policy that selects b for ingress.
+    assert!(!tcp_ok(&a.netns, b.addr, 9090));
+    let ev = mon.expect("a -> b:9090 dropped", |e| flow(e, &sb, 9090, "dropped"));
+    assert_eq!(ev["match"], "default-deny", "{ev}");
+    // (A deny-only policy selects b for ingress too, so it turns default deny on as well.)
+    assert_eq!(
+        named(&ev),
+        [
+            "CiliumClusterwideNetworkPolicy no-c-into-b",
+            "CiliumNetworkPolicy x/b-from-a-too",
+            "NetworkPolicy x/b-from-a"
+        ],
+        "{ev}"
+    );
+
+    // An ingressDeny drop names the CCNP (no namespace).
+    assert!(!tcp_ok(&c.netns, b.addr, 8080));
+    let ev = mon.expect("c -> b:8080 dropped", |e| {
+        flow(e, &sb, 8080, "dropped") && e["source"] == sc.as_str()
+    });
+    assert_eq!(ev["match"], "deny-rule", "{ev}");
+    assert_eq!(
+        named(&ev),
+        ["CiliumClusterwideNetworkPolicy no-c-into-b"],
+        "{ev}"
+    );
+    assert!(ev["policies"][0].get("namespace").is_none(), "{ev}");
+
+    // No policy selects a for ingress: its verdict says so.
+    assert!(tcp_ok(&b.netns, a.addr, 9090));
+    let ev = mon.expect("b -> a:9090 forwarded", |e| flow(e, &sa, 9090, "forwarded"));
+    assert_eq!(ev["match"], "no-policy", "{ev}");
+    assert_eq!(named(&ev), Vec::<String>::new(), "{ev}");
+
+    // An edit between two packets: 9090 is now the CNP's port; each packet carries what it met.
+    let rev = agent.revision();
+    std::fs::write(m.join("cnp.yaml"), cnp(9090)).unwrap();
+    agent.wait_until("the edit is applied", || agent.revision() > rev);
+    agent.wait_realized(agent.revision());
+    mon.clear();
+    assert!(tcp_ok(&a.netns, b.addr, 9090));
+    let ev = mon.expect("a -> b:9090 forwarded", |e| flow(e, &sb, 9090, "forwarded"));
+    assert_eq!(named(&ev), ["CiliumNetworkPolicy x/b-from-a-too"], "{ev}");
+    assert!(ev["revision"].as_u64().unwrap() > first_revision, "{ev}");
+    assert!(tcp_ok(&a.netns, b.addr, 8080));
+    let ev = mon.expect("a -> b:8080 forwarded", |e| flow(e, &sb, 8080, "forwarded"));
+    assert_eq!(
+        named(&ev),
+        ["NetworkPolicy x/b-from-a"],
+        "only the KNP allows 8080 now: {ev}"
+    );
+    drop(mon);
+
+    // A restart: attribution stays right (the entries the last run wrote resolve too).
+    assert_eq!(agent.stop(), 0);
+    let agent = Agent::start_with(tmp.path(), &args);
+    agent.wait_realized(agent.revision());
+    let mon = Monitor::start(&agent);
+    // `--policy` and `--verdict` filter what the monitor shows.
+    let only = std::process::Command::new(common::agent::BIN)
+        .args([
+            "monitor",
+            "-o",
+            "json",
+            "--count",
+            "1",
+            "--verdict",
+            "dropped",
+        ])
+        .args(["--policy", "no-c-into-b", "--socket"])
+        .arg(agent.socket())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        tcp_ok(&a.netns, b.addr, 9090),
+        "not shown: another policy, forwarded"
+    );
+    assert!(!tcp_ok(&c.netns, b.addr, 9090));
+    let ev = mon.expect("c -> b:9090 dropped", |e| {
+        flow(e, &sb, 9090, "dropped") && e["source"] == sc.as_str()
+    });
+    assert_eq!(
+        named(&ev),
+        ["CiliumClusterwideNetworkPolicy no-c-into-b"],
+        "{ev}"
+    );
+    let out = wait_output(only, Duration::from_secs(10));
+    let shown: Value = serde_json::from_str(out.trim()).expect("one JSON event");
+    assert_eq!(
+        (shown["source"].as_str(), shown["verdict"].as_str()),
+        (Some(sc.as_str()), Some("dropped")),
+        "{shown}"
+    );
+    assert!(tcp_ok(&a.netns, b.addr, 9090));
+    let ev = mon.expect("a -> b:9090 forwarded", |e| flow(e, &sb, 9090, "forwarded"));
+    assert_eq!(named(&ev), ["CiliumNetworkPolicy x/b-from-a-too"], "{ev}");
+}
