@@ -145,6 +145,13 @@ static __always_inline int decide(struct __sk_buff *skb, __u32 ep, int egress, i
 		reason = isolated ? CILIATE_DROP_DEFAULT_DENY : CILIATE_ALLOW_NOT_ISOLATED;
 		cookie = isolated ? (egress ? info->egress_cookie : info->ingress_cookie) : 0;
 	}
+	if (info->flags & CILIATE_EP_AUDIT) {
+		/* Audit: the would-be drop passes (and is tracked like any allowed connection). */
+		if (reason == CILIATE_DROP_POLICY_DENY)
+			reason = CILIATE_AUDIT_POLICY_DENY;
+		else if (reason == CILIATE_DROP_DEFAULT_DENY)
+			reason = CILIATE_AUDIT_DEFAULT_DENY;
+	}
 	count(reason);
 	emit(&p, ep, identity, egress, reason, cookie);
 	if (reason == CILIATE_DROP_POLICY_DENY || reason == CILIATE_DROP_DEFAULT_DENY)

@@ -26,6 +26,8 @@
  * always set it). Without it (a record written by an older agent) the program probes every
  * class with port_prefix_lens, as older programs did, so an upgrade never skips a deny. */
 #define CILIATE_EP_SPLIT_LENS 0x8
+/* Audit mode: a would-be policy drop passes and is reported as an audit verdict. */
+#define CILIATE_EP_AUDIT 0x10
 
 /* Probe-mask bits: bit n (0..16) = entries of one protocol with port prefix length n (0 = the
  * whole protocol); this bit = entries for every protocol (protocol 0). */
@@ -46,7 +48,10 @@ enum ciliate_reason {
 	/* Counted besides the verdict: an allowed connection could not be tracked (table full),
 	 * so its replies meet policy again (fail closed where they are not allowed). */
 	CILIATE_CT_FULL = 10,
-	CILIATE_REASON_MAX = 11,
+	/* Audit mode let through what policy would have dropped. */
+	CILIATE_AUDIT_POLICY_DENY = 11,
+	CILIATE_AUDIT_DEFAULT_DENY = 12,
+	CILIATE_REASON_MAX = 13,
 };
 
 /* ipcache, part 1: host addresses (/32, /128: pods and nodes, nearly all entries) in a hash,

@@ -33,6 +33,9 @@ pub enum ClientError {
         status: u16,
         message: String,
     },
+    /// The command line itself is wrong (nothing was sent).
+    #[error("{0}")]
+    Usage(String),
 }
 
 /// Sends one request; returns the body of a 2xx response.

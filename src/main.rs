@@ -81,6 +81,10 @@ fn agent(args: AgentArgs) -> i32 {
             bpf_pins,
         },
         cgroup_root: args.cgroup_root,
+        enforcement: ciliate::config::Enforcement {
+            mode: args.enable_policy,
+            audit: args.policy_audit_mode,
+        },
     };
     match run(config) {
         Ok(()) => 0,

@@ -43,6 +43,8 @@ pub struct Shared {
     /// Policy verdict events from the datapath, for `ciliate monitor` (each subscriber gets all).
     /// What each attribution cookie the datapath may report stands for.
     pub cookies: Arc<crate::policy::attribution::CookieJar>,
+    /// `--enable-policy`, `--policy-audit-mode`.
+    pub enforcement: crate::config::Enforcement,
     /// Pods by address (`namespace/name`), for flows (`source_pod`, `destination_pod`).
     pub pod_names: Arc<dashmap::DashMap<std::net::IpAddr, String>>,
     pub events: tokio::sync::broadcast::Sender<crate::datapath::events::VerdictEvent>,
@@ -86,6 +88,7 @@ impl Shared {
             ipam: Arc::new(Mutex::new(crate::ipam::NodeIpam::default())),
             events: tokio::sync::broadcast::channel(4096).0,
             cookies: Default::default(),
+            enforcement: Default::default(),
             pod_names: Default::default(),
             sync_waiting: Arc::new(Mutex::new(Vec::new())),
             policy_status: None,

@@ -332,3 +332,128 @@ fn every_verdict_names_its_policies_across_edits_and_restarts() {
     let ev = mon.expect("a -> b:9090 forwarded", |e| flow(e, &sb, 9090, "forwarded"));
     assert_eq!(named(&ev), ["CiliumNetworkPolicy x/b-from-a-too"], "{ev}");
 }
+
+fn endpoint_id(agent: &Agent, name: &str) -> String {
+    agent
+        .cli_json(&["endpoint", "list"])
+        .as_array()
+        .and_then(|l| {
+            l.iter()
+                .find(|e| e["name"] == name)
+                .map(|e| e["id"].to_string())
+        })
+        .expect("the endpoint")
+}
+
+fn start(
+    tmp: &std::path::Path,
+    pins: &str,
+    extra: &[&str],
+    pods: &[(&str, &common::netns::Pod)],
+) -> Agent {
+    let mut args = vec!["--datapath", "bpf", "--bpf-root", pins];
+    args.extend(extra);
+    let agent = Agent::start_with(tmp, &args);
+    let known = agent.cli_json(&["endpoint", "list"]);
+    for (name, pod) in pods {
+        // A restart on the same state directory restores them.
+        if known
+            .as_array()
+            .is_some_and(|l| l.iter().any(|e| e["name"] == *name))
+        {
+            continue;
+        }
+        agent.cli_json(&[
+            "endpoint",
+            "add",
+            "--name",
+            name,
+            "--ip",
+            &pod.addr.to_string(),
+            "--interface",
+            &pod.host_if,
+        ]);
+    }
+    agent.wait_realized(agent.revision());
+    agent
+}
+
+/// Audit mode per endpoint (`endpoint config ID PolicyAuditMode=...`): a would-be drop passes
+/// and is reported as `audit` with its attribution; turned off, the next connection is dropped
+/// again at once, without a restart. `--enable-policy always` isolates a pod no policy selects;
+/// `--enable-policy never` enforces nothing and reports what would have been dropped.
+#[test]
+fn audit_mode_and_enforcement_modes() {
+    if !privileged() {
+        return;
+    }
+    let w = world(3);
+    let (a, b, c) = (&w.pods[0], &w.pods[1], &w.pods[2]);
+    for port in [8080, 9090] {
+        tcp_server(&b.netns, b.addr, port);
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tmp.path().join("manifests");
+    std::fs::create_dir_all(&m).unwrap();
+    let (sa, sb, sc) = (a.addr.to_string(), b.addr.to_string(), c.addr.to_string());
+    std::fs::write(m.join("cluster.yaml"), cluster(&sa, &sb, &sc)).unwrap();
+    std::fs::write(m.join("knp.yaml"), KNP).unwrap();
+    let pins = w.pins.to_string_lossy().to_string();
+    let pods = [("x/a", a), ("x/b", b)];
+
+    let mut agent = start(tmp.path(), &pins, &[], &pods);
+    let mon = Monitor::start(&agent);
+    assert!(!tcp_ok(&a.netns, b.addr, 9090), "enforced");
+    let id = endpoint_id(&agent, "x/b");
+    let (code, _, err) = agent.cli(&["endpoint", "config", &id, "PolicyAuditMode=Enabled"]);
+    assert_eq!(code, 0, "{err}");
+    agent.wait_until("b audits", || tcp_ok(&a.netns, b.addr, 9090));
+    let ev = mon.expect("a -> b:9090 audited", |e| flow(e, &sb, 9090, "audit"));
+    assert_eq!(ev["match"], "default-deny", "{ev}");
+    assert_eq!(named(&ev), ["NetworkPolicy x/b-from-a"], "{ev}");
+    assert_eq!(agent.cli_json(&["endpoint", "get", &id])["audit"], true);
+    let (code, _, err) = agent.cli(&["endpoint", "config", &id, "PolicyAuditMode=Disabled"]);
+    assert_eq!(code, 0, "{err}");
+    agent.wait_until("b enforces again", || !tcp_ok(&a.netns, b.addr, 9090));
+    assert!(
+        tcp_ok(&a.netns, b.addr, 8080),
+        "what the policy allows still passes"
+    );
+    // A bad option is refused, naming it.
+    let (code, _, err) = agent.cli(&["endpoint", "config", &id, "PolicyAuditMode=Maybe"]);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("PolicyAuditMode must be Enabled or Disabled"),
+        "{err}"
+    );
+    drop(mon);
+    assert_eq!(agent.stop(), 0);
+
+    // always: a pod no policy selects for a direction is isolated there too (here b's egress,
+    // which no policy selects: the connection dies leaving b).
+    let mut agent = start(tmp.path(), &pins, &["--enable-policy", "always"], &pods);
+    let mon = Monitor::start(&agent);
+    tcp_server(&a.netns, a.addr, 8080);
+    assert!(
+        !tcp_ok(&b.netns, a.addr, 8080),
+        "default deny without any policy"
+    );
+    let ev = mon.expect("b -> a:8080 dropped at b's egress", |e| {
+        e["destination"] == sa.as_str() && e["verdict"] == "dropped" && e["direction"] == "egress"
+    });
+    assert_eq!(ev["match"], "default-deny", "{ev}");
+    assert_eq!(
+        named(&ev),
+        Vec::<String>::new(),
+        "no policy selects b for egress: {ev}"
+    );
+    drop(mon);
+    assert_eq!(agent.stop(), 0);
+
+    // never: nothing is enforced; what would have been dropped is reported as audit.
+    let agent = start(tmp.path(), &pins, &["--enable-policy", "never"], &pods);
+    let mon = Monitor::start(&agent);
+    assert!(tcp_ok(&a.netns, b.addr, 9090), "nothing enforced");
+    let ev = mon.expect("a -> b:9090 audited", |e| flow(e, &sb, 9090, "audit"));
+    assert_eq!(named(&ev), ["NetworkPolicy x/b-from-a"], "{ev}");
+}

@@ -53,6 +53,7 @@ const ISOLATED_IN: EndpointFlags = EndpointFlags {
     drop_all: false,
     ingress_cookie: 0,
     egress_cookie: 0,
+    audit: false,
 };
 const ISOLATED_BOTH: EndpointFlags = EndpointFlags {
     ingress_default_deny: true,
@@ -60,6 +61,7 @@ const ISOLATED_BOTH: EndpointFlags = EndpointFlags {
     drop_all: false,
     ingress_cookie: 0,
     egress_cookie: 0,
+    audit: false,
 };
 const OPEN: EndpointFlags = EndpointFlags {
     ingress_default_deny: false,
@@ -67,6 +69,7 @@ const OPEN: EndpointFlags = EndpointFlags {
     drop_all: false,
     ingress_cookie: 0,
     egress_cookie: 0,
+    audit: false,
 };
 
 #[test]

@@ -14,7 +14,8 @@ static __always_inline void count(__u32 reason)
 static __always_inline void emit(struct packet *p, __u32 ep, __u32 identity, int egress, __u32 reason,
 				 __u32 cookie)
 {
-	int is_drop = reason >= CILIATE_DROP_POLICY_DENY && reason <= CILIATE_DROP_MALFORMED;
+	int is_drop = (reason >= CILIATE_DROP_POLICY_DENY && reason <= CILIATE_DROP_MALFORMED) ||
+		      reason == CILIATE_AUDIT_POLICY_DENY || reason == CILIATE_AUDIT_DEFAULT_DENY;
 	if (!is_drop) {
 		__u32 zero = 0;
 		struct datapath_config *c = bpf_map_lookup_elem(&settings, &zero);

@@ -49,6 +49,9 @@ pub struct EndpointModel {
     pub regenerations: u64,
     pub error: Option<String>,
     pub container_id: Option<String>,
+    /// `PolicyAuditMode` of this endpoint (the agent-wide `--policy-audit-mode` aside).
+    #[serde(default)]
+    pub audit: bool,
 }
 
 pub struct EndpointActor {
@@ -186,6 +189,7 @@ impl EndpointActor {
             regenerations: self.regen.regenerations,
             error: self.regen.error.clone(),
             container_id: self.record.container_id.clone(),
+            audit: self.record.audit,
         }
     }
 
@@ -254,12 +258,18 @@ impl EndpointActor {
         };
         let (ingress_cookie, ingress_by) = isolation_cookie(&policy.ingress.isolated_by);
         let (egress_cookie, egress_by) = isolation_cookie(&policy.egress.isolated_by);
+        let (ingress_default_deny, egress_default_deny, audit) = self.shared.enforcement.apply(
+            !policy.ingress.isolated_by.is_empty(),
+            !policy.egress.isolated_by.is_empty(),
+            self.record.audit,
+        );
         let flags = EndpointFlags {
-            ingress_default_deny: !policy.ingress.isolated_by.is_empty(),
-            egress_default_deny: !policy.egress.isolated_by.is_empty(),
+            ingress_default_deny,
+            egress_default_deny,
             drop_all: false,
             ingress_cookie,
             egress_cookie,
+            audit,
         };
         let delta = if replace {
             policy.map.diff_from(&MapState::new())
@@ -374,7 +384,42 @@ impl Actor for EndpointActor {
         self.shared.registry.deregister(&self.name());
     }
 }
-crate::traced_actor!(EndpointActor: Regenerate, BumpRevision, SetIdentity, GetEndpoint, GetRealizedPolicy, Delete);
+crate::traced_actor!(EndpointActor: Regenerate, BumpRevision, SetIdentity, SetAudit, GetEndpoint, GetRealizedPolicy, Delete);
+
+/// `PolicyAuditMode`: the endpoint audits (`true`) or enforces. Applied at once by a forced
+/// regeneration (the endpoint record's flags), persisted with the endpoint.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct SetAudit {
+    pub audit: bool,
+}
+
+impl Traceable for SetAudit {
+    const KIND: &'static str = "SetAudit";
+    fn summary(&self) -> String {
+        format!("audit {}", if self.audit { "enabled" } else { "disabled" })
+    }
+}
+
+impl Handler<SetAudit> for EndpointActor {
+    type Result = ();
+    fn handle(&mut self, msg: SetAudit, ctx: &mut Context<Self>) {
+        if self.record.audit == msg.audit {
+            return;
+        }
+        self.record.audit = msg.audit;
+        self.needs_persist = true;
+        self.persist();
+        let revision = self.regen.wanted;
+        self.step(
+            ctx,
+            Event::Requested {
+                revision,
+                force: true,
+            },
+        );
+    }
+}
 
 /// Compute and realize the policy (sent by `RuleReactionActor`).
 #[derive(Debug, Message)]

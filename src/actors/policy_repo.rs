@@ -12,7 +12,7 @@ use actix::{Actor, Context, Handler, Message};
 use ipnet::IpNet;
 use serde::Serialize;
 
-use super::endpoint::{Delete, EndpointActor, EndpointModel, Regenerate, SetIdentity};
+use super::endpoint::{Delete, EndpointActor, EndpointModel, Regenerate, SetAudit, SetIdentity};
 use super::loader::{IpcacheChange, LoaderActor};
 use super::rule_reaction::{EndpointHandle, PolicyReaction, RuleReactionActor};
 use crate::datapath::EndpointId;
@@ -460,6 +460,7 @@ impl PolicyRepoActor {
             egress_enforced: false,
             regenerations: 0,
             error: None,
+            audit: record.audit,
             container_id: record.container_id.clone(),
         };
         self.endpoints.insert(
@@ -575,6 +576,7 @@ impl PolicyRepoActor {
             container_id: req.container_id.clone(),
             netns: req.netns.clone(),
             mac: req.mac.clone(),
+            audit: restore.as_ref().is_some_and(|r| r.audit),
         };
         let model = self.spawn_endpoint(record, labels, ports);
         let affected: BTreeSet<NumericIdentity> = identity
@@ -656,7 +658,7 @@ impl Actor for PolicyRepoActor {
 traced_actor!(PolicyRepoActor:
     PolicyUpsert, PolicyRejected, PolicyDelete, ManifestStatus, PodUpsert, PodDelete, NamespaceUpsert,
     NamespaceDelete, NodeUpsert, NodeDelete, ServiceUpsert, InitialSyncDone, AddEndpoint, DeleteEndpoint,
-    FindEndpoint, ListEndpoints, ListPodlessEndpoints, Shutdown, GetPolicies, GetIdentities, GetIpcacheView, RegenerateAll);
+    FindEndpoint, ConfigureEndpoint, ListEndpoints, ListPodlessEndpoints, Shutdown, GetPolicies, GetIdentities, GetIpcacheView, RegenerateAll);
 
 macro_rules! traceable {
     ($t:ty, $kind:literal, |$s:ident| $summary:expr) => {
@@ -1117,6 +1119,31 @@ impl Handler<DeleteEndpoint> for PolicyRepoActor {
     type Result = Result<(), ApiError>;
     fn handle(&mut self, msg: DeleteEndpoint, _: &mut Context<Self>) -> Self::Result {
         self.delete_endpoint(msg.id, false)
+    }
+}
+
+/// Changes an endpoint's configuration (`ciliate endpoint config ID PolicyAuditMode=...`).
+#[derive(Debug, Message)]
+#[rtype(result = "Result<(), ApiError>")]
+pub struct ConfigureEndpoint {
+    pub id: EndpointId,
+    pub audit: bool,
+}
+traceable!(ConfigureEndpoint, "ConfigureEndpoint", |m| format!(
+    "endpoint {} audit {}",
+    m.id, m.audit
+));
+
+impl Handler<ConfigureEndpoint> for PolicyRepoActor {
+    type Result = Result<(), ApiError>;
+    fn handle(&mut self, msg: ConfigureEndpoint, _: &mut Context<Self>) -> Self::Result {
+        let entry = self
+            .endpoints
+            .get_mut(&msg.id)
+            .ok_or_else(|| ApiError::NotFound(format!("endpoint {}", msg.id)))?;
+        entry.record.audit = msg.audit;
+        entry.addr.do_send(SetAudit { audit: msg.audit }, NAME);
+        Ok(())
     }
 }
 

@@ -49,6 +49,8 @@ pub struct AgentConfig {
     /// Routes between nodes (interfaces.md section 8).
     pub routing: crate::network::RoutingConfig,
     /// Where socket-level service translation attaches (cgroup v2); none: not translated.
+    /// `--enable-policy`, `--policy-audit-mode`.
+    pub enforcement: crate::config::Enforcement,
     pub cgroup_root: Option<PathBuf>,
 }
 
@@ -312,6 +314,7 @@ async fn run_async(
     if let Ok(mut v) = shared.routing.lock() {
         v.mode = config.routing.mode.as_str().into();
     }
+    shared.enforcement = config.enforcement;
     shared.pod_mtu = pod_mtu(&config.routing);
     // Kubernetes mode: the client first, so a bad kubeconfig fails the start at once.
     let feed = match source {

@@ -19,8 +19,8 @@ use serde::Serialize;
 use crate::actors::endpoint::{EndpointModel, GetEndpoint};
 use crate::actors::loader::{GetPolicyMap, LoaderActor};
 use crate::actors::policy_repo::{
-    AddEndpoint, ApiError, DeleteEndpoint, EndpointRequest, FindEndpoint, GetIdentities,
-    GetIpcacheView, GetPolicies, ListEndpoints, PolicyRepoActor,
+    AddEndpoint, ApiError, ConfigureEndpoint, DeleteEndpoint, EndpointRequest, FindEndpoint,
+    GetIdentities, GetIpcacheView, GetPolicies, ListEndpoints, PolicyRepoActor,
 };
 use crate::datapath::EndpointId;
 use crate::introspect::TracedAddr;
@@ -375,6 +375,46 @@ async fn delete_endpoint(st: web::Data<AppState>, id: web::Path<EndpointId>) -> 
     }
 }
 
+/// `PATCH /v1/endpoints/{id}/config` with `{"PolicyAuditMode": "Enabled"|"Disabled"}`.
+async fn configure_endpoint(
+    st: web::Data<AppState>,
+    id: web::Path<EndpointId>,
+    body: web::Json<std::collections::BTreeMap<String, String>>,
+) -> HttpResponse {
+    let id = id.into_inner();
+    let audit = match audit_setting(id, &body) {
+        Ok(a) => a,
+        Err(e) => return api_error(ApiError::Invalid(e)),
+    };
+    match st.repo.send(ConfigureEndpoint { id, audit }, FROM).await {
+        Ok(Ok(())) => HttpResponse::NoContent().finish(),
+        Ok(Err(e)) => api_error(e),
+        Err(e) => mailbox_error(e),
+    }
+}
+
+/// The one option `endpoint config` knows, as Cilium names it.
+fn audit_setting(
+    id: EndpointId,
+    options: &std::collections::BTreeMap<String, String>,
+) -> Result<bool, String> {
+    if let Some(other) = options.keys().find(|k| *k != "PolicyAuditMode") {
+        return Err(format!(
+            "endpoint {id}: unknown option {other:?} (known: PolicyAuditMode)"
+        ));
+    }
+    match options.get("PolicyAuditMode").map(String::as_str) {
+        Some("Enabled") => Ok(true),
+        Some("Disabled") => Ok(false),
+        Some(v) => Err(format!(
+            "endpoint {id}: PolicyAuditMode must be Enabled or Disabled, not {v:?}"
+        )),
+        None => Err(format!(
+            "endpoint {id}: no option given (PolicyAuditMode=Enabled|Disabled)"
+        )),
+    }
+}
+
 #[derive(serde::Deserialize)]
 struct ByContainer {
     container_id: String,
@@ -564,6 +604,10 @@ pub fn socket_routes(cfg: &mut web::ServiceConfig) {
         .route("/v1/endpoints/by-container", web::get().to(find_endpoint))
         .route("/v1/endpoints/{id}", web::get().to(endpoint))
         .route("/v1/endpoints/{id}", web::delete().to(delete_endpoint))
+        .route(
+            "/v1/endpoints/{id}/config",
+            web::patch().to(configure_endpoint),
+        )
         .route("/v1/policy", web::get().to(policy))
         .route("/v1/identities", web::get().to(identities))
         .route("/v1/ipcache", web::get().to(ipcache))

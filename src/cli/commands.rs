@@ -177,6 +177,27 @@ pub fn run_client(opts: &ClientOpts, call: ClientCall) -> Result<String, ClientE
                 }),
             )
         }
+        ClientCall::Endpoint(EndpointCommand::Config { id, options }) => {
+            let mut body = serde_json::Map::new();
+            for o in options {
+                let (k, v) = o
+                    .split_once('=')
+                    .ok_or_else(|| ClientError::Usage(format!("{o:?}: expected OPTION=VALUE")))?;
+                body.insert(k.to_string(), Value::String(v.to_string()));
+            }
+            let body = Value::Object(body).to_string();
+            request(
+                sock,
+                "PATCH",
+                &format!("/v1/endpoints/{id}/config"),
+                Some(&body),
+            )?;
+            let id = *id;
+            (
+                serde_json::json!({ "configured": id }).to_string(),
+                Box::new(move |_| format!("endpoint {id} configured\n")),
+            )
+        }
         ClientCall::Endpoint(EndpointCommand::Delete { id }) => {
             request(sock, "DELETE", &format!("/v1/endpoints/{id}"), None)?;
             let id = *id;

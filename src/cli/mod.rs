@@ -203,6 +203,13 @@ pub struct AgentArgs {
     /// node's device once policy allowed it).
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
     pub enable_host_legacy_routing: bool,
+    /// Enforcement: `default` (isolated once a policy selects the endpoint), `always` (default
+    /// deny everywhere), `never` (nothing enforced; would-be drops reported as audit).
+    #[arg(long, value_enum, default_value_t = crate::config::PolicyEnforcement::Default)]
+    pub enable_policy: crate::config::PolicyEnforcement,
+    /// Audit every endpoint: what policy would drop passes and is reported as `audit`.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
+    pub policy_audit_mode: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -260,6 +267,13 @@ pub enum EndpointCommand {
     },
     /// Delete an endpoint.
     Delete { id: u16 },
+    /// Change an endpoint's configuration: `PolicyAuditMode=Enabled|Disabled`.
+    Config {
+        id: u16,
+        /// `OPTION=VALUE`
+        #[arg(required = true)]
+        options: Vec<String>,
+    },
 }
 
 #[derive(Debug, Subcommand)]

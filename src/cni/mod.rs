@@ -206,6 +206,11 @@ pub fn agent_error(command: &str, e: crate::client::ClientError) -> CniError {
             format!("{command}: talking to the agent failed"),
             e.to_string(),
         ),
+        ClientError::Usage(_) => CniError::new(
+            code::AGENT_FAILURE,
+            format!("{command}: bad request"),
+            e.to_string(),
+        ),
     }
 }
 

@@ -133,6 +133,7 @@ mod tests {
             container_id: container.map(str::to_string),
             netns: None,
             mac: None,
+            audit: false,
         }
     }
 

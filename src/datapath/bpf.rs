@@ -198,11 +198,12 @@ pub const EP_INGRESS_DEFAULT_DENY: u32 = 0x1;
 pub const EP_EGRESS_DEFAULT_DENY: u32 = 0x2;
 pub const EP_DROP_ALL: u32 = 0x4;
 pub const EP_SPLIT_LENS: u32 = 0x8;
+pub const EP_AUDIT: u32 = 0x10;
 /// Probe-mask bit for entries of every protocol (`CILIATE_LENS_ALL_PROTOCOLS`).
 pub const LENS_ALL_PROTOCOLS: u32 = 1 << 17;
 
 /// Verdict reasons (`enum ciliate_reason` in `bpf/ciliate.h`), by counter index.
-pub const REASONS: [&str; 11] = [
+pub const REASONS: [&str; 13] = [
     "allow-policy",
     "allow-not-isolated",
     "allow-established",
@@ -214,6 +215,8 @@ pub const REASONS: [&str; 11] = [
     "pass-unmanaged",
     "pass-not-ip",
     "conntrack-full",
+    "audit-policy-deny",
+    "audit-default-deny",
 ];
 
 /// A shared structure that is plain old data: `repr(C)`, every byte part of a field (explicit

@@ -195,6 +195,7 @@ pub fn verdict_event(
     let (verdict, reason) = match reason.split_once('-') {
         Some(("allow" | "pass", r)) => ("forwarded", r.to_string()),
         Some(("drop", r)) => ("dropped", r.to_string()),
+        Some(("audit", r)) => ("audit", r.to_string()),
         _ => ("dropped", reason.to_string()),
     };
     VerdictEvent {

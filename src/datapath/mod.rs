@@ -46,6 +46,8 @@ pub struct EndpointFlags {
     /// (`policy::attribution::isolation_cookie`; 0 when not isolated).
     pub ingress_cookie: u32,
     pub egress_cookie: u32,
+    /// Audit mode: what policy would drop passes and is reported as `audit`.
+    pub audit: bool,
 }
 
 /// One realized policy map entry, for `ciliate bpf policy get`.

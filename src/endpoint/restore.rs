@@ -110,6 +110,7 @@ mod tests {
             container_id: container.map(String::from),
             netns: container.map(|_| format!("/run/netns/p{id}")),
             mac: None,
+            audit: false,
         }
     }
 

@@ -48,6 +48,9 @@ pub struct EndpointRecord {
     /// none: their pods are then reached through the host stack only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mac: Option<String>,
+    /// `ciliate endpoint config ID PolicyAuditMode=Enabled`: this endpoint audits.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub audit: bool,
 }
 
 /// A CNI ADD in progress, recorded before anything is created for the container and removed once
@@ -476,6 +479,7 @@ mod tests {
             container_id: None,
             netns: None,
             mac: None,
+            audit: false,
         }
     }
 

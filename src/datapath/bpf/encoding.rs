@@ -6,7 +6,7 @@ use std::net::IpAddr;
 use ipnet::IpNet;
 
 use super::{
-    types, EP_DROP_ALL, EP_EGRESS_DEFAULT_DENY, EP_INGRESS_DEFAULT_DENY, EP_SPLIT_LENS,
+    types, EP_AUDIT, EP_DROP_ALL, EP_EGRESS_DEFAULT_DENY, EP_INGRESS_DEFAULT_DENY, EP_SPLIT_LENS,
     LENS_ALL_PROTOCOLS,
 };
 use crate::datapath::abi::{EntryTable, PolicyEntryKey};
@@ -23,6 +23,7 @@ pub(super) fn flags_bits(f: EndpointFlags) -> u32 {
     } else {
         0
     }) | (if f.drop_all { EP_DROP_ALL } else { 0 })
+        | (if f.audit { EP_AUDIT } else { 0 })
 }
 
 /// The flags and isolation cookies an endpoint record holds.
@@ -33,6 +34,7 @@ pub(super) fn flags_of_info(info: &types::endpoint_info) -> EndpointFlags {
         drop_all: info.flags & EP_DROP_ALL != 0,
         ingress_cookie: info.ingress_cookie,
         egress_cookie: info.egress_cookie,
+        audit: info.flags & EP_AUDIT != 0,
     }
 }
 
