@@ -26,6 +26,14 @@ pub struct OutcomeLabels {
     pub outcome: String,
 }
 
+/// `ciliate_policy_verdicts_total` labels (bounded: 2 x 3 x 7 values).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct VerdictLabels {
+    pub direction: String,
+    pub verdict: String,
+    pub r#match: String,
+}
+
 /// Every metric the agent exports.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ResourceLabels {
@@ -59,6 +67,8 @@ pub struct Metrics {
     pub debug_connections_refused: Counter,
     /// Saved endpoints at start-up by what became of them (`restored`, `interface_gone`, ...).
     pub endpoint_restore: Family<OutcomeLabels, Counter>,
+    /// Policy verdicts the datapath reported (drops, audits, new allowed connections).
+    pub policy_verdicts: Family<VerdictLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -94,7 +104,13 @@ impl Metrics {
             debug_connections: Gauge::default(),
             debug_connections_refused: Counter::default(),
             endpoint_restore: Family::default(),
+            policy_verdicts: Family::default(),
         };
+        r.register(
+            "ciliate_policy_verdicts",
+            "Policy verdicts reported by the datapath (every drop and audit, the first packet of every new allowed connection), by direction, verdict and match",
+            m.policy_verdicts.clone(),
+        );
         r.register(
             "ciliate_k8s_watch_events",
             "Kubernetes watch events received (list items included), by resource kind",

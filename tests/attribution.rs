@@ -248,6 +248,18 @@ fn every_verdict_names_its_policies_across_edits_and_restarts() {
         "{ev}"
     );
 
+    // ... and the verdict metric counts it by direction, verdict and match.
+    let (_, metrics) = agent.http_get("/metrics");
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("ciliate_policy_verdicts_total{")
+                && l.contains("direction=\"ingress\"")
+                && l.contains("verdict=\"dropped\"")
+                && l.contains("match=\"default-deny\"")),
+        "{metrics}"
+    );
+
     // An ingressDeny drop names the CCNP (no namespace).
     assert!(!tcp_ok(&c.netns, b.addr, 8080));
     let ev = mon.expect("c -> b:8080 dropped", |e| {

@@ -332,10 +332,21 @@ async fn run_async(
     let datapath_name = datapath.name();
     let events = shared.events.clone();
     let (cookies, pod_names) = (shared.cookies.clone(), shared.pod_names.clone());
+    let verdict_metrics = shared.metrics.clone();
     datapath
         .start_events(Box::new(move |mut ev| {
             ev.attribute(&cookies);
             ev.name_pods(|ip| pod_names.get(&ip).map(|n| n.clone()));
+            if let Some(m) = &ev.match_kind {
+                verdict_metrics
+                    .policy_verdicts
+                    .get_or_create(&crate::metrics::VerdictLabels {
+                        direction: ev.direction.clone(),
+                        verdict: ev.verdict.clone(),
+                        r#match: m.clone(),
+                    })
+                    .inc();
+            }
             // No subscriber is not an error: the event is simply not shown anywhere.
             let _ = events.send(ev);
             true
