@@ -51,7 +51,9 @@ enum ciliate_reason {
 	/* Audit mode let through what policy would have dropped. */
 	CILIATE_AUDIT_POLICY_DENY = 11,
 	CILIATE_AUDIT_DEFAULT_DENY = 12,
-	CILIATE_REASON_MAX = 13,
+	/* Counted besides the verdict: its event did not fit in the ring buffer (lost). */
+	CILIATE_EVENTS_LOST = 13,
+	CILIATE_REASON_MAX = 14,
 };
 
 /* ipcache, part 1: host addresses (/32, /128: pods and nodes, nearly all entries) in a hash,

@@ -69,6 +69,8 @@ pub struct Metrics {
     pub endpoint_restore: Family<OutcomeLabels, Counter>,
     /// Policy verdicts the datapath reported (drops, audits, new allowed connections).
     pub policy_verdicts: Family<VerdictLabels, Counter>,
+    /// Verdict events the datapath's ring buffer had no room for.
+    pub events_lost: Counter,
 }
 
 impl Default for Metrics {
@@ -105,7 +107,13 @@ impl Metrics {
             debug_connections_refused: Counter::default(),
             endpoint_restore: Family::default(),
             policy_verdicts: Family::default(),
+            events_lost: Counter::default(),
         };
+        r.register(
+            "ciliate_datapath_events_lost",
+            "Verdict events lost because the datapath's ring buffer was full (also shown by `ciliate monitor`)",
+            m.events_lost.clone(),
+        );
         r.register(
             "ciliate_policy_verdicts",
             "Policy verdicts reported by the datapath (every drop and audit, the first packet of every new allowed connection), by direction, verdict and match",

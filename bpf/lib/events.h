@@ -23,8 +23,10 @@ static __always_inline void emit(struct packet *p, __u32 ep, __u32 identity, int
 			return;
 	}
 	struct verdict_event *e = bpf_ringbuf_reserve(&events, sizeof(*e), 0);
-	if (!e)
+	if (!e) {
+		count(CILIATE_EVENTS_LOST); /* the agent reports the loss, never silently */
 		return;
+	}
 	__builtin_memset(e, 0, sizeof(*e));
 	e->timestamp_ns = bpf_ktime_get_ns();
 	e->endpoint_id = ep;

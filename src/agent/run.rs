@@ -337,6 +337,13 @@ async fn run_async(
         .start_events(Box::new(move |mut ev| {
             ev.attribute(&cookies);
             ev.name_pods(|ip| pod_names.get(&ip).map(|n| n.clone()));
+            if let Some(n) = ev.lost {
+                tracing::warn!(
+                    lost = n,
+                    "verdict events lost: the datapath's ring buffer was full"
+                );
+                verdict_metrics.events_lost.inc_by(n);
+            }
             if let Some(m) = &ev.match_kind {
                 verdict_metrics
                     .policy_verdicts

@@ -203,7 +203,7 @@ pub const EP_AUDIT: u32 = 0x10;
 pub const LENS_ALL_PROTOCOLS: u32 = 1 << 17;
 
 /// Verdict reasons (`enum ciliate_reason` in `bpf/ciliate.h`), by counter index.
-pub const REASONS: [&str; 13] = [
+pub const REASONS: [&str; 14] = [
     "allow-policy",
     "allow-not-isolated",
     "allow-established",
@@ -217,7 +217,11 @@ pub const REASONS: [&str; 13] = [
     "conntrack-full",
     "audit-policy-deny",
     "audit-default-deny",
+    "events-lost",
 ];
+
+/// The verdict counter of events the ring buffer had no room for.
+pub const EVENTS_LOST: u32 = 13;
 
 /// A shared structure that is plain old data: `repr(C)`, every byte part of a field (explicit
 /// padding only), so viewing it as bytes is sound. The layout test checks the "no implicit

@@ -46,6 +46,33 @@ pub struct VerdictEvent {
     /// The datapath's attribution cookie (resolved into the fields above).
     #[serde(skip)]
     pub cookie: u32,
+    /// `type: lost`: this many events did not fit in the datapath's ring buffer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lost: Option<u64>,
+}
+
+/// The report of `n` events the datapath could not deliver (its ring buffer was full).
+pub fn lost_event(n: u64) -> VerdictEvent {
+    VerdictEvent {
+        kind: "lost".into(),
+        timestamp_ns: 0,
+        endpoint: 0,
+        peer_identity: 0,
+        direction: String::new(),
+        protocol: String::new(),
+        port: 0,
+        verdict: "lost".into(),
+        reason: "ring-buffer-full".into(),
+        source: String::new(),
+        destination: String::new(),
+        source_pod: None,
+        destination_pod: None,
+        match_kind: None,
+        policies: vec![],
+        revision: None,
+        cookie: 0,
+        lost: Some(n),
+    }
 }
 
 /// `ns/pod (address)` when the pod is known, else the address.
@@ -63,6 +90,9 @@ fn flow() -> String {
 impl VerdictEvent {
     /// One readable line, as `ciliate monitor` prints it.
     pub fn line(&self) -> String {
+        if let Some(n) = self.lost {
+            return format!("LOST      {n} events (the datapath's ring buffer was full)");
+        }
         let mut line = format!(
             "{} {:<9} endpoint {} {} {} -> {} {}/{} peer identity {} ({})",
             self.timestamp_ns,
@@ -150,6 +180,9 @@ pub struct FlowFilter {
 
 impl FlowFilter {
     pub fn accepts(&self, e: &VerdictEvent) -> bool {
+        if e.lost.is_some() {
+            return true; // a loss is always shown: it may hide what the filter wants
+        }
         let peer = |want: &Option<String>, addr: &str, pod: &Option<String>| {
             want.as_deref()
                 .is_none_or(|w| w == addr || pod.as_deref() == Some(w))
@@ -216,6 +249,7 @@ pub fn verdict_event(
         policies: vec![],
         revision: None,
         cookie,
+        lost: None,
     }
 }
 
@@ -295,5 +329,9 @@ mod tests {
             ..Default::default()
         };
         assert!(to_b.accepts(&e), "pods by name");
+        let lost = lost_event(3);
+        assert!(to_b.accepts(&lost), "losses are never filtered away");
+        assert!(lost.line().starts_with("LOST      3 events"));
+        assert_eq!(serde_json::to_value(&lost).unwrap()["type"], "lost");
     }
 }

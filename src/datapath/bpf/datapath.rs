@@ -174,16 +174,22 @@ impl BpfDatapath {
     /// and hands it to `sink` until `sink` returns false.
     pub fn spawn_event_reader(
         &self,
-        mut sink: impl FnMut(crate::datapath::events::VerdictEvent) -> bool + Send + 'static,
+        sink: impl FnMut(crate::datapath::events::VerdictEvent) -> bool + Send + 'static,
     ) -> Result<std::thread::JoinHandle<()>, DatapathError> {
         let path = self.pins.join("events");
         let map =
             MapHandle::from_pinned_path(&path).map_err(sys(format!("open {}", path.display())))?;
+        let pins = self.pins.clone();
+        let lost_count = move || {
+            super::host_routes::percpu_counter_at(&pins, "verdict_counters", super::EVENTS_LOST)
+                .unwrap_or(0)
+        };
         let handle = std::thread::Builder::new()
             .name("ciliate-events".into())
             .spawn(move || {
                 let keep = std::rc::Rc::new(std::cell::Cell::new(true));
-                let keep_cb = keep.clone();
+                let sink = std::rc::Rc::new(std::cell::RefCell::new(sink));
+                let (keep_cb, sink_cb) = (keep.clone(), sink.clone());
                 let mut builder = libbpf_rs::RingBufferBuilder::new();
                 let added = builder.add(&map, move |data: &[u8]| {
                     // Events of an older program are shorter: the fields they lack read as 0.
@@ -195,7 +201,7 @@ impl BpfDatapath {
                         let ev = crate::datapath::events::verdict_event(
                             e.timestamp_ns, e.endpoint_id, e.peer_identity, e.egress != 0, e.protocol, e.port, reason, e.family, e.saddr, e.daddr, e.cookie,
                         );
-                        if !sink(ev) {
+                        if !(sink_cb.borrow_mut())(ev) {
                             keep_cb.set(false);
                         }
                     }
@@ -208,9 +214,19 @@ impl BpfDatapath {
                         return;
                     }
                 };
+                // Losses of this run (the counter is pinned: earlier runs' are not ours).
+                let mut lost = lost_count();
                 while keep.get() {
                     if let Err(e) = rb.poll(std::time::Duration::from_millis(200)) {
                         tracing::warn!(error = %e, "verdict ring buffer poll failed");
+                    }
+                    let now = lost_count();
+                    if now > lost {
+                        let ev = crate::datapath::events::lost_event(now - lost);
+                        lost = now;
+                        if !(sink.borrow_mut())(ev) {
+                            keep.set(false);
+                        }
                     }
                 }
             })

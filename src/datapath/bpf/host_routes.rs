@@ -63,13 +63,18 @@ pub fn routed_packets(pins: &Path) -> Result<u64, DatapathError> {
 
 /// The sum over CPUs of a pinned one-slot per-CPU counter (`host_routed`, `host_delivered`).
 pub fn percpu_counter(pins: &Path, name: &str) -> Result<u64, DatapathError> {
+    percpu_counter_at(pins, name, 0)
+}
+
+/// Slot `index` of a pinned per-CPU counter array, summed over CPUs.
+pub fn percpu_counter_at(pins: &Path, name: &str, index: u32) -> Result<u64, DatapathError> {
     let path = pins.join(name);
     let map = MapHandle::from_pinned_path(&path).map_err(|e| DatapathError::System {
         operation: format!("open {}", path.display()),
         message: e.to_string(),
     })?;
     let per_cpu = map
-        .lookup_percpu(&0u32.to_ne_bytes(), MapFlags::ANY)
+        .lookup_percpu(&index.to_ne_bytes(), MapFlags::ANY)
         .map_err(|e| DatapathError::System {
             operation: format!("read {name}"),
             message: e.to_string(),

@@ -793,7 +793,7 @@ fn maps_pinned_by_an_older_version_are_migrated_not_crashed_on() {
     let unused = MapHandle::create(MapType::Hash, Some("unused"), 4, 4, 1, &opts).unwrap();
     assert!(!tcx::map_in_use(unused.info().unwrap().info.id));
     let counters = MapHandle::from_pinned_path(pins.join("verdict_counters")).unwrap();
-    assert_eq!(counters.info().unwrap().info.max_entries, 13);
+    assert_eq!(counters.info().unwrap().info.max_entries, 14);
     let c = counters
         .lookup_percpu(&0u32.to_ne_bytes(), MapFlags::ANY)
         .unwrap()
@@ -943,4 +943,33 @@ fn node_device_program_applies_the_pods_ingress_policy_before_delivering() {
     host_delivery::withdraw(&l.skel.maps.local_endpoints, 7).unwrap();
     assert!(host_delivery::entries(&l.skel.maps.local_endpoints).is_empty());
     assert_eq!(run(&allowed).0, UNSPEC, "withdrawn: left to the stack");
+}
+
+/// Events that do not fit in the ring buffer (nobody reads it here) are counted, never lost
+/// silently: the agent reports the count (`ciliate monitor`, `ciliate_datapath_events_lost`).
+#[test]
+fn events_the_ring_buffer_cannot_take_are_counted() {
+    if !privileged() {
+        return;
+    }
+    let mut l = load(7);
+    l.tcp_80_from_400(7);
+    let denied = packet(6, "10.0.0.3", "10.0.0.1", 40000, 80);
+    let input = ProgramInput {
+        data_in: Some(&denied),
+        repeat: 40_000, // 64-byte events: about 16,000 fit in the 1 MiB ring buffer
+        ..Default::default()
+    };
+    let r = l
+        .skel
+        .progs
+        .to_container
+        .test_run(input)
+        .expect("BPF_PROG_TEST_RUN");
+    assert_eq!(r.return_value, 2, "denied");
+    let lost =
+        super::host_routes::percpu_counter_at(&l.pins, "verdict_counters", super::EVENTS_LOST)
+            .expect("read the counter");
+    assert!(lost > 10_000, "the overflow is counted: {lost}");
+    assert!(lost < 40_000, "and only the overflow: {lost}");
 }
