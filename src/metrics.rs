@@ -34,6 +34,11 @@ pub struct VerdictLabels {
     pub r#match: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ScopeLabels {
+    pub scope: String,
+}
+
 /// Every metric the agent exports.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ResourceLabels {
@@ -71,6 +76,8 @@ pub struct Metrics {
     pub policy_verdicts: Family<VerdictLabels, Counter>,
     /// Verdict events the datapath's ring buffer had no room for.
     pub events_lost: Counter,
+    /// Start-up phases: seconds each took (Cilium's `agent_bootstrap_seconds`).
+    pub bootstrap: Family<ScopeLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
 }
 
 impl Default for Metrics {
@@ -108,7 +115,13 @@ impl Metrics {
             endpoint_restore: Family::default(),
             policy_verdicts: Family::default(),
             events_lost: Counter::default(),
+            bootstrap: Family::default(),
         };
+        r.register(
+            "ciliate_agent_bootstrap_seconds",
+            "Seconds each start-up phase took (init, maps, restore, api, sync, regeneration)",
+            m.bootstrap.clone(),
+        );
         r.register(
             "ciliate_datapath_events_lost",
             "Verdict events lost because the datapath's ring buffer was full (also shown by `ciliate monitor`)",

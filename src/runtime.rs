@@ -45,6 +45,8 @@ pub struct Shared {
     pub cookies: Arc<crate::policy::attribution::CookieJar>,
     /// `--enable-policy`, `--policy-audit-mode`.
     pub enforcement: crate::config::Enforcement,
+    /// Start-up phase timings.
+    pub bootstrap: Arc<Bootstrap>,
     /// Pods by address (`namespace/name`), for flows (`source_pod`, `destination_pod`).
     pub pod_names: Arc<dashmap::DashMap<std::net::IpAddr, String>>,
     pub events: tokio::sync::broadcast::Sender<crate::datapath::events::VerdictEvent>,
@@ -89,6 +91,7 @@ impl Shared {
             events: tokio::sync::broadcast::channel(4096).0,
             cookies: Default::default(),
             enforcement: Default::default(),
+            bootstrap: Default::default(),
             pod_names: Default::default(),
             sync_waiting: Arc::new(Mutex::new(Vec::new())),
             policy_status: None,
@@ -128,5 +131,74 @@ impl Shared {
             .lock()
             .map(|v| v.iter().cloned().collect())
             .unwrap_or_default()
+    }
+}
+
+/// Start-up phases and how long each took (the second seed's `bootstrapStats`): `init`,
+/// `maps`, `restore`, `api`, `sync` (the initial policy sync), `regeneration` (every endpoint
+/// realizing it). Shown on `/debug/startup`, in `status` and as
+/// `ciliate_agent_bootstrap_seconds{scope}`.
+#[derive(Debug, Default)]
+pub struct Bootstrap {
+    phases: Mutex<Vec<(String, f64)>>,
+    /// When the initial sync started and when it ended (the two open phases).
+    sync_started: Mutex<Option<std::time::Instant>>,
+    synced: Mutex<Option<std::time::Instant>>,
+}
+
+impl Bootstrap {
+    pub fn record(
+        &self,
+        scope: &str,
+        took: std::time::Duration,
+        metrics: &crate::metrics::Metrics,
+    ) {
+        metrics
+            .bootstrap
+            .get_or_create(&crate::metrics::ScopeLabels {
+                scope: scope.to_string(),
+            })
+            .set(took.as_secs_f64());
+        if let Ok(mut p) = self.phases.lock() {
+            p.push((scope.to_string(), took.as_secs_f64()));
+        }
+    }
+
+    pub fn sync_started(&self) {
+        if let Ok(mut s) = self.sync_started.lock() {
+            *s = Some(std::time::Instant::now());
+        }
+    }
+
+    /// The initial sync is done: records `sync`.
+    pub fn synced(&self, metrics: &crate::metrics::Metrics) {
+        let now = std::time::Instant::now();
+        let started = self.sync_started.lock().ok().and_then(|s| *s);
+        if let (Some(s), Ok(mut done)) = (started, self.synced.lock()) {
+            if done.is_none() {
+                *done = Some(now);
+                drop(done);
+                self.record("sync", now - s, metrics);
+            }
+        }
+    }
+
+    /// Every endpoint realized the initial policy: records `regeneration`.
+    pub fn ready(&self, metrics: &crate::metrics::Metrics) {
+        if let Some(s) = self.synced.lock().ok().and_then(|s| *s) {
+            let already = self
+                .phases
+                .lock()
+                .map(|p| p.iter().any(|(k, _)| k == "regeneration"))
+                .unwrap_or(true);
+            if !already {
+                self.record("regeneration", s.elapsed(), metrics);
+            }
+        }
+    }
+
+    /// `(scope, seconds)` in the order they finished.
+    pub fn phases(&self) -> Vec<(String, f64)> {
+        self.phases.lock().map(|p| p.clone()).unwrap_or_default()
     }
 }

@@ -211,6 +211,30 @@ fn every_verdict_names_its_policies_across_edits_and_restarts() {
         ]);
     }
     agent.wait_realized(agent.revision());
+    // Start-up says where its time went (`/debug/startup`, `status`, the metric).
+    agent.wait_until("the agent is ready", || agent.http_get("/readyz").0 == 200);
+    let phases: Vec<String> = agent
+        .json("/debug/startup")
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            assert!(p["seconds"].as_f64().is_some_and(|s| s >= 0.0), "{p}");
+            p["scope"].as_str().unwrap().to_string()
+        })
+        .collect();
+    assert_eq!(
+        phases,
+        ["init", "maps", "restore", "api", "sync", "regeneration"],
+        "every phase, in order"
+    );
+    let status = agent.cli_json(&["status"]);
+    assert!(status["bootstrap_seconds"]["sync"].is_f64(), "{status}");
+    let (_, metrics) = agent.http_get("/metrics");
+    assert!(
+        metrics.contains("ciliate_agent_bootstrap_seconds{scope=\"regeneration\"}"),
+        "{metrics}"
+    );
     let mon = Monitor::start(&agent);
 
     // An allow through two overlapping policies names both.

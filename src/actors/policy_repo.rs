@@ -1024,6 +1024,7 @@ impl Handler<InitialSyncDone> for PolicyRepoActor {
             return;
         }
         self.initial_sync_done = true;
+        self.shared.bootstrap.synced(&self.shared.metrics);
         let ipcache = self.refresh_all_identities();
         let revision = self.engine().revision();
         let to_regenerate = self.endpoints_with_identity();

@@ -112,6 +112,7 @@ impl RuleReactionActor {
                 .do_send(UpdateIpcache { changes: p.ipcache }, NAME);
         }
         if p.set_ready {
+            self.shared.bootstrap.ready(&self.shared.metrics);
             self.shared.ready.store(true, Ordering::SeqCst);
             tracing::info!(
                 revision = p.revision,

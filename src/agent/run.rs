@@ -112,6 +112,7 @@ enum Feed {
 
 /// Runs the agent until SIGTERM/SIGINT.
 pub fn run(config: AgentConfig) -> Result<(), AgentError> {
+    let started = std::time::Instant::now();
     let source = match config.mode {
         Mode::Kubernetes => {
             if config.kubeconfig.is_none() && !crate::k8s::client::in_cluster() {
@@ -163,6 +164,7 @@ pub fn run(config: AgentConfig) -> Result<(), AgentError> {
     // Bound before anything runs: a taken port or an unusable socket path ends the start here,
     // with nothing to tear down. Connections wait in the kernel's queue until served.
     let listeners = Listeners::bind(&config.api_socket, &config.state_dir, config.debug_addr)?;
+    let maps_started = std::time::Instant::now();
     let route_applier = open_route_applier(&config)?;
     let datapath: Box<dyn Datapath> = match config.datapath {
         DatapathKind::Memory => Box::new(MemoryDatapath::new()),
@@ -172,6 +174,10 @@ pub fn run(config: AgentConfig) -> Result<(), AgentError> {
         ),
     };
     let services = service_translation(&config)?;
+    let early = vec![
+        ("init", maps_started - started),
+        ("maps", maps_started.elapsed()),
+    ];
     let system = actix::System::new();
     system.block_on(run_async(
         config,
@@ -183,6 +189,7 @@ pub fn run(config: AgentConfig) -> Result<(), AgentError> {
         Network {
             route_applier,
             services,
+            early,
         },
     ))
 }
@@ -260,6 +267,8 @@ fn service_translation(
 struct Network {
     route_applier: Option<crate::network::netlink::RouteApplier>,
     services: std::sync::Arc<crate::services::ServiceLb>,
+    /// Start-up phases timed before the runtime started (`init`, `maps`).
+    early: Vec<(&'static str, std::time::Duration)>,
 }
 
 /// The actors every mode shares, wired together.
@@ -308,6 +317,7 @@ async fn run_async(
     let Network {
         route_applier,
         services,
+        early,
     } = network;
     let mut shared = Shared::new(&config.node_name, state_dir.clone());
     shared.services = services;
@@ -315,6 +325,9 @@ async fn run_async(
         v.mode = config.routing.mode.as_str().into();
     }
     shared.enforcement = config.enforcement;
+    for (scope, took) in early {
+        shared.bootstrap.record(scope, took, &shared.metrics);
+    }
     shared.pod_mtu = pod_mtu(&config.routing);
     // Kubernetes mode: the client first, so a bad kubeconfig fails the start at once.
     let feed = match source {
@@ -381,6 +394,7 @@ async fn run_async(
         .map_err(|e| AgentError::Config(format!("--datapath {datapath_name}: {e}")))?;
     let Core { loader, repo, .. } = spawn_core(&shared, datapath);
 
+    let restore_started = std::time::Instant::now();
     // restoreOldEndpoints: same ids, identities and IPs, before anything new is allocated.
     let mut node_ipam = crate::ipam::NodeIpam {
         source: ipam.as_ref().map(|_| crate::ipam::CidrSource::Flag),
@@ -515,6 +529,10 @@ async fn run_async(
             state_dir.root().display()
         );
     }
+    shared
+        .bootstrap
+        .record("restore", restore_started.elapsed(), &shared.metrics);
+    let api_started = std::time::Instant::now();
 
     // The servers, on the listeners bound before: nothing here fails in practice, but if it
     // does, the actors are stopped as on SIGTERM before the error ends the start.
@@ -549,7 +567,11 @@ async fn run_async(
         }
     };
 
+    shared
+        .bootstrap
+        .record("api", api_started.elapsed(), &shared.metrics);
     // The initial policy sync; restored endpoints regenerate when it is done.
+    shared.bootstrap.sync_started();
     let watcher_journal = registry.register("WatcherActor".into(), "WatcherActor");
     match feed {
         Feed::Manifests(dir) => {

@@ -88,6 +88,9 @@ pub struct StatusModel {
     /// BPF host routing: `bpf (<device>)`, `bpf, send side only: <why>`, `legacy` or `none`.
     #[serde(default)]
     pub host_routing: String,
+    /// Start-up phases and the seconds each took (`/debug/startup`).
+    #[serde(default)]
+    pub bootstrap_seconds: std::collections::BTreeMap<String, f64>,
     /// Services, frontends and backends known, and where they are translated.
     #[serde(default)]
     pub services: Option<crate::services::ServiceCounts>,
@@ -306,8 +309,21 @@ async fn status(st: web::Data<AppState>) -> HttpResponse {
         routes_installed: routing.routes_installed,
         masquerade: routing.masquerade,
         host_routing: routing.host_routing,
+        bootstrap_seconds: st.shared.bootstrap.phases().into_iter().collect(),
         services: Some(st.shared.services.counts()),
     })
+}
+
+/// `GET /debug/startup`: each start-up phase and the seconds it took, in order.
+async fn startup(st: web::Data<AppState>) -> HttpResponse {
+    let phases: Vec<serde_json::Value> = st
+        .shared
+        .bootstrap
+        .phases()
+        .into_iter()
+        .map(|(scope, seconds)| serde_json::json!({"scope": scope, "seconds": seconds}))
+        .collect();
+    HttpResponse::Ok().json(phases)
 }
 
 fn routing_view(st: &AppState) -> crate::network::RoutingView {
@@ -476,6 +492,7 @@ pub fn read_routes(cfg: &mut web::ServiceConfig) {
             web::get().to(actor_messages),
         )
         .route("/debug/endpoints", web::get().to(endpoints))
+        .route("/debug/startup", web::get().to(startup))
         .route("/debug/policy", web::get().to(policy))
         .route("/debug/identities", web::get().to(identities))
         .route("/debug/ipcache", web::get().to(ipcache))

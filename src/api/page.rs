@@ -28,6 +28,7 @@ const PAGE: &str = r##"<!doctype html>
 </div></div>
 <h2>Endpoints</h2><table id="eps"><thead><tr><th>id</th><th>name</th><th>identity</th><th>state</th><th>revision</th><th>entries</th><th>ips</th><th>error</th></tr></thead><tbody></tbody></table>
 <h2>Policies</h2><table id="pols"><thead><tr><th>kind</th><th>name</th><th>rules</th><th>revision</th><th>status</th><th>notes</th></tr></thead><tbody></tbody></table>
+<h2>Start-up <span id="startup" class="muted"></span></h2>
 <h2>Nodes <span id="routing" class="muted"></span></h2><table id="nodes"><thead><tr><th>name</th><th>local</th><th>ips</th><th>pod CIDRs</th><th>route</th></tr></thead><tbody></tbody></table>
 <h2>Services <span id="svccounts" class="muted"></span></h2><table id="svcs"><thead><tr><th>service</th><th>frontend</th><th>backends</th></tr></thead><tbody></tbody></table>
 <script>
@@ -48,6 +49,8 @@ async function refresh(){
   fill("msgs", msgs.slice(-40).reverse().map(m => `<tr><td>${m.seq}</td><td>${esc(m.message)}</td><td><code>${esc(m.summary)}</code></td><td>${esc(m.from)}</td><td>${micros(m.finished_at) - micros(m.started_at)}</td><td class="${m.outcome==='ok'?'ok':'err'}">${esc(m.outcome)}</td></tr>`));
   fill("eps", eps.map(e => `<tr><td>${e.id}</td><td>${esc(e.name)}</td><td>${e.identity ?? ""}</td><td class="${e.state==='ready'?'ok':'err'}">${esc(e.state)}</td><td>${e.policy_revision}</td><td>${e.policy_entries}</td><td>${esc(e.ips.join(", "))}</td><td class=err>${esc(e.error)}</td></tr>`));
   const net = await get("/debug/nodes").catch(() => ({mode: "?", routes_installed: 0, nodes: []}));
+  const startup = await get("/debug/startup").catch(() => []);
+  document.getElementById("startup").textContent = startup.map(p => `${p.scope} ${(p.seconds * 1000).toFixed(1)} ms`).join(" · ");
   document.getElementById("routing").textContent = `routing ${net.mode} · ${net.routes_installed} routes installed · masquerade ${net.masquerade || "?"} · host routing ${net.host_routing || "?"}`;
   fill("nodes", net.nodes.map(n => `<tr><td>${esc(n.name)}</td><td>${n.local ? "yes" : ""}</td><td>${esc(n.ips.join(", "))}</td><td>${esc(n.pod_cidrs.join(", "))}</td><td class="${n.route.startsWith('error')?'err':'ok'}">${esc(n.route)}</td></tr>`));
   const lb = await get("/debug/services").catch(() => ({counts: {}, frontends: []}));
