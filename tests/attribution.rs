@@ -118,6 +118,7 @@ fn flow(ev: &Value, dst: &str, port: u64, verdict: &str) -> bool {
         && ev["direction"] == "ingress"
 }
 
+/// The namespace and three pods (`app` = their name) of the manifests.
 fn cluster(a: &str, b: &str, c: &str) -> String {
     format!(
         "apiVersion: v1
@@ -197,20 +198,12 @@ fn every_verdict_names_its_policies_across_edits_and_restarts() {
     std::fs::write(m.join("ccnp.yaml"), CCNP).unwrap();
     let pins = w.pins.to_string_lossy().to_string();
     let args = ["--datapath", "bpf", "--bpf-root", pins.as_str()];
-    let mut agent = Agent::start_with(tmp.path(), &args);
-    for (name, pod) in [("x/a", a), ("x/b", b), ("x/c", c)] {
-        agent.cli_json(&[
-            "endpoint",
-            "add",
-            "--name",
-            name,
-            "--ip",
-            &pod.addr.to_string(),
-            "--interface",
-            &pod.host_if,
-        ]);
-    }
-    agent.wait_realized(agent.revision());
+    let mut agent = start(
+        tmp.path(),
+        &pins,
+        &[],
+        &[("x/a", a), ("x/b", b), ("x/c", c)],
+    );
     // Start-up says where its time went (`/debug/startup`, `status`, the metric).
     agent.wait_until("the agent is ready", || agent.http_get("/readyz").0 == 200);
     let phases: Vec<String> = agent

@@ -118,18 +118,15 @@ pub fn copy_entries(old: &MapHandle, new: &MapHandle) -> (usize, usize) {
         return (0, 0);
     }
     let keys: Vec<Vec<u8>> = old.keys().collect();
-    // Values that grew (fields appended, which read as 0: "unknown") carry over zero-extended.
-    let grown = !percpu(ta)
-        && !percpu(tb)
-        && a.info.key_size == b.info.key_size
-        && b.info.value_size > a.info.value_size;
-    if grown {
-        return copy_grown(old, new, &keys, b.info.value_size as usize);
-    }
-    if a.info.key_size != b.info.key_size
-        || a.info.value_size != b.info.value_size
-        || percpu(ta) != percpu(tb)
-    {
+    // Values that grew (fields appended, which read as 0: "unknown") carry over zero-extended;
+    // per-CPU values only as they are.
+    let size = b.info.value_size as usize;
+    let fits = if percpu(ta) {
+        a.info.value_size == b.info.value_size
+    } else {
+        a.info.value_size <= b.info.value_size
+    };
+    if a.info.key_size != b.info.key_size || percpu(ta) != percpu(tb) || !fits {
         return (0, keys.len());
     }
     let (mut copied, mut failed) = (0, 0);
@@ -141,29 +138,12 @@ pub fn copy_entries(old: &MapHandle, new: &MapHandle) -> (usize, usize) {
             }
         } else {
             match old.lookup(&k, MapFlags::ANY) {
-                Ok(Some(v)) => new.update(&k, &v, MapFlags::ANY).is_ok(),
+                Ok(Some(mut v)) => {
+                    v.resize(size, 0);
+                    new.update(&k, &v, MapFlags::ANY).is_ok()
+                }
                 _ => false,
             }
-        };
-        if ok {
-            copied += 1;
-        } else {
-            failed += 1;
-        }
-    }
-    (copied, failed)
-}
-
-/// Copies entries whose value type grew at its end: the new fields are zero.
-fn copy_grown(old: &MapHandle, new: &MapHandle, keys: &[Vec<u8>], size: usize) -> (usize, usize) {
-    let (mut copied, mut failed) = (0, 0);
-    for k in keys {
-        let ok = match old.lookup(k, MapFlags::ANY) {
-            Ok(Some(mut v)) => {
-                v.resize(size, 0);
-                new.update(k, &v, MapFlags::ANY).is_ok()
-            }
-            _ => false,
         };
         if ok {
             copied += 1;
