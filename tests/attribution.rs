@@ -177,25 +177,40 @@ spec:
     - fromEndpoints: [{matchLabels: {app: c}}]
 ";
 
+/// Three pods a, b, c (servers on b's 8080 and 9090), and the manifests: the cluster and
+/// `files` (name, YAML).
+fn scene(files: &[(&str, String)]) -> (common::netns::World, tempfile::TempDir) {
+    let w = world(3);
+    for port in [8080, 9090] {
+        tcp_server(&w.pods[1].netns, w.pods[1].addr, port);
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tmp.path().join("manifests");
+    std::fs::create_dir_all(&m).unwrap();
+    let [a, b, c] = [0, 1, 2].map(|i| w.pods[i].addr.to_string());
+    std::fs::write(m.join("cluster.yaml"), cluster(&a, &b, &c)).unwrap();
+    for (name, yaml) in files {
+        std::fs::write(m.join(format!("{name}.yaml")), yaml).unwrap();
+    }
+    (w, tmp)
+}
+
 #[test]
 fn every_verdict_names_its_policies_across_edits_and_restarts() {
     if !privileged() {
         return;
     }
-    let w = world(3);
+    let (w, tmp) = scene(&[
+        ("knp", KNP.into()),
+        ("cnp", cnp(8080)),
+        ("ccnp", CCNP.into()),
+    ]);
     let (a, b, c) = (&w.pods[0], &w.pods[1], &w.pods[2]);
     for port in [8080, 9090] {
-        tcp_server(&b.netns, b.addr, port);
         tcp_server(&a.netns, a.addr, port);
     }
-    let tmp = tempfile::tempdir().unwrap();
     let m = tmp.path().join("manifests");
-    std::fs::create_dir_all(&m).unwrap();
     let (sa, sb, sc) = (a.addr.to_string(), b.addr.to_string(), c.addr.to_string());
-    std::fs::write(m.join("cluster.yaml"), cluster(&sa, &sb, &sc)).unwrap();
-    std::fs::write(m.join("knp.yaml"), KNP).unwrap();
-    std::fs::write(m.join("cnp.yaml"), cnp(8080)).unwrap();
-    std::fs::write(m.join("ccnp.yaml"), CCNP).unwrap();
     let pins = w.pins.to_string_lossy().to_string();
     let args = ["--datapath", "bpf", "--bpf-root", pins.as_str()];
     let mut agent = start(
@@ -416,17 +431,9 @@ fn audit_mode_and_enforcement_modes() {
     if !privileged() {
         return;
     }
-    let w = world(3);
-    let (a, b, c) = (&w.pods[0], &w.pods[1], &w.pods[2]);
-    for port in [8080, 9090] {
-        tcp_server(&b.netns, b.addr, port);
-    }
-    let tmp = tempfile::tempdir().unwrap();
-    let m = tmp.path().join("manifests");
-    std::fs::create_dir_all(&m).unwrap();
-    let (sa, sb, sc) = (a.addr.to_string(), b.addr.to_string(), c.addr.to_string());
-    std::fs::write(m.join("cluster.yaml"), cluster(&sa, &sb, &sc)).unwrap();
-    std::fs::write(m.join("knp.yaml"), KNP).unwrap();
+    let (w, tmp) = scene(&[("knp", KNP.into())]);
+    let (a, b) = (&w.pods[0], &w.pods[1]);
+    let (sa, sb) = (a.addr.to_string(), b.addr.to_string());
     let pins = w.pins.to_string_lossy().to_string();
     let pods = [("x/a", a), ("x/b", b)];
 
