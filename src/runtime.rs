@@ -45,6 +45,8 @@ pub struct Shared {
     pub cookies: Arc<crate::policy::attribution::CookieJar>,
     /// `--enable-policy`, `--policy-audit-mode`.
     pub enforcement: crate::config::Enforcement,
+    /// Verdicts by deciding policy (`/debug/policy`, `policy get`).
+    pub policy_hits: Arc<crate::policy::attribution::PolicyHits>,
     /// Start-up phase timings.
     pub bootstrap: Arc<Bootstrap>,
     /// Pods by address (`namespace/name`), for flows (`source_pod`, `destination_pod`).
@@ -91,6 +93,7 @@ impl Shared {
             events: tokio::sync::broadcast::channel(4096).0,
             cookies: Default::default(),
             enforcement: Default::default(),
+            policy_hits: Default::default(),
             bootstrap: Default::default(),
             pod_names: Default::default(),
             sync_waiting: Arc::new(Mutex::new(Vec::new())),

@@ -311,6 +311,33 @@ fn every_verdict_names_its_policies_across_edits_and_restarts() {
     assert_eq!(ev["match"], "no-policy", "{ev}");
     assert_eq!(named(&ev), Vec::<String>::new(), "{ev}");
 
+    // Each policy counts what it decided (`/debug/policy`, `policy get`).
+    let overview = agent.json("/debug/policy");
+    let hits = |name: &str| {
+        overview["policies"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["name"] == name)
+            .map(|p| p["hits"].clone())
+            .unwrap_or_else(|| panic!("{name} listed: {overview}"))
+    };
+    assert!(
+        hits("no-c-into-b")["dropped"].as_u64() >= Some(1),
+        "{overview}"
+    );
+    assert!(
+        hits("b-from-a")["forwarded"].as_u64() >= Some(1),
+        "{overview}"
+    );
+    assert!(
+        hits("b-from-a")["dropped"].as_u64() >= Some(1),
+        "default deny: {overview}"
+    );
+    let (code, table, _) = agent.cli(&["policy", "get"]);
+    assert_eq!(code, 0);
+    assert!(table.contains("FWD/DROP/AUDIT"), "{table}");
+
     // An edit between two packets: 9090 is now the CNP's port; each packet carries what it met.
     let rev = agent.revision();
     std::fs::write(m.join("cnp.yaml"), cnp(9090)).unwrap();

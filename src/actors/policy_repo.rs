@@ -75,6 +75,9 @@ pub struct PolicyStatus {
     pub warnings: Vec<String>,
     /// True when a rejected update left an earlier accepted version in force.
     pub previous_version_enforced: bool,
+    /// Verdicts this policy decided since the agent started.
+    #[serde(default)]
+    pub hits: crate::policy::attribution::Hits,
 }
 
 impl PolicyStatus {
@@ -91,6 +94,7 @@ impl PolicyStatus {
             notes: vec![],
             warnings: vec![],
             previous_version_enforced: false,
+            hits: Default::default(),
         }
     }
 
@@ -1239,7 +1243,17 @@ impl Handler<GetPolicies> for PolicyRepoActor {
     fn handle(&mut self, _: GetPolicies, _: &mut Context<Self>) -> Self::Result {
         Ok(PolicyOverview {
             revision: self.engine().revision(),
-            policies: self.policies.values().cloned().collect(),
+            policies: self
+                .policies
+                .values()
+                .map(|p| PolicyStatus {
+                    hits: self
+                        .shared
+                        .policy_hits
+                        .get(&p.kind, p.namespace.as_deref(), &p.name),
+                    ..p.clone()
+                })
+                .collect(),
             manifest_errors: self.manifest_errors.clone(),
             recent_implementations: self.shared.implementations(),
         })

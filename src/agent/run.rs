@@ -346,6 +346,7 @@ async fn run_async(
     let events = shared.events.clone();
     let (cookies, pod_names) = (shared.cookies.clone(), shared.pod_names.clone());
     let verdict_metrics = shared.metrics.clone();
+    let policy_hits = shared.policy_hits.clone();
     datapath
         .start_events(Box::new(move |mut ev| {
             ev.attribute(&cookies);
@@ -357,6 +358,7 @@ async fn run_async(
                 );
                 verdict_metrics.events_lost.inc_by(n);
             }
+            policy_hits.record(&ev.policies, &ev.verdict);
             if let Some(m) = &ev.match_kind {
                 verdict_metrics
                     .policy_verdicts

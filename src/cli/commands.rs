@@ -228,12 +228,25 @@ pub fn run_client(opts: &ClientOpts, call: ClientCall) -> Result<String, ClientE
                             s(&p["rules"]),
                             s(&p["revision"]),
                             s(&p["status"]),
+                            format!(
+                                "{}/{}/{}",
+                                s(&p["hits"]["forwarded"]),
+                                s(&p["hits"]["dropped"]),
+                                s(&p["hits"]["audit"])
+                            ),
                         ]
                     })
                     .collect();
                 let mut out = format!("revision {}\n", s(&v["revision"]));
                 out.push_str(&table(
-                    &["KIND", "NAME", "RULES", "REVISION", "STATUS"],
+                    &[
+                        "KIND",
+                        "NAME",
+                        "RULES",
+                        "REVISION",
+                        "STATUS",
+                        "FWD/DROP/AUDIT",
+                    ],
                     &rows,
                 ));
                 for (f, e) in v["manifest_errors"].as_object().into_iter().flatten() {

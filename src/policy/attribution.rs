@@ -227,6 +227,50 @@ impl CookieJar {
     }
 }
 
+/// Verdicts each policy decided (from the attributed verdict events): connections forwarded
+/// (the first packet of each new one), packets dropped, would-be drops audited.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct Hits {
+    pub forwarded: u64,
+    pub dropped: u64,
+    pub audit: u64,
+}
+
+/// [`Hits`] by policy (`kind`, `namespace`, `name`).
+#[derive(Debug, Default)]
+pub struct PolicyHits {
+    hits: DashMap<(String, Option<String>, String), Hits>,
+}
+
+impl PolicyHits {
+    /// Counts one verdict (`forwarded`, `dropped` or `audit`) for every policy it names.
+    pub fn record(&self, policies: &[PolicyRef], verdict: &str) {
+        for p in policies {
+            let mut h = self
+                .hits
+                .entry((p.kind.clone(), p.namespace.clone(), p.name.clone()))
+                .or_default();
+            match verdict {
+                "forwarded" => h.forwarded += 1,
+                "dropped" => h.dropped += 1,
+                "audit" => h.audit += 1,
+                _ => {}
+            }
+        }
+    }
+
+    pub fn get(&self, kind: &str, namespace: Option<&str>, name: &str) -> Hits {
+        self.hits
+            .get(&(
+                kind.to_string(),
+                namespace.map(str::to_string),
+                name.to_string(),
+            ))
+            .map(|h| *h)
+            .unwrap_or_default()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -348,5 +392,16 @@ mod tests {
             .any(|r| r.namespace.is_none() && r.name == "base"));
         assert!(jar.resolve(0).is_none());
         assert!(jar.resolve(c ^ 1).is_none());
+        let hits = PolicyHits::default();
+        hits.record(&refs, "dropped");
+        hits.record(&refs, "dropped");
+        hits.record(&refs[..1], "forwarded");
+        let h = hits.get("NetworkPolicy", Some("x"), "deny-all");
+        assert_eq!((h.forwarded, h.dropped, h.audit), (0, 2, 0));
+        assert_eq!(
+            hits.get("CiliumClusterwideNetworkPolicy", None, "base")
+                .forwarded,
+            1
+        );
     }
 }
