@@ -395,7 +395,8 @@ mod tests {
         let hits = PolicyHits::default();
         hits.record(&refs, "dropped");
         hits.record(&refs, "dropped");
-        hits.record(&refs[..1], "forwarded");
+        let base: Vec<PolicyRef> = refs.iter().filter(|r| r.name == "base").cloned().collect();
+        hits.record(&base, "forwarded");
         let h = hits.get("NetworkPolicy", Some("x"), "deny-all");
         assert_eq!((h.forwarded, h.dropped, h.audit), (0, 2, 0));
         assert_eq!(
