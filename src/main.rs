@@ -113,12 +113,29 @@ fn monitor(opts: &ClientOpts, count: Option<u64>, filter: &FlowFilter) -> i32 {
     let mut seen = 0u64;
     let stdout = std::io::stdout();
     let r = ciliate::client::stream_lines(&opts.socket, "/v1/monitor", |line| {
-        let ev = serde_json::from_str::<ciliate::datapath::events::VerdictEvent>(line).ok();
-        if ev.as_ref().is_some_and(|e| !filter.accepts(e)) {
+        let kind = serde_json::from_str::<serde_json::Value>(line)
+            .ok()
+            .and_then(|v| v["type"].as_str().map(str::to_string));
+        let (shown, table) = match kind.as_deref() {
+            Some("flow" | "lost") | None => {
+                let ev = serde_json::from_str::<ciliate::datapath::events::VerdictEvent>(line).ok();
+                (
+                    ev.as_ref().is_none_or(|e| filter.accepts(e)),
+                    ev.map(|e| e.line()),
+                )
+            }
+            Some(other) => (
+                filter.accepts_other(other),
+                serde_json::from_str::<ciliate::datapath::events::Notification>(line)
+                    .ok()
+                    .map(|n| n.line()),
+            ),
+        };
+        if !shown {
             return true;
         }
-        let text = match (&opts.output, ev) {
-            (ciliate::cli::Output::Table, Some(ev)) => ev.line(),
+        let text = match (&opts.output, table) {
+            (ciliate::cli::Output::Table, Some(t)) => t,
             _ => line.to_string(),
         };
         let mut out = stdout.lock();

@@ -51,6 +51,8 @@ pub struct Shared {
     pub bootstrap: Arc<Bootstrap>,
     /// Pods by address (`namespace/name`), for flows (`source_pod`, `destination_pod`).
     pub pod_names: Arc<dashmap::DashMap<std::net::IpAddr, String>>,
+    /// Policy and endpoint notifications for `ciliate monitor`.
+    pub notifications: tokio::sync::broadcast::Sender<crate::datapath::events::Notification>,
     pub events: tokio::sync::broadcast::Sender<crate::datapath::events::VerdictEvent>,
     /// What the initial sync still waits for (e.g. `CiliumNetworkPolicy: not listed yet (last
     /// error: ...)`), shown by `/readyz` while not ready.
@@ -91,6 +93,7 @@ impl Shared {
             implementations: Arc::new(Mutex::new(VecDeque::new())),
             ipam: Arc::new(Mutex::new(crate::ipam::NodeIpam::default())),
             events: tokio::sync::broadcast::channel(4096).0,
+            notifications: tokio::sync::broadcast::channel(1024).0,
             cookies: Default::default(),
             enforcement: Default::default(),
             policy_hits: Default::default(),

@@ -343,6 +343,18 @@ fn every_verdict_names_its_policies_across_edits_and_restarts() {
     std::fs::write(m.join("cnp.yaml"), cnp(9090)).unwrap();
     agent.wait_until("the edit is applied", || agent.revision() > rev);
     agent.wait_realized(agent.revision());
+    // The monitor also shows the change and the regeneration it caused.
+    let notice = mon.expect("the policy update", |e| {
+        e["type"] == "policy" && e["action"] == "updated" && e["policy"]["name"] == "b-from-a-too"
+    });
+    assert!(notice["endpoints"].as_u64() >= Some(1), "{notice}");
+    assert!(
+        notice["revision"].as_u64() > Some(first_revision),
+        "{notice}"
+    );
+    mon.expect("b regenerated", |e| {
+        e["type"] == "endpoint" && e["action"] == "regenerated" && e["name"] == "x/b"
+    });
     mon.clear();
     assert!(tcp_ok(&a.netns, b.addr, 9090));
     let ev = mon.expect("a -> b:9090 forwarded", |e| flow(e, &sb, 9090, "forwarded"));

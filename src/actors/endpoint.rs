@@ -20,6 +20,7 @@ use actix::{
 use serde::Serialize;
 
 use super::loader::{AttachEndpoint, DetachEndpoint, LoaderActor, SyncPolicyMap};
+use crate::datapath::events::Notification;
 use crate::datapath::{DatapathError, EndpointAttachment, EndpointFlags, EndpointId, SyncStats};
 pub use crate::endpoint::regeneration::EndpointState;
 use crate::endpoint::regeneration::{Action, Event, Regeneration};
@@ -349,19 +350,29 @@ impl EndpointActor {
             .regenerations
             .get_or_create(&outcome_label(label))
             .inc();
-        match res {
+        let (id, name) = (self.record.id as u32, self.record.name.clone());
+        let notice = match res {
             Ok(_) => {
                 self.realized = map;
                 self.realized_flags = flags;
                 self.step(ctx, Event::Realized { revision });
                 self.persist();
+                Notification::endpoint("regenerated", id, &name, revision, None)
             }
             Err(e) => {
                 tracing::error!(endpoint = self.record.id, error = %e, "regeneration failed; the endpoint fails closed");
                 let error = e.to_string();
-                self.step(ctx, Event::Failed { revision, error });
+                self.step(
+                    ctx,
+                    Event::Failed {
+                        revision,
+                        error: error.clone(),
+                    },
+                );
+                Notification::endpoint("regeneration-failed", id, &name, revision, Some(error))
             }
-        }
+        };
+        let _ = self.shared.notifications.send(notice);
     }
 }
 

@@ -15,6 +15,7 @@ use serde::Serialize;
 use super::endpoint::{Delete, EndpointActor, EndpointModel, Regenerate, SetAudit, SetIdentity};
 use super::loader::{IpcacheChange, LoaderActor};
 use super::rule_reaction::{EndpointHandle, PolicyReaction, RuleReactionActor};
+use crate::datapath::events::Notification;
 use crate::datapath::EndpointId;
 use crate::endpoint::state::EndpointRecord;
 use crate::introspect::{Traceable, TracedAddr};
@@ -112,6 +113,16 @@ impl PolicyStatus {
 }
 
 /// The ipcache entries a policy change adds (its new CIDR identities) and removes.
+/// A policy as monitor notifications name it.
+fn policy_ref(key: &PolicyKey) -> crate::policy::attribution::PolicyRef {
+    crate::policy::attribution::PolicyRef {
+        kind: key.kind.as_str().to_string(),
+        namespace: key.namespace.clone(),
+        name: key.name.clone(),
+        rule: None,
+    }
+}
+
 fn ipcache_of(change: &crate::policy::engine::PolicyChange) -> Vec<IpcacheChange> {
     change
         .new_prefixes
@@ -174,6 +185,9 @@ struct Reaction {
     /// A policy change: the other endpoints bump their revision, and the implementation delay
     /// is observed.
     policy_change: bool,
+    /// The monitor notification of a policy change (`added`, `updated`, `deleted`), sent with
+    /// the number of endpoints it regenerates.
+    notice: Option<(&'static str, PolicyKey)>,
 }
 
 impl Reaction {
@@ -186,6 +200,7 @@ impl Reaction {
             force: false,
             ipcache: Vec::new(),
             policy_change: false,
+            notice: None,
         }
     }
     fn at(mut self, t: Instant) -> Self {
@@ -209,6 +224,10 @@ impl Reaction {
     }
     fn ipcache(mut self, changes: Vec<IpcacheChange>) -> Self {
         self.ipcache = changes;
+        self
+    }
+    fn notify(mut self, action: &'static str, key: &PolicyKey) -> Self {
+        self.notice = Some((action, key.clone()));
         self
     }
     fn policy_change(self) -> Self {
@@ -314,6 +333,15 @@ impl PolicyRepoActor {
                     to_bump.push((*id, e.addr.clone()));
                 }
             }
+        }
+        if let Some((action, key)) = &r.notice {
+            let _ = self.shared.notifications.send(Notification::policy(
+                action,
+                policy_ref(key),
+                Some(revision),
+                Some(to_regenerate.len()),
+                None,
+            ));
         }
         self.reaction.do_send(
             PolicyReaction {
@@ -711,13 +739,14 @@ impl Handler<PolicyUpsert> for PolicyRepoActor {
             revision: change.revision,
             ..rules_status
         };
-        self.policies.insert(key.clone(), status);
+        let known = self.policies.insert(key.clone(), status).is_some();
         self.react(
             Reaction::new(format!("policy {}", key.short()))
                 .at(accepted_at)
                 .affecting(change.affected.iter().copied())
                 .ipcache(ipcache_of(&change))
-                .policy_change(),
+                .policy_change()
+                .notify(if known { "updated" } else { "added" }, &key),
         );
         Ok(change.revision)
     }
@@ -752,6 +781,14 @@ impl Handler<PolicyRejected> for PolicyRepoActor {
                 error: msg.error.clone(),
                 previous_enforced: enforced,
             });
+        let notice = Notification::policy(
+            "rejected",
+            policy_ref(&key),
+            None,
+            None,
+            Some(msg.error.clone()),
+        );
+        let _ = self.shared.notifications.send(notice);
         entry.status = format!("rejected: {}", msg.error);
         entry.source = msg.source;
         entry.previous_version_enforced = enforced;
@@ -787,7 +824,8 @@ impl Handler<PolicyDelete> for PolicyRepoActor {
                         .at(accepted_at)
                         .affecting(change.affected.iter().copied())
                         .ipcache(ipcache_of(&change))
-                        .policy_change(),
+                        .policy_change()
+                        .notify("deleted", &msg.key),
                 );
                 Ok(change.revision)
             }

@@ -456,9 +456,19 @@ async fn find_endpoint(st: web::Data<AppState>, q: web::Query<ByContainer>) -> H
 
 /// `GET /v1/monitor`: policy verdict events as they happen, one JSON object per line.
 async fn monitor(st: web::Data<AppState>) -> HttpResponse {
+    let flows = json_lines(st.shared.events.subscribe());
+    let notices = json_lines(st.shared.notifications.subscribe());
+    HttpResponse::Ok()
+        .content_type("application/x-ndjson")
+        .streaming(futures_util::stream::select(flows, notices))
+}
+
+/// A broadcast channel as a stream of JSON lines; a slow reader is told how many it missed.
+fn json_lines<T: Serialize + Clone + Send + 'static>(
+    rx: tokio::sync::broadcast::Receiver<T>,
+) -> impl futures_util::Stream<Item = Result<actix_web::web::Bytes, actix_web::Error>> {
     use tokio::sync::broadcast::error::RecvError;
-    let rx = st.shared.events.subscribe();
-    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+    futures_util::stream::unfold(rx, |mut rx| async move {
         let line = match rx.recv().await {
             Ok(ev) => {
                 let mut line = serde_json::to_vec(&ev).unwrap_or_default();
@@ -469,14 +479,8 @@ async fn monitor(st: web::Data<AppState>) -> HttpResponse {
             Err(RecvError::Lagged(n)) => format!("{{\"lost\":{n}}}\n").into_bytes(),
             Err(RecvError::Closed) => return None,
         };
-        Some((
-            Ok::<_, actix_web::Error>(actix_web::web::Bytes::from(line)),
-            rx,
-        ))
-    });
-    HttpResponse::Ok()
-        .content_type("application/x-ndjson")
-        .streaming(stream)
+        Some((Ok(actix_web::web::Bytes::from(line)), rx))
+    })
 }
 
 /// Read-only routes, served on both the debug address and the socket.

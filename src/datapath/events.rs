@@ -158,6 +158,92 @@ impl VerdictEvent {
     }
 }
 
+/// A policy or endpoint notification of `ciliate monitor` (Cilium's `PolicyUpdateMessage` and
+/// endpoint-regenerate notifications): `type` `policy` (`added`, `updated`, `deleted`,
+/// `rejected`) or `endpoint` (`regenerated`, `regeneration-failed`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Notification {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub action: String,
+    /// The policy (`type: policy`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy: Option<PolicyRef>,
+    /// The endpoint and its pod (`type: endpoint`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoint: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revision: Option<u64>,
+    /// Endpoints the policy change regenerates.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoints: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+impl Notification {
+    pub fn policy(
+        action: &str,
+        policy: PolicyRef,
+        revision: Option<u64>,
+        endpoints: Option<usize>,
+        error: Option<String>,
+    ) -> Self {
+        Notification {
+            kind: "policy".into(),
+            action: action.into(),
+            policy: Some(policy),
+            endpoint: None,
+            name: None,
+            revision,
+            endpoints,
+            error,
+        }
+    }
+
+    pub fn endpoint(
+        action: &str,
+        id: u32,
+        name: &str,
+        revision: u64,
+        error: Option<String>,
+    ) -> Self {
+        Notification {
+            kind: "endpoint".into(),
+            action: action.into(),
+            policy: None,
+            endpoint: Some(id),
+            name: Some(name.into()),
+            revision: Some(revision),
+            endpoints: None,
+            error,
+        }
+    }
+
+    /// One readable line, as `ciliate monitor` prints it.
+    pub fn line(&self) -> String {
+        let mut out = format!("{:<9} {}", self.kind.to_uppercase(), self.action);
+        if let Some(p) = &self.policy {
+            out.push_str(&format!(" {} {}", p.kind, p.short()));
+        }
+        if let (Some(id), Some(name)) = (self.endpoint, &self.name) {
+            out.push_str(&format!(" endpoint {id} ({name})"));
+        }
+        if let Some(r) = self.revision {
+            out.push_str(&format!(" revision {r}"));
+        }
+        if let Some(n) = self.endpoints {
+            out.push_str(&format!(", {n} endpoints to regenerate"));
+        }
+        if let Some(e) = &self.error {
+            out.push_str(&format!(": {e}"));
+        }
+        out
+    }
+}
+
 /// `ciliate monitor`'s filters (all given ones must hold).
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct FlowFilter {
@@ -176,10 +262,31 @@ pub struct FlowFilter {
     /// Only flows a policy decided: `NS/NAME`, or `NAME` for clusterwide ones.
     #[arg(long)]
     pub policy: Option<String>,
+    /// Only events of this type (`dns` is reserved for DNS-aware policy).
+    #[arg(long = "type", value_parser = ["flow", "dns", "policy", "endpoint"])]
+    pub kind: Option<String>,
 }
 
 impl FlowFilter {
+    /// Whether an event of `kind` other than a flow is shown: when asked for by `--type`, or
+    /// when no filter is given at all.
+    pub fn accepts_other(&self, kind: &str) -> bool {
+        match &self.kind {
+            Some(k) => k == kind,
+            None => {
+                self.from.is_none()
+                    && self.to.is_none()
+                    && self.port.is_none()
+                    && self.verdict.is_none()
+                    && self.policy.is_none()
+            }
+        }
+    }
+
     pub fn accepts(&self, e: &VerdictEvent) -> bool {
+        if self.kind.as_deref().is_some_and(|k| k != e.kind) {
+            return false;
+        }
         if e.lost.is_some() {
             return true; // a loss is always shown: it may hide what the filter wants
         }
@@ -329,6 +436,34 @@ mod tests {
             ..Default::default()
         };
         assert!(to_b.accepts(&e), "pods by name");
+        // Notifications show only when asked for, or when no flow filter is given.
+        assert!(!to_b.accepts_other("policy"));
+        assert!(FlowFilter::default().accepts_other("policy"));
+        let policy_only = FlowFilter {
+            kind: Some("policy".into()),
+            ..Default::default()
+        };
+        assert!(policy_only.accepts_other("policy") && !policy_only.accepts_other("endpoint"));
+        assert!(
+            !policy_only.accepts(&e),
+            "flows are not policy notifications"
+        );
+        let n = Notification::policy(
+            "updated",
+            PolicyRef {
+                kind: "CiliumNetworkPolicy".into(),
+                namespace: Some("x".into()),
+                name: "a".into(),
+                rule: None,
+            },
+            Some(7),
+            Some(2),
+            None,
+        );
+        assert_eq!(
+            n.line(),
+            "POLICY    updated CiliumNetworkPolicy x/a revision 7, 2 endpoints to regenerate"
+        );
         let lost = lost_event(3);
         assert!(to_b.accepts(&lost), "losses are never filtered away");
         assert!(lost.line().starts_with("LOST      3 events"));
