@@ -13,22 +13,7 @@ use common::agent::Agent;
 use common::netns::{privileged, tcp_ok, tcp_server, world};
 
 fn manifests(a: &str, b: &str, port: u16) -> (String, String) {
-    let cluster = format!(
-        "apiVersion: v1
-kind: Namespace
-metadata: {{name: x}}
----
-apiVersion: v1
-kind: Pod
-metadata: {{name: a, namespace: x, labels: {{app: a}}}}
-status: {{podIPs: [{{ip: {a}}}]}}
----
-apiVersion: v1
-kind: Pod
-metadata: {{name: b, namespace: x, labels: {{app: b}}}}
-status: {{podIPs: [{{ip: {b}}}]}}
-"
-    );
+    let cluster = common::namespace_x_with_pods(&[("a", a), ("b", b)]);
     let policy = format!(
         "apiVersion: cilium.io/v2
 kind: CiliumNetworkPolicy

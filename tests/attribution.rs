@@ -120,27 +120,7 @@ fn flow(ev: &Value, dst: &str, port: u64, verdict: &str) -> bool {
 
 /// The namespace and three pods (`app` = their name) of the manifests.
 fn cluster(a: &str, b: &str, c: &str) -> String {
-    format!(
-        "apiVersion: v1
-kind: Namespace
-metadata: {{name: x}}
----
-apiVersion: v1
-kind: Pod
-metadata: {{name: a, namespace: x, labels: {{app: a}}}}
-status: {{podIPs: [{{ip: {a}}}]}}
----
-apiVersion: v1
-kind: Pod
-metadata: {{name: b, namespace: x, labels: {{app: b}}}}
-status: {{podIPs: [{{ip: {b}}}]}}
----
-apiVersion: v1
-kind: Pod
-metadata: {{name: c, namespace: x, labels: {{app: c}}}}
-status: {{podIPs: [{{ip: {c}}}]}}
-"
-    )
+    common::namespace_x_with_pods(&[("a", a), ("b", b), ("c", c)])
 }
 
 const KNP: &str = "apiVersion: networking.k8s.io/v1

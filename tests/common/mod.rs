@@ -17,3 +17,14 @@ pub fn eventually(what: &str, f: impl Fn() -> bool) {
     }
     panic!("timed out waiting until {what}");
 }
+
+/// Namespace `x` and its pods as manifests: each `(name, ip)` gets the label `app: <name>`.
+pub fn namespace_x_with_pods(pods: &[(&str, &str)]) -> String {
+    let mut out = "apiVersion: v1\nkind: Namespace\nmetadata: {name: x}\n".to_string();
+    for (name, ip) in pods {
+        out.push_str(&format!(
+            "---\napiVersion: v1\nkind: Pod\nmetadata: {{name: {name}, namespace: x, labels: {{app: {name}}}}}\nstatus: {{podIPs: [{{ip: {ip}}}]}}\n"
+        ));
+    }
+    out
+}

@@ -179,9 +179,12 @@ impl BpfDatapath {
         let path = self.pins.join("events");
         let map =
             MapHandle::from_pinned_path(&path).map_err(sys(format!("open {}", path.display())))?;
-        let pins = self.pins.clone();
+        // Opened once: the reader looks at the loss counter after every poll.
+        let counters_path = self.pins.join("verdict_counters");
+        let counters = MapHandle::from_pinned_path(&counters_path)
+            .map_err(sys(format!("open {}", counters_path.display())))?;
         let lost_count = move || {
-            super::host_routes::percpu_counter_at(&pins, "verdict_counters", super::EVENTS_LOST)
+            super::host_routes::percpu_sum(&counters, "verdict_counters", super::EVENTS_LOST)
                 .unwrap_or(0)
         };
         let handle = std::thread::Builder::new()

@@ -73,6 +73,11 @@ pub fn percpu_counter_at(pins: &Path, name: &str, index: u32) -> Result<u64, Dat
         operation: format!("open {}", path.display()),
         message: e.to_string(),
     })?;
+    percpu_sum(&map, name, index)
+}
+
+/// Slot `index` of an open per-CPU counter array, summed over CPUs.
+pub fn percpu_sum(map: &MapHandle, name: &str, index: u32) -> Result<u64, DatapathError> {
     let per_cpu = map
         .lookup_percpu(&index.to_ne_bytes(), MapFlags::ANY)
         .map_err(|e| DatapathError::System {
