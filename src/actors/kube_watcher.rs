@@ -4,10 +4,11 @@
 //! One kube-runtime watcher per resource (Namespaces, Nodes, Services, Pods of every node,
 //! NetworkPolicies, CiliumNetworkPolicies, CiliumClusterwideNetworkPolicies) runs as a task that
 //! hands each event to this actor as a [`WatchEvent`]. The actor converts the object
-//! (`objects`, `policy::translate`), drops events that change nothing the agent uses (a
-//! status write, a pod's condition), and sends the same messages the standalone watcher sends.
+//! (`objects`) and hands it to the [`WatchFeed`] the standalone watcher uses too, which drops
+//! events that change nothing the agent uses (a status write, a pod's condition), translates
+//! policies and sends the messages.
 //!
-//! Initial sync. Until every resource has listed once, changes are held; then they go to
+//! Initial sync. Until every resource has listed once, the feed holds changes; then they go to
 //! `PolicyRepoActor` in dependency order (namespaces, nodes, services, pods, policies) followed
 //! by `InitialSyncDone`, after which `/readyz` turns ready once every endpoint has regenerated.
 //!
@@ -18,7 +19,6 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt::Debug;
-use std::hash::{Hash, Hasher};
 use std::time::{Duration, Instant};
 
 use actix::{Actor, Context, Handler, Message};
@@ -31,73 +31,28 @@ use kube::runtime::WatchStreamExt;
 use kube::Resource;
 use serde::de::DeserializeOwned;
 
-use super::policy_repo::{
-    InitialSyncDone, NamespaceDelete, NamespaceUpsert, NodeDelete, NodeUpsert, PodDelete,
-    PodUpsert, PolicyDelete, PolicyRejected, PolicyRepoActor, PolicyUpsert,
-};
-use super::services_feed::ServicesFeed;
+use super::feed::{Item, Origin, ToRepo, WatchFeed};
+use super::policy_repo::{NodeUpsert, PolicyRepoActor};
 use crate::introspect::{Traceable, TracedAddr};
 use crate::k8s::crd::{CiliumClusterwideNetworkPolicy, CiliumNetworkPolicy};
 use crate::k8s::node::{desired_annotations, needs_update};
 use crate::objects::{
-    endpoint_slice_info, namespace_info, node_info, pod_info, service_info, EndpointSliceInfo,
-    NamespaceInfo, NodeInfo, PodInfo, ServiceInfo,
+    endpoint_slice_info, namespace_info, node_info, pod_info, service_info, NodeInfo,
 };
-use crate::policy::rule::{PolicyKey, PolicyKind};
-use crate::policy::translate::parse_policy_with_services;
 use crate::runtime::Shared;
 use crate::traced_actor;
 
 const NAME: &str = "WatcherActor";
 const DEFAULT_NAMESPACE: &str = "default";
 
-/// The watched resources, in the order the initial sync applies them (identities exist before
-/// the rules that select them).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Watched {
-    Namespace,
-    Node,
-    Service,
-    EndpointSlice,
-    Pod,
-    NetworkPolicy,
-    CiliumNetworkPolicy,
-    CiliumClusterwideNetworkPolicy,
-}
+/// The watched resources (`objects::Kind`, in apply order).
+pub use crate::objects::Kind as Watched;
 
-impl Watched {
-    pub const ALL: [Watched; 8] = [
-        Watched::Namespace,
-        Watched::Node,
-        Watched::Service,
-        Watched::EndpointSlice,
-        Watched::Pod,
-        Watched::NetworkPolicy,
-        Watched::CiliumNetworkPolicy,
-        Watched::CiliumClusterwideNetworkPolicy,
-    ];
-
-    pub fn kind(self) -> &'static str {
-        match self {
-            Watched::Namespace => "Namespace",
-            Watched::Node => "Node",
-            Watched::Service => "Service",
-            Watched::EndpointSlice => "EndpointSlice",
-            Watched::Pod => "Pod",
-            Watched::NetworkPolicy => "NetworkPolicy",
-            Watched::CiliumNetworkPolicy => "CiliumNetworkPolicy",
-            Watched::CiliumClusterwideNetworkPolicy => "CiliumClusterwideNetworkPolicy",
-        }
-    }
-
-    fn api_version(self) -> &'static str {
-        match self {
-            Watched::NetworkPolicy => "networking.k8s.io/v1",
-            Watched::CiliumNetworkPolicy | Watched::CiliumClusterwideNetworkPolicy => {
-                "cilium.io/v2"
-            }
-            _ => "v1",
-        }
+fn api_version(kind: Watched) -> &'static str {
+    match kind {
+        Watched::NetworkPolicy => "networking.k8s.io/v1",
+        Watched::CiliumNetworkPolicy | Watched::CiliumClusterwideNetworkPolicy => "cilium.io/v2",
+        _ => "v1",
     }
 }
 
@@ -144,24 +99,10 @@ impl Traceable for WatchEvent {
             Change::Init => "relist",
             Change::InitApply(_) => "list",
             Change::InitDone => "listed",
-            Change::Error(e) => return format!("{} watch error: {e}", self.resource.kind()),
+            Change::Error(e) => return format!("{} watch error: {e}", self.resource.name()),
         };
-        format!("{} {what}", self.resource.kind())
+        format!("{} {what}", self.resource.name())
     }
-}
-
-/// An object converted to what the agent uses.
-#[derive(Debug, Clone)]
-enum Converted {
-    Namespace(NamespaceInfo),
-    Node(NodeInfo),
-    Service(ServiceInfo),
-    EndpointSlice(EndpointSliceInfo),
-    Pod(PodInfo),
-    /// The policy document as `parse_policy` reads it (status and bookkeeping left out).
-    Policy(serde_yaml::Value),
-    /// An object the agent has no use for (a host-network or finished pod): treated as absent.
-    Ignored,
 }
 
 pub struct KubeWatcherActor {
@@ -169,23 +110,19 @@ pub struct KubeWatcherActor {
     shared: Shared,
     repo: TracedAddr<PolicyRepoActor>,
     me: Option<TracedAddr<KubeWatcherActor>>,
-    /// Per resource: object key -> hash of what was last sent.
-    known: HashMap<Watched, HashMap<String, u64>>,
     /// Resources that have not listed once yet.
     unsynced: BTreeSet<Watched>,
     /// Resources in a (re)list: the keys it delivered so far.
     relisting: HashMap<Watched, HashSet<String>>,
-    /// Before the initial sync completes: the latest state of each changed object (`None`:
-    /// deleted), sent in `Watched` order once every resource listed.
-    held: BTreeMap<(Watched, String), Option<Converted>>,
     /// When each resource's last watch error was logged (errors repeat while the API is down).
     error_logged: HashMap<Watched, Instant>,
     /// The last watch error of each resource that has not listed yet (for `/readyz`).
     last_error: HashMap<Watched, String>,
     /// This node's annotations, for the annotator task.
     annotations: tokio::sync::watch::Sender<BTreeMap<String, String>>,
-    /// Services, EndpointSlices and the `toServices` policies (document by resource and key).
-    services: ServicesFeed<(Watched, String), serde_yaml::Value>,
+    /// Dedupe, dependency order, Services and policy translation (shared with the manifest
+    /// watcher): holds everything until every resource listed once.
+    feed: WatchFeed,
     started: Instant,
 }
 
@@ -202,14 +139,12 @@ impl KubeWatcherActor {
             shared,
             repo,
             me: None,
-            known: HashMap::new(),
             unsynced: Watched::ALL.into_iter().collect(),
             relisting: HashMap::new(),
-            held: BTreeMap::new(),
             error_logged: HashMap::new(),
             last_error: HashMap::new(),
             annotations,
-            services: ServicesFeed::new(Some(lb)),
+            feed: WatchFeed::new(Some(lb)),
             started: Instant::now(),
         }
     }
@@ -291,7 +226,7 @@ impl KubeWatcherActor {
 
     fn on_change(&mut self, resource: Watched, change: Change) {
         let labels = crate::metrics::ResourceLabels {
-            resource: resource.kind().to_string(),
+            resource: resource.name().to_string(),
         };
         let family = if matches!(change, Change::Error(_)) {
             &self.shared.metrics.k8s_watch_errors
@@ -317,24 +252,22 @@ impl KubeWatcherActor {
             Change::InitDone => {
                 // What the relist no longer holds was deleted while the watch was down.
                 let seen = self.relisting.remove(&resource).unwrap_or_default();
-                let gone: Vec<String> = self
-                    .known
-                    .get(&resource)
-                    .map(|m| m.keys().filter(|k| !seen.contains(*k)).cloned().collect())
-                    .unwrap_or_default();
-                for key in gone {
-                    self.forget(resource, &key);
+                for key in self.feed.keys(resource) {
+                    if !seen.contains(&key) {
+                        let out = self.feed.delete(resource, &key);
+                        self.send(out);
+                    }
                 }
                 let first = self.unsynced.remove(&resource);
                 self.last_error.remove(&resource);
                 self.publish_waiting();
                 if first {
-                    tracing::info!(resource = resource.kind(), objects = seen.len(), "listed");
+                    tracing::info!(resource = resource.name(), objects = seen.len(), "listed");
                     if self.unsynced.is_empty() {
                         self.finish_initial_sync();
                     }
                 } else {
-                    tracing::info!(resource = resource.kind(), objects = seen.len(), "relisted");
+                    tracing::info!(resource = resource.name(), objects = seen.len(), "relisted");
                 }
             }
             Change::Error(e) => {
@@ -353,7 +286,7 @@ impl KubeWatcherActor {
                     } else {
                         ""
                     };
-                    tracing::warn!(resource = resource.kind(), error = %e, "watch failed; retrying with backoff, cached objects stay in force{hint}");
+                    tracing::warn!(resource = resource.name(), error = %e, "watch failed; retrying with backoff, cached objects stay in force{hint}");
                     self.error_logged.insert(resource, now);
                 }
             }
@@ -366,8 +299,8 @@ impl KubeWatcherActor {
             .unsynced
             .iter()
             .map(|r| match self.last_error.get(r) {
-                Some(e) => format!("{} to be listed (last error: {e})", r.kind()),
-                None => format!("{} to be listed", r.kind()),
+                Some(e) => format!("{} to be listed (last error: {e})", r.name()),
+                None => format!("{} to be listed", r.name()),
             })
             .collect();
         if let Ok(mut w) = self.shared.sync_waiting.lock() {
@@ -375,67 +308,27 @@ impl KubeWatcherActor {
         }
     }
 
-    /// Converts an object and sends it if it changed anything the agent uses. Returns its key.
+    /// Converts an object and hands it to the feed. Returns its key.
     fn update(&mut self, resource: Watched, obj: &Object, deleted: bool) -> Option<String> {
-        let (key, converted) = match convert(resource, obj) {
+        let (key, item) = match convert(resource, obj) {
             Ok(c) => c,
             Err((key, e)) => {
-                tracing::warn!(resource = resource.kind(), object = %key, error = %e, "object not usable; ignored");
+                tracing::warn!(resource = resource.name(), object = %key, error = %e, "object not usable; ignored");
                 return Some(key);
             }
         };
-        let converted = if deleted || matches!(converted, Converted::Ignored) {
-            None
-        } else {
-            Some(converted)
+        let out = match item {
+            Some(item) if !deleted => self.feed.upsert(&key, item, Origin::api(resource, &key)),
+            _ => self.feed.delete(resource, &key),
         };
-        let known = self.known.entry(resource).or_default();
-        match converted {
-            None => {
-                if known.remove(&key).is_some() {
-                    self.emit(resource, &key, None);
-                }
-            }
-            Some(c) => {
-                let hash = content_hash(&c);
-                if known.insert(key.clone(), hash) != Some(hash) {
-                    self.emit(resource, &key, Some(c));
-                }
-            }
-        }
+        self.send(out);
         Some(key)
     }
 
-    fn forget(&mut self, resource: Watched, key: &str) {
-        if let Some(m) = self.known.get_mut(&resource) {
-            if m.remove(key).is_some() {
-                self.emit(resource, key, None);
-            }
-        }
-    }
-
-    fn emit(&mut self, resource: Watched, key: &str, c: Option<Converted>) {
-        if !self.unsynced.is_empty() {
-            self.held.insert((resource, key.to_string()), c);
-            return;
-        }
-        self.send(resource, key, c);
-    }
-
     fn finish_initial_sync(&mut self) {
-        let held = std::mem::take(&mut self.held);
-        let n = held.len();
-        // Deletes first (policies before what they select), then upserts in dependency order.
-        for ((resource, key), _) in held.iter().rev().filter(|(_, c)| c.is_none()) {
-            self.send(*resource, key, None);
-        }
-        for ((resource, key), c) in held {
-            if c.is_some() {
-                self.send(resource, &key, c);
-            }
-        }
-        self.shared.services.initial_sync_done();
-        self.repo.do_send(InitialSyncDone, NAME);
+        let out = self.feed.synced();
+        let n = out.len() - 1;
+        self.send(out);
         tracing::info!(
             objects = n,
             elapsed_ms = self.started.elapsed().as_millis() as u64,
@@ -443,99 +336,12 @@ impl KubeWatcherActor {
         );
     }
 
-    fn send(&mut self, resource: Watched, key: &str, c: Option<Converted>) {
-        match (resource, c) {
-            (Watched::EndpointSlice, c) => {
-                let (namespace, name) = key.split_once('/').unwrap_or(("", key));
-                let slice = match c {
-                    Some(Converted::EndpointSlice(s)) => Some(s),
-                    _ => None,
-                };
-                let again = self.services.set_slice(namespace, name, slice);
-                self.resend(again);
+    fn send(&self, out: Vec<ToRepo>) {
+        for m in out {
+            match m {
+                ToRepo::Node(NodeUpsert { node }) => self.send_node(node),
+                m => m.send(&self.repo, NAME),
             }
-            (Watched::Service, Some(Converted::Service(service))) => {
-                let (msg, again) = self.services.upsert_service(service);
-                self.repo.do_send(msg, NAME);
-                self.resend(again);
-            }
-            (Watched::Namespace, Some(Converted::Namespace(namespace))) => {
-                self.repo.do_send(NamespaceUpsert { namespace }, NAME)
-            }
-            (Watched::Namespace, _) => self.repo.do_send(
-                NamespaceDelete {
-                    name: key.to_string(),
-                },
-                NAME,
-            ),
-            (Watched::Node, Some(Converted::Node(node))) => self.send_node(node),
-            (Watched::Node, _) => self.repo.do_send(
-                NodeDelete {
-                    name: key.to_string(),
-                },
-                NAME,
-            ),
-            (Watched::Service, _) => {
-                let (namespace, name) = key.split_once('/').unwrap_or(("", key));
-                let (msg, again) = self.services.delete_service(namespace, name);
-                self.resend(again);
-                self.repo.do_send(msg, NAME)
-            }
-            (Watched::Pod, Some(Converted::Pod(pod))) => self.repo.do_send(PodUpsert { pod }, NAME),
-            (Watched::Pod, _) => self.repo.do_send(
-                PodDelete {
-                    key: key.to_string(),
-                },
-                NAME,
-            ),
-            (_, Some(Converted::Policy(doc))) => self.send_policy(resource, key, doc),
-            (_, _) => {
-                self.services.policy_deleted(&(resource, key.to_string()));
-                self.repo.do_send(
-                    PolicyDelete {
-                        key: policy_key(resource, key),
-                    },
-                    NAME,
-                )
-            }
-        }
-    }
-
-    /// Translates `toServices` policies again against the current services.
-    fn resend(&mut self, policies: Vec<((Watched, String), serde_yaml::Value)>) {
-        for ((resource, key), doc) in policies {
-            self.send_policy(resource, &key, doc);
-        }
-    }
-
-    fn send_policy(&mut self, resource: Watched, key: &str, doc: serde_yaml::Value) {
-        let location = format!("{} {key}", resource.kind());
-        let parsed =
-            parse_policy_with_services(&doc, DEFAULT_NAMESPACE, &location, self.services.table());
-        let uses_services = parsed.as_ref().is_ok_and(|p| p.uses_services);
-        self.services
-            .policy_translated((resource, key.to_string()), doc, uses_services);
-        match parsed {
-            Ok(policy) => {
-                for w in &policy.warnings {
-                    tracing::warn!(policy = %location, "{w}");
-                }
-                self.repo.do_send(
-                    PolicyUpsert {
-                        policy,
-                        source: "kubernetes".into(),
-                    },
-                    NAME,
-                )
-            }
-            Err(e) => self.repo.do_send(
-                PolicyRejected {
-                    key: Some(policy_key(resource, key)),
-                    error: e.to_string(),
-                    source: "kubernetes".into(),
-                },
-                NAME,
-            ),
         }
     }
 
@@ -562,23 +368,6 @@ impl KubeWatcherActor {
             }
         });
     }
-}
-
-fn policy_key(resource: Watched, key: &str) -> PolicyKey {
-    let (ns, name) = key.split_once('/').unwrap_or(("", key));
-    PolicyKey::for_object(resource.kind(), ns, name).unwrap_or_else(|| {
-        // Only policy resources reach here; an unknown kind is a programming error, kept visible.
-        PolicyKey::new(PolicyKind::NetworkPolicy, None, key)
-    })
-}
-
-fn content_hash(c: &Converted) -> u64 {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    match c {
-        Converted::Policy(doc) => doc.hash(&mut h),
-        other => format!("{other:?}").hash(&mut h),
-    }
-    h.finish()
 }
 
 /// `namespace/name`, or `name` for cluster-scoped objects.
@@ -624,8 +413,8 @@ fn policy_document(resource: Watched, obj: &DynamicObject) -> serde_yaml::Value 
         );
     }
     let mut doc = serde_json::Map::new();
-    doc.insert("apiVersion".into(), resource.api_version().into());
-    doc.insert("kind".into(), resource.kind().into());
+    doc.insert("apiVersion".into(), api_version(resource).into());
+    doc.insert("kind".into(), resource.name().into());
     doc.insert("metadata".into(), meta.into());
     if let Some(fields) = obj.data.as_object() {
         for (k, v) in fields {
@@ -637,7 +426,8 @@ fn policy_document(resource: Watched, obj: &DynamicObject) -> serde_yaml::Value 
     serde_yaml::to_value(serde_json::Value::Object(doc)).unwrap_or(serde_yaml::Value::Null)
 }
 
-fn convert(resource: Watched, obj: &Object) -> Result<(String, Converted), (String, String)> {
+/// The object's key and what the agent uses of it (`None`: nothing, treated as absent).
+fn convert(resource: Watched, obj: &Object) -> Result<(String, Option<Item>), (String, String)> {
     let meta = match obj {
         Object::Namespace(o) => &o.metadata,
         Object::Node(o) => &o.metadata,
@@ -648,20 +438,17 @@ fn convert(resource: Watched, obj: &Object) -> Result<(String, Converted), (Stri
     };
     let key = object_key(meta);
     let named = |e: String| (key.clone(), e);
-    let c = match obj {
-        Object::Namespace(o) => Converted::Namespace(namespace_info(o).map_err(named)?),
-        Object::Node(o) => Converted::Node(node_info(o).map_err(named)?),
-        Object::Service(o) => {
-            Converted::Service(service_info(o, DEFAULT_NAMESPACE).map_err(named)?)
-        }
-        Object::EndpointSlice(o) => {
-            Converted::EndpointSlice(endpoint_slice_info(o).map_err(named)?)
-        }
-        Object::Pod(o) if pod_is_ignored(o) => Converted::Ignored,
-        Object::Pod(o) => Converted::Pod(pod_info(o, DEFAULT_NAMESPACE).map_err(named)?),
-        Object::Policy(o) => Converted::Policy(policy_document(resource, o)),
+    let item = match obj {
+        Object::Namespace(o) => Item::Namespace(namespace_info(o).map_err(named)?),
+        Object::Node(o) => Item::Node(node_info(o).map_err(named)?),
+        Object::Service(o) => Item::Service(service_info(o, DEFAULT_NAMESPACE).map_err(named)?),
+        Object::EndpointSlice(o) => Item::EndpointSlice(endpoint_slice_info(o).map_err(named)?),
+        // A host-network or finished pod: no identity.
+        Object::Pod(o) if pod_is_ignored(o) => return Ok((key, None)),
+        Object::Pod(o) => Item::Pod(pod_info(o, DEFAULT_NAMESPACE).map_err(named)?),
+        Object::Policy(o) => Item::Policy(resource, policy_document(resource, o)),
     };
-    Ok((key, c))
+    Ok((key, Some(item)))
 }
 
 /// How long a failing watch waits before it retries: 200 ms doubling up to 5 s, each wait
@@ -763,27 +550,22 @@ mod tests {
         let mut later = obj.clone();
         later.metadata.resource_version = Some("6".into());
         later.data["status"] = serde_json::json!({"nodes": {"n1": {"ok": true}}});
-        let a = content_hash(&Converted::Policy(policy_document(
-            Watched::CiliumNetworkPolicy,
-            &obj,
-        )));
-        let b = content_hash(&Converted::Policy(policy_document(
-            Watched::CiliumNetworkPolicy,
-            &later,
-        )));
+        let a = policy_document(Watched::CiliumNetworkPolicy, &obj);
+        let b = policy_document(Watched::CiliumNetworkPolicy, &later);
         assert_eq!(a, b);
         later.data["spec"] = serde_json::json!({"endpointSelector": {"matchLabels": {"a": "b"}}});
-        let c = content_hash(&Converted::Policy(policy_document(
-            Watched::CiliumNetworkPolicy,
-            &later,
-        )));
+        let c = policy_document(Watched::CiliumNetworkPolicy, &later);
         assert_ne!(a, c);
         let doc = policy_document(Watched::CiliumNetworkPolicy, &obj);
         let parsed =
             crate::policy::translate::parse_policy(&doc, "default", "test").expect("parses");
         assert_eq!(
             *parsed.key,
-            PolicyKey::new(PolicyKind::CiliumNetworkPolicy, Some("x"), "p")
+            crate::policy::rule::PolicyKey::new(
+                crate::policy::rule::PolicyKind::CiliumNetworkPolicy,
+                Some("x"),
+                "p"
+            )
         );
     }
 
@@ -817,17 +599,5 @@ mod tests {
         assert!(waits[7] >= Duration::from_secs(5) && waits[7] <= Duration::from_millis(6250));
         b.reset();
         assert!(b.next().unwrap() <= Duration::from_millis(250));
-    }
-
-    #[test]
-    fn policy_keys_split_namespace_and_name() {
-        assert_eq!(
-            policy_key(Watched::CiliumNetworkPolicy, "x/p"),
-            PolicyKey::new(PolicyKind::CiliumNetworkPolicy, Some("x"), "p")
-        );
-        assert_eq!(
-            policy_key(Watched::CiliumClusterwideNetworkPolicy, "p"),
-            PolicyKey::new(PolicyKind::CiliumClusterwideNetworkPolicy, None, "p")
-        );
     }
 }

@@ -10,9 +10,9 @@
 //! ```
 
 pub mod endpoint;
+pub mod feed;
 pub mod kube_watcher;
 pub mod loader;
 pub mod policy_repo;
 pub mod rule_reaction;
-pub mod services_feed;
 pub mod watcher;

@@ -4,7 +4,7 @@
 //! `PolicyReaction` per change to `RuleReactionActor`. It also owns the endpoint registry:
 //! endpoints are created and deleted here, so identities and IPs have one owner.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::time::Instant;
 
@@ -17,10 +17,11 @@ use super::loader::{IpcacheChange, LoaderActor};
 use super::rule_reaction::{EndpointHandle, PolicyReaction, RuleReactionActor};
 use crate::datapath::events::Notification;
 use crate::datapath::EndpointId;
+use crate::endpoint::registry::{Admission, Entry, Refusal, Registry};
 use crate::endpoint::state::EndpointRecord;
 use crate::introspect::{Traceable, TracedAddr};
 use crate::objects::index::{ClusterIndex, IndexChange};
-use crate::objects::{NamespaceInfo, NodeInfo, PodInfo, ServiceInfo};
+use crate::objects::{NamespaceInfo, NodeInfo, PodInfo};
 use crate::policy::engine::{NamedPort, PolicyEngine};
 use crate::policy::identity::{reserved_name, NumericIdentity};
 use crate::policy::labels::{Label, Labels};
@@ -163,13 +164,6 @@ pub struct IpcacheModel {
     pub identity: NumericIdentity,
 }
 
-struct EndpointEntry {
-    record: EndpointRecord,
-    addr: TracedAddr<EndpointActor>,
-    labels: Labels,
-    named_ports: Vec<NamedPort>,
-}
-
 /// What one change asks of the endpoints, sent as one `PolicyReaction` by `react`.
 #[derive(Debug)]
 struct Reaction {
@@ -245,11 +239,8 @@ pub struct PolicyRepoActor {
     reaction: TracedAddr<RuleReactionActor>,
     /// Pods, namespaces and nodes -> identities and ipcache (`objects::index`).
     index: ClusterIndex,
-    services: HashMap<String, ServiceInfo>,
-    endpoints: BTreeMap<EndpointId, EndpointEntry>,
-    /// The last endpoint id handed out: ids go round, so a deleted endpoint's id is not given
-    /// to a new one while messages for the old one may still be in flight (to the loader).
-    last_endpoint_id: std::cell::Cell<EndpointId>,
+    /// This node's endpoints (`endpoint::registry`): admission, ids, records.
+    endpoints: Registry<TracedAddr<EndpointActor>>,
     policies: BTreeMap<PolicyKey, PolicyStatus>,
     manifest_errors: BTreeMap<String, String>,
     initial_sync_done: bool,
@@ -266,9 +257,7 @@ impl PolicyRepoActor {
             loader,
             reaction,
             index: ClusterIndex::default(),
-            services: HashMap::new(),
-            endpoints: BTreeMap::new(),
-            last_endpoint_id: std::cell::Cell::new(0),
+            endpoints: Registry::default(),
             policies: BTreeMap::new(),
             manifest_errors: BTreeMap::new(),
             initial_sync_done: false,
@@ -324,13 +313,13 @@ impl PolicyRepoActor {
         let (mut to_regenerate, mut to_bump): (Vec<EndpointHandle>, Vec<EndpointHandle>) =
             (vec![], vec![]);
         if self.initial_sync_done {
-            for (id, e) in &self.endpoints {
+            for (id, e) in self.endpoints.iter() {
                 let hit = e.record.identity.is_some_and(|i| r.affected.contains(&i))
-                    || r.extra.contains(id);
+                    || r.extra.contains(&id);
                 if hit {
-                    to_regenerate.push((*id, e.addr.clone()));
+                    to_regenerate.push((id, e.handle.clone()));
                 } else if r.policy_change && e.record.identity.is_some() {
-                    to_bump.push((*id, e.addr.clone()));
+                    to_bump.push((id, e.handle.clone()));
                 }
             }
         }
@@ -381,13 +370,9 @@ impl PolicyRepoActor {
                 self.shared.pod_names.insert(*ip, key.clone());
             }
         }
-        let ids: Vec<EndpointId> = self
+        let changed: Vec<EndpointId> = self
             .endpoints
-            .iter()
-            .filter(|(_, e)| pods.contains(&e.record.name))
-            .map(|(id, _)| *id)
-            .collect();
-        let changed: Vec<EndpointId> = ids
+            .of_pods(&pods)
             .into_iter()
             .filter(|id| self.refresh_endpoint_identity(*id, &mut ipcache))
             .collect();
@@ -407,7 +392,7 @@ impl PolicyRepoActor {
         id: EndpointId,
         ipcache: &mut Vec<IpcacheChange>,
     ) -> bool {
-        let Some(entry) = self.endpoints.get(&id) else {
+        let Some(entry) = self.endpoints.get(id) else {
             return false;
         };
         let (labels, ports) = match self.index.pod(&entry.record.name) {
@@ -428,11 +413,11 @@ impl PolicyRepoActor {
             engine.release_identity(o);
         }
         drop(engine);
-        if let Some(e) = self.endpoints.get_mut(&id) {
+        if let Some(e) = self.endpoints.get_mut(id) {
             e.record.identity = Some(new_id);
             e.labels = labels.clone();
             e.named_ports = ports.clone();
-            e.addr.do_send(
+            e.handle.do_send(
                 SetIdentity {
                     identity: Some(new_id),
                     labels,
@@ -442,16 +427,6 @@ impl PolicyRepoActor {
             );
         }
         true
-    }
-
-    fn next_endpoint_id(&self) -> Option<EndpointId> {
-        let after = self
-            .last_endpoint_id
-            .get()
-            .max(self.endpoints.keys().next_back().copied().unwrap_or(0));
-        let id = next_free_id(after, |id| self.endpoints.contains_key(&id))?;
-        self.last_endpoint_id.set(id);
-        Some(id)
     }
 
     fn spawn_endpoint(
@@ -495,15 +470,12 @@ impl PolicyRepoActor {
             audit: record.audit,
             container_id: record.container_id.clone(),
         };
-        self.endpoints.insert(
-            record.id,
-            EndpointEntry {
-                record,
-                addr,
-                labels,
-                named_ports: ports_copy,
-            },
-        );
+        self.endpoints.insert(Entry {
+            record,
+            handle: addr,
+            labels,
+            named_ports: ports_copy,
+        });
         model
     }
 
@@ -512,59 +484,19 @@ impl PolicyRepoActor {
         req: EndpointRequest,
         restore: Option<EndpointRecord>,
     ) -> Result<EndpointModel, ApiError> {
-        let Some((ns, pod)) = req
-            .name
-            .split_once('/')
-            .filter(|(n, p)| !n.is_empty() && !p.is_empty() && !p.contains('/'))
-        else {
-            return Err(ApiError::Invalid(format!(
-                "endpoint name {:?} must be namespace/pod",
-                req.name
-            )));
-        };
-        let key = format!("{ns}/{pod}");
-        if let Some(cid) = &req.container_id {
-            if let Some((_, e)) = self
-                .endpoints
-                .iter()
-                .find(|(_, e)| e.record.container_id.as_ref() == Some(cid))
-            {
-                return Err(ApiError::Conflict(format!(
-                    "container {cid} already has endpoint {}",
-                    e.record.id
-                )));
-            }
-        }
-        if restore.is_none() {
-            if let Some((id, _)) = self.endpoints.iter().find(|(_, e)| e.record.name == key) {
-                return Err(ApiError::Conflict(format!(
-                    "pod {key} already has endpoint {id}"
-                )));
-            }
-            for ip in &req.ips {
-                if let Some((id, _)) = self
-                    .endpoints
-                    .iter()
-                    .find(|(_, e)| e.record.ips.contains(ip))
-                {
-                    return Err(ApiError::Conflict(format!(
-                        "address {ip} is used by endpoint {id}"
-                    )));
-                }
-            }
-        }
-        let id = match &restore {
-            Some(r) if self.endpoints.contains_key(&r.id) => {
-                return Err(ApiError::Conflict(format!(
-                    "endpoint {} exists already",
-                    r.id
-                )))
-            }
-            Some(r) => r.id,
-            None => self
-                .next_endpoint_id()
-                .ok_or_else(|| ApiError::Internal("no free endpoint id".into()))?,
-        };
+        let (key, id) = self
+            .endpoints
+            .admit(Admission {
+                name: &req.name,
+                container_id: req.container_id.as_deref(),
+                ips: &req.ips,
+                restore: restore.as_ref().map(|r| r.id),
+            })
+            .map_err(|e| match e {
+                Refusal::BadName(_) => ApiError::Invalid(e.to_string()),
+                Refusal::Conflict(_) => ApiError::Conflict(e.to_string()),
+                Refusal::NoFreeId => ApiError::Internal(e.to_string()),
+            })?;
         let mut ipcache = Vec::new();
         let (identity, labels, ports) = {
             let pod_state = self
@@ -627,9 +559,9 @@ impl PolicyRepoActor {
     fn delete_endpoint(&mut self, id: EndpointId, keep_datapath: bool) -> Result<(), ApiError> {
         let entry = self
             .endpoints
-            .remove(&id)
+            .remove(id)
             .ok_or_else(|| ApiError::NotFound(format!("endpoint {id}")))?;
-        entry.addr.do_send(Delete { keep_datapath }, NAME);
+        entry.handle.do_send(Delete { keep_datapath }, NAME);
         if keep_datapath {
             return Ok(());
         }
@@ -656,40 +588,12 @@ impl PolicyRepoActor {
     }
 }
 
-/// The first id after `after` (going round past the largest) that `taken` does not hold.
-fn next_free_id(after: EndpointId, taken: impl Fn(EndpointId) -> bool) -> Option<EndpointId> {
-    let (after, max) = (u32::from(after), u32::from(EndpointId::MAX));
-    (after + 1..=max)
-        .chain(1..=after)
-        .filter_map(|id| EndpointId::try_from(id).ok())
-        .find(|id| *id != 0 && !taken(*id))
-}
-
-#[cfg(test)]
-mod id_tests {
-    use super::next_free_id;
-
-    #[test]
-    fn ids_go_round_so_a_freed_id_is_not_reused_at_once() {
-        let taken = [1u16, 2, 4];
-        let free = |after| next_free_id(after, |id| taken.contains(&id));
-        assert_eq!(free(0), Some(3));
-        assert_eq!(
-            free(3),
-            Some(5),
-            "3 was just handed out and freed: not again"
-        );
-        assert_eq!(free(u16::MAX), Some(3), "wraps to the lowest free");
-        assert_eq!(next_free_id(7, |_| true), None);
-    }
-}
-
 impl Actor for PolicyRepoActor {
     type Context = Context<Self>;
 }
 traced_actor!(PolicyRepoActor:
     PolicyUpsert, PolicyRejected, PolicyDelete, ManifestStatus, PodUpsert, PodDelete, NamespaceUpsert,
-    NamespaceDelete, NodeUpsert, NodeDelete, ServiceUpsert, InitialSyncDone, AddEndpoint, DeleteEndpoint,
+    NamespaceDelete, NodeUpsert, NodeDelete, InitialSyncDone, AddEndpoint, DeleteEndpoint,
     FindEndpoint, ConfigureEndpoint, ListEndpoints, ListPodlessEndpoints, Shutdown, GetPolicies, GetIdentities, GetIpcacheView, RegenerateAll);
 
 macro_rules! traceable {
@@ -963,14 +867,7 @@ impl PolicyRepoActor {
                 return;
             }
         };
-        let held = self.endpoints.iter().flat_map(|(id, e)| {
-            let owner = e
-                .record
-                .container_id
-                .clone()
-                .unwrap_or_else(|| format!("endpoint:{id}"));
-            e.record.ips.iter().map(move |ip| (*ip, owner.clone()))
-        });
+        let held = self.endpoints.held_addresses();
         let Ok(mut g) = self.shared.ipam.lock() else {
             return;
         };
@@ -1029,30 +926,6 @@ impl Handler<NodeDelete> for PolicyRepoActor {
     }
 }
 
-/// A service appeared, changed or (with `deleted`) went away. Kept for `toServices`.
-#[derive(Debug, Message)]
-#[rtype(result = "()")]
-pub struct ServiceUpsert {
-    pub service: ServiceInfo,
-    pub deleted: bool,
-}
-traceable!(ServiceUpsert, "ServiceUpsert", |m| format!(
-    "service {}/{}",
-    m.service.namespace, m.service.name
-));
-
-impl Handler<ServiceUpsert> for PolicyRepoActor {
-    type Result = ();
-    fn handle(&mut self, msg: ServiceUpsert, _: &mut Context<Self>) {
-        let key = format!("{}/{}", msg.service.namespace, msg.service.name);
-        if msg.deleted {
-            self.services.remove(&key);
-        } else {
-            self.services.insert(key, msg.service);
-        }
-    }
-}
-
 /// The watcher delivered the initial state: regenerate every endpoint, then report ready.
 #[derive(Debug, Message)]
 #[rtype(result = "()")]
@@ -1097,7 +970,7 @@ impl PolicyRepoActor {
     /// Restored endpoints whose pods are now known take their identity from the pod; returns
     /// the ipcache changes that makes.
     fn refresh_all_identities(&mut self) -> Vec<IpcacheChange> {
-        let ids: Vec<EndpointId> = self.endpoints.keys().copied().collect();
+        let ids = self.endpoints.ids();
         let mut ipcache = Vec::new();
         for id in ids {
             self.refresh_endpoint_identity(id, &mut ipcache);
@@ -1110,7 +983,7 @@ impl PolicyRepoActor {
         self.endpoints
             .iter()
             .filter(|(_, e)| e.record.identity.is_some())
-            .map(|(id, e)| (*id, e.addr.clone()))
+            .map(|(id, e)| (id, e.handle.clone()))
             .collect()
     }
 }
@@ -1182,10 +1055,10 @@ impl Handler<ConfigureEndpoint> for PolicyRepoActor {
     fn handle(&mut self, msg: ConfigureEndpoint, _: &mut Context<Self>) -> Self::Result {
         let entry = self
             .endpoints
-            .get_mut(&msg.id)
+            .get_mut(msg.id)
             .ok_or_else(|| ApiError::NotFound(format!("endpoint {}", msg.id)))?;
         entry.record.audit = msg.audit;
-        entry.addr.do_send(SetAudit { audit: msg.audit }, NAME);
+        entry.handle.do_send(SetAudit { audit: msg.audit }, NAME);
         Ok(())
     }
 }
@@ -1204,11 +1077,7 @@ traceable!(FindEndpoint, "FindEndpoint", |m| format!(
 impl Handler<FindEndpoint> for PolicyRepoActor {
     type Result = Result<Option<EndpointId>, ApiError>;
     fn handle(&mut self, msg: FindEndpoint, _: &mut Context<Self>) -> Self::Result {
-        Ok(self
-            .endpoints
-            .iter()
-            .find(|(_, e)| e.record.container_id.as_deref() == Some(&msg.container_id))
-            .map(|(id, _)| *id))
+        Ok(self.endpoints.by_container(&msg.container_id))
     }
 }
 
@@ -1231,7 +1100,7 @@ impl Handler<ListPodlessEndpoints> for PolicyRepoActor {
             .endpoints
             .iter()
             .filter(|(_, e)| !self.index.has_pod(&e.record.name))
-            .map(|(id, e)| (*id, e.record.name.clone(), e.record.container_id.clone()))
+            .map(|(id, e)| (id, e.record.name.clone(), e.record.container_id.clone()))
             .collect())
     }
 }
@@ -1248,7 +1117,7 @@ impl Handler<ListEndpoints> for PolicyRepoActor {
         Ok(self
             .endpoints
             .iter()
-            .map(|(id, e)| (*id, e.addr.clone()))
+            .map(|(id, e)| (id, e.handle.clone()))
             .collect())
     }
 }
@@ -1262,8 +1131,7 @@ traceable!(Shutdown, "Shutdown", |_m| String::new());
 impl Handler<Shutdown> for PolicyRepoActor {
     type Result = Result<(), ApiError>;
     fn handle(&mut self, _: Shutdown, _: &mut Context<Self>) -> Self::Result {
-        let ids: Vec<EndpointId> = self.endpoints.keys().copied().collect();
-        for id in ids {
+        for id in self.endpoints.ids() {
             self.delete_endpoint(id, true)?;
         }
         Ok(())
@@ -1362,8 +1230,8 @@ impl Handler<RegenerateAll> for PolicyRepoActor {
     type Result = ();
     fn handle(&mut self, msg: RegenerateAll, _: &mut Context<Self>) {
         let revision = self.engine().revision();
-        for e in self.endpoints.values() {
-            e.addr.do_send(
+        for (_, e) in self.endpoints.iter() {
+            e.handle.do_send(
                 Regenerate {
                     revision,
                     reason: msg.reason.clone(),

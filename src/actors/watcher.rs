@@ -21,18 +21,13 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use notify::{Config, Event, EventKind, RecommendedWatcher, RecursiveMode, Watcher};
 use serde_yaml::Value;
 
-use super::policy_repo::{
-    InitialSyncDone, ManifestStatus, NamespaceDelete, NamespaceUpsert, NodeDelete, NodeUpsert,
-    PodDelete, PodUpsert, PolicyDelete, PolicyRejected, PolicyRepoActor, PolicyUpsert,
-};
-use super::services_feed::ServicesFeed;
+use super::feed::{Item, Origin, ToRepo, WatchFeed};
+use super::policy_repo::{ManifestStatus, PolicyRepoActor};
 use crate::introspect::{Traceable, TracedAddr};
-use crate::manifests::{Body, Delta, Limits, ObjKey, ScanStats, Scanner, DEFAULT_NAMESPACE};
+use crate::manifests::{Body, Delta, Limits, ObjKey, ScanStats, Scanner};
 use crate::objects::{
-    endpoint_slice_info, namespace_info, node_info, pod_info, service_info, ServiceInfo,
+    endpoint_slice_info, namespace_info, node_info, pod_info, service_info, Kind,
 };
-use crate::policy::rule::PolicyKey;
-use crate::policy::translate::parse_policy_with_services;
 use crate::services::ServiceLb;
 use crate::traced_actor;
 
@@ -135,14 +130,10 @@ impl Actor for WatcherActor {
         let (scans, requests) = sync_channel(1);
         self.scans = Some(scans);
         let scanner = Scanner::new(self.dir.clone(), self.limits);
-        let lb = self.services.clone();
-        let mut feed = Feed::new(self.repo.clone());
-        if let Some(lb) = &lb {
-            feed.services.set_lb(lb.clone());
-        }
+        let feed = Feed::new(self.repo.clone(), self.services.clone());
         let spawned = std::thread::Builder::new()
             .name("manifest-scan".into())
-            .spawn(move || run_scanner(scanner, feed, lb, requests, me));
+            .spawn(move || run_scanner(scanner, feed, requests, me));
         if let Err(e) = spawned {
             tracing::error!(error = %e, "cannot start the manifest scanner");
             self.scans = None;
@@ -162,7 +153,6 @@ traced_actor!(WatcherActor: Rescan, FilesChanged, ScanDone);
 fn run_scanner(
     mut scanner: Scanner,
     mut feed: Feed,
-    lb: Option<Arc<ServiceLb>>,
     requests: Receiver<()>,
     watcher: TracedAddr<WatcherActor>,
 ) {
@@ -184,10 +174,8 @@ fn run_scanner(
                 ),
                 Err(e) => tracing::error!(error = %e, "initial manifest scan failed"),
             }
-            if let Some(lb) = &lb {
-                lb.initial_sync_done();
-            }
-            feed.repo.do_send(InitialSyncDone, NAME);
+            let out = feed.feed.synced();
+            feed.send(out);
             first = false;
         }
         watcher.do_send(
@@ -203,21 +191,27 @@ fn run_scanner(
     }
 }
 
-/// Turns deltas into the repository's typed messages, and keeps what `toServices` needs.
+/// Turns deltas into objects for the [`WatchFeed`], and reports what cannot be read by file.
 struct Feed {
     repo: TracedAddr<PolicyRepoActor>,
-    /// Services, EndpointSlices and the `toServices` policies (document and location).
-    services: ServicesFeed<ObjKey, (Body, String)>,
+    /// Dedupe, order, Services and policy translation (shared with the Kubernetes watcher).
+    feed: WatchFeed,
     /// Objects whose last upsert could not be used, with the location it was reported under.
     unusable: HashMap<ObjKey, String>,
 }
 
 impl Feed {
-    fn new(repo: TracedAddr<PolicyRepoActor>) -> Feed {
+    fn new(repo: TracedAddr<PolicyRepoActor>, lb: Option<Arc<ServiceLb>>) -> Feed {
         Feed {
             repo,
-            services: ServicesFeed::new(None),
+            feed: WatchFeed::new(lb),
             unusable: HashMap::new(),
+        }
+    }
+
+    fn send(&self, out: Vec<ToRepo>) {
+        for m in out {
+            m.send(&self.repo, NAME);
         }
     }
 
@@ -250,19 +244,25 @@ impl Feed {
         }
         let sent = delta.deletes.len() + delta.upserts.len();
         for k in &delta.deletes {
-            self.send_delete(k);
+            self.usable(k);
+            if let Some(kind) = Kind::parse(&k.kind) {
+                let out = self.feed.delete(kind, &object_key(k));
+                self.send(out);
+            }
         }
         for u in delta.upserts {
-            self.send_upsert(&u.key, &u.body, &u.location);
+            match convert(&u.key, &u.body) {
+                Ok(item) => {
+                    self.usable(&u.key);
+                    let out =
+                        self.feed
+                            .upsert(&object_key(&u.key), item, Origin::file(&u.location));
+                    self.send(out);
+                }
+                Err(e) => self.unusable(&u.key, &u.location, e),
+            }
         }
         sent
-    }
-
-    /// Translates `toServices` policies again against the current services.
-    fn resend(&mut self, policies: Vec<(ObjKey, (Body, String))>) {
-        for (k, (body, location)) in policies {
-            self.send_upsert(&k, &body, &location);
-        }
     }
 
     fn unusable(&mut self, k: &ObjKey, location: &str, error: String) {
@@ -294,122 +294,36 @@ impl Feed {
             NAME,
         );
     }
+}
 
-    fn send_upsert(&mut self, k: &ObjKey, body: &Body, location: &str) {
-        let value: Value = match serde_yaml::from_str(body) {
-            Ok(v) => v,
-            Err(e) => return self.unusable(k, location, e.to_string()),
-        };
-        let ns = &k.namespace;
-        let converted: Result<(), String> = match k.kind.as_str() {
-            "Namespace" => serde_yaml::from_value::<Namespace>(value)
-                .map_err(|e| e.to_string())
-                .and_then(|n| namespace_info(&n))
-                .map(|namespace| self.repo.do_send(NamespaceUpsert { namespace }, NAME)),
-            "Node" => serde_yaml::from_value::<Node>(value)
-                .map_err(|e| e.to_string())
-                .and_then(|n| node_info(&n))
-                .map(|node| self.repo.do_send(NodeUpsert { node }, NAME)),
-            "Service" => serde_yaml::from_value::<Service>(value)
-                .map_err(|e| e.to_string())
-                .and_then(|s| service_info(&s, ns))
-                .map(|service| self.upsert_service(service)),
-            "EndpointSlice" => serde_yaml::from_value::<EndpointSlice>(value)
-                .map_err(|e| e.to_string())
-                .and_then(|s| endpoint_slice_info(&s))
-                .map(|slice| {
-                    let again = self.services.set_slice(ns, &k.name, Some(slice));
-                    self.resend(again);
-                }),
-            "Pod" => serde_yaml::from_value::<Pod>(value)
-                .map_err(|e| e.to_string())
-                .and_then(|p| pod_info(&p, ns))
-                .map(|pod| self.repo.do_send(PodUpsert { pod }, NAME)),
-            _ => {
-                self.upsert_policy(k, &value, body, location);
-                Ok(())
-            }
-        };
-        match converted {
-            Ok(()) => self.usable(k),
-            Err(e) => self.unusable(k, location, e),
-        }
-    }
-
-    fn upsert_service(&mut self, service: ServiceInfo) {
-        let (msg, again) = self.services.upsert_service(service);
-        self.repo.do_send(msg, NAME);
-        self.resend(again);
-    }
-
-    /// A policy is validated here; a rejection is the repository's to record (the previous
-    /// version stays enforced).
-    fn upsert_policy(&mut self, k: &ObjKey, value: &Value, body: &Body, location: &str) {
-        match parse_policy_with_services(value, DEFAULT_NAMESPACE, location, self.services.table())
-        {
-            Ok(policy) => {
-                self.services.policy_translated(
-                    k.clone(),
-                    (body.clone(), location.to_string()),
-                    policy.uses_services,
-                );
-                for w in &policy.warnings {
-                    tracing::warn!(%location, "{w}");
-                }
-                self.repo.do_send(
-                    PolicyUpsert {
-                        policy,
-                        source: location.to_string(),
-                    },
-                    NAME,
-                )
-            }
-            Err(e) => self.repo.do_send(
-                PolicyRejected {
-                    key: policy_key(k),
-                    error: e.to_string(),
-                    source: location.to_string(),
-                },
-                NAME,
-            ),
-        }
-    }
-
-    fn send_delete(&mut self, k: &ObjKey) {
-        self.usable(k);
-        let (ns, name) = (&k.namespace, &k.name);
-        match k.kind.as_str() {
-            "EndpointSlice" => {
-                let again = self.services.set_slice(ns, name, None);
-                self.resend(again);
-            }
-            "Namespace" => self
-                .repo
-                .do_send(NamespaceDelete { name: name.clone() }, NAME),
-            "Node" => self.repo.do_send(NodeDelete { name: name.clone() }, NAME),
-            "Service" => {
-                let (msg, again) = self.services.delete_service(ns, name);
-                self.resend(again);
-                self.repo.do_send(msg, NAME);
-            }
-            "Pod" => self.repo.do_send(
-                PodDelete {
-                    key: format!("{ns}/{name}"),
-                },
-                NAME,
-            ),
-            _ => {
-                self.services.policy_deleted(k);
-                if let Some(key) = policy_key(k) {
-                    self.repo.do_send(PolicyDelete { key }, NAME);
-                }
-            }
-        }
+/// `namespace/name`, or `name` for cluster-scoped objects (as the feed names objects).
+fn object_key(k: &ObjKey) -> String {
+    if k.namespace.is_empty() {
+        k.name.clone()
+    } else {
+        format!("{}/{}", k.namespace, k.name)
     }
 }
 
-fn policy_key(k: &ObjKey) -> Option<PolicyKey> {
-    PolicyKey::for_object(&k.kind, &k.namespace, &k.name)
+/// Reads a document into what the agent uses. Policies are validated by the feed (a rejected
+/// policy is the repository's to record); anything else that does not read is unusable.
+fn convert(k: &ObjKey, body: &Body) -> Result<Item, String> {
+    let value: Value = serde_yaml::from_str(body).map_err(|e| e.to_string())?;
+    let ns = &k.namespace;
+    fn read<T: serde::de::DeserializeOwned>(v: Value) -> Result<T, String> {
+        serde_yaml::from_value(v).map_err(|e| e.to_string())
+    }
+    match Kind::parse(&k.kind) {
+        Some(Kind::Namespace) => namespace_info(&read::<Namespace>(value)?).map(Item::Namespace),
+        Some(Kind::Node) => node_info(&read::<Node>(value)?).map(Item::Node),
+        Some(Kind::Service) => service_info(&read::<Service>(value)?, ns).map(Item::Service),
+        Some(Kind::EndpointSlice) => {
+            endpoint_slice_info(&read::<EndpointSlice>(value)?).map(Item::EndpointSlice)
+        }
+        Some(Kind::Pod) => pod_info(&read::<Pod>(value)?, ns).map(Item::Pod),
+        Some(policy) => Ok(Item::Policy(policy, value)),
+        None => Err(format!("kind {} is not watched", k.kind)),
+    }
 }
 
 /// Re-read the manifest directory (queued on the scanner).

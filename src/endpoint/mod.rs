@@ -1,8 +1,9 @@
-//! Endpoints at rest: the state directory (one record per endpoint, written atomically, with
+//! Endpoints at rest: the registry of this node's endpoints (admission, ids), the state directory (one record per endpoint, written atomically, with
 //! the CNI plugin's intent records), the pure restore decisions taken at start-up, and the
 //! regeneration state machine `EndpointActor` runs, and the CNI ADD's rollback guard.
 
 pub mod cni;
 pub mod regeneration;
+pub mod registry;
 pub mod restore;
 pub mod state;

@@ -12,6 +12,8 @@ use std::sync::Arc;
 
 use serde_yaml::Value;
 
+use crate::objects::Kind;
+
 pub use merge::{Delta, Doc, Duplicate, FileUpdate, ManifestSet, ObjKey, Upsert};
 pub use read::{IoWorker, Limits};
 
@@ -20,14 +22,7 @@ pub const DEFAULT_NAMESPACE: &str = "default";
 
 /// Where a kind goes in the apply order; `None` for kinds the agent does not use.
 pub fn kind_order(kind: &str) -> Option<u8> {
-    Some(match kind {
-        "Namespace" => 0,
-        "Node" => 1,
-        "Service" | "EndpointSlice" => 2,
-        "Pod" => 3,
-        "NetworkPolicy" | "CiliumNetworkPolicy" | "CiliumClusterwideNetworkPolicy" => 4,
-        _ => return None,
-    })
+    Kind::parse(kind).map(|k| k as u8)
 }
 
 fn str_at<'a>(v: &'a Value, path: &[&str]) -> Option<&'a str> {
@@ -43,11 +38,7 @@ pub fn object_key(doc: &Value) -> Option<ObjKey> {
     let kind = str_at(doc, &["kind"])?;
     let order = kind_order(kind)?;
     let name = str_at(doc, &["metadata", "name"]).unwrap_or("").to_string();
-    let cluster_scoped = matches!(
-        kind,
-        "Namespace" | "Node" | "CiliumClusterwideNetworkPolicy"
-    );
-    let namespace = if cluster_scoped {
+    let namespace = if Kind::parse(kind).is_some_and(Kind::cluster_scoped) {
         String::new()
     } else {
         str_at(doc, &["metadata", "namespace"])

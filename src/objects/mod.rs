@@ -2,6 +2,9 @@
 //! directory now, kube-rs watchers in Kubernetes mode): converted from k8s-openapi types.
 
 pub mod index;
+pub mod kind;
+
+pub use kind::Kind;
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;

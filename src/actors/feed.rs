@@ -1,0 +1,482 @@
+//! The watch feed, written once for both watchers (the manifest directory and the API server).
+//! A watcher only reads objects and converts them ([`crate::objects`]); the feed decides what
+//! reaches `PolicyRepoActor`, in which order:
+//!
+//! - **dedupe**: an object sent again unchanged (a relist, a status write, a touched file) sends
+//!   nothing; a delete of an object never sent sends nothing;
+//! - **dependency order**: until the initial sync is complete the latest state of each object is
+//!   held, then sent in apply order ([`Kind`]), so that identities exist before the rules that
+//!   select them (after it, a watcher's batch comes in that order already: the manifest merge
+//!   sorts its deltas by `Kind`);
+//! - **Services**: socket-level translation (`ServiceLb`) and the `toServices` tracker follow
+//!   Services and EndpointSlices, and the policies that use `toServices` are translated again
+//!   when what they resolve against changes;
+//! - **policies** are translated here and sent as `PolicyUpsert`, or `PolicyRejected` with the
+//!   error (the previous version stays enforced).
+//!
+//! Pure apart from `ServiceLb` (a shared service, not an actor): every call returns the messages
+//! to send, and [`ToRepo::send`] sends them.
+
+use std::collections::{BTreeMap, HashMap};
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
+
+use serde_yaml::Value;
+
+use super::policy_repo::{
+    InitialSyncDone, NamespaceDelete, NamespaceUpsert, NodeDelete, NodeUpsert, PodDelete,
+    PodUpsert, PolicyDelete, PolicyRejected, PolicyRepoActor, PolicyUpsert,
+};
+use crate::introspect::TracedAddr;
+use crate::objects::{EndpointSliceInfo, Kind, NamespaceInfo, NodeInfo, PodInfo, ServiceInfo};
+use crate::policy::rule::{PolicyKey, PolicyKind};
+use crate::policy::services::{ServiceTable, ServiceTracker};
+use crate::policy::translate::parse_policy_with_services;
+use crate::services::ServiceLb;
+
+/// The namespace of a namespaced policy that names none.
+const DEFAULT_NAMESPACE: &str = "default";
+
+/// An object converted to what the agent uses.
+#[derive(Debug, Clone)]
+pub enum Item {
+    Namespace(NamespaceInfo),
+    Node(NodeInfo),
+    Service(ServiceInfo),
+    EndpointSlice(EndpointSliceInfo),
+    Pod(PodInfo),
+    /// A policy document as `parse_policy` reads it (status and bookkeeping left out), with its
+    /// kind.
+    Policy(Kind, Value),
+}
+
+impl Item {
+    pub fn kind(&self) -> Kind {
+        match self {
+            Item::Namespace(_) => Kind::Namespace,
+            Item::Node(_) => Kind::Node,
+            Item::Service(_) => Kind::Service,
+            Item::EndpointSlice(_) => Kind::EndpointSlice,
+            Item::Pod(_) => Kind::Pod,
+            Item::Policy(k, _) => *k,
+        }
+    }
+
+    fn content_hash(&self) -> u64 {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        match self {
+            Item::Policy(k, doc) => (k, doc).hash(&mut h),
+            other => format!("{other:?}").hash(&mut h),
+        }
+        h.finish()
+    }
+}
+
+/// Where an object came from: `location` names it in errors and warnings (a file and document,
+/// or `Kind ns/name`), `source` is what policy status shows (the file, or `kubernetes`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Origin {
+    pub location: String,
+    pub source: String,
+}
+
+impl Origin {
+    /// An object read from a manifest file.
+    pub fn file(location: &str) -> Origin {
+        Origin {
+            location: location.into(),
+            source: location.into(),
+        }
+    }
+
+    /// An object from the API server.
+    pub fn api(kind: Kind, key: &str) -> Origin {
+        Origin {
+            location: format!("{kind} {key}"),
+            source: "kubernetes".into(),
+        }
+    }
+}
+
+/// A message for `PolicyRepoActor`.
+#[derive(Debug)]
+pub enum ToRepo {
+    Namespace(NamespaceUpsert),
+    NamespaceDelete(NamespaceDelete),
+    Node(NodeUpsert),
+    NodeDelete(NodeDelete),
+    Pod(PodUpsert),
+    PodDelete(PodDelete),
+    Policy(PolicyUpsert),
+    Rejected(PolicyRejected),
+    PolicyDelete(PolicyDelete),
+    /// The initial state is delivered.
+    Synced,
+}
+
+impl ToRepo {
+    pub fn send(self, repo: &TracedAddr<PolicyRepoActor>, from: &'static str) {
+        match self {
+            ToRepo::Namespace(m) => repo.do_send(m, from),
+            ToRepo::NamespaceDelete(m) => repo.do_send(m, from),
+            ToRepo::Node(m) => repo.do_send(m, from),
+            ToRepo::NodeDelete(m) => repo.do_send(m, from),
+            ToRepo::Pod(m) => repo.do_send(m, from),
+            ToRepo::PodDelete(m) => repo.do_send(m, from),
+            ToRepo::Policy(m) => repo.do_send(m, from),
+            ToRepo::Rejected(m) => repo.do_send(m, from),
+            ToRepo::PolicyDelete(m) => repo.do_send(m, from),
+            ToRepo::Synced => repo.do_send(InitialSyncDone, from),
+        }
+    }
+}
+
+/// An object: its kind and `namespace/name` (`name` when cluster-scoped).
+type Key = (Kind, String);
+
+pub struct WatchFeed {
+    /// Hash of what was last sent, per object.
+    known: HashMap<Key, u64>,
+    /// Until the initial sync is complete: the latest state of each object.
+    held: Option<BTreeMap<Key, (Item, Origin)>>,
+    /// Services and their EndpointSlice backends, for `toServices`.
+    tracker: ServiceTracker,
+    /// Policies that use `toServices`, translated again when a service or its backends change.
+    service_policies: BTreeMap<Key, (Value, Origin)>,
+    /// Service translation (`None`: not wired, e.g. some tests).
+    lb: Option<Arc<ServiceLb>>,
+}
+
+impl WatchFeed {
+    pub fn new(lb: Option<Arc<ServiceLb>>) -> Self {
+        WatchFeed {
+            known: HashMap::new(),
+            held: Some(BTreeMap::new()),
+            tracker: ServiceTracker::default(),
+            service_policies: BTreeMap::new(),
+            lb,
+        }
+    }
+
+    /// An object appeared or changed.
+    pub fn upsert(&mut self, key: &str, item: Item, origin: Origin) -> Vec<ToRepo> {
+        let k = (item.kind(), key.to_string());
+        let hash = item.content_hash();
+        if self.known.insert(k.clone(), hash) == Some(hash) {
+            return Vec::new();
+        }
+        self.emit(k, Some((item, origin)))
+    }
+
+    /// An object went away.
+    pub fn delete(&mut self, kind: Kind, key: &str) -> Vec<ToRepo> {
+        let k = (kind, key.to_string());
+        if self.known.remove(&k).is_none() {
+            return Vec::new();
+        }
+        self.emit(k, None)
+    }
+
+    /// The objects of a kind sent so far (a relist deletes those it no longer holds).
+    pub fn keys(&self, kind: Kind) -> Vec<String> {
+        let mut keys: Vec<String> = self
+            .known
+            .keys()
+            .filter(|(k, _)| *k == kind)
+            .map(|(_, key)| key.clone())
+            .collect();
+        keys.sort();
+        keys
+    }
+
+    pub fn is_synced(&self) -> bool {
+        self.held.is_none()
+    }
+
+    /// The initial state is complete: what was held, in apply order, then `Synced`. Later
+    /// calls return nothing.
+    pub fn synced(&mut self) -> Vec<ToRepo> {
+        let Some(held) = self.held.take() else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for (k, state) in held {
+            out.extend(self.deliver(k, Some(state)));
+        }
+        if let Some(lb) = &self.lb {
+            lb.initial_sync_done();
+        }
+        out.push(ToRepo::Synced);
+        out
+    }
+
+    /// What `toServices` resolves against.
+    pub fn services(&self) -> &ServiceTable {
+        self.tracker.table()
+    }
+
+    fn emit(&mut self, k: Key, state: Option<(Item, Origin)>) -> Vec<ToRepo> {
+        if let Some(held) = &mut self.held {
+            // Nothing was delivered yet: a delete only takes back what is held.
+            match state {
+                Some(state) => held.insert(k, state),
+                None => held.remove(&k),
+            };
+            return Vec::new();
+        }
+        self.deliver(k, state)
+    }
+
+    fn deliver(&mut self, (kind, key): Key, state: Option<(Item, Origin)>) -> Vec<ToRepo> {
+        let (namespace, name) = key.split_once('/').unwrap_or(("", &key));
+        let (item, origin) = match state {
+            Some(s) => s,
+            None => return self.deleted(kind, namespace, name, &key),
+        };
+        match item {
+            Item::Namespace(namespace) => vec![ToRepo::Namespace(NamespaceUpsert { namespace })],
+            Item::Node(node) => vec![ToRepo::Node(NodeUpsert { node })],
+            Item::Pod(pod) => vec![ToRepo::Pod(PodUpsert { pod })],
+            Item::Service(s) => {
+                if let Some(lb) = &self.lb {
+                    lb.set_service(&s.namespace, &s.name, Some(s.spec()));
+                }
+                let seen = Some((s.labels.clone(), !s.selector.is_empty()));
+                let changed = self.tracker.set_service(&s.namespace, &s.name, seen);
+                self.translate_again(changed)
+            }
+            Item::EndpointSlice(slice) => self.set_slice(namespace, name, Some(slice)),
+            Item::Policy(_, doc) => self.translate((kind, key.clone()), doc, origin),
+        }
+    }
+
+    fn deleted(&mut self, kind: Kind, namespace: &str, name: &str, key: &str) -> Vec<ToRepo> {
+        match kind {
+            Kind::Namespace => vec![ToRepo::NamespaceDelete(NamespaceDelete {
+                name: key.into(),
+            })],
+            Kind::Node => vec![ToRepo::NodeDelete(NodeDelete { name: key.into() })],
+            Kind::Pod => vec![ToRepo::PodDelete(PodDelete { key: key.into() })],
+            Kind::Service => {
+                if let Some(lb) = &self.lb {
+                    lb.set_service(namespace, name, None);
+                }
+                let changed = self.tracker.set_service(namespace, name, None);
+                self.translate_again(changed)
+            }
+            Kind::EndpointSlice => self.set_slice(namespace, name, None),
+            policy => {
+                self.service_policies.remove(&(policy, key.to_string()));
+                vec![ToRepo::PolicyDelete(PolicyDelete {
+                    key: policy_key(policy, namespace, name),
+                })]
+            }
+        }
+    }
+
+    fn set_slice(
+        &mut self,
+        namespace: &str,
+        name: &str,
+        slice: Option<EndpointSliceInfo>,
+    ) -> Vec<ToRepo> {
+        let key = format!("{namespace}/{name}");
+        if let Some(lb) = &self.lb {
+            lb.set_slice(&key, slice.as_ref().map(|s| s.spec(namespace)));
+        }
+        let tracked = slice.map(|s| {
+            let ns = if s.namespace.is_empty() {
+                namespace.to_string()
+            } else {
+                s.namespace
+            };
+            (ns, s.service, s.addresses)
+        });
+        let changed = self.tracker.set_slice(&key, tracked);
+        self.translate_again(changed)
+    }
+
+    /// Translates a policy against the current services.
+    fn translate(&mut self, k: Key, doc: Value, origin: Origin) -> Vec<ToRepo> {
+        let parsed = parse_policy_with_services(
+            &doc,
+            DEFAULT_NAMESPACE,
+            &origin.location,
+            self.tracker.table(),
+        );
+        let (namespace, name) = k.1.split_once('/').unwrap_or(("", &k.1));
+        let key = policy_key(k.0, namespace, name);
+        if parsed.as_ref().is_ok_and(|p| p.uses_services) {
+            self.service_policies.insert(k, (doc, origin.clone()));
+        } else {
+            self.service_policies.remove(&k);
+        }
+        match parsed {
+            Ok(policy) => {
+                for w in &policy.warnings {
+                    tracing::warn!(policy = %origin.location, "{w}");
+                }
+                vec![ToRepo::Policy(PolicyUpsert {
+                    policy,
+                    source: origin.source,
+                })]
+            }
+            Err(e) => vec![ToRepo::Rejected(PolicyRejected {
+                key: Some(key),
+                error: e.to_string(),
+                source: origin.source,
+            })],
+        }
+    }
+
+    /// The `toServices` policies translated again, when what they resolve against changed.
+    fn translate_again(&mut self, changed: bool) -> Vec<ToRepo> {
+        if !changed {
+            return Vec::new();
+        }
+        let again: Vec<(Key, (Value, Origin))> = self
+            .service_policies
+            .iter()
+            .map(|(k, d)| (k.clone(), d.clone()))
+            .collect();
+        again
+            .into_iter()
+            .flat_map(|(k, (doc, origin))| self.translate(k, doc, origin))
+            .collect()
+    }
+}
+
+fn policy_key(kind: Kind, namespace: &str, name: &str) -> PolicyKey {
+    PolicyKey::for_object(kind.name(), namespace, name).unwrap_or_else(|| {
+        // Only policy kinds reach here; anything else is a programming error, kept visible.
+        PolicyKey::new(PolicyKind::NetworkPolicy, None, name)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn namespace(name: &str) -> Item {
+        Item::Namespace(NamespaceInfo {
+            name: name.into(),
+            labels: Default::default(),
+        })
+    }
+
+    fn service(name: &str, app: &str) -> Item {
+        Item::Service(ServiceInfo {
+            namespace: "x".into(),
+            name: name.into(),
+            labels: [("app".to_string(), app.to_string())].into(),
+            selector: Default::default(),
+            cluster_ips: vec![],
+            ports: vec![],
+        })
+    }
+
+    fn cnp(name: &str, body: &str) -> Item {
+        let doc = format!(
+            "apiVersion: cilium.io/v2\nkind: CiliumNetworkPolicy\nmetadata: {{name: {name}, namespace: x}}\nspec:\n{body}"
+        );
+        Item::Policy(
+            Kind::CiliumNetworkPolicy,
+            serde_yaml::from_str(&doc).unwrap(),
+        )
+    }
+
+    fn names(out: &[ToRepo]) -> Vec<String> {
+        out.iter()
+            .map(|m| match m {
+                ToRepo::Namespace(m) => format!("ns+ {}", m.namespace.name),
+                ToRepo::NamespaceDelete(m) => format!("ns- {}", m.name),
+                ToRepo::Policy(m) => format!("policy+ {}", m.policy.key.short()),
+                ToRepo::Rejected(m) => format!("rejected {}", m.key.as_ref().unwrap().short()),
+                ToRepo::PolicyDelete(m) => format!("policy- {}", m.key.short()),
+                ToRepo::Synced => "synced".into(),
+                other => format!("{other:?}"),
+            })
+            .collect()
+    }
+
+    const ALLOW_ALL: &str = "  endpointSelector: {}\n  egress: [{toEndpoints: [{}]}]\n";
+    const TO_SERVICES: &str = "  endpointSelector: {}\n  egress: [{toServices: [{k8sServiceSelector: {selector: {matchLabels: {app: db}}}}]}]\n";
+
+    #[test]
+    fn the_initial_state_is_held_and_sent_in_apply_order() {
+        let mut f = WatchFeed::new(None);
+        let o = || Origin::api(Kind::Namespace, "a");
+        assert!(f.upsert("x/p", cnp("p", ALLOW_ALL), o()).is_empty());
+        assert!(f.upsert("x", namespace("x"), o()).is_empty());
+        assert!(f.upsert("gone", namespace("gone"), o()).is_empty());
+        assert!(f.delete(Kind::Namespace, "gone").is_empty());
+        assert!(!f.is_synced());
+        assert_eq!(
+            names(&f.synced()),
+            ["ns+ x", "policy+ x/p", "synced"],
+            "namespaces before the policies that select them; a deleted object is not sent"
+        );
+        assert!(f.is_synced() && f.synced().is_empty());
+        assert_eq!(
+            names(&f.upsert("y", namespace("y"), o())),
+            ["ns+ y"],
+            "after the sync, changes go at once"
+        );
+    }
+
+    #[test]
+    fn unchanged_objects_and_unknown_deletes_send_nothing() {
+        let mut f = WatchFeed::new(None);
+        f.synced();
+        let o = || Origin::file("a.yaml");
+        assert_eq!(names(&f.upsert("x/p", cnp("p", ALLOW_ALL), o())).len(), 1);
+        assert!(f.upsert("x/p", cnp("p", ALLOW_ALL), o()).is_empty());
+        assert!(f.delete(Kind::CiliumNetworkPolicy, "x/q").is_empty());
+        assert_eq!(f.keys(Kind::CiliumNetworkPolicy), ["x/p"]);
+        assert_eq!(
+            names(&f.delete(Kind::CiliumNetworkPolicy, "x/p")),
+            ["policy- x/p"]
+        );
+        assert!(f.keys(Kind::CiliumNetworkPolicy).is_empty());
+    }
+
+    #[test]
+    fn to_services_policies_are_translated_again_when_a_service_changes() {
+        let mut f = WatchFeed::new(None);
+        f.synced();
+        let o = || Origin::api(Kind::CiliumNetworkPolicy, "x/p");
+        assert_eq!(
+            names(&f.upsert("x/p", cnp("p", TO_SERVICES), o())),
+            ["policy+ x/p"]
+        );
+        assert_eq!(names(&f.upsert("x/q", cnp("q", ALLOW_ALL), o())).len(), 1);
+        assert_eq!(
+            names(&f.upsert("x/db", service("db", "db"), o())),
+            ["policy+ x/p"],
+            "only the policy that uses toServices"
+        );
+        assert!(
+            f.upsert("x/db", service("db", "db"), o()).is_empty(),
+            "the same service again changes nothing"
+        );
+        assert_eq!(names(&f.delete(Kind::Service, "x/db")), ["policy+ x/p"]);
+        f.delete(Kind::CiliumNetworkPolicy, "x/p");
+        assert!(f.upsert("x/db", service("db", "db"), o()).is_empty());
+    }
+
+    #[test]
+    fn a_policy_that_does_not_translate_is_rejected_by_name() {
+        let mut f = WatchFeed::new(None);
+        f.synced();
+        let out = f.upsert(
+            "x/bad",
+            cnp("bad", "  endpointSelector: {matchLabels: 5}\n"),
+            Origin::file("bad.yaml"),
+        );
+        assert_eq!(names(&out), ["rejected x/bad"]);
+        match &out[0] {
+            ToRepo::Rejected(r) => assert_eq!(r.source, "bad.yaml"),
+            _ => unreachable!(),
+        }
+    }
+}
