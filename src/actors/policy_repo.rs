@@ -26,6 +26,7 @@ use crate::policy::engine::{NamedPort, PolicyEngine};
 use crate::policy::identity::{reserved_name, NumericIdentity};
 use crate::policy::labels::{Label, Labels};
 use crate::policy::rule::PolicyKey;
+use crate::policy::status::StatusBook;
 use crate::policy::translate::ParsedPolicy;
 use crate::runtime::Shared;
 use crate::traced_actor;
@@ -60,58 +61,7 @@ pub struct EndpointRequest {
     pub mac: Option<String>,
 }
 
-/// A policy as `/debug/policy` lists it.
-#[derive(Debug, Clone, Serialize)]
-pub struct PolicyStatus {
-    pub kind: String,
-    pub namespace: Option<String>,
-    pub name: String,
-    pub rules: usize,
-    /// `accepted`, or `rejected: <error>`.
-    pub status: String,
-    /// Revision at which the enforced version was accepted.
-    pub revision: u64,
-    pub source: String,
-    /// Partial enforcement (L7, FQDN, ...).
-    pub notes: Vec<String>,
-    pub warnings: Vec<String>,
-    /// True when a rejected update left an earlier accepted version in force.
-    pub previous_version_enforced: bool,
-    /// Verdicts this policy decided since the agent started.
-    #[serde(default)]
-    pub hits: crate::policy::attribution::Hits,
-}
-
-impl PolicyStatus {
-    /// The record of `key` before anything is known of it but where it came from.
-    fn new(key: &PolicyKey, source: String) -> PolicyStatus {
-        PolicyStatus {
-            kind: key.kind.as_str().into(),
-            namespace: key.namespace.clone(),
-            name: key.name.clone(),
-            rules: 0,
-            status: String::new(),
-            revision: 0,
-            source,
-            notes: vec![],
-            warnings: vec![],
-            previous_version_enforced: false,
-            hits: Default::default(),
-        }
-    }
-
-    /// An accepted policy, enforced from `revision`.
-    fn accepted(policy: &ParsedPolicy, source: String, revision: u64) -> PolicyStatus {
-        PolicyStatus {
-            rules: policy.rules.len(),
-            status: "accepted".into(),
-            revision,
-            notes: policy.notes.clone(),
-            warnings: policy.warnings.clone(),
-            ..PolicyStatus::new(&policy.key, source)
-        }
-    }
-}
+pub use crate::policy::status::PolicyStatus;
 
 /// The ipcache entries a policy change adds (its new CIDR identities) and removes.
 /// A policy as monitor notifications name it.
@@ -241,8 +191,8 @@ pub struct PolicyRepoActor {
     index: ClusterIndex,
     /// This node's endpoints (`endpoint::registry`): admission, ids, records.
     endpoints: Registry<TracedAddr<EndpointActor>>,
-    policies: BTreeMap<PolicyKey, PolicyStatus>,
-    manifest_errors: BTreeMap<String, String>,
+    /// What became of each policy, and unreadable manifest files (`policy::status`).
+    statuses: StatusBook,
     initial_sync_done: bool,
 }
 
@@ -258,8 +208,7 @@ impl PolicyRepoActor {
             reaction,
             index: ClusterIndex::default(),
             endpoints: Registry::default(),
-            policies: BTreeMap::new(),
-            manifest_errors: BTreeMap::new(),
+            statuses: StatusBook::default(),
             initial_sync_done: false,
         }
     }
@@ -299,11 +248,7 @@ impl PolicyRepoActor {
             .metrics
             .endpoints
             .set(self.endpoints.len() as i64);
-        let rejected = self
-            .policies
-            .values()
-            .filter(|p| p.status != "accepted")
-            .count();
+        let rejected = self.statuses.rejected_count();
         self.shared.metrics.policies_rejected.set(rejected as i64);
     }
 
@@ -628,10 +573,8 @@ impl Handler<PolicyUpsert> for PolicyRepoActor {
     fn handle(&mut self, msg: PolicyUpsert, _: &mut Context<Self>) -> Self::Result {
         let accepted_at = Instant::now();
         let key = (*msg.policy.key).clone();
-        let (notes, rules_status) = (
-            msg.policy.notes.clone(),
-            PolicyStatus::accepted(&msg.policy, msg.source, 0),
-        );
+        let notes = msg.policy.notes.clone();
+        let known = self.statuses.accepted(&msg.policy, msg.source);
         let change = self.engine_mut().upsert_policy(msg.policy);
         self.shared
             .report_policy(crate::k8s::status::PolicyStatusEvent::Accepted {
@@ -639,11 +582,7 @@ impl Handler<PolicyUpsert> for PolicyRepoActor {
                 revision: change.revision,
                 notes,
             });
-        let status = PolicyStatus {
-            revision: change.revision,
-            ..rules_status
-        };
-        let known = self.policies.insert(key.clone(), status).is_some();
+        self.statuses.enforced_from(&key, change.revision);
         self.react(
             Reaction::new(format!("policy {}", key.short()))
                 .at(accepted_at)
@@ -675,10 +614,6 @@ impl Handler<PolicyRejected> for PolicyRepoActor {
             PolicyKey::new(crate::policy::rule::PolicyKind::Builtin, None, &msg.source)
         });
         let enforced = self.engine().policy(&key).is_some();
-        let entry = self
-            .policies
-            .entry(key.clone())
-            .or_insert_with(|| PolicyStatus::new(&key, msg.source.clone()));
         self.shared
             .report_policy(crate::k8s::status::PolicyStatusEvent::Rejected {
                 key: key.clone(),
@@ -693,9 +628,8 @@ impl Handler<PolicyRejected> for PolicyRepoActor {
             Some(msg.error.clone()),
         );
         let _ = self.shared.notifications.send(notice);
-        entry.status = format!("rejected: {}", msg.error);
-        entry.source = msg.source;
-        entry.previous_version_enforced = enforced;
+        self.statuses
+            .rejected(&key, &msg.error, msg.source, enforced);
         self.update_gauges();
     }
 }
@@ -715,7 +649,7 @@ impl Handler<PolicyDelete> for PolicyRepoActor {
     type Result = Result<u64, String>;
     fn handle(&mut self, msg: PolicyDelete, _: &mut Context<Self>) -> Self::Result {
         let accepted_at = Instant::now();
-        self.policies.remove(&msg.key);
+        self.statuses.deleted(&msg.key);
         self.shared
             .report_policy(crate::k8s::status::PolicyStatusEvent::Deleted {
                 key: msg.key.clone(),
@@ -757,14 +691,7 @@ traceable!(ManifestStatus, "ManifestStatus", |m| format!(
 impl Handler<ManifestStatus> for PolicyRepoActor {
     type Result = ();
     fn handle(&mut self, msg: ManifestStatus, _: &mut Context<Self>) {
-        match msg.error {
-            Some(e) => {
-                self.manifest_errors.insert(msg.file, e);
-            }
-            None => {
-                self.manifest_errors.remove(&msg.file);
-            }
-        }
+        self.statuses.manifest(msg.file, msg.error);
     }
 }
 
@@ -1150,8 +1077,8 @@ impl Handler<GetPolicies> for PolicyRepoActor {
         Ok(PolicyOverview {
             revision: self.engine().revision(),
             policies: self
-                .policies
-                .values()
+                .statuses
+                .policies()
                 .map(|p| PolicyStatus {
                     hits: self
                         .shared
@@ -1160,7 +1087,7 @@ impl Handler<GetPolicies> for PolicyRepoActor {
                     ..p.clone()
                 })
                 .collect(),
-            manifest_errors: self.manifest_errors.clone(),
+            manifest_errors: self.statuses.manifest_errors().clone(),
             recent_implementations: self.shared.implementations(),
         })
     }

@@ -23,6 +23,7 @@ pub mod rule;
 pub mod selector;
 pub mod selector_cache;
 pub mod services;
+pub mod status;
 pub mod translate;
 
 pub use engine::{Decision, EndpointPolicy, EndpointView, NamedPort, PolicyChange, PolicyEngine};
