@@ -479,6 +479,21 @@ pub fn record_handled<R: Outcome>(
 /// handlers are wrapped (`traced_actor!(EndpointActor: Regenerate, BumpRevision, ...)`).
 /// Handlers must return `M::Result` directly (`()` or `Result`), so the outcome is known when
 /// the handler returns.
+/// Makes a message traceable: its kind as the journal names it, and a one-line summary of it
+/// (`|m| ...` with `m` the message).
+#[macro_export]
+macro_rules! traceable {
+    ($t:ty, $kind:literal, |$s:ident| $summary:expr) => {
+        impl $crate::introspect::Traceable for $t {
+            const KIND: &'static str = $kind;
+            fn summary(&self) -> String {
+                let $s = self;
+                $summary
+            }
+        }
+    };
+}
+
 #[macro_export]
 macro_rules! traced_actor {
     ($actor:ty : $($msg:ty),+ $(,)?) => {

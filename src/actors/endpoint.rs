@@ -25,7 +25,7 @@ use crate::datapath::{DatapathError, EndpointAttachment, EndpointFlags, Endpoint
 pub use crate::endpoint::regeneration::EndpointState;
 use crate::endpoint::regeneration::{Action, Event, Regeneration};
 use crate::endpoint::state::EndpointRecord;
-use crate::introspect::{Journal, Traceable, Traced, TracedAddr, TracedRecipient};
+use crate::introspect::{Journal, Traced, TracedAddr, TracedRecipient};
 use crate::policy::attribution::{isolation_cookie, MatchKind};
 use crate::policy::engine::{EndpointView, NamedPort, PolicyEngine};
 use crate::policy::identity::NumericIdentity;
@@ -84,17 +84,14 @@ pub struct EndpointRealized {
     pub ok: bool,
 }
 
-impl Traceable for EndpointRealized {
-    const KIND: &'static str = "EndpointRealized";
-    fn summary(&self) -> String {
-        format!(
-            "endpoint {}, rev {}{}",
-            self.id,
-            self.revision,
-            if self.ok { "" } else { ", failed" }
-        )
-    }
-}
+crate::traceable!(EndpointRealized, "EndpointRealized", |m| {
+    format!(
+        "endpoint {}, rev {}{}",
+        m.id,
+        m.revision,
+        if m.ok { "" } else { ", failed" }
+    )
+});
 
 /// An endpoint went away: nothing waits for it any more.
 #[derive(Debug, Message)]
@@ -103,12 +100,10 @@ pub struct EndpointGone {
     pub id: EndpointId,
 }
 
-impl Traceable for EndpointGone {
-    const KIND: &'static str = "EndpointGone";
-    fn summary(&self) -> String {
-        format!("endpoint {}", self.id)
-    }
-}
+crate::traceable!(EndpointGone, "EndpointGone", |m| format!(
+    "endpoint {}",
+    m.id
+));
 
 /// Where an endpoint reports its regenerations and its end (the reaction tracker), without
 /// naming the actor that listens.
@@ -405,12 +400,10 @@ pub struct SetAudit {
     pub audit: bool,
 }
 
-impl Traceable for SetAudit {
-    const KIND: &'static str = "SetAudit";
-    fn summary(&self) -> String {
-        format!("audit {}", if self.audit { "enabled" } else { "disabled" })
-    }
-}
+crate::traceable!(SetAudit, "SetAudit", |m| format!(
+    "audit {}",
+    if m.audit { "enabled" } else { "disabled" }
+));
 
 impl Handler<SetAudit> for EndpointActor {
     type Result = ();
@@ -442,17 +435,14 @@ pub struct Regenerate {
     pub force: bool,
 }
 
-impl Traceable for Regenerate {
-    const KIND: &'static str = "Regenerate";
-    fn summary(&self) -> String {
-        format!(
-            "rev {}, reason: {}{}",
-            self.revision,
-            self.reason,
-            if self.force { " (forced)" } else { "" }
-        )
-    }
-}
+crate::traceable!(Regenerate, "Regenerate", |m| {
+    format!(
+        "rev {}, reason: {}{}",
+        m.revision,
+        m.reason,
+        if m.force { " (forced)" } else { "" }
+    )
+});
 
 impl Handler<Regenerate> for EndpointActor {
     type Result = ();
@@ -469,12 +459,10 @@ pub struct BumpRevision {
     pub revision: u64,
 }
 
-impl Traceable for BumpRevision {
-    const KIND: &'static str = "BumpRevision";
-    fn summary(&self) -> String {
-        format!("rev {}", self.revision)
-    }
-}
+crate::traceable!(BumpRevision, "BumpRevision", |m| format!(
+    "rev {}",
+    m.revision
+));
 
 impl Handler<BumpRevision> for EndpointActor {
     type Result = ();
@@ -515,15 +503,12 @@ pub struct SetIdentity {
     pub named_ports: Vec<NamedPort>,
 }
 
-impl Traceable for SetIdentity {
-    const KIND: &'static str = "SetIdentity";
-    fn summary(&self) -> String {
-        match self.identity {
-            Some(id) => format!("identity {id}"),
-            None => "no identity".into(),
-        }
+crate::traceable!(SetIdentity, "SetIdentity", |m| {
+    match m.identity {
+        Some(id) => format!("identity {id}"),
+        None => "no identity".into(),
     }
-}
+});
 
 impl Handler<SetIdentity> for EndpointActor {
     type Result = ();
@@ -551,12 +536,7 @@ impl Handler<SetIdentity> for EndpointActor {
 #[rtype(result = "Result<EndpointModel, String>")]
 pub struct GetEndpoint;
 
-impl Traceable for GetEndpoint {
-    const KIND: &'static str = "GetEndpoint";
-    fn summary(&self) -> String {
-        String::new()
-    }
-}
+crate::traceable!(GetEndpoint, "GetEndpoint", |_m| String::new());
 
 impl Handler<GetEndpoint> for EndpointActor {
     type Result = Result<EndpointModel, String>;
@@ -570,12 +550,7 @@ impl Handler<GetEndpoint> for EndpointActor {
 #[rtype(result = "Result<MapState, String>")]
 pub struct GetRealizedPolicy;
 
-impl Traceable for GetRealizedPolicy {
-    const KIND: &'static str = "GetRealizedPolicy";
-    fn summary(&self) -> String {
-        String::new()
-    }
-}
+crate::traceable!(GetRealizedPolicy, "GetRealizedPolicy", |_m| String::new());
 
 impl Handler<GetRealizedPolicy> for EndpointActor {
     type Result = Result<MapState, String>;
@@ -592,16 +567,13 @@ pub struct Delete {
     pub keep_datapath: bool,
 }
 
-impl Traceable for Delete {
-    const KIND: &'static str = "Delete";
-    fn summary(&self) -> String {
-        if self.keep_datapath {
-            "shutdown".into()
-        } else {
-            "delete".into()
-        }
+crate::traceable!(Delete, "Delete", |m| {
+    if m.keep_datapath {
+        "shutdown".into()
+    } else {
+        "delete".into()
     }
-}
+});
 
 impl Handler<Delete> for EndpointActor {
     type Result = Result<(), String>;

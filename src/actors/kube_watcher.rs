@@ -33,7 +33,7 @@ use serde::de::DeserializeOwned;
 
 use super::feed::{Item, Origin, ToRepo, WatchFeed};
 use super::policy_repo::{NodeUpsert, PolicyRepoActor};
-use crate::introspect::{Traceable, TracedAddr};
+use crate::introspect::TracedAddr;
 use crate::k8s::crd::{CiliumClusterwideNetworkPolicy, CiliumNetworkPolicy};
 use crate::k8s::node::{desired_annotations, needs_update};
 use crate::objects::{
@@ -90,20 +90,17 @@ pub struct WatchEvent {
     pub change: Change,
 }
 
-impl Traceable for WatchEvent {
-    const KIND: &'static str = "WatchEvent";
-    fn summary(&self) -> String {
-        let what = match &self.change {
-            Change::Apply(_) => "apply",
-            Change::Delete(_) => "delete",
-            Change::Init => "relist",
-            Change::InitApply(_) => "list",
-            Change::InitDone => "listed",
-            Change::Error(e) => return format!("{} watch error: {e}", self.resource.name()),
-        };
-        format!("{} {what}", self.resource.name())
-    }
-}
+crate::traceable!(WatchEvent, "WatchEvent", |m| {
+    let what = match &m.change {
+        Change::Apply(_) => "apply",
+        Change::Delete(_) => "delete",
+        Change::Init => "relist",
+        Change::InitApply(_) => "list",
+        Change::InitDone => "listed",
+        Change::Error(e) => return format!("{} watch error: {e}", m.resource.name()),
+    };
+    format!("{} {what}", m.resource.name())
+});
 
 pub struct KubeWatcherActor {
     client: kube::Client,

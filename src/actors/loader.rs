@@ -8,7 +8,6 @@ use crate::datapath::{
     Datapath, DatapathError, EndpointAttachment, EndpointFlags, EndpointId, PolicyMapDump,
     SyncStats,
 };
-use crate::introspect::Traceable;
 use crate::policy::identity::NumericIdentity;
 use crate::policy::mapstate::MapDelta;
 use crate::runtime::Shared;
@@ -47,15 +46,12 @@ pub struct AttachEndpoint {
     pub attachment: EndpointAttachment,
 }
 
-impl Traceable for AttachEndpoint {
-    const KIND: &'static str = "AttachEndpoint";
-    fn summary(&self) -> String {
-        format!(
-            "endpoint {}, identity {}",
-            self.attachment.id, self.attachment.identity
-        )
-    }
-}
+crate::traceable!(AttachEndpoint, "AttachEndpoint", |m| {
+    format!(
+        "endpoint {}, identity {}",
+        m.attachment.id, m.attachment.identity
+    )
+});
 
 impl Handler<AttachEndpoint> for LoaderActor {
     type Result = Result<(), DatapathError>;
@@ -73,12 +69,10 @@ pub struct DetachEndpoint {
     pub id: EndpointId,
 }
 
-impl Traceable for DetachEndpoint {
-    const KIND: &'static str = "DetachEndpoint";
-    fn summary(&self) -> String {
-        format!("endpoint {}", self.id)
-    }
-}
+crate::traceable!(DetachEndpoint, "DetachEndpoint", |m| format!(
+    "endpoint {}",
+    m.id
+));
 
 impl Handler<DetachEndpoint> for LoaderActor {
     type Result = Result<(), DatapathError>;
@@ -97,12 +91,10 @@ pub struct SweepStrayEndpoints {
     pub keep: Vec<EndpointId>,
 }
 
-impl Traceable for SweepStrayEndpoints {
-    const KIND: &'static str = "SweepStrayEndpoints";
-    fn summary(&self) -> String {
-        format!("keep {} endpoints", self.keep.len())
-    }
-}
+crate::traceable!(SweepStrayEndpoints, "SweepStrayEndpoints", |m| format!(
+    "keep {} endpoints",
+    m.keep.len()
+));
 
 impl Handler<SweepStrayEndpoints> for LoaderActor {
     type Result = Result<Vec<EndpointId>, DatapathError>;
@@ -135,19 +127,16 @@ pub struct SyncPolicyMap {
     pub revision: u64,
 }
 
-impl Traceable for SyncPolicyMap {
-    const KIND: &'static str = "SyncPolicyMap";
-    fn summary(&self) -> String {
-        format!(
-            "endpoint {}, rev {}, +{} -{}{}",
-            self.id,
-            self.revision,
-            self.delta.upserts.len(),
-            self.delta.deletes.len(),
-            if self.replace { ", replace" } else { "" }
-        )
-    }
-}
+crate::traceable!(SyncPolicyMap, "SyncPolicyMap", |m| {
+    format!(
+        "endpoint {}, rev {}, +{} -{}{}",
+        m.id,
+        m.revision,
+        m.delta.upserts.len(),
+        m.delta.deletes.len(),
+        if m.replace { ", replace" } else { "" }
+    )
+});
 
 impl Handler<SyncPolicyMap> for LoaderActor {
     type Result = Result<SyncStats, DatapathError>;
@@ -169,16 +158,13 @@ pub struct UpdateIpcache {
     pub changes: Vec<IpcacheChange>,
 }
 
-impl Traceable for UpdateIpcache {
-    const KIND: &'static str = "UpdateIpcache";
-    fn summary(&self) -> String {
-        match self.changes.as_slice() {
-            [IpcacheChange::Upsert(p, id)] => format!("{p} -> {id}"),
-            [IpcacheChange::Remove(p)] => format!("remove {p}"),
-            c => format!("{} changes", c.len()),
-        }
+crate::traceable!(UpdateIpcache, "UpdateIpcache", |m| {
+    match m.changes.as_slice() {
+        [IpcacheChange::Upsert(p, id)] => format!("{p} -> {id}"),
+        [IpcacheChange::Remove(p)] => format!("remove {p}"),
+        c => format!("{} changes", c.len()),
     }
-}
+});
 
 impl Handler<UpdateIpcache> for LoaderActor {
     type Result = Result<(), DatapathError>;
@@ -205,12 +191,10 @@ pub struct GetPolicyMap {
     pub id: EndpointId,
 }
 
-impl Traceable for GetPolicyMap {
-    const KIND: &'static str = "GetPolicyMap";
-    fn summary(&self) -> String {
-        format!("endpoint {}", self.id)
-    }
-}
+crate::traceable!(GetPolicyMap, "GetPolicyMap", |m| format!(
+    "endpoint {}",
+    m.id
+));
 
 impl Handler<GetPolicyMap> for LoaderActor {
     type Result = Result<PolicyMapDump, DatapathError>;
@@ -224,12 +208,7 @@ impl Handler<GetPolicyMap> for LoaderActor {
 #[rtype(result = "Result<Vec<(IpNet, NumericIdentity)>, DatapathError>")]
 pub struct GetIpcache;
 
-impl Traceable for GetIpcache {
-    const KIND: &'static str = "GetIpcache";
-    fn summary(&self) -> String {
-        String::new()
-    }
-}
+crate::traceable!(GetIpcache, "GetIpcache", |_m| String::new());
 
 impl Handler<GetIpcache> for LoaderActor {
     type Result = Result<Vec<(IpNet, NumericIdentity)>, DatapathError>;

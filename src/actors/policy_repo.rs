@@ -19,7 +19,7 @@ use crate::datapath::events::Notification;
 use crate::datapath::EndpointId;
 use crate::endpoint::registry::{Admission, Entry, Refusal, Registry};
 use crate::endpoint::state::EndpointRecord;
-use crate::introspect::{Traceable, TracedAddr};
+use crate::introspect::TracedAddr;
 use crate::objects::index::{ClusterIndex, IndexChange};
 use crate::objects::{NamespaceInfo, NodeInfo, PodInfo};
 use crate::policy::engine::{NamedPort, PolicyEngine};
@@ -541,17 +541,7 @@ traced_actor!(PolicyRepoActor:
     NamespaceDelete, NodeUpsert, NodeDelete, InitialSyncDone, AddEndpoint, DeleteEndpoint,
     FindEndpoint, ConfigureEndpoint, ListEndpoints, ListPodlessEndpoints, Shutdown, GetPolicies, GetIdentities, GetIpcacheView, RegenerateAll);
 
-macro_rules! traceable {
-    ($t:ty, $kind:literal, |$s:ident| $summary:expr) => {
-        impl Traceable for $t {
-            const KIND: &'static str = $kind;
-            fn summary(&self) -> String {
-                let $s = self;
-                $summary
-            }
-        }
-    };
-}
+use crate::traceable;
 
 // ------------------------------------------------------------------ policies
 

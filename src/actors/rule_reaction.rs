@@ -22,7 +22,7 @@ use actix::{Actor, AsyncContext, Context, Handler, Message, SpawnHandle};
 use super::endpoint::{BumpRevision, EndpointActor, EndpointGone, EndpointRealized, Regenerate};
 use super::loader::{IpcacheChange, LoaderActor, UpdateIpcache};
 use crate::datapath::EndpointId;
-use crate::introspect::{Traceable, TracedAddr};
+use crate::introspect::TracedAddr;
 use crate::runtime::Shared;
 use crate::traced_actor;
 
@@ -204,19 +204,16 @@ pub struct PolicyReaction {
     pub set_ready: bool,
 }
 
-impl Traceable for PolicyReaction {
-    const KIND: &'static str = "PolicyReaction";
-    fn summary(&self) -> String {
-        format!(
-            "rev {}, {}: regenerate {}, bump {}, ipcache {}",
-            self.revision,
-            self.reason,
-            self.to_regenerate.len(),
-            self.to_bump.len(),
-            self.ipcache.len()
-        )
-    }
-}
+crate::traceable!(PolicyReaction, "PolicyReaction", |m| {
+    format!(
+        "rev {}, {}: regenerate {}, bump {}, ipcache {}",
+        m.revision,
+        m.reason,
+        m.to_regenerate.len(),
+        m.to_bump.len(),
+        m.ipcache.len()
+    )
+});
 
 impl Handler<PolicyReaction> for RuleReactionActor {
     type Result = ();

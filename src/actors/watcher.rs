@@ -23,7 +23,7 @@ use serde_yaml::Value;
 
 use super::feed::{Item, Origin, ToRepo, WatchFeed};
 use super::policy_repo::{ManifestStatus, PolicyRepoActor};
-use crate::introspect::{Traceable, TracedAddr};
+use crate::introspect::TracedAddr;
 use crate::manifests::{Body, Delta, Limits, ObjKey, ScanStats, Scanner};
 use crate::objects::{
     endpoint_slice_info, namespace_info, node_info, pod_info, service_info, Kind,
@@ -333,12 +333,7 @@ pub struct Rescan {
     pub reason: &'static str,
 }
 
-impl Traceable for Rescan {
-    const KIND: &'static str = "Rescan";
-    fn summary(&self) -> String {
-        self.reason.to_string()
-    }
-}
+crate::traceable!(Rescan, "Rescan", |m| m.reason.to_string());
 
 impl Handler<Rescan> for WatcherActor {
     type Result = ();
@@ -352,12 +347,7 @@ impl Handler<Rescan> for WatcherActor {
 #[rtype(result = "()")]
 pub struct FilesChanged;
 
-impl Traceable for FilesChanged {
-    const KIND: &'static str = "FilesChanged";
-    fn summary(&self) -> String {
-        String::new()
-    }
-}
+crate::traceable!(FilesChanged, "FilesChanged", |_m| String::new());
 
 impl Handler<FilesChanged> for WatcherActor {
     type Result = ();
@@ -381,18 +371,15 @@ pub struct ScanDone {
     pub took: Duration,
 }
 
-impl Traceable for ScanDone {
-    const KIND: &'static str = "ScanDone";
-    fn summary(&self) -> String {
-        match &self.outcome {
-            Ok((s, sent)) => format!(
-                "{} files ({} read, {} refused), {} objects, {sent} changes, {:?}",
-                s.files, s.read, s.refused, s.objects, self.took
-            ),
-            Err(e) => format!("failed: {e}"),
-        }
+crate::traceable!(ScanDone, "ScanDone", |m| {
+    match &m.outcome {
+        Ok((s, sent)) => format!(
+            "{} files ({} read, {} refused), {} objects, {sent} changes, {:?}",
+            s.files, s.read, s.refused, s.objects, m.took
+        ),
+        Err(e) => format!("failed: {e}"),
     }
-}
+});
 
 impl Handler<ScanDone> for WatcherActor {
     type Result = ();
