@@ -109,6 +109,18 @@ struct JournalInner {
 /// Called after every handled message with (actor kind, message kind, ok): the metrics hook.
 pub type HandledHook = Arc<dyn Fn(&'static str, &'static str, bool) + Send + Sync>;
 
+/// One message (or noted event) as an actor handled it.
+pub struct Handled {
+    pub message: &'static str,
+    pub summary: String,
+    pub from: Sender,
+    /// When it entered the mailbox.
+    pub enqueued_at: DateTime<Utc>,
+    pub started_at: DateTime<Utc>,
+    pub finished_at: DateTime<Utc>,
+    pub outcome: Result<(), String>,
+}
+
 /// The record of one actor: counters and the most recent messages.
 pub struct Journal {
     pub name: String,
@@ -151,27 +163,9 @@ impl Journal {
     }
 
     /// Records one handled message (taken from the mailbox).
-    #[allow(clippy::too_many_arguments)]
-    pub fn record(
-        &self,
-        message: &'static str,
-        summary: String,
-        from: Sender,
-        enqueued_at: DateTime<Utc>,
-        started_at: DateTime<Utc>,
-        finished_at: DateTime<Utc>,
-        outcome: Result<(), String>,
-    ) {
+    pub fn record(&self, handled: Handled) {
         self.mailbox.fetch_sub(1, Ordering::Relaxed);
-        self.append(
-            message,
-            summary,
-            from,
-            enqueued_at,
-            started_at,
-            finished_at,
-            outcome,
-        );
+        self.append(handled);
     }
 
     /// Records an event that did not come through the mailbox: a completion of asynchronous
@@ -185,28 +179,27 @@ impl Journal {
         started_at: DateTime<Utc>,
         outcome: Result<(), String>,
     ) {
-        self.append(
+        self.append(Handled {
             message,
             summary,
-            Cow::Borrowed(from),
+            from: Cow::Borrowed(from),
+            enqueued_at: started_at,
             started_at,
-            started_at,
-            Utc::now(),
+            finished_at: Utc::now(),
             outcome,
-        );
+        });
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn append(
-        &self,
-        message: &'static str,
-        summary: String,
-        from: Sender,
-        enqueued_at: DateTime<Utc>,
-        started_at: DateTime<Utc>,
-        finished_at: DateTime<Utc>,
-        outcome: Result<(), String>,
-    ) {
+    fn append(&self, h: Handled) {
+        let Handled {
+            message,
+            summary,
+            from,
+            enqueued_at,
+            started_at,
+            finished_at,
+            outcome,
+        } = h;
         self.handled.fetch_add(1, Ordering::Relaxed);
         let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
         let ok = outcome.is_ok();
@@ -461,24 +454,20 @@ pub fn record_handled<R: Outcome>(
     enqueued_at: DateTime<Utc>,
     run: impl FnOnce() -> R,
 ) -> R {
-    let started = Utc::now();
+    let started_at = Utc::now();
     let r = run();
-    journal.record(
-        kind,
+    journal.record(Handled {
+        message: kind,
         summary,
         from,
         enqueued_at,
-        started,
-        Utc::now(),
-        r.outcome(),
-    );
+        started_at,
+        finished_at: Utc::now(),
+        outcome: r.outcome(),
+    });
     r
 }
 
-/// Gives an actor a `Handler<Traced<M>>` for each message it lists: the one place where its
-/// handlers are wrapped (`traced_actor!(EndpointActor: Regenerate, BumpRevision, ...)`).
-/// Handlers must return `M::Result` directly (`()` or `Result`), so the outcome is known when
-/// the handler returns.
 /// Makes a message traceable: its kind as the journal names it, and a one-line summary of it
 /// (`|m| ...` with `m` the message).
 #[macro_export]
@@ -494,6 +483,10 @@ macro_rules! traceable {
     };
 }
 
+/// Gives an actor a `Handler<Traced<M>>` for each message it lists: the one place where its
+/// handlers are wrapped (`traced_actor!(EndpointActor: Regenerate, BumpRevision, ...)`).
+/// Handlers must return `M::Result` directly (`()` or `Result`), so the outcome is known when
+/// the handler returns.
 #[macro_export]
 macro_rules! traced_actor {
     ($actor:ty : $($msg:ty),+ $(,)?) => {

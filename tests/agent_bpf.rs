@@ -7,7 +7,7 @@ mod common;
 
 use common::eventually;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::agent::Agent;
 use common::netns::{privileged, tcp_ok, tcp_server, world};
@@ -28,19 +28,7 @@ spec:
     (cluster, policy)
 }
 
-/// Waits for a child to exit (killing it after `limit`) and returns its stdout.
-fn wait_output(mut child: std::process::Child, limit: Duration) -> String {
-    let deadline = Instant::now() + limit;
-    while Instant::now() < deadline {
-        if let Ok(Some(_)) = child.try_wait() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let _ = child.kill();
-    let out = child.wait_with_output().unwrap();
-    String::from_utf8_lossy(&out.stdout).to_string()
-}
+use common::wait_output;
 
 #[test]
 fn the_agent_enforces_on_real_veths_and_survives_kill_9() {
@@ -63,16 +51,7 @@ fn the_agent_enforces_on_real_veths_and_survives_kill_9() {
 
     let mut agent = Agent::start_with(tmp.path(), &args);
     for (name, pod) in [("x/a", a), ("x/b", b)] {
-        agent.cli_json(&[
-            "endpoint",
-            "add",
-            "--name",
-            name,
-            "--ip",
-            &pod.addr.to_string(),
-            "--interface",
-            &pod.host_if,
-        ]);
+        agent.add_endpoint(name, pod.addr, &pod.host_if);
     }
     agent.wait_realized(agent.revision());
     assert!(
@@ -184,17 +163,7 @@ fn the_agent_enforces_on_real_veths_and_survives_kill_9() {
         "an allowed flow broke during the restart"
     );
     let after = agent.json("/debug/endpoints");
-    for (x, y) in before
-        .as_array()
-        .unwrap()
-        .iter()
-        .zip(after.as_array().unwrap())
-    {
-        assert_eq!(
-            (&x["id"], &x["identity"], &x["ips"], &x["interface"]),
-            (&y["id"], &y["identity"], &y["ips"], &y["interface"])
-        );
-    }
+    common::assert_same_endpoints(&before, &after);
     assert!(tcp_ok(&a.netns, b.addr, 9090));
     assert!(!tcp_ok(&a.netns, b.addr, 8080));
 

@@ -1,6 +1,8 @@
 //! The in-memory test API server against the real clients: kube-rs (client and runtime
 //! watcher) and the real kubectl.
 
+mod common;
+
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -12,7 +14,6 @@ use kube::api::{
     Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, Patch,
     PatchParams, PostParams,
 };
-use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::watcher;
 use serde_json::{json, Value};
 
@@ -70,16 +71,7 @@ spec:
   ingress: [{fromEndpoints: [{}]}]
 "#;
 
-/// A kube-rs client through the kubeconfig the server writes (the path users take).
-async fn client(server: &TestApiServer, dir: &Path) -> kube::Client {
-    let path = dir.join("kubeconfig");
-    server.kubeconfig(&path).expect("write kubeconfig");
-    let kubeconfig = Kubeconfig::read_from(&path).expect("read kubeconfig");
-    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
-        .await
-        .expect("kubeconfig accepted");
-    kube::Client::try_from(config).expect("client")
-}
+use common::kube_client as client;
 
 fn pod(name: &str, app: &str) -> Pod {
     serde_json::from_value(json!({

@@ -74,19 +74,7 @@ impl Drop for Monitor {
     }
 }
 
-/// Waits for a child to exit (killing it after `limit`) and returns its stdout.
-fn wait_output(mut child: std::process::Child, limit: Duration) -> String {
-    let deadline = Instant::now() + limit;
-    while Instant::now() < deadline {
-        if let Ok(Some(_)) = child.try_wait() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let _ = child.kill();
-    let out = child.wait_with_output().unwrap();
-    String::from_utf8_lossy(&out.stdout).to_string()
-}
+use common::wait_output;
 
 /// `kind ns/name` of every policy an event names, sorted.
 fn named(ev: &Value) -> Vec<String> {
@@ -426,16 +414,7 @@ fn start(
         {
             continue;
         }
-        agent.cli_json(&[
-            "endpoint",
-            "add",
-            "--name",
-            name,
-            "--ip",
-            &pod.addr.to_string(),
-            "--interface",
-            &pod.host_if,
-        ]);
+        agent.add_endpoint(name, pod.addr, &pod.host_if);
     }
     agent.wait_realized(agent.revision());
     agent

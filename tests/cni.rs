@@ -18,22 +18,10 @@ use common::agent::Agent;
 use common::cni::{cni, unique_pod_cidr, CniPods};
 use common::netns::{icmp_ok, ip, privileged, tcp_ok, tcp_server, udp_ok, udp_server};
 
-const CLUSTER: &str = "apiVersion: v1
-kind: Namespace
-metadata: {name: x}
----
-apiVersion: v1
-kind: Pod
-metadata: {name: a, namespace: x, labels: {app: a}}
----
-apiVersion: v1
-kind: Pod
-metadata: {name: b, namespace: x, labels: {app: b}}
----
-apiVersion: v1
-kind: Pod
-metadata: {name: c, namespace: x, labels: {app: c}}
-";
+/// Namespace x with pods a, b and c (addresses from the CNI plugin).
+fn cluster() -> String {
+    common::namespace_x(&[("a", "a", None), ("b", "b", None), ("c", "c", None)])
+}
 
 /// a: ingress isolated, egress only to b. b: egress isolated, ingress from a on TCP `PORT`
 /// and UDP 5353, and ICMP echo from a. So every allowed connection's replies cross a
@@ -74,13 +62,13 @@ fn ipam_allocated(agent: &Agent) -> u64 {
 }
 
 /// An agent with the BPF datapath (pins under `/sys/fs/bpf/ciliate-TAG-PID`) and a pod CIDR of
-/// its own, on CLUSTER and POLICIES with b open to a on 8080: the directory, the pins, the
+/// its own, on `cluster()` and POLICIES with b open to a on 8080: the directory, the pins, the
 /// arguments (to restart it) and the agent.
 fn bpf_agent(tag: &str) -> (tempfile::TempDir, String, Vec<String>, Agent) {
     let tmp = tempfile::tempdir().unwrap();
     let m = tmp.path().join("manifests");
     std::fs::create_dir_all(&m).unwrap();
-    std::fs::write(m.join("cluster.yaml"), CLUSTER).unwrap();
+    std::fs::write(m.join("cluster.yaml"), cluster()).unwrap();
     std::fs::write(m.join("policy.yaml"), POLICIES.replace("PORT", "8080")).unwrap();
     let pins = format!("/sys/fs/bpf/ciliate-{tag}-{}", std::process::id());
     let args: Vec<String> = [
@@ -287,29 +275,7 @@ fn pods_created_through_cni_are_enforced_survive_kill_9_and_restart_and_are_dele
     assert_eq!(failures, 0, "an allowed flow broke during the restart");
     let after = restarted.json("/debug/endpoints");
     assert_eq!(after.as_array().map(Vec::len), Some(3), "{after}");
-    for (x, y) in before
-        .as_array()
-        .unwrap()
-        .iter()
-        .zip(after.as_array().unwrap())
-    {
-        assert_eq!(
-            (
-                &x["id"],
-                &x["identity"],
-                &x["ips"],
-                &x["interface"],
-                &x["container_id"]
-            ),
-            (
-                &y["id"],
-                &y["identity"],
-                &y["ips"],
-                &y["interface"],
-                &y["container_id"]
-            ),
-        );
-    }
+    common::assert_same_endpoints(&before, &after);
     assert_eq!(
         ipam_allocated(&restarted),
         3,
@@ -641,7 +607,7 @@ fn a_retried_add_replaces_a_stale_half_made_interface_but_not_another_agents() {
     if !privileged() {
         return;
     }
-    let (tmp, agent, _, mark, _sweep) = memory_agent(CLUSTER);
+    let (tmp, agent, _, mark, _sweep) = memory_agent(&cluster());
     let mut pods = CniPods::new(&agent.socket(), &tmp.path().join("no-pins"));
     let stale_ctr = format!("ctr-{}-a", pods.tag);
     let stale_if = ciliate::datapath::netdev::host_interface_name(&stale_ctr);
@@ -728,7 +694,7 @@ fn a_restored_duplicate_address_is_refused_reported_and_its_interface_reclaimed(
     if !privileged() {
         return;
     }
-    let (tmp, mut agent, args, _, _sweep) = memory_agent(CLUSTER);
+    let (tmp, mut agent, args, _, _sweep) = memory_agent(&cluster());
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let mut pods = CniPods::new(&agent.socket(), &tmp.path().join("no-pins"));
     let a = pods.add("x", "a");

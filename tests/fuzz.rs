@@ -7,7 +7,9 @@
 //! Nothing may panic. Inputs are capped in size (trees by depth and breadth, texts at 64 KiB),
 //! so memory stays bounded.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 use std::sync::OnceLock;
 
 use proptest::prelude::*;
@@ -21,16 +23,7 @@ use ciliate::simulate::simulate;
 
 const MAX_TEXT: usize = 64 << 10;
 
-fn yaml_files(dir: &Path, out: &mut Vec<PathBuf>) {
-    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-        let p = e.path();
-        if p.is_dir() {
-            yaml_files(&p, out);
-        } else if p.extension().is_some_and(|x| x == "yaml" || x == "yml") {
-            out.push(p);
-        }
-    }
-}
+use common::yaml_files;
 
 /// World files (text) and policy documents (trees) to start from.
 struct Seeds {

@@ -14,17 +14,6 @@ use std::time::{Duration, Instant};
 use common::agent::{free_port, Agent};
 use nix::sys::resource::{getrlimit, setrlimit, Resource};
 
-const CLUSTER: &str = "
-apiVersion: v1
-kind: Namespace
-metadata: {name: x}
----
-apiVersion: v1
-kind: Pod
-metadata: {name: a, namespace: x, labels: {app: a}}
-status: {podIPs: [{ip: 10.7.0.1}]}
-";
-
 /// A scratch directory with the manifests, traversable by everyone (as `/var/run` is), so only
 /// the agent's own modes stand between another user and the socket.
 fn setup() -> tempfile::TempDir {
@@ -32,7 +21,11 @@ fn setup() -> tempfile::TempDir {
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let m = dir.path().join("manifests");
     std::fs::create_dir_all(&m).unwrap();
-    std::fs::write(m.join("cluster.yaml"), CLUSTER).unwrap();
+    std::fs::write(
+        m.join("cluster.yaml"),
+        common::namespace_x_with_pods(&[("a", "10.7.0.1")]),
+    )
+    .unwrap();
     dir
 }
 

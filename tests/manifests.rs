@@ -3,6 +3,8 @@
 //! (`UPDATE_MANIFESTS=1` rewrites them), the DaemonSet and RBAC say what the agent needs and
 //! no more, and the CRDs work end to end with kube-rs against the in-repo test API server.
 
+mod common;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -17,7 +19,6 @@ use k8s_openapi::api::core::v1::{ConfigMap, Container, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, ApiResource, DynamicObject, Patch, PatchParams, PostParams};
-use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::CustomResourceExt;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -655,16 +656,7 @@ fn cluster_role_grants_exactly_what_the_agent_needs() {
     assert_eq!(account.metadata.namespace.as_deref(), Some("kube-system"));
 }
 
-/// A kube-rs client through the kubeconfig the test server writes.
-async fn client(server: &TestApiServer, dir: &Path) -> kube::Client {
-    let path = dir.join("kubeconfig");
-    server.kubeconfig(&path).expect("write kubeconfig");
-    let kubeconfig = Kubeconfig::read_from(&path).expect("read kubeconfig");
-    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
-        .await
-        .expect("kubeconfig accepted");
-    kube::Client::try_from(config).expect("client")
-}
+use common::kube_client as client;
 
 /// A typical Cilium manifest, as users have it.
 const CNP: &str = r#"

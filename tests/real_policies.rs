@@ -2,6 +2,8 @@
 //! (read in place, never copied): every document Cilium 1.16 accepts must be accepted, and the
 //! files `EXPECTED.md` lists as rejected must be rejected.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use ciliate::policy::translate::parse_policy;
@@ -22,16 +24,7 @@ fn corpus() -> Option<PathBuf> {
     p.is_dir().then_some(p)
 }
 
-fn yaml_files(dir: &Path, out: &mut Vec<PathBuf>) {
-    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-        let p = e.path();
-        if p.is_dir() {
-            yaml_files(&p, out);
-        } else if p.extension().is_some_and(|x| x == "yaml" || x == "yml") {
-            out.push(p);
-        }
-    }
-}
+use common::yaml_files;
 
 #[test]
 fn real_world_policies_get_cilium_1_16_verdicts() {

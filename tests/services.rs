@@ -185,27 +185,18 @@ impl Drop for Cgroup {
     }
 }
 
-const CLUSTER: &str = "apiVersion: v1
-kind: Namespace
-metadata: {name: x}
----
-apiVersion: v1
-kind: Pod
-metadata: {name: a, namespace: x, labels: {app: a}}
----
-apiVersion: v1
-kind: Pod
-metadata: {name: b1, namespace: x, labels: {app: b}}
----
-apiVersion: v1
-kind: Pod
-metadata: {name: b2, namespace: x, labels: {app: b}}
----
-apiVersion: v1
-kind: Pod
-metadata: {name: c, namespace: x, labels: {app: c}}
----
-apiVersion: cilium.io/v2
+/// Namespace x with pods a, b1 and b2 (app b) and c, and a's egress policy.
+fn cluster() -> String {
+    let pods = common::namespace_x(&[
+        ("a", "a", None),
+        ("b1", "b", None),
+        ("b2", "b", None),
+        ("c", "c", None),
+    ]);
+    format!("{pods}---\n{A_EGRESS}")
+}
+
+const A_EGRESS: &str = "apiVersion: cilium.io/v2
 kind: CiliumNetworkPolicy
 metadata: {name: a-egress, namespace: x}
 spec:
@@ -316,7 +307,7 @@ fn services_are_translated_before_egress_policy_and_survive_kill_9() {
     let tmp = tempfile::tempdir().unwrap();
     let m = tmp.path().join("manifests");
     std::fs::create_dir_all(&m).unwrap();
-    std::fs::write(m.join("cluster.yaml"), CLUSTER).unwrap();
+    std::fs::write(m.join("cluster.yaml"), cluster()).unwrap();
     let tag = std::process::id();
     let cgroup = Cgroup(PathBuf::from(format!(
         "/sys/fs/cgroup/unified/ciliate-svc-{tag}"

@@ -253,6 +253,20 @@ mod tests {
         .unwrap();
     }
 
+    /// Syncs `upserts` into endpoint `id`'s map.
+    fn upsert(
+        dp: &mut MemoryDatapath,
+        id: EndpointId,
+        flags: EndpointFlags,
+        upserts: Vec<(MapKey, bool)>,
+    ) {
+        let delta = MapDelta {
+            upserts,
+            ..Default::default()
+        };
+        dp.sync_policy(id, flags, &delta, false).unwrap();
+    }
+
     fn allow(identity: u32, lo: u16, hi: u16) -> (MapKey, bool) {
         (
             MapKey {
@@ -281,17 +295,7 @@ mod tests {
         };
         dp.upsert_ipcache("10.0.0.9/32".parse().unwrap(), 400)
             .unwrap();
-        dp.sync_policy(
-            7,
-            flags,
-            &MapDelta {
-                upserts: vec![allow(400, 80, 80)],
-                deletes: vec![],
-                ..Default::default()
-            },
-            false,
-        )
-        .unwrap();
+        upsert(&mut dp, 7, flags, vec![allow(400, 80, 80)]);
         assert_eq!(
             dp.decide(7, false, peer, PROTO_TCP, 80),
             Some(Verdict::Allow)
@@ -314,17 +318,7 @@ mod tests {
             ingress_default_deny: true,
             ..Default::default()
         };
-        dp.sync_policy(
-            1,
-            flags,
-            &MapDelta {
-                upserts: vec![allow(400, 80, 80)],
-                deletes: vec![],
-                ..Default::default()
-            },
-            false,
-        )
-        .unwrap();
+        upsert(&mut dp, 1, flags, vec![allow(400, 80, 80)]);
         // 1..=1000 needs more than four prefix blocks.
         let err = dp
             .sync_policy(

@@ -274,8 +274,7 @@ impl PolicyHits {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::identity::NumericIdentity;
-    use crate::policy::rule::{Direction, Section};
+    use crate::policy::rule::Section;
 
     fn origin(kind: PolicyKind, ns: Option<&str>, name: &str, path: &str) -> Arc<RuleOrigin> {
         Arc::new(RuleOrigin {
@@ -286,15 +285,7 @@ mod tests {
         })
     }
 
-    fn key(identity: NumericIdentity, protocol: u8, lo: u16, hi: u16) -> MapKey {
-        MapKey {
-            direction: Direction::Ingress,
-            identity,
-            protocol,
-            port_lo: lo,
-            port_hi: hi,
-        }
-    }
+    use crate::policy::mapstate::ingress_key as key;
 
     #[test]
     fn cookies_are_stable_order_free_and_differ_by_rule_and_match() {

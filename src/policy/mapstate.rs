@@ -234,6 +234,18 @@ impl MapState {
     }
 }
 
+/// An ingress key (for tests).
+#[cfg(test)]
+pub(crate) fn ingress_key(identity: NumericIdentity, protocol: u8, lo: u16, hi: u16) -> MapKey {
+    MapKey {
+        direction: Direction::Ingress,
+        identity,
+        protocol,
+        port_lo: lo,
+        port_hi: hi,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -252,15 +264,7 @@ mod tests {
         })
     }
 
-    fn key(identity: NumericIdentity, protocol: u8, lo: u16, hi: u16) -> MapKey {
-        MapKey {
-            direction: Direction::Ingress,
-            identity,
-            protocol,
-            port_lo: lo,
-            port_hi: hi,
-        }
-    }
+    use super::ingress_key as key;
 
     #[test]
     fn deny_wins_over_more_specific_allow() {

@@ -184,6 +184,21 @@ impl Agent {
         serde_json::from_str(&out).unwrap_or_else(|e| panic!("ciliate {args:?}: {e}: {out}"))
     }
 
+    /// `ciliate endpoint add --name NAME --ip IP --interface IF -o json`.
+    pub fn add_endpoint(&self, name: &str, ip: impl ToString, interface: &str) -> Value {
+        let ip = ip.to_string();
+        self.cli_json(&[
+            "endpoint",
+            "add",
+            "--name",
+            name,
+            "--ip",
+            &ip,
+            "--interface",
+            interface,
+        ])
+    }
+
     pub fn endpoint(&self, id: u64) -> Value {
         self.cli_json(&["endpoint", "get", &id.to_string()])
     }

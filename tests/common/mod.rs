@@ -18,13 +18,83 @@ pub fn eventually(what: &str, f: impl Fn() -> bool) {
     panic!("timed out waiting until {what}");
 }
 
-/// Namespace `x` and its pods as manifests: each `(name, ip)` gets the label `app: <name>`.
-pub fn namespace_x_with_pods(pods: &[(&str, &str)]) -> String {
+/// Namespace `x` and its pods as manifests: each `(name, app, ip)` gets the label `app: <app>`
+/// and, with an address, `status.podIPs` (without one the CNI plugin gives the address).
+pub fn namespace_x(pods: &[(&str, &str, Option<&str>)]) -> String {
     let mut out = "apiVersion: v1\nkind: Namespace\nmetadata: {name: x}\n".to_string();
-    for (name, ip) in pods {
+    for (name, app, ip) in pods {
         out.push_str(&format!(
-            "---\napiVersion: v1\nkind: Pod\nmetadata: {{name: {name}, namespace: x, labels: {{app: {name}}}}}\nstatus: {{podIPs: [{{ip: {ip}}}]}}\n"
+            "---\napiVersion: v1\nkind: Pod\nmetadata: {{name: {name}, namespace: x, labels: {{app: {app}}}}}\n"
         ));
+        if let Some(ip) = ip {
+            out.push_str(&format!("status: {{podIPs: [{{ip: {ip}}}]}}\n"));
+        }
     }
     out
+}
+
+/// Namespace `x` and its pods as manifests: each `(name, ip)` gets the label `app: <name>`.
+pub fn namespace_x_with_pods(pods: &[(&str, &str)]) -> String {
+    let pods: Vec<_> = pods.iter().map(|(n, ip)| (*n, *n, Some(*ip))).collect();
+    namespace_x(&pods)
+}
+
+/// Asserts that two `/debug/endpoints` listings hold the same endpoints with the same ids,
+/// identities, addresses, interfaces and containers (a restart restored them as they were).
+pub fn assert_same_endpoints(before: &serde_json::Value, after: &serde_json::Value) {
+    let fields = ["id", "identity", "ips", "interface", "container_id"];
+    let pick = |e: &serde_json::Value| fields.map(|f| e[f].clone());
+    let list = |v: &serde_json::Value| -> Vec<_> {
+        v.as_array()
+            .expect("a list of endpoints")
+            .iter()
+            .map(pick)
+            .collect()
+    };
+    assert_eq!(
+        list(before),
+        list(after),
+        "the endpoints changed across the restart"
+    );
+}
+
+/// A kube-rs client through the kubeconfig the test API server writes (the path users take).
+pub async fn kube_client(
+    server: &ciliate_test_apiserver::TestApiServer,
+    dir: &std::path::Path,
+) -> kube::Client {
+    use kube::config::{KubeConfigOptions, Kubeconfig};
+    let path = dir.join("kubeconfig");
+    server.kubeconfig(&path).expect("write kubeconfig");
+    let kubeconfig = Kubeconfig::read_from(&path).expect("read kubeconfig");
+    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+        .await
+        .expect("kubeconfig accepted");
+    kube::Client::try_from(config).expect("client")
+}
+
+/// Every `.yaml`/`.yml` file below `dir`, depth first.
+pub fn yaml_files(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            yaml_files(&p, out);
+        } else if p.extension().is_some_and(|x| x == "yaml" || x == "yml") {
+            out.push(p);
+        }
+    }
+}
+
+/// Waits for a child to exit (killing it after `limit`) and returns its stdout.
+pub fn wait_output(mut child: std::process::Child, limit: std::time::Duration) -> String {
+    let deadline = std::time::Instant::now() + limit;
+    while std::time::Instant::now() < deadline {
+        if let Ok(Some(_)) = child.try_wait() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let out = child.wait_with_output().unwrap();
+    String::from_utf8_lossy(&out.stdout).to_string()
 }
