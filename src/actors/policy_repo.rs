@@ -26,7 +26,7 @@ use crate::policy::engine::{NamedPort, PolicyEngine};
 use crate::policy::identity::{reserved_name, NumericIdentity};
 use crate::policy::labels::{Label, Labels};
 use crate::policy::rule::PolicyKey;
-use crate::policy::status::StatusBook;
+use crate::policy::status::PolicyRecords;
 use crate::policy::translate::ParsedPolicy;
 use crate::runtime::Shared;
 use crate::traced_actor;
@@ -192,7 +192,7 @@ pub struct PolicyRepoActor {
     /// This node's endpoints (`endpoint::registry`): admission, ids, records.
     endpoints: Registry<TracedAddr<EndpointActor>>,
     /// What became of each policy, and unreadable manifest files (`policy::status`).
-    statuses: StatusBook,
+    statuses: PolicyRecords,
     initial_sync_done: bool,
 }
 
@@ -208,7 +208,7 @@ impl PolicyRepoActor {
             reaction,
             index: ClusterIndex::default(),
             endpoints: Registry::default(),
-            statuses: StatusBook::default(),
+            statuses: PolicyRecords::default(),
             initial_sync_done: false,
         }
     }

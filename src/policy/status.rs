@@ -58,12 +58,12 @@ impl PolicyStatus {
 
 /// The records of every policy the agent was given, and the unreadable manifest files.
 #[derive(Debug, Default)]
-pub struct StatusBook {
+pub struct PolicyRecords {
     policies: BTreeMap<PolicyKey, PolicyStatus>,
     manifest_errors: BTreeMap<String, String>,
 }
 
-impl StatusBook {
+impl PolicyRecords {
     /// `policy` passed validation (its revision follows, `enforced_from`). Returns whether the
     /// policy was known before (an update, not an addition).
     pub fn accepted(&mut self, policy: &ParsedPolicy, source: String) -> bool {
@@ -137,7 +137,7 @@ mod tests {
 
     #[test]
     fn a_rejected_update_keeps_the_record_and_says_the_old_version_holds() {
-        let mut book = StatusBook::default();
+        let mut book = PolicyRecords::default();
         let p = parsed("p");
         assert!(!book.accepted(&p, "a.yaml".into()), "added");
         assert!(book.accepted(&p, "a.yaml".into()), "updated");
@@ -156,7 +156,7 @@ mod tests {
 
     #[test]
     fn manifest_errors_come_and_go_by_file() {
-        let mut book = StatusBook::default();
+        let mut book = PolicyRecords::default();
         book.manifest("a.yaml".into(), Some("not YAML".into()));
         assert_eq!(book.manifest_errors().len(), 1);
         book.manifest("a.yaml".into(), None);
