@@ -85,6 +85,7 @@ fn agent(args: AgentArgs) -> i32 {
             mode: args.enable_policy,
             audit: args.policy_audit_mode,
         },
+        flow_buffer_capacity: args.flow_buffer_capacity,
     };
     match run(config) {
         Ok(()) => 0,
@@ -108,11 +109,18 @@ fn client(opts: &ClientOpts, call: ClientCall) -> i32 {
     }
 }
 
-fn monitor(opts: &ClientOpts, count: Option<u64>, filter: &FlowFilter) -> i32 {
+fn monitor(opts: &ClientOpts, count: Option<u64>, since: Option<&str>, filter: &FlowFilter) -> i32 {
     use std::io::Write;
+    let path = match monitor_path(since, filter) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 2;
+        }
+    };
     let mut seen = 0u64;
     let stdout = std::io::stdout();
-    let r = ciliate::client::stream_lines(&opts.socket, "/v1/monitor", |line| {
+    let r = ciliate::client::stream_lines(&opts.socket, &path, |line| {
         let kind = serde_json::from_str::<serde_json::Value>(line)
             .ok()
             .and_then(|v| v["type"].as_str().map(str::to_string));
@@ -152,6 +160,24 @@ fn monitor(opts: &ClientOpts, count: Option<u64>, filter: &FlowFilter) -> i32 {
             1
         }
     }
+}
+
+/// `/v1/monitor` with the filters (and `--since` as a point in time) as its query.
+fn monitor_path(since: Option<&str>, filter: &FlowFilter) -> Result<String, String> {
+    let mut query = serde_urlencoded::to_string(filter).map_err(|e| e.to_string())?;
+    if let Some(since) = since {
+        let from =
+            ciliate::datapath::flows::since_to_ms(since, ciliate::datapath::flows::unix_now_ms())?;
+        if !query.is_empty() {
+            query.push('&');
+        }
+        query.push_str(&format!("since_ms={from}"));
+    }
+    Ok(if query.is_empty() {
+        "/v1/monitor".into()
+    } else {
+        format!("/v1/monitor?{query}")
+    })
 }
 
 /// `ciliate-cni`: the same binary, called by a container runtime as a CNI plugin.
@@ -225,9 +251,10 @@ fn main() {
         Command::Bpf { command, client: c } => client(&c, ClientCall::Bpf(&command)),
         Command::Monitor {
             count,
+            since,
             filter,
             client: c,
-        } => monitor(&c, count, &filter),
+        } => monitor(&c, count, since.as_deref(), &filter),
         Command::Demo {
             once,
             debug_addr,

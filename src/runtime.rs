@@ -53,7 +53,8 @@ pub struct Shared {
     pub pod_names: Arc<dashmap::DashMap<std::net::IpAddr, String>>,
     /// Policy and endpoint notifications for `ciliate monitor`.
     pub notifications: tokio::sync::broadcast::Sender<crate::datapath::events::Notification>,
-    pub events: tokio::sync::broadcast::Sender<crate::datapath::events::VerdictEvent>,
+    /// Verdict events: the recent ones (`monitor --since`) and the live broadcast.
+    pub flows: Arc<crate::datapath::flows::FlowRing>,
     /// What the initial sync still waits for (e.g. `CiliumNetworkPolicy: not listed yet (last
     /// error: ...)`), shown by `/readyz` while not ready.
     pub sync_waiting: Arc<Mutex<Vec<String>>>,
@@ -70,6 +71,17 @@ pub struct Shared {
 }
 
 impl Shared {
+    /// Where the datapath's verdict events go.
+    pub fn flow_sink(&self) -> FlowSink {
+        FlowSink {
+            cookies: self.cookies.clone(),
+            pod_names: self.pod_names.clone(),
+            policy_hits: self.policy_hits.clone(),
+            metrics: self.metrics.clone(),
+            flows: self.flows.clone(),
+        }
+    }
+
     /// Fresh services for one agent: metrics hooked to the actors' journals.
     pub fn new(node_name: &str, state_dir: crate::endpoint::state::StateDir) -> Shared {
         let metrics = Arc::new(crate::metrics::Metrics::new());
@@ -92,7 +104,10 @@ impl Shared {
             ready: Arc::new(AtomicBool::new(false)),
             implementations: Arc::new(Mutex::new(VecDeque::new())),
             ipam: Arc::new(Mutex::new(crate::ipam::NodeIpam::default())),
-            events: tokio::sync::broadcast::channel(4096).0,
+            flows: Arc::new(crate::datapath::flows::FlowRing::new(
+                crate::datapath::flows::DEFAULT_CAPACITY,
+                4096,
+            )),
             notifications: tokio::sync::broadcast::channel(1024).0,
             cookies: Default::default(),
             enforcement: Default::default(),
@@ -137,6 +152,43 @@ impl Shared {
             .lock()
             .map(|v| v.iter().cloned().collect())
             .unwrap_or_default()
+    }
+}
+
+/// What the agent does with each verdict event the datapath reports: attribution (the cookie's
+/// policies), pod names, per-policy hits, verdict metrics, and the flow ring.
+#[derive(Clone)]
+pub struct FlowSink {
+    pub cookies: Arc<crate::policy::attribution::CookieJar>,
+    pub pod_names: Arc<dashmap::DashMap<std::net::IpAddr, String>>,
+    pub policy_hits: Arc<crate::policy::attribution::PolicyHits>,
+    pub metrics: Arc<crate::metrics::Metrics>,
+    pub flows: Arc<crate::datapath::flows::FlowRing>,
+}
+
+impl FlowSink {
+    pub fn consume(&self, mut ev: crate::datapath::events::VerdictEvent) {
+        ev.attribute(&self.cookies);
+        ev.name_pods(|ip| self.pod_names.get(&ip).map(|n| n.clone()));
+        if let Some(n) = ev.lost {
+            tracing::warn!(
+                lost = n,
+                "verdict events lost: the datapath's ring buffer was full"
+            );
+            self.metrics.events_lost.inc_by(n);
+        }
+        self.policy_hits.record(&ev.policies, &ev.verdict);
+        if let Some(m) = &ev.match_kind {
+            self.metrics
+                .policy_verdicts
+                .get_or_create(&crate::metrics::VerdictLabels {
+                    direction: ev.direction.clone(),
+                    verdict: ev.verdict.clone(),
+                    r#match: m.clone(),
+                })
+                .inc();
+        }
+        self.flows.publish(ev);
     }
 }
 

@@ -382,6 +382,40 @@ fn every_verdict_names_its_policies_across_edits_and_restarts() {
     assert!(tcp_ok(&a.netns, b.addr, 9090));
     let ev = mon.expect("a -> b:9090 forwarded", |e| flow(e, &sb, 9090, "forwarded"));
     assert_eq!(named(&ev), ["CiliumNetworkPolicy x/b-from-a-too"], "{ev}");
+
+    // `--since`: the agent kept the flows; a monitor started now shows the past drop (with no
+    // new traffic), filtered by policy, with the time the agent received it.
+    let past = |since: &str| {
+        let child = std::process::Command::new(common::agent::BIN)
+            .args(["monitor", "-o", "json", "--count", "1", "--since", since])
+            .args(["--policy", "no-c-into-b", "--socket"])
+            .arg(agent.socket())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        wait_output(child, Duration::from_secs(3))
+    };
+    let out = past("1h");
+    let kept: Value = serde_json::from_str(out.trim()).expect("one JSON event");
+    assert_eq!(
+        (kept["source"].as_str(), kept["verdict"].as_str()),
+        (Some(sc.as_str()), Some("dropped")),
+        "{kept}"
+    );
+    assert_eq!(named(&kept), ["CiliumClusterwideNetworkPolicy no-c-into-b"]);
+    assert!(
+        kept["time"].as_str().is_some_and(|t| t.ends_with('Z')),
+        "{kept}"
+    );
+    std::thread::sleep(Duration::from_millis(1100));
+    assert_eq!(
+        past("1s"),
+        "",
+        "nothing that old is shown, and no new drop came"
+    );
+    let (code, _, err) = agent.cli(&["monitor", "--since", "5 parsecs"]);
+    assert_eq!(code, 2, "a bad --since is a usage error");
+    assert!(err.contains("unknown unit"), "{err}");
 }
 
 fn endpoint_id(agent: &Agent, name: &str) -> String {

@@ -51,6 +51,8 @@ pub struct AgentConfig {
     /// Where socket-level service translation attaches (cgroup v2); none: not translated.
     /// `--enable-policy`, `--policy-audit-mode`.
     pub enforcement: crate::config::Enforcement,
+    /// `--flow-buffer-capacity`: recent flows kept for `monitor --since`.
+    pub flow_buffer_capacity: usize,
     pub cgroup_root: Option<PathBuf>,
 }
 
@@ -325,6 +327,10 @@ async fn run_async(
         v.mode = config.routing.mode.as_str().into();
     }
     shared.enforcement = config.enforcement;
+    shared.flows = std::sync::Arc::new(crate::datapath::flows::FlowRing::new(
+        config.flow_buffer_capacity,
+        4096,
+    ));
     for (scope, took) in early {
         shared.bootstrap.record(scope, took, &shared.metrics);
     }
@@ -343,34 +349,10 @@ async fn run_async(
     };
     let registry = shared.registry.clone();
     let datapath_name = datapath.name();
-    let events = shared.events.clone();
-    let (cookies, pod_names) = (shared.cookies.clone(), shared.pod_names.clone());
-    let verdict_metrics = shared.metrics.clone();
-    let policy_hits = shared.policy_hits.clone();
+    let sink = shared.flow_sink();
     datapath
-        .start_events(Box::new(move |mut ev| {
-            ev.attribute(&cookies);
-            ev.name_pods(|ip| pod_names.get(&ip).map(|n| n.clone()));
-            if let Some(n) = ev.lost {
-                tracing::warn!(
-                    lost = n,
-                    "verdict events lost: the datapath's ring buffer was full"
-                );
-                verdict_metrics.events_lost.inc_by(n);
-            }
-            policy_hits.record(&ev.policies, &ev.verdict);
-            if let Some(m) = &ev.match_kind {
-                verdict_metrics
-                    .policy_verdicts
-                    .get_or_create(&crate::metrics::VerdictLabels {
-                        direction: ev.direction.clone(),
-                        verdict: ev.verdict.clone(),
-                        r#match: m.clone(),
-                    })
-                    .inc();
-            }
-            // No subscriber is not an error: the event is simply not shown anywhere.
-            let _ = events.send(ev);
+        .start_events(Box::new(move |ev| {
+            sink.consume(ev);
             true
         }))
         .map_err(|e| AgentError::Config(format!("--datapath {datapath_name}: {e}")))?;

@@ -455,31 +455,76 @@ async fn find_endpoint(st: web::Data<AppState>, q: web::Query<ByContainer>) -> H
 }
 
 /// `GET /v1/monitor`: policy verdict events as they happen, one JSON object per line.
-async fn monitor(st: web::Data<AppState>) -> HttpResponse {
-    let flows = json_lines(st.shared.events.subscribe());
-    let notices = json_lines(st.shared.notifications.subscribe());
+/// `/v1/monitor`'s query: the flow filters, and `since_ms` (unix milliseconds) to start with
+/// the kept flows received since then.
+#[derive(Debug, serde::Deserialize)]
+struct MonitorQuery {
+    since_ms: Option<u64>,
+    from: Option<String>,
+    to: Option<String>,
+    port: Option<u16>,
+    verdict: Option<String>,
+    policy: Option<String>,
+    #[serde(rename = "type")]
+    kind: Option<String>,
+}
+
+/// Flows (the kept ones first with `since_ms`, then live ones; filtered here so that a narrow
+/// question does not stream everything) and notifications, as JSON lines.
+async fn monitor(st: web::Data<AppState>, q: web::Query<MonitorQuery>) -> HttpResponse {
+    let q = q.into_inner();
+    let filter = crate::datapath::events::FlowFilter {
+        from: q.from,
+        to: q.to,
+        port: q.port,
+        verdict: q.verdict,
+        policy: q.policy,
+        kind: q.kind,
+    };
+    let (history, live) = match q.since_ms {
+        Some(since) => st.shared.flows.follow(since, &filter),
+        None => (Vec::new(), st.shared.flows.subscribe()),
+    };
+    use futures_util::StreamExt;
+    let kept = futures_util::stream::iter(history.into_iter().map(|e| Ok(json_line(&e))));
+    let live = json_lines(live, move |e| filter.accepts(e));
+    let notices = json_lines(st.shared.notifications.subscribe(), |_| true);
     HttpResponse::Ok()
         .content_type("application/x-ndjson")
-        .streaming(futures_util::stream::select(flows, notices))
+        .streaming(kept.chain(futures_util::stream::select(live, notices)))
+}
+
+fn json_line<T: Serialize>(v: &T) -> actix_web::web::Bytes {
+    let mut line = serde_json::to_vec(v).unwrap_or_default();
+    line.push(b'\n');
+    actix_web::web::Bytes::from(line)
 }
 
 /// A broadcast channel as a stream of JSON lines; a slow reader is told how many it missed.
 fn json_lines<T: Serialize + Clone + Send + 'static>(
     rx: tokio::sync::broadcast::Receiver<T>,
+    keep: impl Fn(&T) -> bool + 'static,
 ) -> impl futures_util::Stream<Item = Result<actix_web::web::Bytes, actix_web::Error>> {
     use tokio::sync::broadcast::error::RecvError;
-    futures_util::stream::unfold(rx, |mut rx| async move {
-        let line = match rx.recv().await {
-            Ok(ev) => {
-                let mut line = serde_json::to_vec(&ev).unwrap_or_default();
-                line.push(b'\n');
-                line
-            }
-            // A slow reader missed events: say how many, and go on.
-            Err(RecvError::Lagged(n)) => format!("{{\"lost\":{n}}}\n").into_bytes(),
-            Err(RecvError::Closed) => return None,
-        };
-        Some((Ok(actix_web::web::Bytes::from(line)), rx))
+    let keep = std::rc::Rc::new(keep);
+    futures_util::stream::unfold(rx, move |mut rx| {
+        let keep = keep.clone();
+        async move {
+            let line = loop {
+                match rx.recv().await {
+                    Ok(ev) if !keep(&ev) => continue,
+                    Ok(ev) => break json_line(&ev),
+                    // A slow reader missed events: say how many, and go on.
+                    Err(RecvError::Lagged(n)) => {
+                        break actix_web::web::Bytes::from(
+                            format!("{{\"lost\":{n}}}\n").into_bytes(),
+                        )
+                    }
+                    Err(RecvError::Closed) => return None,
+                }
+            };
+            Some((Ok(line), rx))
+        }
     })
 }
 

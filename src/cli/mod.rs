@@ -98,6 +98,10 @@ pub enum Command {
         /// Exit after this many (matching) events.
         #[arg(long)]
         count: Option<u64>,
+        /// First the flows the agent kept from this long ago on (`30s`, `5m`, `2h`; the agent
+        /// keeps the last --flow-buffer-capacity flows), then live ones.
+        #[arg(long)]
+        since: Option<String>,
         #[command(flatten)]
         filter: crate::datapath::events::FlowFilter,
         #[command(flatten)]
@@ -210,6 +214,9 @@ pub struct AgentArgs {
     /// Audit every endpoint: what policy would drop passes and is reported as `audit`.
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
     pub policy_audit_mode: bool,
+    /// Recent flows kept for `ciliate monitor --since` (the oldest go first; 0 keeps none).
+    #[arg(long, default_value_t = crate::datapath::flows::DEFAULT_CAPACITY)]
+    pub flow_buffer_capacity: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

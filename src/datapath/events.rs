@@ -15,6 +15,9 @@ pub struct VerdictEvent {
     pub kind: String,
     /// Kernel monotonic time of the decision, in nanoseconds.
     pub timestamp_ns: u64,
+    /// When the agent received it (RFC 3339, milliseconds).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time: Option<String>,
     pub endpoint: u32,
     pub peer_identity: u32,
     pub direction: String,
@@ -56,6 +59,7 @@ pub fn lost_event(n: u64) -> VerdictEvent {
     VerdictEvent {
         kind: "lost".into(),
         timestamp_ns: 0,
+        time: None,
         endpoint: 0,
         peer_identity: 0,
         direction: String::new(),
@@ -244,8 +248,8 @@ impl Notification {
     }
 }
 
-/// `ciliate monitor`'s filters (all given ones must hold).
-#[derive(Debug, Clone, Default, clap::Args)]
+/// `ciliate monitor`'s filters (all given ones must hold); also the query of `/v1/monitor`.
+#[derive(Debug, Clone, Default, clap::Args, serde::Serialize, serde::Deserialize)]
 pub struct FlowFilter {
     /// Only flows from this address (or `NS/POD`, when the event names pods).
     #[arg(long)]
@@ -264,6 +268,7 @@ pub struct FlowFilter {
     pub policy: Option<String>,
     /// Only events of this type (`dns` is reserved for DNS-aware policy).
     #[arg(long = "type", value_parser = ["flow", "dns", "policy", "endpoint"])]
+    #[serde(rename = "type")]
     pub kind: Option<String>,
 }
 
@@ -341,6 +346,7 @@ pub fn verdict_event(
     VerdictEvent {
         kind: flow(),
         timestamp_ns,
+        time: None,
         endpoint,
         peer_identity,
         direction: if egress { "egress" } else { "ingress" }.into(),

@@ -6,6 +6,7 @@ pub mod abi;
 pub mod bpf;
 pub mod cgroup;
 pub mod events;
+pub mod flows;
 pub mod masquerade;
 pub mod memory;
 pub mod netdev;
