@@ -88,9 +88,22 @@ fn the_demo_shows_policies_taking_effect_and_cleans_up() {
         stdout.contains("demo-node-1 -> ") && stdout.contains("(native routing)"),
         "both nodes route to each other: {stdout}"
     );
+    let why = |from: &str| {
+        stdout
+            .lines()
+            .find(|l| l.trim_start().starts_with(from) && l.contains("dropped at"))
+            .unwrap_or_else(|| panic!("no Why? line for {from}: {stdout}"))
+            .to_string()
+    };
     assert!(
-        stdout.contains("tools/debug    -> shop/db:TCP/5432") && stdout.contains("policy-deny"),
-        "the deny rule's drop is explained: {stdout}"
+        why("tools/debug    -> shop/db:TCP/5432")
+            .ends_with("denied by CiliumClusterwideNetworkPolicy no-tools-to-db[0]"),
+        "the deny rule's drop names the CCNP and its rule: {stdout}"
+    );
+    assert!(
+        why("shop/backend   -> shop/frontend:TCP/80")
+            .contains("default deny: selected by CiliumNetworkPolicy shop/tiers"),
+        "a default deny names the policy that isolates the endpoint: {stdout}"
     );
     let netns = std::process::Command::new("ip")
         .args(["netns"])

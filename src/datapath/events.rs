@@ -124,7 +124,7 @@ impl VerdictEvent {
         let names = || {
             self.policies
                 .iter()
-                .map(|p| format!("{} {}", p.kind, p.short()))
+                .map(|p| p.named())
                 .collect::<Vec<_>>()
                 .join(", ")
         };

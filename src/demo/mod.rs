@@ -888,14 +888,14 @@ fn run_inner(config: &DemoConfig) -> Result<usize, String> {
                     .map(|(p, _, _)| format!("{}/{}", p.namespace, p.name))
                     .unwrap_or_else(|| ip.to_string())
             };
+            // The deciding policies, named as `ciliate monitor` and `policy simulate` name them.
+            let why = ev.why().unwrap_or_else(|| ev.reason.clone());
             println!(
-                "  {:<14} -> {:<22} dropped at {node} endpoint {} {}: {} (peer identity {})",
+                "  {:<14} -> {:<22} dropped at {node} endpoint {} {}: {why}",
                 who(&ev.source),
                 format!("{}:{}/{}", who(&ev.destination), ev.protocol, ev.port),
                 ev.endpoint,
                 ev.direction,
-                ev.reason,
-                ev.peer_identity
             );
         }
     }

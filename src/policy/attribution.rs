@@ -91,6 +91,11 @@ impl PolicyRef {
         }
     }
 
+    /// `Kind ns/name[rule]`, as verdicts name rules everywhere (`RuleOrigin::describe`).
+    pub fn named(&self) -> String {
+        crate::policy::rule::rule_name(&self.kind, self.namespace.as_deref(), &self.name, self.rule)
+    }
+
     /// `ns/name` (or `name`), with `[rule]`.
     pub fn short(&self) -> String {
         let name = match &self.namespace {
@@ -112,12 +117,6 @@ pub struct Attribution {
     pub policies: Vec<PolicyRef>,
     /// The policy revision the cookie was first realized at.
     pub revision: u64,
-}
-
-/// The last `[N]` of a rule path (`specs[0].egressDeny[2]` -> 2).
-fn rule_index(path: &str) -> Option<usize> {
-    let open = path.rfind('[')?;
-    path[open + 1..].strip_suffix(']')?.parse().ok()
 }
 
 fn fnv1a32(h: &mut u32, bytes: &[u8]) {
@@ -160,7 +159,10 @@ pub fn entry_cookie(origins: &[Arc<RuleOrigin>], kind: MatchKind) -> (Cookie, Ve
         policy_words(&mut h, p);
         fnv1a32(&mut h, path.as_bytes());
         fnv1a32(&mut h, b"\n");
-        policies.push(PolicyRef::of_policy(p, rule_index(path)));
+        policies.push(PolicyRef::of_policy(
+            p,
+            crate::policy::rule::rule_index(path),
+        ));
     }
     (finish(h), policies)
 }
@@ -286,6 +288,31 @@ mod tests {
     }
 
     use crate::policy::mapstate::ingress_key as key;
+
+    #[test]
+    fn monitor_and_simulate_name_a_rule_the_same_way() {
+        for (kind, ns, name, path, want) in [
+            (
+                PolicyKind::CiliumNetworkPolicy,
+                Some("x"),
+                "a",
+                "specs[1].egressDeny[2]",
+                "CiliumNetworkPolicy x/a[2]",
+            ),
+            (
+                PolicyKind::CiliumClusterwideNetworkPolicy,
+                None,
+                "c",
+                "spec.ingress[0]",
+                "CiliumClusterwideNetworkPolicy c[0]",
+            ),
+        ] {
+            let o = origin(kind, ns, name, path);
+            let (_, refs) = entry_cookie(&[o.clone()], MatchKind::L3Only);
+            assert_eq!(refs[0].named(), want, "what ciliate monitor prints");
+            assert_eq!(o.describe(), want, "what policy simulate prints");
+        }
+    }
 
     #[test]
     fn cookies_are_stable_order_free_and_differ_by_rule_and_match() {

@@ -1066,7 +1066,10 @@ mod tests {
         match pol.decide(Direction::Ingress, d, PROTO_TCP, 80) {
             Decision::DefaultDenied { withheld_by, .. } => {
                 let names: Vec<String> = withheld_by.iter().map(|r| r.describe()).collect();
-                assert_eq!(names, vec!["x/r requires group=A".to_string()]);
+                assert_eq!(
+                    names,
+                    vec!["CiliumNetworkPolicy x/r requires group=A".to_string()]
+                );
             }
             other => panic!("want a default deny, got {other:?}"),
         }

@@ -147,7 +147,8 @@ pub struct RuleOrigin {
 }
 
 impl RuleOrigin {
-    /// `ingressDeny of x/deny-c` (with `specs[i].` in front for multi-rule policies).
+    /// The rule as verdicts name it everywhere (`policy simulate`, `ciliate monitor`, the
+    /// demo): `CiliumNetworkPolicy x/deny-c[0]`, the index counting in its section.
     pub fn describe(&self) -> String {
         if self.policy.kind == PolicyKind::Builtin {
             return format!(
@@ -155,23 +156,37 @@ impl RuleOrigin {
                 self.policy.short()
             );
         }
-        let prefix = self
-            .path
-            .strip_prefix("spec.")
-            .map(|_| String::new())
-            .unwrap_or_else(|| {
-                self.path
-                    .split('.')
-                    .next()
-                    .map(|s| format!("{s}."))
-                    .unwrap_or_default()
-            });
-        format!(
-            "{prefix}{} of {}",
-            self.section.as_str(),
-            self.policy.short()
+        rule_name(
+            self.policy.kind.as_str(),
+            self.policy.namespace.as_deref(),
+            &self.policy.name,
+            self.index(),
         )
     }
+
+    /// The rule's index in its section (`specs[0].egressDeny[2]` -> 2).
+    pub fn index(&self) -> Option<usize> {
+        rule_index(&self.path)
+    }
+}
+
+/// The last `[N]` of a rule path (`specs[0].egressDeny[2]` -> 2).
+pub fn rule_index(path: &str) -> Option<usize> {
+    let open = path.rfind('[')?;
+    path[open + 1..].strip_suffix(']')?.parse().ok()
+}
+
+/// `Kind namespace/name` (or `Kind name`), with `[rule]` when a rule is named: how verdicts
+/// name policies and rules everywhere.
+pub fn rule_name(kind: &str, namespace: Option<&str>, name: &str, rule: Option<usize>) -> String {
+    let mut out = match namespace {
+        Some(ns) => format!("{kind} {ns}/{name}"),
+        None => format!("{kind} {name}"),
+    };
+    if let Some(r) = rule {
+        out.push_str(&format!("[{r}]"));
+    }
+    out
 }
 
 /// Which peers a rule talks about.
@@ -369,9 +384,9 @@ pub struct PeerRequirement {
 }
 
 impl PeerRequirement {
-    /// `x/needs-group-a requires group=A`.
+    /// `CiliumNetworkPolicy x/needs-group-a requires group=A`.
     pub fn describe(&self) -> String {
-        format!("{} requires {}", self.origin.policy.short(), self.text)
+        format!("{} requires {}", self.origin.policy, self.text)
     }
 }
 

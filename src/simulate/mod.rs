@@ -838,7 +838,10 @@ impl Sim {
         let s = self.describe(src);
         let d = self.describe(dst);
         let join = |v: &[std::sync::Arc<crate::policy::PolicyKey>]| {
-            v.iter().map(|k| k.short()).collect::<Vec<_>>().join(", ")
+            v.iter()
+                .map(|k| k.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
         };
         if let Side::Decided(Decision::Denied(o)) = &egress {
             return ("deny", format!("denied by {}", o.describe()));

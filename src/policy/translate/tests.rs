@@ -75,7 +75,10 @@ fn from_requires_is_kept_apart_for_the_engine_with_its_path_and_scope() {
         req[0].selector.to_string(),
         "{any:env=prod, k8s:io.kubernetes.pod.namespace=x}"
     );
-    assert_eq!(req[0].describe(), "x/r requires env=prod");
+    assert_eq!(
+        req[0].describe(),
+        "CiliumNetworkPolicy x/r requires env=prod"
+    );
 }
 
 #[test]
