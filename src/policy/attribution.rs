@@ -308,7 +308,7 @@ mod tests {
             ),
         ] {
             let o = origin(kind, ns, name, path);
-            let (_, refs) = entry_cookie(&[o.clone()], MatchKind::L3Only);
+            let (_, refs) = entry_cookie(std::slice::from_ref(&o), MatchKind::L3Only);
             assert_eq!(refs[0].named(), want, "what ciliate monitor prints");
             assert_eq!(o.describe(), want, "what policy simulate prints");
         }
