@@ -24,6 +24,44 @@ pub const JOURNAL_CAPACITY: usize = 256;
 /// Who sent a message: actor names are mostly static; endpoint names are not.
 pub type Sender = Cow<'static, str>;
 
+/// The change a message descends from: a manifest scan that changed objects, a watch event, the
+/// initial sync. Watchers begin changes ([`Registry::begin_change`]); every message sent while
+/// an actor handles a message of a change belongs to that change too, so one change can be
+/// followed through every actor to the datapath (`/debug/changes/{id}`).
+pub type ChangeId = u64;
+
+thread_local! {
+    static CURRENT_CHANGE: std::cell::Cell<Option<ChangeId>> = const { std::cell::Cell::new(None) };
+}
+
+/// The change of the message being handled on this thread (or of the `with_change` scope).
+pub fn current_change() -> Option<ChangeId> {
+    CURRENT_CHANGE.with(|c| c.get())
+}
+
+/// Runs `f` with `change` as the current change: what it sends belongs to that change. Actors
+/// use it where they send outside a handler (timers, completions of awaited futures).
+pub fn with_change<R>(change: Option<ChangeId>, f: impl FnOnce() -> R) -> R {
+    let _scope = ChangeScope::enter(change);
+    f()
+}
+
+/// `change` is the current change until the scope ends (then the previous one is again).
+#[must_use = "the change is current only while the scope lives"]
+pub struct ChangeScope(Option<ChangeId>);
+
+impl ChangeScope {
+    pub fn enter(change: Option<ChangeId>) -> ChangeScope {
+        ChangeScope(CURRENT_CHANGE.with(|c| c.replace(change)))
+    }
+}
+
+impl Drop for ChangeScope {
+    fn drop(&mut self) {
+        CURRENT_CHANGE.with(|c| c.set(self.0));
+    }
+}
+
 /// A message that can say what it is in one line.
 pub trait Traceable: Message {
     /// The message type's name, e.g. `Regenerate`.
@@ -60,6 +98,9 @@ pub struct MessageRecord {
     pub started_at: String,
     pub finished_at: String,
     pub outcome: String,
+    /// The change this message descends from.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub change: Option<ChangeId>,
 }
 
 fn rfc3339(micros: i64) -> String {
@@ -79,6 +120,7 @@ struct Rec {
     started_us: i64,
     finished_us: i64,
     error: Option<Box<str>>,
+    change: Option<ChangeId>,
 }
 
 impl Rec {
@@ -95,6 +137,7 @@ impl Rec {
                 None => "ok".into(),
                 Some(e) => format!("error: {e}"),
             },
+            change: self.change,
         }
     }
 }
@@ -119,6 +162,7 @@ pub struct Handled {
     pub started_at: DateTime<Utc>,
     pub finished_at: DateTime<Utc>,
     pub outcome: Result<(), String>,
+    pub change: Option<ChangeId>,
 }
 
 /// The record of one actor: counters and the most recent messages.
@@ -187,6 +231,7 @@ impl Journal {
             started_at,
             finished_at: Utc::now(),
             outcome,
+            change: current_change(),
         });
     }
 
@@ -199,6 +244,7 @@ impl Journal {
             started_at,
             finished_at,
             outcome,
+            change,
         } = h;
         self.handled.fetch_add(1, Ordering::Relaxed);
         let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
@@ -212,6 +258,7 @@ impl Journal {
             started_us: started_at.timestamp_micros(),
             finished_us: finished_at.timestamp_micros(),
             error: outcome.err().map(String::into_boxed_str),
+            change,
         };
         let dur = (rec.finished_us - rec.started_us).max(0) as u64;
         if let Ok(mut inner) = self.inner.lock() {
@@ -261,6 +308,34 @@ impl Journal {
         }
     }
 
+    /// The kept messages of a change, oldest first.
+    fn of_change(&self, change: ChangeId) -> Vec<MessageRecord> {
+        self.inner
+            .lock()
+            .map(|i| {
+                i.records
+                    .iter()
+                    .filter(|r| r.change == Some(change))
+                    .map(Rec::render)
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Per change: (messages, first enqueued, last finished), in microseconds.
+    fn change_spans(&self, into: &mut std::collections::HashMap<ChangeId, (usize, i64, i64)>) {
+        if let Ok(i) = self.inner.lock() {
+            for r in i.records.iter() {
+                if let Some(c) = r.change {
+                    let e = into.entry(c).or_insert((0, i64::MAX, i64::MIN));
+                    e.0 += 1;
+                    e.1 = e.1.min(r.enqueued_us);
+                    e.2 = e.2.max(r.finished_us);
+                }
+            }
+        }
+    }
+
     /// The most recent messages, oldest first.
     pub fn messages(&self) -> Vec<MessageRecord> {
         self.inner
@@ -270,11 +345,61 @@ impl Journal {
     }
 }
 
-/// All live actors' journals, by actor name.
+/// All live actors' journals, by actor name, and the recent changes.
 #[derive(Default)]
 pub struct Registry {
     journals: DashMap<String, Arc<Journal>>,
     on_handled: Option<HandledHook>,
+    changes: Mutex<VecDeque<ChangeInfo>>,
+    next_change: AtomicU64,
+}
+
+/// Changes kept for `/debug/changes` (their messages stay as long as the journals keep them).
+pub const CHANGES_KEPT: usize = 256;
+
+/// A change: what caused it and when.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChangeInfo {
+    pub id: ChangeId,
+    pub cause: String,
+    pub at: String,
+}
+
+/// A change as `/debug/changes` lists it.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChangeSummary {
+    #[serde(flatten)]
+    pub info: ChangeInfo,
+    /// Messages of the change the journals still hold.
+    pub messages: usize,
+    /// From the first message's enqueue to the last one's end, in microseconds.
+    pub took_us: i64,
+}
+
+/// One message of a change: where it waited and how long it took.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChangeStep {
+    pub actor: String,
+    pub kind: &'static str,
+    #[serde(flatten)]
+    pub record: MessageRecord,
+    /// In the mailbox, from enqueue to the start of handling.
+    pub wait_us: i64,
+    pub handle_us: i64,
+}
+
+/// A change with its messages in the order they were sent (`/debug/changes/{id}`).
+#[derive(Debug, Clone, Serialize)]
+pub struct ChangeView {
+    #[serde(flatten)]
+    pub info: ChangeInfo,
+    pub steps: Vec<ChangeStep>,
+}
+
+fn parse_us(t: &str) -> i64 {
+    DateTime::parse_from_rfc3339(t)
+        .map(|d| d.timestamp_micros())
+        .unwrap_or(0)
 }
 
 impl Registry {
@@ -284,7 +409,85 @@ impl Registry {
         Registry {
             journals: DashMap::new(),
             on_handled,
+            changes: Mutex::new(VecDeque::new()),
+            next_change: AtomicU64::new(0),
         }
+    }
+
+    /// A new change, caused by `cause` (`CiliumNetworkPolicy x/a applied`, `manifests: 2
+    /// objects changed`).
+    pub fn begin_change(&self, cause: impl Into<String>) -> ChangeId {
+        let id = self.next_change.fetch_add(1, Ordering::Relaxed) + 1;
+        let info = ChangeInfo {
+            id,
+            cause: cause.into(),
+            at: Utc::now().to_rfc3339_opts(SecondsFormat::Micros, true),
+        };
+        if let Ok(mut c) = self.changes.lock() {
+            if c.len() == CHANGES_KEPT {
+                c.pop_front();
+            }
+            c.push_back(info);
+        }
+        id
+    }
+
+    /// The recent changes, newest first, with how many of their messages are kept and their
+    /// span.
+    pub fn changes(&self) -> Vec<ChangeSummary> {
+        let mut spans = std::collections::HashMap::new();
+        for j in self.journals.iter() {
+            j.change_spans(&mut spans);
+        }
+        let infos: Vec<ChangeInfo> = self
+            .changes
+            .lock()
+            .map(|c| c.iter().rev().cloned().collect())
+            .unwrap_or_default();
+        infos
+            .into_iter()
+            .map(|info| {
+                let (messages, first, last) = spans.get(&info.id).copied().unwrap_or((0, 0, 0));
+                ChangeSummary {
+                    info,
+                    messages,
+                    took_us: (last - first).max(0),
+                }
+            })
+            .collect()
+    }
+
+    /// One change and every kept message of it, in the order they were sent.
+    pub fn change(&self, id: ChangeId) -> Option<ChangeView> {
+        let info = self
+            .changes
+            .lock()
+            .ok()?
+            .iter()
+            .find(|c| c.id == id)
+            .cloned()?;
+        let mut steps: Vec<ChangeStep> = Vec::new();
+        for j in self.journals.iter() {
+            for record in j.of_change(id) {
+                let (enq, start, end) = (
+                    parse_us(&record.enqueued_at),
+                    parse_us(&record.started_at),
+                    parse_us(&record.finished_at),
+                );
+                steps.push(ChangeStep {
+                    actor: j.name.clone(),
+                    kind: j.kind,
+                    record,
+                    wait_us: (start - enq).max(0),
+                    handle_us: (end - start).max(0),
+                });
+            }
+        }
+        steps.sort_by(|a, b| {
+            (&a.record.enqueued_at, &a.record.started_at)
+                .cmp(&(&b.record.enqueued_at, &b.record.started_at))
+        });
+        Some(ChangeView { info, steps })
     }
 
     /// Creates the journal of a new actor.
@@ -325,6 +528,8 @@ pub struct Traced<M> {
     pub from: Sender,
     pub enqueued_at: DateTime<Utc>,
     pub journal: Arc<Journal>,
+    /// The change the sender was handling when it sent this.
+    pub change: Option<ChangeId>,
 }
 
 impl<M: Message> Message for Traced<M> {
@@ -358,6 +563,7 @@ impl<A: Actor> TracedAddr<A> {
             from: from.into(),
             enqueued_at: Utc::now(),
             journal: self.journal.clone(),
+            change: current_change(),
         }
     }
 
@@ -425,6 +631,7 @@ where
             from: from.into(),
             enqueued_at: Utc::now(),
             journal: self.journal.clone(),
+            change: current_change(),
         })
     }
 }
@@ -445,17 +652,19 @@ impl<A: Actor> TracedAddr<A> {
     }
 }
 
-/// Records one message around the inner handler. Used by [`traced_actor!`].
+/// Records one message around the inner handler, which runs as part of the message's change.
+/// Used by [`traced_actor!`].
 pub fn record_handled<R: Outcome>(
     journal: &Journal,
     kind: &'static str,
     summary: String,
     from: Sender,
     enqueued_at: DateTime<Utc>,
+    change: Option<ChangeId>,
     run: impl FnOnce() -> R,
 ) -> R {
     let started_at = Utc::now();
-    let r = run();
+    let r = with_change(change, run);
     journal.record(Handled {
         message: kind,
         summary,
@@ -464,6 +673,7 @@ pub fn record_handled<R: Outcome>(
         started_at,
         finished_at: Utc::now(),
         outcome: r.outcome(),
+        change,
     });
     r
 }
@@ -495,7 +705,7 @@ macro_rules! traced_actor {
                 type Result = <$actor as ::actix::Handler<$msg>>::Result;
 
                 fn handle(&mut self, t: $crate::introspect::Traced<$msg>, ctx: &mut Self::Context) -> Self::Result {
-                    let $crate::introspect::Traced { msg, from, enqueued_at, journal } = t;
+                    let $crate::introspect::Traced { msg, from, enqueued_at, journal, change } = t;
                     let summary = $crate::introspect::Traceable::summary(&msg);
                     $crate::introspect::record_handled(
                         &journal,
@@ -503,10 +713,64 @@ macro_rules! traced_actor {
                         summary,
                         from,
                         enqueued_at,
+                        change,
                         || <$actor as ::actix::Handler<$msg>>::handle(self, msg, ctx),
                     )
                 }
             }
         )+
     };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_change_follows_its_messages_and_a_scope_restores_the_one_before() {
+        assert_eq!(current_change(), None);
+        let r = Registry::new(None);
+        let j = r.register("A".into(), "A");
+        let first = r.begin_change("first");
+        let second = r.begin_change("second");
+        with_change(Some(first), || {
+            j.note("One", "of the first".into(), "test", Utc::now(), Ok(()));
+            {
+                let _inner = ChangeScope::enter(Some(second));
+                assert_eq!(current_change(), Some(second));
+                j.note("Two", "of the second".into(), "test", Utc::now(), Ok(()));
+            }
+            assert_eq!(current_change(), Some(first), "the scope restored it");
+            j.note("Three", "of the first".into(), "test", Utc::now(), Ok(()));
+        });
+        assert_eq!(current_change(), None);
+        j.note("Four", "of none".into(), "test", Utc::now(), Ok(()));
+        let listed = r.changes();
+        assert_eq!(
+            listed
+                .iter()
+                .map(|c| (c.info.id, c.messages))
+                .collect::<Vec<_>>(),
+            [(second, 1), (first, 2)],
+            "newest first, with their kept messages"
+        );
+        let view = r.change(first).unwrap();
+        assert_eq!(view.info.cause, "first");
+        let steps: Vec<_> = view.steps.iter().map(|s| s.record.message).collect();
+        assert_eq!(steps, ["One", "Three"]);
+        assert!(view.steps.iter().all(|s| s.actor == "A" && s.wait_us >= 0));
+        assert!(r.change(99).is_none());
+    }
+
+    #[test]
+    fn only_the_newest_changes_are_kept() {
+        let r = Registry::new(None);
+        for i in 0..CHANGES_KEPT + 5 {
+            r.begin_change(format!("c{i}"));
+        }
+        let listed = r.changes();
+        assert_eq!(listed.len(), CHANGES_KEPT);
+        assert_eq!(listed[0].info.cause, format!("c{}", CHANGES_KEPT + 4));
+        assert!(r.change(1).is_none(), "the oldest went");
+    }
 }

@@ -525,3 +525,189 @@ fn audit_mode_and_enforcement_modes() {
     let ev = mon.expect("a -> b:9090 audited", |e| flow(e, &sb, 9090, "audit"));
     assert_eq!(named(&ev), ["NetworkPolicy x/b-from-a"], "{ev}");
 }
+
+/// The page's DOM as headless Chromium renders it after its scripts ran, loopback only: every
+/// other address goes to a dead proxy and resolves nowhere, and background services are off.
+fn rendered(url: &str, profile: &std::path::Path) -> String {
+    let out = std::process::Command::new("chromium")
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--disable-default-apps",
+            "--disable-domain-reliability",
+            "--no-pings",
+            "--proxy-server=127.0.0.1:9",
+            "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
+            "--virtual-time-budget=5000",
+            "--dump-dom",
+        ])
+        .arg(format!("--user-data-dir={}", profile.display()))
+        .arg(url)
+        .stderr(std::process::Stdio::null())
+        .output()
+        .expect("chromium runs");
+    String::from_utf8_lossy(&out.stdout).to_string()
+}
+
+fn chromium_present() -> bool {
+    let found = std::process::Command::new("chromium")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !found {
+        assert!(
+            std::env::var("CI").is_err(),
+            "CI=true: chromium must be installed (.ci/setup)"
+        );
+        eprintln!("skipped: no chromium");
+    }
+    found
+}
+
+/// The text of the first `<tr>` of table `id` that contains `needle` (tags stripped).
+fn row_with(dom: &str, id: &str, needle: &str) -> Option<String> {
+    let table = dom
+        .split(&format!("id=\"{id}\""))
+        .nth(1)?
+        .split("</table>")
+        .next()?;
+    table.split("<tr").find(|r| r.contains(needle)).map(|r| {
+        let mut text = String::new();
+        let mut in_tag = false;
+        for ch in r.chars() {
+            match ch {
+                '<' => in_tag = true,
+                '>' => {
+                    in_tag = false;
+                    text.push(' ');
+                }
+                c if !in_tag => text.push(c),
+                _ => {}
+            }
+        }
+        text.split_whitespace().collect::<Vec<_>>().join(" ")
+    })
+}
+
+#[test]
+fn the_debug_page_shows_the_attributed_drop_and_a_change_through_the_actors() {
+    if !privileged() || !chromium_present() {
+        return;
+    }
+    let (w, tmp) = scene(&[("cnp", cnp(8080)), ("ccnp", CCNP.into())]);
+    let (a, b, c) = (&w.pods[0], &w.pods[1], &w.pods[2]);
+    let pins = w.pins.to_string_lossy().to_string();
+    let agent = start(
+        tmp.path(),
+        &pins,
+        &[],
+        &[("x/a", a), ("x/b", b), ("x/c", c)],
+    );
+    // Real traffic: c -> b is dropped by the CCNP's deny rule, a -> b:8080 allowed by the CNP.
+    assert!(!tcp_ok(&c.netns, b.addr, 8080));
+    assert!(tcp_ok(&a.netns, b.addr, 8080));
+    // A policy edit: one change from the file write through every actor to the map write.
+    let rev = agent.revision();
+    std::fs::write(tmp.path().join("manifests/cnp.yaml"), cnp(9090)).unwrap();
+    agent.wait_until("the edit is applied", || agent.revision() > rev);
+    agent.wait_realized(agent.revision());
+    let changes = agent.json("/debug/changes");
+    let edit = changes
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| {
+            c["cause"]
+                .as_str()
+                .is_some_and(|s| s.starts_with("manifests: "))
+        })
+        .unwrap_or_else(|| panic!("the edit is a change: {changes}"))
+        .clone();
+    let view = agent.json(&format!("/debug/changes/{}", edit["id"]));
+    let kinds: Vec<&str> = view["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["kind"].as_str().unwrap())
+        .collect();
+    let order = [
+        "WatcherActor",
+        "PolicyRepoActor",
+        "RuleReactionActor",
+        "EndpointActor",
+        "LoaderActor",
+    ];
+    let firsts: Vec<usize> = order
+        .iter()
+        .map(|k| {
+            kinds
+                .iter()
+                .position(|x| x == k)
+                .unwrap_or_else(|| panic!("{k} is in the change: {view}"))
+        })
+        .collect();
+    assert!(
+        firsts.windows(2).all(|p| p[0] < p[1]),
+        "the change runs watcher -> repository -> reaction -> endpoint -> loader: {kinds:?}"
+    );
+    assert!(
+        view["steps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|s| s["message"] == "SyncPolicyMap" && s["handle_us"].as_i64() >= Some(0)),
+        "through to the map write: {view}"
+    );
+
+    // The page, rendered by a real browser against the running agent.
+    let url = format!("http://{}/debug/", agent.debug);
+    let profile = tmp.path().join("chromium");
+    let mut dom = String::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        dom = rendered(&url, &profile);
+        if row_with(&dom, "flows", "no-c-into-b").is_some()
+            && row_with(&dom, "waterfall", "SyncPolicyMap").is_some()
+        {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let drop = row_with(&dom, "flows", "no-c-into-b")
+        .unwrap_or_else(|| panic!("the flows table shows the CCNP's drop: {dom}"));
+    assert!(
+        drop.contains("x/c")
+            && drop.contains("x/b")
+            && drop.contains("dropped")
+            && drop.contains("denied by CiliumClusterwideNetworkPolicy no-c-into-b[0]"),
+        "{drop}"
+    );
+    let allowed = row_with(&dom, "flows", "allowed by")
+        .unwrap_or_else(|| panic!("the flows table shows the allowed connection: {dom}"));
+    assert!(
+        allowed.contains("CiliumNetworkPolicy x/b-from-a-too"),
+        "{allowed}"
+    );
+    let write = row_with(&dom, "waterfall", "SyncPolicyMap").expect("the map write");
+    assert!(write.contains("LoaderActor"), "{write}");
+    assert!(
+        row_with(&dom, "waterfall", "PolicyUpsert").is_some(),
+        "{dom}"
+    );
+    let ccnp = row_with(&dom, "pols", "no-c-into-b").expect("the CCNP's row");
+    // kind, name, rules, revision, status, then forwarded, dropped, audit.
+    let hits: Vec<u64> = ccnp
+        .split(' ')
+        .skip_while(|w| *w != "accepted")
+        .skip(1)
+        .take(3)
+        .map(|w| w.parse().unwrap_or_else(|_| panic!("{ccnp}")))
+        .collect();
+    assert!(hits[1] >= 1, "its drops are counted on the page: {ccnp}");
+}

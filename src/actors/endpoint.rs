@@ -25,7 +25,9 @@ use crate::datapath::{DatapathError, EndpointAttachment, EndpointFlags, Endpoint
 pub use crate::endpoint::regeneration::EndpointState;
 use crate::endpoint::regeneration::{Action, Event, Regeneration};
 use crate::endpoint::state::EndpointRecord;
-use crate::introspect::{Journal, Traced, TracedAddr, TracedRecipient};
+use crate::introspect::{
+    current_change, ChangeId, ChangeScope, Journal, Traced, TracedAddr, TracedRecipient,
+};
 use crate::policy::attribution::{isolation_cookie, MatchKind};
 use crate::policy::engine::{EndpointView, NamedPort, PolicyEngine};
 use crate::policy::identity::NumericIdentity;
@@ -71,6 +73,9 @@ pub struct EndpointActor {
     journal: Arc<Journal>,
     /// The state directory is behind what a restore needs.
     needs_persist: bool,
+    /// The latest change that asked for a regeneration: what the endpoint sends for it (to the
+    /// loader, its report) belongs to that change, also after a queued `DoRegenerate`.
+    change: Option<ChangeId>,
 }
 
 /// An endpoint finished a regeneration (or a revision bump) at `revision`.
@@ -150,6 +155,7 @@ impl EndpointActor {
             journal,
             shared,
             needs_persist: true,
+            change: None,
             record,
         }
     }
@@ -209,6 +215,10 @@ impl EndpointActor {
 
     /// Feeds the state machine one event and carries out what it says.
     fn step(&mut self, ctx: &mut Context<Self>, event: Event) {
+        if let Some(c) = current_change() {
+            self.change = Some(c);
+        }
+        let _change = ChangeScope::enter(self.change);
         for action in self.regen.step(event) {
             match action {
                 Action::Queue => ctx.notify(DoRegenerate),
@@ -293,11 +303,13 @@ impl EndpointActor {
             replace,
             revision,
         };
+        let change = self.change;
         let fut =
             self.loader
                 .send(sync, name.clone())
                 .into_actor(self)
                 .map(move |res, act, ctx| {
+                    let _change = ChangeScope::enter(change);
                     let res: Result<SyncStats, DatapathError> = match res {
                         Ok(r) => r,
                         Err(e) => Err(DatapathError::System {
@@ -483,6 +495,7 @@ impl Handler<DoRegenerate> for EndpointActor {
         if self.regen.state == EndpointState::Disconnecting {
             return;
         }
+        let _change = ChangeScope::enter(self.change);
         self.journal.note(
             "DoRegenerate",
             format!("wanted rev {}", self.regen.wanted),

@@ -33,7 +33,7 @@ use serde::de::DeserializeOwned;
 
 use super::feed::{Item, Origin, ToRepo, WatchFeed};
 use super::policy_repo::{NodeUpsert, PolicyRepoActor};
-use crate::introspect::TracedAddr;
+use crate::introspect::{with_change, TracedAddr};
 use crate::k8s::crd::{CiliumClusterwideNetworkPolicy, CiliumNetworkPolicy};
 use crate::k8s::node::{desired_annotations, needs_update};
 use crate::objects::{
@@ -252,7 +252,7 @@ impl KubeWatcherActor {
                 for key in self.feed.keys(resource) {
                     if !seen.contains(&key) {
                         let out = self.feed.delete(resource, &key);
-                        self.send(out);
+                        self.send_as(|| format!("{resource} {key} gone at relist"), out);
                     }
                 }
                 let first = self.unsynced.remove(&resource);
@@ -314,23 +314,45 @@ impl KubeWatcherActor {
                 return Some(key);
             }
         };
-        let out = match item {
-            Some(item) if !deleted => self.feed.upsert(&key, item, Origin::api(resource, &key)),
-            _ => self.feed.delete(resource, &key),
+        let (out, what) = match item {
+            Some(item) if !deleted => (
+                self.feed.upsert(&key, item, Origin::api(resource, &key)),
+                "applied",
+            ),
+            _ => (self.feed.delete(resource, &key), "deleted"),
         };
-        self.send(out);
+        self.send_as(|| format!("{resource} {key} {what}"), out);
         Some(key)
     }
 
     fn finish_initial_sync(&mut self) {
         let out = self.feed.synced();
-        let n = out.len() - 1;
-        self.send(out);
+        let n = out.len().saturating_sub(1);
+        self.send_as(
+            || format!("initial sync: {n} objects from the API server"),
+            out,
+        );
         tracing::info!(
             objects = n,
             elapsed_ms = self.started.elapsed().as_millis() as u64,
             "initial sync from the API server done"
         );
+    }
+
+    /// Sends the feed's messages as one change, caused by `cause` (`/debug/changes`).
+    fn send_as(&self, cause: impl FnOnce() -> String, out: Vec<ToRepo>) {
+        if out.is_empty() {
+            return;
+        }
+        let (cause, at) = (cause(), chrono::Utc::now());
+        let change = self.shared.registry.begin_change(cause.clone());
+        with_change(Some(change), || {
+            self.send(out);
+            // The change's first step: the watcher's part, in its journal.
+            if let Some(me) = &self.me {
+                me.journal.note("Feed", cause, "api-server", at, Ok(()));
+            }
+        });
     }
 
     fn send(&self, out: Vec<ToRepo>) {

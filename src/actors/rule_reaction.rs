@@ -22,7 +22,7 @@ use actix::{Actor, AsyncContext, Context, Handler, Message, SpawnHandle};
 use super::endpoint::{BumpRevision, EndpointActor, EndpointGone, EndpointRealized, Regenerate};
 use super::loader::{IpcacheChange, LoaderActor, UpdateIpcache};
 use crate::datapath::EndpointId;
-use crate::introspect::TracedAddr;
+use crate::introspect::{current_change, with_change, ChangeId, TracedAddr};
 use crate::runtime::Shared;
 use crate::traced_actor;
 
@@ -55,6 +55,8 @@ struct Want {
     revision: u64,
     force: bool,
     reason: String,
+    /// The (latest) change that asked: the Regenerate sent after the window belongs to it.
+    change: Option<ChangeId>,
 }
 
 pub struct RuleReactionActor {
@@ -65,7 +67,7 @@ pub struct RuleReactionActor {
     /// Regenerations gathered in the current window.
     want: HashMap<EndpointId, Want>,
     /// Bumps gathered in the current window (latest revision).
-    bumps: HashMap<EndpointId, (TracedAddr<EndpointActor>, u64)>,
+    bumps: HashMap<EndpointId, (TracedAddr<EndpointActor>, u64, Option<ChangeId>)>,
     /// Endpoints with a `Regenerate` sent and no report yet.
     in_flight: HashSet<EndpointId>,
     /// Requests that arrived while that endpoint's regeneration was in flight.
@@ -122,14 +124,12 @@ impl RuleReactionActor {
     }
 
     fn send_regenerate(&mut self, id: EndpointId, w: Want) {
-        w.addr.do_send(
-            Regenerate {
-                revision: w.revision,
-                reason: w.reason,
-                force: w.force,
-            },
-            NAME,
-        );
+        let msg = Regenerate {
+            revision: w.revision,
+            reason: w.reason,
+            force: w.force,
+        };
+        with_change(w.change, || w.addr.do_send(msg, NAME));
         self.in_flight.insert(id);
     }
 
@@ -143,9 +143,9 @@ impl RuleReactionActor {
                 self.send_regenerate(id, w);
             }
         }
-        for (id, (addr, revision)) in std::mem::take(&mut self.bumps) {
+        for (id, (addr, revision, change)) in std::mem::take(&mut self.bumps) {
             if !self.in_flight.contains(&id) {
-                addr.do_send(BumpRevision { revision }, NAME);
+                with_change(change, || addr.do_send(BumpRevision { revision }, NAME));
             }
         }
     }
@@ -171,6 +171,7 @@ fn merge(map: &mut HashMap<EndpointId, Want>, id: EndpointId, w: Want) {
             e.revision = e.revision.max(w.revision);
             e.force |= w.force;
             e.reason = w.reason;
+            e.change = w.change.or(e.change);
         }
         None => {
             map.insert(id, w);
@@ -227,12 +228,14 @@ impl Handler<PolicyReaction> for RuleReactionActor {
                 revision: msg.revision,
                 force: msg.force,
                 reason: msg.reason.clone(),
+                change: current_change(),
             };
             merge(&mut self.want, *id, w);
         }
         for (id, addr) in &msg.to_bump {
             if !self.want.contains_key(id) {
-                self.bumps.insert(*id, (addr.clone(), msg.revision));
+                self.bumps
+                    .insert(*id, (addr.clone(), msg.revision, current_change()));
             }
         }
         self.pending.insert(

@@ -23,7 +23,7 @@ use serde_yaml::Value;
 
 use super::feed::{Item, Origin, ToRepo, WatchFeed};
 use super::policy_repo::{ManifestStatus, PolicyRepoActor};
-use crate::introspect::TracedAddr;
+use crate::introspect::{with_change, ChangeId, ChangeScope, Journal, Registry, TracedAddr};
 use crate::manifests::{Body, Delta, Limits, ObjKey, ScanStats, Scanner};
 use crate::objects::{
     endpoint_slice_info, namespace_info, node_info, pod_info, service_info, Kind,
@@ -53,6 +53,8 @@ pub struct WatcherActor {
     rescan_scheduled: bool,
     /// Where Service and EndpointSlice changes go for service translation.
     services: Option<Arc<ServiceLb>>,
+    /// Where each scan that changes objects begins a change (`/debug/changes`).
+    changes: Option<Arc<Registry>>,
 }
 
 impl WatcherActor {
@@ -66,12 +68,19 @@ impl WatcherActor {
             scans: None,
             rescan_scheduled: false,
             services: None,
+            changes: None,
         }
     }
 
     /// Gives Service and EndpointSlice changes to service translation too.
     pub fn with_services(mut self, services: Arc<ServiceLb>) -> Self {
         self.services = Some(services);
+        self
+    }
+
+    /// Begins a change (`/debug/changes`) for every scan that changes objects.
+    pub fn with_changes(mut self, registry: Arc<Registry>) -> Self {
+        self.changes = Some(registry);
         self
     }
 
@@ -130,7 +139,12 @@ impl Actor for WatcherActor {
         let (scans, requests) = sync_channel(1);
         self.scans = Some(scans);
         let scanner = Scanner::new(self.dir.clone(), self.limits);
-        let feed = Feed::new(self.repo.clone(), self.services.clone());
+        let mut feed = Feed::new(
+            self.repo.clone(),
+            self.services.clone(),
+            self.changes.clone(),
+        );
+        feed.journal = Some(me.journal.clone());
         let spawned = std::thread::Builder::new()
             .name("manifest-scan".into())
             .spawn(move || run_scanner(scanner, feed, requests, me));
@@ -175,7 +189,12 @@ fn run_scanner(
                 Err(e) => tracing::error!(error = %e, "initial manifest scan failed"),
             }
             let out = feed.feed.synced();
-            feed.send(out);
+            let n = out.len().saturating_sub(1);
+            let begun = feed.begin(format!(
+                "initial sync: {n} objects from the manifest directory"
+            ));
+            with_change(begun.as_ref().map(|b| b.0), || feed.send(out));
+            feed.done(begun);
             first = false;
         }
         watcher.do_send(
@@ -198,14 +217,36 @@ struct Feed {
     feed: WatchFeed,
     /// Objects whose last upsert could not be used, with the location it was reported under.
     unusable: HashMap<ObjKey, String>,
+    changes: Option<Arc<Registry>>,
+    /// The watcher's journal: each change's feed work is noted there, the change's first step.
+    journal: Option<Arc<Journal>>,
 }
 
 impl Feed {
-    fn new(repo: TracedAddr<PolicyRepoActor>, lb: Option<Arc<ServiceLb>>) -> Feed {
+    fn new(
+        repo: TracedAddr<PolicyRepoActor>,
+        lb: Option<Arc<ServiceLb>>,
+        changes: Option<Arc<Registry>>,
+    ) -> Feed {
         Feed {
             repo,
             feed: WatchFeed::new(lb),
             unusable: HashMap::new(),
+            changes,
+            journal: None,
+        }
+    }
+
+    /// Begins a change caused by `cause`; `done` notes the feed's part of it in the watcher's
+    /// journal (the change's first step).
+    fn begin(&self, cause: String) -> Option<(ChangeId, String, chrono::DateTime<chrono::Utc>)> {
+        let id = self.changes.as_ref()?.begin_change(cause.clone());
+        Some((id, cause, chrono::Utc::now()))
+    }
+
+    fn done(&self, begun: Option<(ChangeId, String, chrono::DateTime<chrono::Utc>)>) {
+        if let (Some((id, cause, at)), Some(j)) = (begun, &self.journal) {
+            with_change(Some(id), || j.note("Feed", cause, "scanner", at, Ok(())));
         }
     }
 
@@ -243,6 +284,22 @@ impl Feed {
             );
         }
         let sent = delta.deletes.len() + delta.upserts.len();
+        let files: Vec<String> = delta
+            .upserts
+            .iter()
+            .map(|u| u.location.to_string())
+            .take(3)
+            .collect();
+        // The whole delta is one change: a file edit.
+        let begun = (sent > 0 && self.feed.is_synced())
+            .then(|| {
+                self.begin(format!(
+                    "manifests: {sent} objects changed ({})",
+                    files.join(", ")
+                ))
+            })
+            .flatten();
+        let scope = ChangeScope::enter(begun.as_ref().map(|b| b.0));
         for k in &delta.deletes {
             self.usable(k);
             if let Some(kind) = Kind::parse(&k.kind) {
@@ -262,6 +319,8 @@ impl Feed {
                 Err(e) => self.unusable(&u.key, &u.location, e),
             }
         }
+        drop(scope);
+        self.done(begun);
         sent
     }
 

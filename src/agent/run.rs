@@ -562,9 +562,11 @@ async fn run_async(
             let repo_for_watcher = repo.clone();
             let limits = config.manifest_limits;
             let services = shared.services.clone();
+            let registry = shared.registry.clone();
             WatcherActor::create(move |ctx| {
                 WatcherActor::new(dir, limits, repo_for_watcher)
                     .with_services(services)
+                    .with_changes(registry)
                     .with_self(TracedAddr::new(ctx.address(), watcher_journal))
             });
         }

@@ -158,6 +158,58 @@ async fn actor_messages(st: web::Data<AppState>, name: web::Path<String>) -> Htt
     }
 }
 
+/// `/debug/changes`: recent changes, newest first.
+async fn changes(st: web::Data<AppState>) -> HttpResponse {
+    HttpResponse::Ok().json(st.shared.registry.changes())
+}
+
+/// `/debug/changes/{id}`: one change's messages through the actors, in the order they were sent.
+async fn change(st: web::Data<AppState>, id: web::Path<String>) -> HttpResponse {
+    let Ok(id) = id.parse::<crate::introspect::ChangeId>() else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!("change id {id:?} is not a number"),
+        );
+    };
+    match st.shared.registry.change(id) {
+        Some(c) => HttpResponse::Ok().json(c),
+        None => error(
+            StatusCode::NOT_FOUND,
+            format!(
+                "no change {id} (only the last {} are kept)",
+                crate::introspect::CHANGES_KEPT
+            ),
+        ),
+    }
+}
+
+/// `/debug/flows?since_ms=..&limit=..` plus `ciliate monitor`'s filters: kept flows, oldest
+/// first (the last `limit`, default 500).
+async fn debug_flows(st: web::Data<AppState>, q: web::Query<MonitorQuery>) -> HttpResponse {
+    let q = q.into_inner();
+    let limit = q.limit.unwrap_or(500);
+    let since = q.since_ms.unwrap_or(0);
+    let mut flows = st.shared.flows.query(since, &q.filter());
+    let skip = flows.len().saturating_sub(limit);
+    let shown: Vec<FlowView> = flows
+        .split_off(skip)
+        .into_iter()
+        .map(|flow| FlowView {
+            why: flow.why(),
+            flow,
+        })
+        .collect();
+    HttpResponse::Ok().json(shown)
+}
+
+/// A flow with its deciding policies in words, as `ciliate monitor` prints them.
+#[derive(Serialize)]
+struct FlowView {
+    #[serde(flatten)]
+    flow: crate::datapath::events::VerdictEvent,
+    why: Option<String>,
+}
+
 /// Every endpoint's model, by asking each endpoint actor.
 pub async fn endpoint_models(st: &AppState) -> Result<Vec<EndpointModel>, HttpResponse> {
     let handles = st
@@ -460,6 +512,8 @@ async fn find_endpoint(st: web::Data<AppState>, q: web::Query<ByContainer>) -> H
 #[derive(Debug, serde::Deserialize)]
 struct MonitorQuery {
     since_ms: Option<u64>,
+    /// `/debug/flows`: at most this many (the newest).
+    limit: Option<usize>,
     from: Option<String>,
     to: Option<String>,
     port: Option<u16>,
@@ -473,14 +527,7 @@ struct MonitorQuery {
 /// question does not stream everything) and notifications, as JSON lines.
 async fn monitor(st: web::Data<AppState>, q: web::Query<MonitorQuery>) -> HttpResponse {
     let q = q.into_inner();
-    let filter = crate::datapath::events::FlowFilter {
-        from: q.from,
-        to: q.to,
-        port: q.port,
-        verdict: q.verdict,
-        policy: q.policy,
-        kind: q.kind,
-    };
+    let filter = q.filter();
     let (history, live) = match q.since_ms {
         Some(since) => st.shared.flows.follow(since, &filter),
         None => (Vec::new(), st.shared.flows.subscribe()),
@@ -492,6 +539,19 @@ async fn monitor(st: web::Data<AppState>, q: web::Query<MonitorQuery>) -> HttpRe
     HttpResponse::Ok()
         .content_type("application/x-ndjson")
         .streaming(kept.chain(futures_util::stream::select(live, notices)))
+}
+
+impl MonitorQuery {
+    fn filter(&self) -> crate::datapath::events::FlowFilter {
+        crate::datapath::events::FlowFilter {
+            from: self.from.clone(),
+            to: self.to.clone(),
+            port: self.port,
+            verdict: self.verdict.clone(),
+            policy: self.policy.clone(),
+            kind: self.kind.clone(),
+        }
+    }
 }
 
 fn json_line<T: Serialize>(v: &T) -> actix_web::web::Bytes {
@@ -546,6 +606,9 @@ pub fn read_routes(cfg: &mut web::ServiceConfig) {
         .route("/debug/identities", web::get().to(identities))
         .route("/debug/ipcache", web::get().to(ipcache))
         .route("/debug/nodes", web::get().to(debug_nodes))
+        .route("/debug/flows", web::get().to(debug_flows))
+        .route("/debug/changes", web::get().to(changes))
+        .route("/debug/changes/{id}", web::get().to(change))
         .route("/debug/services", web::get().to(debug_services));
 }
 

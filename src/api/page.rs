@@ -1,6 +1,8 @@
-//! The `/debug/` page: actors, their mailboxes and recent messages, endpoints, policies, nodes
-//! (routing mode, masquerade, routes) and Services (counts, frontends and backends),
-//! refreshing itself every two seconds from the JSON endpoints.
+//! The `/debug/` page: actors, their mailboxes and recent messages, recent flows with their
+//! deciding policies (filterable by namespace and verdict), policy changes drawn as waterfalls
+//! through the actors, endpoints, policies with their hits, nodes (routing mode, masquerade,
+//! routes) and Services (counts, frontends and backends), refreshing itself every two seconds
+//! from the JSON endpoints.
 
 use actix_web::HttpResponse;
 
@@ -18,6 +20,9 @@ const PAGE: &str = r##"<!doctype html>
  table{border-collapse:collapse;width:100%;background:#fff} td,th{border:1px solid #ddd;padding:3px 6px;text-align:left;vertical-align:top}
  th{background:#eef} tr.sel{background:#ffd} tr.click{cursor:pointer} .err{color:#b00} .ok{color:#070} .muted{color:#888}
  .grid{display:grid;grid-template-columns:1fr 1fr;gap:1.5em} code{font-size:12px}
+ .fwd{color:#070} .drop{color:#b00;font-weight:600} .audit{color:#a60;font-weight:600}
+ .wf{position:relative;height:14px;min-width:240px;background:#f3f3f3} .wf span{position:absolute;top:2px;height:10px}
+ .wait{background:#ccc} .run{background:#36c} select,input{font:inherit}
 </style></head><body>
 <h1>ciliate agent</h1><div id="hdr" class="muted">loading…</div>
 <div class="grid"><div>
@@ -26,13 +31,44 @@ const PAGE: &str = r##"<!doctype html>
 <h2>Recent messages of <span id="selname">PolicyRepoActor</span></h2>
 <table id="msgs"><thead><tr><th>#</th><th>message</th><th>summary</th><th>from</th><th>took µs</th><th>outcome</th></tr></thead><tbody></tbody></table>
 </div></div>
+<h2>Flows <span class="muted">recent verdicts and the policies that decided them</span></h2>
+<div>namespace <input id="flowns" size="12" placeholder="any"> verdict <select id="flowverdict"><option value="">any</option><option>forwarded</option><option>dropped</option><option>audit</option></select> <span id="flowcount" class="muted"></span></div>
+<table id="flows"><thead><tr><th>time</th><th>source</th><th>destination</th><th>port</th><th>verdict</th><th>why</th></tr></thead><tbody></tbody></table>
+<h2>Changes <span class="muted">one change through the actors: mailbox wait (grey) and handling (blue), to the map write</span></h2>
+<div><select id="changesel"></select> <span id="changeinfo" class="muted"></span></div>
+<table id="waterfall"><thead><tr><th>actor</th><th>message</th><th>summary</th><th>wait µs</th><th>took µs</th><th>timeline</th></tr></thead><tbody></tbody></table>
 <h2>Endpoints</h2><table id="eps"><thead><tr><th>id</th><th>name</th><th>identity</th><th>state</th><th>revision</th><th>entries</th><th>ips</th><th>error</th></tr></thead><tbody></tbody></table>
-<h2>Policies</h2><table id="pols"><thead><tr><th>kind</th><th>name</th><th>rules</th><th>revision</th><th>status</th><th>notes</th></tr></thead><tbody></tbody></table>
+<h2>Policies</h2><table id="pols"><thead><tr><th>kind</th><th>name</th><th>rules</th><th>revision</th><th>status</th><th>forwarded</th><th>dropped</th><th>audit</th><th>notes</th></tr></thead><tbody></tbody></table>
 <h2>Start-up <span id="startup" class="muted"></span></h2>
 <h2>Nodes <span id="routing" class="muted"></span></h2><table id="nodes"><thead><tr><th>name</th><th>local</th><th>ips</th><th>pod CIDRs</th><th>route</th></tr></thead><tbody></tbody></table>
 <h2>Services <span id="svccounts" class="muted"></span></h2><table id="svcs"><thead><tr><th>service</th><th>frontend</th><th>backends</th></tr></thead><tbody></tbody></table>
 <script>
-let sel = "PolicyRepoActor";
+let sel = "PolicyRepoActor", change = null;
+const pod = (ip, name) => name ? `${esc(name)} <span class=muted>${esc(ip)}</span>` : esc(ip);
+async function flows(){
+ const v = document.getElementById("flowverdict").value, ns = document.getElementById("flowns").value.trim();
+ const all = await get("/debug/flows?limit=2000" + (v ? "&verdict=" + v : "")).catch(() => []);
+ const inNs = f => !ns || [f.source_pod, f.destination_pod].some(p => p && p.startsWith(ns + "/"));
+ const shown = all.filter(f => f.type !== "lost" && inNs(f)).slice(-100).reverse();
+ document.getElementById("flowcount").textContent = `${shown.length} shown of ${all.length} kept`;
+ fill("flows", shown.map(f => `<tr><td>${esc((f.time || "").slice(11, 23))}</td><td>${pod(f.source, f.source_pod)}</td><td>${pod(f.destination, f.destination_pod)}</td><td>${esc(f.protocol)}/${f.port}</td><td class="${f.verdict === 'forwarded' ? 'fwd' : f.verdict === 'audit' ? 'audit' : 'drop'}">${esc(f.verdict)}</td><td class="why">${esc(f.why || f.reason)}</td></tr>`));
+}
+async function changes(){
+ const list = await get("/debug/changes").catch(() => []);
+ const sel = document.getElementById("changesel");
+ if (change === null || !list.some(c => c.id === change)) { const c = list.find(c => c.messages > 0); change = c ? c.id : null; }
+ sel.innerHTML = list.map(c => `<option value="${c.id}" ${c.id === change ? "selected" : ""}>#${c.id} ${esc(c.cause)} · ${c.messages} messages · ${(c.took_us / 1000).toFixed(1)} ms</option>`).join("");
+ if (change === null) { fill("waterfall", []); return; }
+ const c = await get("/debug/changes/" + change).catch(() => null);
+ if (!c) return;
+ const t0 = Math.min(...c.steps.map(s => micros(s.enqueued_at))), t1 = Math.max(...c.steps.map(s => micros(s.finished_at)));
+ const span = Math.max(t1 - t0, 1), pct = t => ((t - t0) * 100 / span).toFixed(2);
+ document.getElementById("changeinfo").textContent = `${c.cause} · ${c.steps.length} messages · ${((t1 - t0) / 1000).toFixed(2)} ms from the first send to the last map write`;
+ fill("waterfall", c.steps.map(s => { const [e, b, f] = [micros(s.enqueued_at), micros(s.started_at), micros(s.finished_at)];
+  return `<tr><td>${esc(s.actor)}</td><td>${esc(s.message)}</td><td><code>${esc(s.summary)}</code></td><td>${s.wait_us}</td><td>${s.handle_us}</td><td><div class="wf"><span class="wait" style="left:${pct(e)}%;width:${pct(b) - pct(e)}%"></span><span class="run" style="left:${pct(b)}%;width:${Math.max(pct(f) - pct(b), 0.3)}%"></span></div></td></tr>`; }));
+}
+document.addEventListener("change", e => { if (e.target.id === "changesel") { change = Number(e.target.value); changes(); } else flows(); });
+document.addEventListener("input", e => { if (e.target.id === "flowns") flows(); });
 const esc = s => String(s ?? "").replace(/[&<>"]/g, c => ({"&":"&amp;","<":"&lt;",">":"&gt;",'"':"&quot;"}[c]));
 // RFC 3339 with microseconds: Date.parse keeps milliseconds, the last three digits are added here.
 const micros = t => Date.parse(t) * 1000 + (parseInt(t.slice(23, 26), 10) || 0);
@@ -57,7 +93,8 @@ async function refresh(){
   const [c, svcs] = [lb.counts, lb.frontends];
   document.getElementById("svccounts").textContent = `${c.services ?? "?"} services · ${c.frontends ?? "?"} frontends · ${c.backends ?? "?"} backends · translation ${c.translation || "?"}`;
   fill("svcs", svcs.map(f => `<tr><td>${esc(f.namespace + "/" + f.name)}</td><td>${esc(f.frontend)}</td><td>${f.backends.length ? esc(f.backends.map(b => b.ip + ":" + b.port + (b.ready ? "" : " (not ready)")).join(", ")) : '<span class=err>none: connections are refused</span>'}</td></tr>`));
-  fill("pols", pol.policies.map(p => `<tr><td>${esc(p.kind)}</td><td>${esc((p.namespace ? p.namespace + "/" : "") + p.name)}</td><td>${p.rules}</td><td>${p.revision}</td><td class="${p.status==='accepted'?'ok':'err'}">${esc(p.status)}</td><td>${esc(p.notes.join("; "))}</td></tr>`));
+  fill("pols", pol.policies.map(p => `<tr><td>${esc(p.kind)}</td><td>${esc((p.namespace ? p.namespace + "/" : "") + p.name)}</td><td>${p.rules}</td><td>${p.revision}</td><td class="${p.status==='accepted'?'ok':'err'}">${esc(p.status)}</td><td>${p.hits.forwarded}</td><td>${p.hits.dropped}</td><td>${p.hits.audit}</td><td>${esc(p.notes.join("; "))}</td></tr>`));
+  await flows(); await changes();
  } catch(e) { document.getElementById("hdr").innerHTML = `<span class=err>${esc(e.message)}</span>`; }
 }
 refresh(); setInterval(refresh, 2000);
