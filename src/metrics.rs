@@ -119,7 +119,7 @@ impl Metrics {
         };
         r.register(
             "ciliate_agent_bootstrap_seconds",
-            "Seconds each start-up phase took (init, maps, restore, api, sync, regeneration)",
+            "Seconds each start-up phase took (init, maps, restore, ipam, api, sync, regeneration)",
             m.bootstrap.clone(),
         );
         r.register(

@@ -201,7 +201,7 @@ fn every_verdict_names_its_policies_across_edits_and_restarts() {
         .collect();
     assert_eq!(
         phases,
-        ["init", "maps", "restore", "api", "sync", "regeneration"],
+        ["init", "maps", "restore", "ipam", "api", "sync", "regeneration"],
         "every phase, in order"
     );
     let status = agent.cli_json(&["status"]);

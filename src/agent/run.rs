@@ -483,8 +483,13 @@ async fn run_async(
         .into_iter()
         .chain(stale.into_iter().map(|(rec, _)| rec))
         .collect();
-    // CNI ADDs the previous agent did not finish: rolled back, and orphaned veths of this
-    // agent removed, before any address is handed out again.
+    shared
+        .bootstrap
+        .record("restore", restore_started.elapsed(), &shared.metrics);
+    // IPAM: CNI ADDs the previous agent did not finish are rolled back (their addresses
+    // reserved until then), and orphaned veths of this agent removed, before any address is
+    // handed out again.
+    let ipam_started = std::time::Instant::now();
     let recovery = {
         let state_dir = state_dir.clone();
         web::block(move || {
@@ -506,6 +511,9 @@ async fn run_async(
     if let Ok(mut g) = shared.ipam.lock() {
         *g = node_ipam;
     }
+    shared
+        .bootstrap
+        .record("ipam", ipam_started.elapsed(), &shared.metrics);
     if restored > 0 {
         tracing::info!(
             restored,
@@ -513,9 +521,6 @@ async fn run_async(
             state_dir.root().display()
         );
     }
-    shared
-        .bootstrap
-        .record("restore", restore_started.elapsed(), &shared.metrics);
     let api_started = std::time::Instant::now();
 
     // The servers, on the listeners bound before: nothing here fails in practice, but if it
