@@ -6,6 +6,9 @@ pub mod cluster;
 pub mod cni;
 pub mod netns;
 
+#[allow(unused_imports)]
+pub use netns::available;
+
 /// Polls `f` every 100 ms for up to 20 s; panics naming `what` when it never holds.
 pub fn eventually(what: &str, f: impl Fn() -> bool) {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);

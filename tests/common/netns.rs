@@ -11,15 +11,20 @@ use std::time::Duration;
 
 /// True when running as root; with CI=true anything else is a failure, never a skip.
 pub fn privileged() -> bool {
-    let root = nix::unistd::geteuid().is_root();
-    if !root {
+    available(nix::unistd::geteuid().is_root(), "root")
+}
+
+/// Whether a test can run: `present` says what it needs is here. Without it the test is skipped,
+/// except with `CI=true`, where every test must run (`needed` names what is missing).
+pub fn available(present: bool, needed: &str) -> bool {
+    if !present {
         assert!(
-            std::env::var("CI").is_err(),
-            "CI=true: the privileged datapath tests must run as root"
+            std::env::var_os("CI").is_none(),
+            "CI=true: {needed} is needed and missing"
         );
-        eprintln!("skipped: needs root");
+        eprintln!("skipped: needs {needed}");
     }
-    root
+    present
 }
 
 pub fn ip(args: &[&str]) {
