@@ -94,6 +94,21 @@ fn pct(mut v: Vec<f64>, p: f64) -> f64 {
     v[i]
 }
 
+/// Sends a policy to the repository and waits for its revision.
+async fn upsert(core: &Core, yaml: &str) -> u64 {
+    core.repo
+        .send(
+            PolicyUpsert {
+                policy: policy(yaml),
+                source: "bench".into(),
+            },
+            "bench",
+        )
+        .await
+        .unwrap()
+        .unwrap()
+}
+
 async fn endpoint_stats(core: &Core) -> Vec<(u64, u64, String)> {
     let handles = core
         .repo
@@ -166,17 +181,7 @@ async fn in_process() {
         core.repo.do_send(PodUpsert { pod: local_pod(i) }, "bench");
     }
     for k in 0..POLICIES {
-        core.repo
-            .send(
-                PolicyUpsert {
-                    policy: policy(&background_policy(k)),
-                    source: "bench".into(),
-                },
-                "bench",
-            )
-            .await
-            .unwrap()
-            .unwrap();
+        upsert(&core, &background_policy(k)).await;
     }
     core.repo.send(InitialSyncDone, "bench").await.unwrap();
     for i in 0..LOCAL {
@@ -217,18 +222,7 @@ async fn in_process() {
             i % 100,
             9000 + i
         );
-        let rev = core
-            .repo
-            .send(
-                PolicyUpsert {
-                    policy: policy(&y),
-                    source: "bench".into(),
-                },
-                "bench",
-            )
-            .await
-            .unwrap()
-            .unwrap();
+        let rev = upsert(&core, &y).await;
         d100.push(implementation_of(&shared, rev).await);
         let imp = shared.implementations();
         assert_eq!(
@@ -253,18 +247,7 @@ async fn in_process() {
             i % 100,
             10000 + i
         );
-        let rev = core
-            .repo
-            .send(
-                PolicyUpsert {
-                    policy: policy(&y),
-                    source: "bench".into(),
-                },
-                "bench",
-            )
-            .await
-            .unwrap()
-            .unwrap();
+        let rev = upsert(&core, &y).await;
         d1000.push(implementation_of(&shared, rev).await);
     }
     println!(

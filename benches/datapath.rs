@@ -25,6 +25,22 @@ use ciliate::policy::rule::{Direction, PROTO_TCP};
 const SYN: u8 = 0x02;
 const ACK: u8 = 0x10;
 
+/// Ingress entries allowing identities 1000.. 17383 on TCP/80.
+fn allow_16k() -> Vec<(MapKey, bool)> {
+    (0..16_384u32)
+        .map(|i| {
+            let key = MapKey {
+                direction: Direction::Ingress,
+                identity: 1000 + i,
+                protocol: PROTO_TCP,
+                port_lo: 80,
+                port_hi: 80,
+            };
+            (key, false)
+        })
+        .collect()
+}
+
 fn packet(src: [u8; 4], dst: [u8; 4], sport: u16, dport: u16, tcp_flags: u8) -> Vec<u8> {
     let mut p = vec![0u8; 14 + 20 + 20];
     p[12] = 0x08;
@@ -90,20 +106,7 @@ fn main() {
         drop_all: false,
         ..Default::default()
     };
-    let keys: Vec<(MapKey, bool)> = (0..16_384u32)
-        .map(|i| {
-            (
-                MapKey {
-                    direction: Direction::Ingress,
-                    identity: 1000 + i,
-                    protocol: PROTO_TCP,
-                    port_lo: 80,
-                    port_hi: 80,
-                },
-                false,
-            )
-        })
-        .collect();
+    let keys = allow_16k();
     dp.sync_policy(
         7,
         flags,
@@ -181,20 +184,7 @@ fn main() {
     );
     // Back to 16,384 entries for the packet measurements.
     let refill = MapDelta {
-        upserts: (0..16_384u32)
-            .map(|i| {
-                (
-                    MapKey {
-                        direction: Direction::Ingress,
-                        identity: 1000 + i,
-                        protocol: PROTO_TCP,
-                        port_lo: 80,
-                        port_hi: 80,
-                    },
-                    false,
-                )
-            })
-            .collect(),
+        upserts: allow_16k(),
         deletes: (0..10_000u32)
             .map(|i| MapKey {
                 direction: Direction::Ingress,

@@ -34,6 +34,7 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
 const volatile __u32 ENDPOINT_ID = 0;
 
 /* One header per concern; the order is the order of use. */
+#include "lib/pinned.h"
 #include "lib/maps.h"
 #include "lib/parse.h"
 #include "lib/ipcache.h"

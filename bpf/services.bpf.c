@@ -20,6 +20,7 @@
 #include <bpf/bpf_helpers.h>
 
 #include "services.h"
+#include "lib/pinned.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
@@ -31,37 +32,13 @@ struct lb4_revnat_key _abi_lb4_revnat_key = {};
 struct lb4_revnat_value _abi_lb4_revnat_value = {};
 struct lb_ids _abi_lb_ids = {};
 
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, CILIATE_LB_SERVICES_MAX);
-	__type(key, struct lb4_key);
-	__type(value, struct lb4_service);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} lb4_services SEC(".maps");
+PINNED_MAP(BPF_MAP_TYPE_HASH, CILIATE_LB_SERVICES_MAX, struct lb4_key, struct lb4_service, 0) lb4_services SEC(".maps");
 
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, CILIATE_LB_BACKENDS_MAX);
-	__type(key, __u32);
-	__type(value, struct lb4_backend);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} lb4_backends SEC(".maps");
+PINNED_MAP(BPF_MAP_TYPE_HASH, CILIATE_LB_BACKENDS_MAX, __u32, struct lb4_backend, 0) lb4_backends SEC(".maps");
 
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, CILIATE_LB_REVNAT_MAX);
-	__type(key, struct lb4_revnat_key);
-	__type(value, struct lb4_revnat_value);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} lb4_revnat SEC(".maps");
+PINNED_MAP(BPF_MAP_TYPE_LRU_HASH, CILIATE_LB_REVNAT_MAX, struct lb4_revnat_key, struct lb4_revnat_value, 0) lb4_revnat SEC(".maps");
 
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, struct lb_ids);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} lb_ids SEC(".maps");
+PINNED_MAP(BPF_MAP_TYPE_ARRAY, 1, __u32, struct lb_ids, 0) lb_ids SEC(".maps");
 
 #define SYS_REJECT 0
 #define SYS_PROCEED 1

@@ -35,34 +35,28 @@ metadata: {name: c, namespace: y, labels: {app: c}}
 status: {podIPs: [{ip: 10.7.1.3}]}
 ";
 
-const POLICY_V1: &str = "
+/// a-from-b: a accepts b on `port` (a named port, or a number).
+fn policy(port: &str) -> String {
+    format!(
+        "
 apiVersion: cilium.io/v2
 kind: CiliumNetworkPolicy
-metadata: {name: a-from-b, namespace: x}
+metadata: {{name: a-from-b, namespace: x}}
 spec:
-  endpointSelector: {matchLabels: {app: a}}
+  endpointSelector: {{matchLabels: {{app: a}}}}
   ingress:
-    - fromEndpoints: [{matchLabels: {app: b}}]
-      toPorts: [{ports: [{port: http, protocol: TCP}]}]
-";
-
-const POLICY_V2: &str = "
-apiVersion: cilium.io/v2
-kind: CiliumNetworkPolicy
-metadata: {name: a-from-b, namespace: x}
-spec:
-  endpointSelector: {matchLabels: {app: a}}
-  ingress:
-    - fromEndpoints: [{matchLabels: {app: b}}]
-      toPorts: [{ports: [{port: '9090', protocol: TCP}]}]
-";
+    - fromEndpoints: [{{matchLabels: {{app: b}}}}]
+      toPorts: [{{ports: [{{port: {port}, protocol: TCP}}]}}]
+"
+    )
+}
 
 fn setup() -> (tempfile::TempDir, PathBuf) {
     let dir = tempfile::tempdir().expect("tempdir");
     let m = dir.path().join("manifests");
     std::fs::create_dir_all(&m).unwrap();
     std::fs::write(m.join("cluster.yaml"), CLUSTER).unwrap();
-    std::fs::write(m.join("policy.yaml"), POLICY_V1).unwrap();
+    std::fs::write(m.join("policy.yaml"), policy("http")).unwrap();
     let p = dir.path().to_path_buf();
     (dir, p)
 }
@@ -122,7 +116,7 @@ fn policy_edits_on_disk_reach_the_endpoints_and_a_broken_file_keeps_the_last_goo
     assert_eq!(agent.endpoint(2)["ingress_enforced"], false);
 
     // An edit on disk takes effect live.
-    std::fs::write(agent.manifests().join("policy.yaml"), POLICY_V2).unwrap();
+    std::fs::write(agent.manifests().join("policy.yaml"), policy("'9090'")).unwrap();
     agent.wait_until("the edit is applied", || agent.revision() > rev1);
     let rev2 = agent.revision();
     agent.wait_realized(rev2);
@@ -150,11 +144,7 @@ fn policy_edits_on_disk_reach_the_endpoints_and_a_broken_file_keeps_the_last_goo
         .contains(&("ingress".into(), id_b, 6, 9090, false)));
 
     // A policy that parses but is invalid: rejected with the field, the previous version enforced.
-    std::fs::write(
-        agent.manifests().join("policy.yaml"),
-        POLICY_V2.replace("port: '9090'", "port: '99999'"),
-    )
-    .unwrap();
+    std::fs::write(agent.manifests().join("policy.yaml"), policy("'99999'")).unwrap();
     agent.wait_until("the invalid policy is rejected", || {
         agent.json("/debug/policy")["policies"]
             .as_array()

@@ -44,22 +44,23 @@ enum Object {
 /// Every `.yaml` file under `dir`, recursively, in a stable order.
 fn yaml_files(dir: &Path) -> Vec<PathBuf> {
     let mut files = Vec::new();
-    let mut dirs = vec![dir.to_path_buf()];
-    while let Some(dir) = dirs.pop() {
-        for entry in fs::read_dir(&dir).unwrap_or_else(|e| panic!("read {}: {e}", dir.display())) {
-            let path = entry.expect("directory entry").path();
-            if path.is_dir() {
-                dirs.push(path);
-            } else if matches!(
-                path.extension().and_then(|e| e.to_str()),
-                Some("yaml" | "yml")
-            ) {
-                files.push(path);
-            }
-        }
-    }
+    common::yaml_files(dir, &mut files);
+    assert!(!files.is_empty(), "no manifests under {}", dir.display());
     files.sort();
     files
+}
+
+/// The one object of `$variant` among `$objects` (`(file, Object)` pairs).
+macro_rules! only {
+    ($objects:expr, $variant:ident) => {
+        $objects
+            .iter()
+            .find_map(|(_, o)| match o {
+                Object::$variant(v) => Some(v),
+                _ => None,
+            })
+            .expect(stringify!($variant))
+    };
 }
 
 /// The non-empty YAML documents of a file, as JSON (the form the API server stores).
@@ -167,13 +168,8 @@ fn load_all() -> Vec<(String, Object)> {
 }
 
 fn daemonset() -> DaemonSet {
-    load_all()
-        .into_iter()
-        .find_map(|(_, o)| match o {
-            Object::DaemonSet(ds) => Some(*ds),
-            _ => None,
-        })
-        .expect("a DaemonSet")
+    let objects = load_all();
+    (**only!(objects, DaemonSet)).clone()
 }
 
 fn container<'a>(containers: &'a [Container], name: &str) -> &'a Container {
@@ -407,14 +403,9 @@ fn daemonset_runs_the_agent_privileged_on_the_host_network() {
 
 /// The ConfigMap's values, as the kubelet substitutes them for `$(VAR)` in the agent's args.
 fn agent_command_line() -> Vec<String> {
-    let config = load_all()
-        .into_iter()
-        .find_map(|(_, o)| match o {
-            Object::ConfigMap(c) => Some(c),
-            _ => None,
-        })
-        .expect("ConfigMap");
-    let data = config.data.unwrap_or_default();
+    let objects = load_all();
+    let config = only!(objects, ConfigMap);
+    let data = config.data.clone().unwrap_or_default();
     let ds = daemonset();
     let pod = ds
         .spec
@@ -531,13 +522,7 @@ fn init_container_installs_the_plugin_and_the_readme_conflist() {
 #[test]
 fn agent_settings_come_from_the_configmap_and_match_the_probes() {
     let objects = load_all();
-    let config = objects
-        .iter()
-        .find_map(|(_, o)| match o {
-            Object::ConfigMap(c) => Some(c),
-            _ => None,
-        })
-        .expect("ConfigMap");
+    let config = only!(objects, ConfigMap);
     let data = config.data.as_ref().expect("data");
     let ds = daemonset();
     let pod = ds
@@ -579,13 +564,7 @@ fn agent_settings_come_from_the_configmap_and_match_the_probes() {
 #[test]
 fn cluster_role_grants_exactly_what_the_agent_needs() {
     let objects = load_all();
-    let role = objects
-        .iter()
-        .find_map(|(_, o)| match o {
-            Object::ClusterRole(r) => Some(r),
-            _ => None,
-        })
-        .expect("ClusterRole");
+    let role = only!(objects, ClusterRole);
     let mut granted = BTreeSet::new();
     for rule in role.rules.iter().flatten() {
         assert!(
@@ -626,13 +605,7 @@ fn cluster_role_grants_exactly_what_the_agent_needs() {
     }
     assert_eq!(granted, wanted);
 
-    let binding = objects
-        .iter()
-        .find_map(|(_, o)| match o {
-            Object::ClusterRoleBinding(b) => Some(b),
-            _ => None,
-        })
-        .expect("ClusterRoleBinding");
+    let binding = only!(objects, ClusterRoleBinding);
     assert_eq!(binding.role_ref.kind, "ClusterRole");
     assert_eq!(Some(&binding.role_ref.name), role.metadata.name.as_ref());
     let subjects = binding.subjects.as_deref().unwrap_or_default();
@@ -645,13 +618,7 @@ fn cluster_role_grants_exactly_what_the_agent_needs() {
         ),
         ("ServiceAccount", "ciliate", Some("kube-system"))
     );
-    let account = objects
-        .iter()
-        .find_map(|(_, o)| match o {
-            Object::ServiceAccount(a) => Some(a),
-            _ => None,
-        })
-        .expect("ServiceAccount");
+    let account = only!(objects, ServiceAccount);
     assert_eq!(account.metadata.name.as_deref(), Some("ciliate"));
     assert_eq!(account.metadata.namespace.as_deref(), Some("kube-system"));
 }

@@ -206,6 +206,19 @@ spec:
       toPorts: [{ports: [{port: '8080', protocol: TCP}, {port: '5353', protocol: UDP}]}]
 ";
 
+/// The ClusterIP range `NET.0/24` goes nowhere from the pod's namespace: a connection the agent
+/// did not translate fails there instead of leaving the test's namespaces.
+fn blackhole(netns: &str, net: &str) {
+    ip(&[
+        "-n",
+        netns,
+        "route",
+        "add",
+        "blackhole",
+        &format!("{net}.0/24"),
+    ]);
+}
+
 /// Services on `NET.50` .. `NET.53`, and their EndpointSlices. `b2` ready or not.
 fn services(net: &str, b1: Ipv4Addr, b2: Ipv4Addr, c: Ipv4Addr, b2_in_slice: bool) -> String {
     let b2_entry = if b2_in_slice {
@@ -333,14 +346,7 @@ fn services_are_translated_before_egress_policy_and_survive_kill_9() {
     let b2 = pods.add("x", "b2");
     let c = pods.add("x", "c");
     for p in [&a, &b1, &b2, &c] {
-        ip(&[
-            "-n",
-            &p.netns,
-            "route",
-            "add",
-            "blackhole",
-            &format!("{net}.0/24"),
-        ]);
+        blackhole(&p.netns, &net);
     }
     for p in [&b1, &b2, &c] {
         named_servers(p);
@@ -597,14 +603,7 @@ fn services_across_nodes_in_kubernetes_mode_are_translated_before_egress_policy(
     let dns = c.nodes[2].add_pod_labelled(&api, "dns", serde_json::json!({"k8s-app": "kube-dns"}));
     c.api = Some(api);
     for p in [&a, &free, &b1, &b2, &cc, &dns] {
-        ip(&[
-            "-n",
-            &p.netns,
-            "route",
-            "add",
-            "blackhole",
-            &format!("{net}.0/24"),
-        ]);
+        blackhole(&p.netns, &net);
     }
     for p in [&b1, &b2, &cc] {
         named_servers(p);

@@ -4,28 +4,28 @@
 #ifndef CILIATE_LIB_CONNTRACK_H
 #define CILIATE_LIB_CONNTRACK_H
 
-/* The conntrack keys of a packet as it travels (reverse = 0), or of its reply (reverse = 1). */
+/* The conntrack key of a packet as it travels (reverse = 0), or of its reply (reverse = 1):
+ * the same fields for both families, addresses of `alen` bytes. */
+#define CT_TUPLE(k, p, ep, reverse, alen)                                      \
+	do {                                                                   \
+		__builtin_memset(k, 0, sizeof(*(k)));                          \
+		__builtin_memcpy((k)->saddr, reverse ? (p)->daddr : (p)->saddr, alen); \
+		__builtin_memcpy((k)->daddr, reverse ? (p)->saddr : (p)->daddr, alen); \
+		(k)->sport = reverse ? (p)->dport : (p)->sport;                \
+		(k)->dport = reverse ? (p)->sport : (p)->dport;                \
+		(k)->protocol = (p)->protocol;                                 \
+		(k)->endpoint_id = ep;                                         \
+	} while (0)
+
 static __always_inline void ct4_tuple(struct ct4_key *k, struct packet *p, __u32 ep, int reverse)
 {
-	__builtin_memset(k, 0, sizeof(*k));
-	__builtin_memcpy(k->saddr, reverse ? p->daddr : p->saddr, 4);
-	__builtin_memcpy(k->daddr, reverse ? p->saddr : p->daddr, 4);
-	k->sport = reverse ? p->dport : p->sport;
-	k->dport = reverse ? p->sport : p->dport;
-	k->protocol = p->protocol;
-	k->endpoint_id = ep;
+	CT_TUPLE(k, p, ep, reverse, 4);
 }
 
 static __always_inline void ct6_tuple(struct ct6_key *k, struct packet *p, __u32 ep, int reverse)
 {
-	__builtin_memset(k, 0, sizeof(*k));
-	__builtin_memcpy(k->saddr, reverse ? p->daddr : p->saddr, 16);
-	__builtin_memcpy(k->daddr, reverse ? p->saddr : p->daddr, 16);
-	k->sport = reverse ? p->dport : p->sport;
-	k->dport = reverse ? p->sport : p->dport;
-	k->protocol = p->protocol;
+	CT_TUPLE(k, p, ep, reverse, 16);
 	k->family = 6;
-	k->endpoint_id = ep;
 }
 
 /* The entry of the packet's tuple (reverse = 0) or of its reply's (reverse = 1). */

@@ -33,43 +33,17 @@ struct host_route_key {
 	__u32 addr; /* network order */
 };
 
-struct {
-	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
-	__uint(max_entries, 16384);
-	__type(key, struct host_route_key);
-	__type(value, __u32);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} host_routes SEC(".maps");
+PINNED_MAP(BPF_MAP_TYPE_LPM_TRIE, 16384, struct host_route_key, __u32, BPF_F_NO_PREALLOC) host_routes SEC(".maps");
 
 /* Packets sent by host routing (one slot, for tests and `bpf` introspection). */
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, __u64);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} host_routed SEC(".maps");
+PINNED_COUNTER(1) host_routed SEC(".maps");
 
 /* This node's pods by IPv4 address (struct local_endpoint), written by the agent once an
  * endpoint's programs are in place and removed before they go. */
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, CILIATE_ENDPOINTS_MAX);
-	__type(key, __u32);
-	__type(value, struct local_endpoint);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} local_endpoints SEC(".maps");
+PINNED_MAP(BPF_MAP_TYPE_HASH, CILIATE_ENDPOINTS_MAX, __u32, struct local_endpoint, BPF_F_NO_PREALLOC) local_endpoints SEC(".maps");
 
 /* Packets delivered into a pod by from_netdev (one slot, like host_routed). */
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, __u64);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} host_delivered SEC(".maps");
+PINNED_COUNTER(1) host_delivered SEC(".maps");
 
 static __always_inline void bump(void *counter)
 {

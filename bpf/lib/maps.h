@@ -28,64 +28,25 @@ struct {
 	__array(values, struct policy_inner);
 } policy_maps SEC(".maps");
 
-struct {
-	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
-	__uint(max_entries, CILIATE_IPCACHE_MAX);
-	__type(key, struct ipcache_key);
-	__type(value, struct ipcache_value);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} ipcache SEC(".maps");
+PINNED_MAP(BPF_MAP_TYPE_LPM_TRIE, CILIATE_IPCACHE_MAX, struct ipcache_key, struct ipcache_value, BPF_F_NO_PREALLOC) ipcache SEC(".maps");
 
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, CILIATE_IPCACHE_MAX);
-	__type(key, struct ipcache_host_key);
-	__type(value, struct ipcache_value);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} ipcache_hosts SEC(".maps");
+PINNED_MAP(BPF_MAP_TYPE_HASH, CILIATE_IPCACHE_MAX, struct ipcache_host_key, struct ipcache_value, BPF_F_NO_PREALLOC) ipcache_hosts SEC(".maps");
 
 /* A slot whose identity is 0 holds no endpoint. User space rewrites a record in place, so the
  * program may read a mix of an old and a new record's fields: the writer orders its updates
  * so that every such mix is safe (see sync_policy in datapath.rs). */
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, CILIATE_ENDPOINTS_MAX);
-	__type(key, __u32);
-	__type(value, struct endpoint_info);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} endpoints SEC(".maps");
+PINNED_MAP(BPF_MAP_TYPE_ARRAY, CILIATE_ENDPOINTS_MAX, __u32, struct endpoint_info, 0) endpoints SEC(".maps");
 
 /* Conntrack, IPv4: a preallocated hash, not an LRU: an LRU insert rotates its lists and touches
  * many cold nodes (about 300 ns of a new connection's cost). Expiry is the agent's garbage
  * collector's job; a full table leaves new connections untracked (CILIATE_CT_FULL), never
  * allowed more. */
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, CILIATE_CT_MAX);
-	__type(key, struct ct4_key);
-	__type(value, struct ct_value);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} conntrack4 SEC(".maps");
+PINNED_MAP(BPF_MAP_TYPE_HASH, CILIATE_CT_MAX, struct ct4_key, struct ct_value, 0) conntrack4 SEC(".maps");
 
 /* Conntrack, IPv6: allocated per entry, so a cluster without IPv6 pays no memory for it. */
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, CILIATE_CT_MAX);
-	__type(key, struct ct6_key);
-	__type(value, struct ct_value);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} conntrack6 SEC(".maps");
+PINNED_MAP(BPF_MAP_TYPE_HASH, CILIATE_CT_MAX, struct ct6_key, struct ct_value, BPF_F_NO_PREALLOC) conntrack6 SEC(".maps");
 
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, CILIATE_REASON_MAX);
-	__type(key, __u32);
-	__type(value, __u64);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} verdict_counters SEC(".maps");
+PINNED_COUNTER(CILIATE_REASON_MAX) verdict_counters SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
@@ -93,12 +54,6 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } events SEC(".maps");
 
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, struct datapath_config);
-	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} settings SEC(".maps");
+PINNED_MAP(BPF_MAP_TYPE_ARRAY, 1, __u32, struct datapath_config, 0) settings SEC(".maps");
 
 #endif /* CILIATE_LIB_MAPS_H */

@@ -285,13 +285,7 @@ async fn dump_own(h: &Handle) -> Result<Vec<RouteMessage>, NetdevError> {
 
 /// The IPv4 routes of the main table with ciliate's protocol: destination -> gateway.
 pub fn list_own_protocol() -> Result<BTreeMap<Ipv4Net, Option<Ipv4Addr>>, NetdevError> {
-    with_netlink(None, |h| async move {
-        Ok(dump_own(&h)
-            .await?
-            .iter()
-            .filter_map(dst_and_gateway)
-            .collect())
-    })
+    Ok(list_own_protocol_all()?.into_iter().collect())
 }
 
 /// Every IPv4 route of the main table with ciliate's protocol, duplicates included (for

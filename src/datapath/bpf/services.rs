@@ -20,17 +20,7 @@ use super::{sys as syserr, Pod};
 use crate::datapath::DatapathError;
 use crate::services::{Backend, Frontend, LbMaps, Restored};
 
-#[allow(
-    clippy::all,
-    clippy::pedantic,
-    non_camel_case_types,
-    non_snake_case,
-    dead_code,
-    unused_imports
-)]
-pub mod skel {
-    include!(concat!(env!("OUT_DIR"), "/services.skel.rs"));
-}
+super::skeleton!(skel, "services.skel.rs");
 
 use skel::types::{lb4_backend, lb4_key, lb4_revnat_key, lb4_revnat_value, lb4_service, lb_ids};
 
