@@ -157,36 +157,18 @@ impl KubeWatcherActor {
             return;
         };
         let c = &self.client;
-        spawn_watch(
-            Watched::Namespace,
-            Api::<Namespace>::all(c.clone()),
-            |o| Object::Namespace(Box::new(o)),
-            me.clone(),
-        );
-        spawn_watch(
-            Watched::Node,
-            Api::<Node>::all(c.clone()),
-            |o| Object::Node(Box::new(o)),
-            me.clone(),
-        );
-        spawn_watch(
-            Watched::Service,
-            Api::<Service>::all(c.clone()),
-            |o| Object::Service(Box::new(o)),
-            me.clone(),
-        );
-        spawn_watch(
-            Watched::EndpointSlice,
-            Api::<EndpointSlice>::all(c.clone()),
-            |o| Object::EndpointSlice(Box::new(o)),
-            me.clone(),
-        );
-        spawn_watch(
-            Watched::Pod,
-            Api::<Pod>::all(c.clone()),
-            |o| Object::Pod(Box::new(o)),
-            me.clone(),
-        );
+        // The typed resources: kind, API type and `Object` variant share one name.
+        macro_rules! watch_typed {
+            ($($kind:ident),+) => {$(
+                spawn_watch(
+                    Watched::$kind,
+                    Api::<$kind>::all(c.clone()),
+                    |o| Object::$kind(Box::new(o)),
+                    me.clone(),
+                );
+            )+};
+        }
+        watch_typed!(Namespace, Node, Service, EndpointSlice, Pod);
         let policy = |o| Object::Policy(Box::new(o));
         let np = ApiResource {
             group: "networking.k8s.io".into(),

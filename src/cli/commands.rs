@@ -18,28 +18,20 @@ pub enum ClientCall<'a> {
 
 /// `ciliate service list` as a table: one row per backend (a frontend without one shows `-`).
 fn service_rows(v: &Value) -> Vec<Vec<String>> {
-    let mut rows = Vec::new();
+    let mut out = Vec::new();
     for f in v.as_array().into_iter().flatten() {
         let name = format!("{}/{}", s(&f["namespace"]), s(&f["name"]));
-        let backends: Vec<String> = f["backends"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .map(|b| {
-                format!(
-                    "{}:{}{}",
-                    s(&b["ip"]),
-                    s(&b["port"]),
-                    if b["ready"] == Value::Bool(true) {
-                        ""
-                    } else {
-                        " (not ready)"
-                    }
-                )
-            })
-            .collect();
+        let backends: Vec<String> = rows(&f["backends"], |b| {
+            let ready = if b["ready"] == Value::Bool(true) {
+                ""
+            } else {
+                " (not ready)"
+            };
+            vec![format!("{}:{}{ready}", s(&b["ip"]), s(&b["port"]))]
+        })
+        .concat();
         if backends.is_empty() {
-            rows.push(vec![
+            out.push(vec![
                 s(&f["service_id"]),
                 s(&f["frontend"]),
                 name.clone(),
@@ -52,10 +44,20 @@ fn service_rows(v: &Value) -> Vec<Vec<String>> {
             } else {
                 (String::new(), String::new(), String::new())
             };
-            rows.push(vec![id, fe, n, b]);
+            out.push(vec![id, fe, n, b]);
         }
     }
-    rows
+    out
+}
+
+/// One row per element of the array `v` (nothing when it is not one).
+fn rows(v: &Value, row: impl Fn(&Value) -> Vec<String>) -> Vec<Vec<String>> {
+    v.as_array().into_iter().flatten().map(row).collect()
+}
+
+/// The named fields of `v`, as table cells.
+fn cells(v: &Value, names: &[&str]) -> Vec<String> {
+    names.iter().map(|n| s(&v[*n])).collect()
 }
 
 fn s(v: &Value) -> String {
@@ -72,34 +74,36 @@ fn parse(body: &str) -> Value {
 }
 
 fn endpoint_rows(v: &Value) -> Vec<Vec<String>> {
-    v.as_array()
-        .into_iter()
-        .flatten()
-        .map(|e| {
-            vec![
-                s(&e["id"]),
-                s(&e["name"]),
-                s(&e["identity"]),
-                s(&e["state"]),
-                s(&e["policy_revision"]),
-                s(&e["policy_entries"]),
-                format!(
-                    "{}/{}",
-                    if e["ingress_enforced"] == Value::Bool(true) {
-                        "in"
-                    } else {
-                        "-"
-                    },
-                    if e["egress_enforced"] == Value::Bool(true) {
-                        "out"
-                    } else {
-                        "-"
-                    }
-                ),
-                s(&e["ips"]),
-            ]
-        })
-        .collect()
+    rows(v, |e| {
+        let mut row = cells(
+            e,
+            &[
+                "id",
+                "name",
+                "identity",
+                "state",
+                "policy_revision",
+                "policy_entries",
+            ],
+        );
+        row.extend([
+            format!(
+                "{}/{}",
+                if e["ingress_enforced"] == Value::Bool(true) {
+                    "in"
+                } else {
+                    "-"
+                },
+                if e["egress_enforced"] == Value::Bool(true) {
+                    "out"
+                } else {
+                    "-"
+                }
+            ),
+            s(&e["ips"]),
+        ]);
+        row
+    })
 }
 
 /// Turns a response into table text.
@@ -112,19 +116,9 @@ const ENDPOINT_HEADERS: [&str; 8] = [
 const NODE_HEADERS: [&str; 5] = ["NAME", "LOCAL", "IPS", "POD CIDRS", "ROUTE"];
 
 fn node_rows(v: &Value) -> Vec<Vec<String>> {
-    v.as_array()
-        .into_iter()
-        .flatten()
-        .map(|n| {
-            vec![
-                s(&n["name"]),
-                s(&n["local"]),
-                s(&n["ips"]),
-                s(&n["pod_cidrs"]),
-                s(&n["route"]),
-            ]
-        })
-        .collect()
+    rows(v, |n| {
+        cells(n, &["name", "local", "ips", "pod_cidrs", "route"])
+    })
 }
 
 /// Runs a client command; returns the text to print.
@@ -213,30 +207,20 @@ pub fn run_client(opts: &ClientOpts, call: ClientCall) -> Result<String, ClientE
         ClientCall::PolicyGet => (
             request(sock, "GET", "/v1/policy", None)?,
             Box::new(|v| {
-                let rows: Vec<Vec<String>> = v["policies"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .map(|p| {
-                        let name = match p["namespace"].as_str() {
-                            Some(ns) => format!("{ns}/{}", s(&p["name"])),
-                            None => s(&p["name"]),
-                        };
-                        vec![
-                            s(&p["kind"]),
-                            name,
-                            s(&p["rules"]),
-                            s(&p["revision"]),
-                            s(&p["status"]),
-                            format!(
-                                "{}/{}/{}",
-                                s(&p["hits"]["forwarded"]),
-                                s(&p["hits"]["dropped"]),
-                                s(&p["hits"]["audit"])
-                            ),
-                        ]
-                    })
-                    .collect();
+                let rows = rows(&v["policies"], |p| {
+                    let name = match p["namespace"].as_str() {
+                        Some(ns) => format!("{ns}/{}", s(&p["name"])),
+                        None => s(&p["name"]),
+                    };
+                    vec![
+                        s(&p["kind"]),
+                        name,
+                        s(&p["rules"]),
+                        s(&p["revision"]),
+                        s(&p["status"]),
+                        cells(&p["hits"], &["forwarded", "dropped", "audit"]).join("/"),
+                    ]
+                });
                 let mut out = format!("revision {}\n", s(&v["revision"]));
                 out.push_str(&table(
                     &[
@@ -258,13 +242,10 @@ pub fn run_client(opts: &ClientOpts, call: ClientCall) -> Result<String, ClientE
         ClientCall::Identity(IdentityCommand::List) => (
             request(sock, "GET", "/v1/identities", None)?,
             Box::new(|v| {
-                let rows: Vec<Vec<String>> = v
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .map(|i| vec![s(&i["id"]), s(&i["kind"]), s(&i["labels"])])
-                    .collect();
-                table(&["ID", "KIND", "LABELS"], &rows)
+                table(
+                    &["ID", "KIND", "LABELS"],
+                    &rows(v, |i| cells(i, &["id", "kind", "labels"])),
+                )
             }),
         ),
         ClientCall::Bpf(BpfCommand::Policy {
@@ -272,37 +253,32 @@ pub fn run_client(opts: &ClientOpts, call: ClientCall) -> Result<String, ClientE
         }) => (
             request(sock, "GET", &format!("/v1/bpf/policy/{id}"), None)?,
             Box::new(|v| {
-                let rows: Vec<Vec<String>> = v["entries"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .map(|e| {
-                        let proto = crate::policy::rule::protocol_name(
-                            e["protocol"].as_u64().unwrap_or(0) as u8,
-                        );
-                        let (lo, hi) = (&e["port_range"][0], &e["port_range"][1]);
-                        let ports = if lo == hi {
-                            s(lo)
-                        } else if lo == 0 && hi == 65535 {
-                            "ANY".into()
+                let rows = rows(&v["entries"], |e| {
+                    let proto = crate::policy::rule::protocol_name(
+                        e["protocol"].as_u64().unwrap_or(0) as u8,
+                    );
+                    let (lo, hi) = (&e["port_range"][0], &e["port_range"][1]);
+                    let ports = if lo == hi {
+                        s(lo)
+                    } else if lo == 0 && hi == 65535 {
+                        "ANY".into()
+                    } else {
+                        format!("{}-{}", s(lo), s(hi))
+                    };
+                    vec![
+                        if e["deny"] == Value::Bool(true) {
+                            "deny".into()
                         } else {
-                            format!("{}-{}", s(lo), s(hi))
-                        };
-                        vec![
-                            if e["deny"] == Value::Bool(true) {
-                                "deny".into()
-                            } else {
-                                "allow".into()
-                            },
-                            s(&e["direction"]),
-                            s(&e["identity"]),
-                            proto,
-                            ports,
-                            s(&e["packets"]),
-                            s(&e["bytes"]),
-                        ]
-                    })
-                    .collect();
+                            "allow".into()
+                        },
+                        s(&e["direction"]),
+                        s(&e["identity"]),
+                        proto,
+                        ports,
+                        s(&e["packets"]),
+                        s(&e["bytes"]),
+                    ]
+                });
                 let f = &v["flags"];
                 let mut out = format!(
                     "endpoint {}: ingress default {}, egress default {}{}\n",
