@@ -10,7 +10,7 @@ use common::eventually;
 use std::time::Duration;
 
 use common::agent::Agent;
-use common::netns::{privileged, tcp_ok, tcp_server, world};
+use common::netns::{privileged, tcp_ok, two_pods_b_serving};
 
 fn manifests(a: &str, b: &str, port: u16) -> (String, String) {
     let cluster = common::namespace_x_with_pods(&[("a", a), ("b", b)]);
@@ -35,10 +35,8 @@ fn the_agent_enforces_on_real_veths_and_survives_kill_9() {
     if !privileged() {
         return;
     }
-    let w = world(2);
+    let w = two_pods_b_serving(&[8080, 9090]);
     let (a, b) = (&w.pods[0], &w.pods[1]);
-    tcp_server(&b.netns, b.addr, 8080);
-    tcp_server(&b.netns, b.addr, 9090);
 
     let tmp = tempfile::tempdir().unwrap();
     let m = tmp.path().join("manifests");

@@ -6,7 +6,9 @@
 
 mod common;
 
-use common::netns::{privileged, tcp_ok, tcp_server, udp_ok, udp_server, world};
+use common::netns::{
+    privileged, tcp_ok, tcp_server, two_pods_b_serving, udp_ok, udp_server, world,
+};
 
 use ciliate::datapath::bpf::datapath::BpfDatapath;
 use ciliate::datapath::{Datapath, EndpointAttachment, EndpointFlags};
@@ -77,11 +79,9 @@ fn policy_on_real_veths_with_live_edits_replies_and_a_restart_without_a_gap() {
     if !privileged() {
         return;
     }
-    let w = world(2);
+    let w = two_pods_b_serving(&[8080, 9090]);
     let (a, b) = (&w.pods[0], &w.pods[1]);
     let (id_a, id_b) = (1001u32, 1002u32);
-    tcp_server(&b.netns, b.addr, 8080);
-    tcp_server(&b.netns, b.addr, 9090);
     udp_server(&b.netns, b.addr, 5353);
 
     // Before anything is attached the pods talk freely.
@@ -377,11 +377,9 @@ fn legacy_tc_attachments_are_taken_over_by_tcx_without_a_gap() {
     if !privileged() {
         return;
     }
-    let w = world(2);
+    let w = two_pods_b_serving(&[8080, 9090]);
     let (a, b) = (&w.pods[0], &w.pods[1]);
     let (id_a, id_b) = (4001u32, 4002u32);
-    tcp_server(&b.netns, b.addr, 8080);
-    tcp_server(&b.netns, b.addr, 9090);
     let attach_all = |dp: &mut BpfDatapath| {
         attach_pods(dp, &[(a, 1, id_a), (b, 2, id_b)]);
     };

@@ -13,7 +13,7 @@ use std::process::{Command, Stdio};
 use ciliate_test_apiserver::{ServerOptions, TestApiServer};
 use common::agent::Agent;
 use common::eventually;
-use common::netns::{privileged, tcp_ok, tcp_server, world};
+use common::netns::{privileged, tcp_ok, two_pods_b_serving, world};
 use serde_json::{json, Value};
 
 const NODE: &str = "node-1";
@@ -21,6 +21,14 @@ const NODE: &str = "node-1";
 struct Kubectl {
     kubeconfig: PathBuf,
     cache: PathBuf,
+}
+
+/// A fresh test API server, a directory, and kubectl configured for the server.
+fn api_server() -> (TestApiServer, tempfile::TempDir, Kubectl) {
+    let server = TestApiServer::start().expect("API server");
+    let tmp = tempfile::tempdir().unwrap();
+    let kubectl = Kubectl::new(tmp.path(), &server);
+    (server, tmp, kubectl)
 }
 
 impl Kubectl {
@@ -155,15 +163,11 @@ fn kubectl_policies_are_enforced_with_status_annotations_and_label_moves() {
     if !privileged() {
         return;
     }
-    let w = world(2);
+    let w = two_pods_b_serving(&[8080, 9090]);
     let (a, b) = (&w.pods[0], &w.pods[1]);
     let (a_ip, b_ip) = (a.addr.to_string(), b.addr.to_string());
-    tcp_server(&b.netns, b.addr, 8080);
-    tcp_server(&b.netns, b.addr, 9090);
 
-    let server = TestApiServer::start().expect("API server");
-    let tmp = tempfile::tempdir().unwrap();
-    let kubectl = Kubectl::new(tmp.path(), &server);
+    let (server, tmp, kubectl) = api_server();
     seed_cluster(
         &server,
         &kubectl,
@@ -312,10 +316,8 @@ fn broken_watches_410_and_an_api_outage_keep_every_policy() {
         return;
     }
     let w = world(0);
-    let server = TestApiServer::start().expect("API server");
+    let (server, tmp, kubectl) = api_server();
     let addr = server.addr();
-    let tmp = tempfile::tempdir().unwrap();
-    let kubectl = Kubectl::new(tmp.path(), &server);
     let pods = [pod("a", "a", "10.250.8.1"), pod("b", "b", "10.250.8.2")];
     seed_cluster(&server, &kubectl, &pods);
     kubectl.apply(&allow_port("p1", "a", "b", 81));
@@ -468,9 +470,7 @@ fn readyz_says_what_the_initial_sync_waits_for() {
         return;
     }
     let w = world(0);
-    let server = TestApiServer::start().expect("API server");
-    let tmp = tempfile::tempdir().unwrap();
-    let kubectl = Kubectl::new(tmp.path(), &server);
+    let (_server, tmp, kubectl) = api_server();
     // No CRDs yet: the policy kinds cannot be listed.
     let pins = w.pins.to_string_lossy().to_string();
     let agent = Agent::spawn_kubernetes(
@@ -499,9 +499,7 @@ fn an_endpoint_whose_pod_was_deleted_while_the_agent_was_down_is_removed_at_rest
     if !privileged() {
         return;
     }
-    let server = TestApiServer::start().expect("API server");
-    let tmp = tempfile::tempdir().unwrap();
-    let kubectl = Kubectl::new(tmp.path(), &server);
+    let (server, tmp, kubectl) = api_server();
     seed_cluster(
         &server,
         &kubectl,

@@ -167,6 +167,17 @@ fn load_all() -> Vec<(String, Object)> {
         .unwrap_or_else(|errors| panic!("invalid manifests:\n{}", errors.join("\n")))
 }
 
+/// The DaemonSet's agent container.
+fn agent_container() -> Container {
+    let ds = daemonset();
+    let pod = ds
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .expect("pod spec");
+    container(&pod.containers, "agent").clone()
+}
+
 fn daemonset() -> DaemonSet {
     let objects = load_all();
     (**only!(objects, DaemonSet)).clone()
@@ -406,13 +417,7 @@ fn agent_command_line() -> Vec<String> {
     let objects = load_all();
     let config = only!(objects, ConfigMap);
     let data = config.data.clone().unwrap_or_default();
-    let ds = daemonset();
-    let pod = ds
-        .spec
-        .as_ref()
-        .and_then(|s| s.template.spec.as_ref())
-        .expect("pod spec");
-    let agent = container(&pod.containers, "agent");
+    let agent = agent_container();
     let mut env = BTreeMap::new();
     for e in agent.env.iter().flatten() {
         let from = e.value_from.as_ref();
@@ -524,13 +529,7 @@ fn agent_settings_come_from_the_configmap_and_match_the_probes() {
     let objects = load_all();
     let config = only!(objects, ConfigMap);
     let data = config.data.as_ref().expect("data");
-    let ds = daemonset();
-    let pod = ds
-        .spec
-        .as_ref()
-        .and_then(|s| s.template.spec.as_ref())
-        .expect("pod spec");
-    let agent = container(&pod.containers, "agent");
+    let agent = agent_container();
     for env in agent.env.iter().flatten() {
         if let Some(key) = env
             .value_from

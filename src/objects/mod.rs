@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use std::net::IpAddr;
 
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Service};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::Serialize;
 
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -166,20 +167,26 @@ fn protocol_number(p: Option<&str>) -> u8 {
     }
 }
 
+/// `metadata.name`, which every object must have.
+fn required_name(meta: &ObjectMeta) -> Result<String, String> {
+    meta.name
+        .clone()
+        .filter(|n| !n.is_empty())
+        .ok_or_else(|| "metadata.name: missing".to_string())
+}
+
+/// `metadata.namespace`, or `default` when the object names none.
+fn namespace_or(meta: &ObjectMeta, default: &str) -> String {
+    meta.namespace
+        .clone()
+        .filter(|n| !n.is_empty())
+        .unwrap_or_else(|| default.to_string())
+}
+
 /// Converts a Pod; `default_namespace` applies when the manifest has none.
 pub fn pod_info(pod: &Pod, default_namespace: &str) -> Result<PodInfo, String> {
-    let name = pod
-        .metadata
-        .name
-        .clone()
-        .filter(|n| !n.is_empty())
-        .ok_or("metadata.name: missing")?;
-    let namespace = pod
-        .metadata
-        .namespace
-        .clone()
-        .filter(|n| !n.is_empty())
-        .unwrap_or_else(|| default_namespace.to_string());
+    let name = required_name(&pod.metadata)?;
+    let namespace = namespace_or(&pod.metadata, default_namespace);
     let mut ips = Vec::new();
     if let Some(status) = &pod.status {
         let listed: Vec<String> = status
@@ -235,24 +242,14 @@ pub fn pod_info(pod: &Pod, default_namespace: &str) -> Result<PodInfo, String> {
 }
 
 pub fn namespace_info(ns: &Namespace) -> Result<NamespaceInfo, String> {
-    let name = ns
-        .metadata
-        .name
-        .clone()
-        .filter(|n| !n.is_empty())
-        .ok_or("metadata.name: missing")?;
+    let name = required_name(&ns.metadata)?;
     let labels = ns.metadata.labels.clone().unwrap_or_default();
     check_labels(&labels).map_err(|m| format!("metadata.labels: {m}"))?;
     Ok(NamespaceInfo { name, labels })
 }
 
 pub fn node_info(node: &Node) -> Result<NodeInfo, String> {
-    let name = node
-        .metadata
-        .name
-        .clone()
-        .filter(|n| !n.is_empty())
-        .ok_or("metadata.name: missing")?;
+    let name = required_name(&node.metadata)?;
     let mut ips = Vec::new();
     // InternalIP first: other nodes route this node's pod CIDRs through its first address.
     for kind in ["InternalIP", "ExternalIP"] {
@@ -286,12 +283,7 @@ pub fn node_info(node: &Node) -> Result<NodeInfo, String> {
 }
 
 pub fn service_info(svc: &Service, default_namespace: &str) -> Result<ServiceInfo, String> {
-    let name = svc
-        .metadata
-        .name
-        .clone()
-        .filter(|n| !n.is_empty())
-        .ok_or("metadata.name: missing")?;
+    let name = required_name(&svc.metadata)?;
     let spec = svc.spec.as_ref();
     let mut cluster_ips: Vec<String> = spec.and_then(|s| s.cluster_ips.clone()).unwrap_or_default();
     if cluster_ips.is_empty() {
@@ -334,11 +326,7 @@ pub fn service_info(svc: &Service, default_namespace: &str) -> Result<ServiceInf
         });
     }
     Ok(ServiceInfo {
-        namespace: svc
-            .metadata
-            .namespace
-            .clone()
-            .unwrap_or_else(|| default_namespace.to_string()),
+        namespace: namespace_or(&svc.metadata, default_namespace),
         name,
         labels: svc.metadata.labels.clone().unwrap_or_default(),
         selector: spec.and_then(|s| s.selector.clone()).unwrap_or_default(),

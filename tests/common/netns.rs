@@ -72,6 +72,15 @@ impl Drop for World {
 
 static N: AtomicU32 = AtomicU32::new(0);
 
+/// Two pods, `a` and `b`, with TCP servers on `b`'s `ports`.
+pub fn two_pods_b_serving(ports: &[u16]) -> World {
+    let w = world(2);
+    for port in ports {
+        tcp_server(&w.pods[1].netns, w.pods[1].addr, *port);
+    }
+    w
+}
+
 pub fn world(pods: usize) -> World {
     let n = N.fetch_add(1, Ordering::SeqCst);
     let tag = format!("{}{}", std::process::id() % 100_000, n);

@@ -55,34 +55,33 @@ pub fn translate(ctx: &mut Ctx, np: &api::NetworkPolicy) -> Result<Vec<Rule>, Po
     let mut peer_rules = Vec::new();
     // Rules of a direction the policy does not declare are ignored, as Kubernetes specifies;
     // they are still validated so a typo does not go unnoticed.
-    for (i, r) in spec.ingress.iter().flatten().enumerate() {
-        let path = format!("spec.ingress[{i}]");
-        let pr = peer_rule(
-            ctx,
-            r.from.as_ref(),
-            r.ports.as_ref(),
+    let ingress_rules = spec.ingress.iter().flatten();
+    let egress_rules = spec.egress.iter().flatten();
+    let sections = [
+        (
             Section::Ingress,
-            &path,
-            &ns,
             "from",
-        )?;
-        if ingress {
-            peer_rules.push(pr);
-        }
-    }
-    for (i, r) in spec.egress.iter().flatten().enumerate() {
-        let path = format!("spec.egress[{i}]");
-        let pr = peer_rule(
-            ctx,
-            r.to.as_ref(),
-            r.ports.as_ref(),
+            ingress,
+            ingress_rules
+                .map(|r| (r.from.as_ref(), r.ports.as_ref()))
+                .collect::<Vec<_>>(),
+        ),
+        (
             Section::Egress,
-            &path,
-            &ns,
             "to",
-        )?;
-        if egress {
-            peer_rules.push(pr);
+            egress,
+            egress_rules
+                .map(|r| (r.to.as_ref(), r.ports.as_ref()))
+                .collect(),
+        ),
+    ];
+    for (section, peers_field, declared, rules) in sections {
+        for (i, (peers, ports)) in rules.into_iter().enumerate() {
+            let path = format!("spec.{}[{i}]", section.as_str());
+            let pr = peer_rule(ctx, peers, ports, section, &path, &ns, peers_field)?;
+            if declared {
+                peer_rules.push(pr);
+            }
         }
     }
     Ok(vec![Rule {
