@@ -13,6 +13,7 @@ use std::time::Duration;
 use common::agent::Agent;
 use common::cluster::{node_ip, pod_cidr, Cluster, ClusterNode};
 use common::eventually;
+use common::netns::ip_out;
 use common::netns::{
     icmp_ok, in_netns, ip, nft, privileged, seen_over_tcp, tcp_ok, tcp_server, udp_ok, udp_server,
     who_am_i_servers,
@@ -373,19 +374,6 @@ fn tunnel_mode_carries_pod_traffic_across_nodes_over_vxlan() {
     let links = ip_out(&["-n", &n1.netns, "link", "show"]);
     assert!(!links.contains("ciliate_vxlan"), "{links}");
     assert_eq!(row(&n1.node_list(), "node-2")["route"], "installed");
-}
-
-fn ip_out(args: &[&str]) -> String {
-    let out = std::process::Command::new("ip")
-        .args(args)
-        .output()
-        .expect("ip");
-    assert!(
-        out.status.success(),
-        "ip {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).to_string()
 }
 
 /// The memory datapath computes routes but installs none (its tests share the host's

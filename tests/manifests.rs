@@ -15,7 +15,7 @@ use ciliate::k8s::crd::{
 };
 use ciliate_test_apiserver::TestApiServer;
 use k8s_openapi::api::apps::v1::DaemonSet;
-use k8s_openapi::api::core::v1::{ConfigMap, Container, ServiceAccount};
+use k8s_openapi::api::core::v1::{ConfigMap, Container, PodSpec, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, ApiResource, DynamicObject, Patch, PatchParams, PostParams};
@@ -167,15 +167,15 @@ fn load_all() -> Vec<(String, Object)> {
         .unwrap_or_else(|errors| panic!("invalid manifests:\n{}", errors.join("\n")))
 }
 
+/// The DaemonSet's pod template.
+fn pod_spec() -> PodSpec {
+    let ds = daemonset();
+    ds.spec.and_then(|s| s.template.spec).expect("pod spec")
+}
+
 /// The DaemonSet's agent container.
 fn agent_container() -> Container {
-    let ds = daemonset();
-    let pod = ds
-        .spec
-        .as_ref()
-        .and_then(|s| s.template.spec.as_ref())
-        .expect("pod spec");
-    container(&pod.containers, "agent").clone()
+    container(&pod_spec().containers, "agent").clone()
 }
 
 fn daemonset() -> DaemonSet {
@@ -477,11 +477,7 @@ fn the_agent_accepts_the_daemonsets_command_line_with_the_configmaps_values() {
 #[test]
 fn init_container_installs_the_plugin_and_the_readme_conflist() {
     let ds = daemonset();
-    let pod = ds
-        .spec
-        .as_ref()
-        .and_then(|s| s.template.spec.as_ref())
-        .expect("pod spec");
+    let pod = pod_spec();
     let init = container(
         pod.init_containers.as_deref().unwrap_or_default(),
         "install-cni",

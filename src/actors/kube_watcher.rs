@@ -169,7 +169,7 @@ impl KubeWatcherActor {
             )+};
         }
         watch_typed!(Namespace, Node, Service, EndpointSlice, Pod);
-        let policy = |o| Object::Policy(Box::new(o));
+        // The policy kinds, untyped (validated by the agent itself, field by field).
         let np = ApiResource {
             group: "networking.k8s.io".into(),
             version: "v1".into(),
@@ -177,30 +177,25 @@ impl KubeWatcherActor {
             kind: "NetworkPolicy".into(),
             plural: "networkpolicies".into(),
         };
-        spawn_watch(
-            Watched::NetworkPolicy,
-            Api::<DynamicObject>::all_with(c.clone(), &np),
-            policy,
-            me.clone(),
-        );
-        spawn_watch(
-            Watched::CiliumNetworkPolicy,
-            Api::<DynamicObject>::all_with(
-                c.clone(),
-                &ApiResource::erase::<CiliumNetworkPolicy>(&()),
+        let policies = [
+            (Watched::NetworkPolicy, np),
+            (
+                Watched::CiliumNetworkPolicy,
+                ApiResource::erase::<CiliumNetworkPolicy>(&()),
             ),
-            policy,
-            me.clone(),
-        );
-        spawn_watch(
-            Watched::CiliumClusterwideNetworkPolicy,
-            Api::<DynamicObject>::all_with(
-                c.clone(),
-                &ApiResource::erase::<CiliumClusterwideNetworkPolicy>(&()),
+            (
+                Watched::CiliumClusterwideNetworkPolicy,
+                ApiResource::erase::<CiliumClusterwideNetworkPolicy>(&()),
             ),
-            policy,
-            me,
-        );
+        ];
+        for (kind, resource) in policies {
+            spawn_watch(
+                kind,
+                Api::<DynamicObject>::all_with(c.clone(), &resource),
+                |o| Object::Policy(Box::new(o)),
+                me.clone(),
+            );
+        }
     }
 
     fn on_change(&mut self, resource: Watched, change: Change) {

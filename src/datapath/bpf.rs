@@ -263,18 +263,23 @@ pub unsafe trait Pod: Copy + Default {
 }
 
 // SAFETY: checked by `abi_layout_is_pinned` below.
-unsafe impl Pod for types::policy_key {}
-unsafe impl Pod for types::policy_value {}
-unsafe impl Pod for types::ipcache_key {}
-unsafe impl Pod for types::ipcache_host_key {}
-unsafe impl Pod for types::ipcache_value {}
-unsafe impl Pod for types::endpoint_info {}
-unsafe impl Pod for types::ct4_key {}
-unsafe impl Pod for types::ct6_key {}
-unsafe impl Pod for types::ct_value {}
-unsafe impl Pod for types::verdict_event {}
-unsafe impl Pod for types::datapath_config {}
-unsafe impl Pod for types::local_endpoint {}
+macro_rules! pod_types {
+    ($($t:ident),+) => {$(unsafe impl Pod for types::$t {})+};
+}
+pod_types!(
+    policy_key,
+    policy_value,
+    ipcache_key,
+    ipcache_host_key,
+    ipcache_value,
+    endpoint_info,
+    ct4_key,
+    ct6_key,
+    ct_value,
+    verdict_event,
+    datapath_config,
+    local_endpoint
+);
 
 pub mod conntrack;
 pub mod datapath;

@@ -28,16 +28,25 @@ pub fn available(present: bool, needed: &str) -> bool {
 }
 
 pub fn ip(args: &[&str]) {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .expect("iproute2 is installed");
+    ip_out(args);
+}
+
+/// Runs `ip ARGS`, which must succeed; returns its output.
+pub fn ip_out(args: &[&str]) -> String {
+    let mut cmd = Command::new("ip");
+    cmd.args(args);
+    succeeded(&mut cmd, &format!("ip {}", args.join(" ")))
+}
+
+/// Runs a command that must succeed (`what` names it in the failure); returns its stdout.
+pub fn succeeded(cmd: &mut Command, what: &str) -> String {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
     assert!(
         out.status.success(),
-        "ip {}: {}",
-        args.join(" "),
+        "{what}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
+    String::from_utf8_lossy(&out.stdout).to_string()
 }
 
 pub fn sysctl(key: &str, value: &str) {
@@ -421,14 +430,8 @@ pub fn seen_over_udp(netns: &str, to: std::net::Ipv4Addr) -> Option<String> {
 pub fn nft(netns: &str, rules: &str) {
     let file = tempfile::NamedTempFile::new().expect("a rules file");
     std::fs::write(file.path(), rules).expect("write the rules");
-    let out = std::process::Command::new("ip")
-        .args(["netns", "exec", netns, "nft", "-f"])
-        .arg(file.path())
-        .output()
-        .expect("nft runs (nftables is installed by .ci/setup)");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", netns, "nft", "-f"])
+        .arg(file.path());
+    succeeded(&mut cmd, "nft -f (nftables is installed by .ci/setup)");
 }
