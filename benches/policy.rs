@@ -29,6 +29,19 @@ fn add_policy(engine: &mut PolicyEngine, yaml: &str) {
     engine.upsert_policy(p);
 }
 
+/// A pod endpoint of `identity` with `labels`, without named ports.
+fn pod_view(
+    identity: ciliate::policy::identity::NumericIdentity,
+    labels: &Labels,
+) -> EndpointView<'_> {
+    EndpointView {
+        identity,
+        labels,
+        named_ports: &[],
+        host: false,
+    }
+}
+
 fn bench_resolve(c: &mut Criterion) {
     // 20,000 rules in 100 namespaces (and the endpoint's own), none selecting the endpoint.
     let mut engine = PolicyEngine::new();
@@ -51,12 +64,7 @@ fn bench_resolve(c: &mut Criterion) {
     }
     let labels = pod_labels("target", "mine");
     let id = engine.allocate_identity(&labels).id();
-    let view = EndpointView {
-        identity: id,
-        labels: &labels,
-        named_ports: &[],
-        host: false,
-    };
+    let view = pod_view(id, &labels);
     let resolved = engine.resolve(&view);
     assert!(resolved.map.is_empty() && resolved.selected_by.is_empty());
     c.bench_function("resolve/no_matching_rules_20k", |b| {
@@ -84,12 +92,7 @@ fn bench_resolve(c: &mut Criterion) {
     }
     let labels = pod_labels("x", "app-0");
     let id = engine.allocate_identity(&labels).id();
-    let view = EndpointView {
-        identity: id,
-        labels: &labels,
-        named_ports: &[],
-        host: false,
-    };
+    let view = pod_view(id, &labels);
     let resolved = engine.resolve(&view);
     assert_eq!(resolved.selected_by.len(), 1000);
     assert!(

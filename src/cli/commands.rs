@@ -22,11 +22,7 @@ fn service_rows(v: &Value) -> Vec<Vec<String>> {
     for f in v.as_array().into_iter().flatten() {
         let name = format!("{}/{}", s(&f["namespace"]), s(&f["name"]));
         let backends: Vec<String> = rows(&f["backends"], |b| {
-            let ready = if b["ready"] == Value::Bool(true) {
-                ""
-            } else {
-                " (not ready)"
-            };
+            let ready = flag(&b["ready"], "", " (not ready)");
             vec![format!("{}:{}{ready}", s(&b["ip"]), s(&b["port"]))]
         })
         .concat();
@@ -53,6 +49,15 @@ fn service_rows(v: &Value) -> Vec<Vec<String>> {
 /// One row per element of the array `v` (nothing when it is not one).
 fn rows(v: &Value, row: impl Fn(&Value) -> Vec<String>) -> Vec<Vec<String>> {
     v.as_array().into_iter().flatten().map(row).collect()
+}
+
+/// `yes` when `v` is `true`, else `no`.
+fn flag<'a>(v: &Value, yes: &'a str, no: &'a str) -> &'a str {
+    if *v == Value::Bool(true) {
+        yes
+    } else {
+        no
+    }
 }
 
 /// The named fields of `v`, as table cells.
@@ -89,16 +94,8 @@ fn endpoint_rows(v: &Value) -> Vec<Vec<String>> {
         row.extend([
             format!(
                 "{}/{}",
-                if e["ingress_enforced"] == Value::Bool(true) {
-                    "in"
-                } else {
-                    "-"
-                },
-                if e["egress_enforced"] == Value::Bool(true) {
-                    "out"
-                } else {
-                    "-"
-                }
+                flag(&e["ingress_enforced"], "in", "-"),
+                flag(&e["egress_enforced"], "out", "-")
             ),
             s(&e["ips"]),
         ]);
@@ -283,21 +280,9 @@ pub fn run_client(opts: &ClientOpts, call: ClientCall) -> Result<String, ClientE
                 let mut out = format!(
                     "endpoint {}: ingress default {}, egress default {}{}\n",
                     s(&v["endpoint"]),
-                    if f["ingress_default_deny"] == Value::Bool(true) {
-                        "deny"
-                    } else {
-                        "allow"
-                    },
-                    if f["egress_default_deny"] == Value::Bool(true) {
-                        "deny"
-                    } else {
-                        "allow"
-                    },
-                    if f["drop_all"] == Value::Bool(true) {
-                        ", DROPPING ALL (policy not realized)"
-                    } else {
-                        ""
-                    }
+                    flag(&f["ingress_default_deny"], "deny", "allow"),
+                    flag(&f["egress_default_deny"], "deny", "allow"),
+                    flag(&f["drop_all"], ", DROPPING ALL (policy not realized)", "")
                 );
                 out.push_str(&table(
                     &[

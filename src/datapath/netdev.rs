@@ -231,6 +231,27 @@ where
         .map_err(|_| NetdevError::Invalid("netlink thread panicked".into()))?
 }
 
+/// The link `name`, which must exist (`vanished` otherwise).
+pub(crate) async fn existing_link(handle: &Handle, name: &str) -> Result<LinkMessage> {
+    link_by_name(handle, name)
+        .await?
+        .ok_or_else(|| NetdevError::Invalid(format!("link {name} vanished")))
+}
+
+/// Applies a link change (`LinkUnspec::new_with_index(..)...build()`); `step` names it in errors.
+pub(crate) async fn set_link(
+    handle: &Handle,
+    change: LinkMessage,
+    step: impl Into<String>,
+) -> Result<()> {
+    handle
+        .link()
+        .set(change)
+        .execute()
+        .await
+        .map_err(nl_err(step))
+}
+
 pub(crate) async fn link_by_name(handle: &Handle, name: &str) -> Result<Option<LinkMessage>> {
     let mut links = handle.link().get().match_name(name.to_string()).execute();
     match links.try_next().await {
@@ -309,38 +330,31 @@ pub fn create_pod_interface(spec: &PodInterfaceSpec) -> Result<PodInterfaces> {
                 .map_err(nl_err(format!("create veth {host_if}")))?;
             // Marked at once (the kernel ignores an alias in the creating request), before
             // the peer leaves: from here on a sweep after a crash recognizes it.
-            let created = link_by_name(&h, &host_if)
-                .await?
-                .ok_or_else(|| NetdevError::Invalid(format!("veth {host_if} vanished")))?;
-            h.link()
-                .set(
-                    LinkUnspec::new_with_index(created.header.index)
-                        .alias(mark)
-                        .build(),
-                )
-                .execute()
-                .await
-                .map_err(nl_err(format!("mark {host_if}")))?;
-            let peer = link_by_name(&h, &tmp_peer)
-                .await?
-                .ok_or_else(|| NetdevError::Invalid(format!("veth peer {tmp_peer} vanished")))?;
-            h.link()
-                .set(
-                    LinkUnspec::new_with_index(peer.header.index)
-                        .setns_by_fd(ns_fd)
-                        .build(),
-                )
-                .execute()
-                .await
-                .map_err(nl_err(format!("move {tmp_peer} into the pod's namespace")))?;
-            let link = link_by_name(&h, &host_if)
-                .await?
-                .ok_or_else(|| NetdevError::Invalid(format!("veth {host_if} vanished")))?;
-            h.link()
-                .set(LinkUnspec::new_with_index(link.header.index).up().build())
-                .execute()
-                .await
-                .map_err(nl_err(format!("set {host_if} up")))?;
+            let created = existing_link(&h, &host_if).await?;
+            set_link(
+                &h,
+                LinkUnspec::new_with_index(created.header.index)
+                    .alias(mark)
+                    .build(),
+                format!("mark {host_if}"),
+            )
+            .await?;
+            let peer = existing_link(&h, &tmp_peer).await?;
+            set_link(
+                &h,
+                LinkUnspec::new_with_index(peer.header.index)
+                    .setns_by_fd(ns_fd)
+                    .build(),
+                format!("move {tmp_peer} into the pod's namespace"),
+            )
+            .await?;
+            let link = existing_link(&h, &host_if).await?;
+            set_link(
+                &h,
+                LinkUnspec::new_with_index(link.header.index).up().build(),
+                format!("set {host_if} up"),
+            )
+            .await?;
             Ok((link.header.index, mac_string(&link)))
         })
     };
@@ -405,28 +419,29 @@ fn configure_pod_side(spec: &PodInterfaceSpec, tmp_peer: &str, host_mac: &str) -
                 "the pod's namespace already has an interface {pod_if}"
             )));
         }
-        h.link()
-            .set(
-                LinkUnspec::new_with_index(index)
-                    .name(pod_if.clone())
-                    .build(),
-            )
-            .execute()
-            .await
-            .map_err(nl_err(format!("rename {tmp_peer} to {pod_if}")))?;
+        set_link(
+            &h,
+            LinkUnspec::new_with_index(index)
+                .name(pod_if.clone())
+                .build(),
+            format!("rename {tmp_peer} to {pod_if}"),
+        )
+        .await?;
         // The pod's side gets the MTU too (a veth's peer keeps the default otherwise): in
         // tunnel mode it is the link's less the encapsulation.
-        h.link()
-            .set(LinkUnspec::new_with_index(index).mtu(mtu).up().build())
-            .execute()
-            .await
-            .map_err(nl_err(format!("set {pod_if} up, mtu {mtu}")))?;
+        set_link(
+            &h,
+            LinkUnspec::new_with_index(index).mtu(mtu).up().build(),
+            format!("set {pod_if} up, mtu {mtu}"),
+        )
+        .await?;
         if let Some(lo) = link_by_name(&h, "lo").await? {
-            h.link()
-                .set(LinkUnspec::new_with_index(lo.header.index).up().build())
-                .execute()
-                .await
-                .map_err(nl_err("set lo up"))?;
+            set_link(
+                &h,
+                LinkUnspec::new_with_index(lo.header.index).up().build(),
+                "set lo up",
+            )
+            .await?;
         }
         h.address()
             .add(index, IpAddr::V4(ip), 32)
@@ -463,9 +478,7 @@ fn configure_pod_side(spec: &PodInterfaceSpec, tmp_peer: &str, host_mac: &str) -
             .execute()
             .await
             .map_err(nl_err(format!("default route via {POD_GATEWAY}")))?;
-        let link = link_by_name(&h, &pod_if)
-            .await?
-            .ok_or_else(|| NetdevError::Invalid(format!("{pod_if} vanished")))?;
+        let link = existing_link(&h, &pod_if).await?;
         Ok(mac_string(&link))
     })
 }

@@ -11,7 +11,9 @@ use ipnet::Ipv4Net;
 use rtnetlink::packet_route::route::RouteType;
 use rtnetlink::{LinkUnspec, LinkVeth, RouteMessageBuilder};
 
-use crate::datapath::netdev::{self, link_by_name, nl_err, with_netlink, NetdevError};
+use crate::datapath::netdev::{
+    self, existing_link, link_by_name, nl_err, set_link, with_netlink, NetdevError,
+};
 
 /// The addresses of the demo's two nodes and their pods, all carved out of `--pod-cidr` so
 /// that two demos with different pod CIDRs never share an address.
@@ -75,31 +77,25 @@ pub fn create_node_link(
             .execute()
             .await
             .map_err(nl_err(format!("create veth {host_if}")))?;
-        let link = link_by_name(&h, &host_if)
-            .await?
-            .ok_or_else(|| NetdevError::Invalid(format!("veth {host_if} vanished")))?;
-        let peer = link_by_name(&h, &tmp)
-            .await?
-            .ok_or_else(|| NetdevError::Invalid(format!("veth {tmp} vanished")))?;
-        h.link()
-            .set(
-                LinkUnspec::new_with_index(peer.header.index)
-                    .setns_by_fd(ns_fd)
-                    .build(),
-            )
-            .execute()
-            .await
-            .map_err(nl_err(format!("move {tmp} into the node's namespace")))?;
-        h.link()
-            .set(
-                LinkUnspec::new_with_index(link.header.index)
-                    .alias(mark)
-                    .up()
-                    .build(),
-            )
-            .execute()
-            .await
-            .map_err(nl_err(format!("set {host_if} up")))?;
+        let link = existing_link(&h, &host_if).await?;
+        let peer = existing_link(&h, &tmp).await?;
+        set_link(
+            &h,
+            LinkUnspec::new_with_index(peer.header.index)
+                .setns_by_fd(ns_fd)
+                .build(),
+            format!("move {tmp} into the node's namespace"),
+        )
+        .await?;
+        set_link(
+            &h,
+            LinkUnspec::new_with_index(link.header.index)
+                .alias(mark)
+                .up()
+                .build(),
+            format!("set {host_if} up"),
+        )
+        .await?;
         h.address()
             .add(link.header.index, IpAddr::V4(host_ip), prefix)
             .execute()
@@ -112,22 +108,22 @@ pub fn create_node_link(
             .await?
             .ok_or_else(|| NetdevError::Invalid("the node link's peer vanished".into()))?;
         let index = peer.header.index;
-        h.link()
-            .set(
-                LinkUnspec::new_with_index(index)
-                    .name("eth0".to_string())
-                    .up()
-                    .build(),
-            )
-            .execute()
-            .await
-            .map_err(nl_err("name the node's eth0 and set it up"))?;
+        set_link(
+            &h,
+            LinkUnspec::new_with_index(index)
+                .name("eth0".to_string())
+                .up()
+                .build(),
+            "name the node's eth0 and set it up",
+        )
+        .await?;
         if let Some(lo) = link_by_name(&h, "lo").await? {
-            h.link()
-                .set(LinkUnspec::new_with_index(lo.header.index).up().build())
-                .execute()
-                .await
-                .map_err(nl_err("set lo up"))?;
+            set_link(
+                &h,
+                LinkUnspec::new_with_index(lo.header.index).up().build(),
+                "set lo up",
+            )
+            .await?;
         }
         h.address()
             .add(index, IpAddr::V4(node_ip), prefix)

@@ -15,7 +15,7 @@ use rtnetlink::packet_route::neighbour::{
 use rtnetlink::packet_route::AddressFamily;
 use rtnetlink::{Handle, LinkUnspec, LinkVxlan};
 
-use crate::datapath::netdev::{alias, link_by_name, nl_err, owned, NetdevError};
+use crate::datapath::netdev::{alias, link_by_name, nl_err, owned, set_link, NetdevError};
 
 /// The tunnel device of an agent.
 pub const VXLAN_DEVICE: &str = "ciliate_vxlan";
@@ -64,17 +64,16 @@ pub async fn ensure_device(h: &Handle, local: Ipv4Addr, mtu: u32, mark: &str) ->
             )));
         }
         if local_of(&link) == Some(local) {
-            h.link()
-                .set(
-                    LinkUnspec::new_with_index(link.header.index)
-                        .mtu(mtu)
-                        .alias(mark.to_string())
-                        .up()
-                        .build(),
-                )
-                .execute()
-                .await
-                .map_err(nl_err(format!("set {VXLAN_DEVICE} up")))?;
+            set_link(
+                h,
+                LinkUnspec::new_with_index(link.header.index)
+                    .mtu(mtu)
+                    .alias(mark.to_string())
+                    .up()
+                    .build(),
+                format!("set {VXLAN_DEVICE} up"),
+            )
+            .await?;
             return Ok(link.header.index);
         }
         h.link()
@@ -105,15 +104,14 @@ pub async fn ensure_device(h: &Handle, local: Ipv4Addr, mtu: u32, mark: &str) ->
         .await?
         .ok_or_else(|| NetdevError::Invalid(format!("{VXLAN_DEVICE} vanished")))?;
     // Marked at once: the kernel ignores an alias in the creating request.
-    h.link()
-        .set(
-            LinkUnspec::new_with_index(link.header.index)
-                .alias(mark.to_string())
-                .build(),
-        )
-        .execute()
-        .await
-        .map_err(nl_err(format!("mark {VXLAN_DEVICE}")))?;
+    set_link(
+        h,
+        LinkUnspec::new_with_index(link.header.index)
+            .alias(mark.to_string())
+            .build(),
+        format!("mark {VXLAN_DEVICE}"),
+    )
+    .await?;
     Ok(link.header.index)
 }
 

@@ -354,30 +354,16 @@ mod tests {
 
     #[test]
     fn match_kinds_follow_the_entry() {
-        assert_eq!(
-            MatchKind::of_entry(&key(300, 6, 80, 80), false),
-            MatchKind::L3L4
-        );
-        assert_eq!(
-            MatchKind::of_entry(&key(300, 0, 0, 65535), false),
-            MatchKind::L3Only
-        );
-        assert_eq!(
-            MatchKind::of_entry(&key(300, 6, 0, 65535), false),
-            MatchKind::L3Only
-        );
-        assert_eq!(
-            MatchKind::of_entry(&key(0, 17, 53, 53), false),
-            MatchKind::L4Only
-        );
-        assert_eq!(
-            MatchKind::of_entry(&key(0, 0, 0, 65535), false),
-            MatchKind::All
-        );
-        assert_eq!(
-            MatchKind::of_entry(&key(300, 6, 80, 80), true),
-            MatchKind::DenyRule
-        );
+        for (k, deny, want) in [
+            (key(300, 6, 80, 80), false, MatchKind::L3L4),
+            (key(300, 0, 0, 65535), false, MatchKind::L3Only),
+            (key(300, 6, 0, 65535), false, MatchKind::L3Only),
+            (key(0, 17, 53, 53), false, MatchKind::L4Only),
+            (key(0, 0, 0, 65535), false, MatchKind::All),
+            (key(300, 6, 80, 80), true, MatchKind::DenyRule),
+        ] {
+            assert_eq!(MatchKind::of_entry(&k, deny), want, "{k:?} deny {deny}");
+        }
     }
 
     #[test]
