@@ -146,16 +146,7 @@ fn load_instance<'obj>(
         operation: format!("create {}", pin_root.display()),
         message: e.to_string(),
     })?;
-    let root =
-        CString::new(pin_root.as_os_str().as_bytes()).map_err(|e| DatapathError::System {
-            operation: format!("pin root {}", pin_root.display()),
-            message: e.to_string(),
-        })?;
-    let opts = lsys::bpf_object_open_opts {
-        sz: std::mem::size_of::<lsys::bpf_object_open_opts>() as _,
-        pin_root_path: root.as_ptr(),
-        ..Default::default()
-    };
+    let (_root, opts) = pinned_under(pin_root)?;
     let mut open = skel::CiliateSkelBuilder::default()
         .open_opts(opts, storage)
         .map_err(sys("open the BPF object"))?;
@@ -260,6 +251,24 @@ pub unsafe trait Pod: Copy + Default {
         };
         Some(v)
     }
+}
+
+/// Open options that pin the object's maps by name under `pin_root`; the options point into
+/// the returned string, which must outlive them.
+pub(crate) fn pinned_under(
+    pin_root: &Path,
+) -> Result<(CString, libbpf_rs::libbpf_sys::bpf_object_open_opts), DatapathError> {
+    let root =
+        CString::new(pin_root.as_os_str().as_bytes()).map_err(|e| DatapathError::System {
+            operation: format!("pin root {}", pin_root.display()),
+            message: e.to_string(),
+        })?;
+    let opts = libbpf_rs::libbpf_sys::bpf_object_open_opts {
+        sz: std::mem::size_of::<libbpf_rs::libbpf_sys::bpf_object_open_opts>() as _,
+        pin_root_path: root.as_ptr(),
+        ..Default::default()
+    };
+    Ok((root, opts))
 }
 
 // SAFETY: checked by `abi_layout_is_pinned` below.

@@ -231,6 +231,17 @@ where
         .map_err(|_| NetdevError::Invalid("netlink thread panicked".into()))?
 }
 
+/// Sets the namespace's loopback up (a new network namespace has it down).
+pub(crate) async fn set_lo_up(handle: &Handle) -> Result<()> {
+    match link_by_name(handle, "lo").await? {
+        Some(lo) => {
+            let up = LinkUnspec::new_with_index(lo.header.index).up().build();
+            set_link(handle, up, "set lo up").await
+        }
+        None => Ok(()),
+    }
+}
+
 /// The link `name`, which must exist (`vanished` otherwise).
 pub(crate) async fn existing_link(handle: &Handle, name: &str) -> Result<LinkMessage> {
     link_by_name(handle, name)
@@ -435,14 +446,7 @@ fn configure_pod_side(spec: &PodInterfaceSpec, tmp_peer: &str, host_mac: &str) -
             format!("set {pod_if} up, mtu {mtu}"),
         )
         .await?;
-        if let Some(lo) = link_by_name(&h, "lo").await? {
-            set_link(
-                &h,
-                LinkUnspec::new_with_index(lo.header.index).up().build(),
-                "set lo up",
-            )
-            .await?;
-        }
+        set_lo_up(&h).await?;
         h.address()
             .add(index, IpAddr::V4(ip), 32)
             .execute()

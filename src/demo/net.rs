@@ -117,14 +117,7 @@ pub fn create_node_link(
             "name the node's eth0 and set it up",
         )
         .await?;
-        if let Some(lo) = link_by_name(&h, "lo").await? {
-            set_link(
-                &h,
-                LinkUnspec::new_with_index(lo.header.index).up().build(),
-                "set lo up",
-            )
-            .await?;
-        }
+        netdev::set_lo_up(&h).await?;
         h.address()
             .add(index, IpAddr::V4(node_ip), prefix)
             .execute()

@@ -299,28 +299,12 @@ impl StateDir {
     /// Every intent record on disk, plus one error per record that could not be read (left in
     /// place). Leftover temporary files are removed.
     pub fn load_intents(&self) -> (Vec<AddIntent>, Vec<StateError>) {
-        let dir = self.intents_dir();
         let (mut out, mut errs) = (Vec::new(), Vec::new());
-        let entries = match fs::read_dir(&dir) {
+        let entries = match entries(&self.intents_dir(), true) {
             Ok(e) => e,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return (out, errs),
-            Err(e) => {
-                return (
-                    out,
-                    vec![StateError::Io {
-                        path: dir,
-                        source: e,
-                    }],
-                )
-            }
+            Err(e) => return (out, vec![e]),
         };
-        for e in entries.flatten() {
-            let path = e.path();
-            let name = e.file_name().to_string_lossy().to_string();
-            if name.starts_with(".tmp-") {
-                let _ = fs::remove_file(&path);
-                continue;
-            }
+        for (path, name) in entries {
             let Some(container) = name.strip_suffix(".json") else {
                 continue;
             };
@@ -356,25 +340,11 @@ impl StateDir {
     /// left in place for a human to look at). Leftover temporary directories are removed.
     pub fn load_all(&self) -> (Vec<EndpointRecord>, Vec<StateError>) {
         let (mut recs, mut errs) = (Vec::new(), Vec::new());
-        let entries = match fs::read_dir(&self.root) {
+        let entries = match entries(&self.root, false) {
             Ok(e) => e,
-            Err(e) => {
-                return (
-                    recs,
-                    vec![StateError::Io {
-                        path: self.root.clone(),
-                        source: e,
-                    }],
-                )
-            }
+            Err(e) => return (recs, vec![e]),
         };
-        for e in entries.flatten() {
-            let path = e.path();
-            let name = e.file_name().to_string_lossy().to_string();
-            if name.starts_with(".tmp-") {
-                let _ = fs::remove_dir_all(&path);
-                continue;
-            }
+        for (path, name) in entries {
             let Ok(id) = name.parse::<EndpointId>() else {
                 continue;
             };
@@ -402,6 +372,38 @@ impl StateDir {
         recs.sort_by_key(|r| r.id);
         (recs, errs)
     }
+}
+
+/// The entries of a state directory (path, name), after removing what an interrupted write left
+/// (`.tmp-*`). A missing directory is empty when `missing_is_empty`, else an error.
+fn entries(dir: &Path, missing_is_empty: bool) -> Result<Vec<(PathBuf, String)>, StateError> {
+    let listing = match fs::read_dir(dir) {
+        Ok(l) => l,
+        Err(e) if missing_is_empty && e.kind() == std::io::ErrorKind::NotFound => {
+            return Ok(Vec::new())
+        }
+        Err(e) => {
+            return Err(StateError::Io {
+                path: dir.to_path_buf(),
+                source: e,
+            })
+        }
+    };
+    let mut out = Vec::new();
+    for e in listing.flatten() {
+        let path = e.path();
+        let name = e.file_name().to_string_lossy().to_string();
+        if name.starts_with(".tmp-") {
+            let _ = if path.is_dir() {
+                fs::remove_dir_all(&path)
+            } else {
+                fs::remove_file(&path)
+            };
+            continue;
+        }
+        out.push((path, name));
+    }
+    Ok(out)
 }
 
 fn read_intent(path: &Path, text: &str) -> Result<AddIntent, StateError> {

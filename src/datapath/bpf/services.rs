@@ -67,17 +67,7 @@ pub fn attach(pins: &Path, cgroup: &Path) -> Result<BpfLbMaps, DatapathError> {
     }
     let cgroup_fd =
         std::fs::File::open(cgroup).map_err(fail(format!("open {}", cgroup.display())))?;
-    let root = std::ffi::CString::new(pins.as_os_str().as_encoded_bytes()).map_err(|e| {
-        DatapathError::System {
-            operation: format!("pin root {}", pins.display()),
-            message: e.to_string(),
-        }
-    })?;
-    let opts = sys::bpf_object_open_opts {
-        sz: std::mem::size_of::<sys::bpf_object_open_opts>() as _,
-        pin_root_path: root.as_ptr(),
-        ..Default::default()
-    };
+    let (_root, opts) = super::pinned_under(pins)?;
     let mut storage = MaybeUninit::uninit();
     let open = skel::ServicesSkelBuilder::default()
         .open_opts(opts, &mut storage)
