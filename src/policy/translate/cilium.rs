@@ -38,10 +38,7 @@ struct PeerView<'a> {
     services: Option<&'a Vec<Value>>,
     fqdns: Option<&'a Vec<api::FqdnSelector>>,
     /// (ports, the allow rule's L7 part when there is one)
-    to_ports: Vec<(
-        Option<&'a Vec<api::PortProtocol>>,
-        Option<&'a api::PortRule>,
-    )>,
+    to_ports: PortsView<'a>,
     icmps: Option<&'a Vec<api::IcmpRule>>,
     auth: Option<&'a api::Authentication>,
 }
@@ -50,85 +47,102 @@ fn len<T>(v: Option<&Vec<T>>) -> usize {
     v.map_or(0, |v| v.len())
 }
 
+/// The peers every rule type has, by field name (`from_*` or `to_*`).
+macro_rules! peers {
+    ($r:expr, $e:ident, $rq:ident, $c:ident, $cs:ident, $en:ident, $g:ident, $n:ident) => {
+        PeerView {
+            endpoints: $r.$e.as_ref(),
+            requires: $r.$rq.as_ref(),
+            cidr: $r.$c.as_ref(),
+            cidr_set: $r.$cs.as_ref(),
+            entities: $r.$en.as_ref(),
+            groups: $r.$g.as_ref(),
+            nodes: $r.$n.as_ref(),
+            ..Default::default()
+        }
+    };
+}
+
+macro_rules! from_peers {
+    ($r:expr) => {
+        peers!(
+            $r,
+            from_endpoints,
+            from_requires,
+            from_cidr,
+            from_cidr_set,
+            from_entities,
+            from_groups,
+            from_nodes
+        )
+    };
+}
+
+macro_rules! to_peers {
+    ($r:expr) => {
+        peers!(
+            $r,
+            to_endpoints,
+            to_requires,
+            to_cidr,
+            to_cidr_set,
+            to_entities,
+            to_groups,
+            to_nodes
+        )
+    };
+}
+
+/// A rule's `toPorts`: each entry's ports, and its L7 part (allow rules only).
+type PortsView<'a> = Vec<(
+    Option<&'a Vec<api::PortProtocol>>,
+    Option<&'a api::PortRule>,
+)>;
+
+fn ports_of<'a, P>(
+    rules: &'a Option<Vec<P>>,
+    each: impl Fn(
+        &'a P,
+    ) -> (
+        Option<&'a Vec<api::PortProtocol>>,
+        Option<&'a api::PortRule>,
+    ),
+) -> PortsView<'a> {
+    rules.iter().flatten().map(each).collect()
+}
+
 impl<'a> PeerView<'a> {
     fn ingress(r: &'a api::IngressRule) -> Self {
         PeerView {
-            endpoints: r.from_endpoints.as_ref(),
-            requires: r.from_requires.as_ref(),
-            cidr: r.from_cidr.as_ref(),
-            cidr_set: r.from_cidr_set.as_ref(),
-            entities: r.from_entities.as_ref(),
-            groups: r.from_groups.as_ref(),
-            nodes: r.from_nodes.as_ref(),
-            to_ports: r
-                .to_ports
-                .iter()
-                .flatten()
-                .map(|p| (p.ports.as_ref(), Some(p)))
-                .collect(),
+            to_ports: ports_of(&r.to_ports, |p| (p.ports.as_ref(), Some(p))),
             icmps: r.icmps.as_ref(),
             auth: r.authentication.as_ref(),
-            ..Default::default()
+            ..from_peers!(r)
         }
     }
     fn ingress_deny(r: &'a api::IngressDenyRule) -> Self {
         PeerView {
-            endpoints: r.from_endpoints.as_ref(),
-            requires: r.from_requires.as_ref(),
-            cidr: r.from_cidr.as_ref(),
-            cidr_set: r.from_cidr_set.as_ref(),
-            entities: r.from_entities.as_ref(),
-            groups: r.from_groups.as_ref(),
-            nodes: r.from_nodes.as_ref(),
-            to_ports: r
-                .to_ports
-                .iter()
-                .flatten()
-                .map(|p| (p.ports.as_ref(), None))
-                .collect(),
+            to_ports: ports_of(&r.to_ports, |p| (p.ports.as_ref(), None)),
             icmps: r.icmps.as_ref(),
-            ..Default::default()
+            ..from_peers!(r)
         }
     }
     fn egress(r: &'a api::EgressRule) -> Self {
         PeerView {
-            endpoints: r.to_endpoints.as_ref(),
-            requires: r.to_requires.as_ref(),
-            cidr: r.to_cidr.as_ref(),
-            cidr_set: r.to_cidr_set.as_ref(),
-            entities: r.to_entities.as_ref(),
-            groups: r.to_groups.as_ref(),
-            nodes: r.to_nodes.as_ref(),
             services: r.to_services.as_ref(),
             fqdns: r.to_fqdns.as_ref(),
-            to_ports: r
-                .to_ports
-                .iter()
-                .flatten()
-                .map(|p| (p.ports.as_ref(), Some(p)))
-                .collect(),
+            to_ports: ports_of(&r.to_ports, |p| (p.ports.as_ref(), Some(p))),
             icmps: r.icmps.as_ref(),
             auth: r.authentication.as_ref(),
+            ..to_peers!(r)
         }
     }
     fn egress_deny(r: &'a api::EgressDenyRule) -> Self {
         PeerView {
-            endpoints: r.to_endpoints.as_ref(),
-            requires: r.to_requires.as_ref(),
-            cidr: r.to_cidr.as_ref(),
-            cidr_set: r.to_cidr_set.as_ref(),
-            entities: r.to_entities.as_ref(),
-            groups: r.to_groups.as_ref(),
-            nodes: r.to_nodes.as_ref(),
             services: r.to_services.as_ref(),
-            to_ports: r
-                .to_ports
-                .iter()
-                .flatten()
-                .map(|p| (p.ports.as_ref(), None))
-                .collect(),
+            to_ports: ports_of(&r.to_ports, |p| (p.ports.as_ref(), None)),
             icmps: r.icmps.as_ref(),
-            ..Default::default()
+            ..to_peers!(r)
         }
     }
 
