@@ -617,16 +617,7 @@ fn raw_http(
     .expect("send");
     let mut reply = String::new();
     conn.read_to_string(&mut reply).expect("read reply");
-    let code = reply
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = reply
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    (code, body)
+    common::http_reply(&reply)
 }
 
 #[test]

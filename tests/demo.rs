@@ -105,15 +105,7 @@ fn the_demo_shows_policies_taking_effect_and_cleans_up() {
             .contains("default deny: selected by CiliumNetworkPolicy shop/tiers"),
         "a default deny names the policy that isolates the endpoint: {stdout}"
     );
-    let netns = std::process::Command::new("ip")
-        .args(["netns"])
-        .output()
-        .unwrap();
-    let leftovers: Vec<String> = String::from_utf8_lossy(&netns.stdout)
-        .lines()
-        .filter(|l| l.starts_with("ciliate-demo-"))
-        .map(str::to_string)
-        .collect();
+    let leftovers = ip_lines(&["netns"], |l| l.starts_with("ciliate-demo-"));
     assert!(
         leftovers.is_empty(),
         "namespaces left behind: {leftovers:?}"
@@ -124,15 +116,7 @@ fn the_demo_shows_policies_taking_effect_and_cleans_up() {
         .filter(|e| e.file_name().to_string_lossy().starts_with("ciliate-demo-"))
         .collect();
     assert!(pins.is_empty(), "pins left behind: {pins:?}");
-    let links = std::process::Command::new("ip")
-        .args(["-o", "link", "show"])
-        .output()
-        .unwrap();
-    let tag_links: Vec<String> = String::from_utf8_lossy(&links.stdout)
-        .lines()
-        .filter(|l| l.contains(": cdm"))
-        .map(str::to_string)
-        .collect();
+    let tag_links = ip_lines(&["-o", "link", "show"], |l| l.contains(": cdm"));
     assert!(
         tag_links.is_empty(),
         "node links left behind: {tag_links:?}"
@@ -144,4 +128,17 @@ fn the_demo_shows_policies_taking_effect_and_cleans_up() {
         .filter(|e| e.file_name().to_string_lossy().starts_with("ciliate-demo-"))
         .collect();
     assert!(cgroups.is_empty(), "cgroups left behind: {cgroups:?}");
+}
+
+/// The lines of `ip ARGS` that `keep` accepts.
+fn ip_lines(args: &[&str], keep: impl Fn(&str) -> bool) -> Vec<String> {
+    let out = std::process::Command::new("ip")
+        .args(args)
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| keep(l))
+        .map(str::to_string)
+        .collect()
 }

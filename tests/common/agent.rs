@@ -143,16 +143,7 @@ impl Agent {
         );
         let mut raw = String::new();
         let _ = s.read_to_string(&mut raw);
-        let status = raw
-            .split_whitespace()
-            .nth(1)
-            .and_then(|c| c.parse().ok())
-            .unwrap_or(0);
-        let body = raw
-            .split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_string())
-            .unwrap_or_default();
-        (status, body)
+        http_reply(&raw)
     }
 
     pub fn json(&self, path: &str) -> Value {
@@ -267,4 +258,18 @@ impl Drop for Agent {
             let _ = c.wait();
         }
     }
+}
+
+/// (status code, body) of a raw HTTP/1.1 response (0 when it has no status line).
+pub fn http_reply(raw: &str) -> (u16, String) {
+    let code = raw
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = raw
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (code, body)
 }

@@ -7,6 +7,8 @@ pub mod cni;
 pub mod netns;
 
 #[allow(unused_imports)]
+pub use agent::http_reply;
+#[allow(unused_imports)]
 pub use netns::available;
 
 /// Polls `f` every 100 ms for up to 20 s; panics naming `what` when it never holds.
