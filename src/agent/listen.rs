@@ -273,6 +273,11 @@ mod tests {
         n.iter().map(OsString::from).collect()
     }
 
+    /// The permission bits of `path` (not following a link).
+    fn mode_of(path: &std::path::Path) -> u32 {
+        fs::symlink_metadata(path).unwrap().mode() & 0o7777
+    }
+
     #[test]
     fn a_directory_with_only_the_socket_and_the_state_dir_is_the_agents() {
         let dir = Path::new("/x/run");
@@ -331,7 +336,7 @@ mod tests {
             msg.contains("--api-socket") && msg.contains("1777"),
             "{msg}"
         );
-        assert_eq!(fs::metadata(&shared).unwrap().mode() & 0o7777, 0o1777);
+        assert_eq!(mode_of(&shared), 0o1777);
         assert!(!socket.exists());
     }
 
@@ -344,11 +349,8 @@ mod tests {
         fs::write(shared.join("someone-else"), "x").unwrap();
         let socket = shared.join("api.sock");
         let _listener = bind_api_socket(&socket, &tmp.path().join("state")).unwrap();
-        assert_eq!(fs::metadata(&shared).unwrap().mode() & 0o7777, 0o755);
-        assert_eq!(
-            fs::symlink_metadata(&socket).unwrap().mode() & 0o7777,
-            SOCKET_MODE
-        );
+        assert_eq!(mode_of(&shared), 0o755);
+        assert_eq!(mode_of(&socket), SOCKET_MODE);
     }
 
     #[test]
@@ -360,11 +362,8 @@ mod tests {
         let socket = run.join("api.sock");
         drop(UnixListener::bind(&socket).unwrap());
         let _listener = bind_api_socket(&socket, &run.join("state")).unwrap();
-        assert_eq!(fs::metadata(&run).unwrap().mode() & 0o7777, SOCKET_DIR_MODE);
-        assert_eq!(
-            fs::symlink_metadata(&socket).unwrap().mode() & 0o7777,
-            SOCKET_MODE
-        );
+        assert_eq!(mode_of(&run), SOCKET_DIR_MODE);
+        assert_eq!(mode_of(&socket), SOCKET_MODE);
     }
 
     #[test]

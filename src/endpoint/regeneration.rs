@@ -228,6 +228,14 @@ impl Regeneration {
 mod tests {
     use super::*;
 
+    fn requested(revision: u64, force: bool) -> Event {
+        Event::Requested { revision, force }
+    }
+
+    fn report(revision: u64, ok: bool) -> Action {
+        Action::Report { revision, ok }
+    }
+
     fn ready_at(revision: u64) -> Regeneration {
         let mut r = Regeneration::new(true);
         r.step(Event::Requested {
@@ -242,30 +250,15 @@ mod tests {
     #[test]
     fn a_new_endpoint_queues_one_full_sync_and_reports_it() {
         let mut r = Regeneration::new(true);
-        assert_eq!(
-            r.step(Event::Requested {
-                revision: 3,
-                force: true
-            }),
-            vec![Action::Queue]
-        );
+        assert_eq!(r.step(requested(3, true)), vec![Action::Queue]);
         // A second request while queued joins the same regeneration.
-        assert_eq!(
-            r.step(Event::Requested {
-                revision: 4,
-                force: false
-            }),
-            vec![]
-        );
+        assert_eq!(r.step(requested(4, false)), vec![]);
         assert_eq!(r.step(Event::Due), vec![Action::Compute { replace: true }]);
         assert_eq!(r.state, EndpointState::Regenerating);
         // It computed with the engine at revision 4: nothing more is owed.
         assert_eq!(
             r.step(Event::Realized { revision: 4 }),
-            vec![Action::Report {
-                revision: 4,
-                ok: true
-            }]
+            vec![report(4, true)]
         );
         assert_eq!(
             (r.state, r.realized, r.queued),
@@ -277,61 +270,28 @@ mod tests {
     #[test]
     fn a_request_for_a_realized_revision_is_answered_at_once() {
         let mut r = ready_at(5);
-        assert_eq!(
-            r.step(Event::Requested {
-                revision: 5,
-                force: false
-            }),
-            vec![Action::Report {
-                revision: 5,
-                ok: true
-            }]
-        );
+        assert_eq!(r.step(requested(5, false)), vec![report(5, true)]);
         // Forced (an identity change), the same revision regenerates.
-        assert_eq!(
-            r.step(Event::Requested {
-                revision: 5,
-                force: true
-            }),
-            vec![Action::Queue]
-        );
+        assert_eq!(r.step(requested(5, true)), vec![Action::Queue]);
     }
 
     #[test]
     fn a_newer_request_during_a_regeneration_queues_another_after_it() {
         let mut r = ready_at(1);
-        r.step(Event::Requested {
-            revision: 2,
-            force: false,
-        });
+        r.step(requested(2, false));
         r.step(Event::Due);
         // Revision 3 arrives while revision 2 is computed: the queue flag holds it.
-        assert_eq!(
-            r.step(Event::Requested {
-                revision: 3,
-                force: false
-            }),
-            vec![]
-        );
+        assert_eq!(r.step(requested(3, false)), vec![]);
         assert_eq!(
             r.step(Event::Realized { revision: 2 }),
-            vec![
-                Action::Report {
-                    revision: 2,
-                    ok: true
-                },
-                Action::Queue
-            ]
+            vec![report(2, true), Action::Queue]
         );
     }
 
     #[test]
     fn failures_fail_closed_retry_with_doubling_backoff_and_replace_the_map() {
         let mut r = ready_at(1);
-        r.step(Event::Requested {
-            revision: 2,
-            force: false,
-        });
+        r.step(requested(2, false));
         r.step(Event::Due);
         let mut delays = Vec::new();
         for _ in 0..8 {
@@ -339,13 +299,7 @@ mod tests {
                 revision: 2,
                 error: "map full".into(),
             });
-            assert_eq!(
-                out[0],
-                Action::Report {
-                    revision: 2,
-                    ok: false
-                }
-            );
+            assert_eq!(out[0], report(2, false));
             let Action::QueueAfter(d) = out[1] else {
                 panic!("a retry is queued: {out:?}")
             };
@@ -367,10 +321,7 @@ mod tests {
         r.step(Event::Bumped { revision: 7 });
         assert_eq!((r.realized, r.wanted), (7, 7));
         // Owed a regeneration: the bump waits for it.
-        r.step(Event::Requested {
-            revision: 8,
-            force: false,
-        });
+        r.step(requested(8, false));
         r.step(Event::Bumped { revision: 9 });
         assert_eq!(r.realized, 7);
     }
@@ -379,25 +330,10 @@ mod tests {
     fn without_an_identity_nothing_is_computed_and_changes_are_not_held_up() {
         let mut r = Regeneration::new(false);
         assert_eq!(r.state, EndpointState::WaitingForIdentity);
-        assert_eq!(
-            r.step(Event::Requested {
-                revision: 2,
-                force: true
-            }),
-            vec![Action::Report {
-                revision: 2,
-                ok: true
-            }]
-        );
+        assert_eq!(r.step(requested(2, true)), vec![report(2, true)]);
         r.step(Event::IdentityChanged { has_identity: true });
         assert_eq!(r.state, EndpointState::Ready);
-        assert_eq!(
-            r.step(Event::Requested {
-                revision: 2,
-                force: true
-            }),
-            vec![Action::Queue]
-        );
+        assert_eq!(r.step(requested(2, true)), vec![Action::Queue]);
         // The identity goes before the regeneration runs: it does not run.
         r.step(Event::IdentityChanged {
             has_identity: false,
@@ -413,13 +349,7 @@ mod tests {
     fn a_disconnecting_endpoint_schedules_nothing() {
         let mut r = ready_at(1);
         r.step(Event::Disconnect);
-        assert_eq!(
-            r.step(Event::Requested {
-                revision: 2,
-                force: true
-            }),
-            vec![]
-        );
+        assert_eq!(r.step(requested(2, true)), vec![]);
         assert_eq!(r.step(Event::Due), vec![]);
         assert_eq!(r.state, EndpointState::Disconnecting);
     }
