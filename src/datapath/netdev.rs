@@ -242,6 +242,25 @@ pub(crate) async fn set_lo_up(handle: &Handle) -> Result<()> {
     }
 }
 
+/// Moves the link `name` into the network namespace open as `ns_fd` (`whose` names it).
+pub(crate) async fn move_to_netns(
+    handle: &Handle,
+    name: &str,
+    ns_fd: std::os::fd::RawFd,
+    whose: &str,
+) -> Result<()> {
+    let link = existing_link(handle, name).await?;
+    let change = LinkUnspec::new_with_index(link.header.index)
+        .setns_by_fd(ns_fd)
+        .build();
+    set_link(
+        handle,
+        change,
+        format!("move {name} into {whose} namespace"),
+    )
+    .await
+}
+
 /// The link `name`, which must exist (`vanished` otherwise).
 pub(crate) async fn existing_link(handle: &Handle, name: &str) -> Result<LinkMessage> {
     link_by_name(handle, name)
@@ -350,15 +369,7 @@ pub fn create_pod_interface(spec: &PodInterfaceSpec) -> Result<PodInterfaces> {
                 format!("mark {host_if}"),
             )
             .await?;
-            let peer = existing_link(&h, &tmp_peer).await?;
-            set_link(
-                &h,
-                LinkUnspec::new_with_index(peer.header.index)
-                    .setns_by_fd(ns_fd)
-                    .build(),
-                format!("move {tmp_peer} into the pod's namespace"),
-            )
-            .await?;
+            move_to_netns(&h, &tmp_peer, ns_fd, "the pod's").await?;
             let link = existing_link(&h, &host_if).await?;
             set_link(
                 &h,

@@ -78,15 +78,7 @@ pub fn create_node_link(
             .await
             .map_err(nl_err(format!("create veth {host_if}")))?;
         let link = existing_link(&h, &host_if).await?;
-        let peer = existing_link(&h, &tmp).await?;
-        set_link(
-            &h,
-            LinkUnspec::new_with_index(peer.header.index)
-                .setns_by_fd(ns_fd)
-                .build(),
-            format!("move {tmp} into the node's namespace"),
-        )
-        .await?;
+        netdev::move_to_netns(&h, &tmp, ns_fd, "the node's").await?;
         set_link(
             &h,
             LinkUnspec::new_with_index(link.header.index)

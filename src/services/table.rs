@@ -335,6 +335,32 @@ impl Ids {
     }
 }
 
+/// An EndpointSlice of `service` in namespace `ns` (for tests): (address, ready) endpoints
+/// and (name, port) TCP ports.
+#[cfg(test)]
+pub(crate) fn test_slice(service: &str, eps: &[(&str, bool)], ports: &[(&str, u16)]) -> SliceSpec {
+    let ip = |a: &str| a.parse().expect("an address");
+    SliceSpec {
+        namespace: "ns".into(),
+        service: service.into(),
+        endpoints: eps
+            .iter()
+            .map(|(a, r)| SliceEndpoint {
+                address: ip(a),
+                ready: *r,
+            })
+            .collect(),
+        ports: ports
+            .iter()
+            .map(|(n, p)| SlicePort {
+                name: n.to_string(),
+                protocol: crate::policy::rule::PROTO_TCP,
+                port: Some(*p),
+            })
+            .collect(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -360,27 +386,7 @@ mod tests {
         }
     }
 
-    fn slice(service: &str, eps: &[(&str, bool)], ports: &[(&str, u16)]) -> SliceSpec {
-        SliceSpec {
-            namespace: "ns".into(),
-            service: service.into(),
-            endpoints: eps
-                .iter()
-                .map(|(a, r)| SliceEndpoint {
-                    address: ip(a),
-                    ready: *r,
-                })
-                .collect(),
-            ports: ports
-                .iter()
-                .map(|(n, p)| SlicePort {
-                    name: n.to_string(),
-                    protocol: PROTO_TCP,
-                    port: Some(*p),
-                })
-                .collect(),
-        }
-    }
+    pub(crate) use super::test_slice as slice;
 
     fn id(name: &str) -> ServiceName {
         ("ns".into(), name.into())

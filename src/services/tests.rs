@@ -121,23 +121,9 @@ fn spec(addr: &str) -> ServiceSpec {
     }
 }
 
+/// An EndpointSlice of `service` with an `http` port on 8080.
 fn slice(service: &str, eps: &[(&str, bool)]) -> SliceSpec {
-    SliceSpec {
-        namespace: "ns".into(),
-        service: service.into(),
-        endpoints: eps
-            .iter()
-            .map(|(a, r)| SliceEndpoint {
-                address: ip(a),
-                ready: *r,
-            })
-            .collect(),
-        ports: vec![SlicePort {
-            name: "http".into(),
-            protocol: PROTO_TCP,
-            port: Some(8080),
-        }],
-    }
+    super::table::test_slice(service, eps, &[("http", 8080)])
 }
 
 fn be(addr: &str) -> Backend {
