@@ -25,19 +25,21 @@ use ciliate::policy::rule::{Direction, PROTO_TCP};
 const SYN: u8 = 0x02;
 const ACK: u8 = 0x10;
 
+/// The ingress key of `identity` on TCP `port`.
+fn tcp_in(identity: u32, port: u16) -> MapKey {
+    MapKey {
+        direction: Direction::Ingress,
+        identity,
+        protocol: PROTO_TCP,
+        port_lo: port,
+        port_hi: port,
+    }
+}
+
 /// Ingress entries allowing identities 1000.. 17383 on TCP/80.
 fn allow_16k() -> Vec<(MapKey, bool)> {
     (0..16_384u32)
-        .map(|i| {
-            let key = MapKey {
-                direction: Direction::Ingress,
-                identity: 1000 + i,
-                protocol: PROTO_TCP,
-                port_lo: 80,
-                port_hi: 80,
-            };
-            (key, false)
-        })
+        .map(|i| (tcp_in(1000 + i, 80), false))
         .collect()
 }
 
@@ -125,30 +127,13 @@ fn main() {
     for round in 0..5u16 {
         let delta = MapDelta {
             upserts: (0..10_000u32)
-                .map(|i| {
-                    (
-                        MapKey {
-                            direction: Direction::Ingress,
-                            identity: 1000 + i,
-                            protocol: PROTO_TCP,
-                            port_lo: 443 + round,
-                            port_hi: 443 + round,
-                        },
-                        false,
-                    )
-                })
+                .map(|i| (tcp_in(1000 + i, 443 + round), false))
                 .collect(),
             deletes: if round == 0 {
                 vec![]
             } else {
                 (0..10_000u32)
-                    .map(|i| MapKey {
-                        direction: Direction::Ingress,
-                        identity: 1000 + i,
-                        protocol: PROTO_TCP,
-                        port_lo: 442 + round,
-                        port_hi: 442 + round,
-                    })
+                    .map(|i| tcp_in(1000 + i, 442 + round))
                     .collect()
             },
             ..Default::default()
@@ -157,15 +142,7 @@ fn main() {
         if round == 0 {
             let shrink = MapDelta {
                 upserts: vec![],
-                deletes: (6_384..16_384u32)
-                    .map(|i| MapKey {
-                        direction: Direction::Ingress,
-                        identity: 1000 + i,
-                        protocol: PROTO_TCP,
-                        port_lo: 80,
-                        port_hi: 80,
-                    })
-                    .collect(),
+                deletes: (6_384..16_384u32).map(|i| tcp_in(1000 + i, 80)).collect(),
                 ..Default::default()
             };
             dp.sync_policy(7, flags, &shrink, false).unwrap();
@@ -185,15 +162,7 @@ fn main() {
     // Back to 16,384 entries for the packet measurements.
     let refill = MapDelta {
         upserts: allow_16k(),
-        deletes: (0..10_000u32)
-            .map(|i| MapKey {
-                direction: Direction::Ingress,
-                identity: 1000 + i,
-                protocol: PROTO_TCP,
-                port_lo: 447,
-                port_hi: 447,
-            })
-            .collect(),
+        deletes: (0..10_000u32).map(|i| tcp_in(1000 + i, 447)).collect(),
         ..Default::default()
     };
     dp.sync_policy(7, flags, &refill, false).unwrap();
