@@ -211,25 +211,34 @@ fn for_each<T: DeserializeOwned>(
 
 type LabelMap = BTreeMap<String, String>;
 
+/// A mapping section (`name: value` entries), read entry by entry when the scanner split it
+/// (so an error names its entry), whole otherwise; absent: nothing.
+fn map_section<E: DeserializeOwned>(
+    text: &str,
+    sections: &yaml::Sections,
+    name: &str,
+) -> Result<Vec<E>, WorldError> {
+    let Some(section) = sections.get(name) else {
+        return Ok(Vec::new());
+    };
+    match &section.entries {
+        Some(spans) => spans
+            .iter()
+            .map(|s| yaml::parse_entry(text, s, name))
+            .collect(),
+        None => Ok(yaml::parse_entry::<Option<E>>(text, &section.value, name)?
+            .into_iter()
+            .collect()),
+    }
+}
+
 /// The `namespaces` section: name -> labels, each label checked as the API server would.
 fn namespaces(
     text: &str,
     sections: &yaml::Sections,
 ) -> Result<BTreeMap<String, LabelMap>, WorldError> {
-    type Entries = BTreeMap<String, Option<LabelMap>>;
     let mut out = BTreeMap::new();
-    let Some(section) = sections.get("namespaces") else {
-        return Ok(out);
-    };
-    let parts: Vec<Entries> = match &section.entries {
-        Some(spans) => spans
-            .iter()
-            .map(|s| yaml::parse_entry(text, s, "namespaces"))
-            .collect::<Result<_, _>>()?,
-        None => yaml::parse_entry::<Option<Entries>>(text, &section.value, "namespaces")?
-            .into_iter()
-            .collect(),
-    };
+    let parts: Vec<BTreeMap<String, Option<LabelMap>>> = map_section(text, sections, "namespaces")?;
     for (name, labels) in parts.into_iter().flatten() {
         let entry = format!("namespaces.{name}");
         let labels = labels.unwrap_or_default();
@@ -246,19 +255,7 @@ fn dns_names(
     text: &str,
     sections: &yaml::Sections,
 ) -> Result<BTreeMap<String, Vec<String>>, WorldError> {
-    type Entries = BTreeMap<String, Vec<String>>;
-    let Some(section) = sections.get("dns") else {
-        return Ok(BTreeMap::new());
-    };
-    let parts: Vec<Entries> = match &section.entries {
-        Some(spans) => spans
-            .iter()
-            .map(|s| yaml::parse_entry(text, s, "dns"))
-            .collect::<Result<_, _>>()?,
-        None => yaml::parse_entry::<Option<Entries>>(text, &section.value, "dns")?
-            .into_iter()
-            .collect(),
-    };
+    let parts: Vec<BTreeMap<String, Vec<String>>> = map_section(text, sections, "dns")?;
     let mut out = BTreeMap::new();
     for (name, ips) in parts.into_iter().flatten() {
         let valid = !name.is_empty()
