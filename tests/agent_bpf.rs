@@ -10,7 +10,7 @@ use common::eventually;
 use std::time::Duration;
 
 use common::agent::Agent;
-use common::netns::{privileged, tcp_ok, two_pods_b_serving};
+use common::netns::{privileged_two_pods, tcp_ok};
 
 fn manifests(a: &str, b: &str, port: u16) -> (String, String) {
     let cluster = common::namespace_x_with_pods(&[("a", a), ("b", b)]);
@@ -32,10 +32,9 @@ use common::wait_output;
 
 #[test]
 fn the_agent_enforces_on_real_veths_and_survives_kill_9() {
-    if !privileged() {
+    let Some(w) = privileged_two_pods(&[8080, 9090]) else {
         return;
-    }
-    let w = two_pods_b_serving(&[8080, 9090]);
+    };
     let (a, b) = (&w.pods[0], &w.pods[1]);
 
     let tmp = tempfile::tempdir().unwrap();

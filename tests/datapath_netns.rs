@@ -7,7 +7,7 @@
 mod common;
 
 use common::netns::{
-    privileged, tcp_ok, tcp_server, two_pods_b_serving, udp_ok, udp_server, world,
+    privileged, privileged_two_pods, tcp_ok, tcp_server, udp_ok, udp_server, world,
 };
 
 use ciliate::datapath::bpf::datapath::BpfDatapath;
@@ -76,10 +76,9 @@ const OPEN: EndpointFlags = EndpointFlags {
 
 #[test]
 fn policy_on_real_veths_with_live_edits_replies_and_a_restart_without_a_gap() {
-    if !privileged() {
+    let Some(w) = privileged_two_pods(&[8080, 9090]) else {
         return;
-    }
-    let w = two_pods_b_serving(&[8080, 9090]);
+    };
     let (a, b) = (&w.pods[0], &w.pods[1]);
     let (id_a, id_b) = (1001u32, 1002u32);
     udp_server(&b.netns, b.addr, 5353);
@@ -374,10 +373,9 @@ fn tc_filters(dev: &str) -> String {
 
 #[test]
 fn legacy_tc_attachments_are_taken_over_by_tcx_without_a_gap() {
-    if !privileged() {
+    let Some(w) = privileged_two_pods(&[8080, 9090]) else {
         return;
-    }
-    let w = two_pods_b_serving(&[8080, 9090]);
+    };
     let (a, b) = (&w.pods[0], &w.pods[1]);
     let (id_a, id_b) = (4001u32, 4002u32);
     let attach_all = |dp: &mut BpfDatapath| {

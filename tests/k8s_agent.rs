@@ -13,7 +13,7 @@ use std::process::{Command, Stdio};
 use ciliate_test_apiserver::{ServerOptions, TestApiServer};
 use common::agent::Agent;
 use common::eventually;
-use common::netns::{privileged, tcp_ok, two_pods_b_serving, world};
+use common::netns::{privileged, privileged_two_pods, tcp_ok, world};
 use serde_json::{json, Value};
 
 const NODE: &str = "node-1";
@@ -160,10 +160,9 @@ fn add_endpoint(agent: &Agent, name: &str, ip: &str, interface: Option<&str>) ->
 
 #[test]
 fn kubectl_policies_are_enforced_with_status_annotations_and_label_moves() {
-    if !privileged() {
+    let Some(w) = privileged_two_pods(&[8080, 9090]) else {
         return;
-    }
-    let w = two_pods_b_serving(&[8080, 9090]);
+    };
     let (a, b) = (&w.pods[0], &w.pods[1]);
     let (a_ip, b_ip) = (a.addr.to_string(), b.addr.to_string());
 
@@ -312,11 +311,9 @@ fn admits(agent: &Agent, ep: u64, identity: u64, port: u64) -> bool {
 
 #[test]
 fn broken_watches_410_and_an_api_outage_keep_every_policy() {
-    if !privileged() {
+    let Some((w, (server, tmp, kubectl))) = privileged().then(|| (world(0), api_server())) else {
         return;
-    }
-    let w = world(0);
-    let (server, tmp, kubectl) = api_server();
+    };
     let addr = server.addr();
     let pods = [pod("a", "a", "10.250.8.1"), pod("b", "b", "10.250.8.2")];
     seed_cluster(&server, &kubectl, &pods);
@@ -466,11 +463,9 @@ endpoints: [{addresses: [192.0.2.11]}]
 
 #[test]
 fn readyz_says_what_the_initial_sync_waits_for() {
-    if !privileged() {
+    let Some((w, (_server, tmp, kubectl))) = privileged().then(|| (world(0), api_server())) else {
         return;
-    }
-    let w = world(0);
-    let (_server, tmp, kubectl) = api_server();
+    };
     // No CRDs yet: the policy kinds cannot be listed.
     let pins = w.pins.to_string_lossy().to_string();
     let agent = Agent::spawn_kubernetes(

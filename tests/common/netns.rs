@@ -81,6 +81,12 @@ impl Drop for World {
 
 static N: AtomicU32 = AtomicU32::new(0);
 
+/// Two pods, `a` and `b`, with TCP servers on `b`'s `ports`; `None` (the test skips) without
+/// root, outside CI.
+pub fn privileged_two_pods(ports: &[u16]) -> Option<World> {
+    privileged().then(|| two_pods_b_serving(ports))
+}
+
 /// Two pods, `a` and `b`, with TCP servers on `b`'s `ports`.
 pub fn two_pods_b_serving(ports: &[u16]) -> World {
     let w = world(2);
