@@ -231,6 +231,22 @@ where
         .map_err(|_| NetdevError::Invalid("netlink thread panicked".into()))?
 }
 
+/// Replaces the route to `dst`/32 out of `ifindex`, scope link; `step` names it in errors.
+async fn link_route(handle: &Handle, dst: Ipv4Addr, ifindex: u32, step: String) -> Result<()> {
+    let route = RouteMessageBuilder::<Ipv4Addr>::new()
+        .destination_prefix(dst, 32)
+        .output_interface(ifindex)
+        .scope(RouteScope::Link)
+        .build();
+    handle
+        .route()
+        .add(route)
+        .replace()
+        .execute()
+        .await
+        .map_err(nl_err(step))
+}
+
 /// Sets the namespace's loopback up (a new network namespace has it down).
 pub(crate) async fn set_lo_up(handle: &Handle) -> Result<()> {
     match link_by_name(handle, "lo").await? {
@@ -397,17 +413,7 @@ pub fn create_pod_interface(spec: &PodInterfaceSpec) -> Result<PodInterfaces> {
         let pod_mac = configure_pod_side(spec, &tmp_peer, &host_mac)?;
         let (ip, ifindex, host_if) = (spec.ip, host_ifindex, spec.host_if.clone());
         with_netlink(None, move |h| async move {
-            let route = RouteMessageBuilder::<Ipv4Addr>::new()
-                .destination_prefix(ip, 32)
-                .output_interface(ifindex)
-                .scope(RouteScope::Link)
-                .build();
-            h.route()
-                .add(route)
-                .replace()
-                .execute()
-                .await
-                .map_err(nl_err(format!("host route {ip}/32 dev {host_if}")))
+            link_route(&h, ip, ifindex, format!("host route {ip}/32 dev {host_if}")).await
         })?;
         Ok(pod_mac)
     };
@@ -471,17 +477,13 @@ fn configure_pod_side(spec: &PodInterfaceSpec, tmp_peer: &str, host_mac: &str) -
             .execute()
             .await
             .map_err(nl_err(format!("gateway neighbour {POD_GATEWAY}")))?;
-        let gw_route = RouteMessageBuilder::<Ipv4Addr>::new()
-            .destination_prefix(POD_GATEWAY, 32)
-            .output_interface(index)
-            .scope(RouteScope::Link)
-            .build();
-        h.route()
-            .add(gw_route)
-            .replace()
-            .execute()
-            .await
-            .map_err(nl_err(format!("route {POD_GATEWAY} dev {pod_if}")))?;
+        link_route(
+            &h,
+            POD_GATEWAY,
+            index,
+            format!("gateway route {POD_GATEWAY}"),
+        )
+        .await?;
         let default = RouteMessageBuilder::<Ipv4Addr>::new()
             .destination_prefix(Ipv4Addr::UNSPECIFIED, 0)
             .gateway(POD_GATEWAY)
