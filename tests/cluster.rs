@@ -98,10 +98,9 @@ fn cnp_b_from_a() -> Value {
 
 #[test]
 fn pods_reach_each_other_across_nodes_and_node_2_admits_only_app_a_of_node_1() {
-    if !privileged() {
+    let Some(mut c) = privileged().then(|| Cluster::start(3)) else {
         return;
-    }
-    let mut c = Cluster::start(3);
+    };
     let a = c.add_pod(1, "a", "a");
     let other = c.add_pod(1, "c", "c");
     let b = c.add_pod(2, "b", "b");
@@ -165,10 +164,9 @@ fn pods_reach_each_other_across_nodes_and_node_2_admits_only_app_a_of_node_1() {
 
 #[test]
 fn kill_9_keeps_cross_node_flows_and_the_restart_converges_after_a_node_left() {
-    if !privileged() {
+    let Some(mut c) = privileged().then(|| Cluster::start(3)) else {
         return;
-    }
-    let mut c = Cluster::start(3);
+    };
     let a = c.add_pod(1, "a", "a");
     let b = c.add_pod(2, "b", "b");
     let b_addr = IpAddr::V4(b.addr);
@@ -236,10 +234,9 @@ fn kill_9_keeps_cross_node_flows_and_the_restart_converges_after_a_node_left() {
 /// until its route is in the kernel of all three nodes, over 20 additions (and removals).
 #[test]
 fn a_new_nodes_routes_are_on_every_agent_within_a_second() {
-    if !privileged() {
+    let Some(mut c) = privileged().then(|| Cluster::start(3)) else {
         return;
-    }
-    let mut c = Cluster::start(3);
+    };
     let mut delays = Vec::new();
     let route = (pod_cidr(9), node_ip(9).to_string());
     for _ in 0..20 {
@@ -274,10 +271,10 @@ fn a_new_nodes_routes_are_on_every_agent_within_a_second() {
 /// device, and pod interfaces 50 bytes smaller than the link.
 #[test]
 fn tunnel_mode_carries_pod_traffic_across_nodes_over_vxlan() {
-    if !privileged() {
+    let Some(mut c) = privileged().then(|| Cluster::start_with(3, &["--routing-mode", "tunnel"]))
+    else {
         return;
-    }
-    let mut c = Cluster::start_with(3, &["--routing-mode", "tunnel"]);
+    };
     let kubeconfig = c.kubeconfig.clone();
     let a = c.add_pod(1, "a", "a");
     let b = c.add_pod(2, "b", "b");
@@ -580,10 +577,11 @@ fn route_applier_touches_only_its_own_routes_and_a_restart_reconciles_them() {
 /// nodes keeps the pod's address (policy still sees the pod). Turned off, the table goes.
 #[test]
 fn pods_leave_the_cluster_masqueraded_to_their_nodes_address_and_pod_traffic_is_not() {
-    if !privileged() {
+    let Some(mut c) = privileged()
+        .then(|| Cluster::start_with(2, &["--ipv4-native-routing-cidr", "10.200.0.0/16"]))
+    else {
         return;
-    }
-    let mut c = Cluster::start_with(2, &["--ipv4-native-routing-cidr", "10.200.0.0/16"]);
+    };
     let (outside, outside_ip) = c.add_outside();
     let a = c.add_pod(1, "a", "a");
     let b = c.add_pod(2, "b", "b");
@@ -644,10 +642,9 @@ fn ipcache_identity_at(socket: &std::path::Path, ip: Ipv4Addr) -> Option<u64> {
 /// took to learn the new one after the ADD (the window the issue asks to measure).
 #[test]
 fn a_reused_pod_address_is_never_admitted_under_the_old_pods_identity() {
-    if !privileged() {
+    let Some(mut c) = privileged().then(|| Cluster::start_with_pod_prefix(2, 29)) else {
         return;
-    }
-    let mut c = Cluster::start_with_pod_prefix(2, 29);
+    };
     let srv = c.add_pod(2, "srv", "srv");
     tcp_server(&srv.netns, IpAddr::V4(srv.addr), 8080);
     c.api()
@@ -830,10 +827,9 @@ fn host_routing_state(node: &ClusterNode) -> String {
 /// With `--enable-host-legacy-routing` the packets take the host stack instead.
 #[test]
 fn bpf_host_routing_carries_allowed_pod_traffic_and_policy_still_decides_on_both_ends() {
-    if !privileged() {
+    let Some(mut c) = privileged().then(|| Cluster::start(2)) else {
         return;
-    }
-    let mut c = Cluster::start(2);
+    };
     let a = c.add_pod(1, "a", "a");
     let other = c.add_pod(1, "other", "other");
     let b = c.add_pod(2, "b", "b");
@@ -935,10 +931,9 @@ fn udp_connected_ok(netns: &str, to: SocketAddr) -> bool {
 /// replies go back through it too and leave with the node's address.
 #[test]
 fn kube_proxy_nat_around_bpf_host_routing_is_translated_back() {
-    if !privileged() {
+    let Some(mut c) = privileged().then(|| Cluster::start(2)) else {
         return;
-    }
-    let mut c = Cluster::start(2);
+    };
     let a = c.add_pod(1, "a", "a");
     let b = c.add_pod(2, "b", "b");
     let (n1, n2, n2_ip) = (
@@ -1018,10 +1013,11 @@ fn kube_proxy_nat_around_bpf_host_routing_is_translated_back() {
 
 #[test]
 fn legacy_host_routing_keeps_pod_traffic_on_the_host_stack() {
-    if !privileged() {
+    let Some(mut c) =
+        privileged().then(|| Cluster::start_with(2, &["--enable-host-legacy-routing=true"]))
+    else {
         return;
-    }
-    let mut c = Cluster::start_with(2, &["--enable-host-legacy-routing=true"]);
+    };
     let a = c.add_pod(1, "a", "a");
     let b = c.add_pod(2, "b", "b");
     let dst = IpAddr::V4(b.addr);

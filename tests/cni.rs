@@ -129,10 +129,9 @@ impl Prober {
 
 #[test]
 fn pods_created_through_cni_are_enforced_survive_kill_9_and_restart_and_are_deleted_cleanly() {
-    if !privileged() {
+    let Some((tmp, pins, args, mut agent)) = privileged().then(|| bpf_agent("cni")) else {
         return;
-    }
-    let (tmp, pins, args, mut agent) = bpf_agent("cni");
+    };
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let m = tmp.path().join("manifests");
     let cidr = args[5].to_string();
@@ -604,10 +603,9 @@ fn kill_9_during_fifty_concurrent_adds_leaves_nothing_unreclaimed() {
 /// fail with "File exists". A device of that name marked by another agent is never touched.
 #[test]
 fn a_retried_add_replaces_a_stale_half_made_interface_but_not_another_agents() {
-    if !privileged() {
+    let Some((tmp, agent, _, mark, _sweep)) = privileged().then(|| memory_agent(&cluster())) else {
         return;
-    }
-    let (tmp, agent, _, mark, _sweep) = memory_agent(&cluster());
+    };
     let mut pods = CniPods::new(&agent.socket(), &tmp.path().join("no-pins"));
     let stale_ctr = format!("ctr-{}-a", pods.tag);
     let stale_if = ciliate::datapath::netdev::host_interface_name(&stale_ctr);
@@ -691,10 +689,10 @@ fn a_retried_add_replaces_a_stale_half_made_interface_but_not_another_agents() {
 /// ADD of the refused container gets an address of its own.
 #[test]
 fn a_restored_duplicate_address_is_refused_reported_and_its_interface_reclaimed() {
-    if !privileged() {
+    let Some((tmp, mut agent, args, _, _sweep)) = privileged().then(|| memory_agent(&cluster()))
+    else {
         return;
-    }
-    let (tmp, mut agent, args, _, _sweep) = memory_agent(&cluster());
+    };
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let mut pods = CniPods::new(&agent.socket(), &tmp.path().join("no-pins"));
     let a = pods.add("x", "a");
@@ -779,10 +777,9 @@ fn a_restored_duplicate_address_is_refused_reported_and_its_interface_reclaimed(
 /// stray marked `lxc` veth are removed, and the live endpoints keep enforcing throughout.
 #[test]
 fn a_restart_sweeps_vanished_pods_and_stray_pins_while_live_endpoints_keep_enforcing() {
-    if !privileged() {
+    let Some((tmp, pins, args, mut agent)) = privileged().then(|| bpf_agent("sweep")) else {
         return;
-    }
-    let (tmp, pins, args, mut agent) = bpf_agent("sweep");
+    };
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let mark = ciliate::datapath::netdev::agent_mark(&tmp.path().join("state"));
     let _sweep = SweepMarked(mark.clone());

@@ -588,10 +588,9 @@ fn apply_slice(c: &Cluster, service: &str, backends: &[Ipv4Addr], port: u16, pro
 /// new connections are still translated, the restart keeping every id.
 #[test]
 fn services_across_nodes_in_kubernetes_mode_are_translated_before_egress_policy() {
-    if !privileged() {
+    let Some(mut c) = privileged().then(|| Cluster::start_with_services(3)) else {
         return;
-    }
-    let mut c = Cluster::start_with_services(3);
+    };
     // Not the single-node test's range (same process id): each test's ClusterIPs are its own.
     let net = format!("10.97.{}", 100 + std::process::id() % 150);
     let a = c.add_pod(1, "a", "a");
