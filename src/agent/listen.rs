@@ -273,6 +273,16 @@ mod tests {
         n.iter().map(OsString::from).collect()
     }
 
+    /// A directory of mode `mode` that someone else uses too (it holds a file of theirs).
+    fn shared_dir(mode: u32) -> (tempfile::TempDir, std::path::PathBuf) {
+        let tmp = tempfile::tempdir().unwrap();
+        let shared = tmp.path().join("shared");
+        fs::create_dir(&shared).unwrap();
+        fs::set_permissions(&shared, fs::Permissions::from_mode(mode)).unwrap();
+        fs::write(shared.join("someone-else"), "x").unwrap();
+        (tmp, shared)
+    }
+
     /// The permission bits of `path` (not following a link).
     fn mode_of(path: &std::path::Path) -> u32 {
         fs::symlink_metadata(path).unwrap().mode() & 0o7777
@@ -324,11 +334,7 @@ mod tests {
 
     #[test]
     fn a_shared_directory_is_refused_and_left_as_it_was() {
-        let tmp = tempfile::tempdir().unwrap();
-        let shared = tmp.path().join("shared");
-        fs::create_dir(&shared).unwrap();
-        fs::set_permissions(&shared, fs::Permissions::from_mode(0o1777)).unwrap();
-        fs::write(shared.join("someone-else"), "x").unwrap();
+        let (tmp, shared) = shared_dir(0o1777);
         let socket = shared.join("api.sock");
         let err = bind_api_socket(&socket, &tmp.path().join("state")).unwrap_err();
         let msg = err.to_string();
@@ -342,11 +348,7 @@ mod tests {
 
     #[test]
     fn a_shared_directory_others_cannot_write_is_left_as_it_is() {
-        let tmp = tempfile::tempdir().unwrap();
-        let shared = tmp.path().join("shared");
-        fs::create_dir(&shared).unwrap();
-        fs::set_permissions(&shared, fs::Permissions::from_mode(0o755)).unwrap();
-        fs::write(shared.join("someone-else"), "x").unwrap();
+        let (tmp, shared) = shared_dir(0o755);
         let socket = shared.join("api.sock");
         let _listener = bind_api_socket(&socket, &tmp.path().join("state")).unwrap();
         assert_eq!(mode_of(&shared), 0o755);
