@@ -840,9 +840,6 @@ impl Sim {
                 .collect::<Vec<_>>()
                 .join(", ")
         };
-        if let Side::Decided(Decision::Denied(o)) = &egress {
-            return ("deny", format!("denied by {}", o.describe()));
-        }
         // A requirement that took an allow away is named after the default deny.
         let withheld = |w: &[std::sync::Arc<crate::policy::rule::PeerRequirement>]| {
             if w.is_empty() {
@@ -851,36 +848,23 @@ impl Sim {
             let by: Vec<String> = w.iter().map(|r| r.describe()).collect();
             format!(" ({})", by.join("; "))
         };
-        if let Side::Decided(Decision::DefaultDenied {
-            isolated_by,
-            withheld_by,
-        }) = &egress
+        // Egress is judged first (the packet leaves before it arrives).
+        let denial = |side: &Side, selected: &str, dir: &str, peer: &str| match side {
+            Side::Decided(Decision::Denied(o)) => Some(format!("denied by {}", o.describe())),
+            Side::Decided(Decision::DefaultDenied {
+                isolated_by,
+                withheld_by,
+            }) => Some(format!(
+                "default deny: {selected} is selected by {}{dir} and no rule allows {peer}{}",
+                join(isolated_by),
+                withheld(withheld_by)
+            )),
+            _ => None,
+        };
+        if let Some(why) =
+            denial(&egress, &s, " for egress", &d).or_else(|| denial(&ingress, &d, "", &s))
         {
-            return (
-                "deny",
-                format!(
-                    "default deny: {s} is selected by {} for egress and no rule allows {d}{}",
-                    join(isolated_by),
-                    withheld(withheld_by)
-                ),
-            );
-        }
-        if let Side::Decided(Decision::Denied(o)) = &ingress {
-            return ("deny", format!("denied by {}", o.describe()));
-        }
-        if let Side::Decided(Decision::DefaultDenied {
-            isolated_by,
-            withheld_by,
-        }) = &ingress
-        {
-            return (
-                "deny",
-                format!(
-                    "default deny: {d} is selected by {} and no rule allows {s}{}",
-                    join(isolated_by),
-                    withheld(withheld_by)
-                ),
-            );
+            return ("deny", why);
         }
         let mut l7 = false;
         let mut part = |side: &Side, dir: &str, who: &str| -> String {
