@@ -217,31 +217,44 @@ pub fn label_key_error(key: &str) -> Option<String> {
             )
         }
     };
-    if let Some(p) = prefix {
-        if p.is_empty() {
-            return Some("prefix part must be non-empty".into());
-        }
-        if p.len() > MAX_LABEL_PREFIX {
-            return Some(format!(
-                "prefix part must be no more than {MAX_LABEL_PREFIX} characters"
-            ));
-        }
-        if !is_dns1123_subdomain(p) {
-            return Some("prefix part must be a lowercase RFC 1123 subdomain (lower-case alphanumeric characters, '-' or '.', each part starting and ending alphanumeric)".into());
-        }
+    let prefix_error = prefix.and_then(|p| {
+        part_error(
+            "prefix",
+            p,
+            MAX_LABEL_PREFIX,
+            is_dns1123_subdomain(p),
+            "be a lowercase RFC 1123 subdomain (lower-case alphanumeric characters, '-' or '.', each part starting and ending alphanumeric)",
+        )
+    });
+    prefix_error.or_else(|| {
+        part_error(
+            "name",
+            name,
+            MAX_LABEL_NAME,
+            is_qualified_token(name),
+            "consist of alphanumeric characters, '-', '_' or '.', and must start and end with an alphanumeric character",
+        )
+    })
+}
+
+/// Why one part of a label key is invalid: empty, longer than `max`, or not `well_formed`
+/// (`form` says what it must be).
+fn part_error(
+    part: &str,
+    value: &str,
+    max: usize,
+    well_formed: bool,
+    form: &str,
+) -> Option<String> {
+    if value.is_empty() {
+        Some(format!("{part} part must be non-empty"))
+    } else if value.len() > max {
+        Some(format!("{part} part must be no more than {max} characters"))
+    } else if !well_formed {
+        Some(format!("{part} part must {form}"))
+    } else {
+        None
     }
-    if name.is_empty() {
-        return Some("name part must be non-empty".into());
-    }
-    if name.len() > MAX_LABEL_NAME {
-        return Some(format!(
-            "name part must be no more than {MAX_LABEL_NAME} characters"
-        ));
-    }
-    if !is_qualified_token(name) {
-        return Some("name part must consist of alphanumeric characters, '-', '_' or '.', and must start and end with an alphanumeric character".into());
-    }
-    None
 }
 
 /// Why `value` is not a valid Kubernetes label value (apimachinery's `IsValidLabelValue`):
