@@ -61,6 +61,18 @@ fn setup() -> (tempfile::TempDir, PathBuf) {
     (dir, p)
 }
 
+/// Gives pod b (endpoint 2) the labels `labels`; returns its new identity.
+fn relabel_b(agent: &Agent, labels: &str) -> u64 {
+    let before = identity_of(agent, 2);
+    std::fs::write(
+        agent.manifests().join("cluster.yaml"),
+        CLUSTER.replace("labels: {app: b}", &format!("labels: {labels}")),
+    )
+    .unwrap();
+    agent.wait_until("b's identity changes", || identity_of(agent, 2) != before);
+    identity_of(agent, 2)
+}
+
 fn identity_of(agent: &Agent, id: u64) -> u64 {
     agent.endpoint(id)["identity"]
         .as_u64()
@@ -203,13 +215,7 @@ fn pod_label_changes_move_endpoints_between_identities() {
     agent.wait_realized(agent.revision());
     let before = identity_of(&agent, 2);
     // b's labels change: it gets a new identity and a stops allowing it.
-    std::fs::write(
-        agent.manifests().join("cluster.yaml"),
-        CLUSTER.replace("labels: {app: b}", "labels: {app: b2}"),
-    )
-    .unwrap();
-    agent.wait_until("b's identity changes", || identity_of(&agent, 2) != before);
-    let after = identity_of(&agent, 2);
+    let after = relabel_b(&agent, "{app: b2}");
     agent.wait_until("a's policy follows", || {
         !agent.entries(1).iter().any(|e| e.1 == before)
     });
@@ -605,13 +611,7 @@ spec:
     assert!(e.contains(&("ingress".into(), 1, 0, 0, false)), "{e:?}");
 
     // b gains group=A: its new identity meets the requirement and is admitted again.
-    std::fs::write(
-        agent.manifests().join("cluster.yaml"),
-        CLUSTER.replace("labels: {app: b}", "labels: {app: b, group: A}"),
-    )
-    .unwrap();
-    agent.wait_until("b's identity changes", || identity_of(&agent, 2) != id_b);
-    let id_b2 = identity_of(&agent, 2);
+    let id_b2 = relabel_b(&agent, "{app: b, group: A}");
     agent.wait_until("a admits b's new identity", || {
         agent
             .entries(1)

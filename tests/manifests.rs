@@ -167,6 +167,11 @@ fn load_all() -> Vec<(String, Object)> {
         .unwrap_or_else(|errors| panic!("invalid manifests:\n{}", errors.join("\n")))
 }
 
+/// The container's environment variable `name`.
+fn env<'a>(c: &'a Container, name: &str) -> Option<&'a k8s_openapi::api::core::v1::EnvVar> {
+    c.env.iter().flatten().find(|e| e.name == name)
+}
+
 /// The DaemonSet's pod template.
 fn pod_spec() -> PodSpec {
     let ds = daemonset();
@@ -365,11 +370,7 @@ fn daemonset_runs_the_agent_privileged_on_the_host_network() {
     ] {
         assert!(line.contains(flags), "{line} has {flags}");
     }
-    let node_name = agent
-        .env
-        .iter()
-        .flatten()
-        .find(|e| e.name == "NODE_NAME")
+    let node_name = env(agent, "NODE_NAME")
         .and_then(|e| e.value_from.as_ref())
         .and_then(|v| v.field_ref.as_ref())
         .expect("NODE_NAME from the downward API");
@@ -494,11 +495,7 @@ fn init_container_installs_the_plugin_and_the_readme_conflist() {
         "{script}"
     );
 
-    let conflist = init
-        .env
-        .iter()
-        .flatten()
-        .find(|e| e.name == "CNI_CONFLIST")
+    let conflist = env(init, "CNI_CONFLIST")
         .and_then(|e| e.value.as_deref())
         .expect("CNI_CONFLIST");
     let conflist: Value = serde_json::from_str(conflist).expect("conflist is JSON");
