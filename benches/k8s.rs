@@ -125,6 +125,32 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
 
+/// Starts the agent; `CILIATE_BENCH_WRAP` (e.g. `heaptrack -o /tmp/agent`) runs it under a
+/// profiler, to see where its bytes go (the RSS figures are then the profiler's).
+fn start_agent(dir: &std::path::Path, kubeconfig: &std::path::Path) -> Agent {
+    let extra = ["--datapath", "memory"];
+    let Ok(wrap) = std::env::var("CILIATE_BENCH_WRAP") else {
+        return Agent::start_kubernetes(dir, kubeconfig, &extra);
+    };
+    let mut args = vec!["--mode", "kubernetes", "--kubeconfig"];
+    args.push(kubeconfig.to_str().expect("UTF-8 path"));
+    args.extend(extra);
+    let (socket, debug) = (
+        dir.join("ciliate.sock"),
+        format!("127.0.0.1:{}", agent::free_port()),
+    );
+    let plain = Agent::command(dir, &socket, &debug, &args);
+    let mut words = wrap.split_whitespace();
+    let mut cmd = std::process::Command::new(words.next().expect("a wrapper command"));
+    cmd.args(words)
+        .arg(plain.get_program())
+        .args(plain.get_args())
+        .env("RUST_LOG", "info");
+    let a = Agent::spawn_command(dir, socket, debug, &mut cmd);
+    a.wait_until("the agent is ready", || a.http_get("/readyz").0 == 200);
+    a
+}
+
 fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
@@ -167,7 +193,7 @@ fn main() {
 
     // The harness starts the agent (node-1) and returns once /readyz answers (polled every 50 ms).
     let started = Instant::now();
-    let agent = Agent::start_kubernetes(tmp.path(), &kubeconfig, &["--datapath", "memory"]);
+    let agent = start_agent(tmp.path(), &kubeconfig);
     let sync = started.elapsed();
     let pid = agent.child.as_ref().map_or(0, |c| c.id());
     let (rss, hwm) = (rss_kib(pid, "VmRSS:"), rss_kib(pid, "VmHWM:"));

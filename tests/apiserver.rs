@@ -222,6 +222,58 @@ async fn kube_client_crud_on_pods() {
     );
 }
 
+/// Lists are paged as the API server pages them (`limit`, `continue`): kube-rs walks the pages,
+/// each carries the first page's resourceVersion, and a selector applies across pages.
+#[tokio::test]
+async fn lists_are_paged_with_limit_and_continue() {
+    let server = TestApiServer::start().expect("server");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pods: Api<Pod> = Api::namespaced(client(&server, dir.path()).await, "default");
+    for i in 0..7 {
+        let app = if i % 2 == 0 { "web" } else { "db" };
+        pods.create(&PostParams::default(), &pod(&format!("p{i}"), app))
+            .await
+            .expect("create");
+    }
+    let mut seen = Vec::new();
+    let mut params = ListParams::default().limit(3);
+    let mut first_rv = None;
+    loop {
+        let page = pods.list(&params).await.expect("a page");
+        assert!(page.items.len() <= 3, "at most the limit");
+        let rv = page.metadata.resource_version.clone();
+        first_rv.get_or_insert(rv.clone());
+        assert_eq!(
+            Some(&rv),
+            first_rv.as_ref(),
+            "every page has the first page's version"
+        );
+        seen.extend(page.items.iter().map(|p| name(p).to_string()));
+        // A change between pages does not disturb the walk.
+        if seen.len() == 3 {
+            pods.create(&PostParams::default(), &pod("q", "web"))
+                .await
+                .expect("create q");
+        }
+        match page.metadata.continue_ {
+            Some(token) if !token.is_empty() => params = params.continue_token(&token),
+            _ => break,
+        }
+    }
+    assert_eq!(seen[..7], ["p0", "p1", "p2", "p3", "p4", "p5", "p6"]);
+    let web = pods
+        .list(&ListParams::default().labels("app=web").limit(2))
+        .await
+        .expect("list");
+    assert_eq!(web.items.len(), 2);
+    assert!(web.metadata.continue_.is_some(), "more web pods remain");
+    let bad = pods
+        .list(&ListParams::default().continue_token("nonsense"))
+        .await
+        .unwrap_err();
+    assert_eq!(api_code(bad), 400);
+}
+
 #[tokio::test]
 async fn kube_client_crd_backed_cilium_network_policy() {
     let server = TestApiServer::start().expect("server");

@@ -114,6 +114,9 @@ impl RuleReactionActor {
                 .do_send(UpdateIpcache { changes: p.ipcache }, NAME);
         }
         if p.set_ready {
+            // The initial sync's transient objects (watch pages, converted copies) are freed:
+            // hand the memory back to the system rather than keep it as the agent's RSS.
+            crate::runtime::release_free_memory();
             self.shared.bootstrap.ready(&self.shared.metrics);
             self.shared.ready.store(true, Ordering::SeqCst);
             tracing::info!(

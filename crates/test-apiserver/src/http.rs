@@ -258,13 +258,32 @@ fn resource(
             if watching {
                 return watch(data, rt, filter, &query);
             }
-            let (items, rv) = store.list(&rt, &filter);
+            // Paged as the API server pages (`limit`, `continue`): every page carries the
+            // resourceVersion of the first, so a watch from it misses nothing changed meanwhile.
+            let limit =
+                match query.get("limit") {
+                    Some(l) => Some(l.parse::<usize>().map_err(|_| {
+                        ApiError::BadRequest(format!("limit {l:?} is not a number"))
+                    })?),
+                    None => None,
+                };
+            let from = match query.get("continue").filter(|c| !c.is_empty()) {
+                Some(token) => Some(parse_continue(token)?),
+                None => None,
+            };
+            let after = from.as_ref().map(|(_, key)| key);
+            let (items, now, last) = store.list_page(&rt, &filter, after, limit);
+            let rv = from.as_ref().map_or(now, |(rv, _)| *rv);
+            let mut metadata = json!({"resourceVersion": rv.to_string()});
+            if let Some((ns, name)) = last {
+                metadata["continue"] = json!(format!("{rv}.{}.{}", hex(&ns), hex(&name)));
+            }
             Ok(json_reply(
                 StatusCode::OK,
                 &json!({
                     "kind": format!("{}List", rt.kind),
                     "apiVersion": rt.api_version(),
-                    "metadata": {"resourceVersion": rv.to_string()},
+                    "metadata": metadata,
                     "items": items,
                 }),
             ))
@@ -457,4 +476,26 @@ impl Feed {
             }
         }
     }
+}
+
+fn hex(s: &str) -> String {
+    s.bytes().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Option<String> {
+    let bytes: Option<Vec<u8>> = (0..s.len())
+        .step_by(2)
+        .map(|i| s.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok()))
+        .collect();
+    String::from_utf8(bytes?).ok()
+}
+
+/// A `continue` token of this server: the first page's resourceVersion and the last key given.
+fn parse_continue(token: &str) -> Result<(u64, (String, String)), ApiError> {
+    let bad = || ApiError::BadRequest(format!("continue token {token:?} is not valid"));
+    let mut parts = token.splitn(3, '.');
+    let rv = parts.next().and_then(|r| r.parse().ok()).ok_or_else(bad)?;
+    let ns = parts.next().and_then(unhex).ok_or_else(bad)?;
+    let name = parts.next().and_then(unhex).ok_or_else(bad)?;
+    Ok((rv, (ns, name)))
 }

@@ -307,18 +307,44 @@ impl Store {
 
     /// The selected objects and the list's resourceVersion.
     pub fn list(&self, rt: &ResourceType, filter: &Filter) -> (Vec<Value>, u64) {
+        let (items, rv, _) = self.list_page(rt, filter, None, None);
+        (items, rv)
+    }
+
+    /// One page of a list (`limit`/`continue`): the selected objects after the key `after`, in
+    /// key order, at most `limit` of them, the current resourceVersion, and the key of the last
+    /// one when more remain.
+    pub fn list_page(
+        &self,
+        rt: &ResourceType,
+        filter: &Filter,
+        after: Option<&(String, String)>,
+        limit: Option<usize>,
+    ) -> (Vec<Value>, u64, Option<(String, String)>) {
         let st = self.lock();
-        let items = st
-            .objects
-            .get(&rt.storage_key())
-            .map(|m| {
-                m.values()
-                    .filter(|o| filter.matches(o))
-                    .map(|o| present(rt, o))
-                    .collect()
-            })
-            .unwrap_or_default();
-        (items, st.rv)
+        let Some(objects) = st.objects.get(&rt.storage_key()) else {
+            return (Vec::new(), st.rv, None);
+        };
+        let range = match after {
+            Some(k) => objects.range::<(String, String), _>((
+                std::ops::Bound::Excluded(k),
+                std::ops::Bound::Unbounded,
+            )),
+            None => objects.range::<(String, String), _>(..),
+        };
+        let limit = limit.filter(|l| *l > 0).unwrap_or(usize::MAX);
+        let mut items = Vec::new();
+        let mut last = None;
+        let mut selected = range.filter(|(_, o)| filter.matches(o));
+        for (k, o) in selected.by_ref() {
+            items.push(present(rt, o));
+            last = Some(k.clone());
+            if items.len() == limit {
+                break;
+            }
+        }
+        let more = items.len() == limit && selected.next().is_some();
+        (items, st.rv, if more { last } else { None })
     }
 
     /// One object (`ns` is "" for cluster-scoped types).
