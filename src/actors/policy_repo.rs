@@ -341,7 +341,7 @@ impl PolicyRepoActor {
             return false;
         };
         let (labels, ports) = match self.index.pod(&entry.record.name) {
-            Some(p) => (p.labels.clone(), p.info.named_ports.clone()),
+            Some(p) => (self.index.pod_labels(&p.info), p.info.named_ports.clone()),
             None => return false, // keep what it has (restored, or pod deleted: stays until the endpoint is)
         };
         if entry.labels == labels && entry.named_ports == ports && entry.record.identity.is_some() {
@@ -447,7 +447,7 @@ impl PolicyRepoActor {
             let pod_state = self
                 .index
                 .pod(&key)
-                .map(|p| (p.labels.clone(), p.info.named_ports.clone()));
+                .map(|p| (self.index.pod_labels(&p.info), p.info.named_ports.clone()));
             let mut engine = self.engine_mut();
             match (pod_state, &restore) {
                 (Some((labels, ports)), _) => {

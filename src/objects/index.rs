@@ -20,11 +20,11 @@ use crate::policy::identity::{NumericIdentity, IDENTITY_HOST, IDENTITY_REMOTE_NO
 use crate::policy::ipcache::IpcacheChange;
 use crate::policy::labels::Labels;
 
-/// A pod as the index holds it.
+/// A pod as the index holds it. Its label set is not kept per pod: pods of one deployment
+/// share it through their identity (`PolicyEngine::identity`), and `pod_labels` derives it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PodRecord {
     pub info: PodInfo,
-    pub labels: Labels,
     pub identity: NumericIdentity,
 }
 
@@ -104,7 +104,9 @@ impl ClusterIndex {
         });
         let old = self.pods.get(key);
         if let (Some(o), Some((ni, nl))) = (old, &new) {
-            if o.info == *ni && o.labels == *nl {
+            // Unchanged when the labels it has now still name the identity it holds (a
+            // namespace's label change re-applies its pods with the same info).
+            if o.info == *ni && engine.identities().lookup_labels(nl) == Some(o.identity) {
                 return change;
             }
         }
@@ -124,11 +126,7 @@ impl ClusterIndex {
             change
                 .affected
                 .extend(engine.endpoints_affected_by_identity(identity));
-            PodRecord {
-                info,
-                labels,
-                identity,
-            }
+            PodRecord { info, identity }
         });
         if let Some(o) = &old {
             change
@@ -339,9 +337,7 @@ mod tests {
             ix.pod("y/a").unwrap().identity,
         );
         assert!(ix
-            .pod("x/a")
-            .unwrap()
-            .labels
+            .pod_labels(&ix.pod("x/a").unwrap().info)
             .to_strings()
             .iter()
             .any(|l| l.contains("team=red")));
