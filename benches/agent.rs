@@ -48,7 +48,7 @@ fn local_pod(i: usize) -> PodInfo {
     PodInfo {
         namespace: format!("ns-{}", i % NAMESPACES),
         name: format!("e-{i}"),
-        labels,
+        labels: labels.into(),
         ips: vec![local_ip(i).parse().unwrap()],
         node: Some("node-1".into()),
         service_account: "default".into(),
@@ -61,7 +61,7 @@ fn remote_pod(i: usize) -> PodInfo {
     PodInfo {
         namespace: format!("ns-{}", i % NAMESPACES),
         name: format!("r-{i}"),
-        labels,
+        labels: labels.into(),
         ips: vec![remote_ip(i).parse().unwrap()],
         node: Some("node-2".into()),
         service_account: "default".into(),

@@ -10,7 +10,8 @@
 //! - Identities are reference-counted by the engine: every allocation here is released when
 //!   the pod goes or moves to another identity.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::sync::Arc;
 
 use ipnet::IpNet;
 
@@ -58,6 +59,8 @@ impl IndexChange {
 pub struct ClusterIndex {
     namespaces: HashMap<String, NamespaceInfo>,
     pods: HashMap<String, PodRecord>,
+    /// One copy of each distinct pod label map, shared by the pods that have it.
+    label_maps: HashSet<Arc<BTreeMap<String, String>>>,
     nodes: BTreeMap<String, NodeInfo>,
 }
 
@@ -74,6 +77,26 @@ impl ClusterIndex {
         &self.nodes
     }
 
+    /// The shared copy of a pod label map equal to `labels`.
+    fn shared_labels(
+        &mut self,
+        labels: Arc<BTreeMap<String, String>>,
+    ) -> Arc<BTreeMap<String, String>> {
+        if let Some(shared) = self.label_maps.get(&labels) {
+            return shared.clone();
+        }
+        self.label_maps.insert(labels.clone());
+        labels
+    }
+
+    /// A removed pod's label map (`labels`, still held by the removed record): the shared copy
+    /// goes when no other pod holds it (held by the set and the removed record only).
+    fn forget_labels(&mut self, labels: &Arc<BTreeMap<String, String>>) {
+        if Arc::strong_count(labels) <= 2 {
+            self.label_maps.remove(labels);
+        }
+    }
+
     /// The identity labels of a pod: its own, its namespace's, its service account.
     pub fn pod_labels(&self, info: &PodInfo) -> Labels {
         let empty = BTreeMap::new();
@@ -84,7 +107,7 @@ impl ClusterIndex {
             .unwrap_or(&empty);
         Labels::for_pod(
             &info.namespace,
-            &info.labels,
+            info.labels.as_ref(),
             ns_labels,
             Some(&info.service_account),
         )
@@ -98,7 +121,8 @@ impl ClusterIndex {
         info: Option<PodInfo>,
     ) -> IndexChange {
         let mut change = IndexChange::default();
-        let new = info.map(|i| {
+        let new = info.map(|mut i| {
+            i.labels = self.shared_labels(i.labels);
             let labels = self.pod_labels(&i);
             (i, labels)
         });
@@ -140,6 +164,7 @@ impl ClusterIndex {
                 }
             }
             engine.release_identity(o.identity);
+            self.forget_labels(&o.info.labels);
         }
         if let Some(r) = new_rec {
             self.pods.insert(key.to_string(), r);
@@ -235,7 +260,7 @@ mod tests {
         PodInfo {
             namespace: ns.into(),
             name: name.into(),
-            labels: [("app".to_string(), app.to_string())].into(),
+            labels: Arc::new([("app".to_string(), app.to_string())].into()),
             ips: vec![ip.parse().unwrap()],
             node: None,
             service_account: "default".into(),
@@ -291,6 +316,14 @@ mod tests {
         assert_eq!(ix.pod("x/a2").unwrap().identity, id);
         let again = ix.apply_pod(&mut engine, "x/a", Some(mk_pod("x", "a", "a", "10.0.0.1")));
         assert!(again.is_empty());
+        // ... and one copy of their label map, dropped with the last pod that has it.
+        let (a, a2) = (ix.pod("x/a").unwrap(), ix.pod("x/a2").unwrap());
+        assert!(Arc::ptr_eq(&a.info.labels, &a2.info.labels));
+        assert_eq!(ix.label_maps.len(), 1);
+        ix.apply_pod(&mut engine, "x/a", None);
+        assert_eq!(ix.label_maps.len(), 1, "x/a2 still has it");
+        ix.apply_pod(&mut engine, "x/a2", None);
+        assert!(ix.label_maps.is_empty());
     }
 
     #[test]

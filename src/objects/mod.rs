@@ -27,7 +27,9 @@ pub type ObjectName = String;
 pub struct PodInfo {
     pub namespace: String,
     pub name: String,
-    pub labels: BTreeMap<String, String>,
+    /// Shared: the cluster index keeps one copy per distinct label map (the pods of a
+    /// deployment have the same), not one per pod.
+    pub labels: std::sync::Arc<BTreeMap<String, String>>,
     pub ips: Vec<IpAddr>,
     pub node: Option<String>,
     pub service_account: String,
@@ -227,7 +229,7 @@ pub fn pod_info(pod: &Pod, default_namespace: &str) -> Result<PodInfo, String> {
     Ok(PodInfo {
         namespace,
         name,
-        labels,
+        labels: std::sync::Arc::new(labels),
         ips,
         node: spec.and_then(|s| s.node_name.clone()),
         service_account: spec
