@@ -799,8 +799,13 @@ impl PolicyRepoActor {
 }
 
 impl PolicyRepoActor {
-    /// Hands the node set to the route reconciler (it keeps only the newest).
+    /// Hands the node set to the route reconciler (it keeps only the newest, and applies
+    /// nothing before the initial sync): during the initial sync the set is sent once, at its
+    /// end, not once per node (a 5,000-node cluster would copy 25 million nodes).
     fn publish_nodes(&self) {
+        if !self.initial_sync_done {
+            return;
+        }
         self.shared.nodes.send_replace(
             self.index
                 .nodes()
@@ -855,14 +860,23 @@ impl Handler<InitialSyncDone> for PolicyRepoActor {
         if self.initial_sync_done {
             return;
         }
+        self.after_initial_sync();
+    }
+}
+
+impl PolicyRepoActor {
+    /// The initial state is in: publish the nodes, give restored endpoints their pods'
+    /// identities, and regenerate every endpoint (the reaction reports ready when done).
+    fn after_initial_sync(&mut self) {
         self.initial_sync_done = true;
+        self.publish_nodes();
         self.shared.bootstrap.synced(&self.shared.metrics);
         let ipcache = self.refresh_all_identities();
-        let revision = self.engine().revision();
+        let (revision, endpoints) = (self.engine().revision(), self.endpoints.len());
         let to_regenerate = self.endpoints_with_identity();
         tracing::info!(
             revision,
-            endpoints = self.endpoints.len(),
+            endpoints,
             "initial sync done; regenerating endpoints"
         );
         self.reaction.do_send(
