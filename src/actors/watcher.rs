@@ -308,12 +308,10 @@ impl Feed {
             }
         }
         for u in delta.upserts {
-            match convert(&u.key, &u.body) {
+            match convert(&u.key, &u.body, &u.location) {
                 Ok(item) => {
                     self.usable(&u.key);
-                    let out =
-                        self.feed
-                            .upsert(&object_key(&u.key), item, Origin::file(&u.location));
+                    let out = self.feed.upsert(&object_key(&u.key), item);
                     self.send(out);
                 }
                 Err(e) => self.unusable(&u.key, &u.location, e),
@@ -366,7 +364,7 @@ fn object_key(k: &ObjKey) -> String {
 
 /// Reads a document into what the agent uses. Policies are validated by the feed (a rejected
 /// policy is the repository's to record); anything else that does not read is unusable.
-fn convert(k: &ObjKey, body: &Body) -> Result<Item, String> {
+fn convert(k: &ObjKey, body: &Body, location: &str) -> Result<Item, String> {
     let value: Value = serde_yaml::from_str(body).map_err(|e| e.to_string())?;
     let ns = &k.namespace;
     fn read<T: serde::de::DeserializeOwned>(v: Value) -> Result<T, String> {
@@ -380,7 +378,7 @@ fn convert(k: &ObjKey, body: &Body) -> Result<Item, String> {
             endpoint_slice_info(&read::<EndpointSlice>(value)?).map(Item::EndpointSlice)
         }
         Some(Kind::Pod) => pod_info(&read::<Pod>(value)?, ns).map(Item::Pod),
-        Some(policy) => Ok(Item::Policy(policy, value)),
+        Some(policy) => Ok(Item::Policy(policy, value, Origin::file(location))),
         None => Err(format!("kind {} is not watched", k.kind)),
     }
 }
