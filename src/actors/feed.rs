@@ -46,8 +46,8 @@ pub enum Item {
     EndpointSlice(EndpointSliceInfo),
     Pod(PodInfo),
     /// A policy document as `parse_policy` reads it (status and bookkeeping left out), with its
-    /// kind and where it came from (only policies carry an origin: it names their errors).
-    Policy(Kind, Value, Origin),
+    /// kind.
+    Policy(Kind, Value),
 }
 
 impl Item {
@@ -58,22 +58,21 @@ impl Item {
             Item::Service(_) => Kind::Service,
             Item::EndpointSlice(_) => Kind::EndpointSlice,
             Item::Pod(_) => Kind::Pod,
-            Item::Policy(k, _, _) => *k,
+            Item::Policy(k, _) => *k,
         }
     }
 
     fn content_hash(&self) -> u64 {
         let mut h = std::collections::hash_map::DefaultHasher::new();
         match self {
-            // Where it came from is not content: the same policy from elsewhere is no change.
-            Item::Policy(k, doc, _) => (k, doc).hash(&mut h),
+            Item::Policy(k, doc) => (k, doc).hash(&mut h),
             other => format!("{other:?}").hash(&mut h),
         }
         h.finish()
     }
 }
 
-/// Where a policy came from: `location` names it in errors and warnings (a file and document,
+/// Where an object came from: `location` names it in errors and warnings (a file and document,
 /// or `Kind ns/name`), `source` is what policy status shows (the file, or `kubernetes`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Origin {
@@ -139,7 +138,7 @@ pub struct WatchFeed {
     /// Hash of what was last sent, per object.
     known: HashMap<Key, u64>,
     /// Until the initial sync is complete: the latest state of each object.
-    held: Option<BTreeMap<Key, Item>>,
+    held: Option<BTreeMap<Key, (Item, Origin)>>,
     /// Services and their EndpointSlice backends, for `toServices`.
     tracker: ServiceTracker,
     /// Policies that use `toServices`, translated again when a service or its backends change.
@@ -160,13 +159,13 @@ impl WatchFeed {
     }
 
     /// An object appeared or changed.
-    pub fn upsert(&mut self, key: &str, item: Item) -> Vec<ToRepo> {
+    pub fn upsert(&mut self, key: &str, item: Item, origin: Origin) -> Vec<ToRepo> {
         let k = (item.kind(), key.to_string());
         let hash = item.content_hash();
         if self.known.insert(k.clone(), hash) == Some(hash) {
             return Vec::new();
         }
-        self.emit(k, Some(item))
+        self.emit(k, Some((item, origin)))
     }
 
     /// An object went away.
@@ -216,7 +215,7 @@ impl WatchFeed {
         self.tracker.table()
     }
 
-    fn emit(&mut self, k: Key, state: Option<Item>) -> Vec<ToRepo> {
+    fn emit(&mut self, k: Key, state: Option<(Item, Origin)>) -> Vec<ToRepo> {
         if let Some(held) = &mut self.held {
             // Nothing was delivered yet: a delete only takes back what is held.
             match state {
@@ -228,9 +227,9 @@ impl WatchFeed {
         self.deliver(k, state)
     }
 
-    fn deliver(&mut self, (kind, key): Key, state: Option<Item>) -> Vec<ToRepo> {
+    fn deliver(&mut self, (kind, key): Key, state: Option<(Item, Origin)>) -> Vec<ToRepo> {
         let (namespace, name) = key.split_once('/').unwrap_or(("", &key));
-        let item = match state {
+        let (item, origin) = match state {
             Some(s) => s,
             None => return self.deleted(kind, namespace, name, &key),
         };
@@ -247,7 +246,7 @@ impl WatchFeed {
                 self.translate_again(changed)
             }
             Item::EndpointSlice(slice) => self.set_slice(namespace, name, Some(slice)),
-            Item::Policy(_, doc, origin) => self.translate((kind, key.clone()), doc, origin),
+            Item::Policy(_, doc) => self.translate((kind, key.clone()), doc, origin),
         }
     }
 
@@ -383,7 +382,6 @@ mod tests {
         Item::Policy(
             Kind::CiliumNetworkPolicy,
             serde_yaml::from_str(&doc).unwrap(),
-            Origin::file(&format!("{name}.yaml")),
         )
     }
 
@@ -407,9 +405,10 @@ mod tests {
     #[test]
     fn the_initial_state_is_held_and_sent_in_apply_order() {
         let mut f = WatchFeed::new(None);
-        assert!(f.upsert("x/p", cnp("p", ALLOW_ALL)).is_empty());
-        assert!(f.upsert("x", namespace("x")).is_empty());
-        assert!(f.upsert("gone", namespace("gone")).is_empty());
+        let o = || Origin::api(Kind::Namespace, "a");
+        assert!(f.upsert("x/p", cnp("p", ALLOW_ALL), o()).is_empty());
+        assert!(f.upsert("x", namespace("x"), o()).is_empty());
+        assert!(f.upsert("gone", namespace("gone"), o()).is_empty());
         assert!(f.delete(Kind::Namespace, "gone").is_empty());
         assert!(!f.is_synced());
         assert_eq!(
@@ -419,7 +418,7 @@ mod tests {
         );
         assert!(f.is_synced() && f.synced().is_empty());
         assert_eq!(
-            names(&f.upsert("y", namespace("y"))),
+            names(&f.upsert("y", namespace("y"), o())),
             ["ns+ y"],
             "after the sync, changes go at once"
         );
@@ -429,8 +428,9 @@ mod tests {
     fn unchanged_objects_and_unknown_deletes_send_nothing() {
         let mut f = WatchFeed::new(None);
         f.synced();
-        assert_eq!(names(&f.upsert("x/p", cnp("p", ALLOW_ALL))).len(), 1);
-        assert!(f.upsert("x/p", cnp("p", ALLOW_ALL)).is_empty());
+        let o = || Origin::file("a.yaml");
+        assert_eq!(names(&f.upsert("x/p", cnp("p", ALLOW_ALL), o())).len(), 1);
+        assert!(f.upsert("x/p", cnp("p", ALLOW_ALL), o()).is_empty());
         assert!(f.delete(Kind::CiliumNetworkPolicy, "x/q").is_empty());
         assert_eq!(f.keys(Kind::CiliumNetworkPolicy), ["x/p"]);
         assert_eq!(
@@ -444,23 +444,24 @@ mod tests {
     fn to_services_policies_are_translated_again_when_a_service_changes() {
         let mut f = WatchFeed::new(None);
         f.synced();
+        let o = || Origin::api(Kind::CiliumNetworkPolicy, "x/p");
         assert_eq!(
-            names(&f.upsert("x/p", cnp("p", TO_SERVICES))),
+            names(&f.upsert("x/p", cnp("p", TO_SERVICES), o())),
             ["policy+ x/p"]
         );
-        assert_eq!(names(&f.upsert("x/q", cnp("q", ALLOW_ALL))).len(), 1);
+        assert_eq!(names(&f.upsert("x/q", cnp("q", ALLOW_ALL), o())).len(), 1);
         assert_eq!(
-            names(&f.upsert("x/db", service("db", "db"))),
+            names(&f.upsert("x/db", service("db", "db"), o())),
             ["policy+ x/p"],
             "only the policy that uses toServices"
         );
         assert!(
-            f.upsert("x/db", service("db", "db")).is_empty(),
+            f.upsert("x/db", service("db", "db"), o()).is_empty(),
             "the same service again changes nothing"
         );
         assert_eq!(names(&f.delete(Kind::Service, "x/db")), ["policy+ x/p"]);
         f.delete(Kind::CiliumNetworkPolicy, "x/p");
-        assert!(f.upsert("x/db", service("db", "db")).is_empty());
+        assert!(f.upsert("x/db", service("db", "db"), o()).is_empty());
     }
 
     #[test]
@@ -469,11 +470,8 @@ mod tests {
         f.synced();
         let out = f.upsert(
             "x/bad",
-            cnp(
-                "bad",
-                "  endpointSelector: {matchLabels: 5}
-",
-            ),
+            cnp("bad", "  endpointSelector: {matchLabels: 5}\n"),
+            Origin::file("bad.yaml"),
         );
         assert_eq!(names(&out), ["rejected x/bad"]);
         match &out[0] {

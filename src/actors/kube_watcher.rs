@@ -292,7 +292,10 @@ impl KubeWatcherActor {
             }
         };
         let (out, what) = match item {
-            Some(item) if !deleted => (self.feed.upsert(&key, item), "applied"),
+            Some(item) if !deleted => (
+                self.feed.upsert(&key, item, Origin::api(resource, &key)),
+                "applied",
+            ),
             _ => (self.feed.delete(resource, &key), "deleted"),
         };
         self.send_as(|| format!("{resource} {key} {what}"), out);
@@ -439,11 +442,7 @@ fn convert(resource: Watched, obj: &Object) -> Result<(String, Option<Item>), (S
         // A host-network or finished pod: no identity.
         Object::Pod(o) if pod_is_ignored(o) => return Ok((key, None)),
         Object::Pod(o) => Item::Pod(pod_info(o, DEFAULT_NAMESPACE).map_err(named)?),
-        Object::Policy(o) => Item::Policy(
-            resource,
-            policy_document(resource, o),
-            Origin::api(resource, &key),
-        ),
+        Object::Policy(o) => Item::Policy(resource, policy_document(resource, o)),
     };
     Ok((key, Some(item)))
 }

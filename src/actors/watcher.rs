@@ -308,10 +308,12 @@ impl Feed {
             }
         }
         for u in delta.upserts {
-            match convert(&u.key, &u.body, &u.location) {
+            match convert(&u.key, &u.body) {
                 Ok(item) => {
                     self.usable(&u.key);
-                    let out = self.feed.upsert(&object_key(&u.key), item);
+                    let out =
+                        self.feed
+                            .upsert(&object_key(&u.key), item, Origin::file(&u.location));
                     self.send(out);
                 }
                 Err(e) => self.unusable(&u.key, &u.location, e),
@@ -364,7 +366,7 @@ fn object_key(k: &ObjKey) -> String {
 
 /// Reads a document into what the agent uses. Policies are validated by the feed (a rejected
 /// policy is the repository's to record); anything else that does not read is unusable.
-fn convert(k: &ObjKey, body: &Body, location: &str) -> Result<Item, String> {
+fn convert(k: &ObjKey, body: &Body) -> Result<Item, String> {
     let value: Value = serde_yaml::from_str(body).map_err(|e| e.to_string())?;
     let ns = &k.namespace;
     fn read<T: serde::de::DeserializeOwned>(v: Value) -> Result<T, String> {
@@ -378,7 +380,7 @@ fn convert(k: &ObjKey, body: &Body, location: &str) -> Result<Item, String> {
             endpoint_slice_info(&read::<EndpointSlice>(value)?).map(Item::EndpointSlice)
         }
         Some(Kind::Pod) => pod_info(&read::<Pod>(value)?, ns).map(Item::Pod),
-        Some(policy) => Ok(Item::Policy(policy, value, Origin::file(location))),
+        Some(policy) => Ok(Item::Policy(policy, value)),
         None => Err(format!("kind {} is not watched", k.kind)),
     }
 }
