@@ -42,6 +42,7 @@ const volatile __u32 ENDPOINT_ID = 0;
 #include "lib/events.h"
 #include "lib/conntrack.h"
 #include "lib/hostroute.h"
+#include "lib/dnsproxy.h"
 
 /* The endpoint's verdict on a packet (TC_ACT_OK or TC_ACT_SHOT). from_device: the packet came
  * to the node's device and has not met the host stack (from_netdev); then TC_ACT_UNSPEC means
@@ -104,6 +105,8 @@ static __always_inline int decide(struct __sk_buff *skb, __u32 ep, int egress, i
 			ct->closing = 1;
 		__sync_fetch_and_add(&ct->packets, 1);
 		count(CILIATE_ALLOW_ESTABLISHED);
+		if (ct->dns_proxy)
+			return dns_redirect(skb, &p, ep);
 		/* The opening direction: the pod's own packets, or what arrives for it as it did. */
 		*bypass = 1;
 		return TC_ACT_OK;
@@ -164,9 +167,12 @@ static __always_inline int decide(struct __sk_buff *skb, __u32 ep, int egress, i
 	nv.egress = egress;
 	nv.closing = closing;
 	nv.direct = from_device;
-	*bypass = egress || from_device;
+	nv.dns_proxy = to_dns_proxy(info, &p, egress);
+	*bypass = (egress || from_device) && !nv.dns_proxy;
 	if (ct_create(&p, ep, &nv))
 		count(CILIATE_CT_FULL);
+	if (nv.dns_proxy)
+		return dns_redirect(skb, &p, ep);
 	return TC_ACT_OK;
 }
 

@@ -28,6 +28,9 @@
 #define CILIATE_EP_SPLIT_LENS 0x8
 /* Audit mode: a would-be policy drop passes and is reported as an audit verdict. */
 #define CILIATE_EP_AUDIT 0x10
+/* Egress policy has DNS rules: allowed DNS (UDP and TCP 53) goes to the DNS proxy. */
+#define CILIATE_EP_DNS_PROXY 0x20
+#define CILIATE_DNS_PORT 53
 
 /* Probe-mask bits: bit n (0..16) = entries of one protocol with port prefix length n (0 = the
  * whole protocol); this bit = entries for every protocol (protocol 0). */
@@ -150,7 +153,9 @@ struct ct_value {
 	 * Connections that came in through the stack (0) reply through it, which translates back
 	 * whatever it translated (a kube-proxy NodePort or hostPort DNAT). */
 	__u8 direct;
-	__u8 pad[4];
+	/* The connection goes to the DNS proxy (CILIATE_EP_DNS_PROXY when it opened). */
+	__u8 dns_proxy;
+	__u8 pad[3];
 };
 
 /* Conntrack expiry (Cilium's defaults), applied by the agent's garbage collector: an entry not
@@ -188,6 +193,15 @@ struct local_endpoint {
 	__u32 ifindex;     /* the host side of the pod's veth */
 	__u8 mac[6];       /* the pod's interface */
 	__u8 node_mac[6];  /* the host side, the pod's gateway */
+};
+
+/* The DNS proxy's transparent sockets (array, one element), written by the proxy process:
+ * ports in host byte order, and the mark its policy-routing rule delivers locally. mark 0: no
+ * proxy runs, and DNS of endpoints with DNS rules is dropped (fail closed). */
+struct dns_proxy_config {
+	__u16 udp_port;
+	__u16 tcp_port;
+	__u32 mark;
 };
 
 /* Datapath-wide settings (array, one element). */

@@ -56,6 +56,7 @@ const ISOLATED_IN: EndpointFlags = EndpointFlags {
     ingress_cookie: 0,
     egress_cookie: 0,
     audit: false,
+    dns_proxy: false,
 };
 const ISOLATED_BOTH: EndpointFlags = EndpointFlags {
     ingress_default_deny: true,
@@ -64,6 +65,7 @@ const ISOLATED_BOTH: EndpointFlags = EndpointFlags {
     ingress_cookie: 0,
     egress_cookie: 0,
     audit: false,
+    dns_proxy: false,
 };
 const OPEN: EndpointFlags = EndpointFlags {
     ingress_default_deny: false,
@@ -72,6 +74,7 @@ const OPEN: EndpointFlags = EndpointFlags {
     ingress_cookie: 0,
     egress_cookie: 0,
     audit: false,
+    dns_proxy: false,
 };
 
 #[test]

@@ -56,4 +56,6 @@ struct {
 
 PINNED_MAP(BPF_MAP_TYPE_ARRAY, 1, __u32, struct datapath_config, 0) settings SEC(".maps");
 
+PINNED_MAP(BPF_MAP_TYPE_ARRAY, 1, __u32, struct dns_proxy_config, 0) dns_proxy SEC(".maps");
+
 #endif /* CILIATE_LIB_MAPS_H */

@@ -198,6 +198,7 @@ pub const EP_EGRESS_DEFAULT_DENY: u32 = 0x2;
 pub const EP_DROP_ALL: u32 = 0x4;
 pub const EP_SPLIT_LENS: u32 = 0x8;
 pub const EP_AUDIT: u32 = 0x10;
+pub const EP_DNS_PROXY: u32 = 0x20;
 /// Probe-mask bit for entries of every protocol (`CILIATE_LENS_ALL_PROTOCOLS`).
 pub const LENS_ALL_PROTOCOLS: u32 = 1 << 17;
 
@@ -287,6 +288,7 @@ pod_types!(
     ct_value,
     verdict_event,
     datapath_config,
+    dns_proxy_config,
     local_endpoint
 );
 

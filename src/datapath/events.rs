@@ -185,9 +185,40 @@ pub struct Notification {
     pub endpoints: Option<usize>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// A DNS verdict (`type: dns`).
+    #[serde(default, flatten, skip_serializing_if = "Option::is_none")]
+    pub dns: Option<DnsFields>,
+}
+
+/// The fields of a `dns` notification (interfaces.md section 9).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DnsFields {
+    /// `namespace/name`.
+    pub pod: String,
+    pub query: String,
+    pub qtype: String,
+    pub answers: Vec<String>,
+    /// `forwarded` or `refused`.
+    pub verdict: String,
+    pub policies: Vec<String>,
 }
 
 impl Notification {
+    /// The DNS proxy's verdict on one query.
+    pub fn dns(endpoint: u32, fields: DnsFields) -> Self {
+        Notification {
+            kind: "dns".into(),
+            action: fields.verdict.clone(),
+            policy: None,
+            endpoint: Some(endpoint),
+            name: None,
+            revision: None,
+            endpoints: None,
+            error: None,
+            dns: Some(fields),
+        }
+    }
+
     pub fn policy(
         action: &str,
         policy: PolicyRef,
@@ -204,6 +235,7 @@ impl Notification {
             revision,
             endpoints,
             error,
+            dns: None,
         }
     }
 
@@ -223,6 +255,7 @@ impl Notification {
             revision: Some(revision),
             endpoints: None,
             error,
+            dns: None,
         }
     }
 
@@ -243,6 +276,23 @@ impl Notification {
         }
         if let Some(e) = &self.error {
             out.push_str(&format!(": {e}"));
+        }
+        if let (Some(id), Some(d)) = (self.endpoint, &self.dns) {
+            out.push_str(&format!(
+                " endpoint {id} ({}) {} {}",
+                d.pod, d.qtype, d.query
+            ));
+            if !d.answers.is_empty() {
+                out.push_str(&format!(" -> {}", d.answers.join(", ")));
+            }
+            if !d.policies.is_empty() {
+                let by = if d.verdict == "refused" {
+                    "refused by DNS rules of"
+                } else {
+                    "allowed by"
+                };
+                out.push_str(&format!(": {by} {}", d.policies.join(", ")));
+            }
         }
         out
     }

@@ -49,6 +49,8 @@ pub struct EndpointFlags {
     pub egress_cookie: u32,
     /// Audit mode: what policy would drop passes and is reported as `audit`.
     pub audit: bool,
+    /// Egress policy has DNS rules: allowed DNS goes through the DNS proxy.
+    pub dns_proxy: bool,
 }
 
 /// One realized policy map entry, for `ciliate bpf policy get`.
@@ -161,10 +163,14 @@ impl ConntrackTimeouts {
 }
 
 /// What one conntrack garbage-collection pass did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct ConntrackGcStats {
     pub scanned: usize,
     pub removed: usize,
+    /// The addresses (either end) of the entries kept: connections alive, whose peers learned
+    /// from DNS stay selected past their TTL (Cilium's zombies).
+    #[serde(skip)]
+    pub live: std::collections::HashSet<std::net::IpAddr>,
 }
 
 /// The operations `LoaderActor` performs on a datapath.

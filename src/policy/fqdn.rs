@@ -12,6 +12,10 @@
 //! selector cache like any other peer (see `PolicyEngine::learn_fqdn`).
 
 use std::fmt;
+use std::net::IpAddr;
+use std::time::{Duration, SystemTime};
+
+use serde::{Deserialize, Serialize};
 
 /// The label source of names an address was learned for.
 pub const SOURCE_FQDN: &str = "fqdn";
@@ -22,7 +26,7 @@ pub fn normalize(name: &str) -> String {
 }
 
 /// A compiled `matchName` or `matchPattern`.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct FqdnPattern {
     /// Normalized text; for a pattern, with its `*`s.
     text: String,
@@ -88,9 +92,221 @@ impl fmt::Display for FqdnPattern {
     }
 }
 
+/// One class of an endpoint's egress DNS traffic and what its rules allow: the DNS proxy's
+/// table. An endpoint gets a table only when one of its egress allow rules carries DNS rules
+/// (`toPorts[].rules.dns`); then its DNS (UDP and TCP 53) goes through the proxy, and every
+/// allow rule naming a port (with or without DNS rules) has an entry here.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DnsRuleEntry {
+    /// Server identities the rule selects (sorted); empty: any server.
+    pub servers: Vec<u32>,
+    /// IP protocol number (6 or 17).
+    pub protocol: u8,
+    pub port_lo: u16,
+    pub port_hi: u16,
+    /// The names allowed; `None`: any name (the port is allowed without DNS rules).
+    pub names: Option<Vec<FqdnPattern>>,
+    /// The rule, in `policy::rule::rule_name`'s words.
+    pub policy: String,
+}
+
+/// What the DNS rules say about one query.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DnsRuling {
+    /// Forward it; the policies that allow it (empty: no DNS rule covers this server and port,
+    /// so L3/L4 policy alone, which already let the packet through, decides).
+    Forward(Vec<String>),
+    /// Answer REFUSED; the policies whose DNS rules cover the server and port.
+    Refuse(Vec<String>),
+}
+
+/// Cilium's rule for a query of `name` to a server of identity `server` on `protocol`/`port`:
+/// a rule that covers the port without DNS rules lets any name through; otherwise the name must
+/// match a pattern of a covering rule; with no covering rule, nothing restricts the name.
+pub fn dns_ruling(
+    table: &[DnsRuleEntry],
+    server: u32,
+    protocol: u8,
+    port: u16,
+    name: &str,
+) -> DnsRuling {
+    let mut covering = Vec::new();
+    for e in table.iter().filter(|e| {
+        (e.servers.is_empty() || e.servers.binary_search(&server).is_ok())
+            && (e.protocol == protocol || e.protocol == 0)
+            && (e.port_lo..=e.port_hi).contains(&port)
+    }) {
+        match &e.names {
+            None => return DnsRuling::Forward(vec![e.policy.clone()]),
+            Some(n) if n.iter().any(|p| p.matches(name)) => {
+                return DnsRuling::Forward(vec![e.policy.clone()])
+            }
+            Some(_) => covering.push(e.policy.clone()),
+        }
+    }
+    covering.dedup();
+    if covering.is_empty() {
+        DnsRuling::Forward(vec![])
+    } else {
+        DnsRuling::Refuse(covering)
+    }
+}
+
+/// One name's addresses as learned from allowed answers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CachedIp {
+    pub ip: IpAddr,
+    /// Seconds since the Unix epoch.
+    pub expires_at: u64,
+}
+
+/// The FQDN cache: names, their addresses with expiry, and which endpoints asked. Pure; the
+/// agent persists it and feeds its learnings and expiries to the policy engine.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FqdnCache {
+    /// Normalized name -> addresses and askers.
+    pub names: std::collections::BTreeMap<String, CacheEntry>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CacheEntry {
+    pub ips: Vec<CachedIp>,
+    pub endpoints: std::collections::BTreeSet<u64>,
+}
+
+/// Seconds since the Unix epoch.
+pub fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+impl FqdnCache {
+    /// `name` resolved to `ips` for `endpoint`, valid `ttl` (at least `min_ttl`) from `now`.
+    /// Returns true when an address is new for the name (the policy must learn it).
+    pub fn learn(
+        &mut self,
+        name: &str,
+        ips: &[IpAddr],
+        ttl: Duration,
+        min_ttl: Duration,
+        endpoint: Option<u64>,
+        now: u64,
+    ) -> bool {
+        let expires_at = now + ttl.max(min_ttl).as_secs();
+        let e = self.names.entry(normalize(name)).or_default();
+        e.endpoints.extend(endpoint);
+        let mut new = false;
+        for ip in ips {
+            match e.ips.iter_mut().find(|c| c.ip == *ip) {
+                Some(c) => c.expires_at = c.expires_at.max(expires_at),
+                None => {
+                    e.ips.push(CachedIp {
+                        ip: *ip,
+                        expires_at,
+                    });
+                    new = true;
+                }
+            }
+        }
+        e.ips.sort_by_key(|c| c.ip);
+        new
+    }
+
+    /// Removes the addresses expired at `now`, except those `alive` keeps (a tracked connection
+    /// still uses them: Cilium's zombies). Returns the (name, address) pairs removed.
+    pub fn expire(&mut self, now: u64, alive: &dyn Fn(IpAddr) -> bool) -> Vec<(String, IpAddr)> {
+        let mut gone = Vec::new();
+        for (name, e) in self.names.iter_mut() {
+            e.ips.retain(|c| {
+                let keep = c.expires_at > now || alive(c.ip);
+                if !keep {
+                    gone.push((name.clone(), c.ip));
+                }
+                keep
+            });
+        }
+        self.names.retain(|_, e| !e.ips.is_empty());
+        gone
+    }
+
+    pub fn len(&self) -> usize {
+        self.names.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.names.is_empty()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn entry(servers: &[u32], port: u16, names: Option<&[&str]>, policy: &str) -> DnsRuleEntry {
+        DnsRuleEntry {
+            servers: servers.to_vec(),
+            protocol: 17,
+            port_lo: port,
+            port_hi: port,
+            names: names.map(|n| n.iter().map(|p| FqdnPattern::pattern(p)).collect()),
+            policy: policy.into(),
+        }
+    }
+
+    #[test]
+    fn dns_rulings_follow_cilium_any_name_wins_and_uncovered_servers_are_not_restricted() {
+        let t = vec![entry(&[100], 53, Some(&["*.example.com"]), "p[0]")];
+        assert_eq!(
+            dns_ruling(&t, 100, 17, 53, "API.example.com."),
+            DnsRuling::Forward(vec!["p[0]".into()])
+        );
+        assert_eq!(
+            dns_ruling(&t, 100, 17, 53, "evil.test"),
+            DnsRuling::Refuse(vec!["p[0]".into()])
+        );
+        assert_eq!(
+            dns_ruling(&t, 100, 6, 53, "evil.test"),
+            DnsRuling::Forward(vec![])
+        );
+        assert_eq!(
+            dns_ruling(&t, 200, 17, 53, "evil.test"),
+            DnsRuling::Forward(vec![])
+        );
+        let mut any = t.clone();
+        any.push(entry(&[], 53, None, "q[0]"));
+        assert_eq!(
+            dns_ruling(&any, 100, 17, 53, "evil.test"),
+            DnsRuling::Forward(vec!["q[0]".into()])
+        );
+    }
+
+    #[test]
+    fn cached_addresses_live_for_their_ttl_at_least_the_minimum_and_while_connected() {
+        let mut c = FqdnCache::default();
+        let (a, b): (IpAddr, IpAddr) = ("192.0.2.1".parse().unwrap(), "192.0.2.2".parse().unwrap());
+        let s = Duration::from_secs;
+        assert!(c.learn("API.example.com.", &[a], s(5), s(60), Some(7), 1000));
+        assert!(!c.learn("api.example.com", &[a], s(5), s(0), Some(8), 1000));
+        assert!(c.learn("api.example.com", &[b], s(5), s(0), None, 1000));
+        let e = &c.names["api.example.com"];
+        assert_eq!(e.endpoints.iter().copied().collect::<Vec<_>>(), vec![7, 8]);
+        assert_eq!(e.ips[0].expires_at, 1060);
+        assert!(c.expire(1004, &|_| false).is_empty());
+        assert!(c.expire(1059, &|ip| ip == b).is_empty(), "a lives 60 s, b is in use");
+        assert_eq!(
+            c.expire(1061, &|ip| ip == b),
+            vec![("api.example.com".to_string(), a)],
+            "b outlived its TTL but a connection still uses it"
+        );
+        assert_eq!(c.len(), 1);
+        assert_eq!(
+            c.expire(1061, &|_| false),
+            vec![("api.example.com".to_string(), b)]
+        );
+        assert!(c.is_empty());
+    }
 
     #[test]
     fn names_are_case_insensitive_and_the_trailing_dot_is_optional() {

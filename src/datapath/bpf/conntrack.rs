@@ -39,6 +39,21 @@ fn protocol_of(key: &[u8]) -> Option<u8> {
         .or_else(|| types::ct6_key::from_bytes(key).map(|k| k.protocol))
 }
 
+/// Both addresses of a key of either table.
+fn addresses_of(key: &[u8]) -> Vec<std::net::IpAddr> {
+    if let Some(k) = types::ct4_key::from_bytes(key) {
+        return vec![k.saddr.into(), k.daddr.into()];
+    }
+    match types::ct6_key::from_bytes(key) {
+        Some(k) if k.family == 4 => {
+            let v4 = |a: [u8; 16]| std::net::IpAddr::from([a[0], a[1], a[2], a[3]]);
+            vec![v4(k.saddr), v4(k.daddr)]
+        }
+        Some(k) => vec![k.saddr.into(), k.daddr.into()],
+        None => vec![],
+    }
+}
+
 /// One pass over `map` (either table) at time `now_ns`: every expired entry is removed. An
 /// entry is read again just before its removal, so one that saw a packet meanwhile stays.
 pub fn sweep(map: &MapHandle, now_ns: u64, timeouts: &ConntrackTimeouts) -> ConntrackGcStats {
@@ -59,6 +74,8 @@ pub fn sweep(map: &MapHandle, now_ns: u64, timeouts: &ConntrackTimeouts) -> Conn
             |v: Option<types::ct_value>| v.is_some_and(|v| expired(&v, protocol, now_ns, timeouts));
         if is_expired(read(&kb)) && is_expired(read(&kb)) && map.delete(&kb).is_ok() {
             stats.removed += 1;
+        } else {
+            stats.live.extend(addresses_of(&kb));
         }
     }
     stats
@@ -180,6 +197,7 @@ pub fn spawn_gc(
                             let s = sweep(&map, monotonic_ns(), &timeouts);
                             total.scanned += s.scanned;
                             total.removed += s.removed;
+                            total.live.extend(s.live);
                         }
                         Err(e) => {
                             tracing::warn!(path = %path.display(), error = %e, "conntrack GC cannot open the map")

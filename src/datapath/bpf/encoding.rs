@@ -6,8 +6,8 @@ use std::net::IpAddr;
 use ipnet::IpNet;
 
 use super::{
-    types, EP_AUDIT, EP_DROP_ALL, EP_EGRESS_DEFAULT_DENY, EP_INGRESS_DEFAULT_DENY, EP_SPLIT_LENS,
-    LENS_ALL_PROTOCOLS,
+    types, EP_AUDIT, EP_DNS_PROXY, EP_DROP_ALL, EP_EGRESS_DEFAULT_DENY, EP_INGRESS_DEFAULT_DENY,
+    EP_SPLIT_LENS, LENS_ALL_PROTOCOLS,
 };
 use crate::datapath::abi::{EntryTable, PolicyEntryKey};
 use crate::datapath::{EndpointFlags, EndpointId};
@@ -24,6 +24,7 @@ pub(super) fn flags_bits(f: EndpointFlags) -> u32 {
         0
     }) | (if f.drop_all { EP_DROP_ALL } else { 0 })
         | (if f.audit { EP_AUDIT } else { 0 })
+        | (if f.dns_proxy { EP_DNS_PROXY } else { 0 })
 }
 
 /// The flags and isolation cookies an endpoint record holds.
@@ -35,6 +36,7 @@ pub(super) fn flags_of_info(info: &types::endpoint_info) -> EndpointFlags {
         ingress_cookie: info.ingress_cookie,
         egress_cookie: info.egress_cookie,
         audit: info.flags & EP_AUDIT != 0,
+        dns_proxy: info.flags & EP_DNS_PROXY != 0,
     }
 }
 

@@ -58,6 +58,9 @@ fn abi_layout_is_pinned() {
     assert_eq!(offset_of!(types::verdict_event, saddr), 24);
     assert_eq!(offset_of!(types::verdict_event, cookie), 56);
     assert_eq!(size_of::<types::datapath_config>(), 8);
+    assert_eq!(offset_of!(types::ct_value, dns_proxy), 20);
+    assert_eq!(size_of::<types::dns_proxy_config>(), 8);
+    assert_eq!(offset_of!(types::dns_proxy_config, mark), 4);
     // No implicit padding in any Pod type: the fields add up to the size.
     let k = types::policy_key::default();
     assert_eq!(
