@@ -81,6 +81,12 @@ impl Outcome for () {
     }
 }
 
+impl Outcome for usize {
+    fn outcome(&self) -> Result<(), String> {
+        Ok(())
+    }
+}
+
 impl<T, E: Display> Outcome for Result<T, E> {
     fn outcome(&self) -> Result<(), String> {
         self.as_ref().map(|_| ()).map_err(|e| e.to_string())

@@ -12,6 +12,7 @@ pub mod cni;
 pub mod config;
 pub mod datapath;
 pub mod demo;
+pub mod dnsproxy;
 pub mod endpoint;
 pub mod introspect;
 pub mod ipam;

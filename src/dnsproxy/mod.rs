@@ -1,0 +1,211 @@
+//! The transparent DNS proxy (`ciliate dns-proxy`): DNS-aware policy for endpoints whose
+//! egress rules carry DNS rules.
+//!
+//! It is a process of its own so that pods' DNS keeps working while the agent restarts or is
+//! killed: the datapath hands it the endpoints' DNS packets (`bpf/lib/dnsproxy.h`), it checks
+//! each query against the endpoint's DNS rules (the table the agent pushed last, also kept on
+//! disk), forwards the allowed ones to the server the pod asked, and tells the agent the
+//! addresses of allowed answers, holding the answer until the agent says every affected
+//! policy map holds them. While no agent is connected it keeps answering by the last rules and
+//! queues what it learned for the agent's return.
+//!
+//! - this module: the wire protocol between agent and proxy (JSON lines on a Unix socket in
+//!   the state directory) and the proxy's pure state: which endpoint a source address is, and
+//!   what its DNS rules say (`policy::fqdn::dns_ruling`);
+//! - [`server`]: the process (sockets, policy routing, the pinned maps);
+//! - [`state`]: the agent's side (FQDN cache, endpoints' rules, the proxy as last seen);
+//! - [`wire`]: DNS messages through hickory-proto (questions, REFUSED answers, addresses).
+
+pub mod server;
+pub mod state;
+pub mod wire;
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::policy::fqdn::{dns_ruling, DnsRuleEntry, DnsRuling};
+
+/// The proxy's socket for its agent, in the agent's state directory.
+pub fn socket_path(state_dir: &Path) -> PathBuf {
+    state_dir.join("dns-proxy.sock")
+}
+
+/// The last rules the proxy received, kept for a restart of the proxy itself.
+pub fn rules_path(state_dir: &Path) -> PathBuf {
+    state_dir.join("dns-proxy-rules.json")
+}
+
+/// One endpoint's DNS rules as the proxy needs them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EndpointRules {
+    pub id: u64,
+    /// `namespace/name`.
+    pub pod: String,
+    pub ips: Vec<IpAddr>,
+    pub entries: Vec<DnsRuleEntry>,
+}
+
+/// Every endpoint with DNS rules.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProxyRules {
+    pub endpoints: Vec<EndpointRules>,
+}
+
+/// Agent -> proxy.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ToProxy {
+    /// The whole table (sent on connect and on every change).
+    Rules(ProxyRules),
+    /// The learning `seq` is in every affected policy map: release the answer.
+    Ack { seq: u64 },
+}
+
+/// An allowed answer's addresses.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Learned {
+    pub seq: u64,
+    pub endpoint: u64,
+    pub name: String,
+    pub ips: Vec<IpAddr>,
+    pub ttl: u32,
+}
+
+/// One DNS verdict (`ciliate monitor` type `dns`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DnsVerdict {
+    pub endpoint: u64,
+    pub pod: String,
+    pub query: String,
+    pub qtype: String,
+    pub answers: Vec<String>,
+    /// `forwarded` or `refused`.
+    pub verdict: String,
+    pub policies: Vec<String>,
+    /// Time spent in the proxy, without the upstream server's.
+    pub processing_seconds: f64,
+}
+
+/// Proxy -> agent.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FromProxy {
+    /// Sent first on every connection.
+    Hello {
+        pid: u32,
+        udp_port: u16,
+        tcp_port: u16,
+    },
+    Learn(Learned),
+    Verdict(DnsVerdict),
+}
+
+/// What the proxy decides for one query.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    Forward {
+        endpoint: u64,
+        pod: String,
+        policies: Vec<String>,
+    },
+    Refuse {
+        endpoint: u64,
+        pod: String,
+        policies: Vec<String>,
+    },
+}
+
+/// The proxy's rules, indexed by source address.
+#[derive(Debug, Clone, Default)]
+pub struct RuleIndex {
+    by_ip: HashMap<IpAddr, usize>,
+    rules: ProxyRules,
+}
+
+impl RuleIndex {
+    pub fn new(rules: ProxyRules) -> RuleIndex {
+        let mut by_ip = HashMap::new();
+        for (i, e) in rules.endpoints.iter().enumerate() {
+            for ip in &e.ips {
+                by_ip.insert(*ip, i);
+            }
+        }
+        RuleIndex { by_ip, rules }
+    }
+
+    pub fn rules(&self) -> &ProxyRules {
+        &self.rules
+    }
+
+    /// A query of `name` from `source` to a server of identity `server` on `protocol` port
+    /// `port`. A source the table does not know is refused: the datapath only sends DNS of
+    /// endpoints with DNS rules, so an unknown one means rules not received yet (fail closed).
+    pub fn decide(
+        &self,
+        source: IpAddr,
+        server: u32,
+        protocol: u8,
+        port: u16,
+        name: &str,
+    ) -> Decision {
+        let Some(e) = self.by_ip.get(&source).map(|i| &self.rules.endpoints[*i]) else {
+            return Decision::Refuse {
+                endpoint: 0,
+                pod: String::new(),
+                policies: vec![],
+            };
+        };
+        let (endpoint, pod) = (e.id, e.pod.clone());
+        match dns_ruling(&e.entries, server, protocol, port, name) {
+            DnsRuling::Forward(policies) => Decision::Forward {
+                endpoint,
+                pod,
+                policies,
+            },
+            DnsRuling::Refuse(policies) => Decision::Refuse {
+                endpoint,
+                pod,
+                policies,
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::fqdn::FqdnPattern;
+
+    #[test]
+    fn queries_are_decided_by_the_sources_endpoint_and_unknown_sources_are_refused() {
+        let ip: IpAddr = "10.0.0.5".parse().unwrap();
+        let idx = RuleIndex::new(ProxyRules {
+            endpoints: vec![EndpointRules {
+                id: 7,
+                pod: "x/a".into(),
+                ips: vec![ip],
+                entries: vec![DnsRuleEntry {
+                    servers: vec![300],
+                    protocol: 17,
+                    port_lo: 53,
+                    port_hi: 53,
+                    names: Some(vec![FqdnPattern::pattern("*.example.com")]),
+                    policy: "CiliumNetworkPolicy x/dns[0]".into(),
+                }],
+            }],
+        });
+        let forward = idx.decide(ip, 300, 17, 53, "API.example.com.");
+        assert!(
+            matches!(forward, Decision::Forward { endpoint: 7, ref policies, .. } if policies.len() == 1)
+        );
+        assert!(matches!(
+            idx.decide(ip, 300, 17, 53, "evil.test"),
+            Decision::Refuse { endpoint: 7, .. }
+        ));
+        let stranger = idx.decide("10.0.0.6".parse().unwrap(), 300, 17, 53, "a.example.com");
+        assert!(matches!(stranger, Decision::Refuse { endpoint: 0, .. }));
+    }
+}

@@ -1,0 +1,773 @@
+//! The DNS proxy process (`ciliate dns-proxy`).
+//!
+//! - Sockets: UDP and TCP, IPv4 and IPv6, with `IP_TRANSPARENT`, on one port per protocol
+//!   (ephemeral unless given). The datapath assigns an endpoint's DNS packets to them without
+//!   changing their addresses, so each query arrives with the server the pod asked as its
+//!   destination (`IP_RECVORIGDSTADDR` for UDP, the accepted socket's local address for TCP).
+//! - Routing: a policy rule `fwmark M lookup T` with `local default dev lo` in table T
+//!   delivers the marked packets locally. M and T are `0x0D000000 | udp port`, so every proxy
+//!   on a machine owns its own rule and table, and removes them when it exits.
+//! - Answers: from the server's address and port (a transparent socket bound to them), with
+//!   the query's id; REFUSED ones are made here and never forwarded.
+//! - It serves one state directory: its Unix socket there is its lock, and it exits when the
+//!   directory or the pinned maps go away.
+
+use std::collections::HashMap;
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use libbpf_rs::{MapCore, MapFlags, MapHandle};
+use socket2::{Domain, Protocol, Socket, Type};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{TcpListener, TcpStream, UdpSocket, UnixListener, UnixStream};
+use tokio::sync::{mpsc, oneshot};
+
+use super::{wire, Decision, DnsVerdict, FromProxy, Learned, ProxyRules, RuleIndex, ToProxy};
+
+/// The mark and routing table of a proxy whose UDP port is `port`.
+pub fn mark_of(port: u16) -> u32 {
+    0x0D00_0000 | port as u32
+}
+
+/// Priority of the proxy's routing rule (Cilium's proxy rules use 9 too: before `main`).
+const RULE_PRIORITY: u32 = 9;
+
+#[derive(Debug, Clone)]
+pub struct ProxyOptions {
+    /// The agent's state directory (socket, kept rules).
+    pub state_dir: PathBuf,
+    /// The agent's pinned maps (`<bpf-root>/ciliate`).
+    pub pins: PathBuf,
+    /// 0: ephemeral.
+    pub udp_port: u16,
+    pub tcp_port: u16,
+    /// How long an answer waits for the agent to realize its addresses.
+    pub learn_timeout: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    #[error("a DNS proxy already serves {0}")]
+    AlreadyRunning(PathBuf),
+    #[error("{0}: {1}")]
+    Setup(String, String),
+}
+
+fn setup<E: std::fmt::Display>(what: impl Into<String>) -> impl FnOnce(E) -> ProxyError {
+    let what = what.into();
+    move |e| ProxyError::Setup(what, e.to_string())
+}
+
+/// The pinned ipcache, read for the identity of the server a query goes to.
+struct Ipcache {
+    hosts: MapHandle,
+    prefixes: MapHandle,
+}
+
+impl Ipcache {
+    fn open(pins: &Path) -> Result<Ipcache, ProxyError> {
+        let open = |name: &str| {
+            MapHandle::from_pinned_path(pins.join(name)).map_err(setup(format!(
+                "open pinned map {}",
+                pins.join(name).display()
+            )))
+        };
+        Ok(Ipcache {
+            hosts: open("ipcache_hosts")?,
+            prefixes: open("ipcache")?,
+        })
+    }
+
+    /// The identity of `ip` as the datapath sees it (world when unknown).
+    fn identity(&self, ip: IpAddr) -> u32 {
+        let (family, addr, bits, world) = match ip {
+            IpAddr::V4(a) => {
+                let mut b = [0u8; 16];
+                b[..4].copy_from_slice(&a.octets());
+                (4u32, b, 32u32, 9)
+            }
+            IpAddr::V6(a) => (6u32, a.octets(), 128u32, 10),
+        };
+        let mut host = family.to_ne_bytes().to_vec();
+        host.extend_from_slice(&addr);
+        let read = |v: Vec<u8>| u32::from_ne_bytes([v[0], v[1], v[2], v[3]]);
+        if let Ok(Some(v)) = self.hosts.lookup(&host, MapFlags::ANY) {
+            return read(v);
+        }
+        let mut lpm = (32 + bits).to_ne_bytes().to_vec();
+        lpm.extend_from_slice(&host);
+        match self.prefixes.lookup(&lpm, MapFlags::ANY) {
+            Ok(Some(v)) => read(v),
+            _ => world,
+        }
+    }
+}
+
+/// Writes the proxy's ports and mark into the pinned `dns_proxy` map (mark 0: no proxy).
+fn publish(pins: &Path, udp: u16, tcp: u16, mark: u32) -> Result<(), ProxyError> {
+    let path = pins.join("dns_proxy");
+    let map = MapHandle::from_pinned_path(&path)
+        .map_err(setup(format!("open pinned map {}", path.display())))?;
+    let mut v = udp.to_ne_bytes().to_vec();
+    v.extend_from_slice(&tcp.to_ne_bytes());
+    v.extend_from_slice(&mark.to_ne_bytes());
+    map.update(&0u32.to_ne_bytes(), &v, MapFlags::ANY)
+        .map_err(setup("write the dns_proxy map"))
+}
+
+/// Adds (or removes) the rule and local routes that deliver marked packets to this host.
+fn routing(mark: u32, add: bool) -> Result<(), ProxyError> {
+    use rtnetlink::packet_route::route::{RouteScope, RouteType};
+    use rtnetlink::packet_route::rule::RuleAction;
+    use rtnetlink::RouteMessageBuilder;
+    let lo = nix::net::if_::if_nametoindex("lo").map_err(setup("find lo"))?;
+    crate::datapath::netdev::with_netlink(None, move |h| async move {
+        let nl = |what: &'static str| {
+            move |e: rtnetlink::Error| crate::datapath::netdev::NetdevError::Netlink {
+                step: what.into(),
+                message: e.to_string(),
+            }
+        };
+        let v4 = RouteMessageBuilder::<Ipv4Addr>::new()
+            .destination_prefix(Ipv4Addr::UNSPECIFIED, 0)
+            .output_interface(lo)
+            .table_id(mark)
+            .kind(RouteType::Local)
+            .scope(RouteScope::Host)
+            .build();
+        let v6 = RouteMessageBuilder::<Ipv6Addr>::new()
+            .destination_prefix(Ipv6Addr::UNSPECIFIED, 0)
+            .output_interface(lo)
+            .table_id(mark)
+            .kind(RouteType::Local)
+            .scope(RouteScope::Host)
+            .build();
+        let mut r4 = h
+            .rule()
+            .add()
+            .v4()
+            .fw_mark(mark)
+            .table_id(mark)
+            .priority(RULE_PRIORITY);
+        r4 = r4.action(RuleAction::ToTable);
+        let mut r6 = h
+            .rule()
+            .add()
+            .v6()
+            .fw_mark(mark)
+            .table_id(mark)
+            .priority(RULE_PRIORITY);
+        r6 = r6.action(RuleAction::ToTable);
+        if add {
+            r4.replace()
+                .execute()
+                .await
+                .map_err(nl("add the proxy rule (IPv4)"))?;
+            h.route()
+                .add(v4)
+                .replace()
+                .execute()
+                .await
+                .map_err(nl("add the proxy route (IPv4)"))?;
+            // A host without IPv6 has no IPv6 DNS to intercept.
+            if r6.replace().execute().await.is_ok() {
+                let _ = h.route().add(v6).replace().execute().await;
+            }
+        } else {
+            let _ = h.rule().del(r4.message_mut().clone()).execute().await;
+            let _ = h.rule().del(r6.message_mut().clone()).execute().await;
+            let _ = h.route().del(v4).execute().await;
+            let _ = h.route().del(v6).execute().await;
+        }
+        Ok(())
+    })
+    .map_err(setup("policy routing for the DNS proxy"))
+}
+
+/// A query to forward: its question, the endpoint and pod that asked, the allowing policies.
+type Forward = (wire::Question, u64, String, Vec<String>);
+
+struct Proxy {
+    rules: RwLock<RuleIndex>,
+    ipcache: Ipcache,
+    state_dir: PathBuf,
+    /// Lines to the connected agent.
+    agent: Mutex<Option<mpsc::UnboundedSender<String>>>,
+    waiting: Mutex<HashMap<u64, oneshot::Sender<()>>>,
+    /// Learned while no agent was connected: sent when one connects.
+    queued: Mutex<Vec<Learned>>,
+    seq: AtomicU64,
+    learn_timeout: Duration,
+}
+
+impl Proxy {
+    fn to_agent(&self, m: &FromProxy) -> bool {
+        let Ok(line) = serde_json::to_string(m) else {
+            return false;
+        };
+        match self
+            .agent
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+        {
+            Some(tx) => tx.send(line).is_ok(),
+            None => false,
+        }
+    }
+
+    /// Tells the agent about an allowed answer and waits (bounded) until it realized it.
+    async fn learn(&self, endpoint: u64, name: &str, ips: Vec<IpAddr>, ttl: u32) {
+        if ips.is_empty() {
+            return;
+        }
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
+        let l = Learned {
+            seq,
+            endpoint,
+            name: name.to_string(),
+            ips,
+            ttl,
+        };
+        let (tx, rx) = oneshot::channel();
+        self.waiting
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(seq, tx);
+        if !self.to_agent(&FromProxy::Learn(l.clone())) {
+            self.waiting
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&seq);
+            self.queued
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(l);
+            return;
+        }
+        if tokio::time::timeout(self.learn_timeout, rx).await.is_err() {
+            self.waiting
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&seq);
+            tracing::warn!(
+                name,
+                seq,
+                "the agent did not realize a DNS answer in time; released"
+            );
+        }
+    }
+
+    fn decide(&self, src: IpAddr, dst: SocketAddr, protocol: u8, name: &str) -> Decision {
+        let server = self.ipcache.identity(dst.ip());
+        self.rules.read().unwrap_or_else(|p| p.into_inner()).decide(
+            src,
+            server,
+            protocol,
+            dst.port(),
+            name,
+        )
+    }
+
+    /// Decides a query; returns the answer to send now (REFUSED, FORMERR), or `None` to forward.
+    fn judge(
+        &self,
+        query: &[u8],
+        src: IpAddr,
+        dst: SocketAddr,
+        protocol: u8,
+    ) -> (Option<Vec<u8>>, Option<Forward>) {
+        let Some(q) = wire::question(query) else {
+            return (wire::formerr(query), None);
+        };
+        match self.decide(src, dst, protocol, &q.name) {
+            Decision::Refuse {
+                endpoint,
+                pod,
+                policies,
+            } => {
+                let started = Instant::now();
+                let answer = wire::refused(query);
+                self.report(
+                    &q,
+                    endpoint,
+                    &pod,
+                    vec![],
+                    "refused",
+                    policies,
+                    started.elapsed(),
+                );
+                (answer, None)
+            }
+            Decision::Forward {
+                endpoint,
+                pod,
+                policies,
+            } => (None, Some((q, endpoint, pod, policies))),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn report(
+        &self,
+        q: &wire::Question,
+        endpoint: u64,
+        pod: &str,
+        answers: Vec<IpAddr>,
+        verdict: &str,
+        policies: Vec<String>,
+        spent: Duration,
+    ) {
+        self.to_agent(&FromProxy::Verdict(DnsVerdict {
+            endpoint,
+            pod: pod.to_string(),
+            query: q.name.clone(),
+            qtype: q.qtype.clone(),
+            answers: answers.iter().map(|a| a.to_string()).collect(),
+            verdict: verdict.into(),
+            policies,
+            processing_seconds: spent.as_secs_f64(),
+        }));
+    }
+
+    /// After the upstream answered a forwarded query: learn, then report.
+    async fn answered(
+        &self,
+        q: &wire::Question,
+        endpoint: u64,
+        pod: &str,
+        policies: Vec<String>,
+        answer: &[u8],
+        mut spent: Duration,
+    ) {
+        let started = Instant::now();
+        let (ips, ttl) = wire::addresses(answer, q.id).unwrap_or_default();
+        self.learn(endpoint, &q.name, ips.clone(), ttl).await;
+        spent += started.elapsed();
+        self.report(q, endpoint, pod, ips, "forwarded", policies, spent);
+    }
+}
+
+/// `IPV6_TRANSPARENT`: neither nix nor socket2 wraps it.
+fn ipv6_transparent(s: &Socket) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let on: nix::libc::c_int = 1;
+    // SAFETY: a valid socket descriptor and a c_int option value of the size passed.
+    let rc = unsafe {
+        nix::libc::setsockopt(
+            s.as_raw_fd(),
+            nix::libc::SOL_IPV6,
+            nix::libc::IPV6_TRANSPARENT,
+            (&on as *const nix::libc::c_int).cast(),
+            std::mem::size_of::<nix::libc::c_int>() as nix::libc::socklen_t,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+fn transparent_socket(addr: SocketAddr, ty: Type, protocol: Protocol) -> io::Result<Socket> {
+    let domain = Domain::for_address(addr);
+    let s = Socket::new(domain, ty, Some(protocol))?;
+    if addr.is_ipv6() {
+        s.set_only_v6(true)?;
+    }
+    s.set_reuse_address(true)?;
+    s.set_ip_transparent(true)?;
+    if addr.is_ipv6() {
+        ipv6_transparent(&s)?;
+    }
+    s.set_nonblocking(true)?;
+    s.bind(&addr.into())?;
+    Ok(s)
+}
+
+/// The four listening sockets: UDP and TCP, each on one port for both families.
+struct Listeners {
+    udp: Vec<UdpSocket>,
+    tcp: Vec<TcpListener>,
+    udp_port: u16,
+    tcp_port: u16,
+}
+
+fn bind_pair(port: u16, ty: Type, protocol: Protocol) -> io::Result<(Vec<Socket>, u16)> {
+    for _ in 0..20 {
+        let v4 = transparent_socket((Ipv4Addr::UNSPECIFIED, port).into(), ty, protocol)?;
+        let got = v4
+            .local_addr()?
+            .as_socket()
+            .map(|a| a.port())
+            .unwrap_or(port);
+        match transparent_socket((Ipv6Addr::UNSPECIFIED, got).into(), ty, protocol) {
+            Ok(v6) => return Ok((vec![v4, v6], got)),
+            // No IPv6 on this host: IPv4 alone.
+            Err(e) if e.raw_os_error() == Some(nix::libc::EAFNOSUPPORT) => {
+                return Ok((vec![v4], got))
+            }
+            Err(e) if port != 0 => return Err(e),
+            Err(_) => continue, // the ephemeral port is taken for IPv6: another one
+        }
+    }
+    Err(io::Error::other("no port free for both families"))
+}
+
+fn listeners(udp_port: u16, tcp_port: u16) -> io::Result<Listeners> {
+    let (udp, udp_port) = bind_pair(udp_port, Type::DGRAM, Protocol::UDP)?;
+    for s in &udp {
+        if s.domain()? == Domain::IPV4 {
+            nix::sys::socket::setsockopt(s, nix::sys::socket::sockopt::Ipv4OrigDstAddr, &true)
+        } else {
+            nix::sys::socket::setsockopt(s, nix::sys::socket::sockopt::Ipv6OrigDstAddr, &true)
+        }
+        .map_err(io::Error::from)?;
+    }
+    let (tcp, tcp_port) = bind_pair(tcp_port, Type::STREAM, Protocol::TCP)?;
+    let mut tcp_listeners = Vec::new();
+    for s in tcp {
+        s.listen(1024)?;
+        tcp_listeners.push(TcpListener::from_std(s.into())?);
+    }
+    Ok(Listeners {
+        udp: udp
+            .into_iter()
+            .map(|s| UdpSocket::from_std(s.into()))
+            .collect::<io::Result<_>>()?,
+        tcp: tcp_listeners,
+        udp_port,
+        tcp_port,
+    })
+}
+
+/// One datagram with its sender and the destination it was sent to.
+fn recv_with_dst(fd: i32, buf: &mut [u8]) -> io::Result<(usize, SocketAddr, SocketAddr)> {
+    use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags, SockaddrStorage};
+    let mut iov = [io::IoSliceMut::new(buf)];
+    let mut space = nix::cmsg_space!(nix::libc::sockaddr_in6);
+    let msg = recvmsg::<SockaddrStorage>(fd, &mut iov, Some(&mut space), MsgFlags::empty())
+        .map_err(io::Error::from)?;
+    let mut dst = None;
+    for c in msg.cmsgs().map_err(io::Error::from)? {
+        match c {
+            ControlMessageOwned::Ipv4OrigDstAddr(a) => {
+                dst = Some(SocketAddr::from((
+                    Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr)),
+                    u16::from_be(a.sin_port),
+                )))
+            }
+            ControlMessageOwned::Ipv6OrigDstAddr(a) => {
+                dst = Some(SocketAddr::from((
+                    Ipv6Addr::from(a.sin6_addr.s6_addr),
+                    u16::from_be(a.sin6_port),
+                )))
+            }
+            _ => {}
+        }
+    }
+    let src = msg.address.and_then(|a| {
+        a.as_sockaddr_in()
+            .map(|s| SocketAddr::from((s.ip(), s.port())))
+            .or_else(|| {
+                a.as_sockaddr_in6()
+                    .map(|s| SocketAddr::from((s.ip(), s.port())))
+            })
+    });
+    let n = msg.bytes;
+    match (src, dst) {
+        (Some(s), Some(d)) => Ok((n, s, d)),
+        _ => Err(io::Error::other("a datagram without its addresses")),
+    }
+}
+
+/// Sends `answer` to `to` from `from` (the server the pod asked): a transparent socket bound
+/// to that address and port, for this one datagram.
+fn send_from(from: SocketAddr, to: SocketAddr, answer: &[u8]) -> io::Result<()> {
+    let s = Socket::new(Domain::for_address(from), Type::DGRAM, Some(Protocol::UDP))?;
+    s.set_reuse_address(true)?;
+    s.set_reuse_port(true)?;
+    s.set_ip_transparent(true)?;
+    if from.is_ipv6() {
+        ipv6_transparent(&s)?;
+    }
+    s.bind(&from.into())?;
+    s.send_to(answer, &to.into())?;
+    Ok(())
+}
+
+/// Asks the server the pod asked, over UDP, and waits for the answer with the query's id.
+async fn upstream_udp(dst: SocketAddr, query: &[u8], id: u16) -> io::Result<Vec<u8>> {
+    let bind: SocketAddr = if dst.is_ipv4() {
+        (Ipv4Addr::UNSPECIFIED, 0).into()
+    } else {
+        (Ipv6Addr::UNSPECIFIED, 0).into()
+    };
+    let s = UdpSocket::bind(bind).await?;
+    s.connect(dst).await?;
+    s.send(query).await?;
+    let mut buf = vec![0u8; 65535];
+    tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            let n = s.recv(&mut buf).await?;
+            if wire::addresses(&buf[..n], id).is_some() {
+                return Ok(buf[..n].to_vec());
+            }
+        }
+    })
+    .await
+    .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "the DNS server did not answer"))?
+}
+
+async fn serve_udp(proxy: Arc<Proxy>, sock: Arc<UdpSocket>) {
+    let mut buf = vec![0u8; 65535];
+    loop {
+        let fd = sock.as_raw_fd();
+        let got = sock
+            .async_io(tokio::io::Interest::READABLE, || {
+                recv_with_dst(fd, &mut buf)
+            })
+            .await;
+        let (n, src, dst) = match got {
+            Ok(x) => x,
+            Err(e) => {
+                tracing::debug!(error = %e, "DNS proxy: unreadable datagram");
+                continue;
+            }
+        };
+        let query = buf[..n].to_vec();
+        let proxy = proxy.clone();
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let (now, forward) = proxy.judge(&query, src.ip(), dst, 17);
+            if let Some(answer) = now {
+                let _ = send_from(dst, src, &answer);
+                return;
+            }
+            let Some((q, endpoint, pod, policies)) = forward else {
+                return;
+            };
+            let spent = started.elapsed();
+            match upstream_udp(dst, &query, q.id).await {
+                Ok(answer) => {
+                    proxy
+                        .answered(&q, endpoint, &pod, policies, &answer, spent)
+                        .await;
+                    if let Err(e) = send_from(dst, src, &answer) {
+                        tracing::warn!(error = %e, %dst, %src, "DNS proxy: cannot answer the pod");
+                    }
+                }
+                Err(e) => tracing::debug!(error = %e, %dst, "DNS proxy: upstream failed"),
+            }
+        });
+    }
+}
+
+async fn read_frame(s: &mut TcpStream) -> io::Result<Vec<u8>> {
+    let n = s.read_u16().await? as usize;
+    let mut buf = vec![0u8; n];
+    s.read_exact(&mut buf).await?;
+    Ok(buf)
+}
+
+async fn write_frame(s: &mut TcpStream, m: &[u8]) -> io::Result<()> {
+    let mut out = (m.len() as u16).to_be_bytes().to_vec();
+    out.extend_from_slice(m);
+    s.write_all(&out).await
+}
+
+/// One pod's TCP connection: each framed query is judged; allowed ones go over one upstream
+/// connection to the server the pod asked.
+async fn serve_tcp_conn(proxy: Arc<Proxy>, mut pod: TcpStream, src: SocketAddr) -> io::Result<()> {
+    let dst = pod.local_addr()?;
+    let mut upstream: Option<TcpStream> = None;
+    loop {
+        let query = read_frame(&mut pod).await?;
+        let started = Instant::now();
+        let (now, forward) = proxy.judge(&query, src.ip(), dst, 6);
+        if let Some(answer) = now {
+            write_frame(&mut pod, &answer).await?;
+            continue;
+        }
+        let Some((q, endpoint, pod_name, policies)) = forward else {
+            continue;
+        };
+        let spent = started.elapsed();
+        if upstream.is_none() {
+            upstream = Some(TcpStream::connect(dst).await?);
+        }
+        let up = upstream.as_mut().expect("just connected");
+        write_frame(up, &query).await?;
+        let answer = tokio::time::timeout(Duration::from_secs(5), read_frame(up))
+            .await
+            .map_err(|_| {
+                io::Error::new(io::ErrorKind::TimedOut, "the DNS server did not answer")
+            })??;
+        proxy
+            .answered(&q, endpoint, &pod_name, policies, &answer, spent)
+            .await;
+        write_frame(&mut pod, &answer).await?;
+    }
+}
+
+async fn serve_tcp(proxy: Arc<Proxy>, l: TcpListener) {
+    loop {
+        match l.accept().await {
+            Ok((s, src)) => {
+                tokio::spawn(serve_tcp_conn(proxy.clone(), s, src));
+            }
+            Err(e) => tracing::debug!(error = %e, "DNS proxy: accept"),
+        }
+    }
+}
+
+/// One agent connection: rules and acks in; hello, queued learnings, learnings and verdicts
+/// out. A new connection replaces the old one.
+async fn serve_agent(proxy: Arc<Proxy>, s: UnixStream, hello: FromProxy) {
+    let (rd, mut wr) = s.into_split();
+    let (tx, mut rx) = mpsc::unbounded_channel::<String>();
+    let queued: Vec<Learned> =
+        std::mem::take(&mut *proxy.queued.lock().unwrap_or_else(|p| p.into_inner()));
+    let mut first = vec![serde_json::to_string(&hello).unwrap_or_default()];
+    first.extend(
+        queued
+            .into_iter()
+            .filter_map(|l| serde_json::to_string(&FromProxy::Learn(l)).ok()),
+    );
+    for line in first {
+        let _ = tx.send(line);
+    }
+    *proxy.agent.lock().unwrap_or_else(|p| p.into_inner()) = Some(tx);
+    let writer = tokio::spawn(async move {
+        while let Some(mut line) = rx.recv().await {
+            line.push('\n');
+            if wr.write_all(line.as_bytes()).await.is_err() {
+                break;
+            }
+        }
+    });
+    let mut lines = BufReader::new(rd).lines();
+    while let Ok(Some(line)) = lines.next_line().await {
+        match serde_json::from_str::<ToProxy>(&line) {
+            Ok(ToProxy::Rules(r)) => {
+                keep_rules(&proxy.state_dir, &r);
+                *proxy.rules.write().unwrap_or_else(|p| p.into_inner()) = RuleIndex::new(r);
+            }
+            Ok(ToProxy::Ack { seq }) => {
+                if let Some(w) = proxy
+                    .waiting
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .remove(&seq)
+                {
+                    let _ = w.send(());
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "DNS proxy: unreadable line from the agent"),
+        }
+    }
+    writer.abort();
+    *proxy.agent.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    tracing::info!("DNS proxy: the agent disconnected; serving with the last rules");
+}
+
+/// Keeps the rules on disk (write and rename: never a torn file).
+fn keep_rules(state_dir: &Path, r: &ProxyRules) {
+    let path = super::rules_path(state_dir);
+    let tmp = path.with_extension("json.tmp");
+    let ok = serde_json::to_vec(r)
+        .ok()
+        .and_then(|b| std::fs::write(&tmp, b).ok())
+        .and_then(|_| std::fs::rename(&tmp, &path).ok());
+    if ok.is_none() {
+        tracing::warn!(path = %path.display(), "DNS proxy: cannot keep its rules on disk");
+    }
+}
+
+fn kept_rules(state_dir: &Path) -> ProxyRules {
+    std::fs::read(super::rules_path(state_dir))
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default()
+}
+
+/// Runs the proxy until SIGTERM/SIGINT, or until its state directory or pinned maps vanish.
+pub fn run(opts: ProxyOptions) -> Result<(), ProxyError> {
+    let sock_path = super::socket_path(&opts.state_dir);
+    if std::os::unix::net::UnixStream::connect(&sock_path).is_ok() {
+        return Err(ProxyError::AlreadyRunning(opts.state_dir.clone()));
+    }
+    let _ = std::fs::remove_file(&sock_path);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(setup("start the runtime"))?;
+    rt.block_on(async move {
+        let l = listeners(opts.udp_port, opts.tcp_port).map_err(setup("bind the proxy sockets"))?;
+        let mark = mark_of(l.udp_port);
+        routing(mark, true)?;
+        let proxy = Arc::new(Proxy {
+            rules: RwLock::new(RuleIndex::new(kept_rules(&opts.state_dir))),
+            ipcache: Ipcache::open(&opts.pins)?,
+            state_dir: opts.state_dir.clone(),
+            agent: Mutex::new(None),
+            waiting: Mutex::new(HashMap::new()),
+            queued: Mutex::new(Vec::new()),
+            seq: AtomicU64::new(0),
+            learn_timeout: opts.learn_timeout,
+        });
+        let agents = UnixListener::bind(&sock_path)
+            .map_err(setup(format!("listen on {}", sock_path.display())))?;
+        publish(&opts.pins, l.udp_port, l.tcp_port, mark)?;
+        tracing::info!(
+            udp = l.udp_port,
+            tcp = l.tcp_port,
+            mark,
+            "DNS proxy serving"
+        );
+        for u in l.udp {
+            tokio::spawn(serve_udp(proxy.clone(), Arc::new(u)));
+        }
+        for t in l.tcp {
+            tokio::spawn(serve_tcp(proxy.clone(), t));
+        }
+        let hello = FromProxy::Hello {
+            pid: std::process::id(),
+            udp_port: l.udp_port,
+            tcp_port: l.tcp_port,
+        };
+        let p = proxy.clone();
+        tokio::spawn(async move {
+            loop {
+                if let Ok((s, _)) = agents.accept().await {
+                    tokio::spawn(serve_agent(p.clone(), s, hello.clone()));
+                }
+            }
+        });
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .map_err(setup("SIGTERM handler"))?;
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            tokio::select! {
+                _ = term.recv() => break,
+                _ = tokio::signal::ctrl_c() => break,
+                _ = tick.tick() => {
+                    if !opts.state_dir.exists() || !opts.pins.join("dns_proxy").exists() {
+                        tracing::info!("DNS proxy: its state directory or maps are gone; exiting");
+                        break;
+                    }
+                }
+            }
+        }
+        let _ = publish(&opts.pins, 0, 0, 0);
+        let _ = routing(mark, false);
+        let _ = std::fs::remove_file(&sock_path);
+        Ok(())
+    })
+}
