@@ -84,3 +84,11 @@ mod tests {
         );
     }
 }
+
+/// How the agent gets its DNS proxy (`--dns-proxy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DnsProxyMode {
+    Auto,
+    External,
+    Disabled,
+}

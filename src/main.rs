@@ -86,6 +86,8 @@ fn agent(args: AgentArgs) -> i32 {
             audit: args.policy_audit_mode,
         },
         flow_buffer_capacity: args.flow_buffer_capacity,
+        tofqdns_min_ttl: std::time::Duration::from_secs(args.tofqdns_min_ttl),
+        dns_proxy: args.dns_proxy,
     };
     match run(config) {
         Ok(()) => 0,
@@ -192,6 +194,24 @@ fn cni_plugin() -> i32 {
     ciliate::cni::run_plugin(&env, &stdin, &mut stdout.lock())
 }
 
+/// `ciliate dns-proxy`: serves until SIGTERM, or until its state directory or maps vanish.
+fn dns_proxy(args: ciliate::cli::DnsProxyArgs) -> i32 {
+    init_logging(args.log_format);
+    match ciliate::dnsproxy::server::run(ciliate::dnsproxy::server::ProxyOptions {
+        pins: args.bpf_root.join("ciliate"),
+        state_dir: args.state_dir,
+        udp_port: args.udp_port,
+        tcp_port: args.tcp_port,
+        learn_timeout: std::time::Duration::from_millis(args.learn_timeout_ms),
+    }) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("error: {e}");
+            1
+        }
+    }
+}
+
 fn main() {
     let invoked_as = std::env::args_os().next().unwrap_or_default();
     if std::path::Path::new(&invoked_as)
@@ -249,6 +269,14 @@ fn main() {
             client: c,
         } => client(&c, ClientCall::ServiceList),
         Command::Bpf { command, client: c } => client(&c, ClientCall::Bpf(&command)),
+        Command::Fqdn {
+            command:
+                ciliate::cli::FqdnCommand::Cache {
+                    command: ciliate::cli::FqdnCacheCommand::List,
+                },
+            client: c,
+        } => client(&c, ClientCall::FqdnCacheList),
+        Command::DnsProxy(args) => dns_proxy(args),
         Command::Monitor {
             count,
             since,

@@ -78,6 +78,17 @@ pub struct Metrics {
     pub events_lost: Counter,
     /// Start-up phases: seconds each took (Cilium's `agent_bootstrap_seconds`).
     pub bootstrap: Family<ScopeLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    /// DNS queries the proxy decided, by verdict (`forwarded`, `refused`).
+    pub dns_proxy_requests: Family<VerdictOnlyLabels, Counter>,
+    /// Time the proxy spent on one query, without the upstream server's.
+    pub dns_proxy_processing: Histogram,
+    /// Names in the FQDN cache.
+    pub fqdn_cache_entries: Gauge,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct VerdictOnlyLabels {
+    pub verdict: String,
 }
 
 impl Default for Metrics {
@@ -116,7 +127,26 @@ impl Metrics {
             policy_verdicts: Family::default(),
             events_lost: Counter::default(),
             bootstrap: Family::default(),
+            // 10us .. ~5s
+            dns_proxy_requests: Family::default(),
+            dns_proxy_processing: Histogram::new(exponential_buckets(0.00001, 2.0, 20)),
+            fqdn_cache_entries: Gauge::default(),
         };
+        r.register(
+            "ciliate_dns_proxy_requests",
+            "DNS queries the DNS proxy decided, by verdict (forwarded, refused)",
+            m.dns_proxy_requests.clone(),
+        );
+        r.register(
+            "ciliate_dns_proxy_processing_seconds",
+            "Time the DNS proxy spent on one query (decision, parsing, waiting for policy), without the upstream server's",
+            m.dns_proxy_processing.clone(),
+        );
+        r.register(
+            "ciliate_fqdn_cache_entries",
+            "Names in the FQDN cache",
+            m.fqdn_cache_entries.clone(),
+        );
         r.register(
             "ciliate_agent_bootstrap_seconds",
             "Seconds each start-up phase took (init, maps, restore, ipam, api, sync, regeneration)",

@@ -68,6 +68,8 @@ pub struct Shared {
     pub pod_mtu: u32,
     /// Services and their translation (in process until the agent attaches the BPF programs).
     pub services: Arc<crate::services::ServiceLb>,
+    /// DNS-aware policy: the FQDN cache, endpoints' DNS rules, the proxy (`dnsproxy::state`).
+    pub dns: Arc<crate::dnsproxy::state::DnsState>,
 }
 
 impl Shared {
@@ -123,6 +125,7 @@ impl Shared {
             })),
             pod_mtu: crate::network::tunnel::LINK_MTU,
             services: Arc::new(crate::services::ServiceLb::memory(None)),
+            dns: Default::default(),
         }
     }
 

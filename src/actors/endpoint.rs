@@ -276,7 +276,19 @@ impl EndpointActor {
             ingress_cookie,
             egress_cookie,
             audit,
+            dns_proxy: !policy.dns.is_empty(),
         };
+        // The proxy learns the rules before the datapath sends it this endpoint's DNS (until
+        // then it refuses the endpoint's queries: fail closed).
+        self.shared.dns.set_rules(
+            self.record.id as u64,
+            (!policy.dns.is_empty()).then(|| crate::dnsproxy::EndpointRules {
+                id: self.record.id as u64,
+                pod: self.record.name.clone(),
+                ips: self.record.ips.clone(),
+                entries: policy.dns.clone(),
+            }),
+        );
         let delta = if replace {
             policy.map.diff_from(&MapState::new())
         } else {
@@ -593,6 +605,7 @@ impl Handler<Delete> for EndpointActor {
     fn handle(&mut self, msg: Delete, ctx: &mut Context<Self>) -> Self::Result {
         self.step(ctx, Event::Disconnect);
         if !msg.keep_datapath {
+            self.shared.dns.set_rules(self.record.id as u64, None);
             self.loader
                 .do_send(DetachEndpoint { id: self.record.id }, self.name());
             self.shared

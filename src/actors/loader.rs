@@ -37,7 +37,7 @@ impl LoaderActor {
 impl Actor for LoaderActor {
     type Context = Context<Self>;
 }
-traced_actor!(LoaderActor: AttachEndpoint, DetachEndpoint, SweepStrayEndpoints, SyncPolicyMap, UpdateIpcache, GetPolicyMap, GetIpcache);
+traced_actor!(LoaderActor: AttachEndpoint, DetachEndpoint, SweepStrayEndpoints, SyncPolicyMap, UpdateIpcache, Barrier, GetPolicyMap, GetIpcache);
 
 /// Adds or updates an endpoint in the endpoint map and creates its policy map.
 #[derive(Debug, Message)]
@@ -181,6 +181,22 @@ impl Handler<UpdateIpcache> for LoaderActor {
             }
         }
         first_err
+    }
+}
+
+/// Fires `done` once every message sent to the loader before it was applied.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Barrier {
+    pub done: tokio::sync::oneshot::Sender<()>,
+}
+
+crate::traceable!(Barrier, "Barrier", |_m| String::new());
+
+impl Handler<Barrier> for LoaderActor {
+    type Result = ();
+    fn handle(&mut self, msg: Barrier, _: &mut Context<Self>) {
+        let _ = msg.done.send(());
     }
 }
 

@@ -132,6 +132,9 @@ struct Reaction {
     /// The monitor notification of a policy change (`added`, `updated`, `deleted`), sent with
     /// the number of endpoints it regenerates.
     notice: Option<(&'static str, PolicyKey)>,
+    /// A DNS answer waits: no quiet window, and tell it when realized.
+    immediate: bool,
+    done: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
 impl Reaction {
@@ -145,7 +148,15 @@ impl Reaction {
             ipcache: Vec::new(),
             policy_change: false,
             notice: None,
+            immediate: false,
+            done: None,
         }
+    }
+    /// At once (no quiet window), telling `done` when realized in the datapath.
+    fn waited_for(mut self, done: tokio::sync::oneshot::Sender<()>) -> Self {
+        self.immediate = true;
+        self.done = Some(done);
+        self
     }
     fn at(mut self, t: Instant) -> Self {
         self.accepted_at = t;
@@ -194,6 +205,8 @@ pub struct PolicyRepoActor {
     /// What became of each policy, and unreadable manifest files (`policy::status`).
     statuses: PolicyRecords,
     initial_sync_done: bool,
+    /// The FQDN cache changed since it was last saved.
+    fqdn_dirty: bool,
 }
 
 impl PolicyRepoActor {
@@ -210,6 +223,7 @@ impl PolicyRepoActor {
             endpoints: Registry::default(),
             statuses: PolicyRecords::default(),
             initial_sync_done: false,
+            fqdn_dirty: false,
         }
     }
 
@@ -288,6 +302,8 @@ impl PolicyRepoActor {
                 ipcache: r.ipcache,
                 observe_delay: r.policy_change,
                 set_ready: false,
+                immediate: r.immediate,
+                done: r.done,
             },
             NAME,
         );
@@ -539,7 +555,8 @@ impl Actor for PolicyRepoActor {
 traced_actor!(PolicyRepoActor:
     PolicyUpsert, PolicyRejected, PolicyDelete, ManifestStatus, PodUpsert, PodDelete, NamespaceUpsert,
     NamespaceDelete, NodeUpsert, NodeDelete, InitialSyncDone, AddEndpoint, DeleteEndpoint,
-    FindEndpoint, ConfigureEndpoint, ListEndpoints, ListPodlessEndpoints, Shutdown, GetPolicies, GetIdentities, GetIpcacheView, RegenerateAll);
+    FindEndpoint, ConfigureEndpoint, ListEndpoints, ListPodlessEndpoints, Shutdown, GetPolicies, GetIdentities, GetIpcacheView, RegenerateAll,
+    LearnFqdn, ExpireFqdn, RestoreFqdn);
 
 use crate::traceable;
 
@@ -890,6 +907,8 @@ impl PolicyRepoActor {
                 ipcache,
                 observe_delay: false,
                 set_ready: true,
+                immediate: false,
+                done: None,
             },
             NAME,
         );
@@ -1170,6 +1189,131 @@ impl Handler<RegenerateAll> for PolicyRepoActor {
                 },
                 NAME,
             );
+        }
+    }
+}
+
+// ------------------------------------------------------------------ DNS names
+
+/// The DNS proxy forwarded an allowed answer: `name` resolved to `ips` for `endpoint`. `done`
+/// is told once every selecting endpoint's policy map and the ipcache hold the addresses.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct LearnFqdn {
+    pub name: String,
+    pub ips: Vec<IpAddr>,
+    pub ttl: std::time::Duration,
+    pub endpoint: Option<EndpointId>,
+    pub done: tokio::sync::oneshot::Sender<()>,
+}
+traceable!(LearnFqdn, "LearnFqdn", |m| format!(
+    "{} -> {:?}",
+    m.name, m.ips
+));
+
+impl Handler<LearnFqdn> for PolicyRepoActor {
+    type Result = ();
+    fn handle(&mut self, msg: LearnFqdn, _: &mut Context<Self>) {
+        let dns = self.shared.dns.clone();
+        let now = crate::policy::fqdn::unix_now();
+        let ep = msg.endpoint.map(|e| e as u64);
+        if dns
+            .cache()
+            .learn(&msg.name, &msg.ips, msg.ttl, dns.min_ttl, ep, now)
+        {
+            self.fqdn_changed();
+        } else {
+            self.fqdn_dirty = true; // a later expiry or askers: saved by the next tick
+        }
+        let change = self.engine_mut().learn_fqdn(&msg.name, &msg.ips);
+        self.react(
+            Reaction::new(format!(
+                "fqdn {}",
+                crate::policy::fqdn::normalize(&msg.name)
+            ))
+            .affecting(change.affected.iter().copied())
+            .ipcache(ipcache_of(&change))
+            .waited_for(msg.done),
+        );
+    }
+}
+
+/// Addresses past their TTL (and no longer used by a tracked connection) leave the cache, and
+/// the selectors of their names let go.
+#[derive(Debug, Message)]
+#[rtype(result = "usize")]
+pub struct ExpireFqdn {
+    pub now: u64,
+}
+traceable!(ExpireFqdn, "ExpireFqdn", |m| format!("at {}", m.now));
+
+impl Handler<ExpireFqdn> for PolicyRepoActor {
+    type Result = usize;
+    fn handle(&mut self, msg: ExpireFqdn, _: &mut Context<Self>) -> usize {
+        let dns = self.shared.dns.clone();
+        let gone = dns.cache().expire(msg.now, &|ip| dns.is_live(ip));
+        if gone.is_empty() {
+            if std::mem::take(&mut self.fqdn_dirty) {
+                self.fqdn_changed();
+            }
+            return 0;
+        }
+        self.fqdn_changed();
+        let changes: Vec<_> = {
+            let mut e = self.engine_mut();
+            gone.iter().map(|(n, ip)| e.forget_fqdn(n, *ip)).collect()
+        };
+        self.react_to_all(format!("{} DNS addresses expired", gone.len()), &changes);
+        gone.len()
+    }
+}
+
+/// Start-up, before endpoints are restored: the cache a previous run saved selects again.
+#[derive(Debug, Message)]
+#[rtype(result = "usize")]
+pub struct RestoreFqdn {
+    pub cache: crate::policy::fqdn::FqdnCache,
+}
+traceable!(RestoreFqdn, "RestoreFqdn", |m| format!(
+    "{} names",
+    m.cache.len()
+));
+
+impl Handler<RestoreFqdn> for PolicyRepoActor {
+    type Result = usize;
+    fn handle(&mut self, msg: RestoreFqdn, _: &mut Context<Self>) -> usize {
+        let changes: Vec<_> = {
+            let mut e = self.engine_mut();
+            let learn = |(n, c): (&String, &crate::policy::fqdn::CacheEntry)| {
+                e.learn_fqdn(n, &c.ips.iter().map(|i| i.ip).collect::<Vec<_>>())
+            };
+            msg.cache.names.iter().map(learn).collect()
+        };
+        let n = msg.cache.len();
+        *self.shared.dns.cache() = msg.cache;
+        self.fqdn_changed();
+        self.react_to_all(format!("{n} DNS names restored"), &changes);
+        n
+    }
+}
+
+impl PolicyRepoActor {
+    /// One reaction for several engine changes.
+    fn react_to_all(&self, reason: String, changes: &[crate::policy::engine::PolicyChange]) {
+        let affected = changes.iter().flat_map(|c| c.affected.iter().copied());
+        let ipcache = changes.iter().flat_map(ipcache_of).collect();
+        self.react(Reaction::new(reason).affecting(affected).ipcache(ipcache));
+    }
+
+    /// The cache changed: its gauge, and its file (a failed write is logged; the next change
+    /// writes it again).
+    fn fqdn_changed(&mut self) {
+        self.fqdn_dirty = false;
+        let dns = &self.shared.dns;
+        let n = dns.cache().len();
+        self.shared.metrics.fqdn_cache_entries.set(n as i64);
+        if let Err(e) = dns.save(self.shared.state_dir.root()) {
+            tracing::warn!(error = %e, "cannot save the FQDN cache");
         }
     }
 }

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use actix::{Actor, AsyncContext, Context, Handler, Message, SpawnHandle};
 
 use super::endpoint::{BumpRevision, EndpointActor, EndpointGone, EndpointRealized, Regenerate};
-use super::loader::{IpcacheChange, LoaderActor, UpdateIpcache};
+use super::loader::{Barrier, IpcacheChange, LoaderActor, UpdateIpcache};
 use crate::datapath::EndpointId;
 use crate::introspect::{current_change, with_change, ChangeId, TracedAddr};
 use crate::runtime::Shared;
@@ -73,6 +73,9 @@ pub struct RuleReactionActor {
     /// Requests that arrived while that endpoint's regeneration was in flight.
     again: HashMap<EndpointId, Want>,
     window: Option<(SpawnHandle, Instant)>,
+    /// Waiters (a DNS answer held by the proxy) told once every change up to theirs is in the
+    /// datapath, ipcache included: (sequence, sender).
+    waiters: Vec<(u64, tokio::sync::oneshot::Sender<()>)>,
 }
 
 impl RuleReactionActor {
@@ -87,6 +90,20 @@ impl RuleReactionActor {
             in_flight: HashSet::new(),
             again: HashMap::new(),
             window: None,
+            waiters: Vec::new(),
+        }
+    }
+
+    /// Tells the waiters whose changes, and every earlier one, completed. The loader applies
+    /// messages in order, so its `Barrier` fires after the ipcache updates sent before it.
+    fn release_waiters(&mut self) {
+        let floor = self.pending.keys().next().copied().unwrap_or(u64::MAX);
+        let (ready, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.waiters)
+            .into_iter()
+            .partition(|(seq, _)| *seq < floor);
+        self.waiters = keep;
+        for (_, done) in ready {
+            self.loader.do_send(Barrier { done }, NAME);
         }
     }
 
@@ -206,6 +223,10 @@ pub struct PolicyReaction {
     pub observe_delay: bool,
     /// The initial sync: report ready when done.
     pub set_ready: bool,
+    /// Fan out at once, without the quiet window (a DNS answer waits for it).
+    pub immediate: bool,
+    /// Told when this change and every earlier one are in the datapath.
+    pub done: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
 crate::traceable!(PolicyReaction, "PolicyReaction", |m| {
@@ -255,10 +276,19 @@ impl Handler<PolicyReaction> for RuleReactionActor {
                 set_ready: msg.set_ready,
             },
         );
+        if let Some(done) = msg.done {
+            self.waiters.push((seq, done));
+        }
         if self.pending.get(&seq).is_some_and(|p| p.waiting.is_empty()) {
             self.complete(seq);
         }
-        if !self.want.is_empty() || !self.bumps.is_empty() {
+        self.release_waiters();
+        if msg.immediate {
+            if let Some((handle, _)) = self.window.take() {
+                ctx.cancel_future(handle);
+            }
+            self.flush();
+        } else if !self.want.is_empty() || !self.bumps.is_empty() {
             self.arm(ctx);
         }
     }
@@ -288,6 +318,7 @@ impl Handler<EndpointRealized> for RuleReactionActor {
         for seq in done {
             self.complete(seq);
         }
+        self.release_waiters();
     }
 }
 

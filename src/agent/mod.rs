@@ -3,5 +3,6 @@
 //! shared services it hands out live in `crate::runtime`, the actors in `crate::actors`, the
 //! endpoint state and restore in `crate::endpoint`.
 
+pub mod dns;
 pub mod listen;
 pub mod run;

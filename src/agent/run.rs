@@ -13,7 +13,8 @@ use super::listen::{raise_fd_limit, ListenError, Listeners};
 use crate::actors::kube_watcher::KubeWatcherActor;
 use crate::actors::loader::{LoaderActor, SweepStrayEndpoints};
 use crate::actors::policy_repo::{
-    AddEndpoint, DeleteEndpoint, EndpointRequest, ListPodlessEndpoints, PolicyRepoActor, Shutdown,
+    AddEndpoint, DeleteEndpoint, EndpointRequest, ExpireFqdn, ListPodlessEndpoints,
+    PolicyRepoActor, RestoreFqdn, Shutdown,
 };
 use crate::actors::rule_reaction::RuleReactionActor;
 use crate::actors::watcher::WatcherActor;
@@ -54,6 +55,10 @@ pub struct AgentConfig {
     /// `--flow-buffer-capacity`: recent flows kept for `monitor --since`.
     pub flow_buffer_capacity: usize,
     pub cgroup_root: Option<PathBuf>,
+    /// `--tofqdns-min-ttl`: addresses learned from DNS stay selected at least this long.
+    pub tofqdns_min_ttl: std::time::Duration,
+    /// `--dns-proxy`: start, adopt or run no DNS proxy (bpf datapath).
+    pub dns_proxy: crate::config::DnsProxyMode,
 }
 
 /// How long a debug-server connection may sit idle: the debug page polls every two seconds.
@@ -335,6 +340,9 @@ async fn run_async(
         shared.bootstrap.record(scope, took, &shared.metrics);
     }
     shared.pod_mtu = pod_mtu(&config.routing);
+    shared.dns = std::sync::Arc::new(crate::dnsproxy::state::DnsState::new(
+        config.tofqdns_min_ttl,
+    ));
     // Kubernetes mode: the client first, so a bad kubeconfig fails the start at once.
     let feed = match source {
         Source::Kubernetes { kubeconfig } => {
@@ -357,11 +365,13 @@ async fn run_async(
         }))
         .map_err(|e| AgentError::Config(format!("--datapath {datapath_name}: {e}")))?;
     let gc_metrics = shared.metrics.clone();
+    let gc_dns = shared.dns.clone();
     datapath
         .start_conntrack_gc(
             config.conntrack_gc_interval,
             crate::datapath::ConntrackTimeouts::default(),
             Box::new(move |stats| {
+                gc_dns.set_live_peers(stats.live);
                 gc_metrics
                     .conntrack_entries
                     .set((stats.scanned - stats.removed) as i64);
@@ -379,6 +389,8 @@ async fn run_async(
     let Core { loader, repo, .. } = spawn_core(&shared, datapath);
 
     let restore_started = std::time::Instant::now();
+    // The names a previous run learned select again before any endpoint regenerates.
+    restore_fqdn_cache(&repo, state_dir.root()).await;
     // restoreOldEndpoints: same ids, identities and IPs, before anything new is allocated.
     let mut node_ipam = crate::ipam::NodeIpam {
         source: ipam.as_ref().map(|_| crate::ipam::CidrSource::Flag),
@@ -612,6 +624,18 @@ async fn run_async(
     ));
 
     let (socket_handle, debug_handle) = (socket_server.handle(), debug_server.handle());
+    actix_rt::spawn(expire_fqdn(repo.clone()));
+    if config.datapath == DatapathKind::Bpf {
+        actix_rt::spawn(crate::agent::dns::run_link(
+            shared.clone(),
+            repo.clone(),
+            crate::agent::dns::LinkConfig {
+                mode: config.dns_proxy,
+                state_dir: config.state_dir.clone(),
+                bpf_root: config.bpf_root.clone(),
+            },
+        ));
+    }
     actix_rt::spawn(socket_server);
     actix_rt::spawn(debug_server);
     tracing::info!(
@@ -635,6 +659,37 @@ async fn run_async(
 /// Kubernetes mode: once the initial sync is done, endpoints whose pod was deleted while the
 /// agent was down (its CNI DEL could not reach the agent) are removed as a CNI DEL would remove
 /// them: endpoint, programs and policy map, host veth, address.
+/// Loads the saved FQDN cache into the policy (an unreadable file is reported and set aside:
+/// names are learned again from the next answers).
+async fn restore_fqdn_cache(repo: &TracedAddr<PolicyRepoActor>, state_dir: &std::path::Path) {
+    let cache = match crate::dnsproxy::state::DnsState::load(state_dir) {
+        Ok(c) => c,
+        Err(e) => {
+            let path = crate::dnsproxy::state::cache_path(state_dir);
+            let _ = std::fs::rename(&path, path.with_extension("json.unreadable"));
+            tracing::error!(error = %e, "FQDN cache not restored (kept as fqdn-cache.json.unreadable)");
+            return;
+        }
+    };
+    match repo.send(RestoreFqdn { cache }, "restore").await {
+        Ok(n) if n > 0 => tracing::info!(names = n, "FQDN cache restored"),
+        Ok(_) => {}
+        Err(e) => tracing::error!(error = %e, "FQDN cache not restored"),
+    }
+}
+
+/// Expires learned DNS addresses once a second.
+async fn expire_fqdn(repo: TracedAddr<PolicyRepoActor>) {
+    let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+    loop {
+        tick.tick().await;
+        let now = crate::policy::fqdn::unix_now();
+        if repo.send(ExpireFqdn { now }, "fqdn-gc").await.is_err() {
+            return;
+        }
+    }
+}
+
 async fn sweep_podless_endpoints(st: web::Data<AppState>) {
     while !st.shared.ready.load(std::sync::atomic::Ordering::SeqCst) {
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;

@@ -403,6 +403,37 @@ async fn debug_services(st: web::Data<AppState>) -> HttpResponse {
     }))
 }
 
+/// `GET /v1/fqdn/cache` (and `ciliate fqdn cache list`): every learned name, its addresses,
+/// when the last of them expires (seconds since the epoch), the endpoints that asked.
+async fn fqdn_cache(st: web::Data<AppState>) -> HttpResponse {
+    HttpResponse::Ok().json(fqdn_rows(&st))
+}
+
+fn fqdn_rows(st: &AppState) -> Vec<serde_json::Value> {
+    let cache = st.shared.dns.cache();
+    cache
+        .names
+        .iter()
+        .map(|(name, e)| {
+            serde_json::json!({
+                "name": name,
+                "ips": e.ips.iter().map(|c| c.ip.to_string()).collect::<Vec<_>>(),
+                "expires_at": e.ips.iter().map(|c| c.expires_at).max().unwrap_or(0),
+                "endpoints": e.endpoints,
+            })
+        })
+        .collect()
+}
+
+/// `GET /debug/dns`: the proxy as last seen and the FQDN cache.
+async fn debug_dns(st: web::Data<AppState>) -> HttpResponse {
+    HttpResponse::Ok().json(serde_json::json!({
+        "proxy": st.shared.dns.proxy_view(),
+        "endpoints_with_dns_rules": st.shared.dns.rules().endpoints.len(),
+        "cache": fqdn_rows(&st),
+    }))
+}
+
 /// `GET /v1/services` (and `ciliate service list`): every frontend with its backends.
 async fn services(st: web::Data<AppState>) -> HttpResponse {
     HttpResponse::Ok().json(st.shared.services.list())
@@ -609,7 +640,8 @@ pub fn read_routes(cfg: &mut web::ServiceConfig) {
         .route("/debug/flows", web::get().to(debug_flows))
         .route("/debug/changes", web::get().to(changes))
         .route("/debug/changes/{id}", web::get().to(change))
-        .route("/debug/services", web::get().to(debug_services));
+        .route("/debug/services", web::get().to(debug_services))
+        .route("/debug/dns", web::get().to(debug_dns));
 }
 
 /// Limits of the debug server, which every local user can reach: it must never take the
@@ -742,6 +774,7 @@ pub fn socket_routes(cfg: &mut web::ServiceConfig) {
         .route("/v1/ipcache", web::get().to(ipcache))
         .route("/v1/nodes", web::get().to(nodes))
         .route("/v1/services", web::get().to(services))
+        .route("/v1/fqdn/cache", web::get().to(fqdn_cache))
         .route("/v1/bpf/policy/{id}", web::get().to(bpf_policy))
         .route("/v1/monitor", web::get().to(monitor))
         .route("/v1/cni/add", web::post().to(cni::add))

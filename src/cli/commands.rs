@@ -14,6 +14,7 @@ pub enum ClientCall<'a> {
     Bpf(&'a BpfCommand),
     NodeList,
     ServiceList,
+    FqdnCacheList,
 }
 
 /// `ciliate service list` as a table: one row per backend (a frontend without one shows `-`).
@@ -302,6 +303,24 @@ pub fn run_client(opts: &ClientOpts, call: ClientCall) -> Result<String, ClientE
         ClientCall::ServiceList => (
             request(sock, "GET", "/v1/services", None)?,
             Box::new(|v| table(&["ID", "FRONTEND", "SERVICE", "BACKENDS"], &service_rows(v))),
+        ),
+        ClientCall::FqdnCacheList => (
+            request(sock, "GET", "/v1/fqdn/cache", None)?,
+            Box::new(|v| {
+                let rows = rows(v, |n| {
+                    let list = |k: &str| {
+                        let items: Vec<String> = rows(&n[k], |x| vec![s(x)]).concat();
+                        items.join(",")
+                    };
+                    vec![
+                        s(&n["name"]),
+                        list("ips"),
+                        s(&n["expires_at"]),
+                        list("endpoints"),
+                    ]
+                });
+                table(&["NAME", "IPS", "EXPIRES_AT", "ENDPOINTS"], &rows)
+            }),
         ),
     };
     Ok(match opts.output {

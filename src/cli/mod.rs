@@ -134,6 +134,51 @@ pub enum Command {
         #[command(flatten)]
         client: ClientOpts,
     },
+    /// DNS-aware policy: the names learned from allowed DNS answers.
+    Fqdn {
+        #[command(subcommand)]
+        command: FqdnCommand,
+        #[command(flatten)]
+        client: ClientOpts,
+    },
+    /// The transparent DNS proxy of an agent's state directory (`ciliate agent` starts one
+    /// when none runs; in a DaemonSet it may run as a container of its own). It keeps serving
+    /// while the agent is stopped.
+    DnsProxy(DnsProxyArgs),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum FqdnCommand {
+    Cache {
+        #[command(subcommand)]
+        command: FqdnCacheCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum FqdnCacheCommand {
+    /// Every name: its addresses, when they expire, the endpoints that asked.
+    List,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct DnsProxyArgs {
+    /// The agent's state directory (the proxy's socket and kept rules live there).
+    #[arg(long, default_value = "/var/run/ciliate")]
+    pub state_dir: PathBuf,
+    #[arg(long, default_value = "/sys/fs/bpf")]
+    pub bpf_root: PathBuf,
+    /// 0: an ephemeral port.
+    #[arg(long, default_value_t = 0)]
+    pub udp_port: u16,
+    /// 0: an ephemeral port.
+    #[arg(long, default_value_t = 0)]
+    pub tcp_port: u16,
+    /// Longest an allowed answer waits for the agent to put its addresses into policy.
+    #[arg(long, default_value_t = 2000)]
+    pub learn_timeout_ms: u64,
+    #[arg(long, value_enum, default_value = "text")]
+    pub log_format: LogFormat,
 }
 
 #[derive(Debug, clap::Args)]
@@ -217,6 +262,15 @@ pub struct AgentArgs {
     /// Recent flows kept for `ciliate monitor --since` (the oldest go first; 0 keeps none).
     #[arg(long, default_value_t = crate::datapath::flows::DEFAULT_CAPACITY)]
     pub flow_buffer_capacity: usize,
+    /// Addresses learned from DNS answers stay selected by toFQDNs at least this long (and
+    /// while a connection through them is tracked).
+    #[arg(long, default_value_t = 3600)]
+    pub tofqdns_min_ttl: u64,
+    /// The DNS proxy (bpf datapath): `auto` starts one for the state directory when none runs
+    /// and adopts one that does; `external` only adopts one (a container of its own);
+    /// `disabled` runs none (DNS of endpoints with DNS rules is then dropped: fail closed).
+    #[arg(long, value_enum, default_value = "auto")]
+    pub dns_proxy: crate::config::DnsProxyMode,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

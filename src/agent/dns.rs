@@ -1,0 +1,237 @@
+//! The agent's link to its DNS proxy (`ciliate dns-proxy`, `crate::dnsproxy`).
+//!
+//! - `--dns-proxy auto` starts a proxy for the state directory when none answers on its socket
+//!   (a process of its own, in its own process group, so that it outlives the agent), and
+//!   adopts one that does; `external` only adopts; `disabled` runs none.
+//! - Once the agent is ready (every restored endpoint regenerated, so the rules table is
+//!   whole), it connects, sends the endpoints' DNS rules, and again on every change.
+//! - Each learning (an allowed answer's addresses) goes to `PolicyRepoActor` as `LearnFqdn`;
+//!   the proxy is told `Ack` once every selecting endpoint's policy map and the ipcache hold
+//!   them, and only then releases the answer to the pod.
+//! - Verdicts become metrics and `dns` notifications for `ciliate monitor`.
+//!
+//! Before the agent is ready, and while it is down, the proxy serves by the rules it kept and
+//! queues its learnings; they reach the agent when the link is up.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::UnixStream;
+use tokio::sync::mpsc;
+
+use crate::actors::policy_repo::{LearnFqdn, PolicyRepoActor};
+use crate::config::DnsProxyMode;
+use crate::datapath::events::{DnsFields, Notification};
+use crate::dnsproxy::{socket_path, DnsVerdict, FromProxy, Learned, ToProxy};
+use crate::introspect::TracedAddr;
+use crate::runtime::Shared;
+
+const NAME: &str = "dns-proxy-link";
+
+#[derive(Debug, Clone)]
+pub struct LinkConfig {
+    pub mode: DnsProxyMode,
+    pub state_dir: PathBuf,
+    pub bpf_root: PathBuf,
+}
+
+impl LinkConfig {
+    fn mode_name(&self) -> &'static str {
+        match self.mode {
+            DnsProxyMode::Auto => "auto",
+            DnsProxyMode::External => "external",
+            DnsProxyMode::Disabled => "disabled",
+        }
+    }
+}
+
+/// Starts a proxy for the state directory (auto mode) unless one answers on its socket.
+/// Returns the child to reap, when one was started.
+pub fn start_proxy(cfg: &LinkConfig) -> std::io::Result<Option<std::process::Child>> {
+    let sock = socket_path(&cfg.state_dir);
+    if std::os::unix::net::UnixStream::connect(&sock).is_ok() {
+        return Ok(None);
+    }
+    use std::os::unix::process::CommandExt;
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(cfg.state_dir.join("dns-proxy.log"))?;
+    let child = std::process::Command::new(std::env::current_exe()?)
+        .arg("dns-proxy")
+        .arg("--state-dir")
+        .arg(&cfg.state_dir)
+        .arg("--bpf-root")
+        .arg(&cfg.bpf_root)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(log)
+        // Its own process group: a signal to the agent's group (a terminal's ^C, a test's
+        // kill of the agent) does not take the proxy along.
+        .process_group(0)
+        .spawn()?;
+    tracing::info!(pid = child.id(), "DNS proxy started");
+    Ok(Some(child))
+}
+
+/// Runs the link until the agent stops.
+pub async fn run_link(shared: Shared, repo: TracedAddr<PolicyRepoActor>, cfg: LinkConfig) {
+    shared.dns.update_proxy(|v| v.mode = cfg.mode_name().into());
+    if cfg.mode == DnsProxyMode::Disabled {
+        return;
+    }
+    let mut child = None;
+    loop {
+        if cfg.mode == DnsProxyMode::Auto && child.is_none() {
+            match start_proxy(&cfg) {
+                Ok(c) => child = c,
+                Err(e) => {
+                    shared
+                        .dns
+                        .update_proxy(|v| v.error = Some(format!("cannot start: {e}")));
+                    tracing::error!(error = %e, "cannot start the DNS proxy")
+                }
+            }
+        }
+        // A proxy this agent started and that exited is reaped (and started again).
+        if let Some(c) = child.as_mut() {
+            if let Ok(Some(status)) = c.try_wait() {
+                tracing::warn!(%status, "the DNS proxy exited");
+                child = None;
+                continue;
+            }
+        }
+        if shared.ready.load(std::sync::atomic::Ordering::SeqCst) {
+            match UnixStream::connect(socket_path(&cfg.state_dir)).await {
+                Ok(s) => {
+                    let why = serve(&shared, &repo, s).await;
+                    shared.dns.update_proxy(|v| {
+                        v.connected = false;
+                        v.error = Some(why.clone());
+                    });
+                    tracing::warn!(reason = %why, "DNS proxy link down");
+                }
+                Err(e) => shared
+                    .dns
+                    .update_proxy(|v| v.error = Some(format!("not reachable: {e}"))),
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// One connection to the proxy; returns why it ended.
+async fn serve(shared: &Shared, repo: &TracedAddr<PolicyRepoActor>, s: UnixStream) -> String {
+    let (rd, mut wr) = s.into_split();
+    let (tx, mut rx) = mpsc::unbounded_channel::<ToProxy>();
+    let mut rules_changed = shared.dns.rules_changed.subscribe();
+    rules_changed.borrow_and_update();
+    let _ = tx.send(ToProxy::Rules(shared.dns.rules()));
+    let mut lines = BufReader::new(rd).lines();
+    loop {
+        tokio::select! {
+            out = rx.recv() => {
+                let Some(m) = out else { return "closed".into() };
+                let Ok(mut line) = serde_json::to_string(&m) else { continue };
+                line.push('\n');
+                if let Err(e) = wr.write_all(line.as_bytes()).await {
+                    return format!("write: {e}");
+                }
+            }
+            changed = rules_changed.changed() => {
+                if changed.is_err() {
+                    return "agent stopping".into();
+                }
+                rules_changed.borrow_and_update();
+                let _ = tx.send(ToProxy::Rules(shared.dns.rules()));
+            }
+            line = lines.next_line() => {
+                let line = match line {
+                    Ok(Some(l)) => l,
+                    Ok(None) => return "the proxy closed the connection".into(),
+                    Err(e) => return format!("read: {e}"),
+                };
+                match serde_json::from_str::<FromProxy>(&line) {
+                    Ok(m) => handle(shared, repo, &tx, m),
+                    Err(e) => tracing::warn!(error = %e, "unreadable line from the DNS proxy"),
+                }
+            }
+        }
+    }
+}
+
+fn handle(
+    shared: &Shared,
+    repo: &TracedAddr<PolicyRepoActor>,
+    tx: &mpsc::UnboundedSender<ToProxy>,
+    m: FromProxy,
+) {
+    match m {
+        FromProxy::Hello {
+            pid,
+            udp_port,
+            tcp_port,
+        } => {
+            tracing::info!(pid, udp_port, tcp_port, "DNS proxy connected");
+            shared.dns.update_proxy(|v| {
+                v.connected = true;
+                v.pid = Some(pid);
+                v.udp_port = Some(udp_port);
+                v.tcp_port = Some(tcp_port);
+                v.error = None;
+            });
+        }
+        FromProxy::Learn(l) => learn(repo, tx, l),
+        FromProxy::Verdict(v) => verdict(shared, v),
+    }
+}
+
+fn learn(repo: &TracedAddr<PolicyRepoActor>, tx: &mpsc::UnboundedSender<ToProxy>, l: Learned) {
+    let (done, realized) = tokio::sync::oneshot::channel();
+    repo.do_send(
+        LearnFqdn {
+            name: l.name,
+            ips: l.ips,
+            ttl: Duration::from_secs(l.ttl as u64),
+            endpoint: u32::try_from(l.endpoint)
+                .ok()
+                .filter(|e| *e != 0)
+                .map(|e| e as _),
+            done,
+        },
+        NAME,
+    );
+    let tx = tx.clone();
+    actix_rt::spawn(async move {
+        // Dropped unrealized (the agent stopping): no Ack; the proxy's own timeout releases.
+        if realized.await.is_ok() {
+            let _ = tx.send(ToProxy::Ack { seq: l.seq });
+        }
+    });
+}
+
+fn verdict(shared: &Shared, v: DnsVerdict) {
+    shared
+        .metrics
+        .dns_proxy_requests
+        .get_or_create(&crate::metrics::VerdictOnlyLabels {
+            verdict: v.verdict.clone(),
+        })
+        .inc();
+    shared
+        .metrics
+        .dns_proxy_processing
+        .observe(v.processing_seconds);
+    let _ = shared.notifications.send(Notification::dns(
+        v.endpoint as u32,
+        DnsFields {
+            pod: v.pod,
+            query: v.query,
+            qtype: v.qtype,
+            answers: v.answers,
+            verdict: v.verdict,
+            policies: v.policies,
+        },
+    ));
+}
