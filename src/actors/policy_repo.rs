@@ -1232,6 +1232,7 @@ impl Handler<LearnFqdn> for PolicyRepoActor {
                 crate::policy::fqdn::normalize(&msg.name)
             ))
             .affecting(change.affected.iter().copied())
+            .forced() // selections changed, not the revision
             .ipcache(ipcache_of(&change))
             .waited_for(msg.done),
         );
@@ -1302,7 +1303,12 @@ impl PolicyRepoActor {
     fn react_to_all(&self, reason: String, changes: &[crate::policy::engine::PolicyChange]) {
         let affected = changes.iter().flat_map(|c| c.affected.iter().copied());
         let ipcache = changes.iter().flat_map(ipcache_of).collect();
-        self.react(Reaction::new(reason).affecting(affected).ipcache(ipcache));
+        self.react(
+            Reaction::new(reason)
+                .affecting(affected)
+                .forced() // selections changed, not the revision
+                .ipcache(ipcache),
+        );
     }
 
     /// The cache changed: its gauge, and its file (a failed write is logged; the next change

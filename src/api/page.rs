@@ -1,7 +1,8 @@
 //! The `/debug/` page: actors, their mailboxes and recent messages, recent flows with their
 //! deciding policies (filterable by namespace and verdict), policy changes drawn as waterfalls
 //! through the actors, endpoints, policies with their hits, nodes (routing mode, masquerade,
-//! routes) and Services (counts, frontends and backends), refreshing itself every two seconds
+//! routes), Services (counts, frontends and backends) and the DNS proxy with the FQDN cache,
+//! refreshing itself every two seconds
 //! from the JSON endpoints.
 
 use actix_web::HttpResponse;
@@ -42,6 +43,7 @@ const PAGE: &str = r##"<!doctype html>
 <h2>Start-up <span id="startup" class="muted"></span></h2>
 <h2>Nodes <span id="routing" class="muted"></span></h2><table id="nodes"><thead><tr><th>name</th><th>local</th><th>ips</th><th>pod CIDRs</th><th>route</th></tr></thead><tbody></tbody></table>
 <h2>Services <span id="svccounts" class="muted"></span></h2><table id="svcs"><thead><tr><th>service</th><th>frontend</th><th>backends</th></tr></thead><tbody></tbody></table>
+<h2>DNS proxy <span id="dnsproxy" class="muted"></span></h2><table id="fqdn"><thead><tr><th>name</th><th>ips</th><th>expires</th><th>endpoints</th></tr></thead><tbody></tbody></table>
 <script>
 let sel = "PolicyRepoActor", change = null;
 const pod = (ip, name) => name ? `${esc(name)} <span class=muted>${esc(ip)}</span>` : esc(ip);
@@ -94,6 +96,10 @@ async function refresh(){
   document.getElementById("svccounts").textContent = `${c.services ?? "?"} services · ${c.frontends ?? "?"} frontends · ${c.backends ?? "?"} backends · translation ${c.translation || "?"}`;
   fill("svcs", svcs.map(f => `<tr><td>${esc(f.namespace + "/" + f.name)}</td><td>${esc(f.frontend)}</td><td>${f.backends.length ? esc(f.backends.map(b => b.ip + ":" + b.port + (b.ready ? "" : " (not ready)")).join(", ")) : '<span class=err>none: connections are refused</span>'}</td></tr>`));
   fill("pols", pol.policies.map(p => `<tr><td>${esc(p.kind)}</td><td>${esc((p.namespace ? p.namespace + "/" : "") + p.name)}</td><td>${p.rules}</td><td>${p.revision}</td><td class="${p.status==='accepted'?'ok':'err'}">${esc(p.status)}</td><td>${p.hits.forwarded}</td><td>${p.hits.dropped}</td><td>${p.hits.audit}</td><td>${esc(p.notes.join("; "))}</td></tr>`));
+  const dns = await get("/debug/dns").catch(() => ({proxy: {}, cache: []}));
+  const px = dns.proxy;
+  document.getElementById("dnsproxy").innerHTML = `mode ${esc(px.mode || "?")} · ${px.connected ? `<span class=ok>connected</span> (pid ${px.pid}, udp ${px.udp_port}, tcp ${px.tcp_port})` : `<span class=err>not connected</span> ${esc(px.error)}`} · ${dns.endpoints_with_dns_rules ?? 0} endpoints with DNS rules · ${dns.cache.length} names`;
+  fill("fqdn", dns.cache.slice(0, 200).map(n => `<tr><td>${esc(n.name)}</td><td>${esc(n.ips.join(", "))}</td><td>${esc(new Date(n.expires_at * 1000).toLocaleString())}</td><td>${esc(n.endpoints.join(", "))}</td></tr>`));
   await flows(); await changes();
  } catch(e) { document.getElementById("hdr").innerHTML = `<span class=err>${esc(e.message)}</span>`; }
 }

@@ -34,6 +34,9 @@ pub fn mark_of(port: u16) -> u32 {
     0x0D00_0000 | port as u32
 }
 
+/// Learnings kept for an absent agent, at most.
+const QUEUE_MAX: usize = 10_000;
+
 /// Priority of the proxy's routing rule (Cilium's proxy rules use 9 too: before `main`).
 const RULE_PRIORITY: u32 = 9;
 
@@ -198,7 +201,8 @@ struct Proxy {
     state_dir: PathBuf,
     /// Lines to the connected agent.
     agent: Mutex<Option<mpsc::UnboundedSender<String>>>,
-    waiting: Mutex<HashMap<u64, oneshot::Sender<()>>>,
+    /// Learnings sent to the agent and not acked yet, with their held answers.
+    waiting: Mutex<HashMap<u64, (Learned, oneshot::Sender<()>)>>,
     /// Learned while no agent was connected: sent when one connects.
     queued: Mutex<Vec<Learned>>,
     seq: AtomicU64,
@@ -238,16 +242,13 @@ impl Proxy {
         self.waiting
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(seq, tx);
+            .insert(seq, (l.clone(), tx));
         if !self.to_agent(&FromProxy::Learn(l.clone())) {
             self.waiting
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .remove(&seq);
-            self.queued
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push(l);
+            self.queue(vec![l]);
             return;
         }
         if tokio::time::timeout(self.learn_timeout, rx).await.is_err() {
@@ -260,6 +261,17 @@ impl Proxy {
                 seq,
                 "the agent did not realize a DNS answer in time; released"
             );
+        }
+    }
+
+    /// Keeps learnings for the agent's return (the oldest go first past `QUEUE_MAX`).
+    fn queue(&self, learned: Vec<Learned>) {
+        let mut q = self.queued.lock().unwrap_or_else(|p| p.into_inner());
+        q.extend(learned);
+        if q.len() > QUEUE_MAX {
+            let extra = q.len() - QUEUE_MAX;
+            q.drain(..extra);
+            tracing::warn!(dropped = extra, "DNS proxy: learnings queued for the agent overflowed; the oldest are dropped (their names are learned again from the next answers)");
         }
     }
 
@@ -665,7 +677,7 @@ async fn serve_agent(proxy: Arc<Proxy>, s: UnixStream, hello: FromProxy) {
                     .unwrap_or_else(|p| p.into_inner())
                     .remove(&seq)
                 {
-                    let _ = w.send(());
+                    let _ = w.1.send(());
                 }
             }
             Err(e) => tracing::warn!(error = %e, "DNS proxy: unreadable line from the agent"),
@@ -673,6 +685,21 @@ async fn serve_agent(proxy: Arc<Proxy>, s: UnixStream, hello: FromProxy) {
     }
     writer.abort();
     *proxy.agent.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    // Answers held for this agent are released now, not at their timeout: it will not ack
+    // (it stopped or was killed). What they taught goes to the queue for the next agent.
+    let held: Vec<_> = proxy
+        .waiting
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .drain()
+        .map(|(_, v)| v)
+        .collect();
+    let mut learned = Vec::new();
+    for (l, w) in held {
+        learned.push(l);
+        let _ = w.send(());
+    }
+    proxy.queue(learned);
     tracing::info!("DNS proxy: the agent disconnected; serving with the last rules");
 }
 

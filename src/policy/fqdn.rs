@@ -294,7 +294,10 @@ mod tests {
         assert_eq!(e.endpoints.iter().copied().collect::<Vec<_>>(), vec![7, 8]);
         assert_eq!(e.ips[0].expires_at, 1060);
         assert!(c.expire(1004, &|_| false).is_empty());
-        assert!(c.expire(1059, &|ip| ip == b).is_empty(), "a lives 60 s, b is in use");
+        assert!(
+            c.expire(1059, &|ip| ip == b).is_empty(),
+            "a lives 60 s, b is in use"
+        );
         assert_eq!(
             c.expire(1061, &|ip| ip == b),
             vec![("api.example.com".to_string(), a)],

@@ -1,0 +1,620 @@
+//! DNS-aware policy on real packets (issue #15): a DNS server of the test's own (hickory-proto)
+//! in one namespace pod, "external" hosts in others with the addresses it hands out, and a
+//! client pod whose policy allows DNS for `*.example.com` and `toFQDNs: api.example.com` on 443.
+//! The agent runs with `--datapath bpf` and starts its DNS proxy itself. Privileged: with
+//! CI=true these tests must run.
+
+mod common;
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use hickory_proto::op::{Message, MessageType, Query, ResponseCode};
+use hickory_proto::rr::{rdata, Name, RData, Record, RecordType};
+
+use common::agent::Agent;
+use common::eventually;
+use common::netns::{in_netns, privileged, world, Pod, World};
+
+/// name -> (addresses, TTL).
+type Names = HashMap<String, (Vec<Ipv4Addr>, u32)>;
+
+/// What the test's DNS server answers: name -> (addresses, TTL); and every name it was asked.
+#[derive(Clone, Default)]
+struct Zone {
+    names: Arc<Mutex<Names>>,
+    asked: Arc<Mutex<Vec<String>>>,
+}
+
+impl Zone {
+    fn set(&self, name: &str, ips: &[IpAddr], ttl: u32) {
+        let v4 = ips
+            .iter()
+            .map(|i| match i {
+                IpAddr::V4(a) => *a,
+                IpAddr::V6(_) => panic!("IPv4 only"),
+            })
+            .collect();
+        self.names.lock().unwrap().insert(name.into(), (v4, ttl));
+    }
+
+    fn asked(&self, name: &str) -> bool {
+        self.asked.lock().unwrap().iter().any(|n| n == name)
+    }
+
+    /// The answer to one query (NXDOMAIN for a name it does not know).
+    fn answer(&self, query: &[u8]) -> Option<Vec<u8>> {
+        let q = Message::from_vec(query).ok()?;
+        let question = q.queries().first()?.clone();
+        let name = question
+            .name()
+            .to_ascii()
+            .trim_end_matches('.')
+            .to_ascii_lowercase();
+        self.asked.lock().unwrap().push(name.clone());
+        let mut m = Message::new();
+        m.set_id(q.id())
+            .set_message_type(MessageType::Response)
+            .set_recursion_desired(q.recursion_desired())
+            .set_recursion_available(true)
+            .add_query(question.clone());
+        match self.names.lock().unwrap().get(&name) {
+            Some((ips, ttl)) => {
+                for ip in ips {
+                    m.add_answer(Record::from_rdata(
+                        question.name().clone(),
+                        *ttl,
+                        RData::A(rdata::A(*ip)),
+                    ));
+                }
+            }
+            None => {
+                m.set_response_code(ResponseCode::NXDomain);
+            }
+        }
+        m.to_vec().ok()
+    }
+
+    /// Serves UDP and TCP port 53 on `addr` inside `netns`, for the rest of the process.
+    fn serve(&self, netns: &str, addr: IpAddr) {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let zone = self.clone();
+        in_netns(netns, move || {
+            let udp = UdpSocket::bind(SocketAddr::new(addr, 53)).expect("bind udp 53");
+            let tcp = TcpListener::bind(SocketAddr::new(addr, 53)).expect("bind tcp 53");
+            let z = zone.clone();
+            // Threads started here stay in the namespace.
+            std::thread::spawn(move || {
+                for s in tcp.incoming().flatten() {
+                    let z = z.clone();
+                    std::thread::spawn(move || {
+                        let mut s = s;
+                        while let Ok(q) = read_frame(&mut s) {
+                            let Some(a) = z.answer(&q) else { break };
+                            if write_frame(&mut s, &a).is_err() {
+                                break;
+                            }
+                        }
+                    });
+                }
+            });
+            tx.send(()).unwrap();
+            let mut buf = [0u8; 1500];
+            while let Ok((n, from)) = udp.recv_from(&mut buf) {
+                if let Some(a) = zone.answer(&buf[..n]) {
+                    let _ = udp.send_to(&a, from);
+                }
+            }
+        });
+        rx.recv().unwrap();
+    }
+}
+
+fn read_frame(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
+    let mut len = [0u8; 2];
+    s.read_exact(&mut len)?;
+    let mut buf = vec![0u8; u16::from_be_bytes(len) as usize];
+    s.read_exact(&mut buf)?;
+    Ok(buf)
+}
+
+fn write_frame(s: &mut TcpStream, m: &[u8]) -> std::io::Result<()> {
+    let mut out = (m.len() as u16).to_be_bytes().to_vec();
+    out.extend_from_slice(m);
+    s.write_all(&out)
+}
+
+/// A lookup's outcome as the pod sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Lookup {
+    Answer(ResponseCode, Vec<IpAddr>),
+    /// No answer, or one that is not from the server asked, or not to this query.
+    Failed(String),
+}
+
+/// One A query for `name` from `netns` to `server:53`, over UDP or TCP, as a resolver sends it.
+fn lookup(netns: &str, server: IpAddr, name: &str, tcp: bool) -> Lookup {
+    let name = name.to_string();
+    in_netns(netns, move || {
+        let id: u16 = rand_id();
+        let mut m = Message::new();
+        m.set_id(id)
+            .set_message_type(MessageType::Query)
+            .set_recursion_desired(true)
+            .add_query(Query::query(
+                Name::from_ascii(&name).unwrap(),
+                RecordType::A,
+            ));
+        let q = m.to_vec().unwrap();
+        let to = SocketAddr::new(server, 53);
+        let answer = if tcp {
+            let mut s = match TcpStream::connect_timeout(&to, Duration::from_millis(1000)) {
+                Ok(s) => s,
+                Err(e) => return Lookup::Failed(format!("connect: {e}")),
+            };
+            s.set_read_timeout(Some(Duration::from_millis(1500)))
+                .unwrap();
+            if let Err(e) = write_frame(&mut s, &q) {
+                return Lookup::Failed(format!("send: {e}"));
+            }
+            match read_frame(&mut s) {
+                Ok(a) => a,
+                Err(e) => return Lookup::Failed(format!("receive: {e}")),
+            }
+        } else {
+            let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+            s.set_read_timeout(Some(Duration::from_millis(1500)))
+                .unwrap();
+            s.send_to(&q, to).unwrap();
+            let mut buf = [0u8; 1500];
+            match s.recv_from(&mut buf) {
+                Ok((n, from)) if from == to => buf[..n].to_vec(),
+                Ok((_, from)) => return Lookup::Failed(format!("an answer from {from}")),
+                Err(e) => return Lookup::Failed(format!("receive: {e}")),
+            }
+        };
+        let a = match Message::from_vec(&answer) {
+            Ok(a) if a.id() == id => a,
+            Ok(a) => return Lookup::Failed(format!("id {} for query {id}", a.id())),
+            Err(e) => return Lookup::Failed(format!("unreadable: {e}")),
+        };
+        let ips = a
+            .answers()
+            .iter()
+            .filter_map(|r| match r.data() {
+                RData::A(a) => Some(IpAddr::V4(a.0)),
+                _ => None,
+            })
+            .collect();
+        Lookup::Answer(a.response_code(), ips)
+    })
+    .join()
+    .unwrap()
+}
+
+fn rand_id() -> u16 {
+    static N: AtomicU32 = AtomicU32::new(1);
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos();
+    (t ^ N.fetch_add(7919, Ordering::Relaxed)) as u16
+}
+
+/// An "external" host: TCP 443 answers "pong" and holds the connection until the client closes.
+fn external(pod: &Pod) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let addr = pod.addr;
+    in_netns(&pod.netns, move || {
+        let l = TcpListener::bind(SocketAddr::new(addr, 443)).expect("bind 443");
+        tx.send(()).unwrap();
+        for s in l.incoming().flatten() {
+            std::thread::spawn(move || {
+                let mut s = s;
+                let _ = s.write_all(b"pong");
+                let mut sink = [0u8; 64];
+                while matches!(s.read(&mut sink), Ok(n) if n > 0) {}
+            });
+        }
+    });
+    rx.recv().unwrap();
+}
+
+/// A connection from `netns` to `to:443` that completes and carries the answer.
+fn https_ok(netns: &str, to: IpAddr) -> bool {
+    common::netns::tcp_ok(netns, to, 443)
+}
+
+/// A connection from `netns` to `to:443` held open until the returned sender is dropped.
+fn hold(netns: &str, to: IpAddr) -> std::sync::mpsc::Sender<()> {
+    let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();
+    let (ok_tx, ok_rx) = std::sync::mpsc::channel();
+    in_netns(netns, move || {
+        let mut s = TcpStream::connect_timeout(&SocketAddr::new(to, 443), Duration::from_secs(1))
+            .expect("the held connection opens");
+        let mut buf = [0u8; 4];
+        s.read_exact(&mut buf).expect("pong");
+        ok_tx.send(()).unwrap();
+        let _ = stop_rx.recv();
+        // Keep-alive traffic is not needed: conntrack keeps an established entry for hours.
+        drop(s);
+    });
+    ok_rx
+        .recv_timeout(Duration::from_secs(3))
+        .expect("held connection");
+    stop_tx
+}
+
+const POLICY: &str = "apiVersion: cilium.io/v2
+kind: CiliumNetworkPolicy
+metadata: {name: client-egress, namespace: x}
+spec:
+  endpointSelector: {matchLabels: {app: client}}
+  egress:
+    - toEndpoints: [{matchLabels: {k8s-app: kube-dns}}]
+      toPorts:
+        - ports: [{port: '53', protocol: ANY}]
+          rules: {dns: [{matchPattern: '*.example.com'}]}
+    - toFQDNs: [{matchName: api.example.com}]
+      toPorts: [{ports: [{port: '443', protocol: TCP}]}]
+";
+
+struct Setup {
+    w: World,
+    tmp: tempfile::TempDir,
+    zone: Zone,
+    agent: Agent,
+    args: Vec<String>,
+}
+
+impl Setup {
+    fn client(&self) -> &Pod {
+        &self.w.pods[0]
+    }
+    fn dns(&self) -> IpAddr {
+        self.w.pods[1].addr
+    }
+    fn host(&self, i: usize) -> IpAddr {
+        self.w.pods[2 + i].addr
+    }
+    fn lookup(&self, name: &str) -> Lookup {
+        lookup(&self.client().netns, self.dns(), name, false)
+    }
+    fn start_agent(&self) -> Agent {
+        let args: Vec<&str> = self.args.iter().map(|s| s.as_str()).collect();
+        Agent::start_with(self.tmp.path(), &args)
+    }
+    fn cache(&self) -> serde_json::Value {
+        self.agent.cli_json(&["fqdn", "cache", "list"])
+    }
+    /// Waits until the agent's proxy link is up.
+    fn wait_proxy(&self) {
+        self.agent.wait_until("the DNS proxy is connected", || {
+            self.agent.json("/debug/dns")["proxy"]["connected"] == true
+        });
+    }
+}
+
+/// Pods: 0 client, 1 DNS server (k8s-app: kube-dns), 2.. external hosts (not endpoints).
+fn setup(externals: usize, extra: &[&str]) -> Option<Setup> {
+    if !privileged() {
+        return None;
+    }
+    let w = world(2 + externals);
+    let zone = Zone::default();
+    zone.serve(&w.pods[1].netns, w.pods[1].addr);
+    for p in &w.pods[2..] {
+        external(p);
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tmp.path().join("manifests");
+    std::fs::create_dir_all(&m).unwrap();
+    let cluster = format!(
+        "apiVersion: v1\nkind: Namespace\nmetadata: {{name: x}}\n---
+apiVersion: v1\nkind: Pod\nmetadata: {{name: client, namespace: x, labels: {{app: client}}}}
+status: {{podIPs: [{{ip: {}}}]}}\n---
+apiVersion: v1\nkind: Pod\nmetadata: {{name: dns, namespace: x, labels: {{k8s-app: kube-dns}}}}
+status: {{podIPs: [{{ip: {}}}]}}\n",
+        w.pods[0].addr, w.pods[1].addr
+    );
+    std::fs::write(m.join("cluster.yaml"), cluster).unwrap();
+    std::fs::write(m.join("policy.yaml"), POLICY).unwrap();
+    let mut args: Vec<String> = ["--datapath", "bpf", "--bpf-root"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    args.push(w.pins.to_string_lossy().into());
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let agent = {
+        let a: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
+        Agent::start_with(tmp.path(), &a)
+    };
+    agent.add_endpoint("x/client", w.pods[0].addr, &w.pods[0].host_if);
+    agent.add_endpoint("x/dns", w.pods[1].addr, &w.pods[1].host_if);
+    agent.wait_realized(agent.revision());
+    let s = Setup {
+        w,
+        tmp,
+        zone,
+        agent,
+        args,
+    };
+    s.wait_proxy();
+    Some(s)
+}
+
+fn ok(ips: &[IpAddr]) -> Lookup {
+    Lookup::Answer(ResponseCode::NoError, ips.to_vec())
+}
+
+#[test]
+fn to_fqdns_selects_what_allowed_answers_resolved_and_dns_rules_refuse_the_rest() {
+    let Some(s) = setup(2, &[]) else { return };
+    let (api, other) = (s.host(0), s.host(1));
+    s.zone.set("api.example.com", &[api], 300);
+    s.zone.set("evil.test", &[other], 300);
+    let c = &s.client().netns;
+
+    assert!(
+        !https_ok(c, api),
+        "nothing resolved yet: toFQDNs selects nothing"
+    );
+    // `ciliate monitor` shows the DNS verdicts.
+    let mon = std::process::Command::new(common::agent::BIN)
+        .args([
+            "monitor", "--type", "dns", "--count", "2", "-o", "json", "--socket",
+        ])
+        .arg(s.agent.socket())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+
+    assert_eq!(s.lookup("api.example.com"), ok(&[api]));
+    assert!(
+        https_ok(c, api),
+        "the first connection after the answer is allowed (no race with the policy); cache {}, policy {} ipcache {} ids {} agent log:\n{}\nproxy log:\n{}",
+        s.cache(),
+        s.agent.cli_json(&["bpf", "policy", "get", "1"]),
+        s.agent.json("/debug/ipcache"),
+        s.agent.json("/debug/actors/EndpointActor%2F1/messages"),
+        s.agent.log(),
+        std::fs::read_to_string(s.tmp.path().join("state/dns-proxy.log")).unwrap_or_default()
+    );
+    assert!(
+        !https_ok(c, other),
+        "an address no allowed name resolved to stays denied"
+    );
+
+    assert_eq!(
+        s.lookup("evil.test"),
+        Lookup::Answer(ResponseCode::Refused, vec![]),
+        "a name outside the DNS rules is refused"
+    );
+    assert!(!s.zone.asked("evil.test"), "and never forwarded");
+    assert!(!https_ok(c, other));
+
+    let out = common::wait_output(mon, Duration::from_secs(10));
+    let events: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    assert_eq!(events.len(), 2, "{out}");
+    let (fwd, refused) = (&events[0], &events[1]);
+    assert_eq!(
+        (
+            &fwd["type"],
+            &fwd["verdict"],
+            &fwd["query"],
+            &fwd["qtype"],
+            &fwd["pod"]
+        ),
+        (
+            &"dns".into(),
+            &"forwarded".into(),
+            &"api.example.com.".into(),
+            &"A".into(),
+            &"x/client".into()
+        ),
+        "{fwd}"
+    );
+    assert_eq!(
+        fwd["answers"],
+        serde_json::json!([api.to_string()]),
+        "{fwd}"
+    );
+    assert!(
+        fwd["policies"][0]
+            .as_str()
+            .unwrap_or("")
+            .contains("client-egress"),
+        "{fwd}"
+    );
+    assert_eq!(
+        (&refused["verdict"], &refused["query"]),
+        (&"refused".into(), &"evil.test.".into()),
+        "{refused}"
+    );
+    assert!(refused["policies"][0]
+        .as_str()
+        .unwrap_or("")
+        .contains("client-egress"));
+
+    // Upper case and a trailing dot, and DNS over TCP: the same.
+    assert_eq!(s.lookup("API.Example.COM."), ok(&[api]));
+    assert_eq!(lookup(c, s.dns(), "api.example.com", true), ok(&[api]));
+    assert_eq!(
+        lookup(c, s.dns(), "EVIL.test.", true),
+        Lookup::Answer(ResponseCode::Refused, vec![])
+    );
+    assert!(!s.zone.asked("evil.test"));
+
+    // The cache, the metrics, the debug page.
+    let cache = s.cache();
+    let entry = cache
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["name"] == "api.example.com")
+        .unwrap_or_else(|| panic!("{cache}"));
+    assert_eq!(entry["ips"], serde_json::json!([api.to_string()]));
+    assert_eq!(entry["endpoints"], serde_json::json!([1]), "{entry}");
+    assert!(
+        entry["expires_at"].as_u64().unwrap() > 3000 + common_now(),
+        "min TTL 3600 s: {entry}"
+    );
+    let (_, metrics) = s.agent.http_get("/metrics");
+    for want in [
+        "ciliate_dns_proxy_requests_total{verdict=\"forwarded\"}",
+        "ciliate_dns_proxy_requests_total{verdict=\"refused\"}",
+        "ciliate_dns_proxy_processing_seconds_count",
+        "ciliate_fqdn_cache_entries 1",
+    ] {
+        assert!(metrics.contains(want), "{want} in {metrics}");
+    }
+    let (code, page) = s.agent.http_get("/debug/");
+    assert!(code == 200 && page.contains("DNS proxy"), "{page}");
+
+    // A policy edit that removes the toFQDNs rule denies the addresses at once.
+    let m = s.agent.manifests();
+    let without = POLICY.split("    - toFQDNs").next().unwrap().to_string();
+    let rev = s.agent.revision();
+    std::fs::write(m.join("policy.yaml"), without).unwrap();
+    s.agent
+        .wait_until("the edit is applied", || s.agent.revision() > rev);
+    s.agent.wait_realized(s.agent.revision());
+    assert!(
+        !https_ok(c, api),
+        "without toFQDNs the learned address is denied"
+    );
+    assert_eq!(
+        s.lookup("api.example.com"),
+        ok(&[api]),
+        "DNS itself still allowed"
+    );
+}
+
+fn common_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+}
+
+#[test]
+fn an_old_address_stays_allowed_while_its_connection_lives_then_expires() {
+    let Some(s) = setup(
+        2,
+        &["--tofqdns-min-ttl", "0", "--conntrack-gc-interval", "1"],
+    ) else {
+        return;
+    };
+    let (old, new) = (s.host(0), s.host(1));
+    let c = &s.client().netns;
+    s.zone.set("api.example.com", &[old], 1);
+    assert_eq!(s.lookup("api.example.com"), ok(&[old]));
+    let held = hold(c, old);
+    s.zone.set("api.example.com", &[new], 1);
+    assert_eq!(s.lookup("api.example.com"), ok(&[new]));
+    assert!(https_ok(c, new));
+    // Past the old address's TTL: a live connection keeps it selected (a zombie).
+    std::thread::sleep(Duration::from_secs(4));
+    let ips = |s: &Setup| -> Vec<String> {
+        s.cache()
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["name"] == "api.example.com")
+            .flat_map(|e| e["ips"].as_array().unwrap().clone())
+            .map(|v| v.as_str().unwrap().to_string())
+            .collect()
+    };
+    assert!(ips(&s).contains(&old.to_string()), "{:?}", ips(&s));
+    assert!(https_ok(c, old), "still allowed while its connection lives");
+    // The connection ends: once conntrack lets go of it, the address expires and is denied.
+    drop(held);
+    let deadline = Instant::now() + Duration::from_secs(40);
+    while ips(&s).contains(&old.to_string()) {
+        assert!(Instant::now() < deadline, "the old address never expired");
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    eventually("the expired address is denied", || !https_ok(c, old));
+}
+
+#[test]
+fn dns_keeps_resolving_through_kill_9_and_restart_of_the_agent() {
+    let Some(mut s) = setup(1, &[]) else { return };
+    let api = s.host(0);
+    s.zone.set("api.example.com", &[api], 300);
+    assert_eq!(s.lookup("api.example.com"), ok(&[api]));
+    // Names, addresses and askers (expiry moves on with every answer).
+    let same =
+        |v: serde_json::Value| -> Vec<(serde_json::Value, serde_json::Value, serde_json::Value)> {
+            v.as_array()
+                .unwrap()
+                .iter()
+                .map(|e| (e["name"].clone(), e["ips"].clone(), e["endpoints"].clone()))
+                .collect()
+        };
+    let before = same(s.cache());
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let failures = Arc::new(Mutex::new(Vec::<String>::new()));
+    let lookups = Arc::new(AtomicU32::new(0));
+    let prober = {
+        let (stop, failures, lookups) = (stop.clone(), failures.clone(), lookups.clone());
+        let (ns, dns) = (s.client().netns.clone(), s.dns());
+        std::thread::spawn(move || {
+            let mut i = 0u32;
+            while !stop.load(Ordering::SeqCst) {
+                i += 1;
+                let (name, want) = if i.is_multiple_of(5) {
+                    ("evil.test", Lookup::Answer(ResponseCode::Refused, vec![]))
+                } else {
+                    ("api.example.com", ok(&[api]))
+                };
+                let got = lookup(&ns, dns, name, i.is_multiple_of(7));
+                if got != want {
+                    failures.lock().unwrap().push(format!("{name}: {got:?}"));
+                }
+                if i.is_multiple_of(10) && !https_ok(&ns, api) {
+                    failures
+                        .lock()
+                        .unwrap()
+                        .push("connection to api failed".into());
+                }
+                lookups.fetch_add(1, Ordering::SeqCst);
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        })
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    let mut child = s.agent.child.take().unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    std::thread::sleep(Duration::from_secs(1));
+    s.agent = s.start_agent();
+    s.wait_proxy();
+    std::thread::sleep(Duration::from_millis(500));
+    stop.store(true, Ordering::SeqCst);
+    prober.join().unwrap();
+    let failures = failures.lock().unwrap().clone();
+    assert!(
+        failures.is_empty(),
+        "{} of {} lookups failed: {failures:?}",
+        failures.len(),
+        lookups.load(Ordering::SeqCst)
+    );
+    assert!(lookups.load(Ordering::SeqCst) > 40);
+    assert!(!s.zone.asked("evil.test"), "evil.test was never forwarded");
+    assert_eq!(
+        same(s.cache()),
+        before,
+        "the restarted agent restored the same cache"
+    );
+    assert!(https_ok(&s.client().netns, api));
+}
