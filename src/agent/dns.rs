@@ -182,13 +182,19 @@ fn handle(
                 v.error = None;
             });
         }
-        FromProxy::Learn(l) => learn(repo, tx, l),
+        FromProxy::Learn(l) => learn(&shared.dns, repo, tx, l),
         FromProxy::Verdict(v) => verdict(shared, v),
     }
 }
 
-fn learn(repo: &TracedAddr<PolicyRepoActor>, tx: &mpsc::UnboundedSender<ToProxy>, l: Learned) {
+fn learn(
+    dns: &std::sync::Arc<crate::dnsproxy::state::DnsState>,
+    repo: &TracedAddr<PolicyRepoActor>,
+    tx: &mpsc::UnboundedSender<ToProxy>,
+    l: Learned,
+) {
     let (done, realized) = tokio::sync::oneshot::channel();
+    let (name, ips) = (l.name.clone(), l.ips.clone());
     repo.do_send(
         LearnFqdn {
             name: l.name,
@@ -203,10 +209,15 @@ fn learn(repo: &TracedAddr<PolicyRepoActor>, tx: &mpsc::UnboundedSender<ToProxy>
         NAME,
     );
     let tx = tx.clone();
+    let dns = dns.clone();
     actix_rt::spawn(async move {
         // Dropped unrealized (the agent stopping): no Ack; the proxy's own timeout releases.
         if realized.await.is_ok() {
-            let _ = tx.send(ToProxy::Ack { seq: l.seq });
+            let expires_at = dns.expiry(&name, &ips);
+            let _ = tx.send(ToProxy::Ack {
+                seq: l.seq,
+                expires_at,
+            });
         }
     });
 }

@@ -60,8 +60,14 @@ pub struct ProxyRules {
 pub enum ToProxy {
     /// The whole table (sent on connect and on every change).
     Rules(ProxyRules),
-    /// The learning `seq` is in every affected policy map: release the answer.
-    Ack { seq: u64 },
+    /// The learning `seq` is in every affected policy map: release the answer. Its addresses
+    /// stay selected for its name until `expires_at` (seconds since the epoch), so the proxy
+    /// need not wait for the same answer again before then.
+    Ack {
+        seq: u64,
+        #[serde(default)]
+        expires_at: u64,
+    },
 }
 
 /// An allowed answer's addresses.

@@ -34,6 +34,9 @@ pub fn mark_of(port: u16) -> u32 {
     0x0D00_0000 | port as u32
 }
 
+/// The acked (name, address) pairs are pruned of expired ones past this many.
+const KNOWN_PRUNE_AT: usize = 100_000;
+
 /// Learnings kept for an absent agent, at most.
 const QUEUE_MAX: usize = 10_000;
 
@@ -201,6 +204,8 @@ struct Proxy {
     state_dir: PathBuf,
     /// Lines to the connected agent.
     agent: Mutex<Option<mpsc::UnboundedSender<String>>>,
+    /// (normalized name, address) -> the expiry the agent acked (seconds since the epoch).
+    known: Mutex<HashMap<(String, IpAddr), u64>>,
     /// Learnings sent to the agent and not acked yet, with their held answers.
     waiting: Mutex<HashMap<u64, (Learned, oneshot::Sender<()>)>>,
     /// Learned while no agent was connected: sent when one connects.
@@ -225,11 +230,40 @@ impl Proxy {
         }
     }
 
-    /// Tells the agent about an allowed answer and waits (bounded) until it realized it.
+    /// Are all of `ips` in policy for `name` (acked by the agent, not expired)? The agent
+    /// keeps an address selected until the expiry it acked with, so the answer needs no wait.
+    fn known(&self, name: &str, ips: &[IpAddr]) -> bool {
+        let now = crate::policy::fqdn::unix_now();
+        let known = self.known.lock().unwrap_or_else(|p| p.into_inner());
+        let name = crate::policy::fqdn::normalize(name);
+        ips.iter().all(|ip| {
+            known
+                .get(&(name.clone(), *ip))
+                .is_some_and(|exp| *exp > now + 1)
+        })
+    }
+
+    /// The agent acked `l`: its addresses stay selected until `expires_at`.
+    fn acked(&self, l: &Learned, expires_at: u64) {
+        let mut known = self.known.lock().unwrap_or_else(|p| p.into_inner());
+        let name = crate::policy::fqdn::normalize(&l.name);
+        for ip in &l.ips {
+            known.insert((name.clone(), *ip), expires_at);
+        }
+        if known.len() > KNOWN_PRUNE_AT {
+            let now = crate::policy::fqdn::unix_now();
+            known.retain(|_, exp| *exp > now);
+        }
+    }
+
+    /// Tells the agent about an allowed answer and waits (bounded) until it realized it; not
+    /// at all when the agent acked these addresses for this name before (the agent is still
+    /// told: their expiry and askers move on).
     async fn learn(&self, endpoint: u64, name: &str, ips: Vec<IpAddr>, ttl: u32) {
         if ips.is_empty() {
             return;
         }
+        let wait = !self.known(name, &ips);
         let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
         let l = Learned {
             seq,
@@ -249,6 +283,9 @@ impl Proxy {
                 .unwrap_or_else(|p| p.into_inner())
                 .remove(&seq);
             self.queue(vec![l]);
+            return;
+        }
+        if !wait {
             return;
         }
         if tokio::time::timeout(self.learn_timeout, rx).await.is_err() {
@@ -654,6 +691,13 @@ async fn serve_agent(proxy: Arc<Proxy>, s: UnixStream, hello: FromProxy) {
     for line in first {
         let _ = tx.send(line);
     }
+    // A new agent may know less than the last one (say, a cache it could not restore): every
+    // answer waits for its ack again until it acked it.
+    proxy
+        .known
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clear();
     *proxy.agent.lock().unwrap_or_else(|p| p.into_inner()) = Some(tx);
     let writer = tokio::spawn(async move {
         while let Some(mut line) = rx.recv().await {
@@ -670,14 +714,15 @@ async fn serve_agent(proxy: Arc<Proxy>, s: UnixStream, hello: FromProxy) {
                 keep_rules(&proxy.state_dir, &r);
                 *proxy.rules.write().unwrap_or_else(|p| p.into_inner()) = RuleIndex::new(r);
             }
-            Ok(ToProxy::Ack { seq }) => {
-                if let Some(w) = proxy
+            Ok(ToProxy::Ack { seq, expires_at }) => {
+                let w = proxy
                     .waiting
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
-                    .remove(&seq)
-                {
-                    let _ = w.1.send(());
+                    .remove(&seq);
+                if let Some((l, done)) = w {
+                    proxy.acked(&l, expires_at);
+                    let _ = done.send(());
                 }
             }
             Err(e) => tracing::warn!(error = %e, "DNS proxy: unreadable line from the agent"),
@@ -729,6 +774,15 @@ pub fn run(opts: ProxyOptions) -> Result<(), ProxyError> {
     if std::os::unix::net::UnixStream::connect(&sock_path).is_ok() {
         return Err(ProxyError::AlreadyRunning(opts.state_dir.clone()));
     }
+    // A container of its own may start before the agent pinned its maps: wait for them.
+    let mut told = false;
+    while !opts.pins.join("dns_proxy").exists() || !opts.state_dir.is_dir() {
+        if !told {
+            tracing::info!(pins = %opts.pins.display(), state_dir = %opts.state_dir.display(), "DNS proxy: waiting for the agent's pinned maps and state directory");
+            told = true;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
     let _ = std::fs::remove_file(&sock_path);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -745,6 +799,7 @@ pub fn run(opts: ProxyOptions) -> Result<(), ProxyError> {
             state_dir: opts.state_dir.clone(),
             agent: Mutex::new(None),
             waiting: Mutex::new(HashMap::new()),
+            known: Mutex::new(HashMap::new()),
             queued: Mutex::new(Vec::new()),
             seq: AtomicU64::new(0),
             learn_timeout: opts.learn_timeout,

@@ -91,6 +91,24 @@ impl DnsState {
         }
     }
 
+    /// When the first of `ips` learned for `name` expires (0 when one is not cached).
+    pub fn expiry(&self, name: &str, ips: &[IpAddr]) -> u64 {
+        let cache = self.cache();
+        let Some(e) = cache.names.get(&crate::policy::fqdn::normalize(name)) else {
+            return 0;
+        };
+        ips.iter()
+            .map(|ip| {
+                e.ips
+                    .iter()
+                    .find(|c| c.ip == *ip)
+                    .map(|c| c.expires_at)
+                    .unwrap_or(0)
+            })
+            .min()
+            .unwrap_or(0)
+    }
+
     pub fn set_live_peers(&self, peers: HashSet<IpAddr>) {
         *lock(&self.live_peers) = peers;
     }
