@@ -11,6 +11,7 @@
 //! waits for the datapath's answer, so regenerations of one endpoint never overlap and a stale
 //! one can never land after a newer one.
 
+use std::collections::BTreeSet;
 use std::sync::{Arc, RwLock};
 use std::time::Instant;
 
@@ -76,6 +77,11 @@ pub struct EndpointActor {
     /// The latest change that asked for a regeneration: what the endpoint sends for it (to the
     /// loader, its report) belongs to that change, also after a queued `DoRegenerate`.
     change: Option<ChangeId>,
+    /// The next computation must be a full one (anything may have changed).
+    full_needed: bool,
+    /// Peer identities whose selections changed since the last computation, when those are the
+    /// only changes asked for (`Regenerate::peers`): the next one may be incremental.
+    pending_peers: BTreeSet<NumericIdentity>,
 }
 
 /// An endpoint finished a regeneration (or a revision bump) at `revision`.
@@ -156,6 +162,8 @@ impl EndpointActor {
             shared,
             needs_persist: true,
             change: None,
+            full_needed: true,
+            pending_peers: BTreeSet::new(),
             record,
         }
     }
@@ -249,6 +257,11 @@ impl EndpointActor {
             return; // the machine only computes with an identity
         };
         let started = Instant::now();
+        // Incremental when only some peers' selections changed since the last full one.
+        let peers = (!replace && !self.full_needed && !self.pending_peers.is_empty())
+            .then(|| std::mem::take(&mut self.pending_peers));
+        self.pending_peers.clear();
+        self.full_needed = false;
         let (revision, policy) = {
             let engine = match self.engine.read() {
                 Ok(e) => e,
@@ -260,7 +273,10 @@ impl EndpointActor {
                 named_ports: &self.named_ports,
                 host: false,
             };
-            (engine.revision(), engine.resolve(&view))
+            (
+                engine.revision(),
+                engine.resolve_peers(&view, peers.as_ref()),
+            )
         };
         let (ingress_cookie, ingress_by) = isolation_cookie(&policy.ingress.isolated_by);
         let (egress_cookie, egress_by) = isolation_cookie(&policy.egress.isolated_by);
@@ -289,10 +305,10 @@ impl EndpointActor {
                 entries: policy.dns.clone(),
             }),
         );
-        let delta = if replace {
-            policy.map.diff_from(&MapState::new())
-        } else {
-            policy.map.diff_from(&self.realized)
+        let delta = match (&peers, replace) {
+            (_, true) => policy.map.diff_from(&MapState::new()),
+            (Some(p), false) => policy.map.diff_peers_from(&self.realized, p),
+            (None, false) => policy.map.diff_from(&self.realized),
         };
         // Every cookie is resolvable before the datapath can report it.
         let jar = &self.shared.cookies;
@@ -329,7 +345,7 @@ impl EndpointActor {
                             message: e.to_string(),
                         }),
                     };
-                    act.finish(ctx, revision, policy.map, flags, res, started);
+                    act.finish(ctx, revision, (policy.map, peers), flags, res, started);
                 });
         ctx.wait(fut);
     }
@@ -338,7 +354,7 @@ impl EndpointActor {
         &mut self,
         ctx: &mut Context<Self>,
         revision: u64,
-        map: MapState,
+        (map, peers): (MapState, Option<BTreeSet<NumericIdentity>>),
         flags: EndpointFlags,
         res: Result<SyncStats, DatapathError>,
         started: Instant,
@@ -372,13 +388,17 @@ impl EndpointActor {
         let (id, name) = (self.record.id as u32, self.record.name.clone());
         let notice = match res {
             Ok(_) => {
-                self.realized = map;
+                match peers {
+                    Some(p) => self.realized.replace_peers(&p, map),
+                    None => self.realized = map,
+                }
                 self.realized_flags = flags;
                 self.step(ctx, Event::Realized { revision });
                 self.persist();
                 Notification::endpoint("regenerated", id, &name, revision, None)
             }
             Err(e) => {
+                self.full_needed = true;
                 tracing::error!(endpoint = self.record.id, error = %e, "regeneration failed; the endpoint fails closed");
                 let error = e.to_string();
                 self.step(
@@ -436,6 +456,7 @@ impl Handler<SetAudit> for EndpointActor {
             return;
         }
         self.record.audit = msg.audit;
+        self.full_needed = true;
         self.needs_persist = true;
         self.persist();
         let revision = self.regen.wanted;
@@ -457,6 +478,9 @@ pub struct Regenerate {
     pub reason: String,
     /// Regenerate even if `revision` is realized already (identity or label changes).
     pub force: bool,
+    /// Only these peer identities' selections changed (a DNS name learned or expired): the
+    /// endpoint may update their entries alone. `None`: anything may have changed.
+    pub peers: Option<BTreeSet<NumericIdentity>>,
 }
 
 crate::traceable!(Regenerate, "Regenerate", |m| {
@@ -472,6 +496,10 @@ impl Handler<Regenerate> for EndpointActor {
     type Result = ();
     fn handle(&mut self, msg: Regenerate, ctx: &mut Context<Self>) {
         let (revision, force) = (msg.revision, msg.force);
+        match msg.peers {
+            Some(p) => self.pending_peers.extend(p),
+            None => self.full_needed = true,
+        }
         self.step(ctx, Event::Requested { revision, force });
     }
 }
@@ -543,6 +571,7 @@ impl Handler<SetIdentity> for EndpointActor {
         self.labels = msg.labels;
         self.named_ports = msg.named_ports;
         if changed {
+            self.full_needed = true;
             let has_identity = msg.identity.is_some();
             self.step(ctx, Event::IdentityChanged { has_identity });
             if let (Some(id), true) = (msg.identity, self.attached) {

@@ -132,6 +132,8 @@ struct Reaction {
     /// The monitor notification of a policy change (`added`, `updated`, `deleted`), sent with
     /// the number of endpoints it regenerates.
     notice: Option<(&'static str, PolicyKey)>,
+    /// Only these peer identities' selections changed: endpoints may update incrementally.
+    peers: Option<BTreeSet<NumericIdentity>>,
     /// A DNS answer waits: no quiet window, and tell it when realized.
     immediate: bool,
     done: Option<tokio::sync::oneshot::Sender<()>>,
@@ -148,9 +150,15 @@ impl Reaction {
             ipcache: Vec::new(),
             policy_change: false,
             notice: None,
+            peers: None,
             immediate: false,
             done: None,
         }
+    }
+    /// The change only re-selected `peers` (see `PolicyChange::peers`).
+    fn only_peers(mut self, peers: BTreeSet<NumericIdentity>) -> Self {
+        self.peers = Some(peers);
+        self
     }
     /// At once (no quiet window), telling `done` when realized in the datapath.
     fn waited_for(mut self, done: tokio::sync::oneshot::Sender<()>) -> Self {
@@ -302,6 +310,7 @@ impl PolicyRepoActor {
                 ipcache: r.ipcache,
                 observe_delay: r.policy_change,
                 set_ready: false,
+                peers: r.peers,
                 immediate: r.immediate,
                 done: r.done,
             },
@@ -907,6 +916,7 @@ impl PolicyRepoActor {
                 ipcache,
                 observe_delay: false,
                 set_ready: true,
+                peers: None,
                 immediate: false,
                 done: None,
             },
@@ -1186,6 +1196,7 @@ impl Handler<RegenerateAll> for PolicyRepoActor {
                     revision,
                     reason: msg.reason.clone(),
                     force: true,
+                    peers: None,
                 },
                 NAME,
             );
@@ -1233,6 +1244,7 @@ impl Handler<LearnFqdn> for PolicyRepoActor {
             ))
             .affecting(change.affected.iter().copied())
             .forced() // selections changed, not the revision
+            .only_peers(change.peers.clone())
             .ipcache(ipcache_of(&change))
             .waited_for(msg.done),
         );
@@ -1302,24 +1314,27 @@ impl PolicyRepoActor {
     /// One reaction for several engine changes.
     fn react_to_all(&self, reason: String, changes: &[crate::policy::engine::PolicyChange]) {
         let affected = changes.iter().flat_map(|c| c.affected.iter().copied());
+        let peers = changes
+            .iter()
+            .flat_map(|c| c.peers.iter().copied())
+            .collect();
         let ipcache = changes.iter().flat_map(ipcache_of).collect();
         self.react(
             Reaction::new(reason)
                 .affecting(affected)
                 .forced() // selections changed, not the revision
+                .only_peers(peers)
                 .ipcache(ipcache),
         );
     }
 
-    /// The cache changed: its gauge, and its file (a failed write is logged; the next change
-    /// writes it again).
+    /// The cache changed: its gauge, and its file (written off this thread; a failed write is
+    /// logged and the next change writes it again).
     fn fqdn_changed(&mut self) {
         self.fqdn_dirty = false;
         let dns = &self.shared.dns;
         let n = dns.cache().len();
         self.shared.metrics.fqdn_cache_entries.set(n as i64);
-        if let Err(e) = dns.save(self.shared.state_dir.root()) {
-            tracing::warn!(error = %e, "cannot save the FQDN cache");
-        }
+        dns.request_save(self.shared.state_dir.root());
     }
 }

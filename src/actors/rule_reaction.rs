@@ -57,6 +57,8 @@ struct Want {
     reason: String,
     /// The (latest) change that asked: the Regenerate sent after the window belongs to it.
     change: Option<ChangeId>,
+    /// Only these peer identities' selections changed (`None`: anything may have).
+    peers: Option<std::collections::BTreeSet<crate::policy::identity::NumericIdentity>>,
 }
 
 pub struct RuleReactionActor {
@@ -148,6 +150,7 @@ impl RuleReactionActor {
             revision: w.revision,
             reason: w.reason,
             force: w.force,
+            peers: w.peers,
         };
         with_change(w.change, || w.addr.do_send(msg, NAME));
         self.in_flight.insert(id);
@@ -192,6 +195,13 @@ fn merge(map: &mut HashMap<EndpointId, Want>, id: EndpointId, w: Want) {
             e.force |= w.force;
             e.reason = w.reason;
             e.change = w.change.or(e.change);
+            e.peers = match (e.peers.take(), w.peers) {
+                (Some(mut a), Some(b)) => {
+                    a.extend(b);
+                    Some(a)
+                }
+                _ => None,
+            };
         }
         None => {
             map.insert(id, w);
@@ -223,6 +233,8 @@ pub struct PolicyReaction {
     pub observe_delay: bool,
     /// The initial sync: report ready when done.
     pub set_ready: bool,
+    /// Only these peer identities' selections changed: endpoints may update incrementally.
+    pub peers: Option<std::collections::BTreeSet<crate::policy::identity::NumericIdentity>>,
     /// Fan out at once, without the quiet window (a DNS answer waits for it).
     pub immediate: bool,
     /// Told when this change and every earlier one are in the datapath.
@@ -253,6 +265,7 @@ impl Handler<PolicyReaction> for RuleReactionActor {
                 force: msg.force,
                 reason: msg.reason.clone(),
                 change: current_change(),
+                peers: msg.peers.clone(),
             };
             merge(&mut self.want, *id, w);
         }

@@ -343,6 +343,7 @@ async fn run_async(
     shared.dns = std::sync::Arc::new(crate::dnsproxy::state::DnsState::new(
         config.tofqdns_min_ttl,
     ));
+    shared.dns.start_saver(state_dir.root().to_path_buf());
     // Kubernetes mode: the client first, so a bad kubeconfig fails the start at once.
     let feed = match source {
         Source::Kubernetes { kubeconfig } => {

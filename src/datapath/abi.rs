@@ -146,6 +146,14 @@ impl EntryTable {
         self.entries.is_empty()
     }
 
+    /// The deny flag of one datapath entry, when present.
+    pub fn get(&self, k: &PolicyEntryKey) -> Option<bool> {
+        self.entries
+            .get(k)
+            .and_then(Contributors::value)
+            .map(|(d, _)| d)
+    }
+
     /// The datapath entries and their deny flag.
     pub fn entries(&self) -> impl Iterator<Item = (PolicyEntryKey, bool)> + '_ {
         self.entries
@@ -177,6 +185,25 @@ impl EntryTable {
     /// Applies an engine-level delta and returns the entry-level changes for the kernel map
     /// (only entries whose presence, deny flag or cookie actually changed).
     pub fn apply(&mut self, delta: &MapDelta) -> Vec<EntryChange> {
+        self.apply_tracked(delta)
+            .into_iter()
+            .map(|(c, _)| c)
+            .collect()
+    }
+
+    /// Upper bound of the datapath entries after `delta` (for a capacity check before it).
+    pub fn len_bound_after(&self, delta: &MapDelta) -> usize {
+        self.entries.len()
+            + delta
+                .upserts
+                .iter()
+                .map(|(k, _)| expand_key(k).len())
+                .sum::<usize>()
+    }
+
+    /// [`apply`](Self::apply), each change with the entry's deny flag before it (`None`:
+    /// absent).
+    pub fn apply_tracked(&mut self, delta: &MapDelta) -> Vec<(EntryChange, Option<bool>)> {
         let mut before: BTreeMap<PolicyEntryKey, Option<(bool, Cookie)>> = BTreeMap::new();
         for k in delta
             .upserts
@@ -206,10 +233,13 @@ impl EntryTable {
         }
         let mut out = Vec::new();
         for (e, was) in before {
+            let was_deny = was.map(|(d, _)| d);
             match (was, self.entries.get(&e).and_then(Contributors::value)) {
                 (a, b) if a == b => {}
-                (_, Some((deny, cookie))) => out.push(EntryChange::Upsert(e, deny, cookie)),
-                (Some(_), None) => out.push(EntryChange::Delete(e)),
+                (_, Some((deny, cookie))) => {
+                    out.push((EntryChange::Upsert(e, deny, cookie), was_deny))
+                }
+                (Some(_), None) => out.push((EntryChange::Delete(e), was_deny)),
                 (None, None) => {}
             }
         }

@@ -43,6 +43,8 @@ pub struct DnsState {
     /// Addresses of the connections conntrack kept in its last pass.
     pub live_peers: Mutex<HashSet<IpAddr>>,
     pub proxy: Mutex<ProxyView>,
+    /// The cache writer (`start_saver`): saves off the actors' thread, coalescing requests.
+    saver: Mutex<Option<std::sync::mpsc::Sender<()>>>,
 }
 
 impl Default for DnsState {
@@ -64,6 +66,40 @@ impl DnsState {
             rules_changed: tokio::sync::watch::channel(0).0,
             live_peers: Mutex::new(HashSet::new()),
             proxy: Mutex::new(ProxyView::default()),
+            saver: Mutex::new(None),
+        }
+    }
+
+    /// Starts the thread that writes the cache to `state_dir` on request.
+    pub fn start_saver(self: &std::sync::Arc<Self>, state_dir: PathBuf) {
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let me = std::sync::Arc::downgrade(self);
+        let spawned = std::thread::Builder::new()
+            .name("ciliate-fqdn-save".into())
+            .spawn(move || {
+                while rx.recv().is_ok() {
+                    while rx.try_recv().is_ok() {} // one write for a burst
+                    let Some(me) = me.upgrade() else { return };
+                    if let Err(e) = me.save(&state_dir) {
+                        tracing::warn!(error = %e, "cannot save the FQDN cache");
+                    }
+                }
+            });
+        match spawned {
+            Ok(_) => *lock(&self.saver) = Some(tx),
+            Err(e) => tracing::warn!(error = %e, "no FQDN cache writer thread; saving inline"),
+        }
+    }
+
+    /// Saves the cache soon (on the writer thread), or now when there is none.
+    pub fn request_save(&self, state_dir: &Path) {
+        if let Some(tx) = lock(&self.saver).as_ref() {
+            if tx.send(()).is_ok() {
+                return;
+            }
+        }
+        if let Err(e) = self.save(state_dir) {
+            tracing::warn!(error = %e, "cannot save the FQDN cache");
         }
     }
 

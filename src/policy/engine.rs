@@ -59,6 +59,10 @@ pub struct PolicyChange {
     pub new_prefixes: Vec<(IpNet, NumericIdentity)>,
     /// Prefixes whose CIDR identity went away (no longer in the ipcache unless an endpoint owns them).
     pub removed_prefixes: Vec<IpNet>,
+    /// The peer identities whose selections changed, when those are the only entries the
+    /// change touches (learned and expired DNS names): the affected endpoints may update
+    /// incrementally (`resolve_peers`).
+    pub peers: BTreeSet<NumericIdentity>,
 }
 
 /// The DNS proxy's entries of one egress allow rule selecting `ids`: one per TCP/UDP port
@@ -482,6 +486,7 @@ impl PolicyEngine {
             return change;
         };
         if last && self.identities.release(id).is_some() {
+            change.peers.insert(id);
             change
                 .affected
                 .extend(self.endpoints_affected_by_identity(id));
@@ -498,6 +503,7 @@ impl PolicyEngine {
 
     /// Gives `id` the labels of the names of `ip`, re-evaluating every selector on it.
     fn relabel_fqdn(&mut self, id: NumericIdentity, ip: IpAddr, change: &mut PolicyChange) {
+        change.peers.insert(id);
         change
             .affected
             .extend(self.endpoints_affected_by_identity(id));
@@ -656,6 +662,18 @@ impl PolicyEngine {
 
     /// Resolves an endpoint's policy into its map state.
     pub fn resolve(&self, ep: &EndpointView) -> EndpointPolicy {
+        self.resolve_peers(ep, None)
+    }
+
+    /// [`resolve`](Self::resolve) with the map state limited to the entries of `peers` (all
+    /// else, DNS rules and isolation included, in full): the incremental update of an endpoint
+    /// after a change that only re-selected those peer identities (a DNS name learned or
+    /// expired). `withheld` is left empty then (it only explains).
+    pub fn resolve_peers(
+        &self,
+        ep: &EndpointView,
+        peers: Option<&BTreeSet<NumericIdentity>>,
+    ) -> EndpointPolicy {
         let rules = self.rules_for(ep);
         let mut out = EndpointPolicy {
             revision: self.repo.revision(),
@@ -680,12 +698,19 @@ impl PolicyEngine {
             for pr in &rule.peer_rules {
                 let section = pr.origin.section;
                 let (ids, withheld) = self.peer_rule_identities(pr, requires.of(section));
-                self.add_peer_rule(&mut out.map, pr, ep, &ids, &pr.origin);
+                match peers {
+                    None => self.add_peer_rule(&mut out.map, pr, ep, &ids, &pr.origin),
+                    Some(p) => {
+                        let only: Vec<NumericIdentity> =
+                            ids.iter().copied().filter(|i| p.contains(i)).collect();
+                        self.add_peer_rule(&mut out.map, pr, ep, &only, &pr.origin)
+                    }
+                }
                 if section == Section::Egress {
                     dns_entries(&mut out.dns, pr, &ids);
                 }
                 // Only allows need explaining: a requirement narrowing a deny never drops.
-                if !section.is_deny() {
+                if !section.is_deny() && peers.is_none() {
                     for (req, ids) in withheld {
                         self.add_peer_rule(&mut out.withheld, pr, ep, &ids, &req.origin);
                     }
@@ -701,7 +726,10 @@ impl PolicyEngine {
             .collect();
         // Cilium's default `allow-localhost`: the node may always reach its own pods (kubelet
         // probes), even under ingress default deny. Deny rules still win over it.
-        if !ep.host && !out.ingress.isolated_by.is_empty() {
+        if !ep.host
+            && !out.ingress.isolated_by.is_empty()
+            && peers.is_none_or(|p| p.contains(&IDENTITY_HOST))
+        {
             out.map.insert(
                 MapKey {
                     direction: Direction::Ingress,
@@ -968,6 +996,13 @@ mod tests {
         // Case and the trailing dot do not matter; the endpoint a is affected.
         let c = e.learn_fqdn("API.example.com.", &[ip("203.0.113.10")]);
         assert!(c.affected.contains(&a), "{c:?}");
+        // The incremental resolution of the re-selected peers is the full one's part.
+        assert_eq!(c.peers.len(), 1, "{c:?}");
+        let v = view(a, &la, &[]);
+        let part = e.resolve_peers(&v, Some(&c.peers));
+        assert_eq!(part.map, e.resolve(&v).map.of_peers(&c.peers));
+        assert_eq!(part.map.len(), 1);
+        assert_eq!(part.dns, e.resolve(&v).dns);
         assert!(allowed(&e, "203.0.113.10", 443));
         assert!(!allowed(&e, "203.0.113.10", 80), "only the rule's port");
         assert!(

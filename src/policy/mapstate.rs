@@ -200,6 +200,47 @@ impl MapState {
         self.len == 0
     }
 
+    /// The entries of the peer identities `peers` alone (both directions).
+    pub fn of_peers(&self, peers: &std::collections::BTreeSet<NumericIdentity>) -> MapState {
+        let mut out = MapState::new();
+        for d in [Direction::Ingress, Direction::Egress] {
+            for id in peers {
+                if let Some(slots) = self.groups.get(&(d, *id)) {
+                    out.len += slots.len();
+                    out.groups.insert((d, *id), slots.clone());
+                }
+            }
+        }
+        out
+    }
+
+    /// The changes that turn `realized`'s entries of `peers` into `self`'s, when `self` holds
+    /// the entries of those peers only (an incremental resolution).
+    pub fn diff_peers_from(
+        &self,
+        realized: &MapState,
+        peers: &std::collections::BTreeSet<NumericIdentity>,
+    ) -> MapDelta {
+        self.diff_from(&realized.of_peers(peers))
+    }
+
+    /// Replaces the entries of `peers` by those of `part` (which holds no others).
+    pub fn replace_peers(
+        &mut self,
+        peers: &std::collections::BTreeSet<NumericIdentity>,
+        part: MapState,
+    ) {
+        for d in [Direction::Ingress, Direction::Egress] {
+            for id in peers {
+                if let Some(old) = self.groups.remove(&(d, *id)) {
+                    self.len -= old.len();
+                }
+            }
+        }
+        self.len += part.len;
+        self.groups.extend(part.groups);
+    }
+
     /// The changes that turn `realized` into `self`.
     pub fn diff_from(&self, realized: &MapState) -> MapDelta {
         let mut delta = MapDelta::default();
@@ -249,6 +290,27 @@ pub(crate) fn ingress_key(identity: NumericIdentity, protocol: u8, lo: u16, hi: 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_incremental_update_of_some_peers_equals_the_full_diff() {
+        let o = origin("p", Section::Ingress);
+        let mut realized = MapState::new();
+        realized.insert(ingress_key(5, 6, 80, 80), false, &o);
+        realized.insert(ingress_key(7, 6, 80, 80), false, &o);
+        realized.insert(ingress_key(8, 6, 443, 443), false, &o);
+        let mut full = MapState::new();
+        full.insert(ingress_key(5, 6, 80, 80), false, &o);
+        full.insert(ingress_key(7, 6, 443, 443), false, &o);
+        full.insert(ingress_key(9, 6, 443, 443), true, &o);
+        // Peers 7, 8 and 9 changed; 5 did not.
+        let peers: std::collections::BTreeSet<NumericIdentity> = [7, 8, 9].into();
+        let part = full.of_peers(&peers);
+        let d = part.diff_peers_from(&realized, &peers);
+        assert_eq!(d, full.diff_from(&realized));
+        realized.replace_peers(&peers, part);
+        assert_eq!(realized, full);
+        assert_eq!(realized.len(), 3);
+    }
     use crate::policy::rule::{PolicyKey, PolicyKind, Section};
 
     fn origin(name: &str, section: Section) -> Arc<RuleOrigin> {

@@ -398,140 +398,165 @@ impl Datapath for BpfDatapath {
     ) -> Result<SyncStats, DatapathError> {
         let ep = self
             .endpoints
-            .get(&id)
+            .get_mut(&id)
             .ok_or(DatapathError::UnknownEndpoint(id))?;
+        // The endpoint's table is changed in place (taken, put back below) unless the change
+        // may not fit: then a copy is changed, and the table stays as it was when it does not.
+        let in_place = !replace && ep.table.len_bound_after(delta) <= POLICY_MAP_MAX_ENTRIES;
         let mut table = if replace {
             EntryTable::new()
+        } else if in_place {
+            std::mem::take(&mut ep.table)
         } else {
             ep.table.clone()
         };
-        let mut changes = table.apply(delta);
-        let identity = ep.attachment.identity;
-        let old_masks = self
-            .read_info(id)
-            .map(|i| ProbeMasks::of_info(&i))
-            .unwrap_or_default();
-        if table.len() > POLICY_MAP_MAX_ENTRIES {
-            let info = old_masks.info_for(
-                identity,
-                EndpointFlags {
-                    drop_all: true,
-                    ..flags
-                },
+        let tracked = table.apply_tracked(delta);
+        // Each entry's deny flag before this change (`None`: absent).
+        let before: std::collections::HashMap<PolicyEntryKey, Option<bool>> = tracked
+            .iter()
+            .map(|(c, was)| match c {
+                EntryChange::Upsert(k, _, _) | EntryChange::Delete(k) => (*k, *was),
+            })
+            .collect();
+        let mut changes: Vec<EntryChange> = tracked.into_iter().map(|(c, _)| c).collect();
+        let result = (|| -> Result<SyncStats, DatapathError> {
+            let ep = &self.endpoints[&id];
+            let identity = ep.attachment.identity;
+            let old_masks = self
+                .read_info(id)
+                .map(|i| ProbeMasks::of_info(&i))
+                .unwrap_or_default();
+            if table.len() > POLICY_MAP_MAX_ENTRIES {
+                let info = old_masks.info_for(
+                    identity,
+                    EndpointFlags {
+                        drop_all: true,
+                        ..flags
+                    },
+                );
+                self.write_info(id, &info)?;
+                return Err(DatapathError::PolicyMapFull {
+                    endpoint: id,
+                    needed: table.len(),
+                    capacity: POLICY_MAP_MAX_ENTRIES,
+                });
+            }
+            let policy = &ep.policy;
+            if replace {
+                // Everything desired is written first, then what is no longer desired is removed:
+                // an agent restart never opens a gap.
+                let desired: BTreeSet<Vec<u8>> = table
+                    .entries()
+                    .map(|(k, _)| abi_key(&k).as_bytes().to_vec())
+                    .collect();
+                changes = table
+                    .values()
+                    .map(|(k, d, c)| EntryChange::Upsert(k, d, c))
+                    .collect();
+                for kb in policy.keys() {
+                    if !desired.contains(&kb) {
+                        if let Some(k) = types::policy_key::from_bytes(&kb) {
+                            changes.push(EntryChange::Delete(PolicyEntryKey {
+                                identity: k.identity,
+                                egress: k.egress != 0,
+                                protocol: k.protocol,
+                                port: k.port,
+                                port_prefix_len: k.port_prefix_len,
+                            }));
+                        }
+                    }
+                }
+            }
+            let new_masks = ProbeMasks::of(&table);
+            // While entries change, probe what the old and the new entries need.
+            let during = old_masks.union(new_masks).info_for(identity, ep.flags);
+            self.write_info(id, &during)?;
+            let mut stats = SyncStats::default();
+            // Order by safety, which also keeps the map within its capacity: first remove allows
+            // and add denies (both only narrow what passes), then add allows, and remove denies
+            // last. No step ever lets through what neither the old nor the new policy allows.
+            // Each group goes to the kernel as one batch.
+            let old = |k: &PolicyEntryKey| {
+                if replace {
+                    None
+                } else {
+                    before.get(k).copied().flatten()
+                }
+            };
+            let kernel_value = |kb: &[u8]| {
+                policy
+                    .lookup(kb, MapFlags::ANY)
+                    .ok()
+                    .flatten()
+                    .and_then(|b| types::policy_value::from_bytes(&b))
+            };
+            let (mut allow_up, mut deny_up) = (
+                (Vec::new(), Vec::new(), 0usize),
+                (Vec::new(), Vec::new(), 0usize),
             );
+            let (mut allow_del, mut deny_del) = (Vec::new(), Vec::new());
+            for c in &changes {
+                match c {
+                    EntryChange::Upsert(k, deny, cookie) => {
+                        let key = abi_key(k);
+                        let kb = key.as_bytes();
+                        // Keep the counters of an entry that already exists and only changes verdict.
+                        let mut v = if replace || old(k).is_some() {
+                            kernel_value(kb).unwrap_or_default()
+                        } else {
+                            types::policy_value::default()
+                        };
+                        v.deny = *deny as u8;
+                        v.cookie = *cookie;
+                        let g = if *deny { &mut deny_up } else { &mut allow_up };
+                        g.0.extend_from_slice(kb);
+                        g.1.extend_from_slice(v.as_bytes());
+                        g.2 += 1;
+                    }
+                    EntryChange::Delete(k) => {
+                        let key = abi_key(k);
+                        let was_deny = match old(k) {
+                            Some(d) => d,
+                            None => kernel_value(key.as_bytes()).is_some_and(|v| v.deny != 0),
+                        };
+                        if was_deny {
+                            &mut deny_del
+                        } else {
+                            &mut allow_del
+                        }
+                        .extend_from_slice(key.as_bytes());
+                    }
+                }
+            }
+            let key_size = std::mem::size_of::<types::policy_key>();
+            let fail = |e: std::io::Error| DatapathError::System {
+                operation: format!("update the policy map of endpoint {id}"),
+                message: e.to_string(),
+            };
+            delete_batch(policy, &allow_del, key_size);
+            update_batch(policy, &deny_up.0, &deny_up.1, deny_up.2).map_err(fail)?;
+            update_batch(policy, &allow_up.0, &allow_up.1, allow_up.2).map_err(fail)?;
+            delete_batch(policy, &deny_del, key_size);
+            let upserts = allow_up.2 + deny_up.2;
+            let deletes = (allow_del.len() + deny_del.len()) / key_size;
+            stats.upserted = upserts;
+            stats.deleted = deletes;
+            stats.entries = table.len();
+            let info = new_masks.info_for(identity, flags);
             self.write_info(id, &info)?;
-            return Err(DatapathError::PolicyMapFull {
-                endpoint: id,
-                needed: table.len(),
-                capacity: POLICY_MAP_MAX_ENTRIES,
-            });
-        }
-        let policy = &ep.policy;
-        if replace {
-            // Everything desired is written first, then what is no longer desired is removed:
-            // an agent restart never opens a gap.
-            let desired: BTreeSet<Vec<u8>> = table
-                .entries()
-                .map(|(k, _)| abi_key(&k).as_bytes().to_vec())
-                .collect();
-            changes = table
-                .values()
-                .map(|(k, d, c)| EntryChange::Upsert(k, d, c))
-                .collect();
-            for kb in policy.keys() {
-                if !desired.contains(&kb) {
-                    if let Some(k) = types::policy_key::from_bytes(&kb) {
-                        changes.push(EntryChange::Delete(PolicyEntryKey {
-                            identity: k.identity,
-                            egress: k.egress != 0,
-                            protocol: k.protocol,
-                            port: k.port,
-                            port_prefix_len: k.port_prefix_len,
-                        }));
-                    }
-                }
-            }
-        }
-        let new_masks = ProbeMasks::of(&table);
-        // While entries change, probe what the old and the new entries need.
-        let during = old_masks.union(new_masks).info_for(identity, ep.flags);
-        self.write_info(id, &during)?;
-        let mut stats = SyncStats::default();
-        // Order by safety, which also keeps the map within its capacity: first remove allows
-        // and add denies (both only narrow what passes), then add allows, and remove denies
-        // last. No step ever lets through what neither the old nor the new policy allows.
-        // Each group goes to the kernel as one batch.
-        let old: std::collections::HashMap<PolicyEntryKey, bool> = if replace {
-            Default::default()
-        } else {
-            ep.table.entries().collect()
-        };
-        let kernel_value = |kb: &[u8]| {
-            policy
-                .lookup(kb, MapFlags::ANY)
-                .ok()
-                .flatten()
-                .and_then(|b| types::policy_value::from_bytes(&b))
-        };
-        let (mut allow_up, mut deny_up) = (
-            (Vec::new(), Vec::new(), 0usize),
-            (Vec::new(), Vec::new(), 0usize),
-        );
-        let (mut allow_del, mut deny_del) = (Vec::new(), Vec::new());
-        for c in &changes {
-            match c {
-                EntryChange::Upsert(k, deny, cookie) => {
-                    let key = abi_key(k);
-                    let kb = key.as_bytes();
-                    // Keep the counters of an entry that already exists and only changes verdict.
-                    let mut v = if replace || old.contains_key(k) {
-                        kernel_value(kb).unwrap_or_default()
-                    } else {
-                        types::policy_value::default()
-                    };
-                    v.deny = *deny as u8;
-                    v.cookie = *cookie;
-                    let g = if *deny { &mut deny_up } else { &mut allow_up };
-                    g.0.extend_from_slice(kb);
-                    g.1.extend_from_slice(v.as_bytes());
-                    g.2 += 1;
-                }
-                EntryChange::Delete(k) => {
-                    let key = abi_key(k);
-                    let was_deny = match old.get(k) {
-                        Some(d) => *d,
-                        None => kernel_value(key.as_bytes()).is_some_and(|v| v.deny != 0),
-                    };
-                    if was_deny {
-                        &mut deny_del
-                    } else {
-                        &mut allow_del
-                    }
-                    .extend_from_slice(key.as_bytes());
-                }
-            }
-        }
-        let key_size = std::mem::size_of::<types::policy_key>();
-        let fail = |e: std::io::Error| DatapathError::System {
-            operation: format!("update the policy map of endpoint {id}"),
-            message: e.to_string(),
-        };
-        delete_batch(policy, &allow_del, key_size);
-        update_batch(policy, &deny_up.0, &deny_up.1, deny_up.2).map_err(fail)?;
-        update_batch(policy, &allow_up.0, &allow_up.1, allow_up.2).map_err(fail)?;
-        delete_batch(policy, &deny_del, key_size);
-        let upserts = allow_up.2 + deny_up.2;
-        let deletes = (allow_del.len() + deny_del.len()) / key_size;
-        stats.upserted = upserts;
-        stats.deleted = deletes;
-        stats.entries = table.len();
-        let info = new_masks.info_for(identity, flags);
-        self.write_info(id, &info)?;
+            Ok(stats)
+        })();
         if let Some(e) = self.endpoints.get_mut(&id) {
-            e.table = table;
-            e.flags = flags;
+            // A table changed in place goes back even on failure: it is what was asked for,
+            // and the endpoint, failed closed, is rewritten in full by its next regeneration.
+            if result.is_ok() || in_place {
+                e.table = table;
+            }
+            if result.is_ok() {
+                e.flags = flags;
+            }
         }
-        Ok(stats)
+        result
     }
 
     fn upsert_ipcache(
