@@ -309,6 +309,9 @@ spec:
     }
     println!("highest rate with proxied p99 <= 5 ms and no loss: {best} queries/s");
 
+    if !part(2) {
+        return;
+    }
     println!(
         "\n2. new name -> policy-map entry on {CLIENTS} selecting endpoints ({NEW_NAMES} names)"
     );

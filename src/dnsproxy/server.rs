@@ -206,6 +206,8 @@ struct Proxy {
     agent: Mutex<Option<mpsc::UnboundedSender<String>>>,
     /// (normalized name, address) -> the expiry the agent acked (seconds since the epoch).
     known: Mutex<HashMap<(String, IpAddr), u64>>,
+    /// (endpoint, normalized name) pairs the agent acked: it knows they asked.
+    askers: Mutex<std::collections::HashSet<(u64, String)>>,
     /// Learnings sent to the agent and not acked yet, with their held answers.
     waiting: Mutex<HashMap<u64, (Learned, oneshot::Sender<()>)>>,
     /// Learned while no agent was connected: sent when one connects.
@@ -243,6 +245,25 @@ impl Proxy {
         })
     }
 
+    /// Would telling the agent about this answer change nothing it acked: the same endpoint
+    /// asked before, and every address is acked to live past this answer's TTL?
+    fn nothing_new(&self, endpoint: u64, name: &str, ips: &[IpAddr], ttl: u32) -> bool {
+        let name = crate::policy::fqdn::normalize(name);
+        let asked = self
+            .askers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(&(endpoint, name.clone()));
+        let until = crate::policy::fqdn::unix_now() + ttl as u64;
+        let known = self.known.lock().unwrap_or_else(|p| p.into_inner());
+        asked
+            && ips.iter().all(|ip| {
+                known
+                    .get(&(name.clone(), *ip))
+                    .is_some_and(|exp| *exp >= until)
+            })
+    }
+
     /// The agent acked `l`: its addresses stay selected until `expires_at`.
     fn acked(&self, l: &Learned, expires_at: u64) {
         let mut known = self.known.lock().unwrap_or_else(|p| p.into_inner());
@@ -250,9 +271,12 @@ impl Proxy {
         for ip in &l.ips {
             known.insert((name.clone(), *ip), expires_at);
         }
-        if known.len() > KNOWN_PRUNE_AT {
+        let mut askers = self.askers.lock().unwrap_or_else(|p| p.into_inner());
+        askers.insert((l.endpoint, name));
+        if known.len() > KNOWN_PRUNE_AT || askers.len() > KNOWN_PRUNE_AT {
             let now = crate::policy::fqdn::unix_now();
             known.retain(|_, exp| *exp > now);
+            askers.clear(); // they are told again, once each
         }
     }
 
@@ -262,6 +286,9 @@ impl Proxy {
     async fn learn(&self, endpoint: u64, name: &str, ips: Vec<IpAddr>, ttl: u32) {
         if ips.is_empty() {
             return;
+        }
+        if self.nothing_new(endpoint, name, &ips, ttl) {
+            return; // in policy, and the agent's cache would not change
         }
         let wait = !self.known(name, &ips);
         let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
@@ -800,6 +827,7 @@ pub fn run(opts: ProxyOptions) -> Result<(), ProxyError> {
             agent: Mutex::new(None),
             waiting: Mutex::new(HashMap::new()),
             known: Mutex::new(HashMap::new()),
+            askers: Mutex::new(Default::default()),
             queued: Mutex::new(Vec::new()),
             seq: AtomicU64::new(0),
             learn_timeout: opts.learn_timeout,
