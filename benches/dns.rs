@@ -203,34 +203,20 @@ fn main() {
     let tmp = tempfile::tempdir().unwrap();
     let m = tmp.path().join("manifests");
     std::fs::create_dir_all(&m).unwrap();
-    let mut cluster = format!(
-        "apiVersion: v1\nkind: Namespace\nmetadata: {{name: x}}\n---
-apiVersion: v1\nkind: Pod\nmetadata: {{name: dns, namespace: x, labels: {{k8s-app: kube-dns}}}}
-status: {{podIPs: [{{ip: {}}}]}}\n",
-        dns.addr
-    );
-    for (i, c) in clients.iter().enumerate() {
-        cluster.push_str(&format!(
-            "---\napiVersion: v1\nkind: Pod\nmetadata: {{name: c{i}, namespace: x, labels: {{app: client}}}}\nstatus: {{podIPs: [{{ip: {}}}]}}\n",
-            c.addr
-        ));
-    }
+    let names: Vec<(String, String)> = clients
+        .iter()
+        .enumerate()
+        .map(|(i, c)| (format!("c{i}"), c.addr.to_string()))
+        .collect();
+    let refs: Vec<(&str, &str)> = names
+        .iter()
+        .map(|(n, a)| (n.as_str(), a.as_str()))
+        .collect();
+    let cluster = common::namespace_x_dns(&dns.addr.to_string(), &refs);
     std::fs::write(m.join("cluster.yaml"), cluster).unwrap();
     std::fs::write(
         m.join("policy.yaml"),
-        "apiVersion: cilium.io/v2
-kind: CiliumNetworkPolicy
-metadata: {name: clients, namespace: x}
-spec:
-  endpointSelector: {matchLabels: {app: client}}
-  egress:
-    - toEndpoints: [{matchLabels: {k8s-app: kube-dns}}]
-      toPorts:
-        - ports: [{port: '53', protocol: ANY}]
-          rules: {dns: [{matchPattern: '*.example.com'}]}
-    - toFQDNs: [{matchPattern: '*.example.com'}]
-      toPorts: [{ports: [{port: '443', protocol: TCP}]}]
-",
+        common::dns_client_policy("clients", "{matchPattern: '*.example.com'}"),
     )
     .unwrap();
     let pins = w.pins.to_string_lossy().to_string();

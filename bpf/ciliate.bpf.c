@@ -105,8 +105,13 @@ static __always_inline int decide(struct __sk_buff *skb, __u32 ep, int egress, i
 			ct->closing = 1;
 		__sync_fetch_and_add(&ct->packets, 1);
 		count(CILIATE_ALLOW_ESTABLISHED);
-		if (ct->dns_proxy)
+		/* By the endpoint's DNS rules as they are now, not as when the flow began: a flow
+		 * tracked before the endpoint got DNS rules goes to the proxy from now on (never
+		 * around it), and one after they went goes straight to the server. */
+		if (to_dns_proxy(info, &p, egress)) {
+			ct->dns_proxy = 1;
 			return dns_redirect(skb, &p, ep);
+		}
 		/* The opening direction: the pod's own packets, or what arrives for it as it did. */
 		*bypass = 1;
 		return TC_ACT_OK;

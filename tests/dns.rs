@@ -138,6 +138,11 @@ enum Lookup {
 
 /// One A query for `name` from `netns` to `server:53`, over UDP or TCP, as a resolver sends it.
 fn lookup(netns: &str, server: IpAddr, name: &str, tcp: bool) -> Lookup {
+    lookup_from(netns, server, name, tcp, 0)
+}
+
+/// [`lookup`] from source port `sport` (UDP; 0: any), so that two lookups share one flow.
+fn lookup_from(netns: &str, server: IpAddr, name: &str, tcp: bool, sport: u16) -> Lookup {
     let name = name.to_string();
     in_netns(netns, move || {
         let id: u16 = rand_id();
@@ -166,7 +171,7 @@ fn lookup(netns: &str, server: IpAddr, name: &str, tcp: bool) -> Lookup {
                 Err(e) => return Lookup::Failed(format!("receive: {e}")),
             }
         } else {
-            let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+            let s = UdpSocket::bind(("0.0.0.0", sport)).unwrap();
             s.set_read_timeout(Some(Duration::from_millis(1500)))
                 .unwrap();
             s.send_to(&q, to).unwrap();
@@ -249,19 +254,9 @@ fn hold(netns: &str, to: IpAddr) -> std::sync::mpsc::Sender<()> {
     stop_tx
 }
 
-const POLICY: &str = "apiVersion: cilium.io/v2
-kind: CiliumNetworkPolicy
-metadata: {name: client-egress, namespace: x}
-spec:
-  endpointSelector: {matchLabels: {app: client}}
-  egress:
-    - toEndpoints: [{matchLabels: {k8s-app: kube-dns}}]
-      toPorts:
-        - ports: [{port: '53', protocol: ANY}]
-          rules: {dns: [{matchPattern: '*.example.com'}]}
-    - toFQDNs: [{matchName: api.example.com}]
-      toPorts: [{ports: [{port: '443', protocol: TCP}]}]
-";
+fn policy() -> String {
+    common::dns_client_policy("client-egress", "{matchName: api.example.com}")
+}
 
 struct Setup {
     w: World,
@@ -313,16 +308,10 @@ fn setup(externals: usize, extra: &[&str]) -> Option<Setup> {
     let tmp = tempfile::tempdir().unwrap();
     let m = tmp.path().join("manifests");
     std::fs::create_dir_all(&m).unwrap();
-    let cluster = format!(
-        "apiVersion: v1\nkind: Namespace\nmetadata: {{name: x}}\n---
-apiVersion: v1\nkind: Pod\nmetadata: {{name: client, namespace: x, labels: {{app: client}}}}
-status: {{podIPs: [{{ip: {}}}]}}\n---
-apiVersion: v1\nkind: Pod\nmetadata: {{name: dns, namespace: x, labels: {{k8s-app: kube-dns}}}}
-status: {{podIPs: [{{ip: {}}}]}}\n",
-        w.pods[0].addr, w.pods[1].addr
-    );
+    let (client, dns) = (w.pods[0].addr.to_string(), w.pods[1].addr.to_string());
+    let cluster = common::namespace_x_dns(&dns, &[("client", &client)]);
     std::fs::write(m.join("cluster.yaml"), cluster).unwrap();
-    std::fs::write(m.join("policy.yaml"), POLICY).unwrap();
+    std::fs::write(m.join("policy.yaml"), policy()).unwrap();
     let mut args: Vec<String> = ["--datapath", "bpf", "--bpf-root"]
         .iter()
         .map(|s| s.to_string())
@@ -481,7 +470,7 @@ fn to_fqdns_selects_what_allowed_answers_resolved_and_dns_rules_refuse_the_rest(
 
     // A policy edit that removes the toFQDNs rule denies the addresses at once.
     let m = s.agent.manifests();
-    let without = POLICY.split("    - toFQDNs").next().unwrap().to_string();
+    let without = policy().split("    - toFQDNs").next().unwrap().to_string();
     let rev = s.agent.revision();
     std::fs::write(m.join("policy.yaml"), without).unwrap();
     s.agent
@@ -617,4 +606,50 @@ fn dns_keeps_resolving_through_kill_9_and_restart_of_the_agent() {
         "the restarted agent restored the same cache"
     );
     assert!(https_ok(&s.client().netns, api));
+}
+
+#[test]
+fn a_dns_flow_tracked_before_the_dns_rules_is_judged_by_them_after() {
+    let Some(s) = setup(1, &[]) else { return };
+    s.zone.set("evil.test", &[s.host(0)], 300);
+    let (c, dns) = (&s.client().netns, s.dns());
+    let m = s.agent.manifests();
+    // No DNS rules yet: DNS to kube-dns is allowed as L3/L4 only, and goes straight there.
+    let plain = policy().replace(
+        "\n          rules: {dns: [{matchPattern: '*.example.com'}]}",
+        "",
+    );
+    assert_ne!(plain, policy());
+    let apply = |yaml: String| {
+        let rev = s.agent.revision();
+        std::fs::write(m.join("policy.yaml"), yaml).unwrap();
+        s.agent
+            .wait_until("the edit is applied", || s.agent.revision() > rev);
+        s.agent.wait_realized(s.agent.revision());
+    };
+    apply(plain.clone());
+    let from = 40_053;
+    assert_eq!(
+        lookup_from(c, dns, "evil.test", false, from),
+        ok(&[s.host(0)]),
+        "without DNS rules any name resolves"
+    );
+    // The same flow (one source port, tracked), once the rules exist: refused.
+    apply(policy());
+    assert_eq!(
+        lookup_from(c, dns, "evil.test", false, from),
+        Lookup::Answer(ResponseCode::Refused, vec![]),
+        "a tracked flow does not bypass the new DNS rules"
+    );
+    assert_eq!(
+        s.zone.asked.lock().unwrap().len(),
+        1,
+        "evil.test was forwarded once only"
+    );
+    // And back: without the rules the flow goes straight to the server again.
+    apply(plain);
+    assert_eq!(
+        lookup_from(c, dns, "evil.test", false, from),
+        ok(&[s.host(0)])
+    );
 }

@@ -22,7 +22,7 @@ use tokio::sync::mpsc;
 
 use crate::actors::policy_repo::{LearnFqdn, PolicyRepoActor};
 use crate::config::DnsProxyMode;
-use crate::datapath::events::{DnsFields, Notification};
+use crate::datapath::events::Notification;
 use crate::dnsproxy::{socket_path, DnsVerdict, FromProxy, Learned, ToProxy};
 use crate::introspect::TracedAddr;
 use crate::runtime::Shared;
@@ -227,22 +227,14 @@ fn verdict(shared: &Shared, v: DnsVerdict) {
         .metrics
         .dns_proxy_requests
         .get_or_create(&crate::metrics::VerdictOnlyLabels {
-            verdict: v.verdict.clone(),
+            verdict: v.fields.verdict.clone(),
         })
         .inc();
     shared
         .metrics
         .dns_proxy_processing
         .observe(v.processing_seconds);
-    let _ = shared.notifications.send(Notification::dns(
-        v.endpoint as u32,
-        DnsFields {
-            pod: v.pod,
-            query: v.query,
-            qtype: v.qtype,
-            answers: v.answers,
-            verdict: v.verdict,
-            policies: v.policies,
-        },
-    ));
+    let _ = shared
+        .notifications
+        .send(Notification::dns(v.endpoint as u32, v.fields));
 }

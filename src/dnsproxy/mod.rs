@@ -80,17 +80,12 @@ pub struct Learned {
     pub ttl: u32,
 }
 
-/// One DNS verdict (`ciliate monitor` type `dns`).
+/// One DNS verdict (`ciliate monitor` type `dns`): what the monitor shows, and the time.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DnsVerdict {
     pub endpoint: u64,
-    pub pod: String,
-    pub query: String,
-    pub qtype: String,
-    pub answers: Vec<String>,
-    /// `forwarded` or `refused`.
-    pub verdict: String,
-    pub policies: Vec<String>,
+    #[serde(flatten)]
+    pub fields: crate::datapath::events::DnsFields,
     /// Time spent in the proxy, without the upstream server's.
     pub processing_seconds: f64,
 }

@@ -401,12 +401,14 @@ impl Proxy {
     ) {
         self.to_agent(&FromProxy::Verdict(DnsVerdict {
             endpoint,
-            pod: pod.to_string(),
-            query: q.name.clone(),
-            qtype: q.qtype.clone(),
-            answers: answers.iter().map(|a| a.to_string()).collect(),
-            verdict: verdict.into(),
-            policies,
+            fields: crate::datapath::events::DnsFields {
+                pod: pod.to_string(),
+                query: q.name.clone(),
+                qtype: q.qtype.clone(),
+                answers: answers.iter().map(|a| a.to_string()).collect(),
+                verdict: verdict.into(),
+                policies,
+            },
             processing_seconds: spent.as_secs_f64(),
         }));
     }

@@ -38,6 +38,42 @@ pub fn namespace_x(pods: &[(&str, &str, Option<&str>)]) -> String {
     out
 }
 
+/// Namespace `x` with a DNS server pod `dns` (`k8s-app: kube-dns`) at `dns` and client pods
+/// (`app: client`), for the DNS-aware policy tests and bench.
+pub fn namespace_x_dns(dns: &str, clients: &[(&str, &str)]) -> String {
+    let mut out = format!(
+        "apiVersion: v1\nkind: Namespace\nmetadata: {{name: x}}\n---
+apiVersion: v1\nkind: Pod\nmetadata: {{name: dns, namespace: x, labels: {{k8s-app: kube-dns}}}}
+status: {{podIPs: [{{ip: {dns}}}]}}\n"
+    );
+    for (name, ip) in clients {
+        out.push_str(&format!(
+            "---\napiVersion: v1\nkind: Pod\nmetadata: {{name: {name}, namespace: x, labels: {{app: client}}}}\nstatus: {{podIPs: [{{ip: {ip}}}]}}\n"
+        ));
+    }
+    out
+}
+
+/// A CiliumNetworkPolicy `x/NAME` for `app: client`: DNS to kube-dns allowed for
+/// `*.example.com`, and `toFQDNs: [SELECTOR]` on TCP 443.
+pub fn dns_client_policy(name: &str, fqdn_selector: &str) -> String {
+    format!(
+        "apiVersion: cilium.io/v2
+kind: CiliumNetworkPolicy
+metadata: {{name: {name}, namespace: x}}
+spec:
+  endpointSelector: {{matchLabels: {{app: client}}}}
+  egress:
+    - toEndpoints: [{{matchLabels: {{k8s-app: kube-dns}}}}]
+      toPorts:
+        - ports: [{{port: '53', protocol: ANY}}]
+          rules: {{dns: [{{matchPattern: '*.example.com'}}]}}
+    - toFQDNs: [{fqdn_selector}]
+      toPorts: [{{ports: [{{port: '443', protocol: TCP}}]}}]
+"
+    )
+}
+
 /// Namespace `x` and its pods as manifests: each `(name, ip)` gets the label `app: <name>`.
 pub fn namespace_x_with_pods(pods: &[(&str, &str)]) -> String {
     let pods: Vec<_> = pods.iter().map(|(n, ip)| (*n, *n, Some(*ip))).collect();
