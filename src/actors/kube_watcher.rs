@@ -121,6 +121,8 @@ pub struct KubeWatcherActor {
     /// watcher): holds everything until every resource listed once.
     feed: WatchFeed,
     started: Instant,
+    /// Pods' label maps, shared from conversion on (the initial sync holds every pod).
+    labels: crate::objects::LabelInterner,
 }
 
 impl KubeWatcherActor {
@@ -143,6 +145,7 @@ impl KubeWatcherActor {
             annotations,
             feed: WatchFeed::new(Some(lb)),
             started: Instant::now(),
+            labels: Default::default(),
         }
     }
 
@@ -285,6 +288,10 @@ impl KubeWatcherActor {
     /// Converts an object and hands it to the feed. Returns its key.
     fn update(&mut self, resource: Watched, obj: &Object, deleted: bool) -> Option<String> {
         let (key, item) = match convert(resource, obj) {
+            Ok((key, Some(Item::Pod(mut p)))) => {
+                p.labels = self.labels.intern(p.labels);
+                (key, Some(Item::Pod(p)))
+            }
             Ok(c) => c,
             Err((key, e)) => {
                 tracing::warn!(resource = resource.name(), object = %key, error = %e, "object not usable; ignored");

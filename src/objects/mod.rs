@@ -186,6 +186,40 @@ fn namespace_or(meta: &ObjectMeta, default: &str) -> String {
 }
 
 /// Converts a Pod; `default_namespace` applies when the manifest has none.
+/// One shared copy of each distinct pod label map, for converters that hold many pods (the
+/// pods of a deployment have equal maps): a converted pod's own map is dropped at once.
+/// Maps no pod uses any more are let go when the set has doubled since the last sweep.
+#[derive(Debug, Default)]
+pub struct LabelInterner {
+    maps: std::collections::HashSet<std::sync::Arc<BTreeMap<String, String>>>,
+    sweep_at: usize,
+}
+
+impl LabelInterner {
+    pub fn intern(
+        &mut self,
+        labels: std::sync::Arc<BTreeMap<String, String>>,
+    ) -> std::sync::Arc<BTreeMap<String, String>> {
+        if let Some(shared) = self.maps.get(&labels) {
+            return shared.clone();
+        }
+        if self.maps.len() >= self.sweep_at {
+            self.maps.retain(|m| std::sync::Arc::strong_count(m) > 1);
+            self.sweep_at = (self.maps.len() * 2).max(1024);
+        }
+        self.maps.insert(labels.clone());
+        labels
+    }
+
+    pub fn len(&self) -> usize {
+        self.maps.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.maps.is_empty()
+    }
+}
+
 pub fn pod_info(pod: &Pod, default_namespace: &str) -> Result<PodInfo, String> {
     let name = required_name(&pod.metadata)?;
     let namespace = namespace_or(&pod.metadata, default_namespace);
@@ -340,6 +374,21 @@ pub fn service_info(svc: &Service, default_namespace: &str) -> Result<ServiceInf
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn interned_label_maps_are_shared_and_let_go_when_unused() {
+        let mut i = LabelInterner::default();
+        let map =
+            |v: &str| std::sync::Arc::new(BTreeMap::from([("app".to_string(), v.to_string())]));
+        let a = i.intern(map("a"));
+        let a2 = i.intern(map("a"));
+        assert!(std::sync::Arc::ptr_eq(&a, &a2));
+        drop((a, a2));
+        for k in 0..3000 {
+            let _ = i.intern(map(&format!("x{k}")));
+        }
+        assert!(i.len() < 2100, "unused maps are swept: {}", i.len());
+    }
 
     #[test]
     fn pods_convert_with_ips_ports_and_defaults() {
