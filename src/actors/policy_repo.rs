@@ -215,6 +215,9 @@ pub struct PolicyRepoActor {
     initial_sync_done: bool,
     /// The FQDN cache changed since it was last saved.
     fqdn_dirty: bool,
+    /// Until the initial sync is done: the ipcache changes of every object, in order (sent
+    /// with the initial regeneration).
+    sync_ipcache: std::cell::RefCell<Vec<IpcacheChange>>,
 }
 
 impl PolicyRepoActor {
@@ -232,6 +235,7 @@ impl PolicyRepoActor {
             statuses: PolicyRecords::default(),
             initial_sync_done: false,
             fqdn_dirty: false,
+            sync_ipcache: Default::default(),
         }
     }
 
@@ -277,6 +281,21 @@ impl PolicyRepoActor {
     /// Sends one reaction: its endpoints regenerate, the others bump (policy changes only).
     fn react(&self, r: Reaction) {
         let revision = self.engine().revision();
+        if !self.initial_sync_done && r.done.is_none() {
+            // The initial sync regenerates nothing yet: its ipcache changes go to the datapath
+            // in one batch with the initial regeneration, not one reaction per object.
+            if let Some((action, key)) = &r.notice {
+                let _ = self.shared.notifications.send(Notification::policy(
+                    action,
+                    policy_ref(key),
+                    Some(revision),
+                    Some(0),
+                    None,
+                ));
+            }
+            self.sync_ipcache.borrow_mut().extend(r.ipcache);
+            return;
+        }
         let (mut to_regenerate, mut to_bump): (Vec<EndpointHandle>, Vec<EndpointHandle>) =
             (vec![], vec![]);
         if self.initial_sync_done {
@@ -897,7 +916,8 @@ impl PolicyRepoActor {
         self.initial_sync_done = true;
         self.publish_nodes();
         self.shared.bootstrap.synced(&self.shared.metrics);
-        let ipcache = self.refresh_all_identities();
+        let mut ipcache = self.sync_ipcache.take();
+        ipcache.extend(self.refresh_all_identities());
         let (revision, endpoints) = (self.engine().revision(), self.endpoints.len());
         let to_regenerate = self.endpoints_with_identity();
         tracing::info!(

@@ -58,7 +58,9 @@ impl IndexChange {
 #[derive(Debug, Default)]
 pub struct ClusterIndex {
     namespaces: HashMap<String, NamespaceInfo>,
-    pods: HashMap<String, PodRecord>,
+    /// Boxed: the table then holds a key and a pointer per pod (its free slots cost 32
+    /// bytes, not a whole record's), and a resize moves no records.
+    pods: HashMap<String, Box<PodRecord>>,
     /// One copy of each distinct pod label map, shared by the pods that have it.
     label_maps: HashSet<Arc<BTreeMap<String, String>>>,
     nodes: BTreeMap<String, NodeInfo>,
@@ -66,7 +68,7 @@ pub struct ClusterIndex {
 
 impl ClusterIndex {
     pub fn pod(&self, key: &str) -> Option<&PodRecord> {
-        self.pods.get(key)
+        self.pods.get(key).map(|b| &**b)
     }
 
     pub fn has_pod(&self, key: &str) -> bool {
@@ -167,7 +169,7 @@ impl ClusterIndex {
             self.forget_labels(&o.info.labels);
         }
         if let Some(r) = new_rec {
-            self.pods.insert(key.to_string(), r);
+            self.pods.insert(key.to_string(), Box::new(r));
         }
         change.pods.push(key.to_string());
         change
