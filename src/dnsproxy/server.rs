@@ -37,6 +37,12 @@ pub fn mark_of(port: u16) -> u32 {
 /// The acked (name, address) pairs are pruned of expired ones past this many.
 const KNOWN_PRUNE_AT: usize = 100_000;
 
+/// UDP queries waiting for their servers at once, at most.
+const MAX_IN_FLIGHT: usize = 8192;
+
+/// A pod's TCP connection to the proxy is closed after this long without a query.
+const TCP_IDLE: Duration = Duration::from_secs(10);
+
 /// Learnings kept for an absent agent, at most.
 const QUEUE_MAX: usize = 10_000;
 
@@ -206,6 +212,8 @@ struct Proxy {
     agent: Mutex<Option<mpsc::UnboundedSender<String>>>,
     /// (normalized name, address) -> the expiry the agent acked (seconds since the epoch).
     known: Mutex<HashMap<(String, IpAddr), u64>>,
+    /// Permits for UDP queries in flight (`MAX_IN_FLIGHT`).
+    in_flight: Arc<tokio::sync::Semaphore>,
     /// (endpoint, normalized name) pairs the agent acked: it knows they asked.
     askers: Mutex<std::collections::HashSet<(u64, String)>>,
     /// Learnings sent to the agent and not acked yet, with their held answers.
@@ -620,7 +628,14 @@ async fn serve_udp(proxy: Arc<Proxy>, sock: Arc<UdpSocket>) {
         };
         let query = buf[..n].to_vec();
         let proxy = proxy.clone();
+        // Bounded: past `MAX_IN_FLIGHT` queries waiting for their servers, new ones are dropped
+        // (the pod's resolver retries), so a flood cannot grow the proxy without bound.
+        let Ok(permit) = proxy.in_flight.clone().try_acquire_owned() else {
+            tracing::debug!(%src, "DNS proxy: too many queries in flight; dropped");
+            continue;
+        };
         tokio::spawn(async move {
+            let _permit = permit;
             let started = Instant::now();
             let (now, forward) = proxy.judge(&query, src.ip(), dst, 17);
             if let Some(answer) = now {
@@ -665,7 +680,10 @@ async fn serve_tcp_conn(proxy: Arc<Proxy>, mut pod: TcpStream, src: SocketAddr) 
     let dst = pod.local_addr()?;
     let mut upstream: Option<TcpStream> = None;
     loop {
-        let query = read_frame(&mut pod).await?;
+        // An idle connection is closed (as DNS servers do): a pod cannot hold sockets forever.
+        let query = tokio::time::timeout(TCP_IDLE, read_frame(&mut pod))
+            .await
+            .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "idle"))??;
         let started = Instant::now();
         let (now, forward) = proxy.judge(&query, src.ip(), dst, 6);
         if let Some(answer) = now {
@@ -830,6 +848,7 @@ pub fn run(opts: ProxyOptions) -> Result<(), ProxyError> {
             waiting: Mutex::new(HashMap::new()),
             known: Mutex::new(HashMap::new()),
             askers: Mutex::new(Default::default()),
+            in_flight: Arc::new(tokio::sync::Semaphore::new(MAX_IN_FLIGHT)),
             queued: Mutex::new(Vec::new()),
             seq: AtomicU64::new(0),
             learn_timeout: opts.learn_timeout,
