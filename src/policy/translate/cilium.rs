@@ -480,9 +480,6 @@ fn translate_peer_rule(
                 &format!("{path}.toFQDNs[{j}]"),
             )?));
         }
-        ctx.note(format!(
-            "{path}.toFQDNs: selects the addresses learned from DNS answers for matching names; the agent has no DNS proxy yet, so only `policy simulate` (a world's dns:) learns any; the agent selects nothing (fail closed)"
-        ));
     }
     let has_l3 = !kinds.is_empty();
 
@@ -517,10 +514,17 @@ fn translate_peer_rule(
                 });
             }
             if let Some(rule) = rule {
-                if validate_l7(ctx, rule, &parsed, section, &p)? {
+                let names = rule.rules.as_ref().and_then(|r| r.dns.as_ref());
+                let dns_rules = names.is_some_and(|n| !n.is_empty());
+                // DNS rules are enforced (the DNS proxy), other L7 rules are not.
+                if validate_l7(ctx, rule, &parsed, section, &p)? && !dns_rules {
                     l7 = true;
                 }
-                let names = rule.rules.as_ref().and_then(|r| r.dns.as_ref());
+                if dns_rules && parsed.iter().any(|pm| pm.port != PortSpec::Range(53, 53)) {
+                    ctx.note(format!(
+                        "{p}.rules.dns: enforced on port 53 only (the DNS proxy sees DNS to port 53); on other ports only their L3/L4 part is"
+                    ));
+                }
                 if let Some(names) = names.filter(|n| !n.is_empty()) {
                     dns.push(DnsRules {
                         ports: parsed.clone(),

@@ -211,6 +211,28 @@ fn unknown_fields_are_warnings_not_errors() {
 }
 
 #[test]
+fn dns_rules_off_port_53_and_other_l7_rules_are_noted_as_not_enforced() {
+    let p = parse(
+        "{apiVersion: cilium.io/v2, kind: CiliumNetworkPolicy, metadata: {name: p},
+          spec: {endpointSelector: {}, egress: [{toPorts: [{ports: [{port: '5353', protocol: UDP}], rules: {dns: [{matchPattern: '*'}]}}]},
+                 {toPorts: [{ports: [{port: '80', protocol: TCP}], rules: {http: [{method: GET}]}}]}]}}",
+    )
+    .unwrap();
+    assert!(
+        p.notes
+            .iter()
+            .any(|n| n.contains("rules.dns: enforced on port 53 only")),
+        "{:?}",
+        p.notes
+    );
+    assert!(
+        p.notes.iter().any(|n| n.contains("L7 rules not enforced")),
+        "{:?}",
+        p.notes
+    );
+}
+
+#[test]
 fn l7_fqdn_and_auth_are_accepted_with_notes() {
     let p = parse(
         "{apiVersion: cilium.io/v2, kind: CiliumNetworkPolicy, metadata: {name: p},
@@ -220,15 +242,24 @@ fn l7_fqdn_and_auth_are_accepted_with_notes() {
     .unwrap();
     assert_eq!(p.rules.len(), 2);
     assert_eq!(p.rules[1].path, "specs[1]");
-    assert!(p.notes.iter().any(|n| n.contains("toFQDNs")));
-    assert!(p.notes.iter().any(|n| n.contains("L7 rules not enforced")));
+    // toFQDNs and DNS rules on port 53 are enforced (the DNS proxy): no note for them.
+    assert!(
+        !p.notes.iter().any(|n| n.contains("toFQDNs")),
+        "{:?}",
+        p.notes
+    );
+    assert!(
+        !p.notes.iter().any(|n| n.contains("L7 rules not enforced")),
+        "{:?}",
+        p.notes
+    );
     assert!(p.notes.iter().any(|n| n.contains("authentication")));
     // toFQDNs selects by name (the addresses learned for it); the DNS rules are kept.
     let Peers::Selectors(s) = &p.rules[0].peer_rules[0].peers else {
         panic!("selectors");
     };
     assert_eq!(s[0].to_string(), "matchName:example.com");
-    assert!(p.rules[0].peer_rules[1].origin.l7);
+    assert!(!p.rules[0].peer_rules[1].origin.l7);
     let dns = &p.rules[0].peer_rules[1].dns;
     assert_eq!(dns.len(), 1);
     assert_eq!(dns[0].names[0].to_string(), "matchPattern:*");
