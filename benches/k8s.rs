@@ -367,5 +367,57 @@ fn main() {
         percentile(&node_ms, 0.5),
         percentile(&node_ms, 0.99)
     );
+
+    // Pod churn across the cluster: 50 creations and 50 deletions per second (remote pods on
+    // other nodes, in every namespace), for CHURN_SECONDS; the agent's CPU time over the same
+    // wall time, from /proc (utime + stime).
+    let ticks = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+        .ok()
+        .flatten()
+        .unwrap_or(100) as f64;
+    let cpu_s = |pid: u32| -> f64 {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        // Fields after the command name (which may hold spaces): 14 and 15 are utime, stime.
+        let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let t = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+        (t(11) + t(12)) / ticks
+    };
+    let churn_start = Instant::now();
+    let cpu0 = cpu_s(pid);
+    let mut created = 0usize;
+    for step in 0..CHURN_SECONDS * 50 {
+        let due = Duration::from_millis(20 * step as u64);
+        if let Some(wait) = due.checked_sub(churn_start.elapsed()) {
+            std::thread::sleep(wait);
+        }
+        // A new remote pod, and the deletion of an older remote one.
+        let i = s.pods + step;
+        let mut p = pod(s, i);
+        p["spec"]["nodeName"] = json!(format!("node-{}", 2 + i % (s.nodes.max(2) - 1)));
+        server.apply_json(p).expect("churn pod");
+        created += 1;
+        let victim = 1 + step * 7 % (s.pods - 1);
+        if !victim.is_multiple_of(s.namespaces) {
+            let _ = server.delete_object(
+                "v1",
+                "Pod",
+                &format!("ns-{}", victim % s.namespaces),
+                &format!("p-{victim}"),
+            );
+        }
+    }
+    // Let the agent catch up with the last events before reading its CPU time.
+    std::thread::sleep(Duration::from_millis(500));
+    let wall = churn_start.elapsed().as_secs_f64();
+    let cpu = cpu_s(pid) - cpu0;
+    println!(
+        "pod churn: {created} creations and as many deletions over {wall:.1} s (100 changes/s): agent CPU {:.2} s = {:.1}% of one core (target <= 5%)",
+        cpu,
+        cpu / wall * 100.0
+    );
     drop(agent);
 }
+
+/// How long the pod churn of the bench runs.
+const CHURN_SECONDS: usize = 10;
