@@ -293,7 +293,14 @@ impl PolicyRepoActor {
                     None,
                 ));
             }
-            self.sync_ipcache.borrow_mut().extend(r.ipcache);
+            let mut held = self.sync_ipcache.borrow_mut();
+            held.extend(r.ipcache);
+            if held.len() >= SYNC_IPCACHE_CHUNK {
+                // Released as it fills, so the datapath writes overlap the sync.
+                let ipcache = std::mem::take(&mut *held);
+                drop(held);
+                self.send_reaction(revision, "initial sync (ipcache)".into(), ipcache);
+            }
             return;
         }
         let (mut to_regenerate, mut to_bump): (Vec<EndpointHandle>, Vec<EndpointHandle>) =
@@ -909,7 +916,31 @@ impl Handler<InitialSyncDone> for PolicyRepoActor {
     }
 }
 
+/// During the initial sync, ipcache changes go to the datapath in chunks of this many.
+const SYNC_IPCACHE_CHUNK: usize = 8192;
+
 impl PolicyRepoActor {
+    /// A reaction that regenerates nothing and releases `ipcache` (the initial sync's chunks).
+    fn send_reaction(&self, revision: u64, reason: String, ipcache: Vec<IpcacheChange>) {
+        self.reaction.do_send(
+            PolicyReaction {
+                revision,
+                accepted_at: Instant::now(),
+                reason,
+                to_regenerate: vec![],
+                to_bump: vec![],
+                force: false,
+                ipcache,
+                observe_delay: false,
+                set_ready: false,
+                peers: None,
+                immediate: false,
+                done: None,
+            },
+            NAME,
+        );
+    }
+
     /// The initial state is in: publish the nodes, give restored endpoints their pods'
     /// identities, and regenerate every endpoint (the reaction reports ready when done).
     fn after_initial_sync(&mut self) {
