@@ -88,6 +88,7 @@ fn agent(args: AgentArgs) -> i32 {
         flow_buffer_capacity: args.flow_buffer_capacity,
         tofqdns_min_ttl: std::time::Duration::from_secs(args.tofqdns_min_ttl),
         dns_proxy: args.dns_proxy,
+        watch_pods: args.watch_pods,
     };
     match run(config) {
         Ok(()) => 0,

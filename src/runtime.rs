@@ -70,6 +70,8 @@ pub struct Shared {
     pub services: Arc<crate::services::ServiceLb>,
     /// DNS-aware policy: the FQDN cache, endpoints' DNS rules, the proxy (`dnsproxy::state`).
     pub dns: Arc<crate::dnsproxy::state::DnsState>,
+    /// Kubernetes mode: where other nodes' pods come from, and this node's endpoint slices.
+    pub pod_source: Arc<Mutex<crate::k8s::slices::PodSourceView>>,
 }
 
 impl Shared {
@@ -126,6 +128,7 @@ impl Shared {
             pod_mtu: crate::network::tunnel::LINK_MTU,
             services: Arc::new(crate::services::ServiceLb::memory(None)),
             dns: Default::default(),
+            pod_source: Default::default(),
         }
     }
 

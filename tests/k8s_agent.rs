@@ -478,6 +478,7 @@ fn readyz_says_what_the_initial_sync_waits_for() {
         code == 503
             && body.contains("waiting for CiliumNetworkPolicy to be listed (last error:")
             && body.contains("CiliumClusterwideNetworkPolicy")
+            && body.contains("CiliateEndpointSlice to be listed (last error:")
             && !body.contains("waiting for Pod")
     });
     kubectl.ok(&["apply", "-f", &crds_dir()], None);
@@ -530,4 +531,175 @@ fn an_endpoint_whose_pod_was_deleted_while_the_agent_was_down_is_removed_at_rest
     assert!(agent
         .log()
         .contains("endpoint removed: its pod no longer exists"));
+}
+
+/// The labels of the identity `ip` maps to in the agent's ipcache, if any.
+fn labels_of(agent: &Agent, ip: &str) -> Option<Vec<String>> {
+    let id = identity_of(agent, ip)?;
+    let ids = agent.json("/debug/identities");
+    let found = ids.as_array()?.iter().find(|i| i["id"] == id)?.clone();
+    Some(
+        found["labels"]
+            .as_array()?
+            .iter()
+            .filter_map(|l| l.as_str().map(str::to_string))
+            .collect(),
+    )
+}
+
+fn remote_pod(name: &str, node: &str, app: &str, ip: &str) -> Value {
+    let mut p = pod(name, app, ip);
+    p["spec"]["nodeName"] = json!(node);
+    p
+}
+
+fn slices_of(kubectl: &Kubectl, node: &str) -> Vec<Value> {
+    let list = kubectl.json(&[
+        "get",
+        "ciliateendpointslices",
+        "-l",
+        &format!("ciliate.io/node={node}"),
+    ]);
+    list["items"].as_array().cloned().unwrap_or_default()
+}
+
+/// Watch fan-out: each agent writes its node's pods into CiliateEndpointSlices and learns the
+/// other nodes' pods from theirs, not from Pods. A pod on a node without an agent is unknown
+/// to it (and known to an agent started with --watch-pods); label changes and deletions travel
+/// through the slices; a malformed slice is reported and its last good version kept; a
+/// restarted agent adopts its slices without rewriting them.
+#[test]
+fn agents_learn_other_nodes_pods_from_the_slices_their_agents_write() {
+    let (server, tmp, kubectl) = api_server();
+    kubectl.ok(&["apply", "-f", &crds_dir()], None);
+    kubectl.apply("apiVersion: v1\nkind: Namespace\nmetadata: {name: x}\n");
+    for (k, node) in ["node-1", "node-2", "node-3"].iter().enumerate() {
+        server
+            .apply_json(json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": node},
+                "spec": {"podCIDRs": [format!("10.250.{k}.0/24")]},
+                "status": {"addresses": [{"type": "InternalIP", "address": format!("172.31.9.{}", k + 1)}]}}))
+            .expect("node");
+    }
+    server
+        .apply_json(remote_pod("web-0", "node-1", "web", "10.250.0.5"))
+        .expect("pod");
+    server
+        .apply_json(remote_pod("db-0", "node-2", "db", "10.250.1.5"))
+        .expect("pod");
+    // node-3 runs no agent here (or one that wrote nothing yet): no slice lists its pod.
+    server
+        .apply_json(remote_pod("ghost", "node-3", "ghost", "10.250.2.5"))
+        .expect("pod");
+
+    let dirs: Vec<PathBuf> = (1..=3).map(|i| tmp.path().join(format!("a{i}"))).collect();
+    for d in &dirs {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    let start = |i: usize, extra: &[&str]| {
+        let node = format!("node-{}", i + 1);
+        let mut args = vec!["--node-name", node.as_str(), "--datapath", "memory"];
+        args.extend(extra);
+        Agent::start_kubernetes(&dirs[i], &kubectl.kubeconfig, &args)
+    };
+    let mut a = start(0, &[]);
+    let b = start(1, &[]);
+
+    // Each agent wrote its node's slice, labelled with the node.
+    eventually("node-1 and node-2 have their slices", || {
+        slices_of(&kubectl, "node-1").len() == 1 && slices_of(&kubectl, "node-2").len() == 1
+    });
+    let s1 = &slices_of(&kubectl, "node-1")[0];
+    assert_eq!(s1["metadata"]["name"], "node-1.0");
+    assert_eq!(s1["spec"]["node"], "node-1");
+    assert_eq!(s1["spec"]["endpoints"][0]["name"], "web-0");
+    assert_eq!(s1["spec"]["endpoints"][0]["ips"], json!(["10.250.0.5"]));
+    assert_eq!(s1["spec"]["profiles"][0]["labels"], json!({"app": "web"}));
+    assert_eq!(s1["metadata"]["ownerReferences"][0]["kind"], "Node");
+
+    // Each learns the other's pod, with its labels; neither knows the pod no slice lists.
+    eventually("node-2's agent knows web-0 from node-1's slice", || {
+        labels_of(&b, "10.250.0.5").is_some_and(|l| l.contains(&"k8s:app=web".to_string()))
+    });
+    eventually("node-1's agent knows db-0 from node-2's slice", || {
+        labels_of(&a, "10.250.1.5").is_some_and(|l| l.contains(&"k8s:app=db".to_string()))
+    });
+    assert_eq!(identity_of(&a, "10.250.2.5"), None, "no slice lists ghost");
+    let status = a.cli_json(&["status"]);
+    assert_eq!(
+        status["remote_pods"]["remote_pods_from"], "CiliateEndpointSlice",
+        "{status}"
+    );
+    assert_eq!(status["remote_pods"]["slices_written"], 1, "{status}");
+    assert_eq!(status["remote_pods"]["local_pods"], 1, "{status}");
+
+    // An agent that watches Pods (small clusters) knows every pod, slices or not.
+    let c = start(2, &["--watch-pods"]);
+    assert!(identity_of(&c, "10.250.2.5").is_some() && identity_of(&c, "10.250.0.5").is_some());
+    assert_eq!(c.cli_json(&["status"])["remote_pods"]["remote_pods_from"], "Pod");
+    // It still writes its own node's slice: now node-1's agent knows ghost too.
+    eventually("node-3's slice reaches node-1's agent", || {
+        identity_of(&a, "10.250.2.5").is_some()
+    });
+    drop(c);
+
+    // A label change travels through the slice.
+    let mut moved = remote_pod("web-0", "node-1", "api", "10.250.0.5");
+    moved["metadata"]["labels"]["tier"] = json!("front");
+    server.apply_json(moved).expect("relabel");
+    eventually("node-2's agent sees web-0's new labels", || {
+        labels_of(&b, "10.250.0.5").is_some_and(|l| {
+            l.contains(&"k8s:app=api".to_string()) && l.contains(&"k8s:tier=front".to_string())
+        })
+    });
+
+    // A malformed slice is reported; its last good version and the other slices stay.
+    let good = json!({"apiVersion": "ciliate.io/v1alpha1", "kind": "CiliateEndpointSlice",
+        "metadata": {"name": "node-9.0", "labels": {"ciliate.io/node": "node-9"}},
+        "spec": {"node": "node-9", "profiles": [{"namespace": "x", "labels": {"app": "z"}}],
+                 "endpoints": [{"name": "z-0", "ips": ["10.250.9.5"], "profile": 0}]}});
+    server.apply_json(good.clone()).expect("slice");
+    eventually("node-2's agent knows z-0", || {
+        identity_of(&b, "10.250.9.5").is_some()
+    });
+    let mut bad = good.clone();
+    bad["spec"]["endpoints"][0]["profile"] = json!(7);
+    bad["spec"]["endpoints"][0]["ips"] = json!(["10.250.9.6"]);
+    server.apply_json(bad).expect("bad slice");
+    eventually("the bad slice is reported by field", || {
+        b.log().contains("node-9.0") && b.log().contains("spec.endpoints[0].profile")
+    });
+    assert!(identity_of(&b, "10.250.9.5").is_some(), "last good version kept");
+    assert_eq!(identity_of(&b, "10.250.9.6"), None);
+    assert!(identity_of(&b, "10.250.0.5").is_some());
+    // Its node's Node object gone and the slice with it (the API server's garbage collector
+    // would delete it): z-0 goes.
+    server
+        .delete_object("ciliate.io/v1alpha1", "CiliateEndpointSlice", "", "node-9.0")
+        .expect("delete slice");
+    eventually("z-0 gone with its slice", || {
+        identity_of(&b, "10.250.9.5").is_none()
+    });
+
+    // A restarted agent adopts its node's slice: nothing is rewritten.
+    let rv = slices_of(&kubectl, "node-1")[0]["metadata"]["resourceVersion"].clone();
+    a.stop();
+    let a2 = start(0, &[]);
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert_eq!(
+        slices_of(&kubectl, "node-1")[0]["metadata"]["resourceVersion"],
+        rv,
+        "the restarted agent rewrote an unchanged slice"
+    );
+    assert_eq!(a2.cli_json(&["status"])["remote_pods"]["slices_written"], 1);
+
+    // The pod goes: its slice is deleted and the other agent forgets its address.
+    server
+        .delete_object("v1", "Pod", "x", "web-0")
+        .expect("delete pod");
+    eventually("node-1's slice deleted", || {
+        slices_of(&kubectl, "node-1").is_empty()
+    });
+    eventually("node-2's agent forgot web-0", || {
+        identity_of(&b, "10.250.0.5").is_none()
+    });
 }

@@ -239,7 +239,7 @@ fn every_document_is_a_valid_object_of_its_kind() {
             ("ClusterRole", 1),
             ("ClusterRoleBinding", 1),
             ("ConfigMap", 1),
-            ("CustomResourceDefinition", 2),
+            ("CustomResourceDefinition", 3),
             ("DaemonSet", 1),
             ("ServiceAccount", 1),
         ])
@@ -255,7 +255,8 @@ fn every_document_is_a_valid_object_of_its_kind() {
         crd_names,
         BTreeSet::from([
             CiliumNetworkPolicy::crd_name(),
-            CiliumClusterwideNetworkPolicy::crd_name()
+            CiliumClusterwideNetworkPolicy::crd_name(),
+            ciliate::k8s::slices::CiliateEndpointSlice::crd_name(),
         ])
     );
 }
@@ -587,6 +588,9 @@ fn cluster_role_grants_exactly_what_the_agent_needs() {
         }
     }
     wanted.insert("/nodes:patch".to_string());
+    for verb in ["get", "list", "watch", "create", "update", "delete"] {
+        wanted.insert(format!("ciliate.io/ciliateendpointslices:{verb}"));
+    }
     for resource in [
         "cilium.io/ciliumnetworkpolicies/status",
         "cilium.io/ciliumclusterwidenetworkpolicies/status",
@@ -671,6 +675,39 @@ async fn crds_serve_typed_policies_and_status_through_kube() {
         .get(CiliumClusterwideNetworkPolicy::crd_name())
         .await
         .is_ok());
+
+    // The endpoint slices agents write for each other: typed, cluster-scoped, by node label.
+    {
+        use ciliate::k8s::slices::{slice_pods, CiliateEndpointSlice, CiliateEndpointSliceSpec};
+        let slices: Api<CiliateEndpointSlice> = Api::all(client.clone());
+        let spec: CiliateEndpointSliceSpec = serde_json::from_value(json!({"node": "node-2",
+            "profiles": [{"namespace": "shop", "labels": {"app": "web"}, "serviceAccount": "web",
+                          "namedPorts": [{"name": "http", "port": 8080, "protocol": "TCP"}]}],
+            "endpoints": [{"name": "web-0", "ips": ["10.0.2.7"], "profile": 0}]}))
+        .expect("slice spec");
+        let mut slice = CiliateEndpointSlice::new("node-2.0", spec.clone());
+        slice.metadata.labels = Some([("ciliate.io/node".to_string(), "node-2".to_string())].into());
+        slices
+            .create(&PostParams::default(), &slice)
+            .await
+            .expect("create a slice");
+        let listed = slices
+            .list(&kube::api::ListParams::default().labels("ciliate.io/node=node-2"))
+            .await
+            .expect("list slices by node");
+        assert_eq!(listed.items.len(), 1);
+        assert_eq!(listed.items[0].spec, spec);
+        let pods = slice_pods(&listed.items[0].spec, |l| l).expect("the slice's pods");
+        assert_eq!(pods[0].key(), "shop/web-0");
+        assert_eq!(pods[0].service_account, "web");
+        assert!(slices
+            .list(&kube::api::ListParams::default().labels("ciliate.io/node=node-3"))
+            .await
+            .expect("list")
+            .items
+            .is_empty());
+    }
+
     server
         .apply_json(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "shop"}}))
         .expect("namespace");

@@ -36,6 +36,8 @@ use super::policy_repo::{NodeUpsert, PolicyRepoActor};
 use crate::introspect::{with_change, TracedAddr};
 use crate::k8s::crd::{CiliumClusterwideNetworkPolicy, CiliumNetworkPolicy};
 use crate::k8s::node::{desired_annotations, needs_update};
+use crate::k8s::slice_writer::LocalPod;
+use crate::k8s::slices::{slice_pods, CiliateEndpointSlice, CiliateEndpointSliceSpec};
 use crate::objects::{
     endpoint_slice_info, namespace_info, node_info, pod_info, service_info, NodeInfo,
 };
@@ -66,6 +68,8 @@ pub enum Object {
     EndpointSlice(Box<EndpointSlice>),
     Pod(Box<Pod>),
     Policy(Box<DynamicObject>),
+    /// A `CiliateEndpointSlice`, untyped (a malformed one is reported, not a failed list).
+    Slice(Box<DynamicObject>),
 }
 
 /// One watcher event for one resource.
@@ -88,6 +92,68 @@ pub enum Change {
 pub struct WatchEvent {
     pub resource: Watched,
     pub change: Change,
+}
+
+/// What a watcher task hands to the actor: a `CiliateEndpointSlice` event.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct SliceEvent {
+    pub change: Change,
+}
+
+crate::traceable!(SliceEvent, "SliceEvent", |m| {
+    match &m.change {
+        Change::Apply(_) => "CiliateEndpointSlice apply".into(),
+        Change::Delete(_) => "CiliateEndpointSlice delete".into(),
+        Change::Init => "CiliateEndpointSlice relist".into(),
+        Change::InitApply(_) => "CiliateEndpointSlice list".into(),
+        Change::InitDone => "CiliateEndpointSlice listed".into(),
+        Change::Error(e) => format!("CiliateEndpointSlice watch error: {e}"),
+    }
+});
+
+/// Where the agent learns of pods: its own node's from Pods always, other nodes' from
+/// `CiliateEndpointSlice`s (the default) or from every Pod (`--watch-pods`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RemotePods {
+    EndpointSlices,
+    Pods,
+}
+
+impl RemotePods {
+    /// As `status` shows it: the kind watched.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RemotePods::EndpointSlices => "CiliateEndpointSlice",
+            RemotePods::Pods => "Pod",
+        }
+    }
+}
+
+/// Other nodes' slices as last seen: which pods each listed, and which slice a pod's entry
+/// came from (a pod in two slices, e.g. a StatefulSet pod that moved while its old node's
+/// agent was gone, is removed only by the slice it came from last).
+#[derive(Default)]
+struct SliceReader {
+    /// Slice name -> id.
+    ids: HashMap<String, u32>,
+    /// By id: the pods' keys the slice listed, `\n`-joined (one allocation per slice).
+    listed: HashMap<u32, Box<str>>,
+    next_id: u32,
+    /// Pod key (hashed with a per-process random key) -> the id of the slice it came from.
+    owner: HashMap<u64, u32>,
+    hasher: std::collections::hash_map::RandomState,
+    /// Whether the slices have listed once, and the names a (re)list delivered so far.
+    synced: bool,
+    relisting: Option<HashSet<String>>,
+    last_error: Option<String>,
+}
+
+impl SliceReader {
+    fn key_hash(&self, key: &str) -> u64 {
+        use std::hash::BuildHasher;
+        self.hasher.hash_one(key)
+    }
 }
 
 crate::traceable!(WatchEvent, "WatchEvent", |m| {
@@ -123,6 +189,12 @@ pub struct KubeWatcherActor {
     started: Instant,
     /// Pods' label maps, shared from conversion on (the initial sync holds every pod).
     labels: crate::objects::LabelInterner,
+    remote_pods: RemotePods,
+    slices: SliceReader,
+    /// Endpoint-slice mode: the pods of this node (the Pod watch lists only them).
+    local_pods: HashSet<String>,
+    /// This node's pods, to the slice writer.
+    writer: Option<tokio::sync::mpsc::UnboundedSender<LocalPod>>,
 }
 
 impl KubeWatcherActor {
@@ -146,7 +218,29 @@ impl KubeWatcherActor {
             feed: WatchFeed::new(Some(lb)),
             started: Instant::now(),
             labels: Default::default(),
+            remote_pods: RemotePods::Pods,
+            slices: SliceReader::default(),
+            local_pods: HashSet::new(),
+            writer: None,
         }
+    }
+
+    /// Where other nodes' pods come from, and the writer of this node's slices.
+    pub fn with_remote_pods(
+        mut self,
+        remote_pods: RemotePods,
+        writer: Option<tokio::sync::mpsc::UnboundedSender<LocalPod>>,
+    ) -> Self {
+        self.remote_pods = remote_pods;
+        self.writer = writer;
+        if let Ok(mut v) = self.shared.pod_source.lock() {
+            v.remote_pods_from = remote_pods.as_str().into();
+        }
+        self
+    }
+
+    fn slice_mode(&self) -> bool {
+        self.remote_pods == RemotePods::EndpointSlices
     }
 
     /// Gives the actor its own traced address (for the watcher tasks).
@@ -171,7 +265,24 @@ impl KubeWatcherActor {
                 );
             )+};
         }
-        watch_typed!(Namespace, Node, Service, EndpointSlice, Pod);
+        watch_typed!(Namespace, Node, Service, EndpointSlice);
+        // Pods: every one, or (endpoint-slice mode) this node's only.
+        let pods = if self.slice_mode() {
+            watcher::Config::default().fields(&format!("spec.nodeName={}", self.shared.node_name))
+        } else {
+            watcher::Config::default()
+        };
+        spawn_watch_with(
+            Watched::Pod,
+            Api::<Pod>::all(c.clone()),
+            pods,
+            |o| Object::Pod(Box::new(o)),
+            me.clone(),
+        );
+        if self.slice_mode() {
+            let resource = ApiResource::erase::<CiliateEndpointSlice>(&());
+            spawn_slice_watch(Api::<DynamicObject>::all_with(c.clone(), &resource), me.clone());
+        }
         // The policy kinds, untyped (validated by the agent itself, field by field).
         let np = ApiResource {
             group: "networking.k8s.io".into(),
@@ -229,8 +340,20 @@ impl KubeWatcherActor {
             Change::InitDone => {
                 // What the relist no longer holds was deleted while the watch was down.
                 let seen = self.relisting.remove(&resource).unwrap_or_default();
-                for key in self.feed.keys(resource) {
+                // In endpoint-slice mode the Pod watch lists this node's pods only: the others
+                // come and go with their slices.
+                let known = if resource == Watched::Pod && self.slice_mode() {
+                    let mut k: Vec<String> = self.local_pods.iter().cloned().collect();
+                    k.sort();
+                    k
+                } else {
+                    self.feed.keys(resource)
+                };
+                for key in known {
                     if !seen.contains(&key) {
+                        if resource == Watched::Pod && self.local_pods.remove(&key) {
+                            self.tell_writer(LocalPod::Delete(key.clone()));
+                        }
                         let out = self.feed.delete(resource, &key);
                         self.send_as(|| format!("{resource} {key} gone at relist"), out);
                     }
@@ -238,9 +361,12 @@ impl KubeWatcherActor {
                 let first = self.unsynced.remove(&resource);
                 self.last_error.remove(&resource);
                 self.publish_waiting();
+                if first && resource == Watched::Pod {
+                    self.tell_writer(LocalPod::Listed);
+                }
                 if first {
                     tracing::info!(resource = resource.name(), objects = seen.len(), "listed");
-                    if self.unsynced.is_empty() {
+                    if self.all_listed() {
                         self.finish_initial_sync();
                     }
                 } else {
@@ -270,9 +396,14 @@ impl KubeWatcherActor {
         }
     }
 
+    /// Whether every watched resource has listed once.
+    fn all_listed(&self) -> bool {
+        self.unsynced.is_empty() && (!self.slice_mode() || self.slices.synced)
+    }
+
     /// Tells `/readyz` which resources the initial sync still waits for, and why.
     fn publish_waiting(&self) {
-        let waiting: Vec<String> = self
+        let mut waiting: Vec<String> = self
             .unsynced
             .iter()
             .map(|r| match self.last_error.get(r) {
@@ -280,6 +411,12 @@ impl KubeWatcherActor {
                 None => format!("{} to be listed", r.name()),
             })
             .collect();
+        if self.slice_mode() && !self.slices.synced {
+            waiting.push(match &self.slices.last_error {
+                Some(e) => format!("CiliateEndpointSlice to be listed (last error: {e})"),
+                None => "CiliateEndpointSlice to be listed".into(),
+            });
+        }
         if let Ok(mut w) = self.shared.sync_waiting.lock() {
             *w = waiting;
         }
@@ -298,6 +435,9 @@ impl KubeWatcherActor {
                 return Some(key);
             }
         };
+        if let Object::Pod(pod) = obj {
+            self.track_local(&key, pod, item.as_ref(), deleted);
+        }
         let (out, what) = match item {
             Some(item) if !deleted => (
                 self.feed.upsert(&key, item, Origin::api(resource, &key)),
@@ -307,6 +447,183 @@ impl KubeWatcherActor {
         };
         self.send_as(|| format!("{resource} {key} {what}"), out);
         Some(key)
+    }
+
+    /// A pod of this node goes to the slice writer (and local pods win over slice entries).
+    fn track_local(&mut self, key: &str, pod: &Pod, item: Option<&Item>, deleted: bool) {
+        let node = pod.spec.as_ref().and_then(|s| s.node_name.as_deref());
+        let local = node == Some(self.shared.node_name.as_str());
+        if !local && !self.local_pods.contains(key) {
+            return;
+        }
+        match item {
+            Some(Item::Pod(p)) if local && !deleted => {
+                if self.local_pods.insert(key.to_string()) {
+                    let h = self.slices.key_hash(key);
+                    self.slices.owner.remove(&h);
+                }
+                self.tell_writer(LocalPod::Upsert(p.clone()));
+            }
+            _ => {
+                self.local_pods.remove(key);
+                self.tell_writer(LocalPod::Delete(key.to_string()));
+            }
+        }
+    }
+
+    fn tell_writer(&self, change: LocalPod) {
+        if let Some(w) = &self.writer {
+            let _ = w.send(change);
+        }
+    }
+
+    fn on_slice_change(&mut self, change: Change) {
+        let labels = crate::metrics::ResourceLabels {
+            resource: "CiliateEndpointSlice".to_string(),
+        };
+        let family = if matches!(change, Change::Error(_)) {
+            &self.shared.metrics.k8s_watch_errors
+        } else {
+            &self.shared.metrics.k8s_watch_events
+        };
+        family.get_or_create(&labels).inc();
+        match change {
+            Change::Init => self.slices.relisting = Some(HashSet::new()),
+            Change::InitApply(obj) => {
+                if let Some(name) = self.apply_slice(&obj) {
+                    self.slices.relisting.get_or_insert_default().insert(name);
+                }
+            }
+            Change::Apply(obj) => {
+                self.apply_slice(&obj);
+            }
+            Change::Delete(obj) => {
+                if let Object::Slice(o) = &obj {
+                    if let Some(name) = &o.metadata.name {
+                        self.drop_slice(name);
+                    }
+                }
+            }
+            Change::InitDone => {
+                let seen = self.slices.relisting.take().unwrap_or_default();
+                let gone: Vec<String> = (self.slices.ids.keys())
+                    .filter(|n| !seen.contains(*n))
+                    .cloned()
+                    .collect();
+                for name in gone {
+                    self.drop_slice(&name);
+                }
+                let first = !self.slices.synced;
+                self.slices.synced = true;
+                self.slices.last_error = None;
+                self.publish_waiting();
+                tracing::info!(
+                    slices = seen.len(),
+                    "CiliateEndpointSlice {}",
+                    if first { "listed" } else { "relisted" }
+                );
+                if first && self.all_listed() {
+                    self.finish_initial_sync();
+                }
+            }
+            Change::Error(e) => {
+                if !self.slices.synced {
+                    self.slices.last_error = Some(e.clone());
+                    self.publish_waiting();
+                }
+                tracing::warn!(resource = "CiliateEndpointSlice", error = %e, "watch failed; retrying with backoff, cached objects stay in force (are the CRDs installed? kubectl apply -f manifests/crds/)");
+            }
+        }
+        if let Ok(mut v) = self.shared.pod_source.lock() {
+            v.slices_watched = self.slices.ids.len();
+        }
+    }
+
+    /// Another node's slice appeared or changed: its pods go to the feed, the pods it no longer
+    /// lists go away. A slice that cannot be read keeps its last good version. Returns its name.
+    fn apply_slice(&mut self, obj: &Object) -> Option<String> {
+        let Object::Slice(o) = obj else {
+            return None;
+        };
+        let name = o.metadata.name.clone()?;
+        let spec = match o.data.get("spec").cloned().map(serde_json::from_value) {
+            Some(Ok(spec)) => spec,
+            Some(Err(e)) => return self.bad_slice(name, format!("spec: {e}")),
+            None => return self.bad_slice(name, "spec: required".into()),
+        };
+        let spec: CiliateEndpointSliceSpec = spec;
+        if spec.node == self.shared.node_name {
+            // This node's own: its pods come from the Pod watch.
+            return Some(name);
+        }
+        let labels = &mut self.labels;
+        let pods = match slice_pods(&spec, |l| labels.intern(l)) {
+            Ok(pods) => pods,
+            Err(e) => return self.bad_slice(name, e),
+        };
+        let next = self.slices.next_id;
+        let id = *self.slices.ids.entry(name.clone()).or_insert(next);
+        if id == next {
+            self.slices.next_id += 1;
+        }
+        let mut out = Vec::new();
+        let mut listed = String::new();
+        for pod in pods {
+            let key = pod.key();
+            if self.local_pods.contains(&key) {
+                continue;
+            }
+            let h = self.slices.key_hash(&key);
+            self.slices.owner.insert(h, id);
+            out.extend(self.feed.upsert(&key, Item::Pod(pod), Origin::api(Watched::Pod, &key)));
+            if !listed.is_empty() {
+                listed.push('\n');
+            }
+            listed.push_str(&key);
+        }
+        let old = self.slices.listed.insert(id, listed.into_boxed_str());
+        let gone: Vec<String> = match (old, self.slices.listed.get(&id)) {
+            (Some(old), Some(now)) => {
+                let now: HashSet<&str> = now.split('\n').collect();
+                old.split('\n')
+                    .filter(|k| !k.is_empty() && !now.contains(k))
+                    .map(str::to_string)
+                    .collect()
+            }
+            _ => Vec::new(),
+        };
+        for key in gone {
+            out.extend(self.forget_slice_pod(id, &key));
+        }
+        self.send_as(|| format!("CiliateEndpointSlice {name} applied"), out);
+        Some(name)
+    }
+
+    fn bad_slice(&self, name: String, error: String) -> Option<String> {
+        tracing::warn!(resource = "CiliateEndpointSlice", object = %name, error = %error, "object not usable; its last good version stays in force");
+        Some(name)
+    }
+
+    /// A slice went away: the pods it listed (and was the last to list) go too.
+    fn drop_slice(&mut self, name: &str) {
+        let Some(id) = self.slices.ids.remove(name) else {
+            return;
+        };
+        let listed = self.slices.listed.remove(&id).unwrap_or_default();
+        let mut out = Vec::new();
+        for key in listed.split('\n').filter(|k| !k.is_empty()) {
+            out.extend(self.forget_slice_pod(id, key));
+        }
+        self.send_as(|| format!("CiliateEndpointSlice {name} deleted"), out);
+    }
+
+    fn forget_slice_pod(&mut self, id: u32, key: &str) -> Vec<ToRepo> {
+        let h = self.slices.key_hash(key);
+        if self.slices.owner.get(&h) != Some(&id) {
+            return Vec::new();
+        }
+        self.slices.owner.remove(&h);
+        self.feed.delete(Watched::Pod, key)
     }
 
     fn finish_initial_sync(&mut self) {
@@ -437,7 +754,7 @@ fn convert(resource: Watched, obj: &Object) -> Result<(String, Option<Item>), (S
         Object::Service(o) => &o.metadata,
         Object::EndpointSlice(o) => &o.metadata,
         Object::Pod(o) => &o.metadata,
-        Object::Policy(o) => &o.metadata,
+        Object::Policy(o) | Object::Slice(o) => &o.metadata,
     };
     let key = object_key(meta);
     let named = |e: String| (key.clone(), e);
@@ -450,6 +767,7 @@ fn convert(resource: Watched, obj: &Object) -> Result<(String, Option<Item>), (S
         Object::Pod(o) if pod_is_ignored(o) => return Ok((key, None)),
         Object::Pod(o) => Item::Pod(pod_info(o, DEFAULT_NAMESPACE).map_err(named)?),
         Object::Policy(o) => Item::Policy(resource, policy_document(resource, o)),
+        Object::Slice(_) => return Err((key, "a CiliateEndpointSlice is not a Pod".into())),
     };
     Ok((key, Some(item)))
 }
@@ -502,8 +820,44 @@ fn spawn_watch<K>(
 ) where
     K: Resource + Clone + DeserializeOwned + Debug + Send + 'static,
 {
+    spawn_watch_with(resource, api, watcher::Config::default(), wrap, me);
+}
+
+/// `spawn_watch` with a watcher configuration (e.g. a field selector).
+fn spawn_watch_with<K>(
+    resource: Watched,
+    api: Api<K>,
+    config: watcher::Config,
+    wrap: fn(K) -> Object,
+    me: TracedAddr<KubeWatcherActor>,
+) where
+    K: Resource + Clone + DeserializeOwned + Debug + Send + 'static,
+{
+    run_watch(api, config, wrap, move |change| {
+        me.do_send(WatchEvent { resource, change }, "kube-watch")
+    });
+}
+
+/// Runs the `CiliateEndpointSlice` watcher in a task.
+fn spawn_slice_watch(api: Api<DynamicObject>, me: TracedAddr<KubeWatcherActor>) {
+    run_watch(
+        api,
+        watcher::Config::default(),
+        |o| Object::Slice(Box::new(o)),
+        move |change| me.do_send(SliceEvent { change }, "kube-watch"),
+    );
+}
+
+fn run_watch<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    wrap: fn(K) -> Object,
+    deliver: impl Fn(Change) + 'static,
+) where
+    K: Resource + Clone + DeserializeOwned + Debug + Send + 'static,
+{
     actix_rt::spawn(async move {
-        let mut stream = watcher(api, watcher::Config::default())
+        let mut stream = watcher(api, config)
             .backoff(WatchBackoff::default())
             .boxed();
         while let Some(item) = stream.next().await {
@@ -515,7 +869,7 @@ fn spawn_watch<K>(
                 Ok(watcher::Event::InitDone) => Change::InitDone,
                 Err(e) => Change::Error(e.to_string()),
             };
-            me.do_send(WatchEvent { resource, change }, "kube-watch");
+            deliver(change);
         }
     });
 }
@@ -529,12 +883,19 @@ impl Actor for KubeWatcherActor {
         self.start_watchers();
     }
 }
-traced_actor!(KubeWatcherActor: WatchEvent);
+traced_actor!(KubeWatcherActor: WatchEvent, SliceEvent);
 
 impl Handler<WatchEvent> for KubeWatcherActor {
     type Result = ();
     fn handle(&mut self, msg: WatchEvent, _: &mut Context<Self>) {
         self.on_change(msg.resource, msg.change);
+    }
+}
+
+impl Handler<SliceEvent> for KubeWatcherActor {
+    type Result = ();
+    fn handle(&mut self, msg: SliceEvent, _: &mut Context<Self>) {
+        self.on_slice_change(msg.change);
     }
 }
 

@@ -10,7 +10,7 @@ use actix::{Actor, AsyncContext};
 use actix_web::web;
 
 use super::listen::{raise_fd_limit, ListenError, Listeners};
-use crate::actors::kube_watcher::KubeWatcherActor;
+use crate::actors::kube_watcher::{KubeWatcherActor, RemotePods};
 use crate::actors::loader::{LoaderActor, SweepStrayEndpoints};
 use crate::actors::policy_repo::{
     AddEndpoint, DeleteEndpoint, EndpointRequest, ExpireFqdn, ListPodlessEndpoints,
@@ -59,6 +59,8 @@ pub struct AgentConfig {
     pub tofqdns_min_ttl: std::time::Duration,
     /// `--dns-proxy`: start, adopt or run no DNS proxy (bpf datapath).
     pub dns_proxy: crate::config::DnsProxyMode,
+    /// `--watch-pods`: other nodes' pods from every Pod, not from CiliateEndpointSlices.
+    pub watch_pods: bool,
 }
 
 /// How long a debug-server connection may sit idle: the debug page polls every two seconds.
@@ -602,10 +604,24 @@ async fn run_async(
                 config.node_name.clone(),
                 wanted,
             ));
+            // This node's endpoint slices, whichever way this agent learns of the others'.
+            let (slice_changes, slice_rx) = tokio::sync::mpsc::unbounded_channel();
+            actix_rt::spawn(crate::k8s::slice_writer::run_slice_writer(
+                client.clone(),
+                config.node_name.clone(),
+                slice_rx,
+                shared.pod_source.clone(),
+            ));
+            let remote_pods = if config.watch_pods {
+                RemotePods::Pods
+            } else {
+                RemotePods::EndpointSlices
+            };
             let repo_for_watcher = repo.clone();
             let shared_for_watcher = shared.clone();
             KubeWatcherActor::create(move |ctx| {
                 KubeWatcherActor::new(client, shared_for_watcher, repo_for_watcher, annotations)
+                    .with_remote_pods(remote_pods, Some(slice_changes))
                     .with_self(TracedAddr::new(ctx.address(), watcher_journal))
             });
         }

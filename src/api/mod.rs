@@ -94,6 +94,10 @@ pub struct StatusModel {
     /// Services, frontends and backends known, and where they are translated.
     #[serde(default)]
     pub services: Option<crate::services::ServiceCounts>,
+    /// Kubernetes mode: where other nodes' pods come from (`CiliateEndpointSlice`, or `Pod`
+    /// with `--watch-pods`) and this node's endpoint slices.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote_pods: Option<crate::k8s::slices::PodSourceView>,
 }
 
 /// The node's pod CIDR and how much of it is in use.
@@ -363,6 +367,13 @@ async fn status(st: web::Data<AppState>) -> HttpResponse {
         host_routing: routing.host_routing,
         bootstrap_seconds: st.shared.bootstrap.phases().into_iter().collect(),
         services: Some(st.shared.services.counts()),
+        remote_pods: st
+            .shared
+            .pod_source
+            .lock()
+            .ok()
+            .map(|v| v.clone())
+            .filter(|v| !v.remote_pods_from.is_empty()),
     })
 }
 

@@ -271,6 +271,11 @@ pub struct AgentArgs {
     /// `disabled` runs none (DNS of endpoints with DNS rules is then dropped: fail closed).
     #[arg(long, value_enum, default_value = "auto")]
     pub dns_proxy: crate::config::DnsProxyMode,
+    /// Kubernetes mode: learn other nodes' pods by watching every Pod (small clusters) instead
+    /// of the CiliateEndpointSlices their agents write. Either way the agent writes its own
+    /// node's slices.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub watch_pods: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

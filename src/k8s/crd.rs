@@ -219,8 +219,9 @@ impl JsonSchema for CiliumClusterwideNetworkPolicy {
 }
 
 /// Both CRDs with the file name each has under `manifests/crds/`.
-pub fn crds() -> [(&'static str, CustomResourceDefinition); 2] {
+pub fn crds() -> [(&'static str, CustomResourceDefinition); 3] {
     [
+        ("ciliateendpointslices.yaml", super::slices::crd()),
         ("ciliumnetworkpolicies.yaml", CiliumNetworkPolicy::crd()),
         (
             "ciliumclusterwidenetworkpolicies.yaml",

@@ -79,8 +79,12 @@ impl Agent {
     /// limits, umask, environment) or watch a start fail.
     pub fn command(dir: &Path, socket: &Path, debug: &str, args: &[&str]) -> Command {
         let mut cmd = Command::new(BIN);
-        cmd.args(["agent", "--node-name", "node-1"])
-            .args(args)
+        cmd.arg("agent");
+        // node-1 unless the test names another node.
+        if !args.contains(&"--node-name") {
+            cmd.args(["--node-name", "node-1"]);
+        }
+        cmd.args(args)
             .arg("--state-dir")
             .arg(dir.join("state"))
             .arg("--api-socket")

@@ -294,7 +294,11 @@ impl Cluster {
         }
         c.start_api_server();
         let api = c.api.as_ref().expect("API server");
-        for crd in ["ciliumnetworkpolicies", "ciliumclusterwidenetworkpolicies"] {
+        for crd in [
+            "ciliumnetworkpolicies",
+            "ciliumclusterwidenetworkpolicies",
+            "ciliateendpointslices",
+        ] {
             let path = format!("{}/manifests/crds/{crd}.yaml", env!("CARGO_MANIFEST_DIR"));
             let text = std::fs::read_to_string(&path).expect("CRD manifest");
             let v: Value = serde_yaml::from_str(&text).expect("CRD YAML");

@@ -1,0 +1,571 @@
+//! `CiliateEndpointSlice` (`ciliate.io/v1alpha1`, cluster-scoped): what the agents of a
+//! cluster tell each other about their pods, so that no agent has to watch every Pod
+//! (Cilium's CiliumEndpointSlice, written here by the agent that owns the pods rather than by
+//! an operator).
+//!
+//! A slice holds at most [`MAX_ENDPOINTS`] endpoints of one node: for each its pod name and
+//! addresses, and the index of a *profile* — namespace, labels, service account and named
+//! ports — that the pods of one deployment share, so the labels are written once per slice
+//! and not once per pod. An agent writes the slices of its own node ([`SliceBook`], written by
+//! `k8s::slice_writer`), named `<node>.<n>` and labelled `ciliate.io/node=<node>`, and watches
+//! every other node's ([`slice_pods`] turns one into the pods it lists). A change to one pod
+//! rewrites one slice of its node; a kubelet status write that moves nothing an agent uses
+//! (a condition, a container status) writes none.
+//!
+//! Pure: the book says what to write, the writer task talks to the API server.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::{CustomResource, CustomResourceExt};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::objects::PodInfo;
+use crate::policy::engine::NamedPort;
+
+/// The label naming the node whose agent wrote a slice.
+pub const NODE_LABEL: &str = "ciliate.io/node";
+
+/// Endpoints per slice at most: small enough that one pod change sends little to every agent,
+/// large enough that a node's pods fit in a few objects.
+pub const MAX_ENDPOINTS: usize = 32;
+
+/// The endpoints of one node, or some of them. See the module documentation.
+#[derive(
+    CustomResource, Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema,
+)]
+#[kube(
+    group = "ciliate.io",
+    version = "v1alpha1",
+    kind = "CiliateEndpointSlice",
+    plural = "ciliateendpointslices",
+    shortname = "cies",
+    category = "ciliate",
+    derive = "PartialEq",
+    doc = "Endpoints of one node, written by that node's ciliate agent and read by the others.",
+    printcolumn(name = "Node", type_ = "string", json_path = ".spec.node"),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+)]
+pub struct CiliateEndpointSliceSpec {
+    /// The node the endpoints run on (whose agent writes this slice).
+    pub node: String,
+    /// What several endpoints share; endpoints refer to them by index.
+    #[serde(default)]
+    pub profiles: Vec<SliceProfile>,
+    #[serde(default)]
+    pub endpoints: Vec<SliceEndpoint>,
+}
+
+/// What the pods of one deployment share.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+pub struct SliceProfile {
+    pub namespace: String,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    #[serde(
+        rename = "serviceAccount",
+        default,
+        skip_serializing_if = "String::is_empty"
+    )]
+    pub service_account: String,
+    #[serde(rename = "namedPorts", default, skip_serializing_if = "Vec::is_empty")]
+    pub named_ports: Vec<SliceNamedPort>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+pub struct SliceNamedPort {
+    pub name: String,
+    pub port: u16,
+    /// `TCP`, `UDP` or `SCTP`.
+    pub protocol: String,
+}
+
+/// One pod.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct SliceEndpoint {
+    /// The pod's name (its namespace is its profile's).
+    pub name: String,
+    pub ips: Vec<String>,
+    /// Index into `profiles`.
+    pub profile: u32,
+}
+
+/// Where this agent learns of other nodes' pods, for `status` (Kubernetes mode).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PodSourceView {
+    /// `CiliateEndpointSlice` (the default) or `Pod` (`--watch-pods`).
+    pub remote_pods_from: String,
+    /// Other nodes' slices known (endpoint-slice mode).
+    pub slices_watched: usize,
+    /// This node's slices on the API server, and the local pods they list.
+    pub slices_written: usize,
+    pub local_pods: usize,
+    /// The last failure to list or write this node's slices, until a write succeeds.
+    pub last_error: Option<String>,
+}
+
+/// The CRD, for `manifests/crds/` and the test API server.
+pub fn crd() -> CustomResourceDefinition {
+    CiliateEndpointSlice::crd()
+}
+
+fn protocol_name(p: u8) -> &'static str {
+    match p {
+        crate::policy::rule::PROTO_UDP => "UDP",
+        crate::policy::rule::PROTO_SCTP => "SCTP",
+        _ => "TCP",
+    }
+}
+
+fn profile_of(pod: &PodInfo) -> SliceProfile {
+    SliceProfile {
+        namespace: pod.namespace.clone(),
+        labels: (*pod.labels).clone(),
+        service_account: pod.service_account.clone(),
+        named_ports: pod
+            .named_ports
+            .iter()
+            .map(|p| SliceNamedPort {
+                name: p.name.clone(),
+                port: p.port,
+                protocol: protocol_name(p.protocol).into(),
+            })
+            .collect(),
+    }
+}
+
+/// A slice's name: `<node>.<n>` (a node name is a DNS subdomain, so this is one too).
+pub fn slice_name(node: &str, index: u32) -> String {
+    format!("{node}.{index}")
+}
+
+/// The spec of a slice holding `pods` (sorted by key, so equal contents are equal specs).
+pub fn slice_spec<'a>(node: &str, pods: impl IntoIterator<Item = &'a PodInfo>) -> CiliateEndpointSliceSpec {
+    let mut spec = CiliateEndpointSliceSpec {
+        node: node.to_string(),
+        ..Default::default()
+    };
+    let mut index: HashMap<SliceProfile, u32> = HashMap::new();
+    for pod in pods {
+        let profile = profile_of(pod);
+        let n = match index.get(&profile) {
+            Some(n) => *n,
+            None => {
+                let n = spec.profiles.len() as u32;
+                spec.profiles.push(profile.clone());
+                index.insert(profile, n);
+                n
+            }
+        };
+        spec.endpoints.push(SliceEndpoint {
+            name: pod.name.clone(),
+            ips: pod.ips.iter().map(IpAddr::to_string).collect(),
+            profile: n,
+        });
+    }
+    spec
+}
+
+/// The pods a slice lists, or what is wrong with it (by field). `shared_labels` lets the
+/// caller keep one copy of each label map (`objects::LabelInterner`).
+pub fn slice_pods(
+    spec: &CiliateEndpointSliceSpec,
+    mut shared_labels: impl FnMut(Arc<BTreeMap<String, String>>) -> Arc<BTreeMap<String, String>>,
+) -> Result<Vec<PodInfo>, String> {
+    if spec.node.is_empty() {
+        return Err("spec.node: required".into());
+    }
+    struct Profile {
+        namespace: String,
+        labels: Arc<BTreeMap<String, String>>,
+        service_account: String,
+        named_ports: Vec<NamedPort>,
+    }
+    let mut profiles = Vec::with_capacity(spec.profiles.len());
+    for (i, p) in spec.profiles.iter().enumerate() {
+        if p.namespace.is_empty() {
+            return Err(format!("spec.profiles[{i}].namespace: required"));
+        }
+        crate::policy::labels::check_labels(&p.labels)
+            .map_err(|m| format!("spec.profiles[{i}].labels: {m}"))?;
+        let mut named_ports = Vec::with_capacity(p.named_ports.len());
+        for (j, np) in p.named_ports.iter().enumerate() {
+            let protocol = match np.protocol.to_ascii_uppercase().as_str() {
+                "TCP" | "" => crate::policy::rule::PROTO_TCP,
+                "UDP" => crate::policy::rule::PROTO_UDP,
+                "SCTP" => crate::policy::rule::PROTO_SCTP,
+                other => {
+                    return Err(format!(
+                        "spec.profiles[{i}].namedPorts[{j}].protocol: {other:?} is not TCP, UDP or SCTP"
+                    ))
+                }
+            };
+            named_ports.push(NamedPort {
+                name: np.name.to_ascii_lowercase(),
+                protocol,
+                port: np.port,
+            });
+        }
+        profiles.push(Profile {
+            namespace: p.namespace.clone(),
+            labels: shared_labels(Arc::new(p.labels.clone())),
+            service_account: p.service_account.clone(),
+            named_ports,
+        });
+    }
+    let mut pods = Vec::with_capacity(spec.endpoints.len());
+    for (i, e) in spec.endpoints.iter().enumerate() {
+        let Some(p) = profiles.get(e.profile as usize) else {
+            return Err(format!(
+                "spec.endpoints[{i}].profile: {} but the slice has {} profiles",
+                e.profile,
+                profiles.len()
+            ));
+        };
+        if e.name.is_empty() {
+            return Err(format!("spec.endpoints[{i}].name: required"));
+        }
+        let mut ips = Vec::with_capacity(e.ips.len());
+        for (j, ip) in e.ips.iter().enumerate() {
+            let a: IpAddr = ip.parse().map_err(|_| {
+                format!("spec.endpoints[{i}].ips[{j}]: {ip:?} is not an IP address")
+            })?;
+            if !ips.contains(&a) {
+                ips.push(a);
+            }
+        }
+        pods.push(PodInfo {
+            namespace: p.namespace.clone(),
+            name: e.name.clone(),
+            labels: p.labels.clone(),
+            ips,
+            node: Some(spec.node.clone()),
+            service_account: p.service_account.clone(),
+            named_ports: p.named_ports.clone(),
+        });
+    }
+    Ok(pods)
+}
+
+/// A write the book asks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SliceWrite {
+    /// Create or replace the slice.
+    Apply(String, CiliateEndpointSliceSpec),
+    Delete(String),
+}
+
+impl SliceWrite {
+    pub fn name(&self) -> &str {
+        match self {
+            SliceWrite::Apply(n, _) | SliceWrite::Delete(n) => n,
+        }
+    }
+}
+
+/// This node's slices: which slice each local pod is in (a pod stays in its slice while it
+/// lives, so one pod change rewrites one slice), what the API server holds, and what changed.
+#[derive(Debug)]
+pub struct SliceBook {
+    node: String,
+    max: usize,
+    /// Slice index -> its pods, by key.
+    slices: BTreeMap<u32, BTreeMap<String, PodInfo>>,
+    /// Pod key -> slice index.
+    placement: HashMap<String, u32>,
+    /// What the API server holds (as last written or listed), by index.
+    written: BTreeMap<u32, CiliateEndpointSliceSpec>,
+    dirty: BTreeSet<u32>,
+}
+
+impl SliceBook {
+    pub fn new(node: &str) -> SliceBook {
+        SliceBook::with_max(node, MAX_ENDPOINTS)
+    }
+
+    pub fn with_max(node: &str, max: usize) -> SliceBook {
+        SliceBook {
+            node: node.to_string(),
+            max: max.max(1),
+            slices: BTreeMap::new(),
+            placement: HashMap::new(),
+            written: BTreeMap::new(),
+            dirty: BTreeSet::new(),
+        }
+    }
+
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
+    /// The slices of this node the API server holds (listed at start): their pods keep their
+    /// places, and what no longer holds is rewritten or deleted by the next `writes`. Names that
+    /// are not `<node>.<n>` are deleted.
+    pub fn adopt(&mut self, existing: Vec<(String, CiliateEndpointSliceSpec)>) -> Vec<SliceWrite> {
+        let mut strays = Vec::new();
+        for (name, spec) in existing {
+            let index = name
+                .strip_prefix(&self.node)
+                .and_then(|rest| rest.strip_prefix('.'))
+                .and_then(|n| n.parse::<u32>().ok());
+            let Some(index) = index else {
+                strays.push(SliceWrite::Delete(name));
+                continue;
+            };
+            if let Ok(pods) = slice_pods(&spec, |l| l) {
+                for pod in pods {
+                    let key = pod.key();
+                    if !self.placement.contains_key(&key) {
+                        self.placement.insert(key.clone(), index);
+                        self.slices.entry(index).or_default().insert(key, pod);
+                    }
+                }
+            }
+            self.slices.entry(index).or_default();
+            self.written.insert(index, spec);
+            self.dirty.insert(index);
+        }
+        strays
+    }
+
+    /// A local pod appeared or changed.
+    pub fn upsert(&mut self, pod: PodInfo) {
+        let key = pod.key();
+        let index = match self.placement.get(&key) {
+            Some(i) => *i,
+            None => {
+                let i = self.free_slot();
+                self.placement.insert(key.clone(), i);
+                i
+            }
+        };
+        let pods = self.slices.entry(index).or_default();
+        if pods.get(&key) != Some(&pod) {
+            pods.insert(key, pod);
+            self.dirty.insert(index);
+        }
+    }
+
+    /// A local pod went away (or has no address any more).
+    pub fn remove(&mut self, key: &str) {
+        if let Some(index) = self.placement.remove(key) {
+            if let Some(pods) = self.slices.get_mut(&index) {
+                pods.remove(key);
+            }
+            self.dirty.insert(index);
+        }
+    }
+
+    /// The keys of the local pods the book holds.
+    pub fn keys(&self) -> Vec<String> {
+        let mut keys: Vec<String> = self.placement.keys().cloned().collect();
+        keys.sort();
+        keys
+    }
+
+    /// The first slice with room (filling gaps first), else a new one.
+    fn free_slot(&self) -> u32 {
+        for (i, pods) in &self.slices {
+            if pods.len() < self.max {
+                return *i;
+            }
+        }
+        (0..).find(|i| !self.slices.contains_key(i)).unwrap_or(0)
+    }
+
+    /// What to write now: every changed slice whose contents differ from what the server
+    /// holds (an emptied slice is deleted). Call `written` for each write that succeeded and
+    /// `failed` for the others.
+    pub fn writes(&mut self) -> Vec<SliceWrite> {
+        let mut out = Vec::new();
+        for index in std::mem::take(&mut self.dirty) {
+            let name = slice_name(&self.node, index);
+            let pods = self.slices.get(&index);
+            if pods.is_none_or(|p| p.is_empty()) {
+                self.slices.remove(&index);
+                if self.written.contains_key(&index) {
+                    out.push(SliceWrite::Delete(name));
+                }
+                continue;
+            }
+            let spec = slice_spec(&self.node, pods.into_iter().flat_map(|p| p.values()));
+            if self.written.get(&index) != Some(&spec) {
+                out.push(SliceWrite::Apply(name, spec));
+            }
+        }
+        out
+    }
+
+    /// A write reached the API server.
+    pub fn written(&mut self, write: &SliceWrite) {
+        let Some(index) = self.index_of(write.name()) else {
+            return;
+        };
+        match write {
+            SliceWrite::Apply(_, spec) => {
+                self.written.insert(index, spec.clone());
+            }
+            SliceWrite::Delete(_) => {
+                self.written.remove(&index);
+            }
+        }
+    }
+
+    /// A write failed: the slice is written again by the next `writes`.
+    pub fn failed(&mut self, write: &SliceWrite) {
+        if let Some(index) = self.index_of(write.name()) {
+            self.dirty.insert(index);
+        }
+    }
+
+    pub fn has_pending(&self) -> bool {
+        !self.dirty.is_empty()
+    }
+
+    fn index_of(&self, name: &str) -> Option<u32> {
+        name.strip_prefix(&self.node)?
+            .strip_prefix('.')?
+            .parse()
+            .ok()
+    }
+
+    /// Slices written (or listed) and not deleted.
+    pub fn slice_count(&self) -> usize {
+        self.written.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(ns: &str, name: &str, app: &str, ip: &str) -> PodInfo {
+        PodInfo {
+            namespace: ns.into(),
+            name: name.into(),
+            labels: Arc::new([("app".to_string(), app.to_string())].into()),
+            ips: vec![ip.parse().unwrap()],
+            node: Some("n1".into()),
+            service_account: "default".into(),
+            named_ports: vec![NamedPort {
+                name: "http".into(),
+                protocol: crate::policy::rule::PROTO_TCP,
+                port: 8080,
+            }],
+        }
+    }
+
+    #[test]
+    fn a_slice_lists_its_pods_back_with_shared_profiles() {
+        let pods = [
+            pod("x", "a", "web", "10.0.0.1"),
+            pod("x", "b", "web", "10.0.0.2"),
+            pod("y", "c", "db", "10.0.0.3"),
+        ];
+        let spec = slice_spec("n1", pods.iter());
+        assert_eq!(spec.profiles.len(), 2, "pods a and b share a profile");
+        assert_eq!(spec.endpoints[1].profile, spec.endpoints[0].profile);
+        let back = slice_pods(&spec, |l| l).unwrap();
+        assert_eq!(back, pods.to_vec());
+        // The JSON is what other agents receive: it round-trips.
+        let json = serde_json::to_value(&spec).unwrap();
+        let parsed: CiliateEndpointSliceSpec = serde_json::from_value(json).unwrap();
+        assert_eq!(parsed, spec);
+    }
+
+    #[test]
+    fn bad_slices_are_named_by_field() {
+        let mut spec = slice_spec("n1", [pod("x", "a", "web", "10.0.0.1")].iter());
+        spec.endpoints[0].profile = 3;
+        let e = slice_pods(&spec, |l| l).unwrap_err();
+        assert!(e.contains("spec.endpoints[0].profile"), "{e}");
+        let mut spec = slice_spec("n1", [pod("x", "a", "web", "10.0.0.1")].iter());
+        spec.endpoints[0].ips[0] = "ten".into();
+        let e = slice_pods(&spec, |l| l).unwrap_err();
+        assert!(e.contains("spec.endpoints[0].ips[0]"), "{e}");
+        let mut spec = slice_spec("n1", [pod("x", "a", "web", "10.0.0.1")].iter());
+        spec.profiles[0].named_ports[0].protocol = "ICMP".into();
+        let e = slice_pods(&spec, |l| l).unwrap_err();
+        assert!(e.contains("spec.profiles[0].namedPorts[0].protocol"), "{e}");
+        spec.node.clear();
+        assert!(slice_pods(&spec, |l| l).unwrap_err().contains("spec.node"));
+    }
+
+    #[test]
+    fn pods_keep_their_slice_and_one_change_rewrites_one_slice() {
+        let mut book = SliceBook::with_max("n1", 2);
+        for i in 0..5 {
+            book.upsert(pod("x", &format!("p{i}"), "web", &format!("10.0.0.{}", i + 1)));
+        }
+        let writes = book.writes();
+        let names: Vec<&str> = writes.iter().map(SliceWrite::name).collect();
+        assert_eq!(names, ["n1.0", "n1.1", "n1.2"]);
+        for w in &writes {
+            book.written(w);
+        }
+        assert!(book.writes().is_empty(), "nothing changed");
+        // A new address for p3: only its slice (n1.1) is written.
+        book.upsert(pod("x", "p3", "web", "10.0.1.4"));
+        let writes = book.writes();
+        assert_eq!(writes.len(), 1);
+        assert_eq!(writes[0].name(), "n1.1");
+        book.written(&writes[0]);
+        // The same pod again: nothing.
+        book.upsert(pod("x", "p3", "web", "10.0.1.4"));
+        assert!(book.writes().is_empty());
+        // p4 goes: its slice is emptied and deleted; a new pod fills the gap in n1.0 first.
+        book.remove("x/p4");
+        book.remove("x/p0");
+        let writes = book.writes();
+        assert_eq!(
+            writes,
+            vec![
+                SliceWrite::Apply(
+                    "n1.0".into(),
+                    slice_spec("n1", [pod("x", "p1", "web", "10.0.0.2")].iter())
+                ),
+                SliceWrite::Delete("n1.2".into())
+            ]
+        );
+        for w in &writes {
+            book.written(w);
+        }
+        book.upsert(pod("x", "p9", "web", "10.0.0.9"));
+        assert_eq!(book.writes()[0].name(), "n1.0");
+    }
+
+    #[test]
+    fn adopted_slices_are_kept_rewritten_or_deleted_as_the_pods_say() {
+        let mut book = SliceBook::with_max("n1", 2);
+        let old = vec![
+            (
+                "n1.0".to_string(),
+                slice_spec(
+                    "n1",
+                    [
+                        pod("x", "a", "web", "10.0.0.1"),
+                        pod("x", "b", "web", "10.0.0.2"),
+                    ]
+                    .iter(),
+                ),
+            ),
+            (
+                "n1.1".to_string(),
+                slice_spec("n1", [pod("x", "gone", "web", "10.0.0.3")].iter()),
+            ),
+            ("other".to_string(), CiliateEndpointSliceSpec::default()),
+        ];
+        let strays = book.adopt(old);
+        assert_eq!(strays, vec![SliceWrite::Delete("other".into())]);
+        // After the local pods listed: a and b are still there, `gone` is not.
+        book.remove("x/gone");
+        let writes = book.writes();
+        assert_eq!(writes, vec![SliceWrite::Delete("n1.1".into())]);
+        // A failed write is retried.
+        book.failed(&writes[0]);
+        assert_eq!(book.writes(), writes);
+    }
+}
