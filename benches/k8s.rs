@@ -10,9 +10,18 @@
 //! - CNP change to `Regenerate`: a policy selecting the 10 local endpoints is edited on the
 //!   server (the watch event goes out at once); the time from the edit until the last of the
 //!   endpoints' `Regenerate` started, from the agent's own message journal.
+//! - pod churn across the cluster: CPU time of the agent, and the bytes its watches received
+//!   per pod change.
+//!
+//! Other nodes' pods reach the agent through the `CiliateEndpointSlice`s their agents write
+//! (the default; the bench writes them as those agents would, with the agents' own
+//! `SliceBook`), or as Pods with `CILIATE_BENCH_WATCH_PODS=1` (the agent's `--watch-pods`).
+//! The pods are shaped as a kubelet reports a Deployment's pod (owner, conditions, container
+//! statuses; no managedFields), so the bytes a Pod watch carries are a real pod's.
 
 use std::time::{Duration, Instant};
 
+use ciliate::k8s::slices::{SliceBook, SliceWrite, NODE_LABEL};
 use ciliate_test_apiserver::TestApiServer;
 use serde_json::{json, Value};
 
@@ -73,22 +82,136 @@ fn node(k: usize) -> Value {
                    "address": format!("172.{}.{}.{}", 16 + k / 62_500, (k / 250) % 250, k % 250 + 1)}]}})
 }
 
-fn pod(s: &Sizes, i: usize) -> Value {
-    // Pods 0, NAMESPACES, 2 * NAMESPACES, ... are in ns-0 with app=a0 and run on this node; the
-    // others spread over the other nodes.
-    let node = if i.is_multiple_of(s.namespaces) || s.nodes == 1 {
+/// The node pod `i` runs on. Pods 0, NAMESPACES, 2 * NAMESPACES, ... are in ns-0 with app=a0
+/// and run on this node; the others spread over the other nodes.
+fn node_of(s: &Sizes, i: usize) -> String {
+    if i.is_multiple_of(s.namespaces) || s.nodes == 1 {
         NODE.to_string()
     } else {
         format!("node-{}", 2 + i % (s.nodes - 1))
+    }
+}
+
+/// Pod `i` as the kubelet reports a running Deployment pod (without managedFields); `None` as
+/// address: scheduled, not started yet.
+fn pod_on(s: &Sizes, i: usize, node: &str, ip: Option<&str>) -> Value {
+    let (ns, app) = (format!("ns-{}", i % s.namespaces), format!("a{}", i % 20));
+    let t = "2026-11-25T04:00:00Z";
+    let cond = |ty: &str, ok: bool| {
+        json!({"type": ty, "status": if ok {"True"} else {"False"},
+        "lastProbeTime": null, "lastTransitionTime": t})
     };
+    let mut status = json!({"phase": "Pending", "qosClass": "Burstable", "hostIP": "172.16.0.1",
+        "conditions": [cond("PodScheduled", true), cond("Initialized", true),
+                       cond("ContainersReady", ip.is_some()), cond("Ready", ip.is_some())]});
+    if let Some(ip) = ip {
+        status["phase"] = json!("Running");
+        status["podIP"] = json!(ip);
+        status["podIPs"] = json!([{"ip": ip}]);
+        status["startTime"] = json!(t);
+        status["containerStatuses"] = json!([{"name": "c", "ready": true, "restartCount": 0,
+            "started": true, "image": "registry.example.com/shop/app:1.4.2",
+            "imageID": "registry.example.com/shop/app@sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
+            "containerID": format!("containerd://{:064x}", i),
+            "state": {"running": {"startedAt": t}}}]);
+    }
     json!({
         "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": format!("p-{i}"), "namespace": format!("ns-{}", i % s.namespaces),
-                     "labels": {"app": format!("a{}", i % 20), "tier": format!("t{}", i % 3)}},
-        "spec": {"nodeName": node, "containers": [{"name": "c", "image": "busybox",
-                 "ports": [{"name": "http", "containerPort": 8080}]}]},
-        "status": {"phase": "Running", "podIP": pod_ip(i), "podIPs": [{"ip": pod_ip(i)}]}
+        "metadata": {"name": format!("p-{i}"), "namespace": ns,
+            "generateName": format!("{app}-7d4b9c8f6-"),
+            "uid": format!("00000000-0000-4000-8000-{i:012}"),
+            "creationTimestamp": t,
+            "labels": {"app": app, "tier": format!("t{}", i % 3), "pod-template-hash": "7d4b9c8f6"},
+            "annotations": {"kubectl.kubernetes.io/restartedAt": t},
+            "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet",
+                "name": format!("{app}-7d4b9c8f6"), "uid": "11111111-2222-4333-8444-555555555555",
+                "controller": true, "blockOwnerDeletion": true}]},
+        "spec": {"nodeName": node, "serviceAccountName": "default", "restartPolicy": "Always",
+            "dnsPolicy": "ClusterFirst", "schedulerName": "default-scheduler",
+            "terminationGracePeriodSeconds": 30, "enableServiceLinks": true,
+            "preemptionPolicy": "PreemptLowerPriority", "priority": 0,
+            "securityContext": {},
+            "tolerations": [
+                {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300},
+                {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300}],
+            "volumes": [{"name": "kube-api-access-x7k2p", "projected": {"defaultMode": 420, "sources": [
+                {"serviceAccountToken": {"expirationSeconds": 3607, "path": "token"}},
+                {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+                {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}}]}}]}}],
+            "containers": [{"name": "c", "image": "registry.example.com/shop/app:1.4.2",
+                "imagePullPolicy": "IfNotPresent",
+                "ports": [{"name": "http", "containerPort": 8080, "protocol": "TCP"}],
+                "env": [{"name": "LOG_LEVEL", "value": "info"}],
+                "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}},
+                "readinessProbe": {"httpGet": {"path": "/healthz", "port": 8080, "scheme": "HTTP"},
+                    "periodSeconds": 10, "timeoutSeconds": 1, "successThreshold": 1, "failureThreshold": 3},
+                "terminationMessagePath": "/dev/termination-log", "terminationMessagePolicy": "File",
+                "volumeMounts": [{"name": "kube-api-access-x7k2p", "readOnly": true,
+                    "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"}]}]},
+        "status": status
     })
+}
+
+fn pod(s: &Sizes, i: usize) -> Value {
+    pod_on(s, i, &node_of(s, i), Some(&pod_ip(i)))
+}
+
+/// What the agents of the other nodes write: their pods' endpoint slices, with the agents' own
+/// book (`k8s::slices::SliceBook`), applied to the API server.
+struct OtherAgents {
+    books: std::collections::HashMap<String, SliceBook>,
+}
+
+impl OtherAgents {
+    fn pod_info(v: &Value) -> ciliate::objects::PodInfo {
+        let p: k8s_openapi::api::core::v1::Pod = serde_json::from_value(v.clone()).expect("a pod");
+        ciliate::objects::pod_info(&p, "default").expect("pod info")
+    }
+
+    /// A pod of another node changed as its agent sees it.
+    fn upsert(&mut self, v: &Value) {
+        let info = Self::pod_info(v);
+        let node = info.node.clone().expect("a node");
+        let book = self
+            .books
+            .entry(node.clone())
+            .or_insert_with(|| SliceBook::new(&node));
+        if info.ips.is_empty() {
+            book.remove(&info.key());
+        } else {
+            book.upsert(info);
+        }
+    }
+
+    fn remove(&mut self, node: &str, key: &str) {
+        if let Some(b) = self.books.get_mut(node) {
+            b.remove(key);
+        }
+    }
+
+    /// Writes what changed, as each agent's writer would.
+    fn flush(&mut self, server: &TestApiServer) {
+        for (node, book) in &mut self.books {
+            for w in book.writes() {
+                match &w {
+                    SliceWrite::Apply(name, spec) => {
+                        server
+                            .apply_json(json!({"apiVersion": "ciliate.io/v1alpha1",
+                                "kind": "CiliateEndpointSlice",
+                                "metadata": {"name": name, "labels": {NODE_LABEL: node}},
+                                "spec": spec}))
+                            .expect("slice");
+                    }
+                    SliceWrite::Delete(name) => {
+                        server
+                            .delete_object("ciliate.io/v1alpha1", "CiliateEndpointSlice", "", name)
+                            .expect("delete slice");
+                    }
+                }
+                book.written(&w);
+            }
+        }
+    }
 }
 
 fn policy(s: &Sizes, k: usize, port: u32) -> Value {
@@ -127,10 +250,14 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 
 /// Starts the agent; `CILIATE_BENCH_WRAP` (e.g. `heaptrack -o /tmp/agent`) runs it under a
 /// profiler, to see where its bytes go (the RSS figures are then the profiler's).
-fn start_agent(dir: &std::path::Path, kubeconfig: &std::path::Path) -> Agent {
-    let extra = ["--datapath", "memory"];
+fn start_agent(dir: &std::path::Path, kubeconfig: &std::path::Path, watch_pods: bool) -> Agent {
+    let extra: &[&str] = if watch_pods {
+        &["--datapath", "memory", "--watch-pods"]
+    } else {
+        &["--datapath", "memory"]
+    };
     let Ok(wrap) = std::env::var("CILIATE_BENCH_WRAP") else {
-        return Agent::start_kubernetes(dir, kubeconfig, &extra);
+        return Agent::start_kubernetes(dir, kubeconfig, extra);
     };
     let mut args = vec!["--mode", "kubernetes", "--kubeconfig"];
     args.push(kubeconfig.to_str().expect("UTF-8 path"));
@@ -157,6 +284,10 @@ fn main() {
     }
     let sizes = Sizes::from_env();
     let s = &sizes;
+    let watch_pods = std::env::var("CILIATE_BENCH_WATCH_PODS").is_ok_and(|v| v == "1");
+    let mut others = OtherAgents {
+        books: Default::default(),
+    };
     let server = TestApiServer::start().expect("test API server");
     let tmp = tempfile::tempdir().expect("tempdir");
     let kubeconfig = tmp.path().join("kubeconfig");
@@ -177,23 +308,31 @@ fn main() {
             .expect("namespace");
     }
     for i in 0..s.pods {
-        server.apply_json(pod(s, i)).expect("pod");
+        let p = pod(s, i);
+        if !watch_pods && node_of(s, i) != NODE {
+            others.upsert(&p);
+        }
+        server.apply_json(p).expect("pod");
     }
+    others.flush(&server);
     for k in 0..s.policies {
         server.apply_json(policy(s, k, 80)).expect("policy");
     }
     println!(
-        "API server seeded: {} namespaces, {} pods, {} nodes, {} CNPs in {:.1} s",
+        "API server seeded: {} namespaces, {} pods ({} bytes of JSON each), {} nodes, {} CNPs, {} endpoint slices in {:.1} s; other nodes' pods from {}",
         s.namespaces,
         s.pods,
+        pod(s, 1).to_string().len(),
         s.nodes,
         s.policies,
-        t.elapsed().as_secs_f64()
+        others.books.values().map(SliceBook::slice_count).sum::<usize>(),
+        t.elapsed().as_secs_f64(),
+        if watch_pods { "Pods (--watch-pods)" } else { "CiliateEndpointSlices" }
     );
 
     // The harness starts the agent (node-1) and returns once /readyz answers (polled every 50 ms).
     let started = Instant::now();
-    let agent = start_agent(tmp.path(), &kubeconfig);
+    let agent = start_agent(tmp.path(), &kubeconfig, watch_pods);
     let sync = started.elapsed();
     let pid = agent.child.as_ref().map_or(0, |c| c.id());
     let (rss, hwm) = (rss_kib(pid, "VmRSS:"), rss_kib(pid, "VmHWM:"));
@@ -385,36 +524,58 @@ fn main() {
     };
     let churn_start = Instant::now();
     let cpu0 = cpu_s(pid);
+    let bytes0: u64 = server.watch_bytes().values().sum();
     let mut created = 0usize;
+    let mut deleted = 0usize;
     for step in 0..CHURN_SECONDS * 50 {
         let due = Duration::from_millis(20 * step as u64);
         if let Some(wait) = due.checked_sub(churn_start.elapsed()) {
             std::thread::sleep(wait);
         }
-        // A new remote pod, and the deletion of an older remote one.
+        // A new remote pod as the scheduler and kubelet write it (scheduled, then running with
+        // its address: two writes), and the deletion of an older remote one.
         let i = s.pods + step;
-        let mut p = pod(s, i);
-        p["spec"]["nodeName"] = json!(format!("node-{}", 2 + i % (s.nodes.max(2) - 1)));
-        server.apply_json(p).expect("churn pod");
+        let node = format!("node-{}", 2 + i % (s.nodes.max(2) - 1));
+        let ip = format!("10.60.{}.{}", step / 250, step % 250 + 1);
+        server
+            .apply_json(pod_on(s, i, &node, None))
+            .expect("churn pod");
+        let running = pod_on(s, i, &node, Some(&ip));
+        server
+            .apply_json(running.clone())
+            .expect("churn pod status");
+        if !watch_pods {
+            others.upsert(&running);
+        }
         created += 1;
         let victim = 1 + step * 7 % (s.pods - 1);
         if !victim.is_multiple_of(s.namespaces) {
-            let _ = server.delete_object(
-                "v1",
-                "Pod",
-                &format!("ns-{}", victim % s.namespaces),
-                &format!("p-{victim}"),
-            );
+            let ns = format!("ns-{}", victim % s.namespaces);
+            let name = format!("p-{victim}");
+            if server.delete_object("v1", "Pod", &ns, &name).is_ok() {
+                deleted += 1;
+                if !watch_pods {
+                    others.remove(&node_of(s, victim), &format!("{ns}/{name}"));
+                }
+            }
         }
+        others.flush(&server);
     }
     // Let the agent catch up with the last events before reading its CPU time.
     std::thread::sleep(Duration::from_millis(500));
     let wall = churn_start.elapsed().as_secs_f64();
     let cpu = cpu_s(pid) - cpu0;
+    let bytes: u64 = server.watch_bytes().values().sum::<u64>() - bytes0;
     println!(
-        "pod churn: {created} creations and as many deletions over {wall:.1} s (100 changes/s): agent CPU {:.2} s = {:.1}% of one core (target <= 5%)",
+        "pod churn: {created} creations and {deleted} deletions over {wall:.1} s (100 changes/s): agent CPU {:.2} s = {:.1}% of one core (target <= 5%)",
         cpu,
         cpu / wall * 100.0
+    );
+    println!(
+        "bytes per pod event: {:.0} (the agent's watches received {bytes} bytes for {} pod changes, from {})",
+        bytes as f64 / (created + deleted) as f64,
+        created + deleted,
+        if watch_pods { "Pods" } else { "CiliateEndpointSlices" }
     );
     drop(agent);
 }

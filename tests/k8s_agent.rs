@@ -635,7 +635,10 @@ fn agents_learn_other_nodes_pods_from_the_slices_their_agents_write() {
     // An agent that watches Pods (small clusters) knows every pod, slices or not.
     let c = start(2, &["--watch-pods"]);
     assert!(identity_of(&c, "10.250.2.5").is_some() && identity_of(&c, "10.250.0.5").is_some());
-    assert_eq!(c.cli_json(&["status"])["remote_pods"]["remote_pods_from"], "Pod");
+    assert_eq!(
+        c.cli_json(&["status"])["remote_pods"]["remote_pods_from"],
+        "Pod"
+    );
     // It still writes its own node's slice: now node-1's agent knows ghost too.
     eventually("node-3's slice reaches node-1's agent", || {
         identity_of(&a, "10.250.2.5").is_some()
@@ -668,13 +671,21 @@ fn agents_learn_other_nodes_pods_from_the_slices_their_agents_write() {
     eventually("the bad slice is reported by field", || {
         b.log().contains("node-9.0") && b.log().contains("spec.endpoints[0].profile")
     });
-    assert!(identity_of(&b, "10.250.9.5").is_some(), "last good version kept");
+    assert!(
+        identity_of(&b, "10.250.9.5").is_some(),
+        "last good version kept"
+    );
     assert_eq!(identity_of(&b, "10.250.9.6"), None);
     assert!(identity_of(&b, "10.250.0.5").is_some());
     // Its node's Node object gone and the slice with it (the API server's garbage collector
     // would delete it): z-0 goes.
     server
-        .delete_object("ciliate.io/v1alpha1", "CiliateEndpointSlice", "", "node-9.0")
+        .delete_object(
+            "ciliate.io/v1alpha1",
+            "CiliateEndpointSlice",
+            "",
+            "node-9.0",
+        )
         .expect("delete slice");
     eventually("z-0 gone with its slice", || {
         identity_of(&b, "10.250.9.5").is_none()

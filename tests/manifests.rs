@@ -686,7 +686,8 @@ async fn crds_serve_typed_policies_and_status_through_kube() {
             "endpoints": [{"name": "web-0", "ips": ["10.0.2.7"], "profile": 0}]}))
         .expect("slice spec");
         let mut slice = CiliateEndpointSlice::new("node-2.0", spec.clone());
-        slice.metadata.labels = Some([("ciliate.io/node".to_string(), "node-2".to_string())].into());
+        slice.metadata.labels =
+            Some([("ciliate.io/node".to_string(), "node-2".to_string())].into());
         slices
             .create(&PostParams::default(), &slice)
             .await

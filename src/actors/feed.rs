@@ -66,6 +66,8 @@ impl Item {
         let mut h = std::collections::hash_map::DefaultHasher::new();
         match self {
             Item::Policy(k, doc) => (k, doc).hash(&mut h),
+            // The most frequent item: hashed field by field, not through its Debug text.
+            Item::Pod(p) => (Kind::Pod, p).hash(&mut h),
             other => format!("{other:?}").hash(&mut h),
         }
         h.finish()

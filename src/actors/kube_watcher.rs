@@ -37,7 +37,9 @@ use crate::introspect::{with_change, TracedAddr};
 use crate::k8s::crd::{CiliumClusterwideNetworkPolicy, CiliumNetworkPolicy};
 use crate::k8s::node::{desired_annotations, needs_update};
 use crate::k8s::slice_writer::LocalPod;
-use crate::k8s::slices::{slice_pods, CiliateEndpointSlice, CiliateEndpointSliceSpec};
+use crate::k8s::slices::{
+    endpoint_hash, slice_pods_where, CiliateEndpointSlice, CiliateEndpointSliceSpec,
+};
 use crate::objects::{
     endpoint_slice_info, namespace_info, node_info, pod_info, service_info, NodeInfo,
 };
@@ -137,8 +139,9 @@ impl RemotePods {
 struct SliceReader {
     /// Slice name -> id.
     ids: HashMap<String, u32>,
-    /// By id: the pods' keys the slice listed, `\n`-joined (one allocation per slice).
-    listed: HashMap<u32, Box<str>>,
+    /// By id: the pods' keys the slice listed, `\n`-joined (one allocation per slice), and a
+    /// hash of each one's entry (`slices::endpoint_hash`), in the same order.
+    listed: HashMap<u32, (Box<str>, Box<[u64]>)>,
     next_id: u32,
     /// Pod key (hashed with a per-process random key) -> the id of the slice it came from.
     owner: HashMap<u64, u32>,
@@ -281,7 +284,10 @@ impl KubeWatcherActor {
         );
         if self.slice_mode() {
             let resource = ApiResource::erase::<CiliateEndpointSlice>(&());
-            spawn_slice_watch(Api::<DynamicObject>::all_with(c.clone(), &resource), me.clone());
+            spawn_slice_watch(
+                Api::<DynamicObject>::all_with(c.clone(), &resource),
+                me.clone(),
+            );
         }
         // The policy kinds, untyped (validated by the agent itself, field by field).
         let np = ApiResource {
@@ -556,42 +562,67 @@ impl KubeWatcherActor {
             // This node's own: its pods come from the Pod watch.
             return Some(name);
         }
-        let labels = &mut self.labels;
-        let pods = match slice_pods(&spec, |l| labels.intern(l)) {
-            Ok(pods) => pods,
-            Err(e) => return self.bad_slice(name, e),
-        };
         let next = self.slices.next_id;
         let id = *self.slices.ids.entry(name.clone()).or_insert(next);
         if id == next {
             self.slices.next_id += 1;
         }
-        let mut out = Vec::new();
+        // What this version says of each endpoint, against what the last one said: only the
+        // endpoints that changed are converted and sent on.
+        let hashes: Vec<u64> = (0..spec.endpoints.len())
+            .map(|i| endpoint_hash(&spec, i, &self.slices.hasher))
+            .collect();
+        let before: HashMap<&str, u64> = match self.slices.listed.get(&id) {
+            Some((keys, h)) => keys
+                .split('\n')
+                .filter(|k| !k.is_empty())
+                .zip(h.iter().copied())
+                .collect(),
+            None => HashMap::new(),
+        };
         let mut listed = String::new();
-        for pod in pods {
+        let mut listed_hashes = Vec::with_capacity(hashes.len());
+        let local = &self.local_pods;
+        let labels = &mut self.labels;
+        let changed = slice_pods_where(
+            &spec,
+            |l| labels.intern(l),
+            |i, key| {
+                if local.contains(key) {
+                    return false;
+                }
+                if !listed.is_empty() {
+                    listed.push('\n');
+                }
+                listed.push_str(key);
+                listed_hashes.push(hashes[i]);
+                before.get(key) != Some(&hashes[i])
+            },
+        );
+        let pods = match changed {
+            Ok(pods) => pods,
+            Err(e) => return self.bad_slice(name, e),
+        };
+        let now: HashSet<&str> = listed.split('\n').collect();
+        let gone: Vec<String> = before
+            .keys()
+            .filter(|k| !now.contains(*k))
+            .map(|k| k.to_string())
+            .collect();
+        let mut out = Vec::new();
+        for (_, pod) in pods {
             let key = pod.key();
-            if self.local_pods.contains(&key) {
-                continue;
-            }
             let h = self.slices.key_hash(&key);
             self.slices.owner.insert(h, id);
-            out.extend(self.feed.upsert(&key, Item::Pod(pod), Origin::api(Watched::Pod, &key)));
-            if !listed.is_empty() {
-                listed.push('\n');
-            }
-            listed.push_str(&key);
+            out.extend(
+                self.feed
+                    .upsert(&key, Item::Pod(pod), Origin::api(Watched::Pod, &key)),
+            );
         }
-        let old = self.slices.listed.insert(id, listed.into_boxed_str());
-        let gone: Vec<String> = match (old, self.slices.listed.get(&id)) {
-            (Some(old), Some(now)) => {
-                let now: HashSet<&str> = now.split('\n').collect();
-                old.split('\n')
-                    .filter(|k| !k.is_empty() && !now.contains(k))
-                    .map(str::to_string)
-                    .collect()
-            }
-            _ => Vec::new(),
-        };
+        self.slices.listed.insert(
+            id,
+            (listed.into_boxed_str(), listed_hashes.into_boxed_slice()),
+        );
         for key in gone {
             out.extend(self.forget_slice_pod(id, &key));
         }
@@ -609,7 +640,7 @@ impl KubeWatcherActor {
         let Some(id) = self.slices.ids.remove(name) else {
             return;
         };
-        let listed = self.slices.listed.remove(&id).unwrap_or_default();
+        let (listed, _) = self.slices.listed.remove(&id).unwrap_or_default();
         let mut out = Vec::new();
         for key in listed.split('\n').filter(|k| !k.is_empty()) {
             out.extend(self.forget_slice_pod(id, key));

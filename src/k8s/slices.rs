@@ -31,7 +31,7 @@ pub const NODE_LABEL: &str = "ciliate.io/node";
 
 /// Endpoints per slice at most: small enough that one pod change sends little to every agent,
 /// large enough that a node's pods fit in a few objects.
-pub const MAX_ENDPOINTS: usize = 32;
+pub const MAX_ENDPOINTS: usize = 8;
 
 /// The endpoints of one node, or some of them. See the module documentation.
 #[derive(
@@ -47,7 +47,11 @@ pub const MAX_ENDPOINTS: usize = 32;
     derive = "PartialEq",
     doc = "Endpoints of one node, written by that node's ciliate agent and read by the others.",
     printcolumn(name = "Node", type_ = "string", json_path = ".spec.node"),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
 )]
 pub struct CiliateEndpointSliceSpec {
     /// The node the endpoints run on (whose agent writes this slice).
@@ -65,10 +69,11 @@ pub struct SliceProfile {
     pub namespace: String,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub labels: BTreeMap<String, String>,
+    /// Left out when it is `default` (as in a Pod).
     #[serde(
         rename = "serviceAccount",
-        default,
-        skip_serializing_if = "String::is_empty"
+        default = "default_service_account",
+        skip_serializing_if = "is_default_service_account"
     )]
     pub service_account: String,
     #[serde(rename = "namedPorts", default, skip_serializing_if = "Vec::is_empty")]
@@ -79,12 +84,29 @@ pub struct SliceProfile {
 pub struct SliceNamedPort {
     pub name: String,
     pub port: u16,
-    /// `TCP`, `UDP` or `SCTP`.
+    /// `TCP` (left out), `UDP` or `SCTP`.
+    #[serde(default = "tcp", skip_serializing_if = "is_tcp")]
     pub protocol: String,
 }
 
+fn default_service_account() -> String {
+    "default".into()
+}
+
+fn is_default_service_account(sa: &str) -> bool {
+    sa == "default"
+}
+
+fn tcp() -> String {
+    "TCP".into()
+}
+
+fn is_tcp(p: &str) -> bool {
+    p == "TCP"
+}
+
 /// One pod.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 pub struct SliceEndpoint {
     /// The pod's name (its namespace is its profile's).
     pub name: String,
@@ -143,7 +165,10 @@ pub fn slice_name(node: &str, index: u32) -> String {
 }
 
 /// The spec of a slice holding `pods` (sorted by key, so equal contents are equal specs).
-pub fn slice_spec<'a>(node: &str, pods: impl IntoIterator<Item = &'a PodInfo>) -> CiliateEndpointSliceSpec {
+pub fn slice_spec<'a>(
+    node: &str,
+    pods: impl IntoIterator<Item = &'a PodInfo>,
+) -> CiliateEndpointSliceSpec {
     let mut spec = CiliateEndpointSliceSpec {
         node: node.to_string(),
         ..Default::default()
@@ -173,15 +198,36 @@ pub fn slice_spec<'a>(node: &str, pods: impl IntoIterator<Item = &'a PodInfo>) -
 /// caller keep one copy of each label map (`objects::LabelInterner`).
 pub fn slice_pods(
     spec: &CiliateEndpointSliceSpec,
-    mut shared_labels: impl FnMut(Arc<BTreeMap<String, String>>) -> Arc<BTreeMap<String, String>>,
+    shared_labels: impl FnMut(Arc<BTreeMap<String, String>>) -> Arc<BTreeMap<String, String>>,
 ) -> Result<Vec<PodInfo>, String> {
+    let pods = slice_pods_where(spec, shared_labels, |_, _| true)?;
+    Ok(pods.into_iter().map(|(_, p)| p).collect())
+}
+
+/// A hash of what one endpoint of a slice says (its profile included), to skip the endpoints
+/// a new version of the slice did not change.
+pub fn endpoint_hash(
+    spec: &CiliateEndpointSliceSpec,
+    index: usize,
+    hasher: &impl std::hash::BuildHasher,
+) -> u64 {
+    let e = &spec.endpoints[index];
+    hasher.hash_one((spec.profiles.get(e.profile as usize), e))
+}
+
+/// Validates the whole slice, then builds the pods of the endpoints `want` selects (called
+/// with each endpoint's index and `namespace/name`), with their indices.
+pub fn slice_pods_where(
+    spec: &CiliateEndpointSliceSpec,
+    mut shared_labels: impl FnMut(Arc<BTreeMap<String, String>>) -> Arc<BTreeMap<String, String>>,
+    mut want: impl FnMut(usize, &str) -> bool,
+) -> Result<Vec<(usize, PodInfo)>, String> {
     if spec.node.is_empty() {
         return Err("spec.node: required".into());
     }
     struct Profile {
-        namespace: String,
-        labels: Arc<BTreeMap<String, String>>,
-        service_account: String,
+        /// Made on first use (shared through `shared_labels`).
+        labels: Option<Arc<BTreeMap<String, String>>>,
         named_ports: Vec<NamedPort>,
     }
     let mut profiles = Vec::with_capacity(spec.profiles.len());
@@ -210,21 +256,19 @@ pub fn slice_pods(
             });
         }
         profiles.push(Profile {
-            namespace: p.namespace.clone(),
-            labels: shared_labels(Arc::new(p.labels.clone())),
-            service_account: p.service_account.clone(),
+            labels: None,
             named_ports,
         });
     }
-    let mut pods = Vec::with_capacity(spec.endpoints.len());
+    let mut ips_of = Vec::with_capacity(spec.endpoints.len());
     for (i, e) in spec.endpoints.iter().enumerate() {
-        let Some(p) = profiles.get(e.profile as usize) else {
+        if e.profile as usize >= profiles.len() {
             return Err(format!(
                 "spec.endpoints[{i}].profile: {} but the slice has {} profiles",
                 e.profile,
                 profiles.len()
             ));
-        };
+        }
         if e.name.is_empty() {
             return Err(format!("spec.endpoints[{i}].name: required"));
         }
@@ -237,15 +281,32 @@ pub fn slice_pods(
                 ips.push(a);
             }
         }
-        pods.push(PodInfo {
-            namespace: p.namespace.clone(),
-            name: e.name.clone(),
-            labels: p.labels.clone(),
-            ips,
-            node: Some(spec.node.clone()),
-            service_account: p.service_account.clone(),
-            named_ports: p.named_ports.clone(),
-        });
+        ips_of.push(ips);
+    }
+    let mut pods = Vec::new();
+    for (i, (e, ips)) in spec.endpoints.iter().zip(ips_of).enumerate() {
+        let source = &spec.profiles[e.profile as usize];
+        let key = format!("{}/{}", source.namespace, e.name);
+        if !want(i, &key) {
+            continue;
+        }
+        let p = &mut profiles[e.profile as usize];
+        let labels = p
+            .labels
+            .get_or_insert_with(|| shared_labels(Arc::new(source.labels.clone())))
+            .clone();
+        pods.push((
+            i,
+            PodInfo {
+                namespace: source.namespace.clone(),
+                name: e.name.clone(),
+                labels,
+                ips,
+                node: Some(spec.node.clone()),
+                service_account: source.service_account.clone(),
+                named_ports: p.named_ports.clone(),
+            },
+        ));
     }
     Ok(pods)
 }
@@ -498,7 +559,12 @@ mod tests {
     fn pods_keep_their_slice_and_one_change_rewrites_one_slice() {
         let mut book = SliceBook::with_max("n1", 2);
         for i in 0..5 {
-            book.upsert(pod("x", &format!("p{i}"), "web", &format!("10.0.0.{}", i + 1)));
+            book.upsert(pod(
+                "x",
+                &format!("p{i}"),
+                "web",
+                &format!("10.0.0.{}", i + 1),
+            ));
         }
         let writes = book.writes();
         let names: Vec<&str> = writes.iter().map(SliceWrite::name).collect();

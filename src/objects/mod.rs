@@ -23,7 +23,7 @@ use crate::services::{ServicePort, ServiceSpec, SliceEndpoint, SlicePort, SliceS
 /// `namespace/name` of a namespaced object.
 pub type ObjectName = String;
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize)]
 pub struct PodInfo {
     pub namespace: String,
     pub name: String,

@@ -365,9 +365,15 @@ fn watch(
         timeout,
     };
     let (tx, rx) = mpsc::channel::<Bytes>(64);
+    let (store, resource) = (data.store.clone(), feed.rt.qualified_name());
     actix_web::rt::spawn(feed.run(tx));
-    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|b| (Ok::<_, actix_web::Error>(b), rx))
+    let stream = futures_util::stream::unfold(rx, move |mut rx| {
+        let (store, resource) = (store.clone(), resource.clone());
+        async move {
+            let b = rx.recv().await?;
+            store.note_watch_bytes(&resource, b.len());
+            Some((Ok::<_, actix_web::Error>(b), rx))
+        }
     });
     Ok(HttpResponse::Ok()
         .content_type("application/json")

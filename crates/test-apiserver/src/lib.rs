@@ -218,6 +218,12 @@ impl TestApiServer {
         write_kubeconfig(&self.url(), path)
     }
 
+    /// Bytes sent on watch streams so far, by resource (`plural.group`, core kinds `plural`):
+    /// what the watching clients received.
+    pub fn watch_bytes(&self) -> std::collections::BTreeMap<String, u64> {
+        self.store.watch_bytes()
+    }
+
     /// Ends every open watch stream; clients re-watch from their last resourceVersion.
     pub fn break_watches(&self) {
         self.store.break_watches();

@@ -156,6 +156,8 @@ pub struct Store {
     state: Mutex<State>,
     events: broadcast::Sender<Arc<StoredEvent>>,
     breaker: watch::Sender<u64>,
+    /// Bytes sent on watch streams, by resource (`plural.group`).
+    watch_bytes: Mutex<std::collections::BTreeMap<String, u64>>,
 }
 
 /// `metadata.namespace`, or "".
@@ -222,6 +224,21 @@ impl Default for Store {
 
 impl Store {
     /// A store with the built-in types and the namespaces every cluster has.
+    /// Counts bytes a watch stream of `resource` sent.
+    pub fn note_watch_bytes(&self, resource: &str, n: usize) {
+        if let Ok(mut m) = self.watch_bytes.lock() {
+            *m.entry(resource.to_string()).or_default() += n as u64;
+        }
+    }
+
+    /// Bytes sent on watch streams so far, by resource (`plural.group`; core: `plural`).
+    pub fn watch_bytes(&self) -> std::collections::BTreeMap<String, u64> {
+        self.watch_bytes
+            .lock()
+            .map(|m| m.clone())
+            .unwrap_or_default()
+    }
+
     pub fn new() -> Self {
         let (events, _) = broadcast::channel(BROADCAST_CAPACITY);
         let (breaker, _) = watch::channel(0);
@@ -236,6 +253,7 @@ impl Store {
             }),
             events,
             breaker,
+            watch_bytes: Default::default(),
         };
         for ns in ["default", "kube-system", "kube-public"] {
             let body = json!({"metadata": {"name": ns}});
