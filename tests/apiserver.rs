@@ -744,6 +744,12 @@ fn errors_are_status_objects_and_watches_follow_the_protocol() {
         "{body}"
     );
     assert!(body.contains(r#""type":"BOOKMARK""#), "{body}");
+    // The server counts what its watch streams sent (the k8s bench's bytes per pod event).
+    assert_eq!(
+        server.watch_bytes().get("pods").copied(),
+        Some(body.len() as u64),
+        "{body}"
+    );
     // A compacted history answers an old version with an in-stream 410.
     server.compact();
     let (code, body) = raw_http(

@@ -362,7 +362,7 @@ impl PolicyRepoActor {
             }
         }
         for key in &pods {
-            for ip in self.index.pod(key).into_iter().flat_map(|p| &p.info.ips) {
+            for ip in self.index.pod(key).into_iter().flat_map(|p| p.ips.iter()) {
                 self.shared.pod_names.insert(*ip, key.clone());
             }
         }
@@ -392,7 +392,7 @@ impl PolicyRepoActor {
             return false;
         };
         let (labels, ports) = match self.index.pod(&entry.record.name) {
-            Some(p) => (self.index.pod_labels(&p.info), p.info.named_ports.clone()),
+            Some(p) => (self.index.record_labels(p), p.named_ports.to_vec()),
             None => return false, // keep what it has (restored, or pod deleted: stays until the endpoint is)
         };
         if entry.labels == labels && entry.named_ports == ports && entry.record.identity.is_some() {
@@ -498,7 +498,7 @@ impl PolicyRepoActor {
             let pod_state = self
                 .index
                 .pod(&key)
-                .map(|p| (self.index.pod_labels(&p.info), p.info.named_ports.clone()));
+                .map(|p| (self.index.record_labels(p), p.named_ports.to_vec()));
             let mut engine = self.engine_mut();
             match (pod_state, &restore) {
                 (Some((labels, ports)), _) => {
@@ -565,7 +565,7 @@ impl PolicyRepoActor {
         let pod_ips: Vec<IpAddr> = self
             .index
             .pod(&entry.record.name)
-            .map(|p| p.info.ips.clone())
+            .map(|p| p.ips.to_vec())
             .unwrap_or_default();
         {
             let mut engine = self.engine_mut();

@@ -11,22 +11,104 @@
 //!   the pod goes or moves to another identity.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::net::IpAddr;
 use std::sync::Arc;
 
 use ipnet::IpNet;
 
 use super::{NamespaceInfo, NodeInfo, PodInfo};
-use crate::policy::engine::PolicyEngine;
+use crate::policy::engine::{NamedPort, PolicyEngine};
 use crate::policy::identity::{NumericIdentity, IDENTITY_HOST, IDENTITY_REMOTE_NODE};
 use crate::policy::ipcache::IpcacheChange;
 use crate::policy::labels::Labels;
 
-/// A pod as the index holds it. Its label set is not kept per pod: pods of one deployment
-/// share it through their identity (`PolicyEngine::identity`), and `pod_labels` derives it.
+/// A pod as the index holds it, compactly: its name is its key's; namespace, node, service
+/// account, label map and named ports are shared with the other pods that have the same
+/// (`ClusterIndex` interns them); its addresses are a boxed slice. Its identity label set is
+/// not kept per pod either: pods of one deployment share it through their identity
+/// (`PolicyEngine::identity`), and `record_labels` derives it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PodRecord {
-    pub info: PodInfo,
+    pub namespace: Arc<str>,
+    pub labels: Arc<BTreeMap<String, String>>,
+    pub ips: Box<[IpAddr]>,
+    pub node: Option<Arc<str>>,
+    pub service_account: Arc<str>,
+    pub named_ports: Arc<[NamedPort]>,
     pub identity: NumericIdentity,
+}
+
+impl PodRecord {
+    /// The pod as a `PodInfo` again (`key`: its `namespace/name`).
+    pub fn info(&self, key: &str) -> PodInfo {
+        let name = key.split_once('/').map_or(key, |(_, n)| n);
+        PodInfo {
+            namespace: self.namespace.to_string(),
+            name: name.to_string(),
+            labels: self.labels.clone(),
+            ips: self.ips.to_vec(),
+            node: self.node.as_deref().map(str::to_string),
+            service_account: self.service_account.to_string(),
+            named_ports: self.named_ports.to_vec(),
+        }
+    }
+
+    /// Whether `info` says what this record holds.
+    fn holds(&self, info: &PodInfo) -> bool {
+        *self.namespace == *info.namespace
+            && self.labels == info.labels
+            && *self.ips == info.ips[..]
+            && self.node.as_deref() == info.node.as_deref()
+            && *self.service_account == *info.service_account
+            && *self.named_ports == info.named_ports[..]
+    }
+}
+
+/// One shared copy of each distinct value (namespace, node and service-account names; named
+/// port lists), dropped when the last pod holding it goes.
+#[derive(Debug, Default)]
+struct Interned {
+    strings: HashSet<Arc<str>>,
+    ports: HashSet<Arc<[NamedPort]>>,
+}
+
+impl Interned {
+    fn string(&mut self, s: &str) -> Arc<str> {
+        if let Some(a) = self.strings.get(s) {
+            return a.clone();
+        }
+        let a: Arc<str> = Arc::from(s);
+        self.strings.insert(a.clone());
+        a
+    }
+
+    fn ports(&mut self, p: &[NamedPort]) -> Arc<[NamedPort]> {
+        if let Some(a) = self.ports.get(p) {
+            return a.clone();
+        }
+        let a: Arc<[NamedPort]> = Arc::from(p);
+        self.ports.insert(a.clone());
+        a
+    }
+
+    /// A removed record's values (still held by it): the shared copies no other pod holds go.
+    fn forget(&mut self, r: &PodRecord) {
+        for s in [
+            Some(&r.namespace),
+            r.node.as_ref(),
+            Some(&r.service_account),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            if Arc::strong_count(s) <= 2 {
+                self.strings.remove(s);
+            }
+        }
+        if Arc::strong_count(&r.named_ports) <= 2 {
+            self.ports.remove(&r.named_ports);
+        }
+    }
 }
 
 /// What one change did.
@@ -63,6 +145,7 @@ pub struct ClusterIndex {
     pods: HashMap<String, Box<PodRecord>>,
     /// One copy of each distinct pod label map, shared by the pods that have it.
     label_maps: HashSet<Arc<BTreeMap<String, String>>>,
+    interned: Interned,
     nodes: BTreeMap<String, NodeInfo>,
 }
 
@@ -101,18 +184,27 @@ impl ClusterIndex {
 
     /// The identity labels of a pod: its own, its namespace's, its service account.
     pub fn pod_labels(&self, info: &PodInfo) -> Labels {
+        self.labels_for(&info.namespace, &info.labels, &info.service_account)
+    }
+
+    /// `pod_labels` of a pod the index holds.
+    pub fn record_labels(&self, r: &PodRecord) -> Labels {
+        self.labels_for(&r.namespace, &r.labels, &r.service_account)
+    }
+
+    fn labels_for(
+        &self,
+        namespace: &str,
+        labels: &BTreeMap<String, String>,
+        service_account: &str,
+    ) -> Labels {
         let empty = BTreeMap::new();
         let ns_labels = self
             .namespaces
-            .get(&info.namespace)
+            .get(namespace)
             .map(|n| &n.labels)
             .unwrap_or(&empty);
-        Labels::for_pod(
-            &info.namespace,
-            info.labels.as_ref(),
-            ns_labels,
-            Some(&info.service_account),
-        )
+        Labels::for_pod(namespace, labels, ns_labels, Some(service_account))
     }
 
     /// A pod's new state (`None`: it was deleted).
@@ -132,7 +224,7 @@ impl ClusterIndex {
         if let (Some(o), Some((ni, nl))) = (old, &new) {
             // Unchanged when the labels it has now still name the identity it holds (a
             // namespace's label change re-applies its pods with the same info).
-            if o.info == *ni && engine.identities().lookup_labels(nl) == Some(o.identity) {
+            if o.holds(ni) && engine.identities().lookup_labels(nl) == Some(o.identity) {
                 return change;
             }
         }
@@ -152,21 +244,31 @@ impl ClusterIndex {
             change
                 .affected
                 .extend(engine.endpoints_affected_by_identity(identity));
-            PodRecord { info, identity }
+            let interned = &mut self.interned;
+            PodRecord {
+                namespace: interned.string(&info.namespace),
+                labels: info.labels,
+                ips: info.ips.into_boxed_slice(),
+                node: info.node.as_deref().map(|n| interned.string(n)),
+                service_account: interned.string(&info.service_account),
+                named_ports: interned.ports(&info.named_ports),
+                identity,
+            }
         });
         if let Some(o) = &old {
             change
                 .affected
                 .extend(engine.endpoints_affected_by_identity(o.identity));
-            engine.remove_named_ports(o.identity, &o.info.named_ports);
-            for ip in &o.info.ips {
-                if !new_rec.as_ref().is_some_and(|n| n.info.ips.contains(ip)) {
+            engine.remove_named_ports(o.identity, &o.named_ports);
+            for ip in o.ips.iter() {
+                if !new_rec.as_ref().is_some_and(|n| n.ips.contains(ip)) {
                     engine.remove_endpoint_ip(*ip);
                     change.ipcache.push(IpcacheChange::Remove(IpNet::from(*ip)));
                 }
             }
             engine.release_identity(o.identity);
-            self.forget_labels(&o.info.labels);
+            self.forget_labels(&o.labels);
+            self.interned.forget(o);
         }
         if let Some(r) = new_rec {
             self.pods.insert(key.to_string(), Box::new(r));
@@ -201,8 +303,8 @@ impl ClusterIndex {
         let mut pods: Vec<(String, PodInfo)> = self
             .pods
             .iter()
-            .filter(|(_, p)| p.info.namespace == name)
-            .map(|(k, p)| (k.clone(), p.info.clone()))
+            .filter(|(_, p)| &*p.namespace == name)
+            .map(|(k, p)| (k.clone(), p.info(k)))
             .collect();
         pods.sort_by(|a, b| a.0.cmp(&b.0));
         let mut change = IndexChange::default();
@@ -320,7 +422,7 @@ mod tests {
         assert!(again.is_empty());
         // ... and one copy of their label map, dropped with the last pod that has it.
         let (a, a2) = (ix.pod("x/a").unwrap(), ix.pod("x/a2").unwrap());
-        assert!(Arc::ptr_eq(&a.info.labels, &a2.info.labels));
+        assert!(Arc::ptr_eq(&a.labels, &a2.labels));
         assert_eq!(ix.label_maps.len(), 1);
         ix.apply_pod(&mut engine, "x/a", None);
         assert_eq!(ix.label_maps.len(), 1, "x/a2 still has it");
@@ -372,7 +474,7 @@ mod tests {
             ix.pod("y/a").unwrap().identity,
         );
         assert!(ix
-            .pod_labels(&ix.pod("x/a").unwrap().info)
+            .record_labels(ix.pod("x/a").unwrap())
             .to_strings()
             .iter()
             .any(|l| l.contains("team=red")));
