@@ -274,8 +274,41 @@ fn start_agent(dir: &std::path::Path, kubeconfig: &std::path::Path, watch_pods: 
         .args(plain.get_args())
         .env("RUST_LOG", "info");
     let a = Agent::spawn_command(dir, socket, debug, &mut cmd);
-    a.wait_until("the agent is ready", || a.http_get("/readyz").0 == 200);
+    // A profiler slows the agent down: wait longer than the harness does.
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while a.http_get("/readyz").0 != 200 {
+        assert!(
+            Instant::now() < deadline,
+            "the wrapped agent never got ready"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
     a
+}
+
+/// With `CILIATE_BENCH_WRAP`, dropping the agent kills the wrapper, not the agent under it:
+/// stop the agent itself (SIGTERM, so the profiler writes its data) by its socket path.
+fn stop_wrapped(socket: &std::path::Path) {
+    let wanted = socket.to_string_lossy().to_string();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        let args: Vec<String> = cmdline
+            .split(|b| *b == 0)
+            .map(|a| String::from_utf8_lossy(a).to_string())
+            .collect();
+        // The agent itself (argv[0] is the binary), not the wrapper that names it.
+        let agent = args.first().is_some_and(|a| a.ends_with("/ciliate"))
+            && args.iter().any(|a| *a == wanted);
+        if agent {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGTERM,
+            );
+        }
+    }
 }
 
 fn main() {
@@ -577,7 +610,13 @@ fn main() {
         created + deleted,
         if watch_pods { "Pods" } else { "CiliateEndpointSlices" }
     );
+    let socket = agent.socket();
     drop(agent);
+    if std::env::var("CILIATE_BENCH_WRAP").is_ok() {
+        stop_wrapped(&socket);
+        // Give the profiler time to write its data before the bench (and its tempdir) go.
+        std::thread::sleep(Duration::from_secs(5));
+    }
 }
 
 /// How long the pod churn of the bench runs.

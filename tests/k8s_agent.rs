@@ -691,6 +691,41 @@ fn agents_learn_other_nodes_pods_from_the_slices_their_agents_write() {
         identity_of(&b, "10.250.9.5").is_none()
     });
 
+    // A pod listed by two nodes' slices (a StatefulSet pod recreated on node-7 while node-8's
+    // agent is gone): the slice that listed it last owns it; the stale one's deletion does not
+    // take it away.
+    let slice = |node: &str, ip: &str| {
+        json!({"apiVersion": "ciliate.io/v1alpha1", "kind": "CiliateEndpointSlice",
+            "metadata": {"name": format!("{node}.0"), "labels": {"ciliate.io/node": node}},
+            "spec": {"node": node, "profiles": [{"namespace": "x", "labels": {"app": "st"}}],
+                     "endpoints": [{"name": "st-0", "ips": [ip], "profile": 0}]}})
+    };
+    server
+        .apply_json(slice("node-8", "10.250.8.5"))
+        .expect("slice");
+    eventually("st-0 at its old address", || {
+        identity_of(&b, "10.250.8.5").is_some()
+    });
+    server
+        .apply_json(slice("node-7", "10.250.7.5"))
+        .expect("slice");
+    eventually("st-0 at its new address", || {
+        identity_of(&b, "10.250.7.5").is_some() && identity_of(&b, "10.250.8.5").is_none()
+    });
+    server
+        .delete_object(
+            "ciliate.io/v1alpha1",
+            "CiliateEndpointSlice",
+            "",
+            "node-8.0",
+        )
+        .expect("delete the stale slice");
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert!(
+        identity_of(&b, "10.250.7.5").is_some(),
+        "the stale slice's deletion took st-0 away"
+    );
+
     // A restarted agent adopts its node's slice: nothing is rewritten.
     let rv = slices_of(&kubectl, "node-1")[0]["metadata"]["resourceVersion"].clone();
     a.stop();
