@@ -300,8 +300,7 @@ fn stop_wrapped(socket: &std::path::Path) {
             .map(|a| String::from_utf8_lossy(a).to_string())
             .collect();
         // The agent itself (argv[0] is the binary), not the wrapper that names it.
-        let agent = args.first().is_some_and(|a| a.ends_with("/ciliate"))
-            && args.iter().any(|a| *a == wanted);
+        let agent = args.first().is_some_and(|a| a.ends_with("/ciliate")) && args.contains(&wanted);
         if agent {
             let _ = nix::sys::signal::kill(
                 nix::unistd::Pid::from_raw(pid),

@@ -144,7 +144,7 @@ fn bench_selector_cache(c: &mut Criterion) {
         .collect();
         cache.add_identity(&IdentityInfo {
             id: 256 + i,
-            labels: l,
+            labels: l.into(),
             cidr: None,
         });
     }
@@ -159,7 +159,7 @@ fn bench_selector_cache(c: &mut Criterion) {
     .collect();
     let info = IdentityInfo {
         id: 90_000,
-        labels,
+        labels: labels.into(),
         cidr: None,
     };
     let newly = cache.add_identity(&info);

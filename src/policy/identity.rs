@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::sync::Arc;
 
 use ipnet::IpNet;
 
@@ -54,7 +55,9 @@ pub fn reserved_name(id: NumericIdentity) -> Option<&'static str> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IdentityInfo {
     pub id: NumericIdentity,
-    pub labels: Labels,
+    /// Shared: the allocator, the selector cache and every copy of the info hold one label set
+    /// per identity.
+    pub labels: Arc<Labels>,
     /// Set for CIDR identities: the prefix they stand for.
     pub cidr: Option<IpNet>,
 }
@@ -76,7 +79,7 @@ impl IdentityInfo {
         .collect();
         IdentityInfo {
             id,
-            labels,
+            labels: Arc::new(labels),
             cidr: Some(prefix),
         }
     }
@@ -127,7 +130,8 @@ impl Allocation {
 #[derive(Debug, Clone)]
 pub struct IdentityAllocator {
     by_id: HashMap<NumericIdentity, (IdentityInfo, u32)>,
-    by_labels: HashMap<Labels, NumericIdentity>,
+    /// Keyed by the same shared label set as `by_id`'s info.
+    by_labels: HashMap<Arc<Labels>, NumericIdentity>,
     by_cidr: HashMap<IpNet, NumericIdentity>,
     next_cluster: NumericIdentity,
     next_local: NumericIdentity,
@@ -149,7 +153,7 @@ impl IdentityAllocator {
             next_local: 1,
         };
         for (id, name) in RESERVED {
-            let labels: Labels = [Label::reserved(name)].into_iter().collect();
+            let labels: Arc<Labels> = Arc::new([Label::reserved(name)].into_iter().collect());
             a.by_labels.insert(labels.clone(), *id);
             a.by_id.insert(
                 *id,
@@ -178,10 +182,11 @@ impl IdentityAllocator {
         }
         let id = self.next_cluster;
         self.next_cluster += 1;
+        let labels = Arc::new(labels.clone());
         self.by_labels.insert(labels.clone(), id);
         let info = IdentityInfo {
             id,
-            labels: labels.clone(),
+            labels,
             cidr: None,
         };
         self.by_id.insert(id, (info, 1));
@@ -201,13 +206,14 @@ impl IdentityAllocator {
         if self.by_id.contains_key(&id) {
             return Err(format!("identity {id} is taken by other labels"));
         }
+        let labels = Arc::new(labels.clone());
         self.by_labels.insert(labels.clone(), id);
         self.by_id.insert(
             id,
             (
                 IdentityInfo {
                     id,
-                    labels: labels.clone(),
+                    labels,
                     cidr: None,
                 },
                 1,
@@ -264,10 +270,9 @@ impl IdentityAllocator {
         let (info, _) = self.by_id.get_mut(&id)?;
         let prefix = info.cidr?;
         let mut fresh = IdentityInfo::cidr(id, prefix);
+        let labels = Arc::make_mut(&mut fresh.labels);
         for n in names {
-            fresh
-                .labels
-                .insert(Label::new(crate::policy::fqdn::SOURCE_FQDN, n, ""));
+            labels.insert(Label::new(crate::policy::fqdn::SOURCE_FQDN, n, ""));
         }
         *info = fresh;
         Some(info)

@@ -265,7 +265,7 @@ mod tests {
         let labels: Labels = pairs.iter().map(|(k, v)| Label::k8s(k, v)).collect();
         IdentityInfo {
             id,
-            labels,
+            labels: labels.into(),
             cidr: None,
         }
     }
