@@ -139,6 +139,10 @@ type Key = (Kind, String);
 pub struct WatchFeed {
     /// Hash of what was last sent, per object.
     known: HashMap<Key, u64>,
+    /// With `hashed_pod_keys`: pods' entries of `known`, by a 64-bit hash of the pod's key
+    /// (randomly keyed per process) instead of the key itself: 16 bytes and no allocation per
+    /// pod, for agents that track pod relists themselves (endpoint-slice mode).
+    pod_hashes: Option<(std::collections::hash_map::RandomState, HashMap<u64, u64>)>,
     /// Until the initial sync is complete: the latest state of each object.
     held: Option<BTreeMap<Key, (Item, Origin)>>,
     /// Services and their EndpointSlice backends, for `toServices`.
@@ -153,6 +157,7 @@ impl WatchFeed {
     pub fn new(lb: Option<Arc<ServiceLb>>) -> Self {
         WatchFeed {
             known: HashMap::new(),
+            pod_hashes: None,
             held: Some(BTreeMap::new()),
             tracker: ServiceTracker::default(),
             service_policies: BTreeMap::new(),
@@ -160,26 +165,53 @@ impl WatchFeed {
         }
     }
 
+    /// Pods are known by a hash of their key (see `pod_hashes`); `keys(Kind::Pod)` then
+    /// returns nothing: the caller tracks which pods a relist must delete.
+    pub fn with_hashed_pod_keys(mut self) -> Self {
+        self.pod_hashes = Some(Default::default());
+        self
+    }
+
+    /// Records `hash` as what was last sent of `(kind, key)` (`None`: gone). Returns the hash
+    /// it replaces.
+    fn remember(&mut self, kind: Kind, key: &str, hash: Option<u64>) -> Option<u64> {
+        if kind == Kind::Pod {
+            if let Some((state, pods)) = &mut self.pod_hashes {
+                use std::hash::BuildHasher;
+                let h = state.hash_one(key);
+                return match hash {
+                    Some(v) => pods.insert(h, v),
+                    None => pods.remove(&h),
+                };
+            }
+        }
+        let k = (kind, key.to_string());
+        match hash {
+            Some(v) => self.known.insert(k, v),
+            None => self.known.remove(&k),
+        }
+    }
+
     /// An object appeared or changed.
     pub fn upsert(&mut self, key: &str, item: Item, origin: Origin) -> Vec<ToRepo> {
-        let k = (item.kind(), key.to_string());
+        let kind = item.kind();
         let hash = item.content_hash();
-        if self.known.insert(k.clone(), hash) == Some(hash) {
+        if self.remember(kind, key, Some(hash)) == Some(hash) {
             return Vec::new();
         }
-        self.emit(k, Some((item, origin)))
+        self.emit((kind, key.to_string()), Some((item, origin)))
     }
 
     /// An object went away.
     pub fn delete(&mut self, kind: Kind, key: &str) -> Vec<ToRepo> {
-        let k = (kind, key.to_string());
-        if self.known.remove(&k).is_none() {
+        if self.remember(kind, key, None).is_none() {
             return Vec::new();
         }
-        self.emit(k, None)
+        self.emit((kind, key.to_string()), None)
     }
 
-    /// The objects of a kind sent so far (a relist deletes those it no longer holds).
+    /// The objects of a kind sent so far (a relist deletes those it no longer holds; pods
+    /// with `with_hashed_pod_keys`: none).
     pub fn keys(&self, kind: Kind) -> Vec<String> {
         let mut keys: Vec<String> = self
             .known
@@ -424,6 +456,42 @@ mod tests {
             ["ns+ y"],
             "after the sync, changes go at once"
         );
+    }
+
+    #[test]
+    fn pods_known_by_key_hash_are_deduped_and_deleted_the_same() {
+        let pod = |ip: &str| {
+            Item::Pod(PodInfo {
+                namespace: "x".into(),
+                name: "a".into(),
+                labels: Default::default(),
+                ips: vec![ip.parse().unwrap()],
+                node: Some("n2".into()),
+                service_account: "default".into(),
+                named_ports: vec![],
+            })
+        };
+        for hashed in [false, true] {
+            let mut f = WatchFeed::new(None);
+            if hashed {
+                f = f.with_hashed_pod_keys();
+            }
+            f.synced();
+            let o = || Origin::api(Kind::Pod, "x/a");
+            assert_eq!(f.upsert("x/a", pod("10.0.0.1"), o()).len(), 1);
+            assert!(
+                f.upsert("x/a", pod("10.0.0.1"), o()).is_empty(),
+                "unchanged"
+            );
+            assert_eq!(f.upsert("x/a", pod("10.0.0.2"), o()).len(), 1, "moved");
+            assert!(f.delete(Kind::Pod, "x/b").is_empty(), "never sent");
+            assert_eq!(f.keys(Kind::Pod).len(), usize::from(!hashed));
+            assert!(matches!(
+                f.delete(Kind::Pod, "x/a").as_slice(),
+                [ToRepo::PodDelete(d)] if d.key == "x/a"
+            ));
+            assert!(f.delete(Kind::Pod, "x/a").is_empty(), "already gone");
+        }
     }
 
     #[test]

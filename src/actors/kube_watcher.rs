@@ -236,6 +236,11 @@ impl KubeWatcherActor {
     ) -> Self {
         self.remote_pods = remote_pods;
         self.writer = writer;
+        if remote_pods == RemotePods::EndpointSlices {
+            // Pod relists concern this node's pods only, which `local_pods` tracks.
+            let feed = std::mem::replace(&mut self.feed, WatchFeed::new(None));
+            self.feed = feed.with_hashed_pod_keys();
+        }
         if let Ok(mut v) = self.shared.pod_source.lock() {
             v.remote_pods_from = remote_pods.as_str().into();
         }
