@@ -375,6 +375,27 @@ fn main() {
         hwm as f64 / 1024.0
     );
 
+    if std::env::var("CILIATE_BENCH_SYNC_LOG").is_ok_and(|v| v == "1") {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let t = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+        println!(
+            "  agent CPU until ready: user {:.2} s, system {:.2} s (clock ticks of 10 ms)",
+            t(11) / 100.0,
+            t(12) / 100.0
+        );
+        // Where the sync time went: the agent's own log lines of it.
+        for line in agent.log().lines().filter(|l| {
+            l.contains("listed")
+                || l.contains("initial sync")
+                || l.contains("ready")
+                || l.contains("regenerat")
+        }) {
+            println!("  agent: {line}");
+        }
+    }
+
     let policies = agent.json("/debug/policy");
     let accepted = policies["policies"].as_array().map_or(0, |p| {
         p.iter().filter(|p| p["status"] == "accepted").count()

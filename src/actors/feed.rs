@@ -25,7 +25,7 @@ use serde_yaml::Value;
 
 use super::policy_repo::{
     InitialSyncDone, NamespaceDelete, NamespaceUpsert, NodeDelete, NodeUpsert, PodDelete,
-    PodUpsert, PolicyDelete, PolicyRejected, PolicyRepoActor, PolicyUpsert,
+    PodUpsert, PodsUpsert, PolicyDelete, PolicyRejected, PolicyRepoActor, PolicyUpsert,
 };
 use crate::introspect::TracedAddr;
 use crate::objects::{EndpointSliceInfo, Kind, NamespaceInfo, NodeInfo, PodInfo, ServiceInfo};
@@ -93,6 +93,14 @@ impl Origin {
 
     /// An object from the API server.
     pub fn api(kind: Kind, key: &str) -> Origin {
+        if kind == Kind::Pod {
+            // A pod's origin is never shown (only policies report theirs): no allocation for
+            // each of a cluster's pods.
+            return Origin {
+                location: String::new(),
+                source: String::new(),
+            };
+        }
         Origin {
             location: format!("{kind} {key}"),
             source: "kubernetes".into(),
@@ -108,6 +116,8 @@ pub enum ToRepo {
     Node(NodeUpsert),
     NodeDelete(NodeDelete),
     Pod(PodUpsert),
+    /// Pods of the initial sync, batched.
+    Pods(PodsUpsert),
     PodDelete(PodDelete),
     Policy(PolicyUpsert),
     Rejected(PolicyRejected),
@@ -117,6 +127,17 @@ pub enum ToRepo {
 }
 
 impl ToRepo {
+    /// How many objects `msgs` carry (a batch counts its pods; `Synced` none).
+    pub fn objects(msgs: &[ToRepo]) -> usize {
+        msgs.iter()
+            .map(|m| match m {
+                ToRepo::Pods(b) => b.pods.len(),
+                ToRepo::Synced => 0,
+                _ => 1,
+            })
+            .sum()
+    }
+
     pub fn send(self, repo: &TracedAddr<PolicyRepoActor>, from: &'static str) {
         match self {
             ToRepo::Namespace(m) => repo.do_send(m, from),
@@ -124,6 +145,7 @@ impl ToRepo {
             ToRepo::Node(m) => repo.do_send(m, from),
             ToRepo::NodeDelete(m) => repo.do_send(m, from),
             ToRepo::Pod(m) => repo.do_send(m, from),
+            ToRepo::Pods(m) => repo.do_send(m, from),
             ToRepo::PodDelete(m) => repo.do_send(m, from),
             ToRepo::Policy(m) => repo.do_send(m, from),
             ToRepo::Rejected(m) => repo.do_send(m, from),
@@ -132,6 +154,9 @@ impl ToRepo {
         }
     }
 }
+
+/// Pods per message in the initial sync.
+const SYNC_BATCH: usize = 4096;
 
 /// An object: its kind and `namespace/name` (`name` when cluster-scoped).
 type Key = (Kind, String);
@@ -235,7 +260,16 @@ impl WatchFeed {
         };
         let mut out = Vec::new();
         for (k, state) in held {
-            out.extend(self.deliver(k, Some(state)));
+            for m in self.deliver(k, Some(state)) {
+                // The pods (most of a cluster) go in batches, not a message each.
+                match (m, out.last_mut()) {
+                    (ToRepo::Pod(p), Some(ToRepo::Pods(b))) if b.pods.len() < SYNC_BATCH => {
+                        b.pods.push(p.pod)
+                    }
+                    (ToRepo::Pod(p), _) => out.push(ToRepo::Pods(PodsUpsert { pods: vec![p.pod] })),
+                    (m, _) => out.push(m),
+                }
+            }
         }
         if let Some(lb) = &self.lb {
             lb.initial_sync_done();

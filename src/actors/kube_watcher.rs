@@ -664,7 +664,7 @@ impl KubeWatcherActor {
 
     fn finish_initial_sync(&mut self) {
         let out = self.feed.synced();
-        let n = out.len().saturating_sub(1);
+        let n = ToRepo::objects(&out);
         self.send_as(
             || format!("initial sync: {n} objects from the API server"),
             out,

@@ -588,7 +588,7 @@ impl Actor for PolicyRepoActor {
     type Context = Context<Self>;
 }
 traced_actor!(PolicyRepoActor:
-    PolicyUpsert, PolicyRejected, PolicyDelete, ManifestStatus, PodUpsert, PodDelete, NamespaceUpsert,
+    PolicyUpsert, PolicyRejected, PolicyDelete, ManifestStatus, PodUpsert, PodsUpsert, PodDelete, NamespaceUpsert,
     NamespaceDelete, NodeUpsert, NodeDelete, InitialSyncDone, AddEndpoint, DeleteEndpoint,
     FindEndpoint, ConfigureEndpoint, ListEndpoints, ListPodlessEndpoints, Shutdown, GetPolicies, GetIdentities, GetIpcacheView, RegenerateAll,
     LearnFqdn, ExpireFqdn, RestoreFqdn);
@@ -753,6 +753,33 @@ impl Handler<PodUpsert> for PolicyRepoActor {
         let key = msg.pod.key();
         let change = self.indexed(|ix, e| ix.apply_pod(e, &key, Some(msg.pod)));
         self.index_changed(format!("pod {key}"), change);
+    }
+}
+
+/// Pods of the initial sync, in one message (no per-pod message, reason or reaction).
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct PodsUpsert {
+    pub pods: Vec<PodInfo>,
+}
+traceable!(PodsUpsert, "PodsUpsert", |m| format!(
+    "{} pods",
+    m.pods.len()
+));
+
+impl Handler<PodsUpsert> for PolicyRepoActor {
+    type Result = ();
+    fn handle(&mut self, msg: PodsUpsert, _: &mut Context<Self>) {
+        let n = msg.pods.len();
+        let change = self.indexed(|ix, e| {
+            let mut all = IndexChange::default();
+            for pod in msg.pods {
+                let key = pod.key();
+                all.extend(ix.apply_pod(e, &key, Some(pod)));
+            }
+            all
+        });
+        self.index_changed(format!("{n} pods"), change);
     }
 }
 

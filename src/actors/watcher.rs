@@ -189,7 +189,7 @@ fn run_scanner(
                 Err(e) => tracing::error!(error = %e, "initial manifest scan failed"),
             }
             let out = feed.feed.synced();
-            let n = out.len().saturating_sub(1);
+            let n = ToRepo::objects(&out);
             let begun = feed.begin(format!(
                 "initial sync: {n} objects from the manifest directory"
             ));

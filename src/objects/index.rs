@@ -129,7 +129,7 @@ impl IndexChange {
         self.affected.is_empty() && self.ipcache.is_empty() && self.pods.is_empty()
     }
 
-    fn extend(&mut self, other: IndexChange) {
+    pub fn extend(&mut self, other: IndexChange) {
         self.affected.extend(other.affected);
         self.ipcache.extend(other.ipcache);
         self.pods.extend(other.pods);
