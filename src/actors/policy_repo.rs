@@ -23,7 +23,7 @@ use crate::introspect::TracedAddr;
 use crate::objects::index::{ClusterIndex, IndexChange};
 use crate::objects::{NamespaceInfo, NodeInfo, PodInfo};
 use crate::policy::engine::{NamedPort, PolicyEngine};
-use crate::policy::identity::{reserved_name, NumericIdentity};
+use crate::policy::identity::{reserved_name, Allocation, NumericIdentity};
 use crate::policy::labels::{Label, Labels};
 use crate::policy::rule::PolicyKey;
 use crate::policy::status::PolicyRecords;
@@ -352,7 +352,7 @@ impl PolicyRepoActor {
             return;
         }
         let IndexChange {
-            affected,
+            mut affected,
             mut ipcache,
             pods,
         } = change;
@@ -370,7 +370,7 @@ impl PolicyRepoActor {
             .endpoints
             .of_pods(&pods)
             .into_iter()
-            .filter(|id| self.refresh_endpoint_identity(*id, &mut ipcache))
+            .filter(|id| self.refresh_endpoint_identity(*id, &mut ipcache, &mut affected))
             .collect();
         self.react(
             Reaction::new(reason)
@@ -382,11 +382,13 @@ impl PolicyRepoActor {
     }
 
     /// Re-derives an endpoint's identity and named ports from its pod. Returns true when
-    /// either changed.
+    /// either changed. An identity this creates or frees adds the endpoints selecting it to
+    /// `affected`.
     fn refresh_endpoint_identity(
         &mut self,
         id: EndpointId,
         ipcache: &mut Vec<IpcacheChange>,
+        affected: &mut BTreeSet<NumericIdentity>,
     ) -> bool {
         let Some(entry) = self.endpoints.get(id) else {
             return false;
@@ -400,12 +402,19 @@ impl PolicyRepoActor {
         }
         let old = entry.record.identity;
         let mut engine = self.engine_mut();
-        let new_id = engine.allocate_identity(&labels).id();
+        let allocation = engine.allocate_identity(&labels);
+        let new_id = allocation.id();
+        if matches!(allocation, Allocation::New(_)) {
+            affected.extend(engine.endpoints_affected_by_identity(new_id));
+        }
         for ip in &entry.record.ips {
             engine.upsert_endpoint_ip(*ip, new_id);
             ipcache.push(IpcacheChange::Upsert(IpNet::from(*ip), new_id));
         }
         if let Some(o) = old {
+            if engine.identities().is_last_reference(o) {
+                affected.extend(engine.endpoints_affected_by_identity(o));
+            }
             engine.release_identity(o);
         }
         drop(engine);
@@ -562,6 +571,7 @@ impl PolicyRepoActor {
             return Ok(());
         }
         let mut ipcache = Vec::new();
+        let mut affected = BTreeSet::new();
         let pod_ips: Vec<IpAddr> = self
             .index
             .pod(&entry.record.name)
@@ -576,10 +586,17 @@ impl PolicyRepoActor {
                 }
             }
             if let Some(i) = entry.record.identity {
+                if engine.identities().is_last_reference(i) {
+                    affected.extend(engine.endpoints_affected_by_identity(i));
+                }
                 engine.release_identity(i);
             }
         }
-        self.react(Reaction::new(format!("endpoint {id} deleted")).ipcache(ipcache));
+        self.react(
+            Reaction::new(format!("endpoint {id} deleted"))
+                .affecting(affected)
+                .ipcache(ipcache),
+        );
         Ok(())
     }
 }
@@ -1010,8 +1027,10 @@ impl PolicyRepoActor {
     fn refresh_all_identities(&mut self) -> Vec<IpcacheChange> {
         let ids = self.endpoints.ids();
         let mut ipcache = Vec::new();
+        // Every endpoint regenerates after this: who else is affected does not matter.
+        let mut affected = BTreeSet::new();
         for id in ids {
-            self.refresh_endpoint_identity(id, &mut ipcache);
+            self.refresh_endpoint_identity(id, &mut ipcache, &mut affected);
         }
         ipcache
     }

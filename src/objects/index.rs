@@ -18,7 +18,7 @@ use ipnet::IpNet;
 
 use super::{NamespaceInfo, NodeInfo, PodInfo};
 use crate::policy::engine::{NamedPort, PolicyEngine};
-use crate::policy::identity::{NumericIdentity, IDENTITY_HOST, IDENTITY_REMOTE_NODE};
+use crate::policy::identity::{Allocation, NumericIdentity, IDENTITY_HOST, IDENTITY_REMOTE_NODE};
 use crate::policy::ipcache::IpcacheChange;
 use crate::policy::labels::Labels;
 
@@ -233,17 +233,22 @@ impl ClusterIndex {
         }
         let old = self.pods.remove(key);
         let new_rec = new.map(|(info, labels)| {
-            let identity = engine.allocate_identity(&labels).id();
-            engine.add_named_ports(identity, &info.named_ports);
+            let allocation = engine.allocate_identity(&labels);
+            let identity = allocation.id();
+            let ports_changed = engine.add_named_ports(identity, &info.named_ports);
             for ip in &info.ips {
                 engine.upsert_endpoint_ip(*ip, identity);
                 change
                     .ipcache
                     .push(IpcacheChange::Upsert(IpNet::from(*ip), identity));
             }
-            change
-                .affected
-                .extend(engine.endpoints_affected_by_identity(identity));
+            // Policy is by identity: another pod of an identity that exists (with named ports
+            // it already had) changes only the ipcache, not what any endpoint's policy says.
+            if matches!(allocation, Allocation::New(_)) || ports_changed {
+                change
+                    .affected
+                    .extend(engine.endpoints_affected_by_identity(identity));
+            }
             let interned = &mut self.interned;
             PodRecord {
                 namespace: interned.string(&info.namespace),
@@ -256,10 +261,13 @@ impl ClusterIndex {
             }
         });
         if let Some(o) = &old {
-            change
-                .affected
-                .extend(engine.endpoints_affected_by_identity(o.identity));
-            engine.remove_named_ports(o.identity, &o.named_ports);
+            // Likewise the old identity matters only when it goes away or loses named ports.
+            let ports_changed = engine.remove_named_ports(o.identity, &o.named_ports);
+            if ports_changed || engine.identities().is_last_reference(o.identity) {
+                change
+                    .affected
+                    .extend(engine.endpoints_affected_by_identity(o.identity));
+            }
             for ip in o.ips.iter() {
                 if !new_rec.as_ref().is_some_and(|n| n.ips.contains(ip)) {
                     engine.remove_endpoint_ip(*ip);
@@ -428,6 +436,48 @@ mod tests {
         assert_eq!(ix.label_maps.len(), 1, "x/a2 still has it");
         ix.apply_pod(&mut engine, "x/a2", None);
         assert!(ix.label_maps.is_empty());
+    }
+
+    #[test]
+    fn only_an_identity_that_appears_or_goes_away_affects_policy() {
+        let (mut ix, mut engine) = (ClusterIndex::default(), PolicyEngine::new());
+        let doc: serde_yaml::Value = serde_yaml::from_str(
+            "apiVersion: cilium.io/v2\nkind: CiliumNetworkPolicy\nmetadata: {name: p, namespace: x}\nspec:\n  endpointSelector: {matchLabels: {app: db}}\n  egress: [{toEndpoints: [{matchLabels: {app: web}}]}]\n",
+        )
+        .unwrap();
+        engine.upsert_policy(crate::policy::translate::parse_policy(&doc, "default", "t").unwrap());
+        ix.apply_pod(
+            &mut engine,
+            "x/db",
+            Some(mk_pod("x", "db", "db", "10.0.0.9")),
+        );
+        let db = ix.pod("x/db").unwrap().identity;
+        let web = |n: &str, ip: &str| Some(mk_pod("x", n, "web", ip));
+        // The first web pod brings its identity: db's policy must include it.
+        let c = ix.apply_pod(&mut engine, "x/w1", web("w1", "10.0.0.1"));
+        assert_eq!(c.affected, BTreeSet::from([db]));
+        // Another pod of that identity, an address change, a pod that goes while another
+        // holds the identity: the ipcache changes, no endpoint's policy does.
+        let c = ix.apply_pod(&mut engine, "x/w2", web("w2", "10.0.0.2"));
+        assert!(c.affected.is_empty() && !c.ipcache.is_empty(), "{c:?}");
+        let c = ix.apply_pod(&mut engine, "x/w2", web("w2", "10.0.0.3"));
+        assert!(c.affected.is_empty() && !c.ipcache.is_empty(), "{c:?}");
+        let c = ix.apply_pod(&mut engine, "x/w1", None);
+        assert!(c.affected.is_empty() && !c.ipcache.is_empty(), "{c:?}");
+        // New named ports on the identity do change what policy may say.
+        let mut named = mk_pod("x", "w3", "web", "10.0.0.4");
+        named.named_ports = vec![NamedPort {
+            name: "http".into(),
+            protocol: crate::policy::rule::PROTO_TCP,
+            port: 8080,
+        }];
+        let c = ix.apply_pod(&mut engine, "x/w3", Some(named));
+        assert_eq!(c.affected, BTreeSet::from([db]));
+        let c = ix.apply_pod(&mut engine, "x/w3", None);
+        assert_eq!(c.affected, BTreeSet::from([db]), "the named port went");
+        // The last pod of the identity goes: db's policy must drop it.
+        let c = ix.apply_pod(&mut engine, "x/w2", None);
+        assert_eq!(c.affected, BTreeSet::from([db]));
     }
 
     #[test]

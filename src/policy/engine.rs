@@ -364,27 +364,40 @@ impl PolicyEngine {
         out
     }
 
-    /// Registers named container ports of an endpoint with identity `id`.
-    pub fn add_named_ports(&mut self, id: NumericIdentity, ports: &[NamedPort]) {
+    /// Registers named container ports of an endpoint with identity `id`. Returns true when
+    /// the identity's named ports changed (a name now maps to a port it did not).
+    pub fn add_named_ports(&mut self, id: NumericIdentity, ports: &[NamedPort]) -> bool {
+        if ports.is_empty() {
+            return false;
+        }
         let m = self.named_ports.entry(id).or_default();
+        let mut changed = false;
         for p in ports {
-            *m.entry(p.name.clone())
+            let c = m
+                .entry(p.name.clone())
                 .or_default()
                 .entry((p.protocol, p.port))
-                .or_default() += 1;
+                .or_default();
+            changed |= *c == 0;
+            *c += 1;
         }
+        changed
     }
 
-    pub fn remove_named_ports(&mut self, id: NumericIdentity, ports: &[NamedPort]) {
+    /// Takes back `add_named_ports`. Returns true when the identity's named ports changed (a
+    /// name no longer maps to a port).
+    pub fn remove_named_ports(&mut self, id: NumericIdentity, ports: &[NamedPort]) -> bool {
         let Some(m) = self.named_ports.get_mut(&id) else {
-            return;
+            return false;
         };
+        let mut changed = false;
         for p in ports {
             if let Some(byport) = m.get_mut(&p.name) {
                 if let Some(c) = byport.get_mut(&(p.protocol, p.port)) {
                     *c -= 1;
                     if *c == 0 {
                         byport.remove(&(p.protocol, p.port));
+                        changed = true;
                     }
                 }
                 if byport.is_empty() {
@@ -395,6 +408,7 @@ impl PolicyEngine {
         if m.is_empty() {
             self.named_ports.remove(&id);
         }
+        changed
     }
 
     // ------------------------------------------------------------------ ipcache

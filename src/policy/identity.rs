@@ -243,6 +243,11 @@ impl IdentityAllocator {
     }
 
     /// Drops one reference. Returns the identity when this was the last one (it is gone now).
+    /// Whether releasing `id` once would free it (its last reference).
+    pub fn is_last_reference(&self, id: NumericIdentity) -> bool {
+        self.by_id.get(&id).is_some_and(|(_, rc)| *rc == 1)
+    }
+
     pub fn release(&mut self, id: NumericIdentity) -> Option<IdentityInfo> {
         let (_, rc) = self.by_id.get_mut(&id)?;
         if *rc == u32::MAX {
