@@ -575,6 +575,11 @@ fn main() {
         let t = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
         (t(11) + t(12)) / ticks
     };
+    // The agent at rest first: what it costs with no change at all (timers, GC).
+    let idle0 = (Instant::now(), cpu_s(pid));
+    std::thread::sleep(Duration::from_secs(5));
+    let idle = (cpu_s(pid) - idle0.1) / idle0.0.elapsed().as_secs_f64();
+    println!("agent at rest: {:.1}% of one core", idle * 100.0);
     let churn_start = Instant::now();
     let cpu0 = cpu_s(pid);
     let bytes0: u64 = server.watch_bytes().values().sum();

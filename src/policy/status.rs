@@ -61,6 +61,9 @@ impl PolicyStatus {
 pub struct PolicyRecords {
     policies: BTreeMap<PolicyKey, PolicyStatus>,
     manifest_errors: BTreeMap<String, String>,
+    /// How many of `policies` are rejected, kept as they change (the gauge is read after
+    /// every change of the cluster, and a cluster has thousands of policies).
+    rejected: usize,
 }
 
 impl PolicyRecords {
@@ -74,9 +77,11 @@ impl PolicyRecords {
             warnings: policy.warnings.clone(),
             ..PolicyStatus::new(&policy.key, source)
         };
-        self.policies
-            .insert((*policy.key).clone(), status)
-            .is_some()
+        let old = self.policies.insert((*policy.key).clone(), status);
+        if old.as_ref().is_some_and(|p| !p.is_accepted()) {
+            self.rejected -= 1;
+        }
+        old.is_some()
     }
 
     /// The accepted `key` holds from `revision`.
@@ -88,6 +93,10 @@ impl PolicyRecords {
 
     /// `key` failed validation; `enforced`: an earlier version stays in force.
     pub fn rejected(&mut self, key: &PolicyKey, error: &str, source: String, enforced: bool) {
+        let was_rejected = self.policies.get(key).is_some_and(|p| !p.is_accepted());
+        if !was_rejected {
+            self.rejected += 1;
+        }
         let entry = self
             .policies
             .entry(key.clone())
@@ -98,7 +107,9 @@ impl PolicyRecords {
     }
 
     pub fn deleted(&mut self, key: &PolicyKey) {
-        self.policies.remove(key);
+        if self.policies.remove(key).is_some_and(|p| !p.is_accepted()) {
+            self.rejected -= 1;
+        }
     }
 
     /// A manifest file was read (`None`) or could not be (its objects stay as they were).
@@ -110,7 +121,11 @@ impl PolicyRecords {
     }
 
     pub fn rejected_count(&self) -> usize {
-        self.policies.values().filter(|p| !p.is_accepted()).count()
+        debug_assert_eq!(
+            self.rejected,
+            self.policies.values().filter(|p| !p.is_accepted()).count()
+        );
+        self.rejected
     }
 
     pub fn policies(&self) -> impl Iterator<Item = &PolicyStatus> {
