@@ -37,9 +37,7 @@ use crate::introspect::{with_change, TracedAddr};
 use crate::k8s::crd::{CiliumClusterwideNetworkPolicy, CiliumNetworkPolicy};
 use crate::k8s::node::{desired_annotations, needs_update};
 use crate::k8s::slice_writer::LocalPod;
-use crate::k8s::slices::{
-    endpoint_hash, slice_pods_where, CiliateEndpointSlice, CiliateEndpointSliceSpec,
-};
+use crate::k8s::slices::{endpoint_hash, slice_pods_where, SliceObject};
 use crate::objects::{
     endpoint_slice_info, namespace_info, node_info, pod_info, service_info, NodeInfo,
 };
@@ -70,8 +68,9 @@ pub enum Object {
     EndpointSlice(Box<EndpointSlice>),
     Pod(Box<Pod>),
     Policy(Box<DynamicObject>),
-    /// A `CiliateEndpointSlice`, untyped (a malformed one is reported, not a failed list).
-    Slice(Box<DynamicObject>),
+    /// A `CiliateEndpointSlice`, its spec untyped (a malformed one is reported, not a failed
+    /// list).
+    Slice(Box<SliceObject>),
 }
 
 /// One watcher event for one resource.
@@ -288,11 +287,7 @@ impl KubeWatcherActor {
             me.clone(),
         );
         if self.slice_mode() {
-            let resource = ApiResource::erase::<CiliateEndpointSlice>(&());
-            spawn_slice_watch(
-                Api::<DynamicObject>::all_with(c.clone(), &resource),
-                me.clone(),
-            );
+            spawn_slice_watch(Api::<SliceObject>::all(c.clone()), me.clone());
         }
         // The policy kinds, untyped (validated by the agent itself, field by field).
         let np = ApiResource {
@@ -557,12 +552,10 @@ impl KubeWatcherActor {
             return None;
         };
         let name = o.metadata.name.clone()?;
-        let spec = match o.data.get("spec").cloned().map(serde_json::from_value) {
-            Some(Ok(spec)) => spec,
-            Some(Err(e)) => return self.bad_slice(name, format!("spec: {e}")),
-            None => return self.bad_slice(name, "spec: required".into()),
+        let spec = match o.spec_of() {
+            Ok(spec) => spec,
+            Err(e) => return self.bad_slice(name, e),
         };
-        let spec: CiliateEndpointSliceSpec = spec;
         if spec.node == self.shared.node_name {
             // This node's own: its pods come from the Pod watch.
             return Some(name);
@@ -790,7 +783,8 @@ fn convert(resource: Watched, obj: &Object) -> Result<(String, Option<Item>), (S
         Object::Service(o) => &o.metadata,
         Object::EndpointSlice(o) => &o.metadata,
         Object::Pod(o) => &o.metadata,
-        Object::Policy(o) | Object::Slice(o) => &o.metadata,
+        Object::Policy(o) => &o.metadata,
+        Object::Slice(o) => &o.metadata,
     };
     let key = object_key(meta);
     let named = |e: String| (key.clone(), e);
@@ -875,7 +869,7 @@ fn spawn_watch_with<K>(
 }
 
 /// Runs the `CiliateEndpointSlice` watcher in a task.
-fn spawn_slice_watch(api: Api<DynamicObject>, me: TracedAddr<KubeWatcherActor>) {
+fn spawn_slice_watch(api: Api<SliceObject>, me: TracedAddr<KubeWatcherActor>) {
     run_watch(
         api,
         watcher::Config::default(),

@@ -129,6 +129,53 @@ pub struct PodSourceView {
     pub last_error: Option<String>,
 }
 
+/// A `CiliateEndpointSlice` as an agent reads others': its metadata and its spec left
+/// untyped, so that one malformed slice is reported by itself (`SliceObject::spec_of`)
+/// instead of failing the list it came in. (Not `DynamicObject`: its flattened fields make
+/// serde buffer every object twice, and slices are most of what an agent lists.)
+#[derive(Clone, Debug, Deserialize, Serialize)]
+pub struct SliceObject {
+    pub metadata: kube::core::ObjectMeta,
+    #[serde(default)]
+    pub spec: Option<serde_json::Value>,
+}
+
+impl SliceObject {
+    /// The typed spec, or what is wrong with it (by field).
+    pub fn spec_of(&self) -> Result<CiliateEndpointSliceSpec, String> {
+        match &self.spec {
+            Some(spec) => {
+                CiliateEndpointSliceSpec::deserialize(spec).map_err(|e| format!("spec: {e}"))
+            }
+            None => Err("spec: required".into()),
+        }
+    }
+}
+
+impl kube::Resource for SliceObject {
+    type DynamicType = ();
+    type Scope = kube::core::ClusterResourceScope;
+
+    fn kind(_: &()) -> std::borrow::Cow<'_, str> {
+        <CiliateEndpointSlice as kube::Resource>::kind(&())
+    }
+    fn group(_: &()) -> std::borrow::Cow<'_, str> {
+        <CiliateEndpointSlice as kube::Resource>::group(&())
+    }
+    fn version(_: &()) -> std::borrow::Cow<'_, str> {
+        <CiliateEndpointSlice as kube::Resource>::version(&())
+    }
+    fn plural(_: &()) -> std::borrow::Cow<'_, str> {
+        <CiliateEndpointSlice as kube::Resource>::plural(&())
+    }
+    fn meta(&self) -> &kube::core::ObjectMeta {
+        &self.metadata
+    }
+    fn meta_mut(&mut self) -> &mut kube::core::ObjectMeta {
+        &mut self.metadata
+    }
+}
+
 /// The CRD, for `manifests/crds/` and the test API server.
 pub fn crd() -> CustomResourceDefinition {
     CiliateEndpointSlice::crd()
