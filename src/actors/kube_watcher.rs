@@ -318,9 +318,10 @@ impl KubeWatcherActor {
         }
     }
 
-    fn on_change(&mut self, resource: Watched, change: Change) {
+    /// Counts a watch event (or error) of `resource` in the metrics.
+    fn count_event(&self, resource: &str, change: &Change) {
         let labels = crate::metrics::ResourceLabels {
-            resource: resource.name().to_string(),
+            resource: resource.to_string(),
         };
         let family = if matches!(change, Change::Error(_)) {
             &self.shared.metrics.k8s_watch_errors
@@ -328,6 +329,10 @@ impl KubeWatcherActor {
             &self.shared.metrics.k8s_watch_events
         };
         family.get_or_create(&labels).inc();
+    }
+
+    fn on_change(&mut self, resource: Watched, change: Change) {
+        self.count_event(resource.name(), &change);
         match change {
             Change::Init => {
                 self.relisting.insert(resource, HashSet::new());
@@ -484,15 +489,7 @@ impl KubeWatcherActor {
     }
 
     fn on_slice_change(&mut self, change: Change) {
-        let labels = crate::metrics::ResourceLabels {
-            resource: "CiliateEndpointSlice".to_string(),
-        };
-        let family = if matches!(change, Change::Error(_)) {
-            &self.shared.metrics.k8s_watch_errors
-        } else {
-            &self.shared.metrics.k8s_watch_events
-        };
-        family.get_or_create(&labels).inc();
+        self.count_event("CiliateEndpointSlice", &change);
         match change {
             Change::Init => self.slices.relisting = Some(HashSet::new()),
             Change::InitApply(obj) => {
