@@ -667,6 +667,14 @@ fn services_across_nodes_in_kubernetes_mode_are_translated_before_egress_policy(
             && v.as_array()
                 .is_some_and(|e| e.iter().all(|e| e["state"] == "ready"))
     });
+    // Node 1 knows the other nodes' pods once their agents' endpoint slices reached it.
+    eventually("node 1 knows the backends on nodes 2 and 3", || {
+        let body = ciliate::client::request(&c.nodes[0].socket(), "GET", "/v1/ipcache", None)
+            .unwrap_or_default();
+        [dns.addr, b1.addr, cc.addr]
+            .iter()
+            .all(|ip| body.contains(&format!("\"{ip}/32\"")))
+    });
 
     // DNS through the kube-dns ClusterIP: the reply appears to come from the ClusterIP.
     let r = client(&a.netns, &cgroup, "dns:www.example.test", to(10, 53));
