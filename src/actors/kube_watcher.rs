@@ -605,8 +605,7 @@ impl KubeWatcherActor {
             .map(|k| k.to_string())
             .collect();
         let mut out = Vec::new();
-        for (_, pod) in pods {
-            let key = pod.key();
+        for (key, pod) in pods {
             let h = self.slices.key_hash(&key);
             self.slices.owner.insert(h, id);
             out.extend(

@@ -14,14 +14,14 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
-use kube::api::{Api, DeleteParams, DynamicObject, ListParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kube::core::ObjectMeta;
 use kube::Resource;
 use tokio::sync::mpsc;
 
 use super::slices::{
-    CiliateEndpointSlice, CiliateEndpointSliceSpec, PodSourceView, SliceBook, SliceWrite,
-    NODE_LABEL,
+    CiliateEndpointSlice, CiliateEndpointSliceSpec, PodSourceView, SliceBook, SliceObject,
+    SliceWrite, NODE_LABEL,
 };
 use crate::objects::PodInfo;
 
@@ -99,7 +99,7 @@ pub async fn run_slice_writer(
         }
         if let Ok(mut v) = view.lock() {
             v.slices_written = book.slice_count();
-            v.local_pods = book.keys().len();
+            v.local_pods = book.len();
             if !failed {
                 v.last_error = None;
             }
@@ -145,27 +145,21 @@ fn note_error(view: &Arc<Mutex<PodSourceView>>, error: String) {
     }
 }
 
-/// This node's slices as the API server holds them. Untyped, so that a slice someone broke is
-/// replaced rather than blocking the list (it reads as empty and is rewritten).
+/// This node's slices as the API server holds them. Read as `SliceObject`s, so that a slice
+/// someone broke is replaced rather than blocking the list (it reads as empty and is rewritten).
 async fn list_own(
     client: &kube::Client,
     node: &str,
 ) -> Result<Vec<(String, CiliateEndpointSliceSpec)>, kube::Error> {
-    let resource = kube::api::ApiResource::erase::<CiliateEndpointSlice>(&());
-    let api: Api<DynamicObject> = Api::all_with(client.clone(), &resource);
+    let api: Api<SliceObject> = Api::all(client.clone());
     let lp = ListParams::default().labels(&format!("{NODE_LABEL}={node}"));
     let list = api.list(&lp).await?;
     Ok(list
         .items
         .into_iter()
         .filter_map(|o| {
-            let name = o.metadata.name?;
-            let spec = o
-                .data
-                .get("spec")
-                .and_then(|s| serde_json::from_value(s.clone()).ok())
-                .unwrap_or_default();
-            Some((name, spec))
+            let spec = o.spec_of().unwrap_or_default();
+            Some((o.metadata.name?, spec))
         })
         .collect())
 }

@@ -263,12 +263,13 @@ pub fn endpoint_hash(
 }
 
 /// Validates the whole slice, then builds the pods of the endpoints `want` selects (called
-/// with each endpoint's index and `namespace/name`), with their indices.
+/// with each endpoint's index and `namespace/name`), each with its `namespace/name` (the key
+/// the caller files it under, made once).
 pub fn slice_pods_where(
     spec: &CiliateEndpointSliceSpec,
     mut shared_labels: impl FnMut(Arc<BTreeMap<String, String>>) -> Arc<BTreeMap<String, String>>,
     mut want: impl FnMut(usize, &str) -> bool,
-) -> Result<Vec<(usize, PodInfo)>, String> {
+) -> Result<Vec<(String, PodInfo)>, String> {
     if spec.node.is_empty() {
         return Err("spec.node: required".into());
     }
@@ -343,7 +344,7 @@ pub fn slice_pods_where(
             .get_or_insert_with(|| shared_labels(Arc::new(source.labels.clone())))
             .clone();
         pods.push((
-            i,
+            key,
             PodInfo {
                 namespace: source.namespace.clone(),
                 name: e.name.clone(),
@@ -465,6 +466,15 @@ impl SliceBook {
             }
             self.dirty.insert(index);
         }
+    }
+
+    /// How many local pods the book holds.
+    pub fn len(&self) -> usize {
+        self.placement.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.placement.is_empty()
     }
 
     /// The keys of the local pods the book holds.
