@@ -84,6 +84,10 @@ pub struct Metrics {
     pub dns_proxy_processing: Histogram,
     /// Names in the FQDN cache.
     pub fqdn_cache_entries: Gauge,
+    /// Address claims refused or outranked (`objects::addresses`): another node's slice naming
+    /// this node's pod or a node address, a special address, an address outside its node's
+    /// pod CIDRs.
+    pub address_conflicts: Counter,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -131,7 +135,13 @@ impl Metrics {
             dns_proxy_requests: Family::default(),
             dns_proxy_processing: Histogram::new(exponential_buckets(0.00001, 2.0, 20)),
             fqdn_cache_entries: Gauge::default(),
+            address_conflicts: Counter::default(),
         };
+        r.register(
+            "ciliate_address_conflicts",
+            "Pod address claims not applied: refused (never a pod address, wrong pod CIDR) or held by a higher-ranked source (this node's pods, a node)",
+            m.address_conflicts.clone(),
+        );
         r.register(
             "ciliate_dns_proxy_requests",
             "DNS queries the DNS proxy decided, by verdict (forwarded, refused)",

@@ -749,3 +749,206 @@ fn agents_learn_other_nodes_pods_from_the_slices_their_agents_write() {
         identity_of(&b, "10.250.0.5").is_none()
     });
 }
+
+/// A CiliateEndpointSlice as another node's agent (or anyone who can write one) would write it.
+fn slice_json(name: &str, label: &str, node: &str, app: &str, eps: &[(&str, &str)]) -> Value {
+    let endpoints: Vec<Value> = eps
+        .iter()
+        .map(|(n, ip)| json!({"name": n, "ips": [ip], "profile": 0}))
+        .collect();
+    json!({"apiVersion": "ciliate.io/v1alpha1", "kind": "CiliateEndpointSlice",
+        "metadata": {"name": name, "labels": {"ciliate.io/node": label}},
+        "spec": {"node": node, "profiles": [{"namespace": "x", "labels": {"app": app}}],
+                 "endpoints": endpoints}})
+}
+
+/// Security (#26, defects 1 and 2): a slice from another node (or from anyone who can write
+/// one) never re-labels this node's pods: `x/a`'s address keeps `x/a`'s identity, so `b`'s
+/// policy (port 22 from `app=admin` only) still drops `a` on real traffic, before and after the
+/// slice goes. A slice speaks only for pods of the node it names, in that node's pod CIDRs and
+/// outside this node's; node addresses and special addresses are never pod addresses. Each
+/// refusal is reported by field and counted.
+#[test]
+fn another_nodes_slice_never_relabels_a_local_pod_nor_claims_node_or_special_addresses() {
+    let Some(w) = privileged_two_pods(&[22]) else {
+        return;
+    };
+    let (a, b) = (&w.pods[0], &w.pods[1]);
+    let (a_ip, b_ip) = (a.addr.to_string(), b.addr.to_string());
+    let (server, tmp, kubectl) = api_server();
+    seed_cluster(
+        &server,
+        &kubectl,
+        &[pod("a", "a", &a_ip), pod("b", "b", &b_ip)],
+    );
+    server
+        .apply_json(
+            json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-2"},
+            "spec": {"podCIDRs": ["10.250.8.0/24"]},
+            "status": {"addresses": [{"type": "InternalIP", "address": "172.31.7.3"}]}}),
+        )
+        .expect("node-2");
+    let pins = w.pins.to_string_lossy().to_string();
+    let agent = Agent::start_kubernetes(
+        tmp.path(),
+        &kubectl.kubeconfig,
+        &["--datapath", "bpf", "--bpf-root", &pins],
+    );
+    add_endpoint(&agent, "x/a", &a_ip, Some(&a.host_if));
+    add_endpoint(&agent, "x/b", &b_ip, Some(&b.host_if));
+    kubectl.apply(&allow_port("b-from-admin", "b", "admin", 22));
+    eventually("b:22 is closed to a", || !tcp_ok(&a.netns, b.addr, 22));
+    let id_a = identity_of(&agent, &a_ip).expect("a's identity");
+
+    // node-3's slice (no Node object, so no pod CIDR to check it against): a's address under
+    // a pod labelled app=admin, next to a pod of its own.
+    server
+        .apply_json(slice_json(
+            "node-3.1",
+            "node-3",
+            "node-3",
+            "admin",
+            &[("evil", &a_ip), ("own", "10.250.3.9")],
+        ))
+        .expect("slice");
+    // node-2's: an address in this node's pod CIDR, one outside node-2's, one pod of its own.
+    server
+        .apply_json(slice_json(
+            "node-2.0",
+            "node-2",
+            "node-2",
+            "admin",
+            &[
+                ("in-my-cidr", "10.250.7.99"),
+                ("out-of-theirs", "10.250.9.9"),
+                ("ok", "10.250.8.7"),
+            ],
+        ))
+        .expect("slice");
+    eventually("node-2's and node-3's own pods are known", || {
+        identity_of(&agent, "10.250.8.7").is_some() && identity_of(&agent, "10.250.3.9").is_some()
+    });
+    assert_eq!(identity_of(&agent, &a_ip), Some(id_a), "a was re-labelled");
+    assert!(labels_of(&agent, &a_ip).is_some_and(|l| l.contains(&"k8s:app=a".to_string())));
+    for _ in 0..3 {
+        assert!(!tcp_ok(&a.netns, b.addr, 22), "a reached b:22 as admin");
+    }
+    assert_eq!(identity_of(&agent, "10.250.7.99"), None);
+    assert_eq!(identity_of(&agent, "10.250.9.9"), None);
+    let log = agent.log();
+    for want in [
+        format!("pod x/evil on node node-3: address {a_ip} is held by "),
+        "x/a, which outranks it; not taken".to_string(),
+        "pod x/in-my-cidr on node node-2: address 10.250.7.99 is in this node's (node-1) pod CIDR 10.250.7.0/24".to_string(),
+        "pod x/out-of-theirs on node node-2: address 10.250.9.9 is outside node node-2's pod CIDRs (10.250.8.0/24)".to_string(),
+    ] {
+        assert!(log.contains(&want), "not reported: {want}\n{log}");
+    }
+    let (_, metrics) = agent.http_get("/metrics");
+    let conflicts = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("ciliate_address_conflicts_total "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .expect("ciliate_address_conflicts_total");
+    assert!(conflicts >= 3.0, "{metrics}");
+
+    // Deleting the slice leaves a as it is (its own claim never went away).
+    server
+        .delete_object(
+            "ciliate.io/v1alpha1",
+            "CiliateEndpointSlice",
+            "",
+            "node-3.1",
+        )
+        .expect("delete slice");
+    eventually("node-3's pod gone with the slice", || {
+        identity_of(&agent, "10.250.3.9").is_none()
+    });
+    assert_eq!(identity_of(&agent, &a_ip), Some(id_a));
+    assert!(!tcp_ok(&a.netns, b.addr, 22));
+
+    // Node addresses stay the node's (node-3 has no Node object, so no pod CIDR to check):
+    // this node's InternalIP stays host (1), node-2's stays remote-node (6).
+    server
+        .apply_json(slice_json(
+            "node-3.0",
+            "node-3",
+            "node-3",
+            "admin",
+            &[
+                ("n1", "172.31.7.2"),
+                ("n2", "172.31.7.3"),
+                ("fine", "10.250.3.3"),
+            ],
+        ))
+        .expect("slice");
+    eventually("node-3's own pod is known", || {
+        identity_of(&agent, "10.250.3.3").is_some()
+    });
+    assert_eq!(identity_of(&agent, "172.31.7.2"), Some(1), "host moved");
+    assert_eq!(
+        identity_of(&agent, "172.31.7.3"),
+        Some(6),
+        "remote-node moved"
+    );
+    assert!(agent
+        .log()
+        .contains("pod x/n1 on node node-3: address 172.31.7.2 is held by node node-1"));
+
+    // Special addresses refuse the whole slice by field; its last good version stays.
+    for (i, special) in ["0.0.0.0", "255.255.255.255", "::", "127.0.0.1", "224.0.0.5"]
+        .iter()
+        .enumerate()
+    {
+        server
+            .apply_json(slice_json(
+                "node-3.0",
+                "node-3",
+                "node-3",
+                "admin",
+                &[("fine", "10.250.3.3"), ("bad", special)],
+            ))
+            .expect("slice");
+        let want = format!("spec.endpoints[1].ips[0]: \"{special}\" is");
+        eventually(&format!("{special} reported by field ({i})"), || {
+            agent.log().contains(&want)
+        });
+        assert!(
+            identity_of(&agent, special).is_none(),
+            "{special} in the ipcache"
+        );
+        assert!(identity_of(&agent, "10.250.3.3").is_some());
+    }
+
+    // A slice whose label, name and spec.node disagree is refused whole.
+    server
+        .apply_json(slice_json(
+            "node-4.0",
+            "node-4",
+            "node-5",
+            "admin",
+            &[("liar", "10.250.5.5")],
+        ))
+        .expect("slice");
+    eventually("the label mismatch is reported", || {
+        agent.log().contains(
+            "metadata.labels[ciliate.io/node]: \"node-4\" does not match spec.node \"node-5\"",
+        )
+    });
+    assert_eq!(identity_of(&agent, "10.250.5.5"), None);
+    server
+        .apply_json(slice_json(
+            "node-4.0",
+            "node-5",
+            "node-5",
+            "admin",
+            &[("liar", "10.250.5.5")],
+        ))
+        .expect("slice");
+    eventually("the name mismatch is reported", || {
+        agent
+            .log()
+            .contains("metadata.name: \"node-4.0\" is not <spec.node>.<n>")
+    });
+    assert_eq!(identity_of(&agent, "10.250.5.5"), None);
+}

@@ -37,7 +37,7 @@ use crate::introspect::{with_change, TracedAddr};
 use crate::k8s::crd::{CiliumClusterwideNetworkPolicy, CiliumNetworkPolicy};
 use crate::k8s::node::{desired_annotations, needs_update};
 use crate::k8s::slice_writer::LocalPod;
-use crate::k8s::slices::{endpoint_hash, slice_pods_where, SliceObject};
+use crate::k8s::slices::{check_slice_node, endpoint_hash, slice_pods_where, SliceObject};
 use crate::objects::{
     endpoint_slice_info, namespace_info, node_info, pod_info, service_info, NodeInfo,
 };
@@ -556,6 +556,9 @@ impl KubeWatcherActor {
         if spec.node == self.shared.node_name {
             // This node's own: its pods come from the Pod watch.
             return Some(name);
+        }
+        if let Err(e) = check_slice_node(&name, o.metadata.labels.as_ref(), &spec) {
+            return self.bad_slice(name, e);
         }
         let next = self.slices.next_id;
         let id = *self.slices.ids.entry(name.clone()).or_insert(next);

@@ -9,7 +9,6 @@ use std::net::IpAddr;
 use std::time::Instant;
 
 use actix::{Actor, Context, Handler, Message};
-use ipnet::IpNet;
 use serde::Serialize;
 
 use super::endpoint::{Delete, EndpointActor, EndpointModel, Regenerate, SetAudit, SetIdentity};
@@ -227,10 +226,10 @@ impl PolicyRepoActor {
         reaction: TracedAddr<RuleReactionActor>,
     ) -> Self {
         PolicyRepoActor {
+            index: ClusterIndex::for_node(&shared.node_name),
             shared,
             loader,
             reaction,
-            index: ClusterIndex::default(),
             endpoints: Registry::default(),
             statuses: PolicyRecords::default(),
             initial_sync_done: false,
@@ -355,17 +354,10 @@ impl PolicyRepoActor {
             mut affected,
             mut ipcache,
             pods,
+            conflicts,
         } = change;
-        for c in &ipcache {
-            if let IpcacheChange::Remove(net) = c {
-                self.shared.pod_names.remove(&net.addr());
-            }
-        }
-        for key in &pods {
-            for ip in self.index.pod(key).into_iter().flat_map(|p| p.ips.iter()) {
-                self.shared.pod_names.insert(*ip, key.clone());
-            }
-        }
+        self.report_conflicts(&reason, conflicts);
+        self.name_addresses(&ipcache);
         let changed: Vec<EndpointId> = self
             .endpoints
             .of_pods(&pods)
@@ -379,6 +371,32 @@ impl PolicyRepoActor {
                 .forced()
                 .ipcache(ipcache),
         );
+    }
+
+    /// Addresses the index refused or that a higher-ranked source holds: logged and counted,
+    /// never applied.
+    fn report_conflicts(&self, reason: &str, conflicts: Vec<String>) {
+        for c in conflicts {
+            tracing::warn!(change = %reason, conflict = %c, "address claim not applied");
+            self.shared.metrics.address_conflicts.inc();
+        }
+    }
+
+    /// The monitor's pod names follow who holds each changed address.
+    fn name_addresses(&self, ipcache: &[IpcacheChange]) {
+        for c in ipcache {
+            let ip = match c {
+                IpcacheChange::Upsert(net, _) | IpcacheChange::Remove(net) => net.addr(),
+            };
+            match self.index.holder(ip).and_then(|h| h.holder.pod()) {
+                Some(key) => {
+                    self.shared.pod_names.insert(ip, key.to_string());
+                }
+                None => {
+                    self.shared.pod_names.remove(&ip);
+                }
+            }
+        }
     }
 
     /// Re-derives an endpoint's identity and named ports from its pod. Returns true when
@@ -401,16 +419,18 @@ impl PolicyRepoActor {
             return false;
         }
         let old = entry.record.identity;
-        let mut engine = self.engine_mut();
+        let (key, ips) = (entry.record.name.clone(), entry.record.ips.clone());
+        let engine = self.shared.engine.clone();
+        let mut engine = match engine.write() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
         let allocation = engine.allocate_identity(&labels);
         let new_id = allocation.id();
         if matches!(allocation, Allocation::New(_)) {
             affected.extend(engine.endpoints_affected_by_identity(new_id));
         }
-        for ip in &entry.record.ips {
-            engine.upsert_endpoint_ip(*ip, new_id);
-            ipcache.push(IpcacheChange::Upsert(IpNet::from(*ip), new_id));
-        }
+        ipcache.extend(self.index.claim_endpoint(&mut engine, &key, &ips, new_id));
         if let Some(o) = old {
             if engine.identities().is_last_reference(o) {
                 affected.extend(engine.endpoints_affected_by_identity(o));
@@ -528,11 +548,7 @@ impl PolicyRepoActor {
             }
         };
         if let Some(ident) = identity {
-            let mut engine = self.engine_mut();
-            for ip in &req.ips {
-                engine.upsert_endpoint_ip(*ip, ident);
-                ipcache.push(IpcacheChange::Upsert(IpNet::from(*ip), ident));
-            }
+            ipcache = self.indexed(|ix, e| ix.claim_endpoint(e, &key, &req.ips, ident));
         }
         let record = EndpointRecord {
             id,
@@ -570,21 +586,12 @@ impl PolicyRepoActor {
         if keep_datapath {
             return Ok(());
         }
-        let mut ipcache = Vec::new();
         let mut affected = BTreeSet::new();
-        let pod_ips: Vec<IpAddr> = self
-            .index
-            .pod(&entry.record.name)
-            .map(|p| p.ips.to_vec())
-            .unwrap_or_default();
+        // The pod's own claim (if it is still listed) keeps the addresses.
+        let ipcache =
+            self.indexed(|ix, e| ix.release_endpoint(e, &entry.record.name, &entry.record.ips));
         {
             let mut engine = self.engine_mut();
-            for ip in &entry.record.ips {
-                if !pod_ips.contains(ip) {
-                    engine.remove_endpoint_ip(*ip);
-                    ipcache.push(IpcacheChange::Remove(IpNet::from(*ip)));
-                }
-            }
             if let Some(i) = entry.record.identity {
                 if engine.identities().is_last_reference(i) {
                     affected.extend(engine.endpoints_affected_by_identity(i));

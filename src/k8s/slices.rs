@@ -241,6 +241,38 @@ pub fn slice_spec<'a>(
     spec
 }
 
+/// Whether a slice speaks only for the node it names: its `ciliate.io/node` label and its
+/// name (`<node>.<n>`, as `slice_name` makes them) must agree with `spec.node`. The label is
+/// what RBAC and the admission policy (`manifests/slice-admission.yaml`) check against the
+/// writer's node; a slice whose parts disagree is refused whole (by field).
+pub fn check_slice_node(
+    name: &str,
+    labels: Option<&BTreeMap<String, String>>,
+    spec: &CiliateEndpointSliceSpec,
+) -> Result<(), String> {
+    let label = labels.and_then(|l| l.get(NODE_LABEL));
+    match label {
+        None => return Err(format!("metadata.labels[{NODE_LABEL}]: required")),
+        Some(l) if *l != spec.node => {
+            return Err(format!(
+                "metadata.labels[{NODE_LABEL}]: {l:?} does not match spec.node {:?}",
+                spec.node
+            ))
+        }
+        Some(_) => {}
+    }
+    let index = name
+        .strip_prefix(spec.node.as_str())
+        .and_then(|rest| rest.strip_prefix('.'));
+    match index {
+        Some(n) if !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) => Ok(()),
+        _ => Err(format!(
+            "metadata.name: {name:?} is not <spec.node>.<n> for spec.node {:?}",
+            spec.node
+        )),
+    }
+}
+
 /// The pods a slice lists, or what is wrong with it (by field). `shared_labels` lets the
 /// caller keep one copy of each label map (`objects::LabelInterner`).
 pub fn slice_pods(
@@ -325,6 +357,11 @@ pub fn slice_pods_where(
             let a: IpAddr = ip.parse().map_err(|_| {
                 format!("spec.endpoints[{i}].ips[{j}]: {ip:?} is not an IP address")
             })?;
+            if let Some(why) = crate::objects::addresses::not_a_pod_address(a) {
+                return Err(format!(
+                    "spec.endpoints[{i}].ips[{j}]: {ip:?} is {why}, never a pod address"
+                ));
+            }
             if !ips.contains(&a) {
                 ips.push(a);
             }
@@ -559,6 +596,82 @@ impl SliceBook {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_slice_speaks_only_for_the_node_its_label_and_name_give() {
+        let spec = CiliateEndpointSliceSpec {
+            node: "node-2".into(),
+            ..Default::default()
+        };
+        let labels = |n: &str| BTreeMap::from([(NODE_LABEL.to_string(), n.to_string())]);
+        assert_eq!(
+            check_slice_node("node-2.0", Some(&labels("node-2")), &spec),
+            Ok(())
+        );
+        assert_eq!(
+            check_slice_node("node-2.17", Some(&labels("node-2")), &spec),
+            Ok(())
+        );
+        let err = |name: &str, l: Option<&BTreeMap<String, String>>| {
+            check_slice_node(name, l, &spec).unwrap_err()
+        };
+        assert_eq!(
+            err("node-2.0", None),
+            "metadata.labels[ciliate.io/node]: required"
+        );
+        assert_eq!(
+            err("node-2.0", Some(&labels("node-1"))),
+            "metadata.labels[ciliate.io/node]: \"node-1\" does not match spec.node \"node-2\""
+        );
+        for name in [
+            "node-1.0",
+            "node-2",
+            "node-2.",
+            "node-2.x",
+            "node-20.0",
+            "node-2.0.1",
+        ] {
+            assert!(
+                err(name, Some(&labels("node-2"))).starts_with("metadata.name: "),
+                "{name}"
+            );
+        }
+    }
+
+    #[test]
+    fn special_addresses_refuse_a_slice_by_field() {
+        for (ip, why) in [
+            ("0.0.0.0", "unspecified"),
+            ("255.255.255.255", "broadcast"),
+            ("::", "unspecified"),
+            ("127.0.0.1", "loopback"),
+            ("ff02::1", "multicast"),
+        ] {
+            let spec = CiliateEndpointSliceSpec {
+                node: "node-2".into(),
+                profiles: vec![SliceProfile {
+                    namespace: "x".into(),
+                    ..Default::default()
+                }],
+                endpoints: vec![
+                    SliceEndpoint {
+                        name: "ok".into(),
+                        ips: vec!["10.0.0.1".into()],
+                        profile: 0,
+                    },
+                    SliceEndpoint {
+                        name: "bad".into(),
+                        ips: vec![ip.into()],
+                        profile: 0,
+                    },
+                ],
+            };
+            assert_eq!(
+                slice_pods(&spec, |l| l).unwrap_err(),
+                format!("spec.endpoints[1].ips[0]: {ip:?} is {why}, never a pod address")
+            );
+        }
+    }
 
     fn pod(ns: &str, name: &str, app: &str, ip: &str) -> PodInfo {
         PodInfo {

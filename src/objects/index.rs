@@ -7,6 +7,11 @@
 //!   (`Labels::for_pod`); its addresses map to that identity in the ipcache.
 //! - A namespace change re-labels every pod in it.
 //! - A node's addresses are `host` (this node) or `remote-node`.
+//! - Who holds an address is the `AddressBook`'s decision (`objects::addresses`): this node's
+//!   pods and endpoints and every node's addresses outrank what another node says of its pods;
+//!   an address that is never a pod's, or that lies in this node's pod CIDRs (or outside the
+//!   claiming pod's node's), is refused. Refusals and outranked claims are reported
+//!   (`IndexChange::conflicts`) and change nothing.
 //! - Identities are reference-counted by the engine: every allocation here is released when
 //!   the pod goes or moves to another identity.
 
@@ -16,6 +21,7 @@ use std::sync::Arc;
 
 use ipnet::IpNet;
 
+use super::addresses::{not_a_pod_address, AddressBook, Claim, Effect, Holder, Rank};
 use super::{NamespaceInfo, NodeInfo, PodInfo};
 use crate::policy::engine::{NamedPort, PolicyEngine};
 use crate::policy::identity::{Allocation, NumericIdentity, IDENTITY_HOST, IDENTITY_REMOTE_NODE};
@@ -122,17 +128,24 @@ pub struct IndexChange {
     /// Pods (`namespace/name`) whose labels or named ports changed or that went away: local
     /// endpoints of these pods follow them.
     pub pods: Vec<String>,
+    /// Addresses refused or outranked, each said by the pod and the field (logged and counted
+    /// by the caller; they changed nothing).
+    pub conflicts: Vec<String>,
 }
 
 impl IndexChange {
     pub fn is_empty(&self) -> bool {
-        self.affected.is_empty() && self.ipcache.is_empty() && self.pods.is_empty()
+        self.affected.is_empty()
+            && self.ipcache.is_empty()
+            && self.pods.is_empty()
+            && self.conflicts.is_empty()
     }
 
     pub fn extend(&mut self, other: IndexChange) {
         self.affected.extend(other.affected);
         self.ipcache.extend(other.ipcache);
         self.pods.extend(other.pods);
+        self.conflicts.extend(other.conflicts);
     }
 }
 
@@ -141,15 +154,132 @@ impl IndexChange {
 pub struct ClusterIndex {
     namespaces: HashMap<String, NamespaceInfo>,
     /// Boxed: the table then holds a key and a pointer per pod (its free slots cost 32
-    /// bytes, not a whole record's), and a resize moves no records.
-    pods: HashMap<String, Box<PodRecord>>,
+    /// bytes, not a whole record's), and a resize moves no records. The key is shared with
+    /// the pod's claims in `addresses`.
+    pods: HashMap<Arc<str>, Box<PodRecord>>,
     /// One copy of each distinct pod label map, shared by the pods that have it.
     label_maps: HashSet<Arc<BTreeMap<String, String>>>,
     interned: Interned,
     nodes: BTreeMap<String, NodeInfo>,
+    /// Who holds each pod, endpoint and node address.
+    addresses: AddressBook,
+    /// This node's name: its pods outrank other nodes' (`None`: every pod with a node is
+    /// another node's; pods without one are local, as in standalone mode).
+    local_node: Option<String>,
 }
 
 impl ClusterIndex {
+    /// The index of the agent of node `name`.
+    pub fn for_node(name: &str) -> ClusterIndex {
+        ClusterIndex {
+            local_node: Some(name.to_string()),
+            ..Default::default()
+        }
+    }
+
+    /// Who holds `ip` now (the claim in force).
+    pub fn holder(&self, ip: IpAddr) -> Option<&Claim> {
+        self.addresses.holder(ip)
+    }
+
+    /// How much a pod on `node` is trusted about its addresses.
+    fn rank_of(&self, node: Option<&str>) -> Rank {
+        match (node, &self.local_node) {
+            (None, _) => Rank::LocalPod,
+            (Some(n), Some(l)) if n == l => Rank::LocalPod,
+            _ => Rank::RemotePod,
+        }
+    }
+
+    fn pod_cidrs(&self, node: &str) -> Vec<IpNet> {
+        self.nodes
+            .get(node)
+            .map(|n| n.pod_cidrs.iter().filter_map(|c| c.parse().ok()).collect())
+            .unwrap_or_default()
+    }
+
+    /// Why the pod `key` on `node` (ranked `rank`) may not claim `ip` at all, if it may not.
+    fn refusal(&self, rank: Rank, node: Option<&str>, ip: IpAddr) -> Option<String> {
+        if let Some(why) = not_a_pod_address(ip) {
+            return Some(format!("{ip} is {why}, never a pod address"));
+        }
+        if rank != Rank::RemotePod {
+            return None;
+        }
+        if let Some(local) = &self.local_node {
+            if let Some(c) = self.pod_cidrs(local).iter().find(|c| c.contains(&ip)) {
+                return Some(format!(
+                    "{ip} is in this node's ({local}) pod CIDR {c}: only this node's pods have it"
+                ));
+            }
+        }
+        let node = node.unwrap_or_default();
+        let cidrs = self.pod_cidrs(node);
+        if !cidrs.is_empty() && !cidrs.iter().any(|c| c.contains(&ip)) {
+            let list: Vec<String> = cidrs.iter().map(ToString::to_string).collect();
+            return Some(format!(
+                "{ip} is outside node {node}'s pod CIDRs ({})",
+                list.join(", ")
+            ));
+        }
+        None
+    }
+
+    /// Applies what a claim or release did to the engine's ipcache.
+    fn effect(engine: &mut PolicyEngine, ip: IpAddr, e: &Effect, out: &mut Vec<IpcacheChange>) {
+        if !e.changed() {
+            return;
+        }
+        match &e.after {
+            Some(c) => {
+                engine.upsert_endpoint_ip(ip, c.identity);
+                out.push(IpcacheChange::Upsert(IpNet::from(ip), c.identity));
+            }
+            None => {
+                engine.remove_endpoint_ip(ip);
+                out.push(IpcacheChange::Remove(IpNet::from(ip)));
+            }
+        }
+    }
+
+    /// A local endpoint (of pod `key`) holds `ips` with `identity` (again, after an identity
+    /// change). Returns the ipcache changes.
+    pub fn claim_endpoint(
+        &mut self,
+        engine: &mut PolicyEngine,
+        key: &str,
+        ips: &[IpAddr],
+        identity: NumericIdentity,
+    ) -> Vec<IpcacheChange> {
+        let mut out = Vec::new();
+        let holder = Holder::Endpoint(Arc::from(key));
+        for ip in ips {
+            let claim = Claim {
+                rank: Rank::LocalPod,
+                holder: holder.clone(),
+                identity,
+            };
+            let e = self.addresses.claim(*ip, claim);
+            Self::effect(engine, *ip, &e, &mut out);
+        }
+        out
+    }
+
+    /// A local endpoint went away: it lets go of its addresses.
+    pub fn release_endpoint(
+        &mut self,
+        engine: &mut PolicyEngine,
+        key: &str,
+        ips: &[IpAddr],
+    ) -> Vec<IpcacheChange> {
+        let mut out = Vec::new();
+        let holder = Holder::Endpoint(Arc::from(key));
+        for ip in ips {
+            let e = self.addresses.release(*ip, &holder);
+            Self::effect(engine, *ip, &e, &mut out);
+        }
+        out
+    }
     pub fn pod(&self, key: &str) -> Option<&PodRecord> {
         self.pods.get(key).map(|b| &**b)
     }
@@ -231,17 +361,15 @@ impl ClusterIndex {
         if old.is_none() && new.is_none() {
             return change;
         }
+        let holder_key: Arc<str> = match self.pods.get_key_value(key) {
+            Some((k, _)) => k.clone(),
+            None => Arc::from(key),
+        };
         let old = self.pods.remove(key);
         let new_rec = new.map(|(info, labels)| {
             let allocation = engine.allocate_identity(&labels);
             let identity = allocation.id();
             let ports_changed = engine.add_named_ports(identity, &info.named_ports);
-            for ip in &info.ips {
-                engine.upsert_endpoint_ip(*ip, identity);
-                change
-                    .ipcache
-                    .push(IpcacheChange::Upsert(IpNet::from(*ip), identity));
-            }
             // Policy is by identity: another pod of an identity that exists (with named ports
             // it already had) changes only the ipcache, not what any endpoint's policy says.
             if matches!(allocation, Allocation::New(_)) || ports_changed {
@@ -260,6 +388,10 @@ impl ClusterIndex {
                 identity,
             }
         });
+        let holder = Holder::Pod(holder_key.clone());
+        if let Some(r) = &new_rec {
+            self.claim_pod_addresses(engine, &holder, r, &mut change);
+        }
         if let Some(o) = &old {
             // Likewise the old identity matters only when it goes away or loses named ports.
             let ports_changed = engine.remove_named_ports(o.identity, &o.named_ports);
@@ -270,8 +402,8 @@ impl ClusterIndex {
             }
             for ip in o.ips.iter() {
                 if !new_rec.as_ref().is_some_and(|n| n.ips.contains(ip)) {
-                    engine.remove_endpoint_ip(*ip);
-                    change.ipcache.push(IpcacheChange::Remove(IpNet::from(*ip)));
+                    let e = self.addresses.release(*ip, &holder);
+                    Self::effect(engine, *ip, &e, &mut change.ipcache);
                 }
             }
             engine.release_identity(o.identity);
@@ -279,10 +411,48 @@ impl ClusterIndex {
             self.interned.forget(o);
         }
         if let Some(r) = new_rec {
-            self.pods.insert(key.to_string(), Box::new(r));
+            self.pods.insert(holder_key, Box::new(r));
         }
         change.pods.push(key.to_string());
         change
+    }
+
+    /// The pod `holder` claims the addresses of its record `r`: each one it may have, at its
+    /// rank; the others are reported and, if it held them before, let go.
+    fn claim_pod_addresses(
+        &mut self,
+        engine: &mut PolicyEngine,
+        holder: &Holder,
+        r: &PodRecord,
+        change: &mut IndexChange,
+    ) {
+        let key = holder.pod().unwrap_or_default();
+        let node = r.node.as_deref();
+        let rank = self.rank_of(node);
+        let on = node.map(|n| format!(" on node {n}")).unwrap_or_default();
+        for ip in r.ips.iter() {
+            if let Some(why) = self.refusal(rank, node, *ip) {
+                change
+                    .conflicts
+                    .push(format!("pod {key}{on}: address {why}; refused"));
+                let e = self.addresses.release(*ip, holder);
+                Self::effect(engine, *ip, &e, &mut change.ipcache);
+                continue;
+            }
+            let claim = Claim {
+                rank,
+                holder: holder.clone(),
+                identity: r.identity,
+            };
+            let e = self.addresses.claim(*ip, claim);
+            Self::effect(engine, *ip, &e, &mut change.ipcache);
+            if let Some(h) = e.after.as_ref().filter(|h| h.holder.pod() != Some(key)) {
+                change.conflicts.push(format!(
+                    "pod {key}{on}: address {ip} is held by {}, which outranks it; not taken",
+                    h.holder
+                ));
+            }
+        }
     }
 
     /// A namespace appeared or changed: its pods are re-labelled.
@@ -312,7 +482,7 @@ impl ClusterIndex {
             .pods
             .iter()
             .filter(|(_, p)| &*p.namespace == name)
-            .map(|(k, p)| (k.clone(), p.info(k)))
+            .map(|(k, p)| (k.to_string(), p.info(k)))
             .collect();
         pods.sort_by(|a, b| a.0.cmp(&b.0));
         let mut change = IndexChange::default();
@@ -335,17 +505,21 @@ impl ClusterIndex {
             IDENTITY_REMOTE_NODE
         };
         let mut change = IndexChange::default();
+        let holder = Holder::Node(Arc::from(node.name.as_str()));
         if let Some(old) = self.nodes.get(&node.name) {
             for ip in old.ips.iter().filter(|ip| !node.ips.contains(ip)) {
-                engine.remove_endpoint_ip(*ip);
-                change.ipcache.push(IpcacheChange::Remove(IpNet::from(*ip)));
+                let e = self.addresses.release(*ip, &holder);
+                Self::effect(engine, *ip, &e, &mut change.ipcache);
             }
         }
         for ip in &node.ips {
-            engine.upsert_endpoint_ip(*ip, identity);
-            change
-                .ipcache
-                .push(IpcacheChange::Upsert(IpNet::from(*ip), identity));
+            let claim = Claim {
+                rank: Rank::Node,
+                holder: holder.clone(),
+                identity,
+            };
+            let e = self.addresses.claim(*ip, claim);
+            Self::effect(engine, *ip, &e, &mut change.ipcache);
         }
         self.nodes.insert(node.name.clone(), node);
         change
@@ -355,9 +529,10 @@ impl ClusterIndex {
     pub fn delete_node(&mut self, engine: &mut PolicyEngine, name: &str) -> Option<IndexChange> {
         let old = self.nodes.remove(name)?;
         let mut change = IndexChange::default();
+        let holder = Holder::Node(Arc::from(name));
         for ip in &old.ips {
-            engine.remove_endpoint_ip(*ip);
-            change.ipcache.push(IpcacheChange::Remove(IpNet::from(*ip)));
+            let e = self.addresses.release(*ip, &holder);
+            Self::effect(engine, *ip, &e, &mut change.ipcache);
         }
         Some(change)
     }
@@ -559,5 +734,161 @@ mod tests {
             vec![IpcacheChange::Remove("172.20.0.22/32".parse().unwrap())]
         );
         assert!(ix.delete_node(&mut engine, "n2").is_none());
+    }
+    fn on(mut p: PodInfo, node: &str) -> PodInfo {
+        p.node = Some(node.into());
+        p
+    }
+
+    fn with_cidr(mut n: NodeInfo, cidr: &str) -> NodeInfo {
+        n.pod_cidrs = vec![cidr.into()];
+        n
+    }
+
+    #[test]
+    fn another_nodes_pod_never_takes_an_address_of_this_nodes_pod() {
+        let (mut ix, mut engine) = (ClusterIndex::for_node("n1"), PolicyEngine::new());
+        ix.apply_pod(
+            &mut engine,
+            "x/a",
+            Some(on(mk_pod("x", "a", "a", "10.9.0.1"), "n1")),
+        );
+        let id_a = identity_of(&engine, "10.9.0.1");
+        // n2 says it runs x/evil (app=admin) at a's address: refused, reported, nothing moves.
+        let c = ix.apply_pod(
+            &mut engine,
+            "x/evil",
+            Some(on(mk_pod("x", "evil", "admin", "10.9.0.1"), "n2")),
+        );
+        assert!(c.ipcache.is_empty(), "{c:?}");
+        assert_eq!(identity_of(&engine, "10.9.0.1"), id_a);
+        assert_eq!(
+            c.conflicts,
+            vec!["pod x/evil on node n2: address 10.9.0.1 is held by pod x/a, which outranks it; not taken"]
+        );
+        // Its deletion takes nothing away either.
+        let c = ix.apply_pod(&mut engine, "x/evil", None);
+        assert!(c.ipcache.is_empty());
+        assert_eq!(identity_of(&engine, "10.9.0.1"), id_a);
+        // The other order: the remote claim first, then this node's pod takes the address.
+        let (mut ix, mut engine) = (ClusterIndex::for_node("n1"), PolicyEngine::new());
+        ix.apply_pod(
+            &mut engine,
+            "x/evil",
+            Some(on(mk_pod("x", "evil", "admin", "10.9.0.1"), "n2")),
+        );
+        ix.apply_pod(
+            &mut engine,
+            "x/a",
+            Some(on(mk_pod("x", "a", "a", "10.9.0.1"), "n1")),
+        );
+        assert_eq!(
+            identity_of(&engine, "10.9.0.1"),
+            ix.pod("x/a").unwrap().identity
+        );
+        assert_eq!(
+            ix.holder("10.9.0.1".parse().unwrap()).unwrap().holder.pod(),
+            Some("x/a")
+        );
+    }
+
+    #[test]
+    fn a_local_endpoint_outranks_another_nodes_pod_before_its_pod_is_listed() {
+        let (mut ix, mut engine) = (ClusterIndex::for_node("n1"), PolicyEngine::new());
+        let ip: IpAddr = "10.9.0.2".parse().unwrap();
+        ix.claim_endpoint(&mut engine, "x/a", &[ip], 4242);
+        let c = ix.apply_pod(
+            &mut engine,
+            "x/evil",
+            Some(on(mk_pod("x", "evil", "admin", "10.9.0.2"), "n2")),
+        );
+        assert!(c.ipcache.is_empty() && c.conflicts.len() == 1, "{c:?}");
+        assert_eq!(identity_of(&engine, "10.9.0.2"), 4242);
+        // The endpoint goes: now the remaining claim holds (no local pod says otherwise).
+        let out = ix.release_endpoint(&mut engine, "x/a", &[ip]);
+        assert_eq!(out.len(), 1);
+        assert_eq!(
+            identity_of(&engine, "10.9.0.2"),
+            ix.pod("x/evil").unwrap().identity
+        );
+    }
+
+    #[test]
+    fn address_reuse_the_new_pod_keeps_the_address_when_the_old_ones_delete_arrives() {
+        let (mut ix, mut engine) = (ClusterIndex::for_node("n1"), PolicyEngine::new());
+        ix.apply_pod(
+            &mut engine,
+            "x/old",
+            Some(on(mk_pod("x", "old", "old", "10.9.0.3"), "n1")),
+        );
+        ix.apply_pod(
+            &mut engine,
+            "x/new",
+            Some(on(mk_pod("x", "new", "new", "10.9.0.3"), "n1")),
+        );
+        let id_new = ix.pod("x/new").unwrap().identity;
+        assert_eq!(identity_of(&engine, "10.9.0.3"), id_new);
+        let c = ix.apply_pod(&mut engine, "x/old", None);
+        assert!(c.ipcache.is_empty(), "{c:?}");
+        assert_eq!(identity_of(&engine, "10.9.0.3"), id_new);
+    }
+
+    #[test]
+    fn node_special_and_foreign_cidr_addresses_are_not_pod_addresses() {
+        let (mut ix, mut engine) = (ClusterIndex::for_node("n1"), PolicyEngine::new());
+        ix.upsert_node(
+            &mut engine,
+            with_cidr(mk_node("n1", "172.20.0.11"), "10.1.0.0/24"),
+            true,
+        );
+        ix.upsert_node(
+            &mut engine,
+            with_cidr(mk_node("n2", "172.20.0.12"), "10.2.0.0/24"),
+            false,
+        );
+        ix.upsert_node(&mut engine, mk_node("n3", "172.20.0.13"), false);
+        for (ip, node, why) in [
+            ("172.20.0.11", "n3", "held by node n1"),
+            ("172.20.0.12", "n3", "held by node n2"),
+            ("0.0.0.0", "n3", "is unspecified"),
+            ("255.255.255.255", "n3", "is broadcast"),
+            ("::", "n3", "is unspecified"),
+            ("127.0.0.1", "n1", "is loopback"),
+            ("10.1.0.9", "n2", "in this node's (n1) pod CIDR 10.1.0.0/24"),
+            (
+                "10.3.0.9",
+                "n2",
+                "outside node n2's pod CIDRs (10.2.0.0/24)",
+            ),
+        ] {
+            let before = identity_of(&engine, ip);
+            let c = ix.apply_pod(
+                &mut engine,
+                "x/p",
+                Some(on(mk_pod("x", "p", "p", ip), node)),
+            );
+            assert!(c.ipcache.is_empty(), "{ip}: {c:?}");
+            assert_eq!(identity_of(&engine, ip), before, "{ip}");
+            assert!(
+                c.conflicts.len() == 1 && c.conflicts[0].contains(why),
+                "{ip}: {:?}",
+                c.conflicts
+            );
+            ix.apply_pod(&mut engine, "x/p", None);
+        }
+        assert_eq!(identity_of(&engine, "172.20.0.11"), IDENTITY_HOST);
+        // A pod of n2 in n2's CIDR, and one of n3 (no CIDR known) anywhere else, are fine.
+        let c = ix.apply_pod(
+            &mut engine,
+            "x/q",
+            Some(on(mk_pod("x", "q", "q", "10.2.0.5"), "n2")),
+        );
+        assert!(c.conflicts.is_empty() && c.ipcache.len() == 1, "{c:?}");
+        let c = ix.apply_pod(
+            &mut engine,
+            "x/r",
+            Some(on(mk_pod("x", "r", "r", "10.7.0.5"), "n3")),
+        );
+        assert!(c.conflicts.is_empty() && c.ipcache.len() == 1, "{c:?}");
     }
 }

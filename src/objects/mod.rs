@@ -1,6 +1,7 @@
 //! The cluster objects the agent needs, independent of where they come from (a manifest
 //! directory now, kube-rs watchers in Kubernetes mode): converted from k8s-openapi types.
 
+pub mod addresses;
 pub mod index;
 pub mod kind;
 
