@@ -14,12 +14,15 @@ use ciliate::k8s::crd::{
     PolicyNodeStatus, CONDITION_VALID,
 };
 use ciliate_test_apiserver::TestApiServer;
+use k8s_openapi::api::admissionregistration::v1::{
+    ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+};
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::{ConfigMap, Container, PodSpec, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, ApiResource, DynamicObject, Patch, PatchParams, PostParams};
-use kube::CustomResourceExt;
+use kube::{CustomResourceExt, Resource};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::{json, Value};
@@ -39,6 +42,8 @@ enum Object {
     ClusterRoleBinding(Box<ClusterRoleBinding>),
     ConfigMap(Box<ConfigMap>),
     DaemonSet(Box<DaemonSet>),
+    AdmissionPolicy(Box<ValidatingAdmissionPolicy>),
+    AdmissionPolicyBinding(Box<ValidatingAdmissionPolicyBinding>),
 }
 
 /// Every `.yaml` file under `dir`, recursively, in a stable order.
@@ -146,6 +151,10 @@ fn load_dir(dir: &Path) -> Result<Vec<(String, Object)>, Vec<String>> {
                 "ClusterRoleBinding" => typed(doc, &at).map(Object::ClusterRoleBinding),
                 "ConfigMap" => typed(doc, &at).map(Object::ConfigMap),
                 "DaemonSet" => typed(doc, &at).map(Object::DaemonSet),
+                "ValidatingAdmissionPolicy" => typed(doc, &at).map(Object::AdmissionPolicy),
+                "ValidatingAdmissionPolicyBinding" => {
+                    typed(doc, &at).map(Object::AdmissionPolicyBinding)
+                }
                 other => Err(format!("{at}: unexpected kind {other:?}")),
             };
             match object {
@@ -230,6 +239,8 @@ fn every_document_is_a_valid_object_of_its_kind() {
             Object::ClusterRoleBinding(_) => "ClusterRoleBinding",
             Object::ConfigMap(_) => "ConfigMap",
             Object::DaemonSet(_) => "DaemonSet",
+            Object::AdmissionPolicy(_) => "ValidatingAdmissionPolicy",
+            Object::AdmissionPolicyBinding(_) => "ValidatingAdmissionPolicyBinding",
         };
         *kinds.entry(kind).or_default() += 1;
     }
@@ -242,6 +253,8 @@ fn every_document_is_a_valid_object_of_its_kind() {
             ("CustomResourceDefinition", 3),
             ("DaemonSet", 1),
             ("ServiceAccount", 1),
+            ("ValidatingAdmissionPolicy", 1),
+            ("ValidatingAdmissionPolicyBinding", 1),
         ])
     );
     let crd_names: BTreeSet<_> = objects
@@ -821,5 +834,172 @@ async fn crds_serve_typed_policies_and_status_through_kube() {
     assert_eq!(
         patched.status.expect("status").nodes["node-1"],
         node_status(9)
+    );
+}
+
+/// What the API server decides for one write under `manifests/slice-admission.yaml`: `Ok` when
+/// it is admitted (the policy does not match it, or every validation holds), else the message
+/// of the first validation that fails. The CEL is evaluated as the API server evaluates it:
+/// match conditions, then the variables in order, then the validations.
+fn admit_slice_write(
+    vap: &ValidatingAdmissionPolicy,
+    user: &str,
+    node: Option<&str>,
+    operation: &str,
+    object: Value,
+    old_object: Value,
+) -> Result<(), String> {
+    use cel_interpreter::{Context, Program};
+    let spec = vap.spec.as_ref().expect("spec");
+    let mut extra = serde_json::Map::new();
+    if let Some(n) = node {
+        extra.insert("authentication.kubernetes.io/node-name".into(), json!([n]));
+    }
+    let request = json!({"operation": operation, "userInfo": {"username": user, "extra": extra}});
+    let mut ctx = Context::default();
+    let value = |v: &Value| cel_interpreter::to_value(v).expect("JSON to CEL");
+    ctx.add_variable_from_value("request", value(&request));
+    ctx.add_variable_from_value("object", value(&object));
+    ctx.add_variable_from_value("oldObject", value(&old_object));
+    let eval = |ctx: &Context, expr: &str| {
+        Program::compile(expr)
+            .unwrap_or_else(|e| panic!("CEL {expr:?} does not compile: {e:?}"))
+            .execute(ctx)
+            .unwrap_or_else(|e| panic!("CEL {expr:?} fails: {e:?}"))
+    };
+    for c in spec.match_conditions.iter().flatten() {
+        if eval(&ctx, &c.expression) != cel_interpreter::Value::Bool(true) {
+            return Ok(());
+        }
+    }
+    let mut variables = serde_json::Map::new();
+    for v in spec.variables.iter().flatten() {
+        let mut with = ctx.new_inner_scope();
+        with.add_variable_from_value("variables", value(&Value::Object(variables.clone())));
+        let got = eval(&with, &v.expression);
+        let json = got.json().expect("variable to JSON");
+        variables.insert(v.name.clone(), json);
+    }
+    ctx.add_variable_from_value("variables", value(&Value::Object(variables)));
+    for v in spec.validations.iter().flatten() {
+        if eval(&ctx, &v.expression) != cel_interpreter::Value::Bool(true) {
+            return Err(v.message.clone().unwrap_or_default());
+        }
+    }
+    Ok(())
+}
+
+/// Each agent may write only its own node's CiliateEndpointSlices (#26): the admission policy
+/// in `manifests/` matches every write of the agents' service account to the kind, is bound
+/// to deny, and admits exactly the writes of a slice of the token's own node.
+#[test]
+fn the_admission_policy_lets_an_agent_write_only_its_own_nodes_slices() {
+    let objects = load_all();
+    let vap = only!(objects, AdmissionPolicy);
+    let binding = only!(objects, AdmissionPolicyBinding)
+        .spec
+        .clone()
+        .expect("spec");
+    assert_eq!(binding.policy_name.as_deref(), vap.metadata.name.as_deref());
+    assert_eq!(binding.validation_actions, Some(vec!["Deny".to_string()]));
+    let spec = vap.spec.as_ref().expect("spec");
+    assert_eq!(spec.failure_policy.as_deref(), Some("Fail"));
+    let rules = spec.match_constraints.as_ref().expect("matchConstraints");
+    let rule = &rules.resource_rules.as_ref().expect("resourceRules")[0];
+    assert_eq!(rule.api_groups, Some(vec!["ciliate.io".to_string()]));
+    assert_eq!(
+        rule.resources,
+        Some(vec![
+            ciliate::k8s::slices::CiliateEndpointSlice::plural(&()).to_string()
+        ])
+    );
+    assert_eq!(
+        rule.operations,
+        Some(vec!["CREATE".into(), "UPDATE".into(), "DELETE".into()])
+    );
+    // The user it checks is the DaemonSet's service account.
+    let sa = only!(objects, ServiceAccount);
+    let ds = daemonset();
+    let pod = ds
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .expect("pod spec");
+    assert_eq!(pod.service_account_name, sa.metadata.name);
+    let agent = format!(
+        "system:serviceaccount:{}:{}",
+        sa.metadata.namespace.as_deref().unwrap_or_default(),
+        sa.metadata.name.as_deref().unwrap_or_default()
+    );
+
+    let slice = |name: &str, label: Option<&str>, node: &str| {
+        let mut s = json!({"apiVersion": "ciliate.io/v1alpha1", "kind": "CiliateEndpointSlice",
+            "metadata": {"name": name}, "spec": {"node": node, "endpoints": []}});
+        if let Some(l) = label {
+            s["metadata"]["labels"] = json!({"ciliate.io/node": l});
+        }
+        s
+    };
+    let own = slice("node-1.0", Some("node-1"), "node-1");
+    let other = slice("node-2.0", Some("node-2"), "node-2");
+    let admit = |op: &str, node: Option<&str>, object: &Value, old: &Value| {
+        admit_slice_write(vap, &agent, node, op, object.clone(), old.clone())
+    };
+    let n1 = Some("node-1");
+    // Its own node's slices: created, updated, deleted.
+    assert_eq!(admit("CREATE", n1, &own, &Value::Null), Ok(()));
+    assert_eq!(admit("UPDATE", n1, &own, &own), Ok(()));
+    assert_eq!(admit("DELETE", n1, &Value::Null, &own), Ok(()));
+    // Another node's, or one whose parts lie.
+    let denied = |r: Result<(), String>, field: &str| {
+        let e = r.expect_err("admitted");
+        assert!(e.starts_with(field), "{e}");
+    };
+    denied(admit("CREATE", n1, &other, &Value::Null), "spec.node");
+    denied(admit("DELETE", n1, &Value::Null, &other), "spec.node");
+    denied(admit("UPDATE", n1, &own, &other), "spec.node");
+    denied(
+        admit(
+            "CREATE",
+            n1,
+            &slice("node-1.0", Some("node-2"), "node-1"),
+            &Value::Null,
+        ),
+        "metadata.labels",
+    );
+    denied(
+        admit(
+            "CREATE",
+            n1,
+            &slice("node-1.0", None, "node-1"),
+            &Value::Null,
+        ),
+        "metadata.labels",
+    );
+    denied(
+        admit(
+            "CREATE",
+            n1,
+            &slice("node-2.0", Some("node-1"), "node-1"),
+            &Value::Null,
+        ),
+        "metadata.name",
+    );
+    // A token that names no node writes nothing (fail closed).
+    denied(
+        admit("CREATE", None, &own, &Value::Null),
+        "the agent's service-account token",
+    );
+    // Anyone else (a cluster administrator) is not this policy's business.
+    assert_eq!(
+        admit_slice_write(
+            vap,
+            "kubernetes-admin",
+            None,
+            "CREATE",
+            other.clone(),
+            Value::Null
+        ),
+        Ok(())
     );
 }
