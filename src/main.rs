@@ -87,6 +87,12 @@ fn agent(args: AgentArgs) -> i32 {
         },
         flow_buffer_capacity: args.flow_buffer_capacity,
         tofqdns_min_ttl: std::time::Duration::from_secs(args.tofqdns_min_ttl),
+        tofqdns_limits: ciliate::policy::fqdn_bounds::CacheLimits {
+            max_ips_per_name: args.tofqdns_endpoint_max_ip_per_hostname.max(1),
+            max_names_per_endpoint: args.tofqdns_endpoint_max_names.max(1),
+            max_names: args.tofqdns_max_names.max(1),
+            max_zombies: args.tofqdns_max_deferred_connection_deletes,
+        },
         dns_proxy: args.dns_proxy,
         watch_pods: args.watch_pods,
     };

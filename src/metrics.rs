@@ -88,6 +88,13 @@ pub struct Metrics {
     /// this node's pod or a node address, a special address, an address outside its node's
     /// pod CIDRs.
     pub address_conflicts: Counter,
+    /// FQDN cache entries evicted before their time, by reason (`policy::fqdn_bounds`).
+    pub fqdn_cache_evictions: Family<ReasonLabels, Counter>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    pub reason: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -136,7 +143,13 @@ impl Metrics {
             dns_proxy_processing: Histogram::new(exponential_buckets(0.00001, 2.0, 20)),
             fqdn_cache_entries: Gauge::default(),
             address_conflicts: Counter::default(),
+            fqdn_cache_evictions: Family::default(),
         };
+        r.register(
+            "ciliate_fqdn_cache_evictions",
+            "FQDN cache entries evicted before their time, by reason (ips_per_name, endpoint_names, names, zombies)",
+            m.fqdn_cache_evictions.clone(),
+        );
         r.register(
             "ciliate_address_conflicts",
             "Pod address claims not applied: refused (never a pod address, wrong pod CIDR) or held by a higher-ranked source (this node's pods, a node)",

@@ -653,3 +653,81 @@ fn a_dns_flow_tracked_before_the_dns_rules_is_judged_by_them_after() {
         ok(&[s.host(0)])
     );
 }
+
+/// Security (#26, defect 3): one pod resolving thousands of names grows nothing without bound.
+/// Names no `toFQDNs` selector matches get no identity and no ipcache entry (Cilium learns only
+/// selected names); the cache holds at most `--tofqdns-endpoint-max-names` of one endpoint's
+/// names (its least recently used unselected ones go first, counted), and a selected name
+/// stays selected and reachable through the flood.
+#[test]
+fn one_pods_flood_of_names_is_bounded_and_learns_only_selected_names() {
+    let Some(s) = setup(
+        1,
+        &[
+            "--tofqdns-endpoint-max-names",
+            "50",
+            "--tofqdns-max-names",
+            "80",
+        ],
+    ) else {
+        return;
+    };
+    let c = &s.client().netns;
+    let api = s.host(0);
+    s.zone.set("api.example.com", &[api], 60);
+    assert_eq!(s.lookup("api.example.com"), ok(&[api]));
+    assert!(https_ok(c, api));
+    let identities = s.agent.json("/debug/identities").as_array().unwrap().len();
+    let flood = |i: u32| {
+        IpAddr::V4(Ipv4Addr::new(
+            198,
+            51,
+            100 + (i / 250) as u8,
+            (i % 250) as u8 + 1,
+        ))
+    };
+    for i in 0..300 {
+        s.zone.set(&format!("n{i}.example.com"), &[flood(i)], 60);
+    }
+    for i in 0..300 {
+        assert_eq!(
+            s.lookup(&format!("n{i}.example.com")),
+            ok(&[flood(i)]),
+            "n{i}"
+        );
+    }
+    // The cache holds at most 50 of the client's names; the selected one is among them.
+    let cache = s.cache();
+    let rows = cache.as_array().unwrap();
+    assert!(rows.len() <= 50, "{} names cached", rows.len());
+    assert!(
+        rows.iter().any(|r| r["name"] == "api.example.com"),
+        "{cache}"
+    );
+    assert!(
+        rows.iter().any(|r| r["name"] == "n299.example.com"),
+        "newest kept"
+    );
+    assert!(
+        !rows.iter().any(|r| r["name"] == "n0.example.com"),
+        "oldest evicted"
+    );
+    // No identity and no ipcache entry for names no policy selects.
+    let ids = s.agent.json("/debug/identities");
+    assert_eq!(ids.as_array().unwrap().len(), identities, "{ids}");
+    let ipcache = s.agent.json("/debug/ipcache").to_string();
+    assert!(!ipcache.contains("198.51.100."), "{ipcache}");
+    let (_, metrics) = s.agent.http_get("/metrics");
+    let evicted: f64 = metrics
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("ciliate_fqdn_cache_evictions_total{reason=\"endpoint_names\"} ")
+        })
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no eviction count in {metrics}"));
+    assert!(evicted >= 250.0, "{evicted}");
+    // The selected name is still reachable, and a new answer for it is learned at once.
+    assert!(https_ok(c, api));
+    assert_eq!(s.lookup("api.example.com"), ok(&[api]));
+    assert!(https_ok(c, api));
+}

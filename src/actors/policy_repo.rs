@@ -641,7 +641,9 @@ impl Handler<PolicyUpsert> for PolicyRepoActor {
         let key = (*msg.policy.key).clone();
         let notes = msg.policy.notes.clone();
         let known = self.statuses.accepted(&msg.policy, msg.source);
-        let change = self.engine_mut().upsert_policy(msg.policy);
+        let generation = self.engine().fqdn_generation();
+        let mut change = self.engine_mut().upsert_policy(msg.policy);
+        self.follow_fqdn_selectors(generation, &mut change);
         self.shared
             .report_policy(crate::k8s::status::PolicyStatusEvent::Accepted {
                 key: key.clone(),
@@ -720,9 +722,11 @@ impl Handler<PolicyDelete> for PolicyRepoActor {
             .report_policy(crate::k8s::status::PolicyStatusEvent::Deleted {
                 key: msg.key.clone(),
             });
+        let generation = self.engine().fqdn_generation();
         let change = self.engine_mut().delete_policy(&msg.key);
         match change {
-            Some(change) => {
+            Some(mut change) => {
+                self.follow_fqdn_selectors(generation, &mut change);
                 self.react(
                     Reaction::new(format!("policy {} deleted", msg.key.short()))
                         .at(accepted_at)
@@ -1329,18 +1333,11 @@ traceable!(LearnFqdn, "LearnFqdn", |m| format!(
 impl Handler<LearnFqdn> for PolicyRepoActor {
     type Result = ();
     fn handle(&mut self, msg: LearnFqdn, _: &mut Context<Self>) {
-        let dns = self.shared.dns.clone();
-        let now = crate::policy::fqdn::unix_now();
-        let ep = msg.endpoint.map(|e| e as u64);
-        if dns
-            .cache()
-            .learn(&msg.name, &msg.ips, msg.ttl, dns.min_ttl, ep, now)
-        {
-            self.fqdn_changed();
-        } else {
-            self.fqdn_dirty = true; // a later expiry or askers: saved by the next tick
+        let evicted = self.cache_learning(&msg);
+        let mut change = self.engine_mut().learn_selected_fqdn(&msg.name, &msg.ips);
+        for c in evicted {
+            change.absorb_peers(c);
         }
-        let change = self.engine_mut().learn_fqdn(&msg.name, &msg.ips);
         self.react(
             Reaction::new(format!(
                 "fqdn {}",
@@ -1368,7 +1365,18 @@ impl Handler<ExpireFqdn> for PolicyRepoActor {
     type Result = usize;
     fn handle(&mut self, msg: ExpireFqdn, _: &mut Context<Self>) -> usize {
         let dns = self.shared.dns.clone();
-        let gone = dns.cache().expire(msg.now, &|ip| dns.is_live(ip));
+        let (mut gone, zombies) = {
+            let mut cache = dns.cache();
+            let gone = cache.expire(msg.now, &|ip| dns.is_live(ip));
+            (gone, cache.bound_zombies(&dns.limits, msg.now))
+        };
+        if !zombies.is_empty() {
+            self.forget_evicted(crate::policy::fqdn_bounds::Evicted {
+                gone: Vec::new(),
+                counts: zombies.counts,
+            });
+            gone.extend(zombies.gone);
+        }
         if gone.is_empty() {
             if std::mem::take(&mut self.fqdn_dirty) {
                 self.fqdn_changed();
@@ -1402,7 +1410,7 @@ impl Handler<RestoreFqdn> for PolicyRepoActor {
         let changes: Vec<_> = {
             let mut e = self.engine_mut();
             let learn = |(n, c): (&String, &crate::policy::fqdn::CacheEntry)| {
-                e.learn_fqdn(n, &c.ips.iter().map(|i| i.ip).collect::<Vec<_>>())
+                e.learn_selected_fqdn(n, &c.ips.iter().map(|i| i.ip).collect::<Vec<_>>())
             };
             msg.cache.names.iter().map(learn).collect()
         };
@@ -1415,6 +1423,73 @@ impl Handler<RestoreFqdn> for PolicyRepoActor {
 }
 
 impl PolicyRepoActor {
+    /// Puts a learning into the FQDN cache and keeps the cache within its bounds; returns
+    /// what forgetting the evicted names did to the engine.
+    fn cache_learning(&mut self, msg: &LearnFqdn) -> Vec<crate::policy::engine::PolicyChange> {
+        let dns = self.shared.dns.clone();
+        let now = crate::policy::fqdn::unix_now();
+        let ep = msg.endpoint.map(|e| e as u64);
+        let evicted = {
+            let engine = self.engine();
+            let referenced = |name: &str, e: &crate::policy::fqdn::CacheEntry| {
+                engine.fqdn_selected(name) || e.ips.iter().any(|c| dns.is_live(c.ip))
+            };
+            let mut cache = dns.cache();
+            let new = cache.learn(&msg.name, &msg.ips, msg.ttl, dns.min_ttl, ep, now);
+            let evicted = cache.bound(&dns.limits, &msg.name, ep, &referenced);
+            (new || !evicted.is_empty()).then_some(evicted)
+        };
+        match evicted {
+            Some(evicted) => {
+                self.fqdn_changed();
+                self.forget_evicted(evicted)
+            }
+            None => {
+                self.fqdn_dirty = true; // a later expiry or askers: saved by the next tick
+                Vec::new()
+            }
+        }
+    }
+
+    /// The engine forgets what the cache evicted; the evictions are counted.
+    fn forget_evicted(
+        &mut self,
+        evicted: crate::policy::fqdn_bounds::Evicted,
+    ) -> Vec<crate::policy::engine::PolicyChange> {
+        for (why, n) in &evicted.counts {
+            let labels = crate::metrics::ReasonLabels {
+                reason: why.as_str().into(),
+            };
+            let family = &self.shared.metrics.fqdn_cache_evictions;
+            family.get_or_create(&labels).inc_by(*n as u64);
+        }
+        let mut engine = self.engine_mut();
+        let gone = evicted.gone.iter();
+        gone.map(|(n, ip)| engine.forget_fqdn(n, *ip)).collect()
+    }
+
+    /// After a policy change: when `toFQDNs` selectors came or went (the engine's FQDN
+    /// generation moved from `generation`), the cached names follow them
+    /// (`PolicyEngine::resync_fqdn`), in the policy's own reaction.
+    fn follow_fqdn_selectors(
+        &self,
+        generation: u64,
+        change: &mut crate::policy::engine::PolicyChange,
+    ) {
+        if self.engine().fqdn_generation() == generation {
+            return;
+        }
+        let cached: Vec<(String, Vec<IpAddr>)> = {
+            let cache = self.shared.dns.cache();
+            let names = cache.names.iter();
+            names
+                .map(|(n, e)| (n.clone(), e.ips.iter().map(|c| c.ip).collect()))
+                .collect()
+        };
+        let resync = self.engine_mut().resync_fqdn(&cached);
+        change.absorb(resync);
+    }
+
     /// One reaction for several engine changes.
     fn react_to_all(&self, reason: String, changes: &[crate::policy::engine::PolicyChange]) {
         let affected = changes.iter().flat_map(|c| c.affected.iter().copied());

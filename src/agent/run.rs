@@ -57,6 +57,9 @@ pub struct AgentConfig {
     pub cgroup_root: Option<PathBuf>,
     /// `--tofqdns-min-ttl`: addresses learned from DNS stay selected at least this long.
     pub tofqdns_min_ttl: std::time::Duration,
+    /// `--tofqdns-endpoint-max-ip-per-hostname`, `--tofqdns-endpoint-max-names`,
+    /// `--tofqdns-max-names`, `--tofqdns-max-deferred-connection-deletes`.
+    pub tofqdns_limits: crate::policy::fqdn_bounds::CacheLimits,
     /// `--dns-proxy`: start, adopt or run no DNS proxy (bpf datapath).
     pub dns_proxy: crate::config::DnsProxyMode,
     /// `--watch-pods`: other nodes' pods from every Pod, not from CiliateEndpointSlices.
@@ -342,9 +345,9 @@ async fn run_async(
         shared.bootstrap.record(scope, took, &shared.metrics);
     }
     shared.pod_mtu = pod_mtu(&config.routing);
-    shared.dns = std::sync::Arc::new(crate::dnsproxy::state::DnsState::new(
-        config.tofqdns_min_ttl,
-    ));
+    let mut dns = crate::dnsproxy::state::DnsState::new(config.tofqdns_min_ttl);
+    dns.limits = config.tofqdns_limits;
+    shared.dns = std::sync::Arc::new(dns);
     shared.dns.start_saver(state_dir.root().to_path_buf());
     // Kubernetes mode: the client first, so a bad kubeconfig fails the start at once.
     let feed = match source {

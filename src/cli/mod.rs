@@ -266,6 +266,20 @@ pub struct AgentArgs {
     /// while a connection through them is tracked).
     #[arg(long, default_value_t = 3600)]
     pub tofqdns_min_ttl: u64,
+    /// Addresses the FQDN cache keeps per name (the soonest to expire go first).
+    #[arg(long, default_value_t = 1_000)]
+    pub tofqdns_endpoint_max_ip_per_hostname: usize,
+    /// Names one endpoint's lookups may hold in the FQDN cache (its least recently used,
+    /// unselected names go first).
+    #[arg(long, default_value_t = 10_000)]
+    pub tofqdns_endpoint_max_names: usize,
+    /// Names the FQDN cache holds in all.
+    #[arg(long, default_value_t = 100_000)]
+    pub tofqdns_max_names: usize,
+    /// Addresses kept past their TTL because a connection still uses them (the oldest go
+    /// first, and their connections are then judged without them).
+    #[arg(long, default_value_t = 10_000)]
+    pub tofqdns_max_deferred_connection_deletes: usize,
     /// The DNS proxy (bpf datapath): `auto` starts one for the state directory when none runs
     /// and adopts one that does; `external` only adopts one (a container of its own);
     /// `disabled` runs none (DNS of endpoints with DNS rules is then dropped: fail closed).

@@ -37,6 +37,8 @@ pub struct DnsState {
     pub cache: Mutex<FqdnCache>,
     /// `--tofqdns-min-ttl`.
     pub min_ttl: Duration,
+    /// The cache's bounds (`--tofqdns-endpoint-max-ip-per-hostname` and friends).
+    pub limits: crate::policy::fqdn_bounds::CacheLimits,
     rules: Mutex<BTreeMap<u64, EndpointRules>>,
     /// Bumped on every change of `rules` (the link sends the table again).
     pub rules_changed: tokio::sync::watch::Sender<u64>,
@@ -62,6 +64,7 @@ impl DnsState {
         DnsState {
             cache: Mutex::new(FqdnCache::default()),
             min_ttl,
+            limits: Default::default(),
             rules: Mutex::new(BTreeMap::new()),
             rules_changed: tokio::sync::watch::channel(0).0,
             live_peers: Mutex::new(HashSet::new()),

@@ -65,6 +65,28 @@ pub struct PolicyChange {
     pub peers: BTreeSet<NumericIdentity>,
 }
 
+impl PolicyChange {
+    /// Adds what `other` did (its `peers` are dropped: the sum is no longer peers-only).
+    pub fn absorb(&mut self, other: PolicyChange) {
+        self.revision = self.revision.max(other.revision);
+        self.affected.extend(other.affected);
+        self.affects_hosts |= other.affects_hosts;
+        self.new_identities.extend(other.new_identities);
+        self.new_prefixes.extend(other.new_prefixes);
+        self.removed_prefixes.extend(other.removed_prefixes);
+        self.peers.clear();
+    }
+
+    /// Adds what another peers-only change did (learned, expired or evicted DNS names): the
+    /// sum still touches only the peers of both.
+    pub fn absorb_peers(&mut self, other: PolicyChange) {
+        let mut peers = std::mem::take(&mut self.peers);
+        peers.extend(other.peers.iter().copied());
+        self.absorb(other);
+        self.peers = peers;
+    }
+}
+
 /// The DNS proxy's entries of one egress allow rule selecting `ids`: one per TCP/UDP port
 /// range it names, with the names its DNS rules allow there (`None`: any name). Named ports
 /// are not resolved for DNS (a DNS server's port is 53 by number in every known manifest).
@@ -474,6 +496,59 @@ impl PolicyEngine {
                 }
             };
             self.relabel_fqdn(id, *ip, &mut change);
+        }
+        change
+    }
+
+    /// Whether some policy's `toFQDNs` selector matches `name`.
+    pub fn fqdn_selected(&self, name: &str) -> bool {
+        self.selectors.fqdn_selects(name)
+    }
+
+    /// Changes whenever a `toFQDNs` selector appears or goes (then `resync_fqdn` is due).
+    pub fn fqdn_generation(&self) -> u64 {
+        self.selectors.fqdn_generation()
+    }
+
+    /// `learn_fqdn` for a name some `toFQDNs` selector matches; nothing for any other name.
+    /// As in Cilium, only selected names get identities and ipcache entries, so what a pod
+    /// resolves costs the agent nothing unless a policy asks for it.
+    pub fn learn_selected_fqdn(&mut self, name: &str, ips: &[IpAddr]) -> PolicyChange {
+        if !self.fqdn_selected(name) {
+            return PolicyChange {
+                revision: self.revision(),
+                ..Default::default()
+            };
+        }
+        self.learn_fqdn(name, ips)
+    }
+
+    /// The `toFQDNs` selectors changed: the names no selector matches any more are forgotten,
+    /// and the `cached` names (name, addresses) a selector matches now are learned.
+    pub fn resync_fqdn(&mut self, cached: &[(String, Vec<IpAddr>)]) -> PolicyChange {
+        let mut change = PolicyChange {
+            revision: self.revision(),
+            ..Default::default()
+        };
+        let stale: Vec<(String, IpAddr)> = self
+            .fqdn_names
+            .iter()
+            .flat_map(|(ip, names)| {
+                names
+                    .iter()
+                    .filter(|n| !self.selectors.fqdn_selects(n))
+                    .map(move |n| (n.clone(), *ip))
+            })
+            .collect();
+        for (name, ip) in stale {
+            let c = self.forget_fqdn(&name, ip);
+            change.absorb(c);
+        }
+        for (name, ips) in cached {
+            if self.fqdn_selected(name) {
+                let c = self.learn_fqdn(name, ips);
+                change.absorb(c);
+            }
         }
         change
     }
@@ -1040,6 +1115,55 @@ mod tests {
         );
         assert!(!allowed(&e, "203.0.113.10", 443));
         assert_eq!(e.identity_of_ip(ip("203.0.113.10")), IDENTITY_WORLD_IPV4);
+    }
+
+    #[test]
+    fn only_names_a_to_fqdns_selector_matches_get_identities_and_follow_the_selectors() {
+        let mut e = PolicyEngine::new();
+        let ip = |s: &str| -> IpAddr { s.parse().unwrap() };
+        let (ids, ipcache) = (e.identities().len(), e.ipcache().len());
+        // No policy names it: a flood of names costs no identity and no ipcache entry.
+        for i in 0..100 {
+            let c = e.learn_selected_fqdn(&format!("n{i}.flood.test"), &[ip("198.51.100.1")]);
+            assert!(c.affected.is_empty() && c.new_prefixes.is_empty());
+        }
+        assert_eq!((e.identities().len(), e.ipcache().len()), (ids, ipcache));
+        assert!(e.fqdn_names_of(ip("198.51.100.1")).is_none());
+        let g = e.fqdn_generation();
+        let la = pod("x", "a");
+        let a = e.allocate_identity(&la).id();
+        e.upsert_policy(policy("{apiVersion: cilium.io/v2, kind: CiliumNetworkPolicy, metadata: {name: p, namespace: x}, spec: {endpointSelector: {matchLabels: {app: a}}, egress: [{toFQDNs: [{matchPattern: '*.example.com'}]}]}}"));
+        assert_ne!(e.fqdn_generation(), g, "a toFQDNs selector arrived");
+        // The cache's names a selector now matches are learned; the others are not.
+        let cached = vec![
+            ("api.example.com".to_string(), vec![ip("203.0.113.10")]),
+            ("n1.flood.test".to_string(), vec![ip("198.51.100.1")]),
+        ];
+        let c = e.resync_fqdn(&cached);
+        assert!(
+            c.affected.contains(&a) && c.new_prefixes.len() == 1,
+            "{c:?}"
+        );
+        assert!(e.fqdn_names_of(ip("203.0.113.10")).is_some());
+        assert!(e.fqdn_names_of(ip("198.51.100.1")).is_none());
+        assert!(e.fqdn_selected("API.example.com.") && !e.fqdn_selected("n1.flood.test"));
+        let c = e.learn_selected_fqdn("www.example.com", &[ip("203.0.113.11")]);
+        assert_eq!(c.new_prefixes.len(), 1);
+        // The policy goes: its names are forgotten, their identities and entries with them.
+        let g = e.fqdn_generation();
+        e.delete_policy(&PolicyKey::new(
+            PolicyKind::CiliumNetworkPolicy,
+            Some("x"),
+            "p",
+        ));
+        assert_ne!(e.fqdn_generation(), g);
+        let c = e.resync_fqdn(&cached);
+        assert_eq!(c.removed_prefixes.len(), 2, "{c:?}");
+        assert_eq!(e.identity_of_ip(ip("203.0.113.10")), IDENTITY_WORLD_IPV4);
+        assert_eq!(
+            (e.identities().len(), e.ipcache().len()),
+            (ids + 1, ipcache)
+        );
     }
 
     #[test]

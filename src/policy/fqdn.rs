@@ -162,16 +162,39 @@ pub struct CachedIp {
 
 /// The FQDN cache: names, their addresses with expiry, and which endpoints asked. Pure; the
 /// agent persists it and feeds its learnings and expiries to the policy engine.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct FqdnCache {
     /// Normalized name -> addresses and askers.
     pub names: std::collections::BTreeMap<String, CacheEntry>,
+    /// The last `used` handed out (`fqdn_bounds`).
+    #[serde(skip)]
+    pub(super) clock: u64,
+    /// Names each endpoint asked for, counted (`fqdn_bounds`; rebuilt after a load).
+    #[serde(skip)]
+    pub(super) per_endpoint: Option<std::collections::HashMap<u64, usize>>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CacheEntry {
     pub ips: Vec<CachedIp>,
     pub endpoints: std::collections::BTreeSet<u64>,
+    /// When the name was last learned (the cache's clock; 0 for a restored name): the least
+    /// recently used names are evicted first.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub used: u64,
+}
+
+/// Two caches are equal when they hold the same names (the clock and counts are bookkeeping).
+impl PartialEq for FqdnCache {
+    fn eq(&self, other: &Self) -> bool {
+        self.names == other.names
+    }
+}
+
+impl Eq for FqdnCache {}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// Seconds since the Unix epoch.
@@ -195,8 +218,17 @@ impl FqdnCache {
         now: u64,
     ) -> bool {
         let expires_at = now + ttl.max(min_ttl).as_secs();
+        self.count_endpoints();
+        self.clock += 1;
         let e = self.names.entry(normalize(name)).or_default();
-        e.endpoints.extend(endpoint);
+        e.used = self.clock;
+        if let Some(ep) = endpoint {
+            if e.endpoints.insert(ep) {
+                if let Some(counts) = self.per_endpoint.as_mut() {
+                    *counts.entry(ep).or_default() += 1;
+                }
+            }
+        }
         let mut new = false;
         for ip in ips {
             match e.ips.iter_mut().find(|c| c.ip == *ip) {
@@ -227,7 +259,14 @@ impl FqdnCache {
                 keep
             });
         }
-        self.names.retain(|_, e| !e.ips.is_empty());
+        self.count_endpoints();
+        let counts = &mut self.per_endpoint;
+        self.names.retain(|_, e| {
+            if e.ips.is_empty() {
+                super::fqdn_bounds::uncount(counts, &e.endpoints);
+            }
+            !e.ips.is_empty()
+        });
         gone
     }
 

@@ -14,6 +14,7 @@ pub mod api;
 pub mod attribution;
 pub mod engine;
 pub mod fqdn;
+pub mod fqdn_bounds;
 pub mod identity;
 pub mod ipcache;
 pub mod labels;

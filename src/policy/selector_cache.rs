@@ -39,6 +39,8 @@ pub struct SelectorCache {
     identities: HashMap<NumericIdentity, IdentityInfo>,
     identities_by_label: HashMap<LabelKey, HashSet<NumericIdentity>>,
     selected_by: HashMap<NumericIdentity, HashSet<SelectorId>>,
+    /// Bumped whenever a `toFQDNs` selector enters or leaves the cache.
+    fqdn_generation: u64,
 }
 
 /// The `key=value` pairs a selector is indexed under: the values of its most selective `In`
@@ -116,7 +118,23 @@ impl SelectorCache {
             index_keys: keys,
         });
         self.by_selector.insert(selector.clone(), id);
+        if matches!(selector.kind(), SelectorKind::Fqdn(_)) {
+            self.fqdn_generation += 1;
+        }
         selector.clone()
+    }
+
+    /// Whether a `toFQDNs` selector in the cache matches `name`.
+    pub fn fqdn_selects(&self, name: &str) -> bool {
+        self.unindexed
+            .iter()
+            .filter_map(|id| self.entries[*id as usize].as_ref())
+            .any(|e| matches!(e.selector.kind(), SelectorKind::Fqdn(p) if p.matches(name)))
+    }
+
+    /// Changes whenever a `toFQDNs` selector enters or leaves the cache.
+    pub fn fqdn_generation(&self) -> u64 {
+        self.fqdn_generation
     }
 
     /// Drops a reference to `selector`; the entry goes away with its last reference.
@@ -135,6 +153,9 @@ impl SelectorCache {
             return;
         };
         self.by_selector.remove(&e.selector);
+        if matches!(e.selector.kind(), SelectorKind::Fqdn(_)) {
+            self.fqdn_generation += 1;
+        }
         self.unindexed.remove(&id);
         for k in &e.index_keys {
             if let Some(set) = self.by_label.get_mut(k) {
