@@ -47,6 +47,7 @@ struct Pending {
     ipcache: Vec<IpcacheChange>,
     observe_delay: bool,
     set_ready: bool,
+    release_memory: bool,
 }
 
 /// What an endpoint was asked for and not yet told.
@@ -131,6 +132,9 @@ impl RuleReactionActor {
         if !p.ipcache.is_empty() {
             self.loader
                 .do_send(UpdateIpcache { changes: p.ipcache }, NAME);
+        }
+        if p.release_memory && !p.set_ready {
+            crate::runtime::release_free_memory();
         }
         if p.set_ready {
             // The initial sync's transient objects (watch pages, converted copies) are freed:
@@ -233,6 +237,9 @@ pub struct PolicyReaction {
     pub observe_delay: bool,
     /// The initial sync: report ready when done.
     pub set_ready: bool,
+    /// A large policy went or was replaced: once the endpoints dropped their old policies,
+    /// hand the freed heap back to the system (`runtime::release_free_memory`).
+    pub release_memory: bool,
     /// Only these peer identities' selections changed: endpoints may update incrementally.
     pub peers: Option<std::collections::BTreeSet<crate::policy::identity::NumericIdentity>>,
     /// Fan out at once, without the quiet window (a DNS answer waits for it).
@@ -287,6 +294,7 @@ impl Handler<PolicyReaction> for RuleReactionActor {
                 ipcache: msg.ipcache,
                 observe_delay: msg.observe_delay,
                 set_ready: msg.set_ready,
+                release_memory: msg.release_memory,
             },
         );
         if let Some(done) = msg.done {
