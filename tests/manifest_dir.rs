@@ -329,3 +329,66 @@ fn a_file_of_forty_thousand_pods_loads_while_the_api_answers_and_sigterm_is_prom
         t.elapsed()
     );
 }
+
+const WEB_SERVICE: &str = "\
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: shop}
+spec:
+  clusterIP: 10.96.0.80
+  ports: [{name: http, port: 443, targetPort: 8443, protocol: TCP}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-1, namespace: shop, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+ports: [{name: http, port: 8443, protocol: TCP}]
+endpoints:
+- {addresses: [10.9.0.7]}
+- {addresses: [127.0.0.1]}
+";
+
+/// `ciliate service list -o json`: the backends of `frontend`.
+fn backends(agent: &Agent, frontend: &str) -> Vec<String> {
+    let list = agent.cli_json(&["service", "list"]);
+    list.as_array()
+        .into_iter()
+        .flatten()
+        .filter(|f| f["frontend"] == frontend)
+        .flat_map(|f| f["backends"].as_array().cloned().unwrap_or_default())
+        .map(|b| format!("{}:{}", b["ip"].as_str().unwrap_or(""), b["port"]))
+        .collect()
+}
+
+#[test]
+fn a_loopback_backend_in_an_endpoint_slice_is_refused_by_name_and_the_rest_is_used() {
+    let (_dir, agent) = start(&[("policies.yaml", SHOP), ("web.yaml", WEB_SERVICE)]);
+    agent.wait_until("the service has its backend", || {
+        !backends(&agent, "10.96.0.80:443/TCP").is_empty()
+    });
+    assert_eq!(
+        backends(&agent, "10.96.0.80:443/TCP"),
+        ["10.9.0.7:8443"],
+        "the pod's own loopback is no backend"
+    );
+    let said = r#"EndpointSlice shop/web-1: endpoints[1].addresses[0]: "127.0.0.1" is loopback (127.0.0.0/8); not a backend"#;
+    agent.wait_until("the refusal is in the manifest status", || {
+        manifest_errors(&agent)
+            .values()
+            .any(|e| e.as_str() == Some(said))
+    });
+    assert!(agent.log().contains(said), "and in the log");
+
+    // Fixed: the status clears.
+    std::fs::write(
+        agent.manifests().join("web.yaml"),
+        WEB_SERVICE.replace(
+            "- {addresses: [127.0.0.1]}\n",
+            "- {addresses: [10.9.0.8]}\n",
+        ),
+    )
+    .unwrap();
+    agent.wait_until("the fixed slice is used and its error goes", || {
+        backends(&agent, "10.96.0.80:443/TCP").len() == 2 && manifest_errors(&agent).is_empty()
+    });
+}

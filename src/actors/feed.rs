@@ -74,6 +74,26 @@ impl Item {
     }
 }
 
+/// What an upsert leaves out of its object, if anything, in words naming the object and the
+/// fields (an EndpointSlice's addresses that no backend may have; the rest of it is used).
+pub fn refused_part(key: &str, item: &Item) -> Option<String> {
+    let Item::EndpointSlice(slice) = item else {
+        return None;
+    };
+    let (first, rest) = slice.refused.split_first()?;
+    let mut out = format!("EndpointSlice {key}: {first}");
+    for r in rest {
+        out.push_str(", ");
+        out.push_str(r);
+    }
+    out.push_str(if rest.is_empty() {
+        "; not a backend"
+    } else {
+        "; not backends"
+    });
+    Some(out)
+}
+
 /// Where an object came from: `location` names it in errors and warnings (a file and document,
 /// or `Kind ns/name`), `source` is what policy status shows (the file, or `kubernetes`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -223,6 +243,9 @@ impl WatchFeed {
         let hash = item.content_hash();
         if self.remember(kind, key, Some(hash)) == Some(hash) {
             return Vec::new();
+        }
+        if let Some(refused) = refused_part(key, &item) {
+            tracing::warn!(location = %origin.location, "{refused}");
         }
         self.emit((kind, key.to_string()), Some((item, origin)))
     }
@@ -566,6 +589,88 @@ mod tests {
         assert_eq!(names(&f.delete(Kind::Service, "x/db")), ["policy+ x/p"]);
         f.delete(Kind::CiliumNetworkPolicy, "x/p");
         assert!(f.upsert("x/db", service("db", "db"), o()).is_empty());
+    }
+
+    /// An EndpointSlice of service `x/b` whose endpoints hold the given addresses.
+    fn slice_of_b(addresses: &[&str]) -> Item {
+        let endpoints: Vec<String> = addresses
+            .iter()
+            .map(|a| format!("- {{addresses: [{a:?}]}}"))
+            .collect();
+        let slice: k8s_openapi::api::discovery::v1::EndpointSlice = serde_yaml::from_str(&format!(
+            "metadata: {{name: b-1, namespace: x, labels: {{kubernetes.io/service-name: b}}}}
+addressType: IPv4
+ports: [{{name: http, port: 8080, protocol: TCP}}]
+endpoints:
+{}",
+            endpoints.join("\n")
+        ))
+        .unwrap();
+        Item::EndpointSlice(crate::objects::endpoint_slice_info(&slice).unwrap())
+    }
+
+    #[test]
+    fn slice_addresses_no_backend_may_have_are_refused_by_field_and_the_rest_is_used() {
+        let lb = Arc::new(ServiceLb::memory(None));
+        let mut f = WatchFeed::new(Some(lb.clone()));
+        f.synced();
+        let o = || Origin::file("b.yaml");
+        let svc = Item::Service(ServiceInfo {
+            namespace: "x".into(),
+            name: "b".into(),
+            labels: Default::default(),
+            selector: Default::default(),
+            cluster_ips: vec!["10.96.0.50".into()],
+            ports: vec![crate::services::ServicePort {
+                name: "http".into(),
+                protocol: crate::policy::rule::PROTO_TCP,
+                port: 80,
+                target_port: None,
+            }],
+        });
+        f.upsert("x/b", svc, o());
+        let slice = slice_of_b(&[
+            "10.1.0.2",
+            "127.0.0.1",
+            "0.0.0.0",
+            "169.254.169.254",
+            "224.0.0.251",
+            "255.255.255.255",
+            "::ffff:127.0.0.2",
+            "10.1.0.3",
+            "::1",
+        ]);
+        f.upsert("x/b-1", slice.clone(), o());
+        let good: Vec<std::net::IpAddr> =
+            vec!["10.1.0.2".parse().unwrap(), "10.1.0.3".parse().unwrap()];
+        let list = lb.list();
+        let backends: Vec<_> = list[0].backends.iter().map(|b| b.ip).collect();
+        assert_eq!(backends, good, "only the usable addresses are backends");
+        let Item::EndpointSlice(info) = &slice else {
+            unreachable!()
+        };
+        assert_eq!(info.addresses, good, "and all toServices sees");
+        assert_eq!(
+            info.refused,
+            [
+                r#"endpoints[1].addresses[0]: "127.0.0.1" is loopback (127.0.0.0/8)"#,
+                r#"endpoints[2].addresses[0]: "0.0.0.0" is unspecified"#,
+                r#"endpoints[3].addresses[0]: "169.254.169.254" is link-local (169.254.0.0/16)"#,
+                r#"endpoints[4].addresses[0]: "224.0.0.251" is multicast (224.0.0.0/4)"#,
+                r#"endpoints[5].addresses[0]: "255.255.255.255" is broadcast"#,
+                r#"endpoints[6].addresses[0]: "::ffff:127.0.0.2" is loopback (127.0.0.0/8)"#,
+                r#"endpoints[8].addresses[0]: "::1" is loopback (::1)"#,
+            ]
+        );
+        // What the log and the manifest status say: the slice, the field, the address.
+        assert_eq!(
+            refused_part("x/b-1", &slice_of_b(&["10.1.0.2", "127.0.0.1"])).as_deref(),
+            Some(
+                r#"EndpointSlice x/b-1: endpoints[1].addresses[0]: "127.0.0.1" is loopback (127.0.0.0/8); not a backend"#
+            )
+        );
+        assert_eq!(refused_part("x/b-1", &slice_of_b(&["10.1.0.2"])), None);
+        assert_eq!(refused_part("x/db", &service("db", "db")), None);
     }
 
     #[test]

@@ -21,7 +21,7 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use notify::{Config, Event, EventKind, RecommendedWatcher, RecursiveMode, Watcher};
 use serde_yaml::Value;
 
-use super::feed::{Item, Origin, ToRepo, WatchFeed};
+use super::feed::{refused_part, Item, Origin, ToRepo, WatchFeed};
 use super::policy_repo::{ManifestStatus, PolicyRepoActor};
 use crate::introspect::{with_change, ChangeId, ChangeScope, Journal, Registry, TracedAddr};
 use crate::manifests::{Body, Delta, Limits, ObjKey, ScanStats, Scanner};
@@ -215,7 +215,8 @@ struct Feed {
     repo: TracedAddr<PolicyRepoActor>,
     /// Dedupe, order, Services and policy translation (shared with the Kubernetes watcher).
     feed: WatchFeed,
-    /// Objects whose last upsert could not be used, with the location it was reported under.
+    /// Objects whose last upsert could not be used (in whole or in part), with the location it
+    /// was reported under.
     unusable: HashMap<ObjKey, String>,
     changes: Option<Arc<Registry>>,
     /// The watcher's journal: each change's feed work is noted there, the change's first step.
@@ -310,7 +311,11 @@ impl Feed {
         for u in delta.upserts {
             match convert(&u.key, &u.body) {
                 Ok(item) => {
-                    self.usable(&u.key);
+                    // Part of it refused (logged by the feed): the status says so until fixed.
+                    match refused_part(&object_key(&u.key), &item) {
+                        Some(refused) => self.report(&u.key, &u.location, refused),
+                        None => self.usable(&u.key),
+                    }
                     let out =
                         self.feed
                             .upsert(&object_key(&u.key), item, Origin::file(&u.location));
@@ -326,6 +331,11 @@ impl Feed {
 
     fn unusable(&mut self, k: &ObjKey, location: &str, error: String) {
         tracing::warn!(%location, error = %error, "object not usable");
+        self.report(k, location, error);
+    }
+
+    /// Shows `error` for the object in the manifest status until it is usable again.
+    fn report(&mut self, k: &ObjKey, location: &str, error: String) {
         if let Some(old) = self.unusable.insert(k.clone(), location.to_string()) {
             self.clear_status(old);
         }

@@ -94,6 +94,9 @@ pub struct EndpointSliceInfo {
     pub addresses: Vec<IpAddr>,
     pub endpoints: Vec<SliceEndpoint>,
     pub ports: Vec<SlicePort>,
+    /// Addresses left out because no backend may have them (`services::refused_backend`), as
+    /// `endpoints[i].addresses[j]: "ip" is why`; the rest of the slice is used.
+    pub refused: Vec<String>,
 }
 
 impl EndpointSliceInfo {
@@ -123,6 +126,7 @@ pub fn endpoint_slice_info(
         .unwrap_or_default();
     let mut addresses = Vec::new();
     let mut endpoints = Vec::new();
+    let mut refused = Vec::new();
     for (i, e) in slice.endpoints.iter().enumerate() {
         // An absent condition means ready (the EndpointSlice API's reading).
         let ready = e.conditions.as_ref().and_then(|c| c.ready) != Some(false);
@@ -130,6 +134,10 @@ pub fn endpoint_slice_info(
             let ip: IpAddr = a.parse().map_err(|_| {
                 format!("endpoints[{i}].addresses[{j}]: {a:?} is not an IP address")
             })?;
+            if let Some(why) = crate::services::refused_backend(ip) {
+                refused.push(format!("endpoints[{i}].addresses[{j}]: {a:?} is {why}"));
+                continue;
+            }
             if ready {
                 addresses.push(ip);
             }
@@ -159,6 +167,7 @@ pub fn endpoint_slice_info(
         addresses,
         endpoints,
         ports,
+        refused,
     })
 }
 

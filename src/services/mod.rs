@@ -16,8 +16,8 @@ use std::sync::Mutex;
 use serde::Serialize;
 
 pub use table::{
-    Backend, Frontend, FrontendState, Ids, ServiceName, ServicePort, ServiceSpec, ServiceTable,
-    SliceEndpoint, SlicePort, SliceSpec, TargetPort,
+    refused_backend, Backend, Frontend, FrontendState, Ids, ServiceName, ServicePort, ServiceSpec,
+    ServiceTable, SliceEndpoint, SlicePort, SliceSpec, TargetPort,
 };
 
 /// What a datapath's service maps need to be told. Writes for one frontend come in an order

@@ -76,6 +76,27 @@ pub struct Backend {
     pub protocol: u8,
 }
 
+/// Why `ip` can be no Service backend, if it cannot. The API server refuses these in an
+/// EndpointSlice (`ValidateEndpointIP`: unspecified, loopback, link-local unicast and multicast);
+/// we also refuse every multicast address and the IPv4 broadcast. A connection translated to
+/// one would not leave the client (loopback: the client pod itself, outside any policy) or
+/// would reach a node-local service (link-local: e.g. a cloud metadata endpoint). IPv4-mapped
+/// IPv6 addresses are judged as the IPv4 address they carry (as Go's `net.IP` does).
+pub fn refused_backend(ip: IpAddr) -> Option<&'static str> {
+    match ip.to_canonical() {
+        IpAddr::V4(a) if a.is_unspecified() => Some("unspecified"),
+        IpAddr::V4(a) if a.is_loopback() => Some("loopback (127.0.0.0/8)"),
+        IpAddr::V4(a) if a.is_link_local() => Some("link-local (169.254.0.0/16)"),
+        IpAddr::V4(a) if a.is_multicast() => Some("multicast (224.0.0.0/4)"),
+        IpAddr::V4(a) if a.is_broadcast() => Some("broadcast"),
+        IpAddr::V6(a) if a.is_unspecified() => Some("unspecified"),
+        IpAddr::V6(a) if a.is_loopback() => Some("loopback (::1)"),
+        IpAddr::V6(a) if a.is_unicast_link_local() => Some("link-local (fe80::/10)"),
+        IpAddr::V6(a) if a.is_multicast() => Some("multicast (ff00::/8)"),
+        _ => None,
+    }
+}
+
 pub fn protocol_name(p: u8) -> &'static str {
     match p {
         PROTO_UDP => "UDP",
@@ -519,6 +540,41 @@ mod tests {
             protocol: PROTO_TCP,
         };
         assert_eq!(r.backend(be), 1);
+    }
+
+    #[test]
+    fn backends_the_api_server_would_refuse_are_named() {
+        for (addr, why) in [
+            ("0.0.0.0", "unspecified"),
+            ("127.0.0.1", "loopback"),
+            ("127.255.0.9", "loopback"),
+            ("169.254.169.254", "link-local"),
+            ("224.0.0.251", "multicast"),
+            ("239.1.2.3", "multicast"),
+            ("255.255.255.255", "broadcast"),
+            ("::", "unspecified"),
+            ("::1", "loopback"),
+            ("fe80::1", "link-local"),
+            ("ff02::fb", "multicast"),
+            ("::ffff:127.0.0.1", "loopback"),
+            ("::ffff:169.254.1.1", "link-local"),
+        ] {
+            let got = refused_backend(ip(addr));
+            assert!(got.is_some_and(|g| g.starts_with(why)), "{addr}: {got:?}");
+        }
+        for addr in [
+            "10.1.0.2",
+            "172.18.0.2",
+            "192.168.1.1",
+            "100.64.0.1",
+            "8.8.8.8",
+            "10.255.255.255",
+            "fd00::10",
+            "2001:db8::1",
+            "::ffff:10.1.0.2",
+        ] {
+            assert_eq!(refused_backend(ip(addr)), None, "{addr}");
+        }
     }
 
     #[test]
