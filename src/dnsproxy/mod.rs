@@ -209,4 +209,68 @@ mod tests {
         let stranger = idx.decide("10.0.0.6".parse().unwrap(), 300, 17, 53, "a.example.com");
         assert!(matches!(stranger, Decision::Refuse { endpoint: 0, .. }));
     }
+
+    /// A query for a name of raw labels, as a pod may send it.
+    fn raw_query(labels: &[&[u8]]) -> Vec<u8> {
+        use hickory_proto::op::{Message, MessageType, Query};
+        use hickory_proto::rr::{domain::Label, Name, RecordType};
+        let name =
+            Name::from_labels(labels.iter().map(|l| Label::from_raw_bytes(l).unwrap())).unwrap();
+        let mut m = Message::new();
+        m.set_id(1)
+            .set_message_type(MessageType::Query)
+            .add_query(Query::query(name, RecordType::A));
+        m.to_vec().unwrap()
+    }
+
+    #[test]
+    fn a_wildcard_never_lets_odd_bytes_through_the_proxy() {
+        let ip: IpAddr = "10.0.0.5".parse().unwrap();
+        let idx = RuleIndex::new(ProxyRules {
+            endpoints: vec![EndpointRules {
+                id: 7,
+                pod: "x/a".into(),
+                ips: vec![ip],
+                entries: vec![DnsRuleEntry {
+                    servers: vec![],
+                    protocol: 17,
+                    port_lo: 53,
+                    port_hi: 53,
+                    names: Some(vec![FqdnPattern::pattern("*.example.com")]),
+                    policy: "CiliumNetworkPolicy x/dns[0]".into(),
+                }],
+            }],
+        });
+        let decide = |first: &[u8]| {
+            let q = wire::question(&raw_query(&[first, b"example", b"com"])).unwrap();
+            (idx.decide(ip, 300, 17, 53, &q.name), q.name)
+        };
+        for odd in [
+            &b"\0"[..],
+            b"a\0b",
+            b"*",
+            b"a*",
+            b"\xff",
+            b"\xfe",
+            b"\x80",
+            b"x\xff\xfe\x80",
+            b"a.b",
+            b"a\\b",
+            b"a b",
+            b"\\000",
+        ] {
+            let (d, name) = decide(odd);
+            assert!(
+                matches!(d, Decision::Refuse { .. }),
+                "{odd:?} as {name:?}: {d:?}"
+            );
+        }
+        for ok in [&b"api"[..], b"API", b"-lead", b"a_b-c9"] {
+            let (d, name) = decide(ok);
+            assert!(
+                matches!(d, Decision::Forward { .. }),
+                "{ok:?} as {name:?}: {d:?}"
+            );
+        }
+    }
 }

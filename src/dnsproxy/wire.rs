@@ -3,7 +3,7 @@
 use std::net::IpAddr;
 
 use hickory_proto::op::{Message, MessageType, ResponseCode};
-use hickory_proto::rr::RData;
+use hickory_proto::rr::{Name, RData};
 
 /// The question of a query: its id, name (as asked) and type.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -23,9 +23,38 @@ pub fn question(bytes: &[u8]) -> Option<Question> {
     let q = &m.queries()[0];
     Some(Question {
         id: m.id(),
-        name: q.name().to_ascii(),
+        name: presentation(q.name()),
         qtype: q.query_type().to_string(),
     })
+}
+
+/// `name` in presentation format (RFC 1035 section 5.1) as Cilium's proxy reads it (miekg/dns):
+/// printable ASCII as it is, `.`, `\`, space and `'@;()"` within a label escaped with `\`,
+/// any other byte as `\DDD` (decimal). Policy matching relies on it: a `.` only ever separates
+/// labels, and a byte a `*` must not match never reads as a label character. (hickory's
+/// `to_ascii` also escapes a label's leading `-`, so `*.example.com` would not match
+/// `-a.example.com`, which Cilium allows.)
+pub fn presentation(name: &Name) -> String {
+    let mut out = String::with_capacity(name.len() + 1);
+    for label in name.iter() {
+        for &b in label {
+            match b {
+                b'.' | b' ' | b'\'' | b'@' | b';' | b'(' | b')' | b'"' | b'\\' => {
+                    out.push('\\');
+                    out.push(char::from(b));
+                }
+                0x21..=0x7e => out.push(char::from(b)),
+                _ => out.push_str(&format!("\\{b:03}")),
+            }
+        }
+        out.push('.');
+    }
+    if out.is_empty() {
+        out.push('.');
+    } else if !name.is_fqdn() {
+        out.pop();
+    }
+    out
 }
 
 fn answer_to(bytes: &[u8], code: ResponseCode) -> Option<Vec<u8>> {
@@ -103,6 +132,25 @@ pub(crate) mod tests {
             m.add_answer(Record::from_rdata(name.clone(), ttl, RData::A(rdata::A(a))));
         }
         m.to_vec().unwrap()
+    }
+
+    #[test]
+    fn names_read_as_cilium_reads_them() {
+        use hickory_proto::rr::domain::Label;
+        let raw = |labels: &[&[u8]]| {
+            presentation(
+                &Name::from_labels(labels.iter().map(|l| Label::from_raw_bytes(l).unwrap()))
+                    .unwrap(),
+            )
+        };
+        assert_eq!(raw(&[b"-a", b"Api_1", b"com"]), "-a.Api_1.com.");
+        assert_eq!(raw(&[b"a.b", b"x y", b"\\"]), "a\\.b.x\\ y.\\\\.");
+        assert_eq!(
+            raw(&[b"\0\xff\xfe\x80", b"*", b"a*"]),
+            "\\000\\255\\254\\128.*.a*."
+        );
+        assert_eq!(presentation(&Name::root()), ".");
+        assert_eq!(presentation(&Name::from_ascii("a.b").unwrap()), "a.b");
     }
 
     #[test]

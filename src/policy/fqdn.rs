@@ -2,10 +2,14 @@
 //! - names are case-insensitive and a trailing dot is optional (`API.example.com.` is
 //!   `api.example.com`);
 //! - `matchName` is one exact name;
-//! - `matchPattern`: `*` matches any run (empty included) of the characters of one label
-//!   (`[-a-zA-Z0-9_]`), never a dot, so `*.example.com` matches `a.example.com` but neither
-//!   `example.com` nor `a.b.example.com`; a lone `*` matches every name. (`**.` is 1.19's
-//!   multi-level prefix: in 1.16 it is two `*` and matches one label, as here.)
+//! - `matchPattern`: `*` matches any run (empty included) of the characters of a label
+//!   (`[-a-zA-Z0-9_]`, `allowedDNSCharsREGroup`) and nothing else: never a dot, so
+//!   `*.example.com` matches `a.example.com` but neither `example.com` nor `a.b.example.com`,
+//!   and never another byte (NUL, `*`, a space, 0x80-0xff, or the `\` of an escaped one). A
+//!   lone `*` is special: in a DNS rule it lets every query through (the proxy's
+//!   `GeneratePattern`: match-all), in `toFQDNs` it selects the names made of label characters
+//!   only (`ToAnchoredRegexp`). (`**.` is 1.19's multi-level prefix: in 1.16 it is two `*` and
+//!   matches one label, as here.)
 //!
 //! Addresses learned from DNS answers carry one `fqdn:<name>` label per name that resolved to
 //! them, on top of their CIDR labels, so that `toFQDNs` selectors select them through the
@@ -48,22 +52,41 @@ impl FqdnPattern {
         }
     }
 
-    /// Does `name` (any case, trailing dot or not) match?
+    /// Does `name` (any case, trailing dot or not) match, as a `toFQDNs` selector? Names
+    /// come as the DNS proxy writes them: other bytes than label characters are escaped, so
+    /// `.` only ever separates labels.
     pub fn matches(&self, name: &str) -> bool {
         let name = normalize(name);
         if !self.pattern {
             return name == self.text;
         }
         if self.text == "*" {
-            return !name.is_empty();
+            // `(^([-a-zA-Z0-9_]+[.])+$)|(^[.]$)`: the root, or labels of label characters.
+            return name.is_empty()
+                || name
+                    .split('.')
+                    .all(|l| !l.is_empty() && l.bytes().all(label_char));
         }
         let (want, have): (Vec<&str>, Vec<&str>) =
             (self.text.split('.').collect(), name.split('.').collect());
         want.len() == have.len() && want.iter().zip(&have).all(|(w, h)| label_matches(w, h))
     }
+
+    /// Does a DNS rule with this pattern let a query for `name` through? As [`Self::matches`],
+    /// except that a lone `*` lets every query through (Cilium's proxy: match-all).
+    pub fn allows_query(&self, name: &str) -> bool {
+        (self.pattern && self.text == "*") || self.matches(name)
+    }
 }
 
-/// One label against one label pattern: `*` matches any run of label characters.
+/// A character a `*` matches: Cilium's `allowedDNSCharsREGroup`, `[-a-zA-Z0-9_]`.
+fn label_char(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b == b'-' || b == b'_'
+}
+
+/// One label against one label pattern: `*` matches any run of label characters. Each part
+/// between stars is taken at its leftmost place: as patterns hold label characters only
+/// (checked where policies are translated), a later place would only leave less to match.
 fn label_matches(pattern: &str, label: &str) -> bool {
     let Some((first, rest)) = pattern.split_once('*') else {
         return pattern == label;
@@ -71,15 +94,16 @@ fn label_matches(pattern: &str, label: &str) -> bool {
     let Some(mut tail) = label.strip_prefix(first) else {
         return false;
     };
+    let starred = |run: &str| run.bytes().all(label_char);
     let parts: Vec<&str> = rest.split('*').collect();
     let (last, middle) = parts.split_last().expect("split yields one part at least");
     for part in middle {
         match tail.find(part) {
-            Some(i) => tail = &tail[i + part.len()..],
-            None => return false,
+            Some(i) if starred(&tail[..i]) => tail = &tail[i + part.len()..],
+            _ => return false,
         }
     }
-    tail.len() >= last.len() && tail.ends_with(last)
+    tail.len() >= last.len() && tail.ends_with(last) && starred(&tail[..tail.len() - last.len()])
 }
 
 impl fmt::Display for FqdnPattern {
@@ -138,7 +162,7 @@ pub fn dns_ruling(
     }) {
         match &e.names {
             None => return DnsRuling::Forward(vec![e.policy.clone()]),
-            Some(n) if n.iter().any(|p| p.matches(name)) => {
+            Some(n) if n.iter().any(|p| p.allows_query(name)) => {
                 return DnsRuling::Forward(vec![e.policy.clone()])
             }
             Some(_) => covering.push(e.policy.clone()),
@@ -374,6 +398,77 @@ mod tests {
         let inner = FqdnPattern::pattern("a*b*c.test");
         assert!(inner.matches("abc.test") && inner.matches("axxbyyc.test"));
         assert!(!inner.matches("acb.test") && !inner.matches("ab.test"));
+    }
+
+    /// Labels the wildcard must not match, raw and as hickory-proto writes them (`\ooo` octal
+    /// escapes, `\*`, `\.`).
+    const ODD_LABELS: [&str; 16] = [
+        "\0",
+        "a\0b",
+        "*",
+        "a*",
+        "\u{ff}",
+        "\u{fe}",
+        "\u{80}",
+        "\u{ff}\u{fe}\u{80}",
+        "é",
+        "a b",
+        "a/b",
+        "\\000",
+        "a\\377b",
+        "\\*",
+        "a\\.b",
+        "\\200",
+    ];
+
+    #[test]
+    fn a_star_matches_label_characters_only_as_cilium_does() {
+        // Cilium 1.16 (`matchpattern.ToAnchoredRegexp`): `*` is `[-a-zA-Z0-9_]*`.
+        let p = FqdnPattern::pattern("*.example.com");
+        let prefix = FqdnPattern::pattern("api-*.example.com");
+        let inner = FqdnPattern::pattern("a*b.example.com");
+        let t = vec![entry(&[], 53, Some(&["*.example.com"]), "p[0]")];
+        for odd in ODD_LABELS {
+            let name = format!("{odd}.example.com");
+            assert!(!p.matches(&name), "*.example.com matched {name:?}");
+            assert!(!prefix.matches(&format!("api-{name}")), "api-{name:?}");
+            assert!(!inner.matches(&format!("a{odd}b.example.com")), "a{odd:?}b");
+            assert_eq!(
+                dns_ruling(&t, 1, 17, 53, &name),
+                DnsRuling::Refuse(vec!["p[0]".into()]),
+                "the proxy forwarded {name:?}"
+            );
+        }
+        for ok in [
+            "a.example.com",
+            "A-b_9.example.com.",
+            "_srv.example.com",
+            "--.example.com",
+        ] {
+            assert!(p.matches(ok), "{ok}");
+        }
+        assert!(prefix.matches("api-Eu_1.example.com") && inner.matches("a-x_b.example.com"));
+    }
+
+    #[test]
+    fn a_lone_star_selects_names_of_label_characters_and_lets_every_query_through() {
+        // toFQDNs (`ToAnchoredRegexp("*")`): `(^([-a-zA-Z0-9_]+[.])+$)|(^[.]$)`.
+        let all = FqdnPattern::pattern("*");
+        for odd in ODD_LABELS {
+            assert!(!all.matches(&format!("{odd}.example.com")), "{odd:?}");
+        }
+        assert!(!all.matches("a..example.com"), "an empty label");
+        assert!(all.matches("x.y.example.com") && all.matches("."));
+        // DNS rules (the proxy's `GeneratePattern`): a lone `*` is match-all, any name at all.
+        let t = vec![entry(&[], 53, Some(&["*"]), "p[0]")];
+        for odd in ODD_LABELS {
+            let name = format!("{odd}.example.com");
+            assert_eq!(
+                dns_ruling(&t, 1, 17, 53, &name),
+                DnsRuling::Forward(vec!["p[0]".into()]),
+                "{name:?}"
+            );
+        }
     }
 
     #[test]

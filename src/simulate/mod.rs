@@ -759,7 +759,7 @@ impl Sim {
                         ))
                     }
                     DnsVerdict::Names(n) => {
-                        if let Some(p) = n.iter().find(|p| p.matches(name)) {
+                        if let Some(p) = n.iter().find(|p| p.allows_query(name)) {
                             return DnsRuling::AllowedBy(format!(
                                 "DNS rule {p} of {} allows {name:?}",
                                 pr.origin.describe()
