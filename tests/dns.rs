@@ -28,6 +28,8 @@ type Names = HashMap<String, (Vec<Ipv4Addr>, u32)>;
 struct Zone {
     names: Arc<Mutex<Names>>,
     asked: Arc<Mutex<Vec<String>>>,
+    /// Every query as it arrived.
+    received: Arc<Mutex<Vec<Vec<u8>>>>,
 }
 
 impl Zone {
@@ -48,6 +50,7 @@ impl Zone {
 
     /// The answer to one query (NXDOMAIN for a name it does not know).
     fn answer(&self, query: &[u8]) -> Option<Vec<u8>> {
+        self.received.lock().unwrap().push(query.to_vec());
         let q = Message::from_vec(query).ok()?;
         let question = q.queries().first()?.clone();
         let name = question
@@ -143,7 +146,20 @@ fn lookup(netns: &str, server: IpAddr, name: &str, tcp: bool) -> Lookup {
 
 /// [`lookup`] from source port `sport` (UDP; 0: any), so that two lookups share one flow.
 fn lookup_from(netns: &str, server: IpAddr, name: &str, tcp: bool, sport: u16) -> Lookup {
+    lookup_with_tail(netns, server, name, tcp, sport, &[])
+}
+
+/// [`lookup_from`] with `tail` sent after the query's message, in the same datagram or frame.
+fn lookup_with_tail(
+    netns: &str,
+    server: IpAddr,
+    name: &str,
+    tcp: bool,
+    sport: u16,
+    tail: &[u8],
+) -> Lookup {
     let name = name.to_string();
+    let tail = tail.to_vec();
     in_netns(netns, move || {
         let id: u16 = rand_id();
         let mut m = Message::new();
@@ -154,7 +170,8 @@ fn lookup_from(netns: &str, server: IpAddr, name: &str, tcp: bool, sport: u16) -
                 Name::from_ascii(&name).unwrap(),
                 RecordType::A,
             ));
-        let q = m.to_vec().unwrap();
+        let mut q = m.to_vec().unwrap();
+        q.extend_from_slice(&tail);
         let to = SocketAddr::new(server, 53);
         let answer = if tcp {
             let mut s = match TcpStream::connect_timeout(&to, Duration::from_millis(1000)) {
@@ -432,6 +449,22 @@ fn to_fqdns_selects_what_allowed_answers_resolved_and_dns_rules_refuse_the_rest(
         .as_str()
         .unwrap_or("")
         .contains("client-egress"));
+
+    // Bytes after the question (here a second question and garbage) are not forwarded: the
+    // server gets the query as the proxy read and judged it.
+    let tail = b"\x04evil\x04test\x00\x00\x01\x00\x01smuggled";
+    for tcp in [false, true] {
+        assert_eq!(
+            lookup_with_tail(c, s.dns(), "api.example.com", tcp, 0, tail),
+            ok(&[api])
+        );
+    }
+    let received = s.zone.received.lock().unwrap().clone();
+    assert!(
+        !received.iter().any(|q| q.ends_with(b"smuggled")),
+        "the server saw the trailing bytes"
+    );
+    assert!(!s.zone.asked("evil.test"));
 
     // Upper case and a trailing dot, and DNS over TCP: the same.
     assert_eq!(s.lookup("API.Example.COM."), ok(&[api]));

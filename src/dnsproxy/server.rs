@@ -588,7 +588,7 @@ fn send_from(from: SocketAddr, to: SocketAddr, answer: &[u8]) -> io::Result<()> 
 }
 
 /// Asks the server the pod asked, over UDP, and waits for the answer with the query's id.
-async fn upstream_udp(dst: SocketAddr, query: &[u8], id: u16) -> io::Result<Vec<u8>> {
+async fn upstream_udp(dst: SocketAddr, q: &wire::Question) -> io::Result<Vec<u8>> {
     let bind: SocketAddr = if dst.is_ipv4() {
         (Ipv4Addr::UNSPECIFIED, 0).into()
     } else {
@@ -596,12 +596,12 @@ async fn upstream_udp(dst: SocketAddr, query: &[u8], id: u16) -> io::Result<Vec<
     };
     let s = UdpSocket::bind(bind).await?;
     s.connect(dst).await?;
-    s.send(query).await?;
+    s.send(&q.forward).await?;
     let mut buf = vec![0u8; 65535];
     tokio::time::timeout(Duration::from_secs(5), async {
         loop {
             let n = s.recv(&mut buf).await?;
-            if wire::addresses(&buf[..n], id).is_some() {
+            if wire::addresses(&buf[..n], q.id).is_some() {
                 return Ok(buf[..n].to_vec());
             }
         }
@@ -646,7 +646,7 @@ async fn serve_udp(proxy: Arc<Proxy>, sock: Arc<UdpSocket>) {
                 return;
             };
             let spent = started.elapsed();
-            match upstream_udp(dst, &query, q.id).await {
+            match upstream_udp(dst, &q).await {
                 Ok(answer) => {
                     proxy
                         .answered(&q, endpoint, &pod, policies, &answer, spent)
@@ -698,7 +698,7 @@ async fn serve_tcp_conn(proxy: Arc<Proxy>, mut pod: TcpStream, src: SocketAddr) 
             upstream = Some(TcpStream::connect(dst).await?);
         }
         let up = upstream.as_mut().expect("just connected");
-        write_frame(up, &query).await?;
+        write_frame(up, &q.forward).await?;
         let answer = tokio::time::timeout(Duration::from_secs(5), read_frame(up))
             .await
             .map_err(|_| {

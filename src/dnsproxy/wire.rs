@@ -5,19 +5,39 @@ use std::net::IpAddr;
 use hickory_proto::op::{Message, MessageType, ResponseCode};
 use hickory_proto::rr::{Name, RData};
 
-/// The question of a query: its id, name (as asked) and type.
+/// The question of a query: its id, name (as asked) and type, and the query to forward.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Question {
     pub id: u16,
     pub name: String,
     pub qtype: String,
+    /// What is sent to the server: the query rebuilt from what was read and judged, never the
+    /// bytes as they came (see [`question`]).
+    pub forward: Vec<u8>,
 }
 
-/// Reads a query; `None` for anything that is not a query with exactly one question (what
-/// every resolver sends; the proxy answers others with FORMERR through [`formerr`]).
+/// Reads a query; `None` for anything the proxy answers with FORMERR ([`formerr`]): no query,
+/// not exactly one question, or records in it.
+///
+/// The query forwarded is rebuilt from what was read, so the server gets exactly what was
+/// judged. A stub resolver (glibc, musl, Go, systemd-resolved, CoreDNS forwarding) sends a
+/// header, one question and at most an EDNS OPT record in the additional section; the rebuild
+/// keeps all of it as it was (payload size, flags, options such as cookies and padding), so
+/// such a query goes out byte for byte as it came. A query with anything else is refused, not
+/// trimmed: answer or authority records and other additional records (TSIG, SIG(0), ...) were
+/// not judged, and dropping them would change what is asked (a signed query would fail its
+/// check anyway).
+/// Bytes after the message are no part of it (a message ends where its counts say): they are
+/// not forwarded, and the message is answered as usual.
 pub fn question(bytes: &[u8]) -> Option<Question> {
     let m = Message::from_vec(bytes).ok()?;
-    if m.message_type() != MessageType::Query || m.queries().len() != 1 {
+    if m.message_type() != MessageType::Query
+        || m.queries().len() != 1
+        || !m.answers().is_empty()
+        || !m.name_servers().is_empty()
+        || !m.additionals().is_empty()
+        || !m.signature().is_empty()
+    {
         return None;
     }
     let q = &m.queries()[0];
@@ -25,6 +45,7 @@ pub fn question(bytes: &[u8]) -> Option<Question> {
         id: m.id(),
         name: presentation(q.name()),
         qtype: q.query_type().to_string(),
+        forward: m.to_vec().ok()?,
     })
 }
 
@@ -151,6 +172,72 @@ pub(crate) mod tests {
         );
         assert_eq!(presentation(&Name::root()), ".");
         assert_eq!(presentation(&Name::from_ascii("a.b").unwrap()), "a.b");
+    }
+
+    fn a(owner: &str, ip: &str, ttl: u32) -> Record {
+        let ip: std::net::Ipv4Addr = ip.parse().unwrap();
+        Record::from_rdata(
+            Name::from_ascii(owner).unwrap(),
+            ttl,
+            RData::A(rdata::A(ip)),
+        )
+    }
+
+    #[test]
+    fn only_what_was_judged_is_forwarded() {
+        // A resolver's query: mixed case (0x20), EDNS with a cookie option.
+        let mut m = Message::new();
+        m.set_id(77)
+            .set_message_type(MessageType::Query)
+            .set_recursion_desired(true)
+            .add_query(Query::query(
+                Name::from_ascii("ApI.ExAmple.CoM.").unwrap(),
+                RecordType::AAAA,
+            ));
+        let mut edns = hickory_proto::op::Edns::new();
+        edns.set_max_payload(1232);
+        edns.options_mut()
+            .insert(hickory_proto::rr::rdata::opt::EdnsOption::Unknown(
+                10,
+                vec![1, 2, 3, 4, 5, 6, 7, 8],
+            ));
+        m.set_edns(edns);
+        let clean = m.to_vec().unwrap();
+        let q = question(&clean).unwrap();
+        assert_eq!(q.name, "ApI.ExAmple.CoM.");
+        assert_eq!(q.forward, clean, "a resolver's query goes out as it came");
+
+        // Bytes after the message (here a second question for another name) are not forwarded.
+        let mut smuggled = clean.clone();
+        smuggled.extend_from_slice(&super::tests::query(1, "evil.test.")[12..]);
+        smuggled.extend_from_slice(b"\xff\x00garbage");
+        let s = question(&smuggled).unwrap();
+        assert_eq!(s.name, q.name);
+        assert_eq!(s.forward, clean, "the upstream sees no trailing bytes");
+        let parsed = Message::from_vec(&s.forward).unwrap();
+        assert_eq!(parsed.queries().len(), 1);
+        assert_eq!(
+            parsed.extensions().as_ref().map(|e| e.max_payload()),
+            Some(1232)
+        );
+
+        // Records a query has no business carrying were never judged: FORMERR, not forwarded.
+        let mut answer = Message::from_vec(&clean).unwrap();
+        answer.add_answer(a("evil.test.", "6.6.6.6", 300));
+        let mut authority = Message::from_vec(&clean).unwrap();
+        authority.add_name_server(a("evil.test.", "6.6.6.6", 300));
+        let mut additional = Message::from_vec(&clean).unwrap();
+        additional.add_additional(a("evil.test.", "6.6.6.6", 300));
+        for (what, m) in [
+            ("answer", answer),
+            ("authority", authority),
+            ("additional", additional),
+        ] {
+            let bytes = m.to_vec().unwrap();
+            assert!(question(&bytes).is_none(), "a query with an {what} record");
+            let f = Message::from_vec(&formerr(&bytes).unwrap()).unwrap();
+            assert_eq!((f.id(), f.response_code()), (77, ResponseCode::FormErr));
+        }
     }
 
     #[test]
