@@ -432,7 +432,7 @@ impl Proxy {
         mut spent: Duration,
     ) {
         let started = Instant::now();
-        let (ips, ttl) = wire::addresses(answer, q.id).unwrap_or_default();
+        let (ips, ttl) = wire::addresses(answer, q).unwrap_or_default();
         self.learn(endpoint, &q.name, ips.clone(), ttl).await;
         spent += started.elapsed();
         self.report(q, endpoint, pod, ips, "forwarded", policies, spent);
@@ -601,7 +601,7 @@ async fn upstream_udp(dst: SocketAddr, q: &wire::Question) -> io::Result<Vec<u8>
     tokio::time::timeout(Duration::from_secs(5), async {
         loop {
             let n = s.recv(&mut buf).await?;
-            if wire::addresses(&buf[..n], q.id).is_some() {
+            if wire::addresses(&buf[..n], q).is_some() {
                 return Ok(buf[..n].to_vec());
             }
         }

@@ -5,12 +5,17 @@ use std::net::IpAddr;
 use hickory_proto::op::{Message, MessageType, ResponseCode};
 use hickory_proto::rr::{Name, RData};
 
+/// CNAME records followed from the question's name, at most (resolvers stop at 8 to 16).
+pub const MAX_CNAMES: usize = 16;
+
 /// The question of a query: its id, name (as asked) and type, and the query to forward.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Question {
     pub id: u16,
     pub name: String,
     pub qtype: String,
+    /// The name as read: where the answer's CNAME chain starts ([`addresses`]).
+    pub asked: Name,
     /// What is sent to the server: the query rebuilt from what was read and judged, never the
     /// bytes as they came (see [`question`]).
     pub forward: Vec<u8>,
@@ -45,6 +50,7 @@ pub fn question(bytes: &[u8]) -> Option<Question> {
         id: m.id(),
         name: presentation(q.name()),
         qtype: q.query_type().to_string(),
+        asked: q.name().clone(),
         forward: m.to_vec().ok()?,
     })
 }
@@ -101,19 +107,40 @@ pub fn formerr(query: &[u8]) -> Option<Vec<u8>> {
     answer_to(query, ResponseCode::FormErr)
 }
 
-/// The A and AAAA addresses of an answer, with the smallest TTL among them; `None` when the
-/// message is unreadable or not a response to `id`.
-pub fn addresses(answer: &[u8], id: u16) -> Option<(Vec<IpAddr>, u32)> {
+/// The addresses an answer gives the question's name, with the smallest TTL on the way there;
+/// `None` when the message is unreadable or not a response to the query's id.
+///
+/// As in Cilium (`ExtractMsgDetails`), only the question's name and the names its CNAME
+/// records lead to count, followed in the order of the answer section (case-insensitively):
+/// an A or AAAA record is learned when its owner is the name the chain has reached, a CNAME of
+/// that name moves the chain on, at most [`MAX_CNAMES`] times. Records of other names teach
+/// nothing (Cilium learns nothing from such an answer at all; here the chain's own records
+/// still count): a server cannot have `evil.test`'s address learned under the name asked. The
+/// TTL is the smallest of the records followed, CNAMEs included.
+pub fn addresses(answer: &[u8], q: &Question) -> Option<(Vec<IpAddr>, u32)> {
     let m = Message::from_vec(answer).ok()?;
-    if m.id() != id || m.message_type() != MessageType::Response {
+    if m.id() != q.id || m.message_type() != MessageType::Response {
         return None;
     }
+    let mut at = &q.asked;
+    let mut cnames = 0;
     let mut ips = Vec::new();
     let mut ttl = u32::MAX;
     for r in m.answers() {
+        if !r.name().eq_ignore_root(at) {
+            continue;
+        }
         let ip = match r.data() {
             RData::A(a) => IpAddr::V4(a.0),
             RData::AAAA(a) => IpAddr::V6(a.0),
+            RData::CNAME(target) if cnames < MAX_CNAMES => {
+                cnames += 1;
+                ttl = ttl.min(r.ttl());
+                at = &target.0;
+                continue;
+            }
+            // A chain longer than the bound: what it leads to is not learned.
+            RData::CNAME(_) => break,
             _ => continue,
         };
         ttl = ttl.min(r.ttl());
@@ -174,6 +201,19 @@ pub(crate) mod tests {
         assert_eq!(presentation(&Name::from_ascii("a.b").unwrap()), "a.b");
     }
 
+    /// A response to `query` (its id and question) carrying `records`.
+    fn response(query: &[u8], records: Vec<Record>) -> Vec<u8> {
+        let q = Message::from_vec(query).unwrap();
+        let mut m = Message::new();
+        m.set_id(q.id())
+            .set_message_type(MessageType::Response)
+            .add_queries(q.queries().to_vec());
+        for r in records {
+            m.add_answer(r);
+        }
+        m.to_vec().unwrap()
+    }
+
     fn a(owner: &str, ip: &str, ttl: u32) -> Record {
         let ip: std::net::Ipv4Addr = ip.parse().unwrap();
         Record::from_rdata(
@@ -181,6 +221,92 @@ pub(crate) mod tests {
             ttl,
             RData::A(rdata::A(ip)),
         )
+    }
+
+    fn cname(owner: &str, target: &str, ttl: u32) -> Record {
+        let target = rdata::CNAME(Name::from_ascii(target).unwrap());
+        Record::from_rdata(Name::from_ascii(owner).unwrap(), ttl, RData::CNAME(target))
+    }
+
+    fn ips(v: &[&str]) -> Vec<IpAddr> {
+        v.iter().map(|i| i.parse().unwrap()).collect()
+    }
+
+    #[test]
+    fn only_the_question_and_its_cname_chain_are_learned() {
+        let query = query(9, "api.example.com.");
+        let q = question(&query).unwrap();
+        // Cilium (`ExtractMsgDetails`) follows the chain from the question in order; records of
+        // other names teach nothing.
+        let chain = response(
+            &query,
+            vec![
+                a("evil.test.", "6.6.6.6", 300),
+                cname("API.Example.com.", "lb.example.net.", 300),
+                a("other.example.net.", "7.7.7.7", 300),
+                a("LB.example.NET.", "1.2.3.4", 60),
+                a("lb.example.net.", "1.2.3.5", 120),
+            ],
+        );
+        assert_eq!(
+            addresses(&chain, &q),
+            Some((ips(&["1.2.3.4", "1.2.3.5"]), 60))
+        );
+        let unrelated = response(&query, vec![a("evil.test.", "6.6.6.6", 300)]);
+        assert_eq!(addresses(&unrelated, &q), Some((vec![], 0)));
+        let direct = response(&query, vec![a("api.example.com.", "192.0.2.1", 30)]);
+        assert_eq!(addresses(&direct, &q), Some((ips(&["192.0.2.1"]), 30)));
+        // In order: an address before the CNAME that leads to its name is not on the chain yet.
+        let backwards = response(
+            &query,
+            vec![
+                a("lb.example.net.", "1.2.3.4", 60),
+                cname("api.example.com.", "lb.example.net.", 300),
+            ],
+        );
+        assert_eq!(addresses(&backwards, &q), Some((vec![], 0)));
+        // The CNAME's TTL bounds what is learned through it.
+        let short = response(
+            &query,
+            vec![
+                cname("api.example.com.", "lb.example.net.", 5),
+                a("lb.example.net.", "1.2.3.4", 300),
+            ],
+        );
+        assert_eq!(addresses(&short, &q), Some((ips(&["1.2.3.4"]), 5)));
+        // A loop, and a chain longer than the bound, end without learning anything more.
+        let looped = response(
+            &query,
+            vec![
+                cname("api.example.com.", "lb.example.net.", 300),
+                cname("lb.example.net.", "api.example.com.", 300),
+                cname("api.example.com.", "lb.example.net.", 300),
+                a("evil.test.", "6.6.6.6", 300),
+            ],
+        );
+        assert_eq!(addresses(&looped, &q), Some((vec![], 0)));
+        let chain_of = |n: usize| {
+            let names: Vec<String> = (1..=n).map(|i| format!("c{i}.example.net.")).collect();
+            let mut records = vec![cname("api.example.com.", &names[0], 300)];
+            for w in names.windows(2) {
+                records.push(cname(&w[0], &w[1], 300));
+            }
+            records.push(a(&names[n - 1], "1.2.3.4", 300));
+            response(&query, records)
+        };
+        assert_eq!(
+            addresses(&chain_of(MAX_CNAMES), &q),
+            Some((ips(&["1.2.3.4"]), 300))
+        );
+        assert_eq!(addresses(&chain_of(MAX_CNAMES + 1), &q), Some((vec![], 0)));
+        assert_eq!(
+            addresses(
+                &chain,
+                &question(&super::tests::query(10, "api.example.com.")).unwrap()
+            ),
+            None,
+            "another id"
+        );
     }
 
     #[test]
@@ -254,11 +380,12 @@ pub(crate) mod tests {
         assert_eq!(r.response_code(), ResponseCode::Refused);
         assert_eq!(r.queries().len(), 1);
         let a = answer(&q, &["192.0.2.1", "192.0.2.2"], 30);
-        let (ips, ttl) = addresses(&a, 4242).unwrap();
+        let (ips, ttl) = addresses(&a, &got).unwrap();
         assert_eq!(ips.len(), 2);
         assert_eq!(ttl, 30);
+        let other = question(&query(1, "API.Example.com.")).unwrap();
         assert!(
-            addresses(&a, 1).is_none(),
+            addresses(&a, &other).is_none(),
             "an answer to another id is no answer"
         );
         assert!(question(&a).is_none(), "a response is no query");
