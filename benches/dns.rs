@@ -14,6 +14,14 @@
 //!    The proxy releases an answer only once every selecting endpoint's policy map (all
 //!    `CLIENTS`) and the ipcache hold its address, so the lookup's latency bounds the time from
 //!    the answer to the entries; checked against the kernel map for a sample.
+//! 3. One pod's flood (issue #26): client 1 resolves `FLOOD_RATE` distinct names per second for
+//!    `FLOOD_SECONDS` (`fK.example.com`: allowed by the DNS rule, selected by no `toFQDNs`),
+//!    while client 0 looks up `api.example.com` at `PROBE_RATE` q/s. Reported: client 0's
+//!    p50/p99 before and during the flood (goal: p99 within 2x), the agent's RSS, identities
+//!    and FQDN cache entries before and after.
+//!
+//! `CILIATE_BENCH_DNS_MAX_QPS=N` starts the agent with `--dns-proxy-max-qps-per-pod N` (0: no
+//! per-pod limit, for part 1's single-pod capacity; part 3 measures the default).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -31,8 +39,11 @@ use common::netns::{in_netns, world};
 const CLIENTS: usize = 100;
 const SECONDS: f64 = 3.0;
 const NEW_NAMES: usize = 200;
+const FLOOD_RATE: u32 = 6_900;
+const FLOOD_SECONDS: f64 = 10.0;
+const PROBE_RATE: u32 = 200;
 
-/// `CILIATE_BENCH_DNS_PART=1` or `2`: only that part.
+/// `CILIATE_BENCH_DNS_PART=1`, `2` or `3`: only that part.
 fn part(n: u32) -> bool {
     std::env::var("CILIATE_BENCH_DNS_PART").map_or(true, |p| p == n.to_string())
 }
@@ -40,13 +51,17 @@ const RATES: [u32; 9] = [
     2_000, 4_000, 6_000, 8_000, 10_000, 12_000, 16_000, 20_000, 25_000,
 ];
 
-/// The answer to a query: `api.example.com` -> 192.0.2.1; `nK.example.com` -> 198.18.x.y.
+/// The answer to a query: `api.example.com` -> 192.0.2.1; `nK.example.com` -> 198.18.x.y;
+/// `fK.example.com` -> 198.19.x.y.
 fn answer(query: &[u8]) -> Option<Vec<u8>> {
     let q = Message::from_vec(query).ok()?;
     let question = q.queries().first()?.clone();
     let name = question.name().to_ascii().to_ascii_lowercase();
     let ip = if name == "api.example.com." {
         Ipv4Addr::new(192, 0, 2, 1)
+    } else if let Some(f) = name.strip_prefix('f') {
+        let k: u32 = f.split('.').next()?.parse().ok()?;
+        Ipv4Addr::from(0xC613_0000 + k + 1)
     } else {
         let k: u32 = name.strip_prefix('n')?.split('.').next()?.parse().ok()?;
         Ipv4Addr::from(0xC612_0000 + k + 1)
@@ -92,9 +107,20 @@ fn query(id: u16, name: &str) -> Vec<u8> {
 /// Latencies (seconds) of `rate` queries/s for `SECONDS` from `netns` to `server:53`, and how
 /// many got no answer.
 fn open_loop(netns: &str, server: IpAddr, rate: u32) -> (Vec<f64>, usize) {
-    let n = ((rate as f64 * SECONDS) as usize).min(65_536);
+    open_loop_of(netns, server, rate, SECONDS, |_| "api.example.com".into())
+}
+
+/// `open_loop` for `seconds`, the i-th query asking for `name(i)`.
+fn open_loop_of(
+    netns: &str,
+    server: IpAddr,
+    rate: u32,
+    seconds: f64,
+    name: impl Fn(usize) -> String + Send + 'static,
+) -> (Vec<f64>, usize) {
+    let n = ((rate as f64 * seconds) as usize).min(65_536);
     in_netns(netns, move || {
-        let queries: Vec<Vec<u8>> = (0..n).map(|i| query(i as u16, "api.example.com")).collect();
+        let queries: Vec<Vec<u8>> = (0..n).map(|i| query(i as u16, &name(i))).collect();
         let s = UdpSocket::bind("0.0.0.0:0").unwrap();
         s.connect(SocketAddr::new(server, 53)).unwrap();
         s.set_read_timeout(Some(Duration::from_millis(200)))
@@ -216,11 +242,19 @@ fn main() {
     std::fs::write(m.join("cluster.yaml"), cluster).unwrap();
     std::fs::write(
         m.join("policy.yaml"),
-        common::dns_client_policy("clients", "{matchPattern: '*.example.com'}"),
+        common::dns_client_policy(
+            "clients",
+            "{matchName: api.example.com}, {matchPattern: 'n*.example.com'}",
+        ),
     )
     .unwrap();
     let pins = w.pins.to_string_lossy().to_string();
-    let agent = Agent::start_with(tmp.path(), &["--datapath", "bpf", "--bpf-root", &pins]);
+    let mut args = vec!["--datapath", "bpf", "--bpf-root", &pins];
+    let max_qps = std::env::var("CILIATE_BENCH_DNS_MAX_QPS").ok();
+    if let Some(q) = &max_qps {
+        args.extend(["--dns-proxy-max-qps-per-pod", q]);
+    }
+    let agent = Agent::start_with(tmp.path(), &args);
     agent.add_endpoint("x/dns", dns.addr, &dns.host_if);
     for (i, c) in clients.iter().enumerate() {
         agent.add_endpoint(&format!("x/c{i}"), c.addr, &c.host_if);
@@ -295,6 +329,9 @@ fn main() {
     }
     println!("highest rate with proxied p99 <= 5 ms and no loss: {best} queries/s");
 
+    if part(3) {
+        flood(&agent, clients, dns.addr);
+    }
     if !part(2) {
         return;
     }
@@ -365,4 +402,70 @@ fn main() {
     }
     drop(agent);
     drop(tmp);
+}
+
+/// The agent's resident memory (MiB), identities and FQDN cache entries.
+fn agent_size(agent: &Agent) -> (f64, usize, usize) {
+    let pid = agent.child.as_ref().expect("running").id();
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let rss = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        .unwrap_or(f64::NAN);
+    let ids = agent
+        .json("/debug/identities")
+        .as_array()
+        .map_or(0, |a| a.len());
+    let cache = agent
+        .cli_json(&["fqdn", "cache", "list"])
+        .as_array()
+        .map_or(0, |a| a.len());
+    (rss / 1024.0, ids, cache)
+}
+
+/// Part 3: client 1 floods distinct names while client 0 probes.
+fn flood(agent: &Agent, clients: &[common::netns::Pod], server: IpAddr) {
+    println!(
+        "\n3. one pod's flood: {FLOOD_RATE} names/s for {FLOOD_SECONDS} s from client 1, client 0 probing at {PROBE_RATE} q/s"
+    );
+    let (c0, c1) = (clients[0].netns.clone(), clients[1].netns.clone());
+    let (rss0, ids0, cache0) = agent_size(agent);
+    let (mut base, lost_b) =
+        open_loop_of(&c0, server, PROBE_RATE, 3.0, |_| "api.example.com".into());
+    let flooder = std::thread::spawn(move || {
+        open_loop_of(&c1, server, FLOOD_RATE, FLOOD_SECONDS, |i| {
+            format!("f{i}.example.com")
+        })
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    let (mut during, lost_d) =
+        open_loop_of(&c0, server, PROBE_RATE, 6.0, |_| "api.example.com".into());
+    let (flooded, lost_f) = flooder.join().unwrap();
+    let (rss1, ids1, cache1) = agent_size(agent);
+    let (b50, b99, d50, d99) = (
+        pct(&mut base, 0.5),
+        pct(&mut base, 0.99),
+        pct(&mut during, 0.5),
+        pct(&mut during, 0.99),
+    );
+    println!(
+        "client 0 before: p50 {} p99 {} ({lost_b} lost); during the flood: p50 {} p99 {} ({lost_d} lost); p99 ratio {:.2}",
+        us(b50),
+        us(b99),
+        us(d50),
+        us(d99),
+        d99 / b99
+    );
+    println!("flood: {} answered, {lost_f} unanswered", flooded.len());
+    println!(
+        "agent: RSS {rss0:.0} -> {rss1:.0} MiB, identities {ids0} -> {ids1}, FQDN cache {cache0} -> {cache1} names"
+    );
+    let (_, metrics) = agent.http_get("/metrics");
+    for l in metrics
+        .lines()
+        .filter(|l| l.starts_with("ciliate_fqdn_cache_evictions_total"))
+    {
+        println!("{l}");
+    }
 }

@@ -94,6 +94,7 @@ fn agent(args: AgentArgs) -> i32 {
             max_zombies: args.tofqdns_max_deferred_connection_deletes,
         },
         dns_proxy: args.dns_proxy,
+        dns_proxy_max_qps_per_pod: args.dns_proxy_max_qps_per_pod,
         watch_pods: args.watch_pods,
     };
     match run(config) {
@@ -210,6 +211,10 @@ fn dns_proxy(args: ciliate::cli::DnsProxyArgs) -> i32 {
         udp_port: args.udp_port,
         tcp_port: args.tcp_port,
         learn_timeout: std::time::Duration::from_millis(args.learn_timeout_ms),
+        source_limits: ciliate::dnsproxy::limit::SourceLimits {
+            rate: args.max_qps_per_pod,
+            ..Default::default()
+        },
     }) {
         Ok(()) => 0,
         Err(e) => {

@@ -1355,6 +1355,11 @@ impl Handler<LearnFqdn> for PolicyRepoActor {
         for c in evicted {
             change.absorb_peers(c);
         }
+        if change.affected.is_empty() && ipcache_of(&change).is_empty() {
+            // A name no selector matches (or nothing new): nothing to wait for.
+            let _ = msg.done.send(());
+            return;
+        }
         self.react(
             Reaction::new(format!(
                 "fqdn {}",

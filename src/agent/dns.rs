@@ -34,6 +34,8 @@ pub struct LinkConfig {
     pub mode: DnsProxyMode,
     pub state_dir: PathBuf,
     pub bpf_root: PathBuf,
+    /// The started proxy's `--max-qps-per-pod`.
+    pub max_qps_per_pod: u32,
 }
 
 impl LinkConfig {
@@ -64,6 +66,8 @@ pub fn start_proxy(cfg: &LinkConfig) -> std::io::Result<Option<std::process::Chi
         .arg(&cfg.state_dir)
         .arg("--bpf-root")
         .arg(&cfg.bpf_root)
+        .arg("--max-qps-per-pod")
+        .arg(cfg.max_qps_per_pod.to_string())
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
         .stderr(log)

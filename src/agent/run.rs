@@ -60,6 +60,8 @@ pub struct AgentConfig {
     /// `--tofqdns-endpoint-max-ip-per-hostname`, `--tofqdns-endpoint-max-names`,
     /// `--tofqdns-max-names`, `--tofqdns-max-deferred-connection-deletes`.
     pub tofqdns_limits: crate::policy::fqdn_bounds::CacheLimits,
+    /// `--dns-proxy-max-qps-per-pod`: the started proxy's `--max-qps-per-pod`.
+    pub dns_proxy_max_qps_per_pod: u32,
     /// `--dns-proxy`: start, adopt or run no DNS proxy (bpf datapath).
     pub dns_proxy: crate::config::DnsProxyMode,
     /// `--watch-pods`: other nodes' pods from every Pod, not from CiliateEndpointSlices.
@@ -653,6 +655,7 @@ async fn run_async(
                 mode: config.dns_proxy,
                 state_dir: config.state_dir.clone(),
                 bpf_root: config.bpf_root.clone(),
+                max_qps_per_pod: config.dns_proxy_max_qps_per_pod,
             },
         ));
     }

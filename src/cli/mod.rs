@@ -177,6 +177,11 @@ pub struct DnsProxyArgs {
     /// Longest an allowed answer waits for the agent to put its addresses into policy.
     #[arg(long, default_value_t = 2000)]
     pub learn_timeout_ms: u64,
+    /// UDP queries per second one pod (source address) may send through the proxy, with a
+    /// burst of two seconds' worth; past it, and past 1,024 of its queries waiting at once, its
+    /// queries are dropped (its resolver retries). 0: no rate limit.
+    #[arg(long, default_value_t = 2_000)]
+    pub max_qps_per_pod: u32,
     #[arg(long, value_enum, default_value = "text")]
     pub log_format: LogFormat,
 }
@@ -285,6 +290,9 @@ pub struct AgentArgs {
     /// `disabled` runs none (DNS of endpoints with DNS rules is then dropped: fail closed).
     #[arg(long, value_enum, default_value = "auto")]
     pub dns_proxy: crate::config::DnsProxyMode,
+    /// `--max-qps-per-pod` of the DNS proxy this agent starts (`--dns-proxy auto`).
+    #[arg(long, default_value_t = 2_000)]
+    pub dns_proxy_max_qps_per_pod: u32,
     /// Kubernetes mode: learn other nodes' pods by watching every Pod (small clusters) instead
     /// of the CiliateEndpointSlices their agents write. Either way the agent writes its own
     /// node's slices.

@@ -16,6 +16,7 @@
 //! - [`state`]: the agent's side (FQDN cache, endpoints' rules, the proxy as last seen);
 //! - [`wire`]: DNS messages through hickory-proto (questions, REFUSED answers, addresses).
 
+pub mod limit;
 pub mod server;
 pub mod state;
 pub mod wire;

@@ -60,6 +60,8 @@ pub struct ProxyOptions {
     pub tcp_port: u16,
     /// How long an answer waits for the agent to realize its addresses.
     pub learn_timeout: Duration,
+    /// Each pod's share (`--max-qps-per-pod`).
+    pub source_limits: super::limit::SourceLimits,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -222,6 +224,8 @@ struct Proxy {
     queued: Mutex<Vec<Learned>>,
     seq: AtomicU64,
     learn_timeout: Duration,
+    /// Each pod's share of the proxy (`limit`).
+    limiter: Arc<super::limit::SourceLimiter>,
 }
 
 impl Proxy {
@@ -610,6 +614,15 @@ async fn upstream_udp(dst: SocketAddr, q: &wire::Question) -> io::Result<Vec<u8>
     .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "the DNS server did not answer"))?
 }
 
+/// A pod over its share: logged at its first drop and every 10,000th.
+fn over_share(src: IpAddr, refusal: super::limit::Refusal) {
+    use super::limit::Refusal;
+    let (Refusal::Rate { dropped } | Refusal::InFlight { dropped }) = refusal;
+    if dropped == 1 || dropped % 10_000 == 0 {
+        tracing::warn!(%src, ?refusal, "DNS proxy: a pod is over its share (--max-qps-per-pod); its excess queries are dropped and its resolver retries");
+    }
+}
+
 async fn serve_udp(proxy: Arc<Proxy>, sock: Arc<UdpSocket>) {
     let mut buf = vec![0u8; 65535];
     loop {
@@ -626,6 +639,15 @@ async fn serve_udp(proxy: Arc<Proxy>, sock: Arc<UdpSocket>) {
                 continue;
             }
         };
+        // Each pod's share first: a flooding pod's excess is dropped before it takes any of
+        // the proxy's time or its in-flight permits.
+        let share = match proxy.limiter.admit(src.ip(), Instant::now()) {
+            Ok(share) => share,
+            Err(refusal) => {
+                over_share(src.ip(), refusal);
+                continue;
+            }
+        };
         let query = buf[..n].to_vec();
         let proxy = proxy.clone();
         // Bounded: past `MAX_IN_FLIGHT` queries waiting for their servers, new ones are dropped
@@ -635,7 +657,7 @@ async fn serve_udp(proxy: Arc<Proxy>, sock: Arc<UdpSocket>) {
             continue;
         };
         tokio::spawn(async move {
-            let _permit = permit;
+            let (_permit, _share) = (permit, share);
             let started = Instant::now();
             let (now, forward) = proxy.judge(&query, src.ip(), dst, 17);
             if let Some(answer) = now {
@@ -852,6 +874,7 @@ pub fn run(opts: ProxyOptions) -> Result<(), ProxyError> {
             queued: Mutex::new(Vec::new()),
             seq: AtomicU64::new(0),
             learn_timeout: opts.learn_timeout,
+            limiter: super::limit::SourceLimiter::new(opts.source_limits),
         });
         let agents = UnixListener::bind(&sock_path)
             .map_err(setup(format!("listen on {}", sock_path.display())))?;
