@@ -1461,7 +1461,7 @@ impl PolicyRepoActor {
         let dns = self.shared.dns.clone();
         let now = crate::policy::fqdn::unix_now();
         let ep = msg.endpoint.map(|e| e as u64);
-        let evicted = {
+        let (selected, new, evicted) = {
             let engine = self.engine();
             let referenced = |name: &str, e: &crate::policy::fqdn::CacheEntry| {
                 engine.fqdn_selected(name) || e.ips.iter().any(|c| dns.is_live(c.ip))
@@ -1469,18 +1469,20 @@ impl PolicyRepoActor {
             let mut cache = dns.cache();
             let new = cache.learn(&msg.name, &msg.ips, msg.ttl, dns.min_ttl, ep, now);
             let evicted = cache.bound(&dns.limits, &msg.name, ep, &referenced);
-            (new || !evicted.is_empty()).then_some(evicted)
+            (engine.fqdn_selected(&msg.name), new, evicted)
         };
-        match evicted {
-            Some(evicted) => {
-                self.fqdn_changed();
-                self.forget_evicted(evicted)
-            }
-            None => {
-                self.fqdn_dirty = true; // a later expiry or askers: saved by the next tick
-                Vec::new()
-            }
+        if new && selected {
+            // In policy now: saved at once, so that a restart restores it.
+            self.fqdn_changed();
+        } else {
+            // Nothing in policy changed (or only askers and expiries): saved by the next tick,
+            // at most once a second, so a flood of names does not rewrite the file per name.
+            self.fqdn_dirty = true;
         }
+        if evicted.is_empty() {
+            return Vec::new();
+        }
+        self.forget_evicted(evicted)
     }
 
     /// The engine forgets what the cache evicted; the evictions are counted.

@@ -180,7 +180,7 @@ pub struct DnsProxyArgs {
     /// UDP queries per second one pod (source address) may send through the proxy, with a
     /// burst of two seconds' worth; past it, and past 1,024 of its queries waiting at once, its
     /// queries are dropped (its resolver retries). 0: no rate limit.
-    #[arg(long, default_value_t = 2_000)]
+    #[arg(long, default_value_t = 1_000)]
     pub max_qps_per_pod: u32,
     #[arg(long, value_enum, default_value = "text")]
     pub log_format: LogFormat,
@@ -291,7 +291,7 @@ pub struct AgentArgs {
     #[arg(long, value_enum, default_value = "auto")]
     pub dns_proxy: crate::config::DnsProxyMode,
     /// `--max-qps-per-pod` of the DNS proxy this agent starts (`--dns-proxy auto`).
-    #[arg(long, default_value_t = 2_000)]
+    #[arg(long, default_value_t = 1_000)]
     pub dns_proxy_max_qps_per_pod: u32,
     /// Kubernetes mode: learn other nodes' pods by watching every Pod (small clusters) instead
     /// of the CiliateEndpointSlices their agents write. Either way the agent writes its own

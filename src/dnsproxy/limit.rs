@@ -25,7 +25,7 @@ pub struct SourceLimits {
 impl Default for SourceLimits {
     fn default() -> Self {
         SourceLimits {
-            rate: 2_000,
+            rate: 1_000,
             max_in_flight: 1_024,
         }
     }
