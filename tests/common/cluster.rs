@@ -234,6 +234,12 @@ impl Cluster {
         Cluster::start_inner(nodes, &[], true, 24)
     }
 
+    /// `start_with_services` with pod CIDRs of `prefix` bits (the soak bench: Services, and a
+    /// full node whose freed address is the only one left).
+    pub fn start_with_services_and_pod_prefix(nodes: usize, prefix: u8) -> Cluster {
+        Cluster::start_inner(nodes, &[], true, prefix)
+    }
+
     fn start_inner(nodes: usize, agent_args: &[&str], services: bool, prefix: u8) -> Cluster {
         let n = N.fetch_add(1, Ordering::SeqCst);
         let tag = format!("{}{}", std::process::id() % 100_000, n);
