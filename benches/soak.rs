@@ -24,6 +24,15 @@
 //! the reused address to the new pod's identity). A prober's expectation changes only once the
 //! agents report the change realized; probes that straddle such a change are not judged.
 //!
+//! Across each `kill -9` of node 1's agent, a refused name is also asked every few ms, from the
+//! kill until a second after the restarted agent realized its policy: an answer from the DNS
+//! server means the query went around the proxy's rules.
+//!
+//! Environment: `CILIATE_SOAK_SECS` (default 1800), `CILIATE_SOAK_SEED` (default: the clock;
+//! printed), `CILIATE_SOAK_JSON` (a path for the JSON report), `CILIATE_SOAK_FAULTS` (a comma
+//! list of `agent-kill`, `proxy-kill`, `api-outage`, `link-down`, `policy-edit`, `pod-churn`;
+//! default all).
+//!
 //! The in-repo API server cannot restart with its state (`TestApiServer::start_with` always
 //! makes an empty store, and the HTTP layer that could serve an existing one is private), so a
 //! real restart is skipped and said so; the outage fault ends every watch and answers every
@@ -756,6 +765,19 @@ const INJECTED: [Kind; 6] = [
 ];
 
 impl Kind {
+    /// The name `CILIATE_SOAK_FAULTS` takes.
+    fn key(self) -> &'static str {
+        match self {
+            Kind::AgentKill => "agent-kill",
+            Kind::ProxyKill => "proxy-kill",
+            Kind::ApiOutage => "api-outage",
+            Kind::LinkDown => "link-down",
+            Kind::PolicyEdit => "policy-edit",
+            Kind::PodChurn => "pod-churn",
+            Kind::AgentCrash => "agent-crash",
+        }
+    }
+
     fn name(self) -> &'static str {
         match self {
             Kind::AgentKill => "agent kill -9",
@@ -779,6 +801,18 @@ struct Fault {
     detail: String,
     /// Agent kill: restart to ready; link down: link up to routes back (ms).
     part_ms: Option<u64>,
+}
+
+/// Refused-name DNS queries asked in a burst across each kill -9 of node 1's agent.
+#[derive(Debug, Default)]
+struct RestartDns {
+    kills: u32,
+    asked: u64,
+    /// Answered by the DNS server (forwarded, not refused).
+    answered: u64,
+    leaks: Vec<String>,
+    /// Kills by whether the DNS server's identity on node 1 changed, and whether one leaked.
+    by_change: BTreeMap<String, u32>,
 }
 
 /// Pod churn's own figures.
@@ -816,6 +850,10 @@ struct Chaos {
     proxies: BTreeMap<usize, u32>,
     /// Set by a fault: a part of its window worth its own figure (see `Fault::part_ms`).
     part_ms: Option<u64>,
+    /// The pod with DNS rules (node 1) and the DNS server, for the burst across agent kills.
+    fq_netns: String,
+    dns_ip: Ipv4Addr,
+    restart_dns: RestartDns,
 }
 
 impl Chaos {
@@ -933,26 +971,91 @@ impl Chaos {
     }
 
     fn agent_kill(&mut self, i: usize) -> (String, bool, String) {
+        let kill_ms = now_ms();
+        let socket = self.socket(i);
+        // The identity this node gives the DNS server pod (allocated by each agent).
+        let dns_id_before = ipcache_identity(&socket, self.dns_ip);
         self.c.nodes[i].kill9_agent();
+        // Node 1 holds the pod with DNS rules: a name they refuse is asked every few ms from
+        // the kill until a second after the restarted agent realized its policy.
+        let stop = Arc::new(AtomicBool::new(false));
+        let burst = (i == 0).then(|| {
+            let (stop, netns, dns) = (stop.clone(), self.fq_netns.clone(), self.dns_ip);
+            std::thread::spawn(move || {
+                let (mut asked, mut answered) = (0u64, vec![]);
+                while !stop.load(Ordering::SeqCst) {
+                    let at = Instant::now();
+                    asked += 1;
+                    if let Ok((code, _)) = dns_lookup(&netns, dns, "evil.test") {
+                        if code != ResponseCode::Refused {
+                            answered.push((at, code));
+                        }
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                (asked, answered)
+            })
+        });
         let pause = self.rng.ms(0, 2000);
         std::thread::sleep(pause);
         let started = Instant::now();
-        if let Err(e) = self.restart_agent(i) {
+        let restarted = self.restart_agent(i);
+        let ready_ms = started.elapsed().as_millis();
+        let ok = restarted.is_ok() && wait_for(RECOVERY_LIMIT, || realized(&socket));
+        let realized_ms = started.elapsed().as_millis();
+        std::thread::sleep(Duration::from_secs(1));
+        stop.store(true, Ordering::SeqCst);
+        let dns_id_after = ipcache_identity(&socket, self.dns_ip);
+        let ids = format!("DNS server identity on this node {dns_id_before:?} -> {dns_id_after:?}");
+        let mut leaks = String::new();
+        if let Some(Ok((asked, answered))) = burst.map(|b| b.join()) {
+            let st = &mut self.restart_dns;
+            st.kills += 1;
+            st.asked += asked;
+            st.answered += answered.len() as u64;
+            let changed = dns_id_before != dns_id_after;
+            *st.by_change
+                .entry(format!(
+                    "DNS server identity {}, {}",
+                    if changed { "changed" } else { "kept" },
+                    if answered.is_empty() {
+                        "no leak"
+                    } else {
+                        "leak"
+                    }
+                ))
+                .or_default() += 1;
+            if !answered.is_empty() {
+                let rel = |t: Instant| t.saturating_duration_since(started).as_millis();
+                leaks = format!(
+                    "; {} of {asked} refused-name queries answered by the server, {} to {} ms after the respawn ({:?})",
+                    answered.len(),
+                    rel(answered[0].0),
+                    rel(answered[answered.len() - 1].0),
+                    answered[0].1
+                );
+                st.leaks.push(format!(
+                    "kill at {:.1}s: {} of {asked} answered by the server, {}..{} ms after the respawn; the agent was ready {ready_ms} ms and realized {realized_ms} ms after it; {ids}",
+                    kill_ms as f64 / 1e3,
+                    answered.len(),
+                    rel(answered[0].0),
+                    rel(answered[answered.len() - 1].0),
+                ));
+            }
+        }
+        if let Err(e) = restarted {
             return (
                 format!("node-{}", i + 1),
                 false,
                 format!("restart failed: {e}"),
             );
         }
-        let ready_ms = started.elapsed().as_millis();
         self.part_ms = Some(ready_ms as u64);
-        let socket = self.socket(i);
-        let ok = wait_for(RECOVERY_LIMIT, || realized(&socket));
         (
             format!("node-{}", i + 1),
             ok,
             format!(
-                "restarted after {} ms, ready {ready_ms} ms later",
+                "restarted after {} ms, ready {ready_ms} ms later, realized at {realized_ms} ms; {ids}{leaks}",
                 pause.as_millis()
             ),
         )
@@ -1310,6 +1413,7 @@ struct Run {
     book: Book,
     faults: Vec<Fault>,
     churn: ChurnStats,
+    restart_dns: RestartDns,
     start: Value,
     end: Value,
     samples: Vec<Value>,
@@ -1508,6 +1612,20 @@ fn report(r: &Run) -> Value {
     for line in c.not_reused.iter().take(5) {
         println!("  not reused: {line}");
     }
+    let rd = &r.restart_dns;
+    println!(
+        "DNS across kill -9 of node 1's agent: {} kills, {} of {} queries for a refused name answered by the server (forwarded instead of refused), in {} of the kills",
+        rd.kills,
+        rd.answered,
+        rd.asked,
+        rd.leaks.len()
+    );
+    for l in &rd.leaks {
+        println!("  {l}");
+    }
+    for (k, n) in &rd.by_change {
+        println!("  {k}: {n} kills");
+    }
     println!();
     println!(
         "{:<22} {:>8} {:>8} {:>10} {:>10} {:>6} {:>6}",
@@ -1549,6 +1667,8 @@ fn report(r: &Run) -> Value {
         "identity_confusion": {"count": confusion, "leaks": r.book.confusion,
             "stale_mappings_after_add": c.stale_after_add,
             "burst_attempts": c.burst_attempts, "burst_admitted": c.burst_admitted},
+        "dns_across_agent_kills": {"kills": rd.kills, "asked": rd.asked,
+            "answered_by_server": rd.answered, "leaks": rd.leaks, "by_identity_change": rd.by_change},
         "churn": {"cycles": c.cycles, "reused": c.reused, "not_reused": c.not_reused,
                   "try_again": c.try_again, "add_after_delete_ms": c.held_ms, "learned_after_add_ms": c.learn_ms},
         "pairs": pairs_json,
@@ -1653,7 +1773,24 @@ fn main() {
             let _ = nix::sys::signal::signal(sig, nix::sys::signal::SigHandler::Handler(on_signal));
         }
     }
-    let report = soak(secs, seed);
+    // `CILIATE_SOAK_FAULTS=agent-kill,pod-churn`: only those kinds (default: every kind).
+    let kinds: Vec<Kind> = match std::env::var("CILIATE_SOAK_FAULTS") {
+        Ok(list) => list
+            .split(',')
+            .map(|k| {
+                *INJECTED
+                    .iter()
+                    .find(|i| i.key() == k.trim())
+                    .unwrap_or_else(|| panic!("CILIATE_SOAK_FAULTS: unknown fault {k:?}"))
+            })
+            .collect(),
+        Err(_) => INJECTED.to_vec(),
+    };
+    println!(
+        "faults: {}",
+        kinds.iter().map(|k| k.key()).collect::<Vec<_>>().join(", ")
+    );
+    let report = soak(secs, seed, &kinds);
     if let Some(p) = json_path {
         std::fs::write(&p, serde_json::to_string_pretty(&report).unwrap())
             .unwrap_or_else(|e| panic!("{}: {e}", p.display()));
@@ -1661,7 +1798,7 @@ fn main() {
     }
 }
 
-fn soak(secs: u64, seed: u64) -> Value {
+fn soak(secs: u64, seed: u64, kinds: &[Kind]) -> Value {
     let setup = Instant::now();
     let mut c = Cluster::start_with_services_and_pod_prefix(3, 29);
     let (outside, outside_ip) = c.add_outside();
@@ -1909,6 +2046,9 @@ fn soak(secs: u64, seed: u64) -> Value {
         faults: vec![],
         proxies: BTreeMap::new(),
         part_ms: None,
+        fq_netns: fq.netns.clone(),
+        dns_ip: dns.addr,
+        restart_dns: RestartDns::default(),
     };
     T0.get_or_init(Instant::now);
     let t0 = now_ms();
@@ -1931,7 +2071,7 @@ fn soak(secs: u64, seed: u64) -> Value {
     nap(Duration::from_secs(3));
     while Instant::now() < deadline && !STOP.load(Ordering::SeqCst) {
         chaos.check_crashes();
-        let kind = INJECTED[chaos.rng.below(INJECTED.len() as u64) as usize];
+        let kind = kinds[chaos.rng.below(kinds.len() as u64) as usize];
         let f = match catch_unwind(AssertUnwindSafe(|| chaos.inject(kind))) {
             Ok(f) => f,
             Err(_) => {
@@ -1970,6 +2110,7 @@ fn soak(secs: u64, seed: u64) -> Value {
         c,
         faults,
         churn_stats,
+        restart_dns,
         ..
     } = chaos;
     let run = Run {
@@ -1980,6 +2121,7 @@ fn soak(secs: u64, seed: u64) -> Value {
         book: std::mem::take(&mut *book.lock().unwrap()),
         faults,
         churn: churn_stats,
+        restart_dns,
         start,
         end,
         samples,
