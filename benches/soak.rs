@@ -640,16 +640,22 @@ fn nap(d: Duration) {
     }
 }
 
-/// (VmRSS kB, open descriptors) of a process.
-fn usage(pid: u32) -> Option<(u64, usize)> {
+/// (VmRSS kB, open descriptors, of which BPF links) of a process.
+fn usage(pid: u32) -> Option<(u64, usize, usize)> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     let rss = status
         .lines()
         .find_map(|l| l.strip_prefix("VmRSS:"))
         .and_then(|v| v.split_whitespace().next())
         .and_then(|v| v.parse().ok())?;
-    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?.count();
-    Some((rss, fds))
+    let (mut fds, mut links) = (0, 0);
+    for e in std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?.flatten() {
+        fds += 1;
+        if std::fs::read_link(e.path()).is_ok_and(|t| t.as_os_str() == "anon_inode:bpf_link") {
+            links += 1;
+        }
+    }
+    Some((rss, fds, links))
 }
 
 // --------------------------------------------------------------------------- the cluster
@@ -911,7 +917,8 @@ impl Chaos {
             .into_iter()
             .map(|(name, pid)| {
                 let u = usage(pid);
-                json!({"process": name, "pid": pid, "rss_kb": u.map(|u| u.0), "fds": u.map(|u| u.1)})
+                json!({"process": name, "pid": pid, "rss_kb": u.map(|u| u.0), "fds": u.map(|u| u.1),
+                       "bpf_link_fds": u.map(|u| u.2)})
             })
             .collect();
         json!({"t_s": t as f64 / 1e3, "processes": rows})
@@ -1628,8 +1635,8 @@ fn report(r: &Run) -> Value {
     }
     println!();
     println!(
-        "{:<22} {:>8} {:>8} {:>10} {:>10} {:>6} {:>6}",
-        "process", "pid0", "pid1", "RSS0 (kB)", "RSS1 (kB)", "fds0", "fds1"
+        "{:<22} {:>8} {:>8} {:>10} {:>10} {:>6} {:>6} {:>7} {:>7}",
+        "process", "pid0", "pid1", "RSS0 (kB)", "RSS1 (kB)", "fds0", "fds1", "links0", "links1"
     );
     let empty = vec![];
     let rows = |v: &Value| v["processes"].as_array().unwrap_or(&empty).clone();
@@ -1642,17 +1649,19 @@ fn report(r: &Run) -> Value {
             .unwrap_or(Value::Null);
         let f = |v: &Value| v.as_u64().map(|n| n.to_string()).unwrap_or("-".into());
         println!(
-            "{:<22} {:>8} {:>8} {:>10} {:>10} {:>6} {:>6}",
+            "{:<22} {:>8} {:>8} {:>10} {:>10} {:>6} {:>6} {:>7} {:>7}",
             s["process"].as_str().unwrap_or(""),
             f(&s["pid"]),
             f(&e["pid"]),
             f(&s["rss_kb"]),
             f(&e["rss_kb"]),
             f(&s["fds"]),
-            f(&e["fds"])
+            f(&e["fds"]),
+            f(&s["bpf_link_fds"]),
+            f(&e["bpf_link_fds"])
         );
     }
-    println!("(a pid that changed: the process was killed and replaced by the soak)");
+    println!("(a pid that changed: the process was killed and replaced by the soak; links: BPF link descriptors among the fds)");
     println!();
     println!("agent and proxy logs: {}", r.logs);
     json!({
