@@ -125,10 +125,16 @@ pub fn attach(
             });
     }
     let pinned = unsafe { sys::bpf_link__pin(link, path.as_ptr()) };
-    // The pin holds the link from here on; our handle lets go without detaching.
+    // The pin holds the link from here on; our handle lets go without detaching. A
+    // disconnected link's destroy does not close its descriptor: we do (else every attach left
+    // one open for good, two per pod). If the pin failed, closing it detaches the link.
+    let fd = unsafe { sys::bpf_link__fd(link) };
     unsafe {
         sys::bpf_link__disconnect(link);
         sys::bpf_link__destroy(link);
+    }
+    if fd >= 0 {
+        unsafe { nix::libc::close(fd) };
     }
     if pinned != 0 {
         return Err(TcxError::Failed {

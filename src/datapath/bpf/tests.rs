@@ -978,3 +978,68 @@ fn events_the_ring_buffer_cannot_take_are_counted() {
     assert!(lost > 10_000, "the overflow is counted: {lost}");
     assert!(lost < 40_000, "and only the overflow: {lost}");
 }
+
+/// Descriptors this process holds on TCX links of interface `ifindex` (from /proc/self/fdinfo).
+fn tcx_link_fds(ifindex: i32) -> usize {
+    let want = format!("ifindex:\t{ifindex}\n");
+    std::fs::read_dir("/proc/self/fdinfo")
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| std::fs::read_to_string(e.path()).ok())
+                .filter(|info| info.contains("link_type:\ttcx") && info.contains(&want))
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+/// Soak finding (#26): each TCX attach kept its link's descriptor open (a disconnected link's
+/// destroy does not close it), two per pod for the agent's life. The pin alone holds the link.
+#[test]
+fn a_pinned_tcx_link_leaves_no_descriptor_open() {
+    if !privileged() {
+        return;
+    }
+    let l = load(9);
+    let storage = Box::leak(Box::new(MaybeUninit::uninit()));
+    let skel = load_program_for(storage, &l.pins, 9, true).expect("a TCX program loads");
+    let dev = format!("ciltcx{}", std::process::id() % 100_000);
+    let ok = std::process::Command::new("ip")
+        .args([
+            "link",
+            "add",
+            &dev,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            &format!("{dev}p"),
+        ])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok, "ip link add {dev}");
+    struct Gone(String);
+    impl Drop for Gone {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("ip")
+                .args(["link", "del", &self.0])
+                .status();
+        }
+    }
+    let _gone = Gone(dev.clone());
+    let ifindex = nix::net::if_::if_nametoindex(dev.as_str()).expect("ifindex") as i32;
+    let pin = l.pins.join("tcx-leak-test");
+    tcx::attach(
+        &skel.progs.from_container,
+        ifindex,
+        tcx::Hook::Ingress,
+        &pin,
+    )
+    .expect("TCX attach");
+    assert!(pin.exists(), "the link is pinned");
+    assert_eq!(
+        tcx_link_fds(ifindex),
+        0,
+        "descriptors left open on {dev}'s links"
+    );
+    tcx::detach(&pin);
+}
