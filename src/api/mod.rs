@@ -17,10 +17,10 @@ use futures_util::future::LocalBoxFuture;
 use serde::Serialize;
 
 use crate::actors::endpoint::{EndpointModel, GetEndpoint};
-use crate::actors::loader::{GetPolicyMap, LoaderActor};
+use crate::actors::loader::{GetIpcache, GetPolicyMap, LoaderActor};
 use crate::actors::policy_repo::{
     AddEndpoint, ApiError, ConfigureEndpoint, DeleteEndpoint, EndpointRequest, FindEndpoint,
-    GetIdentities, GetIpcacheView, GetPolicies, ListEndpoints, PolicyRepoActor,
+    GetIdentities, GetIpcacheView, GetPolicies, IpcacheModel, ListEndpoints, PolicyRepoActor,
 };
 use crate::datapath::EndpointId;
 use crate::introspect::TracedAddr;
@@ -312,6 +312,24 @@ async fn bpf_policy(st: web::Data<AppState>, id: web::Path<EndpointId>) -> HttpR
         Ok(Err(crate::datapath::DatapathError::UnknownEndpoint(id))) => api_error(
             ApiError::NotFound(format!("endpoint {id} has no policy map")),
         ),
+        Ok(Err(e)) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        Err(e) => mailbox_error(e),
+    }
+}
+
+/// The datapath's own ipcache (what the kernel holds, not the engine's view).
+async fn bpf_ipcache(st: web::Data<AppState>) -> HttpResponse {
+    match st.loader.send(GetIpcache, FROM).await {
+        Ok(Ok(entries)) => {
+            let rows: Vec<_> = entries
+                .into_iter()
+                .map(|(prefix, identity)| IpcacheModel {
+                    prefix: prefix.to_string(),
+                    identity,
+                })
+                .collect();
+            HttpResponse::Ok().json(rows)
+        }
         Ok(Err(e)) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
         Err(e) => mailbox_error(e),
     }
@@ -787,6 +805,7 @@ pub fn socket_routes(cfg: &mut web::ServiceConfig) {
         .route("/v1/services", web::get().to(services))
         .route("/v1/fqdn/cache", web::get().to(fqdn_cache))
         .route("/v1/bpf/policy/{id}", web::get().to(bpf_policy))
+        .route("/v1/bpf/ipcache", web::get().to(bpf_ipcache))
         .route("/v1/monitor", web::get().to(monitor))
         .route("/v1/cni/add", web::post().to(cni::add))
         .route("/v1/cni/del", web::post().to(cni::del))

@@ -2,7 +2,10 @@
 
 use serde_json::Value;
 
-use super::{BpfCommand, BpfPolicyCommand, ClientOpts, EndpointCommand, IdentityCommand, Output};
+use super::{
+    BpfCommand, BpfIpcacheCommand, BpfPolicyCommand, ClientOpts, EndpointCommand, IdentityCommand,
+    Output,
+};
 use crate::client::{request, table, ClientError};
 
 /// Which client command to run.
@@ -243,6 +246,17 @@ pub fn run_client(opts: &ClientOpts, call: ClientCall) -> Result<String, ClientE
                 table(
                     &["ID", "KIND", "LABELS"],
                     &rows(v, |i| cells(i, &["id", "kind", "labels"])),
+                )
+            }),
+        ),
+        ClientCall::Bpf(BpfCommand::Ipcache {
+            command: BpfIpcacheCommand::List,
+        }) => (
+            request(sock, "GET", "/v1/bpf/ipcache", None)?,
+            Box::new(|v| {
+                table(
+                    &["PREFIX", "IDENTITY"],
+                    &rows(v, |e| cells(e, &["prefix", "identity"])),
                 )
             }),
         ),

@@ -389,6 +389,17 @@ pub enum BpfCommand {
         #[command(subcommand)]
         command: BpfPolicyCommand,
     },
+    /// The datapath's ipcache: prefix -> identity, as the kernel holds it.
+    Ipcache {
+        #[command(subcommand)]
+        command: BpfIpcacheCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum BpfIpcacheCommand {
+    /// Every entry.
+    List,
 }
 
 #[derive(Debug, Subcommand)]
