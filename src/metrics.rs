@@ -90,6 +90,9 @@ pub struct Metrics {
     pub address_conflicts: Counter,
     /// FQDN cache entries evicted before their time, by reason (`policy::fqdn_bounds`).
     pub fqdn_cache_evictions: Family<ReasonLabels, Counter>,
+    /// Failed writes of the identity-number journal (`endpoint::numbering`): a restart may
+    /// renumber identities the kernel holds.
+    pub identity_journal_errors: Counter,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -144,7 +147,13 @@ impl Metrics {
             fqdn_cache_entries: Gauge::default(),
             address_conflicts: Counter::default(),
             fqdn_cache_evictions: Family::default(),
+            identity_journal_errors: Counter::default(),
         };
+        r.register(
+            "ciliate_identity_journal_errors",
+            "Failed writes of the identity-number journal (STATE_DIR/identities.jsonl): a restart may renumber identities the kernel holds",
+            m.identity_journal_errors.clone(),
+        );
         r.register(
             "ciliate_fqdn_cache_evictions",
             "FQDN cache entries evicted before their time, by reason (ips_per_name, endpoint_names, names, zombies)",

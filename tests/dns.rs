@@ -313,6 +313,12 @@ impl Setup {
 
 /// Pods: 0 client, 1 DNS server (k8s-app: kube-dns), 2.. external hosts (not endpoints).
 fn setup(externals: usize, extra: &[&str]) -> Option<Setup> {
+    setup_with(externals, extra, true, "")
+}
+
+/// [`setup`], with the DNS server an endpoint of the agent or only a Pod it knows, and more
+/// manifests in `early.yaml` (applied before the others).
+fn setup_with(externals: usize, extra: &[&str], dns_endpoint: bool, early: &str) -> Option<Setup> {
     if !privileged() {
         return None;
     }
@@ -329,6 +335,9 @@ fn setup(externals: usize, extra: &[&str]) -> Option<Setup> {
     let cluster = common::namespace_x_dns(&dns, &[("client", &client)]);
     std::fs::write(m.join("cluster.yaml"), cluster).unwrap();
     std::fs::write(m.join("policy.yaml"), policy()).unwrap();
+    if !early.is_empty() {
+        std::fs::write(m.join("early.yaml"), early).unwrap();
+    }
     let mut args: Vec<String> = ["--datapath", "bpf", "--bpf-root"]
         .iter()
         .map(|s| s.to_string())
@@ -340,7 +349,9 @@ fn setup(externals: usize, extra: &[&str]) -> Option<Setup> {
         Agent::start_with(tmp.path(), &a)
     };
     agent.add_endpoint("x/client", w.pods[0].addr, &w.pods[0].host_if);
-    agent.add_endpoint("x/dns", w.pods[1].addr, &w.pods[1].host_if);
+    if dns_endpoint {
+        agent.add_endpoint("x/dns", w.pods[1].addr, &w.pods[1].host_if);
+    }
     agent.wait_realized(agent.revision());
     let s = Setup {
         w,
@@ -638,6 +649,118 @@ fn dns_keeps_resolving_through_kill_9_and_restart_of_the_agent() {
         before,
         "the restarted agent restored the same cache"
     );
+    assert!(https_ok(&s.client().netns, api));
+}
+
+/// The identity `/debug/ipcache` gives `ip`.
+fn ipcache_identity(agent: &Agent, ip: IpAddr) -> Option<u64> {
+    let prefix = format!("{ip}/32");
+    agent
+        .json("/debug/ipcache")
+        .as_array()?
+        .iter()
+        .find(|e| e["prefix"] == prefix.as_str())
+        .and_then(|e| e["identity"].as_u64())
+}
+
+/// Security (#26, found by the soak): a restarted agent handed out identity numbers in another
+/// order, so the DNS server's number changed. The proxy judges a query by the server's number
+/// in the pinned ipcache, which the new agent rewrote before the proxy had rules with the new
+/// number: for ~100 ms the server was one no DNS rule covered, and refused names were
+/// forwarded. Here the server is a Pod, not an endpoint (as on another node), and a pod whose
+/// identity came first is deleted while the agent is down, which renumbered the server.
+/// Numbers now survive restarts (`policy::numbering`): the server keeps its number, and no
+/// refused name reaches it at any time.
+#[test]
+fn a_restart_renumbers_no_identity_and_forwards_no_refused_name() {
+    let early =
+        "apiVersion: v1\nkind: Pod\nmetadata: {name: aaa, namespace: x, labels: {app: early}}
+status: {podIPs: [{ip: 10.123.0.9}]}\n";
+    let Some(mut s) = setup_with(1, &[], false, early) else {
+        return;
+    };
+    let api = s.host(0);
+    s.zone.set("api.example.com", &[api], 300);
+    assert_eq!(s.lookup("api.example.com"), ok(&[api]));
+    let server = ipcache_identity(&s.agent, s.dns()).expect("the server is in the ipcache");
+    let first = ipcache_identity(&s.agent, "10.123.0.9".parse().unwrap()).unwrap();
+    assert!(
+        first < server,
+        "x/aaa's identity ({first}) came before the server's ({server})"
+    );
+
+    // Refused names, as fast as the proxy answers, through the restart.
+    let stop = Arc::new(AtomicBool::new(false));
+    let sent = Arc::new(AtomicU32::new(0));
+    let prober = {
+        let (stop, sent) = (stop.clone(), sent.clone());
+        let (ns, dns) = (s.client().netns.clone(), s.dns());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::SeqCst) {
+                lookup(&ns, dns, "evil.test", false);
+                sent.fetch_add(1, Ordering::SeqCst);
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let mut child = s.agent.child.take().unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    // While the agent is down, the pod that came first goes.
+    std::fs::remove_file(s.agent.manifests().join("early.yaml")).unwrap();
+    s.agent = s.start_agent();
+    s.wait_proxy();
+    s.agent
+        .wait_until("ready", || s.agent.http_get("/readyz").0 == 200);
+    std::thread::sleep(Duration::from_millis(1000));
+    stop.store(true, Ordering::SeqCst);
+    prober.join().unwrap();
+
+    let forwarded = s
+        .zone
+        .asked
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|n| *n == "evil.test")
+        .count();
+    assert_eq!(
+        forwarded,
+        0,
+        "{forwarded} of {} refused queries reached the server",
+        sent.load(Ordering::SeqCst)
+    );
+    assert_eq!(
+        ipcache_identity(&s.agent, s.dns()),
+        Some(server),
+        "the restart kept the server's number"
+    );
+    assert_eq!(
+        ipcache_identity(&s.agent, "10.123.0.9".parse().unwrap()),
+        None,
+        "the deleted pod's address is gone"
+    );
+    let kernel = s.agent.cli_json(&["bpf", "ipcache", "list"]);
+    let in_kernel = |prefix: &str| {
+        kernel
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["prefix"] == prefix)
+            .map(|e| e["identity"].clone())
+    };
+    assert_eq!(
+        in_kernel("10.123.0.9/32"),
+        None,
+        "the kernel forgot the deleted pod's address too: {kernel}"
+    );
+    assert_eq!(
+        in_kernel(&format!("{}/32", s.dns())),
+        Some(serde_json::json!(server))
+    );
+    assert!(sent.load(Ordering::SeqCst) > 100);
+    assert_eq!(s.lookup("api.example.com"), ok(&[api]));
     assert!(https_ok(&s.client().netns, api));
 }
 

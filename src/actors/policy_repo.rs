@@ -30,6 +30,9 @@ use crate::policy::translate::ParsedPolicy;
 use crate::runtime::Shared;
 use crate::traced_actor;
 
+mod numbering;
+pub use numbering::RestoreNumbering;
+
 const NAME: &str = "PolicyRepoActor";
 
 /// API-level failures, mapped to HTTP status codes by the API server.
@@ -229,6 +232,10 @@ pub struct PolicyRepoActor {
     /// Until the initial sync is done: the ipcache changes of every object, in order (sent
     /// with the initial regeneration).
     sync_ipcache: std::cell::RefCell<Vec<IpcacheChange>>,
+    /// The identity-number journal (`endpoint::numbering`), once start-up handed it over.
+    numbers: std::cell::RefCell<Option<crate::endpoint::numbering::NumberJournal>>,
+    /// The kernel's ipcache as a previous run left it, until the initial sync is done.
+    kernel_ipcache: Vec<(ipnet::IpNet, NumericIdentity)>,
 }
 
 impl PolicyRepoActor {
@@ -247,6 +254,8 @@ impl PolicyRepoActor {
             initial_sync_done: false,
             fqdn_dirty: false,
             sync_ipcache: Default::default(),
+            numbers: Default::default(),
+            kernel_ipcache: Vec::new(),
         }
     }
 
@@ -291,6 +300,7 @@ impl PolicyRepoActor {
 
     /// Sends one reaction: its endpoints regenerate, the others bump (policy changes only).
     fn react(&self, r: Reaction) {
+        self.journal_numbers();
         let revision = self.engine().revision();
         if !self.initial_sync_done && r.done.is_none() {
             // The initial sync regenerates nothing yet: its ipcache changes go to the datapath
@@ -628,7 +638,7 @@ traced_actor!(PolicyRepoActor:
     PolicyUpsert, PolicyRejected, PolicyDelete, ManifestStatus, PodUpsert, PodsUpsert, PodDelete, NamespaceUpsert,
     NamespaceDelete, NodeUpsert, NodeDelete, InitialSyncDone, AddEndpoint, DeleteEndpoint,
     FindEndpoint, ConfigureEndpoint, ListEndpoints, ListPodlessEndpoints, Shutdown, GetPolicies, GetIdentities, GetIpcacheView, RegenerateAll,
-    LearnFqdn, ExpireFqdn, RestoreFqdn);
+    LearnFqdn, ExpireFqdn, RestoreFqdn, RestoreNumbering);
 
 use crate::traceable;
 
@@ -992,6 +1002,7 @@ const SYNC_IPCACHE_CHUNK: usize = 8192;
 impl PolicyRepoActor {
     /// A reaction that regenerates nothing and releases `ipcache` (the initial sync's chunks).
     fn send_reaction(&self, revision: u64, reason: String, ipcache: Vec<IpcacheChange>) {
+        self.journal_numbers();
         self.reaction.do_send(
             PolicyReaction {
                 revision,
@@ -1020,6 +1031,7 @@ impl PolicyRepoActor {
         self.shared.bootstrap.synced(&self.shared.metrics);
         let mut ipcache = self.sync_ipcache.take();
         ipcache.extend(self.refresh_all_identities());
+        ipcache.extend(self.end_numbering_restore());
         let (revision, endpoints) = (self.engine().revision(), self.endpoints.len());
         let to_regenerate = self.endpoints_with_identity();
         tracing::info!(

@@ -11,10 +11,10 @@ use actix_web::web;
 
 use super::listen::{raise_fd_limit, ListenError, Listeners};
 use crate::actors::kube_watcher::{KubeWatcherActor, RemotePods};
-use crate::actors::loader::{LoaderActor, SweepStrayEndpoints};
+use crate::actors::loader::{GetIpcache, LoaderActor, SweepStrayEndpoints};
 use crate::actors::policy_repo::{
     AddEndpoint, DeleteEndpoint, EndpointRequest, ExpireFqdn, ListPodlessEndpoints,
-    PolicyRepoActor, RestoreFqdn, Shutdown,
+    PolicyRepoActor, RestoreFqdn, RestoreNumbering, Shutdown,
 };
 use crate::actors::rule_reaction::RuleReactionActor;
 use crate::actors::watcher::WatcherActor;
@@ -397,6 +397,9 @@ async fn run_async(
     let Core { loader, repo, .. } = spawn_core(&shared, datapath);
 
     let restore_started = std::time::Instant::now();
+    // Identity numbers first: whatever is restored or allocated next gets the number the
+    // kernel (and the DNS proxy) already knows it by.
+    restore_numbering(&loader, &repo, state_dir.root()).await;
     // The names a previous run learned select again before any endpoint regenerates.
     restore_fqdn_cache(&repo, state_dir.root()).await;
     // restoreOldEndpoints: same ids, identities and IPs, before anything new is allocated.
@@ -684,6 +687,55 @@ async fn run_async(
 /// them: endpoint, programs and policy map, host veth, address.
 /// Loads the saved FQDN cache into the policy (an unreadable file is reported and set aside:
 /// names are learned again from the next answers).
+/// Start-up: the identity numbers a previous run used, from its journal and the kernel's
+/// ipcache (`policy::numbering`).
+async fn restore_numbering(
+    loader: &TracedAddr<LoaderActor>,
+    repo: &TracedAddr<PolicyRepoActor>,
+    state_dir: &std::path::Path,
+) {
+    let (journal, loaded) = crate::endpoint::numbering::NumberJournal::open(state_dir);
+    let path = journal.path().display().to_string();
+    if let Some(e) = &loaded.error {
+        tracing::error!(%path, error = %e, "identity journal unreadable: numbers the kernel holds are still never reused, but label sets may get new ones");
+    }
+    for why in &loaded.skipped {
+        tracing::warn!(%path, %why, "identity journal line skipped");
+    }
+    let kernel = match loader.send(GetIpcache, "restore").await {
+        Ok(Ok(entries)) => entries,
+        Ok(Err(e)) => {
+            tracing::error!(error = %e, "the kernel's ipcache could not be read");
+            Vec::new()
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "the kernel's ipcache could not be read");
+            Vec::new()
+        }
+    };
+    let records = loaded.records;
+    match repo
+        .send(
+            RestoreNumbering {
+                journal,
+                records,
+                kernel,
+            },
+            "restore",
+        )
+        .await
+    {
+        Ok(Ok(c)) => tracing::info!(
+            label_sets = c.label_sets,
+            prefixes = c.prefixes,
+            unknown = c.unknown,
+            "identity numbers restored"
+        ),
+        Ok(Err(never)) => match never {},
+        Err(e) => tracing::error!(error = %e, "identity numbers not restored"),
+    }
+}
+
 async fn restore_fqdn_cache(repo: &TracedAddr<PolicyRepoActor>, state_dir: &std::path::Path) {
     let cache = match crate::dnsproxy::state::DnsState::load(state_dir) {
         Ok(c) => c,

@@ -361,6 +361,32 @@ impl PolicyEngine {
         Ok(a)
     }
 
+    /// Identity numbers across restarts (`policy::numbering`): the allocator journals every
+    /// number it hands out from now on.
+    pub fn keep_number_journal(&mut self) {
+        self.identities.keep_journal();
+    }
+
+    /// The numbers handed out since the last call, to be written before anything reaches the
+    /// kernel.
+    pub fn take_number_journal(&mut self) -> Vec<super::numbering::NumberRecord> {
+        self.identities.take_journal()
+    }
+
+    /// Every number in use, as a compacted journal.
+    pub fn numbering(&self) -> Vec<super::numbering::NumberRecord> {
+        self.identities.numbering()
+    }
+
+    /// A previous run's numbers, until [`Self::end_numbering_restore`].
+    pub fn restore_numbering(&mut self, restored: super::numbering::Restored) {
+        self.identities.restore_numbering(restored);
+    }
+
+    pub fn end_numbering_restore(&mut self) {
+        self.identities.end_restore();
+    }
+
     /// Drops a reference to an identity; returns true when it is gone.
     pub fn release_identity(&mut self, id: NumericIdentity) -> bool {
         if self.identities.release(id).is_some() {

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use ipnet::IpNet;
 
 use super::labels::{Label, Labels, SOURCE_CIDR};
+use super::numbering::{NumberRecord, Restored};
 
 /// A numeric security identity. 0 is the wildcard in policy maps.
 pub type NumericIdentity = u32;
@@ -135,6 +136,10 @@ pub struct IdentityAllocator {
     by_cidr: HashMap<IpNet, NumericIdentity>,
     next_cluster: NumericIdentity,
     next_local: NumericIdentity,
+    /// While the agent restores its state: the numbers a previous run used (`numbering`).
+    restored: Option<Box<Restored>>,
+    /// Numbers handed out since the journal was last taken, when the owner keeps one.
+    journal: Option<Vec<NumberRecord>>,
 }
 
 impl Default for IdentityAllocator {
@@ -151,6 +156,8 @@ impl IdentityAllocator {
             by_cidr: HashMap::new(),
             next_cluster: FIRST_CLUSTER_IDENTITY,
             next_local: 1,
+            restored: None,
+            journal: None,
         };
         for (id, name) in RESERVED {
             let labels: Arc<Labels> = Arc::new([Label::reserved(name)].into_iter().collect());
@@ -170,20 +177,20 @@ impl IdentityAllocator {
         a
     }
 
-    /// The identity for a label set, created on first use.
+    /// The identity for a label set, created on first use (with the number a previous run
+    /// gave it, while restoring).
     pub fn allocate(&mut self, labels: &Labels) -> Allocation {
         if let Some(id) = self.by_labels.get(labels).copied() {
             self.retain(id);
             return Allocation::Existing(id);
         }
-        // Skip numbers restored endpoints hold, so restores do not renumber everything else.
-        while self.by_id.contains_key(&self.next_cluster) {
-            self.next_cluster += 1;
-        }
-        let id = self.next_cluster;
-        self.next_cluster += 1;
+        let id = match self.restored_number(|r| r.labels(labels)) {
+            Some(id) => id,
+            None => self.next_cluster_number(),
+        };
         let labels = Arc::new(labels.clone());
         self.by_labels.insert(labels.clone(), id);
+        self.journal_labels(id, &labels);
         let info = IdentityInfo {
             id,
             labels,
@@ -191,6 +198,106 @@ impl IdentityAllocator {
         };
         self.by_id.insert(id, (info, 1));
         Allocation::New(id)
+    }
+
+    /// A restored number, unless something of this run holds it already.
+    fn restored_number(
+        &self,
+        f: impl FnOnce(&Restored) -> Option<NumericIdentity>,
+    ) -> Option<NumericIdentity> {
+        let id = f(self.restored.as_deref()?)?;
+        (!self.by_id.contains_key(&id)).then_some(id)
+    }
+
+    /// Whether `id` is taken, or held for what a previous run gave it.
+    fn taken(&self, id: NumericIdentity) -> bool {
+        self.by_id.contains_key(&id) || self.restored.as_ref().is_some_and(|r| r.holds(id))
+    }
+
+    /// The next free label-set number; after the last one numbering wraps around.
+    fn next_cluster_number(&mut self) -> NumericIdentity {
+        // Skips numbers restored endpoints hold, so restores do not renumber anything else.
+        for _ in FIRST_CLUSTER_IDENTITY..LOCAL_IDENTITY_FLAG {
+            if self.next_cluster >= LOCAL_IDENTITY_FLAG {
+                self.next_cluster = FIRST_CLUSTER_IDENTITY;
+            }
+            let id = self.next_cluster;
+            self.next_cluster += 1;
+            if !self.taken(id) {
+                return id;
+            }
+        }
+        // Sixteen million label sets at once: not a cluster this agent can hold anyway.
+        panic!("identity numbers exhausted")
+    }
+
+    /// The next free CIDR number.
+    fn next_local_number(&mut self) -> NumericIdentity {
+        for _ in 1..LOCAL_IDENTITY_FLAG {
+            if self.next_local >= LOCAL_IDENTITY_FLAG {
+                self.next_local = 1;
+            }
+            let id = LOCAL_IDENTITY_FLAG | self.next_local;
+            self.next_local += 1;
+            if !self.taken(id) {
+                return id;
+            }
+        }
+        panic!("CIDR identity numbers exhausted")
+    }
+
+    fn journal_labels(&mut self, id: NumericIdentity, labels: &Labels) {
+        if let Some(j) = self.journal.as_mut() {
+            j.push(NumberRecord::Labels {
+                id,
+                labels: labels.to_strings(),
+            });
+        }
+    }
+
+    /// From now on every number handed out is also kept for [`Self::take_journal`].
+    pub fn keep_journal(&mut self) {
+        self.journal.get_or_insert_with(Vec::new);
+    }
+
+    /// The numbers handed out since the last call (oldest first).
+    pub fn take_journal(&mut self) -> Vec<NumberRecord> {
+        self.journal
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+    }
+
+    /// Every number in use and where numbering goes on: a compacted journal.
+    pub fn numbering(&self) -> Vec<NumberRecord> {
+        let mut out = vec![NumberRecord::Next {
+            next_cluster: self.next_cluster,
+            next_local: self.next_local,
+        }];
+        let mut live: Vec<&IdentityInfo> = self.iter().filter(|i| !i.is_reserved()).collect();
+        live.sort_by_key(|i| i.id);
+        out.extend(live.into_iter().map(|i| match i.cidr {
+            Some(cidr) => NumberRecord::Cidr { id: i.id, cidr },
+            None => NumberRecord::Labels {
+                id: i.id,
+                labels: i.labels.to_strings(),
+            },
+        }));
+        out
+    }
+
+    /// While the agent restores its state, label sets and prefixes a previous run knew get
+    /// their old numbers, and no other number it used is handed out.
+    pub fn restore_numbering(&mut self, restored: Restored) {
+        self.next_cluster = self.next_cluster.max(restored.next_cluster);
+        self.next_local = self.next_local.max(restored.next_local);
+        self.restored = Some(Box::new(restored));
+    }
+
+    /// The state is restored: numbering goes on from the highest number the previous run
+    /// used (its unclaimed numbers are not handed out again before it wraps around).
+    pub fn end_restore(&mut self) {
+        self.restored = None;
     }
 
     /// Re-creates an identity with a known number (endpoint restore). Fails if the number is
@@ -208,6 +315,7 @@ impl IdentityAllocator {
         }
         let labels = Arc::new(labels.clone());
         self.by_labels.insert(labels.clone(), id);
+        self.journal_labels(id, &labels);
         self.by_id.insert(
             id,
             (
@@ -229,9 +337,14 @@ impl IdentityAllocator {
             self.retain(id);
             return Allocation::Existing(id);
         }
-        let id = LOCAL_IDENTITY_FLAG | self.next_local;
-        self.next_local += 1;
+        let id = match self.restored_number(|r| r.cidr(&prefix)) {
+            Some(id) => id,
+            None => self.next_local_number(),
+        };
         self.by_cidr.insert(prefix, id);
+        if let Some(j) = self.journal.as_mut() {
+            j.push(NumberRecord::Cidr { id, cidr: prefix });
+        }
         self.by_id.insert(id, (IdentityInfo::cidr(id, prefix), 1));
         Allocation::New(id)
     }

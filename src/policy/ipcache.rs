@@ -111,6 +111,16 @@ impl IpCache {
         }
     }
 
+    /// The identity of exactly `prefix`, if it has an entry.
+    pub fn get(&self, prefix: &IpNet) -> Option<NumericIdentity> {
+        let (v4, addr, len) = split(prefix);
+        let (family, bits) = if v4 { (&self.v4, 32) } else { (&self.v6, 128) };
+        family
+            .entries
+            .get(&(len, Family::mask(addr, len, bits)))
+            .copied()
+    }
+
     /// The identity of the longest prefix containing `ip`, or world (per family) when none does.
     pub fn lookup(&self, ip: IpAddr) -> NumericIdentity {
         self.lookup_prefix(ip)

@@ -19,6 +19,7 @@ pub mod identity;
 pub mod ipcache;
 pub mod labels;
 pub mod mapstate;
+pub mod numbering;
 pub mod repository;
 pub mod rule;
 pub mod selector;
