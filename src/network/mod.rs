@@ -1,8 +1,10 @@
 //! Cluster networking: routes between nodes and masquerading. `routes.rs` is the pure desired
 //! state (nodes -> routes, and the rows of `ciliate node list`; nodes -> what to masquerade),
 //! `netlink.rs` the thin route applier (`datapath::masquerade` writes the NAT table), and
-//! `run_route_reconciler` the task that ties them to the Node objects the agent sees.
+//! `run_route_reconciler` the task that ties them to the Node objects the agent sees, and to
+//! the kernel's link and route events (`events.rs`).
 
+pub mod events;
 pub mod netlink;
 pub mod routes;
 pub mod tunnel;
@@ -18,6 +20,9 @@ pub use routes::{RoutingConfig, RoutingMode, RoutingView, TunnelProtocol};
 /// How often the kernel's routes are compared with the desired state even without a Node
 /// change (a route deleted by hand comes back).
 const RESYNC: Duration = Duration::from_secs(10);
+/// After a kernel event (`events`), how long to let the events that follow it arrive (a link
+/// coming up is followed by its connected routes) before one pass handles them all.
+const EVENT_SETTLE: Duration = Duration::from_millis(50);
 
 /// The Node objects the agent knows, published by `PolicyRepoActor` on every change.
 pub type NodeSet = BTreeMap<String, NodeInfo>;
@@ -38,6 +43,12 @@ pub async fn run_route_reconciler(
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let mut netdev = NetdevProgram::default();
+    let kick = Arc::new(tokio::sync::Notify::new());
+    if applier.is_some() {
+        if let Err(e) = events::watch(kick.clone()) {
+            tracing::warn!(error = %e, "no route events; routes resync every 10 s");
+        }
+    }
     loop {
         let snapshot = nodes.borrow_and_update().clone();
         let plans = routes::desired_routes(&local, &snapshot, &cfg);
@@ -90,6 +101,7 @@ pub async fn run_route_reconciler(
         }
         tokio::select! {
             changed = nodes.changed() => if changed.is_err() { return },
+            _ = kick.notified() => tokio::time::sleep(EVENT_SETTLE).await,
             _ = tokio::time::sleep(RESYNC) => {},
         }
     }
