@@ -42,7 +42,7 @@ const volatile __u32 ENDPOINT_ID = 0;
 #include "lib/events.h"
 #include "lib/conntrack.h"
 #include "lib/hostroute.h"
-#include "lib/dnsproxy.h"
+#include "lib/proxy.h"
 
 /* The endpoint's verdict on a packet (TC_ACT_OK or TC_ACT_SHOT). from_device: the packet came
  * to the node's device and has not met the host stack (from_netdev); then TC_ACT_UNSPEC means

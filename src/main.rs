@@ -205,13 +205,13 @@ fn cni_plugin() -> i32 {
 /// `ciliate dns-proxy`: serves until SIGTERM, or until its state directory or maps vanish.
 fn dns_proxy(args: ciliate::cli::DnsProxyArgs) -> i32 {
     init_logging(args.log_format);
-    match ciliate::dnsproxy::server::run(ciliate::dnsproxy::server::ProxyOptions {
+    match ciliate::proxy::dns::server::run(ciliate::proxy::dns::server::ProxyOptions {
         pins: args.bpf_root.join("ciliate"),
         state_dir: args.state_dir,
         udp_port: args.udp_port,
         tcp_port: args.tcp_port,
         learn_timeout: std::time::Duration::from_millis(args.learn_timeout_ms),
-        source_limits: ciliate::dnsproxy::limit::SourceLimits {
+        source_limits: ciliate::proxy::dns::limit::SourceLimits {
             rate: args.max_qps_per_pod,
             ..Default::default()
         },

@@ -68,8 +68,8 @@ pub struct Shared {
     pub pod_mtu: u32,
     /// Services and their translation (in process until the agent attaches the BPF programs).
     pub services: Arc<crate::services::ServiceLb>,
-    /// DNS-aware policy: the FQDN cache, endpoints' DNS rules, the proxy (`dnsproxy::state`).
-    pub dns: Arc<crate::dnsproxy::state::DnsState>,
+    /// DNS-aware policy: the FQDN cache, endpoints' DNS rules, the proxy (`proxy::dns::state`).
+    pub dns: Arc<crate::proxy::dns::state::DnsState>,
     /// Kubernetes mode: where other nodes' pods come from, and this node's endpoint slices.
     pub pod_source: Arc<Mutex<crate::k8s::slices::PodSourceView>>,
 }

@@ -298,7 +298,7 @@ impl EndpointActor {
         // then it refuses the endpoint's queries: fail closed).
         self.shared.dns.set_rules(
             self.record.id as u64,
-            (!policy.dns.is_empty()).then(|| crate::dnsproxy::EndpointRules {
+            (!policy.dns.is_empty()).then(|| crate::proxy::dns::EndpointRules {
                 id: self.record.id as u64,
                 pod: self.record.name.clone(),
                 ips: self.record.ips.clone(),

@@ -1,4 +1,4 @@
-//! The agent's link to its DNS proxy (`ciliate dns-proxy`, `crate::dnsproxy`).
+//! The agent's link to its DNS proxy (`ciliate dns-proxy`, `crate::proxy::dns`).
 //!
 //! - `--dns-proxy auto` starts a proxy for the state directory when none answers on its socket
 //!   (a process of its own, in its own process group, so that it outlives the agent), and
@@ -23,8 +23,8 @@ use tokio::sync::mpsc;
 use crate::actors::policy_repo::{LearnFqdn, PolicyRepoActor};
 use crate::config::DnsProxyMode;
 use crate::datapath::events::Notification;
-use crate::dnsproxy::{socket_path, DnsVerdict, FromProxy, Learned, ToProxy};
 use crate::introspect::TracedAddr;
+use crate::proxy::dns::{socket_path, DnsVerdict, FromProxy, Learned, ToProxy};
 use crate::runtime::Shared;
 
 const NAME: &str = "dns-proxy-link";
@@ -192,7 +192,7 @@ fn handle(
 }
 
 fn learn(
-    dns: &std::sync::Arc<crate::dnsproxy::state::DnsState>,
+    dns: &std::sync::Arc<crate::proxy::dns::state::DnsState>,
     repo: &TracedAddr<PolicyRepoActor>,
     tx: &mpsc::UnboundedSender<ToProxy>,
     l: Learned,

@@ -347,7 +347,7 @@ async fn run_async(
         shared.bootstrap.record(scope, took, &shared.metrics);
     }
     shared.pod_mtu = pod_mtu(&config.routing);
-    let mut dns = crate::dnsproxy::state::DnsState::new(config.tofqdns_min_ttl);
+    let mut dns = crate::proxy::dns::state::DnsState::new(config.tofqdns_min_ttl);
     dns.limits = config.tofqdns_limits;
     shared.dns = std::sync::Arc::new(dns);
     shared.dns.start_saver(state_dir.root().to_path_buf());
@@ -737,10 +737,10 @@ async fn restore_numbering(
 }
 
 async fn restore_fqdn_cache(repo: &TracedAddr<PolicyRepoActor>, state_dir: &std::path::Path) {
-    let cache = match crate::dnsproxy::state::DnsState::load(state_dir) {
+    let cache = match crate::proxy::dns::state::DnsState::load(state_dir) {
         Ok(c) => c,
         Err(e) => {
-            let path = crate::dnsproxy::state::cache_path(state_dir);
+            let path = crate::proxy::dns::state::cache_path(state_dir);
             let _ = std::fs::rename(&path, path.with_extension("json.unreadable"));
             tracing::error!(error = %e, "FQDN cache not restored (kept as fqdn-cache.json.unreadable)");
             return;

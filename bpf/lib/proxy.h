@@ -1,10 +1,11 @@
 // SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause)
-/* Transparent redirection of an endpoint's DNS to the DNS proxy (Cilium's proxy redirect):
- * the packet keeps its addresses, is assigned to the proxy's socket (bpf_sk_assign) and
- * marked, and the proxy's policy-routing rule (mark -> a table whose default route is local)
- * delivers it to that socket, which sees the server the pod asked as its destination. */
-#ifndef CILIATE_LIB_DNSPROXY_H
-#define CILIATE_LIB_DNSPROXY_H
+/* Transparent redirection of an endpoint's flows to a proxy (Cilium's proxy redirect): the
+ * packet keeps its addresses, is assigned to the proxy's socket (bpf_sk_assign) and marked,
+ * and the proxy's policy-routing rule (mark -> a table whose default route is local) delivers
+ * it to that socket, which sees the peer the pod talks to as its destination. The DNS proxy
+ * gets an endpoint's DNS (port 53) when its egress policy has DNS rules. */
+#ifndef CILIATE_LIB_PROXY_H
+#define CILIATE_LIB_PROXY_H
 
 /* Is this the endpoint's DNS that the proxy must see? */
 static __always_inline __u8 to_dns_proxy(struct endpoint_info *info, struct packet *p, int egress)
@@ -60,4 +61,4 @@ down:
 	return TC_ACT_SHOT;
 }
 
-#endif /* CILIATE_LIB_DNSPROXY_H */
+#endif /* CILIATE_LIB_PROXY_H */

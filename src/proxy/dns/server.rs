@@ -28,6 +28,7 @@ use tokio::net::{TcpListener, TcpStream, UdpSocket, UnixListener, UnixStream};
 use tokio::sync::{mpsc, oneshot};
 
 use super::{wire, Decision, DnsVerdict, FromProxy, Learned, ProxyRules, RuleIndex, ToProxy};
+use crate::proxy::{ipv6_transparent, transparent_socket, Ipcache};
 
 /// The mark and routing table of a proxy whose UDP port is `port`.
 pub fn mark_of(port: u16) -> u32 {
@@ -45,9 +46,6 @@ const TCP_IDLE: Duration = Duration::from_secs(10);
 
 /// Learnings kept for an absent agent, at most.
 const QUEUE_MAX: usize = 10_000;
-
-/// Priority of the proxy's routing rule (Cilium's proxy rules use 9 too: before `main`).
-const RULE_PRIORITY: u32 = 9;
 
 #[derive(Debug, Clone)]
 pub struct ProxyOptions {
@@ -77,51 +75,6 @@ fn setup<E: std::fmt::Display>(what: impl Into<String>) -> impl FnOnce(E) -> Pro
     move |e| ProxyError::Setup(what, e.to_string())
 }
 
-/// The pinned ipcache, read for the identity of the server a query goes to.
-struct Ipcache {
-    hosts: MapHandle,
-    prefixes: MapHandle,
-}
-
-impl Ipcache {
-    fn open(pins: &Path) -> Result<Ipcache, ProxyError> {
-        let open = |name: &str| {
-            MapHandle::from_pinned_path(pins.join(name)).map_err(setup(format!(
-                "open pinned map {}",
-                pins.join(name).display()
-            )))
-        };
-        Ok(Ipcache {
-            hosts: open("ipcache_hosts")?,
-            prefixes: open("ipcache")?,
-        })
-    }
-
-    /// The identity of `ip` as the datapath sees it (world when unknown).
-    fn identity(&self, ip: IpAddr) -> u32 {
-        let (family, addr, bits, world) = match ip {
-            IpAddr::V4(a) => {
-                let mut b = [0u8; 16];
-                b[..4].copy_from_slice(&a.octets());
-                (4u32, b, 32u32, 9)
-            }
-            IpAddr::V6(a) => (6u32, a.octets(), 128u32, 10),
-        };
-        let mut host = family.to_ne_bytes().to_vec();
-        host.extend_from_slice(&addr);
-        let read = |v: Vec<u8>| u32::from_ne_bytes([v[0], v[1], v[2], v[3]]);
-        if let Ok(Some(v)) = self.hosts.lookup(&host, MapFlags::ANY) {
-            return read(v);
-        }
-        let mut lpm = (32 + bits).to_ne_bytes().to_vec();
-        lpm.extend_from_slice(&host);
-        match self.prefixes.lookup(&lpm, MapFlags::ANY) {
-            Ok(Some(v)) => read(v),
-            _ => world,
-        }
-    }
-}
-
 /// Writes the proxy's ports and mark into the pinned `dns_proxy` map (mark 0: no proxy).
 fn publish(pins: &Path, udp: u16, tcp: u16, mark: u32) -> Result<(), ProxyError> {
     let path = pins.join("dns_proxy");
@@ -132,75 +85,6 @@ fn publish(pins: &Path, udp: u16, tcp: u16, mark: u32) -> Result<(), ProxyError>
     v.extend_from_slice(&mark.to_ne_bytes());
     map.update(&0u32.to_ne_bytes(), &v, MapFlags::ANY)
         .map_err(setup("write the dns_proxy map"))
-}
-
-/// Adds (or removes) the rule and local routes that deliver marked packets to this host.
-fn routing(mark: u32, add: bool) -> Result<(), ProxyError> {
-    use rtnetlink::packet_route::route::{RouteScope, RouteType};
-    use rtnetlink::packet_route::rule::RuleAction;
-    use rtnetlink::RouteMessageBuilder;
-    let lo = nix::net::if_::if_nametoindex("lo").map_err(setup("find lo"))?;
-    crate::datapath::netdev::with_netlink(None, move |h| async move {
-        let nl = |what: &'static str| {
-            move |e: rtnetlink::Error| crate::datapath::netdev::NetdevError::Netlink {
-                step: what.into(),
-                message: e.to_string(),
-            }
-        };
-        let v4 = RouteMessageBuilder::<Ipv4Addr>::new()
-            .destination_prefix(Ipv4Addr::UNSPECIFIED, 0)
-            .output_interface(lo)
-            .table_id(mark)
-            .kind(RouteType::Local)
-            .scope(RouteScope::Host)
-            .build();
-        let v6 = RouteMessageBuilder::<Ipv6Addr>::new()
-            .destination_prefix(Ipv6Addr::UNSPECIFIED, 0)
-            .output_interface(lo)
-            .table_id(mark)
-            .kind(RouteType::Local)
-            .scope(RouteScope::Host)
-            .build();
-        let mut r4 = h
-            .rule()
-            .add()
-            .v4()
-            .fw_mark(mark)
-            .table_id(mark)
-            .priority(RULE_PRIORITY);
-        r4 = r4.action(RuleAction::ToTable);
-        let mut r6 = h
-            .rule()
-            .add()
-            .v6()
-            .fw_mark(mark)
-            .table_id(mark)
-            .priority(RULE_PRIORITY);
-        r6 = r6.action(RuleAction::ToTable);
-        if add {
-            r4.replace()
-                .execute()
-                .await
-                .map_err(nl("add the proxy rule (IPv4)"))?;
-            h.route()
-                .add(v4)
-                .replace()
-                .execute()
-                .await
-                .map_err(nl("add the proxy route (IPv4)"))?;
-            // A host without IPv6 has no IPv6 DNS to intercept.
-            if r6.replace().execute().await.is_ok() {
-                let _ = h.route().add(v6).replace().execute().await;
-            }
-        } else {
-            let _ = h.rule().del(r4.message_mut().clone()).execute().await;
-            let _ = h.rule().del(r6.message_mut().clone()).execute().await;
-            let _ = h.route().del(v4).execute().await;
-            let _ = h.route().del(v6).execute().await;
-        }
-        Ok(())
-    })
-    .map_err(setup("policy routing for the DNS proxy"))
 }
 
 /// A query to forward: its question, the endpoint and pod that asked, the allowing policies.
@@ -441,43 +325,6 @@ impl Proxy {
         spent += started.elapsed();
         self.report(q, endpoint, pod, ips, "forwarded", policies, spent);
     }
-}
-
-/// `IPV6_TRANSPARENT`: neither nix nor socket2 wraps it.
-fn ipv6_transparent(s: &Socket) -> io::Result<()> {
-    use std::os::fd::AsRawFd;
-    let on: nix::libc::c_int = 1;
-    // SAFETY: a valid socket descriptor and a c_int option value of the size passed.
-    let rc = unsafe {
-        nix::libc::setsockopt(
-            s.as_raw_fd(),
-            nix::libc::SOL_IPV6,
-            nix::libc::IPV6_TRANSPARENT,
-            (&on as *const nix::libc::c_int).cast(),
-            std::mem::size_of::<nix::libc::c_int>() as nix::libc::socklen_t,
-        )
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
-}
-
-fn transparent_socket(addr: SocketAddr, ty: Type, protocol: Protocol) -> io::Result<Socket> {
-    let domain = Domain::for_address(addr);
-    let s = Socket::new(domain, ty, Some(protocol))?;
-    if addr.is_ipv6() {
-        s.set_only_v6(true)?;
-    }
-    s.set_reuse_address(true)?;
-    s.set_ip_transparent(true)?;
-    if addr.is_ipv6() {
-        ipv6_transparent(&s)?;
-    }
-    s.set_nonblocking(true)?;
-    s.bind(&addr.into())?;
-    Ok(s)
 }
 
 /// The four listening sockets: UDP and TCP, each on one port for both families.
@@ -861,10 +708,11 @@ pub fn run(opts: ProxyOptions) -> Result<(), ProxyError> {
     rt.block_on(async move {
         let l = listeners(opts.udp_port, opts.tcp_port).map_err(setup("bind the proxy sockets"))?;
         let mark = mark_of(l.udp_port);
-        routing(mark, true)?;
+        super::super::local_delivery(mark, true)
+            .map_err(setup("policy routing for the DNS proxy"))?;
         let proxy = Arc::new(Proxy {
             rules: RwLock::new(RuleIndex::new(kept_rules(&opts.state_dir))),
-            ipcache: Ipcache::open(&opts.pins)?,
+            ipcache: Ipcache::open(&opts.pins).map_err(setup("open the pinned ipcache"))?,
             state_dir: opts.state_dir.clone(),
             agent: Mutex::new(None),
             waiting: Mutex::new(HashMap::new()),
@@ -920,7 +768,7 @@ pub fn run(opts: ProxyOptions) -> Result<(), ProxyError> {
             }
         }
         let _ = publish(&opts.pins, 0, 0, 0);
-        let _ = routing(mark, false);
+        let _ = super::super::local_delivery(mark, false);
         let _ = std::fs::remove_file(&sock_path);
         Ok(())
     })

@@ -2,7 +2,7 @@
 //! egress rules carry DNS rules.
 //!
 //! It is a process of its own so that pods' DNS keeps working while the agent restarts or is
-//! killed: the datapath hands it the endpoints' DNS packets (`bpf/lib/dnsproxy.h`), it checks
+//! killed: the datapath hands it the endpoints' DNS packets (`bpf/lib/proxy.h`), it checks
 //! each query against the endpoint's DNS rules (the table the agent pushed last, also kept on
 //! disk), forwards the allowed ones to the server the pod asked, and tells the agent the
 //! addresses of allowed answers, holding the answer until the agent says every affected
