@@ -87,45 +87,6 @@ impl PolicyChange {
     }
 }
 
-/// The DNS proxy's entries of one egress allow rule selecting `ids`: one per TCP/UDP port
-/// range it names, with the names its DNS rules allow there (`None`: any name). Named ports
-/// are not resolved for DNS (a DNS server's port is 53 by number in every known manifest).
-fn dns_entries(out: &mut Vec<super::fqdn::DnsRuleEntry>, pr: &PeerRule, ids: &[NumericIdentity]) {
-    let Ports::List(list) = &pr.ports else {
-        return;
-    };
-    if ids.is_empty() {
-        return;
-    }
-    let servers: Vec<u32> = if ids.contains(&IDENTITY_ANY) {
-        vec![]
-    } else {
-        ids.to_vec()
-    };
-    for pm in list {
-        let PortSpec::Range(lo, hi) = pm.port else {
-            continue;
-        };
-        let names = pr
-            .dns
-            .iter()
-            .find(|d| d.ports.contains(pm))
-            .map(|d| d.names.clone());
-        for &protocol in pm.protocol.numbers() {
-            if protocol == 6 || protocol == 17 {
-                out.push(super::fqdn::DnsRuleEntry {
-                    servers: servers.clone(),
-                    protocol,
-                    port_lo: lo,
-                    port_hi: hi,
-                    names: names.clone(),
-                    policy: pr.origin.describe(),
-                });
-            }
-        }
-    }
-}
-
 /// One direction of a resolved policy.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DirectionPolicy {
@@ -147,9 +108,9 @@ pub struct EndpointPolicy {
     pub withheld: MapState,
     /// The allow requirements in force (origins of `withheld` entries point into these).
     pub requirements: Vec<Arc<PeerRequirement>>,
-    /// The DNS proxy's table for this endpoint (`fqdn::DnsRuleEntry`); empty when no egress
+    /// The DNS proxy's table for this endpoint (`l7::dns::DnsRuleEntry`); empty when no egress
     /// allow rule carries DNS rules (then its DNS does not go through the proxy).
-    pub dns: Vec<super::fqdn::DnsRuleEntry>,
+    pub dns: Vec<super::l7::dns::DnsRuleEntry>,
 }
 
 /// Why a packet was allowed or dropped.
@@ -822,7 +783,7 @@ impl PolicyEngine {
                     }
                 }
                 if section == Section::Egress {
-                    dns_entries(&mut out.dns, pr, &ids);
+                    super::l7::dns::dns_entries(&mut out.dns, pr, &ids);
                 }
                 // Only allows need explaining: a requirement narrowing a deny never drops.
                 if !section.is_deny() && peers.is_none() {

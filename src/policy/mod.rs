@@ -17,6 +17,7 @@ pub mod fqdn;
 pub mod fqdn_bounds;
 pub mod identity;
 pub mod ipcache;
+pub mod l7;
 pub mod labels;
 pub mod mapstate;
 pub mod numbering;

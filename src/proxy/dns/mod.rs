@@ -11,7 +11,7 @@
 //!
 //! - this module: the wire protocol between agent and proxy (JSON lines on a Unix socket in
 //!   the state directory) and the proxy's pure state: which endpoint a source address is, and
-//!   what its DNS rules say (`policy::fqdn::dns_ruling`);
+//!   what its DNS rules say (`policy::l7::dns::dns_ruling`);
 //! - [`server`]: the process (sockets, policy routing, the pinned maps);
 //! - [`state`]: the agent's side (FQDN cache, endpoints' rules, the proxy as last seen);
 //! - [`wire`]: DNS messages through hickory-proto (questions, REFUSED answers, addresses).
@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::policy::fqdn::{dns_ruling, DnsRuleEntry, DnsRuling};
+use crate::policy::l7::dns::{dns_ruling, DnsRuleEntry, DnsRuling};
 
 /// The proxy's socket for its agent, in the agent's state directory.
 pub fn socket_path(state_dir: &Path) -> PathBuf {
