@@ -14,6 +14,7 @@ use super::identity::{
     Allocation, IdentityAllocator, IdentityInfo, NumericIdentity, IDENTITY_ANY, IDENTITY_HOST,
 };
 use super::ipcache::IpCache;
+use super::l7::http::L7PortRules;
 use super::labels::Labels;
 use super::mapstate::{MapKey, MapState, MapVerdict};
 use super::repository::{Repository, StoredPolicy};
@@ -919,23 +920,25 @@ impl PolicyEngine {
         if ids.is_empty() {
             return;
         }
-        let mut insert = |id: NumericIdentity, protocol: u8, lo: u16, hi: u16| {
-            map.insert(
-                MapKey {
-                    direction,
-                    identity: id,
-                    protocol,
-                    port_lo: lo,
-                    port_hi: hi,
-                },
-                deny,
-                origin,
-            );
-        };
+        let mut insert =
+            |id: NumericIdentity, protocol: u8, lo: u16, hi: u16, l7: Option<&Arc<L7PortRules>>| {
+                map.insert_l7(
+                    MapKey {
+                        direction,
+                        identity: id,
+                        protocol,
+                        port_lo: lo,
+                        port_hi: hi,
+                    },
+                    deny,
+                    origin,
+                    l7,
+                );
+            };
         let list = match &pr.ports {
             Ports::Any => {
                 for &id in ids {
-                    insert(id, 0, 0, 65535);
+                    insert(id, 0, 0, 65535, None);
                 }
                 return;
             }
@@ -943,11 +946,16 @@ impl PolicyEngine {
         };
         for pm in list {
             let protos = pm.protocol.numbers();
+            let l7 = pr
+                .l7
+                .iter()
+                .find(|e| e.ports.contains(pm))
+                .map(|e| &e.rules);
             match &pm.port {
                 PortSpec::Range(lo, hi) => {
                     for &id in ids {
                         for &p in protos {
-                            insert(id, p, *lo, *hi);
+                            insert(id, p, *lo, *hi, l7);
                         }
                     }
                 }
@@ -960,7 +968,7 @@ impl PolicyEngine {
                             .filter(|np| np.name == *name && protos.contains(&np.protocol))
                         {
                             for &id in ids {
-                                insert(id, np.protocol, np.port, np.port);
+                                insert(id, np.protocol, np.port, np.port, l7);
                             }
                         }
                     }
@@ -969,7 +977,7 @@ impl PolicyEngine {
                         for &id in ids {
                             for (proto, port) in self.named_ports_of(id, name) {
                                 if protos.contains(&proto) {
-                                    insert(id, proto, port, port);
+                                    insert(id, proto, port, port, l7);
                                 }
                             }
                         }

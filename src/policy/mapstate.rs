@@ -13,6 +13,7 @@ use std::sync::Arc;
 
 use super::attribution::{entry_cookie, Cookie, MatchKind, PolicyRef};
 use super::identity::{NumericIdentity, IDENTITY_ANY};
+use super::l7::http::L7PortRules;
 use super::rule::{Direction, RuleOrigin};
 
 /// Key of one policy map entry.
@@ -32,6 +33,65 @@ pub struct MapKey {
 pub struct MapEntry {
     pub deny: bool,
     pub derived_from: Vec<Arc<RuleOrigin>>,
+    /// Allows only, once a contribution carries L7 rules: every contribution with its L7 part
+    /// (`None`: an L3/L4 allow, every request). Absent: no contribution has L7 rules.
+    pub l7: Option<Box<Vec<L7Grant>>>,
+}
+
+/// One allowing contribution to an entry and the L7 rules it comes with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct L7Grant {
+    pub origin: Arc<RuleOrigin>,
+    pub rules: Option<Arc<L7PortRules>>,
+}
+
+impl MapEntry {
+    /// The datapath hands this entry's traffic to the HTTP proxy: an allow some contribution
+    /// of which carries L7 rules.
+    pub fn redirect(&self) -> bool {
+        !self.deny
+            && self
+                .l7
+                .as_ref()
+                .is_some_and(|g| g.iter().any(|g| g.rules.is_some()))
+    }
+
+    /// Records one allowing contribution (deny entries keep none). Called before `origin` is
+    /// added to `derived_from`, whose contributions so far were L3/L4 unless recorded here.
+    fn grant(&mut self, origin: &Arc<RuleOrigin>, rules: Option<&Arc<L7PortRules>>) {
+        if self.deny {
+            return;
+        }
+        if self.l7.is_none() && rules.is_none() {
+            return;
+        }
+        let grants = self.l7.get_or_insert_with(|| {
+            // The contributions before the first L7 one were all L3/L4.
+            Box::new(
+                self.derived_from
+                    .iter()
+                    .map(|o| L7Grant {
+                        origin: o.clone(),
+                        rules: None,
+                    })
+                    .collect(),
+            )
+        });
+        let same = |g: &L7Grant| {
+            Arc::ptr_eq(&g.origin, origin)
+                && match (&g.rules, rules) {
+                    (None, None) => true,
+                    (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+                    _ => false,
+                }
+        };
+        if !grants.iter().any(same) {
+            grants.push(L7Grant {
+                origin: origin.clone(),
+                rules: rules.cloned(),
+            });
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -67,6 +127,8 @@ pub struct MapDelta {
     pub cookies: HashMap<MapKey, Cookie>,
     /// What each cookie of `cookies` stands for, once per cookie.
     pub attributions: Vec<(Cookie, MatchKind, Vec<PolicyRef>)>,
+    /// The upserted allows whose traffic goes to the HTTP proxy (`MapEntry::redirect`).
+    pub redirects: rustc_hash::FxHashSet<MapKey>,
 }
 
 impl MapDelta {
@@ -86,6 +148,18 @@ impl MapState {
     /// Adds an entry. The same key from several rules merges: deny replaces allow, and the
     /// entry remembers every rule of the winning kind.
     pub fn insert(&mut self, key: MapKey, deny: bool, origin: &Arc<RuleOrigin>) {
+        self.insert_l7(key, deny, origin, None)
+    }
+
+    /// [`insert`](Self::insert), an allow with the L7 rules of the `toPorts` entry it comes
+    /// from (`None`: L3/L4 only).
+    pub fn insert_l7(
+        &mut self,
+        key: MapKey,
+        deny: bool,
+        origin: &Arc<RuleOrigin>,
+        rules: Option<&Arc<L7PortRules>>,
+    ) {
         let slots = self
             .groups
             .entry((key.direction, key.identity))
@@ -98,9 +172,11 @@ impl MapState {
                     s.entry.deny = true;
                     s.entry.derived_from.clear();
                     s.entry.derived_from.push(origin.clone());
+                    s.entry.l7 = None;
                 }
                 (true, false) => {}
                 _ => {
+                    s.entry.grant(origin, rules);
                     if !s.entry.derived_from.iter().any(|o| Arc::ptr_eq(o, origin)) {
                         s.entry.derived_from.push(origin.clone());
                     }
@@ -108,14 +184,18 @@ impl MapState {
             }
             return;
         }
+        let mut entry = MapEntry {
+            deny,
+            derived_from: vec![],
+            l7: None,
+        };
+        entry.grant(origin, rules);
+        entry.derived_from.push(origin.clone());
         slots.push(Slot {
             protocol: key.protocol,
             port_lo: key.port_lo,
             port_hi: key.port_hi,
-            entry: MapEntry {
-                deny,
-                derived_from: vec![origin.clone()],
-            },
+            entry,
         });
         self.len += 1;
     }
@@ -156,6 +236,38 @@ impl MapState {
         allowed
             .map(MapVerdict::Allowed)
             .unwrap_or(MapVerdict::NoMatch)
+    }
+
+    /// Every allow entry matching a packet to/from `identity` on `protocol`/`port` (most
+    /// specific identity first), or `None` when a deny matches: what the HTTP proxy and
+    /// `policy simulate` judge a request of an allowed connection by.
+    pub fn allows(
+        &self,
+        direction: Direction,
+        identity: NumericIdentity,
+        protocol: u8,
+        port: u16,
+    ) -> Option<Vec<&MapEntry>> {
+        let mut out = Vec::new();
+        let ids: &[NumericIdentity] = if identity == IDENTITY_ANY {
+            &[IDENTITY_ANY]
+        } else {
+            &[identity, IDENTITY_ANY]
+        };
+        for id in ids {
+            for s in self.groups.get(&(direction, *id)).into_iter().flatten() {
+                if (s.protocol == 0 || s.protocol == protocol)
+                    && s.port_lo <= port
+                    && port <= s.port_hi
+                {
+                    if s.entry.deny {
+                        return None;
+                    }
+                    out.push(&s.entry);
+                }
+            }
+        }
+        Some(out)
     }
 
     pub fn get(&self, key: &MapKey) -> Option<&MapEntry> {
@@ -248,9 +360,15 @@ impl MapState {
         let mut known: HashMap<(Vec<usize>, MatchKind), Cookie> = HashMap::default();
         for (k, e) in self.entries() {
             match realized.get(&k) {
-                Some(old) if old.deny == e.deny && old.derived_from == e.derived_from => {}
+                Some(old)
+                    if old.deny == e.deny
+                        && old.derived_from == e.derived_from
+                        && old.redirect() == e.redirect() => {}
                 _ => {
                     delta.upserts.push((k, e.deny));
+                    if e.redirect() {
+                        delta.redirects.insert(k);
+                    }
                     let kind = MatchKind::of_entry(&k, e.deny);
                     let ptrs = e
                         .derived_from

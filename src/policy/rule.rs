@@ -142,7 +142,8 @@ pub struct RuleOrigin {
     pub section: Section,
     /// Field path of the peer rule inside the policy, e.g. `spec.ingress[1]`, `specs[0].egressDeny[0]`.
     pub path: String,
-    /// The rule carries L7 rules that ciliate enforces at L3/L4 only.
+    /// The rule carries L7 rules that ciliate enforces at L3/L4 only (Kafka, generic L7,
+    /// TLS interception, listeners; HTTP and server names are enforced, see `PeerRule::l7`).
     pub l7: bool,
 }
 
@@ -299,6 +300,16 @@ pub struct PeerRule {
     pub endpoint_selectors: usize,
     /// `toPorts[].rules.dns`: the names queries on those ports may ask (egress only).
     pub dns: Vec<DnsRules>,
+    /// `toPorts[].rules.http` and `serverNames`: what the HTTP proxy lets through on those
+    /// ports (allow rules only).
+    pub l7: Vec<L7Ports>,
+}
+
+/// The L7 part of one `toPorts` entry the HTTP proxy enforces, and the ports it is on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct L7Ports {
+    pub ports: Vec<PortMatch>,
+    pub rules: Arc<crate::policy::l7::http::L7PortRules>,
 }
 
 /// The DNS rules of one `toPorts` entry: queries to its ports must ask a name that matches.

@@ -6,6 +6,7 @@
 //! and the destination's ingress.
 
 pub mod generate;
+mod http;
 pub mod world;
 mod yaml;
 
@@ -22,6 +23,7 @@ use crate::policy::engine::{Decision, EndpointPolicy, EndpointView, NamedPort, P
 use crate::policy::identity::{
     NumericIdentity, IDENTITY_HOST, IDENTITY_REMOTE_NODE, IDENTITY_WORLD_IPV4, IDENTITY_WORLD_IPV6,
 };
+use crate::policy::l7::http::HttpVerdict;
 use crate::policy::labels::{check_labels, Label, Labels};
 use crate::policy::rule::{Direction, PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP};
 use crate::policy::translate::{parse_policy, PolicyError};
@@ -56,6 +58,9 @@ pub struct ProbeResult {
     pub port: Option<u16>,
     #[serde(rename = "icmpType", skip_serializing_if = "Option::is_none")]
     pub icmp_type: Option<u8>,
+    /// The probe's HTTP request, echoed with its defaults.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub http: Option<world::HttpProbe>,
     pub verdict: &'static str,
     pub reason: String,
 }
@@ -130,6 +135,8 @@ struct Sim {
     /// Resolved pod policies by identity and port list: pods that share both share a policy.
     policies: HashMap<(NumericIdentity, usize), EndpointPolicy>,
     node_policy: HashMap<usize, EndpointPolicy>,
+    /// HTTP rules compiled for HTTP probes.
+    http: http::Compiled,
 }
 
 /// The largest world file `simulate` reads. The loaded world takes a few times the file's size
@@ -420,6 +427,7 @@ fn build(text: &str, sections: &yaml::Sections, out: &mut Simulation) -> Result<
         party_by_ip,
         policies: HashMap::new(),
         node_policy: HashMap::new(),
+        http: http::Compiled::default(),
     })
 }
 
@@ -631,6 +639,17 @@ impl Sim {
             let ingress = self.side(dst, src, Direction::Ingress, proto, lookup_port);
             self.explain(src, dst, egress, ingress)
         };
+        let http = probe.http.as_ref().map(|h| world::HttpProbe {
+            method: Some(h.method.clone().unwrap_or_else(|| "GET".into())),
+            path: Some(h.path.clone().unwrap_or_else(|| "/".into())),
+            ..h.clone()
+        });
+        let (verdict, reason) = match (verdict, same_pod, proto) {
+            ("allow", false, PROTO_TCP) => {
+                self.http_sides(src, dst, lookup_port, http.as_ref(), reason)
+            }
+            other => (other.0, reason),
+        };
         Ok(ProbeResult {
             from: from_text,
             dns: None,
@@ -638,9 +657,73 @@ impl Sim {
             protocol: proto_name,
             port,
             icmp_type,
+            http,
             verdict,
             reason,
         })
+    }
+
+    /// An allowed TCP connection's HTTP part: each side whose entries for the peer and port
+    /// carry HTTP rules judges the request (egress first); without a request, the reason says
+    /// which rules would judge them.
+    fn http_sides(
+        &mut self,
+        src: Party,
+        dst: Party,
+        port: u16,
+        probe: Option<&world::HttpProbe>,
+        mut reason: String,
+    ) -> (&'static str, String) {
+        let host = match dst {
+            Party::Pod(i) => self.pods[i].ips.first().map(|ip| ip.to_string()),
+            Party::Node(_, ip) | Party::External(ip) => Some(ip.to_string()),
+        }
+        .map(|a| format!("{a}:{port}"))
+        .unwrap_or_default();
+        let req = match probe.map(|p| http::Request::of(p, host)).transpose() {
+            Ok(r) => r,
+            Err(why) => return ("deny", format!("HTTP request refused: {why}")),
+        };
+        for (side, other, d) in [
+            (src, dst, Direction::Egress),
+            (dst, src, Direction::Ingress),
+        ] {
+            let peer = self.identity_seen_by(side, other);
+            let Some(grants) = self
+                .policy_of(side)
+                .and_then(|pol| http::side_grants(pol, d, peer, PROTO_TCP, port))
+            else {
+                continue;
+            };
+            let dir = d.as_str();
+            let Some(r) = &req else {
+                reason.push_str(&format!(
+                    "; {dir} requests are then judged by HTTP rules ({})",
+                    http::rules_named(&grants)
+                ));
+                continue;
+            };
+            match self.http.judge(&grants, r) {
+                HttpVerdict::Denied { considered } => {
+                    return (
+                        "deny",
+                        format!(
+                            "{dir} HTTP: no HTTP rule of {} matches {} {} (403)",
+                            considered.join(", "),
+                            r.method,
+                            r.path
+                        ),
+                    )
+                }
+                HttpVerdict::Allowed { by, .. } => {
+                    reason.push_str(&format!("; {dir} HTTP allowed by {by}"))
+                }
+                HttpVerdict::AllowedL4 { by } => reason.push_str(&format!(
+                    "; {dir} HTTP: every request allowed by {by} (no HTTP rules)"
+                )),
+            }
+        }
+        ("allow", reason)
     }
 
     /// A DNS query for `name` from a pod to a DNS server pod (UDP 53): `deny` when L3/L4
@@ -701,6 +784,7 @@ impl Sim {
             protocol: String::new(),
             port: None,
             icmp_type: None,
+            http: None,
             verdict,
             reason,
         })

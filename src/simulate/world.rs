@@ -53,6 +53,23 @@ pub struct Probe {
     pub port: Option<i64>,
     pub protocol: Option<String>,
     pub icmp_type: Option<i64>,
+    /// An HTTP request on the connection, judged by the HTTP rules of both sides.
+    pub http: Option<HttpProbe>,
+}
+
+/// The HTTP request of a probe (`method` defaults to `GET`, `path` to `/`, `host` to the
+/// destination's address and port).
+#[derive(Debug, Clone, Default, Deserialize, serde::Serialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct HttpProbe {
+    #[serde(default)]
+    pub method: Option<String>,
+    #[serde(default)]
+    pub path: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub headers: Option<BTreeMap<String, String>>,
 }
 
 /// A probe end as written: a pod reference or an address. YAML may hand us a number-like

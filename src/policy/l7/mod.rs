@@ -3,3 +3,4 @@
 //! allows is decided here, the same way for the agent's proxies and for `policy simulate`.
 
 pub mod dns;
+pub mod http;

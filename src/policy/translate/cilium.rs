@@ -13,9 +13,10 @@ use super::common::{
 use super::{Ctx, PolicyError};
 use crate::policy::api;
 use crate::policy::fqdn::FqdnPattern;
+use crate::policy::l7::http::{HeaderMatch, HeaderRequirement, HttpRule, L7PortRules, Mismatch};
 use crate::policy::rule::{
-    DnsRules, PeerRequirement, PeerRule, Peers, PortMatch, PortSpec, Ports, Protocol, Rule,
-    RuleOrigin, Section, Subject,
+    DnsRules, L7Ports, PeerRequirement, PeerRule, Peers, PortMatch, PortSpec, Ports, Protocol,
+    Rule, RuleOrigin, Section, Subject,
 };
 use crate::policy::selector::{CidrSelector, Selector, SelectorRef};
 use crate::policy::services::ServiceRef;
@@ -486,6 +487,7 @@ fn translate_peer_rule(
     // ----- ports
     let mut l7 = false;
     let mut dns = Vec::new();
+    let mut l7_ports = Vec::new();
     let ports = if let Some(icmps) = v.icmps.filter(|i| !i.is_empty()) {
         Ports::List(icmp_ports(ctx, icmps, path)?)
     } else if !v.to_ports.is_empty() {
@@ -516,9 +518,16 @@ fn translate_peer_rule(
             if let Some(rule) = rule {
                 let names = rule.rules.as_ref().and_then(|r| r.dns.as_ref());
                 let dns_rules = names.is_some_and(|n| !n.is_empty());
-                // DNS rules are enforced (the DNS proxy), other L7 rules are not.
+                // DNS rules are enforced (the DNS proxy), HTTP rules and server names too (the
+                // HTTP proxy); other L7 rules are not.
                 if validate_l7(ctx, rule, &parsed, section, &p)? && !dns_rules {
-                    l7 = true;
+                    match enforced_l7(ctx, rule, &p)? {
+                        Some(rules) => l7_ports.push(L7Ports {
+                            ports: parsed.clone(),
+                            rules: Arc::new(rules),
+                        }),
+                        None => l7 = true,
+                    }
                 }
                 if dns_rules && parsed.iter().any(|pm| pm.port != PortSpec::Range(53, 53)) {
                     ctx.note(format!(
@@ -592,6 +601,7 @@ fn translate_peer_rule(
         ports,
         endpoint_selectors,
         dns,
+        l7: l7_ports,
     })
 }
 
@@ -762,6 +772,78 @@ fn is_zero_port(port: Option<&api::IntOrString>) -> bool {
     }
 }
 
+/// The L7 part of a port rule the HTTP proxy enforces: its HTTP rules, or TLS server names
+/// alone (judged by the ClientHello's SNI). `None`: L7 that stays L3/L4 only, said in the
+/// status (Kafka, generic L7, TLS termination or origination, listeners).
+fn enforced_l7(
+    ctx: &Ctx,
+    rule: &api::PortRule,
+    path: &str,
+) -> Result<Option<L7PortRules>, PolicyError> {
+    if rule.listener.is_some() || rule.terminating_tls.is_some() || rule.originating_tls.is_some() {
+        return Ok(None);
+    }
+    let rules = rule.rules.as_ref();
+    let other = rules.is_some_and(|r| {
+        len(r.kafka.as_ref()) + len(r.l7.as_ref()) > 0
+            || r.l7proto.as_ref().is_some_and(|p| !p.is_empty())
+    });
+    if other {
+        return Ok(None);
+    }
+    let server_names = rule.server_names.clone().unwrap_or_default();
+    match rules
+        .and_then(|r| r.http.as_ref())
+        .filter(|h| !h.is_empty())
+    {
+        Some(http) => Ok(Some(L7PortRules {
+            http: http_rules(ctx, http, &format!("{path}.rules.http"))?,
+            server_names: vec![],
+        })),
+        None if !server_names.is_empty() => Ok(Some(L7PortRules {
+            http: vec![],
+            server_names,
+        })),
+        None => Ok(None),
+    }
+}
+
+/// The `http` rules of a port rule (their regexes already validated by `validate_l7`).
+fn http_rules(ctx: &Ctx, http: &[api::HttpRule], path: &str) -> Result<Vec<HttpRule>, PolicyError> {
+    let mut out = Vec::with_capacity(http.len());
+    for (i, h) in http.iter().enumerate() {
+        let mut header_matches = Vec::new();
+        for (j, m) in h.header_matches.iter().flatten().enumerate() {
+            let mp = format!("{path}[{i}].headerMatches[{j}]");
+            if m.get("secret").is_some_and(|s| !s.is_null()) {
+                return Err(ctx.err(
+                    format!("{mp}.secret"),
+                    "header values from secrets are not supported yet (the rule would be enforced without its value)",
+                ));
+            }
+            let field = |k: &str| m.get(k).and_then(Value::as_str).unwrap_or_default();
+            header_matches.push(HeaderMatch {
+                name: field("name").to_ascii_lowercase(),
+                value: field("value").to_string(),
+                mismatch: Mismatch::parse(field("mismatch")).unwrap_or(Mismatch::Fail),
+            });
+        }
+        out.push(HttpRule {
+            method: h.method.clone().filter(|m| !m.is_empty()),
+            path: h.path.clone().filter(|p| !p.is_empty()),
+            host: h.host.clone().filter(|h| !h.is_empty()),
+            headers: h
+                .headers
+                .iter()
+                .flatten()
+                .map(|e| HeaderRequirement::parse(e))
+                .collect(),
+            header_matches,
+        });
+    }
+    Ok(out)
+}
+
 /// Validates a port rule's L7 part, listener and server names (Cilium's `PortRule.sanitize`).
 /// Returns whether it has L7 rules at all.
 fn validate_l7(
@@ -876,14 +958,12 @@ fn validate_l7(
     }
     for (i, h) in l7.http.iter().flatten().enumerate() {
         let hp = format!("{rp}.http[{i}]");
-        // Cilium compiles method and path only; host is left to the proxy.
-        for (field, val) in [("method", &h.method), ("path", &h.path)] {
+        // Cilium compiles method and path; the host is compiled too, since the proxy
+        // matches it: a rule it could not compile is a field error, never a dropped rule.
+        for (field, val) in [("method", &h.method), ("path", &h.path), ("host", &h.host)] {
             if let Some(v) = val {
-                if let Err(e) = regex::Regex::new(v) {
-                    return Err(ctx.err(
-                        format!("{hp}.{field}"),
-                        format!("invalid regular expression {v:?}: {e}"),
-                    ));
+                if let Err(e) = crate::policy::l7::http::compile_anchored(v) {
+                    return Err(ctx.err(format!("{hp}.{field}"), e));
                 }
             }
         }

@@ -148,6 +148,7 @@ fn peer_rule(
         ports,
         endpoint_selectors,
         dns: Vec::new(),
+        l7: Vec::new(),
     })
 }
 

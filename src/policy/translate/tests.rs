@@ -215,7 +215,7 @@ fn dns_rules_off_port_53_and_other_l7_rules_are_noted_as_not_enforced() {
     let p = parse(
         "{apiVersion: cilium.io/v2, kind: CiliumNetworkPolicy, metadata: {name: p},
           spec: {endpointSelector: {}, egress: [{toPorts: [{ports: [{port: '5353', protocol: UDP}], rules: {dns: [{matchPattern: '*'}]}}]},
-                 {toPorts: [{ports: [{port: '80', protocol: TCP}], rules: {http: [{method: GET}]}}]}]}}",
+                 {toPorts: [{ports: [{port: '9092', protocol: TCP}], rules: {kafka: [{topic: orders}]}}]}]}}",
     )
     .unwrap();
     assert!(
@@ -230,6 +230,38 @@ fn dns_rules_off_port_53_and_other_l7_rules_are_noted_as_not_enforced() {
         "{:?}",
         p.notes
     );
+}
+
+#[test]
+fn http_rules_and_server_names_are_enforced_and_not_noted() {
+    let p = parse(
+        "{apiVersion: cilium.io/v2, kind: CiliumNetworkPolicy, metadata: {name: p},
+          spec: {endpointSelector: {}, ingress: [{toPorts: [{ports: [{port: '80', protocol: TCP}], rules: {http: [{method: GET, headers: ['X-A: 1', X-B], headerMatches: [{name: X-C, value: v, mismatch: ADD}]}]}}]}],
+                 egress: [{toPorts: [{ports: [{port: '443', protocol: TCP}], serverNames: [api.example.com]}]}]}}",
+    )
+    .unwrap();
+    assert!(
+        !p.notes.iter().any(|n| n.contains("not enforced")),
+        "{:?}",
+        p.notes
+    );
+    let l7: Vec<&crate::policy::rule::L7Ports> = p.rules[0]
+        .peer_rules
+        .iter()
+        .flat_map(|pr| pr.l7.iter())
+        .collect();
+    assert_eq!(l7.len(), 2);
+    let http = &l7[0].rules.http[0];
+    assert_eq!(http.method.as_deref(), Some("GET"));
+    assert_eq!(http.headers[0].name, "x-a");
+    assert_eq!(http.headers[0].value.as_deref(), Some("1"));
+    assert_eq!(http.headers[1].value, None);
+    assert_eq!(
+        http.header_matches[0].mismatch,
+        crate::policy::l7::http::Mismatch::Add
+    );
+    assert_eq!(l7[1].rules.server_names, ["api.example.com"]);
+    assert!(l7[1].rules.is_tls());
 }
 
 #[test]
