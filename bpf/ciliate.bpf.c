@@ -44,12 +44,25 @@ const volatile __u32 ENDPOINT_ID = 0;
 #include "lib/hostroute.h"
 #include "lib/proxy.h"
 
-/* The endpoint's verdict on a packet (TC_ACT_OK or TC_ACT_SHOT). from_device: the packet came
- * to the node's device and has not met the host stack (from_netdev); then TC_ACT_UNSPEC means
- * "not this program's to deliver". *bypass: the packet may skip the host stack (BPF host
- * routing) because no netfilter NAT of this node can be part of its connection. */
+/* Sends a packet of a connection the HTTP proxy handles on to the proxy: in place at a tc
+ * ingress hook (the pod's egress, the node's device), back in through the device from
+ * to_container. */
+static __always_inline int to_l7_proxy(struct __sk_buff *skb, struct packet *p, __u32 ep,
+				       __u8 action, int egress, int from_device)
+{
+	if (egress || from_device)
+		return l7_redirect(skb, p, ep, action, egress);
+	return l7_hairpin(skb, p, ep);
+}
+
+/* The endpoint's verdict on a packet (TC_ACT_OK or TC_ACT_SHOT; TC_ACT_REDIRECT when
+ * to_container hands it to the HTTP proxy). from_device: the packet came to the node's device
+ * and has not met the host stack (from_netdev); then TC_ACT_UNSPEC means "not this program's
+ * to deliver". origin: which of the HTTP proxy's sockets sent it (to_container; proxy.h).
+ * *bypass: the packet may skip the host stack (BPF host routing) because no netfilter NAT of
+ * this node can be part of its connection. */
 static __always_inline int decide(struct __sk_buff *skb, __u32 ep, int egress, int from_device,
-				  __u8 *bypass)
+				  __u8 origin, __u8 *bypass)
 {
 	*bypass = 0;
 	if (ep == 0) {
@@ -112,6 +125,10 @@ static __always_inline int decide(struct __sk_buff *skb, __u32 ep, int egress, i
 			ct->dns_proxy = 1;
 			return dns_redirect(skb, &p, ep);
 		}
+		/* Redirected to the HTTP proxy where it opened: the client's packets keep going
+		 * there (the proxy's own, on the same tuple, by their mark, do not). */
+		if (ct->l7 && origin == UPSTREAM_NONE)
+			return to_l7_proxy(skb, &p, ep, PROXY_LOCAL, egress, from_device);
 		/* The opening direction: the pod's own packets, or what arrives for it as it did. */
 		*bypass = 1;
 		return TC_ACT_OK;
@@ -125,6 +142,10 @@ static __always_inline int decide(struct __sk_buff *skb, __u32 ep, int egress, i
 			ct->closing = 1;
 		__sync_fetch_and_add(&ct->packets, 1);
 		count(CILIATE_ALLOW_REPLY);
+		/* A reply to a connection the HTTP proxy made goes to the proxy's socket (its own
+		 * answers to a client, by their mark, go on to the pod). */
+		if (ct->proxy_upstream && origin != FROM_DOWNSTREAM)
+			return to_l7_proxy(skb, &p, ep, PROXY_LOCAL, egress, from_device);
 		/* A reply the pod sends skips the stack only if its connection did; a reply that
 		 * arrives with the very tuple the pod sent to was translated by nobody. */
 		*bypass = egress ? ct->direct : 1;
@@ -142,8 +163,10 @@ static __always_inline int decide(struct __sk_buff *skb, __u32 ep, int egress, i
 	void *pmap = bpf_map_lookup_elem(&policy_maps, &ep);
 	int verdict = POLICY_NONE;
 	__u32 cookie = 0;
+	__u8 redirect = 0;
 	if (pmap)
-		verdict = policy_lookup(pmap, identity, egress, &p, info, skb->len, &cookie);
+		verdict = policy_lookup(pmap, identity, egress, &p, info, skb->len, &cookie,
+					&redirect);
 	if (verdict == POLICY_DENY) {
 		reason = CILIATE_DROP_POLICY_DENY;
 	} else if (verdict == POLICY_ALLOW) {
@@ -173,19 +196,38 @@ static __always_inline int decide(struct __sk_buff *skb, __u32 ep, int egress, i
 	nv.closing = closing;
 	nv.direct = from_device;
 	nv.dns_proxy = to_dns_proxy(info, &p, egress);
-	*bypass = (egress || from_device) && !nv.dns_proxy;
+	/* Allowed with an L7 rule: to the HTTP proxy, unless the proxy itself sends it after
+	 * judging it at this endpoint's ingress. */
+	__u8 send = redirect && origin != UPSTREAM_INGRESS && p.protocol == IPPROTO_TCP;
+	nv.l7 = send;
+	nv.proxy_upstream = origin == UPSTREAM_EGRESS || origin == UPSTREAM_INGRESS;
+	if (nv.l7 || nv.proxy_upstream) {
+		/* The proxy's connection and a client's may share a tuple: each keeps its part. */
+		struct ct_value *old = ct_lookup(&p, ep, 0);
+		if (old) {
+			nv.l7 |= old->l7;
+			nv.proxy_upstream |= old->proxy_upstream;
+		}
+	}
+	*bypass = (egress || from_device) && !nv.dns_proxy && !nv.l7;
 	if (ct_create(&p, ep, &nv))
 		count(CILIATE_CT_FULL);
 	if (nv.dns_proxy)
 		return dns_redirect(skb, &p, ep);
+	if (send)
+		return to_l7_proxy(skb, &p, ep, PROXY_NEW, egress, from_device);
 	return TC_ACT_OK;
 }
 
 SEC("tc")
 int from_container(struct __sk_buff *skb)
 {
+	int verdict;
+	/* Sent back in by to_container for the HTTP proxy: decided already. */
+	if (l7_hairpinned(skb, ENDPOINT_ID, &verdict))
+		return verdict;
 	__u8 bypass;
-	int verdict = decide(skb, ENDPOINT_ID, 1, 0, &bypass);
+	verdict = decide(skb, ENDPOINT_ID, 1, 0, UPSTREAM_NONE, &bypass);
 	if (verdict != TC_ACT_OK || !bypass)
 		return verdict;
 	return host_route(skb);
@@ -195,7 +237,7 @@ SEC("tc")
 int to_container(struct __sk_buff *skb)
 {
 	__u8 bypass;
-	return decide(skb, ENDPOINT_ID, 0, 0, &bypass);
+	return decide(skb, ENDPOINT_ID, 0, 0, proxy_origin(skb->mark), &bypass);
 }
 
 /* The node's device, tc ingress (one instance per agent, ENDPOINT_ID 0): packets for a local
@@ -208,7 +250,7 @@ int from_netdev(struct __sk_buff *skb)
 	if (!local_endpoint_of(skb, &le))
 		return TC_ACT_UNSPEC;
 	__u8 bypass;
-	int verdict = decide(skb, le.endpoint_id, 0, 1, &bypass);
+	int verdict = decide(skb, le.endpoint_id, 0, 1, UPSTREAM_NONE, &bypass);
 	if (verdict != TC_ACT_OK)
 		return verdict;
 	return bypass ? local_deliver(skb, &le) : TC_ACT_UNSPEC;

@@ -108,7 +108,11 @@ struct policy_key {
 
 struct policy_value {
 	__u8 deny;
-	__u8 pad[3];
+	/* Allows only: an L7 rule (HTTP, TLS server names) covers this entry, so a connection it
+	 * allows goes to the HTTP proxy (any allow entry matching a packet with it set is enough:
+	 * the proxy judges by every allowing rule). 0 in entries of older agents. */
+	__u8 proxy;
+	__u8 pad[2];
 	/* Attribution: the rules this entry was derived from, as a cookie the agent resolves
 	 * (policy kind, namespace, name, rule). 0: unknown (written by an older agent). */
 	__u32 cookie;
@@ -155,7 +159,13 @@ struct ct_value {
 	__u8 direct;
 	/* The connection goes to the DNS proxy (CILIATE_EP_DNS_PROXY when it opened). */
 	__u8 dns_proxy;
-	__u8 pad[3];
+	/* The connection was redirected to the HTTP proxy where it opened (its packets from the
+	 * client keep going there). */
+	__u8 l7;
+	/* The connection is the HTTP proxy's own, made on behalf of a client (the proxy marked
+	 * its SYN, or the proxy recorded it): replies go to the proxy's socket, not the pod. */
+	__u8 proxy_upstream;
+	__u8 pad;
 };
 
 /* Conntrack expiry (Cilium's defaults), applied by the agent's garbage collector: an entry not
@@ -202,6 +212,25 @@ struct dns_proxy_config {
 	__u16 udp_port;
 	__u16 tcp_port;
 	__u32 mark;
+};
+
+/* The HTTP proxy (array, one element), written by the proxy process. local_mark 0: no proxy
+ * runs, and flows that policy sends to it are dropped (fail closed).
+ * - Connections policy redirects are assigned to its transparent listeners, one per direction
+ *   (the pod's egress, the pod's ingress), and marked local_mark, which its policy-routing
+ *   rule delivers to this host.
+ * - Its own connections carry a mark too (SO_MARK): those it makes on behalf of a client as
+ *   upstream_egress_mark (judged by the destination's ingress policy as usual) or
+ *   upstream_ingress_mark (already judged at L7: never redirected again), and its answers to
+ *   the client downstream_mark. */
+struct l7_proxy_config {
+	__u16 egress_port;
+	__u16 ingress_port;
+	__u32 local_mark;
+	__u32 upstream_egress_mark;
+	__u32 upstream_ingress_mark;
+	__u32 downstream_mark;
+	__u32 pad;
 };
 
 /* Datapath-wide settings (array, one element). */

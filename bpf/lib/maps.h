@@ -17,6 +17,8 @@ struct ipcache_host_key _abi_ipcache_host_key = {};
 struct policy_value _abi_policy_value = {};
 struct verdict_event _abi_verdict_event = {};
 struct local_endpoint _abi_local_endpoint = {};
+struct l7_proxy_config _abi_l7_proxy_config = {};
+struct ct_value _abi_ct_value = {};
 
 /* Endpoint ids are 16-bit, so both per-endpoint tables are arrays indexed by the id: the
  * verifier inlines their lookups (no hashing), which a new connection's two lookups feel. */
@@ -57,5 +59,7 @@ struct {
 PINNED_MAP(BPF_MAP_TYPE_ARRAY, 1, __u32, struct datapath_config, 0) settings SEC(".maps");
 
 PINNED_MAP(BPF_MAP_TYPE_ARRAY, 1, __u32, struct dns_proxy_config, 0) dns_proxy SEC(".maps");
+
+PINNED_MAP(BPF_MAP_TYPE_ARRAY, 1, __u32, struct l7_proxy_config, 0) l7_proxy SEC(".maps");
 
 #endif /* CILIATE_LIB_MAPS_H */

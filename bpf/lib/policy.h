@@ -9,9 +9,9 @@
 #define POLICY_DENY 2
 
 /* Probes one policy entry; returns POLICY_DENY (and counts it, its cookie in *cookie) on a
- * deny, remembers an allow. */
+ * deny, remembers an allow (and whether any allow sends the flow to the HTTP proxy). */
 static __always_inline int probe(void *pmap, struct policy_key *k, struct policy_value **allow,
-				 __u64 bytes, __u32 *cookie)
+				 __u64 bytes, __u32 *cookie, __u8 *proxy)
 {
 	struct policy_value *v = bpf_map_lookup_elem(pmap, k);
 	if (!v)
@@ -24,6 +24,7 @@ static __always_inline int probe(void *pmap, struct policy_key *k, struct policy
 	}
 	if (!*allow)
 		*allow = v;
+	*proxy |= v->proxy;
 	return POLICY_ALLOW;
 }
 
@@ -37,9 +38,11 @@ static __always_inline __u32 popcount32(__u32 x)
 }
 
 /* Deny-wins lookup: every entry that could match is probed (only the kinds the endpoint's
- * masks say exist); the first deny decides, else any allow. *cookie: the deciding entry's. */
+ * masks say exist); the first deny decides, else any allow. *cookie: the deciding entry's;
+ * *proxy: an allow with an L7 rule matched (the flow goes to the HTTP proxy). */
 static __always_inline int policy_lookup(void *pmap, __u32 identity, __u8 egress, struct packet *p,
-					 struct endpoint_info *info, __u64 bytes, __u32 *cookie)
+					 struct endpoint_info *info, __u64 bytes, __u32 *cookie,
+					 __u8 *proxy)
 {
 	struct policy_value *allow = 0;
 	struct policy_key k = {};
@@ -62,14 +65,14 @@ static __always_inline int policy_lookup(void *pmap, __u32 identity, __u8 egress
 			k.protocol = 0;
 			k.port = 0;
 			k.port_prefix_len = 0;
-			if (probe(pmap, &k, &allow, bytes, cookie) == POLICY_DENY)
+			if (probe(pmap, &k, &allow, bytes, cookie, proxy) == POLICY_DENY)
 				return POLICY_DENY;
 		}
 		k.protocol = p->protocol;
 		if (lens & 1) {
 			k.port = 0;
 			k.port_prefix_len = 0;
-			if (probe(pmap, &k, &allow, bytes, cookie) == POLICY_DENY)
+			if (probe(pmap, &k, &allow, bytes, cookie, proxy) == POLICY_DENY)
 				return POLICY_DENY;
 		}
 		if (p->l4_missing)
@@ -84,7 +87,7 @@ static __always_inline int policy_lookup(void *pmap, __u32 identity, __u8 egress
 			__u16 mask = (__u16)(0xffff0000u >> len);
 			k.port = p->policy_port & mask;
 			k.port_prefix_len = len;
-			if (probe(pmap, &k, &allow, bytes, cookie) == POLICY_DENY)
+			if (probe(pmap, &k, &allow, bytes, cookie, proxy) == POLICY_DENY)
 				return POLICY_DENY;
 		}
 	}

@@ -101,34 +101,40 @@ pub fn expand_key(k: &MapKey) -> Vec<PolicyEntryKey> {
         .collect()
 }
 
-/// A change to apply to the kernel map: an entry with its deny flag and attribution cookie.
+/// A change to apply to the kernel map: an entry with its deny flag, attribution cookie and
+/// whether its allowed connections go to the HTTP proxy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EntryChange {
-    Upsert(PolicyEntryKey, bool, Cookie),
+    Upsert(PolicyEntryKey, bool, Cookie, bool),
     Delete(PolicyEntryKey),
 }
 
-/// The engine keys that expand to one datapath entry (usually one), with their deny flag and
-/// cookie. The entry denies if any does; its cookie is the first (smallest key) of those that
-/// decide it, so an entry several rules overlap on names one of them.
+/// What one engine key contributes to a datapath entry: deny, cookie, redirect.
+type Contribution = (bool, Cookie, bool);
+
+/// The engine keys that expand to one datapath entry (usually one), with their deny flag,
+/// cookie and redirect flag. The entry denies if any does; its cookie is the first (smallest
+/// key) of those that decide it, so an entry several rules overlap on names one of them; an
+/// allow redirects if any of its allows does.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-struct Contributors(Vec<(MapKey, bool, Cookie)>);
+struct Contributors(Vec<(MapKey, bool, Cookie, bool)>);
 
 impl Contributors {
-    fn value(&self) -> Option<(bool, Cookie)> {
+    fn value(&self) -> Option<Contribution> {
         let deny = self.0.iter().any(|c| c.1);
+        let redirect = !deny && self.0.iter().any(|c| c.3);
         self.0
             .iter()
             .filter(|c| c.1 == deny)
             .min_by_key(|c| c.0)
-            .map(|c| (deny, c.2))
+            .map(|c| (deny, c.2, redirect))
     }
 }
 
 /// Engine keys realized in one endpoint's map, with the datapath entries they expand to.
 #[derive(Debug, Clone, Default)]
 pub struct EntryTable {
-    engine_keys: HashMap<MapKey, (bool, Cookie)>,
+    engine_keys: HashMap<MapKey, Contribution>,
     entries: BTreeMap<PolicyEntryKey, Contributors>,
 }
 
@@ -151,28 +157,28 @@ impl EntryTable {
         self.entries
             .get(k)
             .and_then(Contributors::value)
-            .map(|(d, _)| d)
+            .map(|(d, _, _)| d)
     }
 
     /// The datapath entries and their deny flag.
     pub fn entries(&self) -> impl Iterator<Item = (PolicyEntryKey, bool)> + '_ {
         self.entries
             .iter()
-            .filter_map(|(k, c)| c.value().map(|(d, _)| (*k, d)))
+            .filter_map(|(k, c)| c.value().map(|(d, _, _)| (*k, d)))
     }
 
-    /// The datapath entries with their deny flag and cookie.
-    pub fn values(&self) -> impl Iterator<Item = (PolicyEntryKey, bool, Cookie)> + '_ {
+    /// The datapath entries with their deny flag, cookie and redirect flag.
+    pub fn values(&self) -> impl Iterator<Item = (PolicyEntryKey, bool, Cookie, bool)> + '_ {
         self.entries
             .iter()
-            .filter_map(|(k, c)| c.value().map(|(d, cookie)| (*k, d, cookie)))
+            .filter_map(|(k, c)| c.value().map(|(d, cookie, r)| (*k, d, cookie, r)))
     }
 
-    fn contribute(&mut self, key: &MapKey, value: (bool, Cookie), add: bool) {
+    fn contribute(&mut self, key: &MapKey, value: Contribution, add: bool) {
         for e in expand_key(key) {
             let c = self.entries.entry(e).or_default();
             if add {
-                c.0.push((*key, value.0, value.1));
+                c.0.push((*key, value.0, value.1, value.2));
             } else if let Some(i) = c.0.iter().position(|x| x.0 == *key) {
                 c.0.swap_remove(i);
             }
@@ -204,7 +210,7 @@ impl EntryTable {
     /// [`apply`](Self::apply), each change with the entry's deny flag before it (`None`:
     /// absent).
     pub fn apply_tracked(&mut self, delta: &MapDelta) -> Vec<(EntryChange, Option<bool>)> {
-        let mut before: BTreeMap<PolicyEntryKey, Option<(bool, Cookie)>> = BTreeMap::new();
+        let mut before: BTreeMap<PolicyEntryKey, Option<Contribution>> = BTreeMap::new();
         for k in delta
             .upserts
             .iter()
@@ -223,7 +229,11 @@ impl EntryTable {
             }
         }
         for (k, deny) in &delta.upserts {
-            let value = (*deny, delta.cookies.get(k).copied().unwrap_or(0));
+            let value = (
+                *deny,
+                delta.cookies.get(k).copied().unwrap_or(0),
+                delta.redirects.contains(k),
+            );
             match self.engine_keys.insert(*k, value) {
                 Some(old) if old == value => continue,
                 Some(old) => self.contribute(k, old, false),
@@ -233,11 +243,11 @@ impl EntryTable {
         }
         let mut out = Vec::new();
         for (e, was) in before {
-            let was_deny = was.map(|(d, _)| d);
+            let was_deny = was.map(|(d, _, _)| d);
             match (was, self.entries.get(&e).and_then(Contributors::value)) {
                 (a, b) if a == b => {}
-                (_, Some((deny, cookie))) => {
-                    out.push((EntryChange::Upsert(e, deny, cookie), was_deny))
+                (_, Some((deny, cookie, redirect))) => {
+                    out.push((EntryChange::Upsert(e, deny, cookie, redirect), was_deny))
                 }
                 (Some(_), None) => out.push((EntryChange::Delete(e), was_deny)),
                 (None, None) => {}
@@ -279,7 +289,7 @@ impl EntryTable {
                 };
                 for (k, c) in self.entries.range(lo..=hi) {
                     if k.covers_port(port) {
-                        if c.value().is_some_and(|(deny, _)| deny) {
+                        if c.value().is_some_and(|(deny, _, _)| deny) {
                             return Some(true);
                         }
                         allowed = true;
@@ -300,6 +310,50 @@ impl EntryTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_entry_redirects_when_any_allow_behind_it_does_and_never_when_it_denies() {
+        let mk = |lo, hi| MapKey {
+            direction: Direction::Ingress,
+            identity: 300,
+            protocol: 6,
+            port_lo: lo,
+            port_hi: hi,
+        };
+        let mut t = EntryTable::new();
+        // 79-80 (L7) expands to 79/16 and 80/16; 80 (L3/L4) to 80/16 too.
+        let ch = t.apply(&MapDelta {
+            upserts: vec![(mk(79, 80), false), (mk(80, 80), false)],
+            redirects: [mk(79, 80)].into_iter().collect(),
+            ..Default::default()
+        });
+        assert!(
+            ch.iter()
+                .all(|c| matches!(c, EntryChange::Upsert(_, false, _, true))),
+            "{ch:?}"
+        );
+        // The redirect flag alone changing rewrites the entries.
+        let ch = t.apply(&MapDelta {
+            upserts: vec![(mk(79, 80), false)],
+            ..Default::default()
+        });
+        assert!(
+            ch.iter()
+                .all(|c| matches!(c, EntryChange::Upsert(_, false, _, false)))
+                && ch.len() == 2,
+            "{ch:?}"
+        );
+        let ch = t.apply(&MapDelta {
+            upserts: vec![(mk(79, 80), false), (mk(80, 80), true)],
+            redirects: [mk(79, 80)].into_iter().collect(),
+            ..Default::default()
+        });
+        assert!(
+            ch.iter()
+                .any(|c| matches!(c, EntryChange::Upsert(k, true, _, false) if k.port == 80)),
+            "{ch:?}"
+        );
+    }
 
     #[test]
     fn ranges_split_into_aligned_blocks() {
@@ -373,7 +427,8 @@ mod tests {
                     port_prefix_len: 16
                 },
                 true,
-                0
+                0,
+                false
             )]
         );
         // An attribution change alone rewrites the entry (its cookie), nothing else.
@@ -383,7 +438,7 @@ mod tests {
             ..Default::default()
         });
         assert!(
-            matches!(ch.as_slice(), [EntryChange::Upsert(k, true, 77)] if k.port == 80),
+            matches!(ch.as_slice(), [EntryChange::Upsert(k, true, 77, false)] if k.port == 80),
             "{ch:?}"
         );
         assert_eq!(t.lookup(300, false, 6, 80), Some(true));

@@ -415,7 +415,7 @@ impl Datapath for BpfDatapath {
         let before: std::collections::HashMap<PolicyEntryKey, Option<bool>> = tracked
             .iter()
             .map(|(c, was)| match c {
-                EntryChange::Upsert(k, _, _) | EntryChange::Delete(k) => (*k, *was),
+                EntryChange::Upsert(k, ..) | EntryChange::Delete(k) => (*k, *was),
             })
             .collect();
         let mut changes: Vec<EntryChange> = tracked.into_iter().map(|(c, _)| c).collect();
@@ -451,7 +451,7 @@ impl Datapath for BpfDatapath {
                     .collect();
                 changes = table
                     .values()
-                    .map(|(k, d, c)| EntryChange::Upsert(k, d, c))
+                    .map(|(k, d, c, r)| EntryChange::Upsert(k, d, c, r))
                     .collect();
                 for kb in policy.keys() {
                     if !desired.contains(&kb) {
@@ -497,7 +497,7 @@ impl Datapath for BpfDatapath {
             let (mut allow_del, mut deny_del) = (Vec::new(), Vec::new());
             for c in &changes {
                 match c {
-                    EntryChange::Upsert(k, deny, cookie) => {
+                    EntryChange::Upsert(k, deny, cookie, redirect) => {
                         let key = abi_key(k);
                         let kb = key.as_bytes();
                         // Keep the counters of an entry that already exists and only changes verdict.
@@ -507,6 +507,7 @@ impl Datapath for BpfDatapath {
                             types::policy_value::default()
                         };
                         v.deny = *deny as u8;
+                        v.proxy = *redirect as u8;
                         v.cookie = *cookie;
                         let g = if *deny { &mut deny_up } else { &mut allow_up };
                         g.0.extend_from_slice(kb);

@@ -59,8 +59,14 @@ fn abi_layout_is_pinned() {
     assert_eq!(offset_of!(types::verdict_event, cookie), 56);
     assert_eq!(size_of::<types::datapath_config>(), 8);
     assert_eq!(offset_of!(types::ct_value, dns_proxy), 20);
+    assert_eq!(offset_of!(types::ct_value, l7), 21);
+    assert_eq!(offset_of!(types::ct_value, proxy_upstream), 22);
+    assert_eq!(offset_of!(types::policy_value, proxy), 1);
     assert_eq!(size_of::<types::dns_proxy_config>(), 8);
     assert_eq!(offset_of!(types::dns_proxy_config, mark), 4);
+    assert_eq!(size_of::<types::l7_proxy_config>(), 24);
+    assert_eq!(offset_of!(types::l7_proxy_config, local_mark), 4);
+    assert_eq!(offset_of!(types::l7_proxy_config, downstream_mark), 16);
     // No implicit padding in any Pod type: the fields add up to the size.
     let k = types::policy_key::default();
     assert_eq!(
