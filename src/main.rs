@@ -95,6 +95,7 @@ fn agent(args: AgentArgs) -> i32 {
         },
         dns_proxy: args.dns_proxy,
         dns_proxy_max_qps_per_pod: args.dns_proxy_max_qps_per_pod,
+        http_proxy: args.http_proxy,
         watch_pods: args.watch_pods,
     };
     match run(config) {
@@ -224,6 +225,25 @@ fn dns_proxy(args: ciliate::cli::DnsProxyArgs) -> i32 {
     }
 }
 
+/// `ciliate http-proxy`: serves until SIGTERM or a successor, or until its state directory or
+/// maps vanish.
+fn http_proxy(args: ciliate::cli::HttpProxyArgs) -> i32 {
+    init_logging(args.log_format);
+    match ciliate::proxy::http::server::run(ciliate::proxy::http::server::ProxyOptions {
+        pins: args.bpf_root.join("ciliate"),
+        state_dir: args.state_dir,
+        egress_port: args.egress_port,
+        ingress_port: args.ingress_port,
+        drain_timeout: std::time::Duration::from_secs(args.drain_timeout_secs),
+    }) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("error: {e}");
+            1
+        }
+    }
+}
+
 fn main() {
     let invoked_as = std::env::args_os().next().unwrap_or_default();
     if std::path::Path::new(&invoked_as)
@@ -289,6 +309,7 @@ fn main() {
             client: c,
         } => client(&c, ClientCall::FqdnCacheList),
         Command::DnsProxy(args) => dns_proxy(args),
+        Command::HttpProxy(args) => http_proxy(args),
         Command::Monitor {
             count,
             since,

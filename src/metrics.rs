@@ -93,6 +93,10 @@ pub struct Metrics {
     /// Failed writes of the identity-number journal (`endpoint::numbering`): a restart may
     /// renumber identities the kernel holds.
     pub identity_journal_errors: Counter,
+    /// HTTP requests (and TLS connections) the HTTP proxy judged, by verdict.
+    pub l7_requests: Family<VerdictOnlyLabels, Counter>,
+    /// Time the HTTP proxy added to one request, without the server's.
+    pub l7_proxy_latency: Histogram,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -148,7 +152,19 @@ impl Metrics {
             address_conflicts: Counter::default(),
             fqdn_cache_evictions: Family::default(),
             identity_journal_errors: Counter::default(),
+            l7_requests: Family::default(),
+            l7_proxy_latency: Histogram::new(exponential_buckets(0.000005, 2.0, 20)),
         };
+        r.register(
+            "ciliate_l7_requests",
+            "HTTP requests (and TLS connections) the HTTP proxy judged, by verdict (forwarded, dropped, audit)",
+            m.l7_requests.clone(),
+        );
+        r.register(
+            "ciliate_l7_proxy_latency_seconds",
+            "Time the HTTP proxy added to one request, without the server's",
+            m.l7_proxy_latency.clone(),
+        );
         r.register(
             "ciliate_identity_journal_errors",
             "Failed writes of the identity-number journal (STATE_DIR/identities.jsonl): a restart may renumber identities the kernel holds",

@@ -70,6 +70,8 @@ pub struct Shared {
     pub services: Arc<crate::services::ServiceLb>,
     /// DNS-aware policy: the FQDN cache, endpoints' DNS rules, the proxy (`proxy::dns::state`).
     pub dns: Arc<crate::proxy::dns::state::DnsState>,
+    /// L7 HTTP policy: endpoints' tables, the proxy (`proxy::http::state`).
+    pub http: Arc<crate::proxy::http::state::HttpState>,
     /// Kubernetes mode: where other nodes' pods come from, and this node's endpoint slices.
     pub pod_source: Arc<Mutex<crate::k8s::slices::PodSourceView>>,
 }
@@ -128,6 +130,7 @@ impl Shared {
             pod_mtu: crate::network::tunnel::LINK_MTU,
             services: Arc::new(crate::services::ServiceLb::memory(None)),
             dns: Default::default(),
+            http: Default::default(),
             pod_source: Default::default(),
         }
     }

@@ -204,6 +204,36 @@ impl EndpointActor {
     }
 
     /// Writes the state directory when something worth restoring changed.
+    /// The endpoint's part of the HTTP proxy's table, from its whole map state (`map` holds
+    /// only `peers`' entries after an incremental resolution: merged into what is realized).
+    fn update_http_table(
+        &self,
+        map: &MapState,
+        peers: Option<&BTreeSet<NumericIdentity>>,
+        audit: bool,
+    ) {
+        let id = self.record.id as u64;
+        let merged;
+        let whole = match peers {
+            None => map,
+            Some(p) if self.shared.http.has(id) || map.any_redirect() => {
+                let mut m = self.realized.clone();
+                m.replace_peers(p, map.clone());
+                merged = m;
+                &merged
+            }
+            Some(_) => return,
+        };
+        let table = crate::proxy::http::table::endpoint_table(
+            id,
+            &self.record.name,
+            &self.record.ips,
+            audit,
+            whole,
+        );
+        self.shared.http.set_table(id, table);
+    }
+
     fn persist(&mut self) {
         // Only what a restore needs is written: it changes with the identity, not with every
         // regeneration (the recorded policy revision is informational).
@@ -305,6 +335,9 @@ impl EndpointActor {
                 entries: policy.dns.clone(),
             }),
         );
+        // Likewise the HTTP proxy learns the endpoint's L7 rules before connections they cover
+        // reach it (until then it holds them briefly, then denies: fail closed).
+        self.update_http_table(&policy.map, peers.as_ref(), audit);
         let delta = match (&peers, replace) {
             (_, true) => policy.map.diff_from(&MapState::new()),
             (Some(p), false) => policy.map.diff_peers_from(&self.realized, p),
@@ -635,6 +668,7 @@ impl Handler<Delete> for EndpointActor {
         self.step(ctx, Event::Disconnect);
         if !msg.keep_datapath {
             self.shared.dns.set_rules(self.record.id as u64, None);
+            self.shared.http.set_table(self.record.id as u64, None);
             self.loader
                 .do_send(DetachEndpoint { id: self.record.id }, self.name());
             self.shared

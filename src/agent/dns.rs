@@ -51,32 +51,24 @@ impl LinkConfig {
 /// Starts a proxy for the state directory (auto mode) unless one answers on its socket.
 /// Returns the child to reap, when one was started.
 pub fn start_proxy(cfg: &LinkConfig) -> std::io::Result<Option<std::process::Child>> {
-    let sock = socket_path(&cfg.state_dir);
-    if std::os::unix::net::UnixStream::connect(&sock).is_ok() {
-        return Ok(None);
+    let args: Vec<std::ffi::OsString> = vec![
+        "dns-proxy".into(),
+        "--state-dir".into(),
+        cfg.state_dir.clone().into(),
+        "--bpf-root".into(),
+        cfg.bpf_root.clone().into(),
+        "--max-qps-per-pod".into(),
+        cfg.max_qps_per_pod.to_string().into(),
+    ];
+    let child = super::proxies::start_detached(
+        &socket_path(&cfg.state_dir),
+        &cfg.state_dir.join("dns-proxy.log"),
+        &args,
+    )?;
+    if let Some(c) = &child {
+        tracing::info!(pid = c.id(), "DNS proxy started");
     }
-    use std::os::unix::process::CommandExt;
-    let log = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(cfg.state_dir.join("dns-proxy.log"))?;
-    let child = std::process::Command::new(std::env::current_exe()?)
-        .arg("dns-proxy")
-        .arg("--state-dir")
-        .arg(&cfg.state_dir)
-        .arg("--bpf-root")
-        .arg(&cfg.bpf_root)
-        .arg("--max-qps-per-pod")
-        .arg(cfg.max_qps_per_pod.to_string())
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(log)
-        // Its own process group: a signal to the agent's group (a terminal's ^C, a test's
-        // kill of the agent) does not take the proxy along.
-        .process_group(0)
-        .spawn()?;
-    tracing::info!(pid = child.id(), "DNS proxy started");
-    Ok(Some(child))
+    Ok(child)
 }
 
 /// Runs the link until the agent stops.

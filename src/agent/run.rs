@@ -64,6 +64,8 @@ pub struct AgentConfig {
     pub dns_proxy_max_qps_per_pod: u32,
     /// `--dns-proxy`: start, adopt or run no DNS proxy (bpf datapath).
     pub dns_proxy: crate::config::DnsProxyMode,
+    /// `--http-proxy`: start, adopt or run no HTTP proxy (bpf datapath).
+    pub http_proxy: crate::config::DnsProxyMode,
     /// `--watch-pods`: other nodes' pods from every Pod, not from CiliateEndpointSlices.
     pub watch_pods: bool,
 }
@@ -659,6 +661,14 @@ async fn run_async(
                 state_dir: config.state_dir.clone(),
                 bpf_root: config.bpf_root.clone(),
                 max_qps_per_pod: config.dns_proxy_max_qps_per_pod,
+            },
+        ));
+        actix_rt::spawn(crate::agent::l7::run_link(
+            shared.clone(),
+            crate::agent::l7::LinkConfig {
+                mode: config.http_proxy,
+                state_dir: config.state_dir.clone(),
+                bpf_root: config.bpf_root.clone(),
             },
         ));
     }

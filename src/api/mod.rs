@@ -463,6 +463,21 @@ async fn debug_dns(st: web::Data<AppState>) -> HttpResponse {
     }))
 }
 
+/// `GET /debug/http`: the HTTP proxy as last seen, endpoints with L7 rules, recent L7 flows.
+async fn debug_http(st: web::Data<AppState>) -> HttpResponse {
+    let filter = crate::datapath::events::FlowFilter {
+        kind: Some("l7".into()),
+        ..Default::default()
+    };
+    let (recent, _) = st.shared.flows.follow(0, &filter);
+    let recent: Vec<_> = recent.into_iter().rev().take(100).collect();
+    HttpResponse::Ok().json(serde_json::json!({
+        "proxy": st.shared.http.proxy(),
+        "endpoints_with_l7_rules": st.shared.http.endpoints(),
+        "flows": recent,
+    }))
+}
+
 /// `GET /v1/services` (and `ciliate service list`): every frontend with its backends.
 async fn services(st: web::Data<AppState>) -> HttpResponse {
     HttpResponse::Ok().json(st.shared.services.list())
@@ -670,7 +685,8 @@ pub fn read_routes(cfg: &mut web::ServiceConfig) {
         .route("/debug/changes", web::get().to(changes))
         .route("/debug/changes/{id}", web::get().to(change))
         .route("/debug/services", web::get().to(debug_services))
-        .route("/debug/dns", web::get().to(debug_dns));
+        .route("/debug/dns", web::get().to(debug_dns))
+        .route("/debug/http", web::get().to(debug_http));
 }
 
 /// Limits of the debug server, which every local user can reach: it must never take the

@@ -145,6 +145,30 @@ pub enum Command {
     /// when none runs; in a DaemonSet it may run as a container of its own). It keeps serving
     /// while the agent is stopped.
     DnsProxy(DnsProxyArgs),
+    /// The HTTP proxy of an agent's state directory: L7 HTTP rules and TLS server names
+    /// (`ciliate agent` starts one when none runs). It keeps serving while the agent is
+    /// stopped; a new one takes over a running one's sockets without a failed request.
+    HttpProxy(HttpProxyArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct HttpProxyArgs {
+    /// The agent's state directory (the proxy's sockets and kept table live there).
+    #[arg(long, default_value = "/var/run/ciliate")]
+    pub state_dir: PathBuf,
+    #[arg(long, default_value = "/sys/fs/bpf")]
+    pub bpf_root: PathBuf,
+    /// The listener for what pods send (0: an ephemeral port).
+    #[arg(long, default_value_t = 0)]
+    pub egress_port: u16,
+    /// The listener for what pods receive (0: an ephemeral port).
+    #[arg(long, default_value_t = 0)]
+    pub ingress_port: u16,
+    /// After handing its sockets over (or SIGTERM), how long it lets open connections finish.
+    #[arg(long, default_value_t = 30)]
+    pub drain_timeout_secs: u64,
+    #[arg(long, value_enum, default_value = "text")]
+    pub log_format: LogFormat,
 }
 
 #[derive(Debug, Subcommand)]
@@ -293,6 +317,10 @@ pub struct AgentArgs {
     /// `--max-qps-per-pod` of the DNS proxy this agent starts (`--dns-proxy auto`).
     #[arg(long, default_value_t = 1_000)]
     pub dns_proxy_max_qps_per_pod: u32,
+    /// The HTTP proxy (bpf datapath), as `--dns-proxy`: `auto`, `external` or `disabled`
+    /// (connections an L7 rule covers are then dropped: fail closed).
+    #[arg(long, value_enum, default_value = "auto")]
+    pub http_proxy: crate::config::DnsProxyMode,
     /// Kubernetes mode: learn other nodes' pods by watching every Pod (small clusters) instead
     /// of the CiliateEndpointSlices their agents write. Either way the agent writes its own
     /// node's slices.

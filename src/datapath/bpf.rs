@@ -289,6 +289,7 @@ pod_types!(
     verdict_event,
     datapath_config,
     dns_proxy_config,
+    l7_proxy_config,
     local_endpoint
 );
 

@@ -52,6 +52,23 @@ pub struct VerdictEvent {
     /// `type: lost`: this many events did not fit in the datapath's ring buffer.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lost: Option<u64>,
+    /// `type: l7`: the HTTP request the proxy judged (Hubble's fields).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub http: Option<HttpFields>,
+    /// `type: l7`: the time the proxy added, without the server's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub latency_ns: Option<u64>,
+}
+
+/// Hubble's HTTP fields of an `l7` flow.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct HttpFields {
+    pub method: String,
+    pub url: String,
+    /// `HTTP/1.1`, `HTTP/2.0`, or `TLS` for a connection judged by its server name.
+    pub protocol: String,
+    /// The response's status (0: none, a TLS connection).
+    pub code: u16,
 }
 
 /// The report of `n` events the datapath could not deliver (its ring buffer was full).
@@ -76,6 +93,8 @@ pub fn lost_event(n: u64) -> VerdictEvent {
         revision: None,
         cookie: 0,
         lost: Some(n),
+        http: None,
+        latency_ns: None,
     }
 }
 
@@ -317,7 +336,7 @@ pub struct FlowFilter {
     #[arg(long)]
     pub policy: Option<String>,
     /// Only events of this type (`dns` is reserved for DNS-aware policy).
-    #[arg(long = "type", value_parser = ["flow", "dns", "policy", "endpoint"])]
+    #[arg(long = "type", value_parser = ["flow", "l7", "dns", "policy", "endpoint"])]
     #[serde(rename = "type")]
     pub kind: Option<String>,
 }
@@ -413,6 +432,8 @@ pub fn verdict_event(
         revision: None,
         cookie,
         lost: None,
+        http: None,
+        latency_ns: None,
     }
 }
 
@@ -511,6 +532,7 @@ mod tests {
                 namespace: Some("x".into()),
                 name: "a".into(),
                 rule: None,
+                http: None,
             },
             Some(7),
             Some(2),

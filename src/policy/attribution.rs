@@ -79,6 +79,9 @@ pub struct PolicyRef {
     /// The rule's index in its section (`spec.ingress[1]` -> 1); absent for a default deny.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rule: Option<usize>,
+    /// In L7 flows: the HTTP rule of that rule that matched (`http[1]` -> 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub http: Option<usize>,
 }
 
 impl PolicyRef {
@@ -88,12 +91,28 @@ impl PolicyRef {
             namespace: p.namespace.clone(),
             name: p.name.clone(),
             rule,
+            http: None,
         }
     }
 
-    /// `Kind ns/name[rule]`, as verdicts name rules everywhere (`RuleOrigin::describe`).
+    /// The policy and rule an origin names.
+    pub fn of_rule(o: &crate::policy::rule::RuleOrigin) -> PolicyRef {
+        Self::of_policy(&o.policy, o.index())
+    }
+
+    /// `Kind ns/name[rule]`, as verdicts name rules everywhere (`RuleOrigin::describe`), with
+    /// ` http[i]` in L7 flows.
     pub fn named(&self) -> String {
-        crate::policy::rule::rule_name(&self.kind, self.namespace.as_deref(), &self.name, self.rule)
+        let rule = crate::policy::rule::rule_name(
+            &self.kind,
+            self.namespace.as_deref(),
+            &self.name,
+            self.rule,
+        );
+        match self.http {
+            Some(h) => format!("{rule} http[{h}]"),
+            None => rule,
+        }
     }
 
     /// `ns/name` (or `name`), with `[rule]`.

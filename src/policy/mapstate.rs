@@ -308,6 +308,13 @@ impl MapState {
         self.len
     }
 
+    /// Whether any entry sends its traffic to the HTTP proxy.
+    pub fn any_redirect(&self) -> bool {
+        self.groups
+            .values()
+            .any(|slots| slots.iter().any(|s| s.entry.redirect()))
+    }
+
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }

@@ -8,6 +8,7 @@
 //! as the datapath sees it. Each proxy is a process of its own that outlives agent restarts.
 
 pub mod dns;
+pub mod http;
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -172,4 +173,27 @@ pub fn transparent_socket(addr: SocketAddr, ty: Type, protocol: Protocol) -> io:
     s.set_nonblocking(true)?;
     s.bind(&addr.into())?;
     Ok(s)
+}
+
+/// Transparent sockets on one port for both families (`port` 0: an ephemeral port free in
+/// both); IPv4 alone on a host without IPv6.
+pub fn bind_both(port: u16, ty: Type, protocol: Protocol) -> io::Result<(Vec<Socket>, u16)> {
+    for _ in 0..20 {
+        let v4 = transparent_socket((Ipv4Addr::UNSPECIFIED, port).into(), ty, protocol)?;
+        let got = v4
+            .local_addr()?
+            .as_socket()
+            .map(|a| a.port())
+            .unwrap_or(port);
+        match transparent_socket((Ipv6Addr::UNSPECIFIED, got).into(), ty, protocol) {
+            Ok(v6) => return Ok((vec![v4, v6], got)),
+            // No IPv6 on this host: IPv4 alone.
+            Err(e) if e.raw_os_error() == Some(nix::libc::EAFNOSUPPORT) => {
+                return Ok((vec![v4], got))
+            }
+            Err(e) if port != 0 => return Err(e),
+            Err(_) => continue, // the ephemeral port is taken for IPv6: another one
+        }
+    }
+    Err(io::Error::other("no port free for both families"))
 }

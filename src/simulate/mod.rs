@@ -704,7 +704,7 @@ impl Sim {
                 continue;
             };
             match self.http.judge(&grants, r) {
-                HttpVerdict::Denied { considered } => {
+                HttpVerdict::Denied { considered, .. } => {
                     return (
                         "deny",
                         format!(
@@ -718,7 +718,7 @@ impl Sim {
                 HttpVerdict::Allowed { by, .. } => {
                     reason.push_str(&format!("; {dir} HTTP allowed by {by}"))
                 }
-                HttpVerdict::AllowedL4 { by } => reason.push_str(&format!(
+                HttpVerdict::AllowedL4 { by, .. } => reason.push_str(&format!(
                     "; {dir} HTTP: every request allowed by {by} (no HTTP rules)"
                 )),
             }

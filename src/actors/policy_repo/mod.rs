@@ -90,6 +90,7 @@ fn policy_ref(key: &PolicyKey) -> crate::policy::attribution::PolicyRef {
         namespace: key.namespace.clone(),
         name: key.name.clone(),
         rule: None,
+        http: None,
     }
 }
 

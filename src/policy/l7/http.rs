@@ -401,15 +401,23 @@ pub struct Grant<'a> {
     pub rules: Option<&'a CompiledRules>,
 }
 
-/// What the HTTP rules say about one request.
+/// What the HTTP rules say about one request. `grant`: the index of the deciding grant.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum HttpVerdict {
     /// A rule matched: `by` names it (`CiliumNetworkPolicy y/echo[0] http[1]`).
-    Allowed { by: String, matched: RuleMatch },
+    Allowed {
+        by: String,
+        grant: usize,
+        matched: RuleMatch,
+    },
     /// An L3/L4 allow of the same peer and port lets every request through.
-    AllowedL4 { by: String },
-    /// No rule matched; `considered` lists the rules whose HTTP rules were tried.
-    Denied { considered: Vec<String> },
+    AllowedL4 { by: String, grant: usize },
+    /// No rule matched; `considered` lists the rules whose HTTP rules were tried (`grants`
+    /// their indexes).
+    Denied {
+        considered: Vec<String>,
+        grants: Vec<usize>,
+    },
 }
 
 impl HttpVerdict {
@@ -420,33 +428,41 @@ impl HttpVerdict {
     /// The rules that decided, for flows and metrics.
     pub fn policies(&self) -> Vec<String> {
         match self {
-            HttpVerdict::Allowed { by, .. } | HttpVerdict::AllowedL4 { by } => vec![by.clone()],
-            HttpVerdict::Denied { considered } => considered.clone(),
+            HttpVerdict::Allowed { by, .. } | HttpVerdict::AllowedL4 { by, .. } => {
+                vec![by.clone()]
+            }
+            HttpVerdict::Denied { considered, .. } => considered.clone(),
         }
     }
 }
 
 /// Judges a request by every grant for its peer and port.
 pub fn judge(grants: &[Grant], req: &RequestView) -> HttpVerdict {
-    if let Some(g) = grants.iter().find(|g| g.rules.is_none()) {
+    if let Some((i, g)) = grants.iter().enumerate().find(|(_, g)| g.rules.is_none()) {
         return HttpVerdict::AllowedL4 {
             by: g.rule.to_string(),
+            grant: i,
         };
     }
-    let mut considered = Vec::new();
-    for g in grants {
+    let (mut considered, mut tried) = (Vec::new(), Vec::new());
+    for (i, g) in grants.iter().enumerate() {
         let Some(rules) = g.rules else { continue };
         if let Some(m) = rules.first_match(req) {
             return HttpVerdict::Allowed {
                 by: format!("{} http[{}]", g.rule, m.index),
+                grant: i,
                 matched: m,
             };
         }
         if !considered.iter().any(|c| c == g.rule) {
             considered.push(g.rule.to_string());
+            tried.push(i);
         }
     }
-    HttpVerdict::Denied { considered }
+    HttpVerdict::Denied {
+        considered,
+        grants: tried,
+    }
 }
 
 /// A request target, normalised as the proxy matches and forwards it.
@@ -729,13 +745,15 @@ mod tests {
             judge(&with, &req("GET", "/", &none)),
             HttpVerdict::Allowed {
                 by: "CiliumNetworkPolicy y/echo[0] http[0]".into(),
+                grant: 0,
                 matched: RuleMatch::default()
             }
         );
         assert_eq!(
             judge(&with, &req("POST", "/", &none)),
             HttpVerdict::Denied {
-                considered: vec!["CiliumNetworkPolicy y/echo[0]".into()]
+                considered: vec!["CiliumNetworkPolicy y/echo[0]".into()],
+                grants: vec![0],
             }
         );
         let l4 = [

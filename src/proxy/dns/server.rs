@@ -28,7 +28,7 @@ use tokio::net::{TcpListener, TcpStream, UdpSocket, UnixListener, UnixStream};
 use tokio::sync::{mpsc, oneshot};
 
 use super::{wire, Decision, DnsVerdict, FromProxy, Learned, ProxyRules, RuleIndex, ToProxy};
-use crate::proxy::{ipv6_transparent, transparent_socket, Ipcache};
+use crate::proxy::{ipv6_transparent, Ipcache};
 
 /// The mark and routing table of a proxy whose UDP port is `port`.
 pub fn mark_of(port: u16) -> u32 {
@@ -335,29 +335,8 @@ struct Listeners {
     tcp_port: u16,
 }
 
-fn bind_pair(port: u16, ty: Type, protocol: Protocol) -> io::Result<(Vec<Socket>, u16)> {
-    for _ in 0..20 {
-        let v4 = transparent_socket((Ipv4Addr::UNSPECIFIED, port).into(), ty, protocol)?;
-        let got = v4
-            .local_addr()?
-            .as_socket()
-            .map(|a| a.port())
-            .unwrap_or(port);
-        match transparent_socket((Ipv6Addr::UNSPECIFIED, got).into(), ty, protocol) {
-            Ok(v6) => return Ok((vec![v4, v6], got)),
-            // No IPv6 on this host: IPv4 alone.
-            Err(e) if e.raw_os_error() == Some(nix::libc::EAFNOSUPPORT) => {
-                return Ok((vec![v4], got))
-            }
-            Err(e) if port != 0 => return Err(e),
-            Err(_) => continue, // the ephemeral port is taken for IPv6: another one
-        }
-    }
-    Err(io::Error::other("no port free for both families"))
-}
-
 fn listeners(udp_port: u16, tcp_port: u16) -> io::Result<Listeners> {
-    let (udp, udp_port) = bind_pair(udp_port, Type::DGRAM, Protocol::UDP)?;
+    let (udp, udp_port) = crate::proxy::bind_both(udp_port, Type::DGRAM, Protocol::UDP)?;
     for s in &udp {
         if s.domain()? == Domain::IPV4 {
             nix::sys::socket::setsockopt(s, nix::sys::socket::sockopt::Ipv4OrigDstAddr, &true)
@@ -366,7 +345,7 @@ fn listeners(udp_port: u16, tcp_port: u16) -> io::Result<Listeners> {
         }
         .map_err(io::Error::from)?;
     }
-    let (tcp, tcp_port) = bind_pair(tcp_port, Type::STREAM, Protocol::TCP)?;
+    let (tcp, tcp_port) = crate::proxy::bind_both(tcp_port, Type::STREAM, Protocol::TCP)?;
     let mut tcp_listeners = Vec::new();
     for s in tcp {
         s.listen(1024)?;

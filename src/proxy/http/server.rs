@@ -1,0 +1,1068 @@
+//! The HTTP proxy process (`ciliate http-proxy`).
+//!
+//! - Listeners: transparent TCP sockets, both families, one port for what pods send (egress)
+//!   and one for what they receive (ingress), ephemeral unless given. The datapath assigns
+//!   redirected connections to them without changing their addresses, so each accepted
+//!   socket's local address is the server the client asked for.
+//! - Each connection: its endpoint (the client for egress, the server for ingress), the peer's
+//!   identity from the pinned ipcache, then either HTTP (hyper: HTTP/1.1 with keep-alive,
+//!   pipelining, chunked bodies and upgrades; HTTP/2 by prior knowledge, each stream on its
+//!   own) or, when the port's rules are TLS server names, the ClientHello's SNI. Every request
+//!   is judged by the rules in force when it arrives (a policy edit applies to the next
+//!   request of an open connection); denied: `403 Access denied` (gRPC: `PERMISSION_DENIED`),
+//!   the connection kept. Allowed requests go on over one upstream connection per client
+//!   connection, made as the pod (`upstream`), bodies streamed, never buffered whole.
+//! - Routing and the datapath: the rule `fwmark local_mark -> local` and the pinned
+//!   `l7_proxy` map (ports, marks); mark 0 there means no proxy (flows dropped, fail closed).
+//! - Hand-over: a new `ciliate http-proxy` for the same state directory takes the listening
+//!   sockets over its hand-over socket (SCM_RIGHTS), so no connection attempt meets a closed
+//!   port; the old one stops accepting, finishes the requests in flight, closes idle
+//!   keep-alive connections between requests (HTTP/2: GOAWAY), and exits.
+//! - It serves one state directory: its agent socket there is its lock; it exits when the
+//!   directory or the pinned maps go away.
+
+use std::collections::HashSet;
+use std::io::{self, Read, Write};
+use std::net::{IpAddr, SocketAddr};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode, Version};
+use http_body_util::{BodyExt, Either, Full};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use libbpf_rs::{MapCore, MapFlags, MapHandle};
+use socket2::{Protocol, Socket, Type};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
+use tokio::sync::{mpsc, watch};
+
+use super::request::{self, Headers, Prepared};
+use super::sni::{client_hello, Hello, MAX_HELLO};
+use super::upstream::{self, Conntrack, Upstream};
+use super::{FromProxy, Index, IndexedGrant, L7Record, ProxyTable, RuleCache, ToProxy};
+use crate::datapath::events::HttpFields;
+use crate::policy::attribution::PolicyRef;
+use crate::policy::identity::{
+    IDENTITY_WORLD, IDENTITY_WORLD_IPV4, IDENTITY_WORLD_IPV6, LOCAL_IDENTITY_FLAG,
+};
+use crate::policy::l7::http::{judge, server_name_allowed, Grant, HttpVerdict, RequestView};
+use crate::proxy::Ipcache;
+
+#[derive(Debug, Clone)]
+pub struct ProxyOptions {
+    /// The agent's state directory (sockets, kept table).
+    pub state_dir: PathBuf,
+    /// The agent's pinned maps (`<bpf-root>/ciliate`).
+    pub pins: PathBuf,
+    /// 0: ephemeral.
+    pub egress_port: u16,
+    pub ingress_port: u16,
+    /// How long the old process waits for its connections after a hand-over or SIGTERM.
+    pub drain_timeout: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    #[error("an HTTP proxy already serves {0} (and did not hand over)")]
+    AlreadyRunning(PathBuf),
+    #[error("{0}: {1}")]
+    Setup(String, String),
+}
+
+fn setup<E: std::fmt::Display>(what: impl Into<String>) -> impl FnOnce(E) -> ProxyError {
+    let what = what.into();
+    move |e| ProxyError::Setup(what, e.to_string())
+}
+
+/// The marks of a proxy whose egress listener is on `port` (`l7_proxy_config`): every proxy
+/// on a machine has its own, and its own routing rule for `local`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Marks {
+    pub local: u32,
+    pub upstream_egress: u32,
+    pub upstream_ingress: u32,
+    pub downstream: u32,
+}
+
+impl Marks {
+    pub fn of(port: u16) -> Marks {
+        let p = port as u32;
+        Marks {
+            local: 0x0E00_0000 | p,
+            upstream_egress: 0x0E10_0000 | p,
+            upstream_ingress: 0x0E20_0000 | p,
+            downstream: 0x0E30_0000 | p,
+        }
+    }
+}
+
+/// Writes the ports and marks into the pinned `l7_proxy` map (`None`: no proxy).
+fn publish(pins: &Path, ports: Option<(u16, u16, Marks)>) -> Result<(), ProxyError> {
+    let path = pins.join("l7_proxy");
+    let map = MapHandle::from_pinned_path(&path)
+        .map_err(setup(format!("open pinned map {}", path.display())))?;
+    use crate::datapath::bpf::{types, Pod};
+    let v = match ports {
+        Some((e, i, m)) => types::l7_proxy_config {
+            egress_port: e,
+            ingress_port: i,
+            local_mark: m.local,
+            upstream_egress_mark: m.upstream_egress,
+            upstream_ingress_mark: m.upstream_ingress,
+            downstream_mark: m.downstream,
+            pad: 0,
+        },
+        None => types::l7_proxy_config::default(),
+    };
+    map.update(&0u32.to_ne_bytes(), v.as_bytes(), MapFlags::ANY)
+        .map_err(setup("write the l7_proxy map"))
+}
+
+/// Records waiting for the agent, at most (older ones are dropped and counted).
+const RECORDS_MAX: usize = 65_536;
+
+/// How long a connection of an endpoint the table does not know yet waits for it.
+const TABLE_WAIT: Duration = Duration::from_secs(2);
+
+/// How long a client has to send its TLS ClientHello.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+
+struct Proxy {
+    index: RwLock<Arc<Index>>,
+    cache: Mutex<RuleCache>,
+    /// Bumped on every table (connections waiting for their endpoint's table).
+    generation: watch::Sender<u64>,
+    ipcache: Ipcache,
+    conntrack: Conntrack,
+    marks: Marks,
+    state_dir: PathBuf,
+    records: Mutex<Option<mpsc::Sender<String>>>,
+    records_dropped: AtomicU64,
+    /// Redirected client connections open now: (client address, server, client port).
+    active: Mutex<HashSet<(IpAddr, SocketAddr, u16)>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Proxy {
+    fn index(&self) -> Arc<Index> {
+        self.index.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn set_table(&self, table: &ProxyTable) {
+        let idx = Index::new(table, &mut lock(&self.cache));
+        *self.index.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(idx);
+        self.generation.send_modify(|g| *g += 1);
+        keep_table(&self.state_dir, table);
+    }
+
+    fn record(&self, r: L7Record) {
+        let Ok(line) = serde_json::to_string(&FromProxy::Record(Box::new(r))) else {
+            return;
+        };
+        let sent = lock(&self.records)
+            .as_ref()
+            .is_some_and(|tx| tx.try_send(line).is_ok());
+        if !sent {
+            self.records_dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Keeps the table on disk (write and rename: never a torn file).
+fn keep_table(state_dir: &Path, t: &ProxyTable) {
+    let path = super::rules_path(state_dir);
+    let tmp = path.with_extension("json.tmp");
+    let ok = serde_json::to_vec(t)
+        .ok()
+        .and_then(|b| std::fs::write(&tmp, b).ok())
+        .and_then(|_| std::fs::rename(&tmp, &path).ok());
+    if ok.is_none() {
+        tracing::warn!(path = %path.display(), "HTTP proxy: cannot keep its table on disk");
+    }
+}
+
+fn kept_table(state_dir: &Path) -> ProxyTable {
+    std::fs::read(super::rules_path(state_dir))
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default()
+}
+
+/// The listening sockets: egress and ingress, each on one port for both families.
+struct Listeners {
+    egress: Vec<std::net::TcpListener>,
+    ingress: Vec<std::net::TcpListener>,
+    egress_port: u16,
+    ingress_port: u16,
+}
+
+impl Listeners {
+    fn bind(egress_port: u16, ingress_port: u16) -> io::Result<Listeners> {
+        let pair = |port: u16, avoid: u16| -> io::Result<(Vec<std::net::TcpListener>, u16)> {
+            loop {
+                let (socks, got) = crate::proxy::bind_both(port, Type::STREAM, Protocol::TCP)?;
+                // The egress port names the marks: ingress may not take the same.
+                if port == 0 && got == avoid {
+                    continue;
+                }
+                let out = socks
+                    .into_iter()
+                    .map(|s: Socket| {
+                        s.set_mark(Marks::of(if avoid == 0 { got } else { avoid }).downstream)?;
+                        s.listen(1024)?;
+                        Ok(s.into())
+                    })
+                    .collect::<io::Result<Vec<std::net::TcpListener>>>()?;
+                return Ok((out, got));
+            }
+        };
+        let (egress, egress_port) = pair(egress_port, 0)?;
+        let (ingress, ingress_port) = pair(ingress_port, egress_port)?;
+        Ok(Listeners {
+            egress,
+            ingress,
+            egress_port,
+            ingress_port,
+        })
+    }
+
+    fn fds(&self) -> Vec<RawFd> {
+        self.egress
+            .iter()
+            .chain(self.ingress.iter())
+            .map(|l| l.as_raw_fd())
+            .collect()
+    }
+}
+
+/// What a proxy hands its successor: the ports, and how many descriptors of each.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct Handed {
+    egress_port: u16,
+    ingress_port: u16,
+    egress: usize,
+    ingress: usize,
+}
+
+/// A successor's side of the hand-over: the running proxy's listeners, if one answers.
+fn take_over(state_dir: &Path) -> io::Result<Option<Listeners>> {
+    use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
+    let Ok(mut s) = std::os::unix::net::UnixStream::connect(super::handover_path(state_dir)) else {
+        return Ok(None);
+    };
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    s.write_all(b"takeover\n")?;
+    let mut buf = [0u8; 512];
+    let mut cmsg = nix::cmsg_space!([RawFd; 16]);
+    let mut iov = [io::IoSliceMut::new(&mut buf)];
+    let msg = recvmsg::<()>(s.as_raw_fd(), &mut iov, Some(&mut cmsg), MsgFlags::empty())
+        .map_err(io::Error::from)?;
+    let mut fds = Vec::new();
+    for c in msg.cmsgs().map_err(io::Error::from)? {
+        if let ControlMessageOwned::ScmRights(v) = c {
+            // SAFETY: descriptors just received are ours alone.
+            fds.extend(v.into_iter().map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }));
+        }
+    }
+    let n = msg.bytes;
+    let h: Handed = serde_json::from_slice(&buf[..n]).map_err(io::Error::other)?;
+    if fds.len() != h.egress + h.ingress {
+        return Err(io::Error::other(
+            "the hand-over brought the wrong number of sockets",
+        ));
+    }
+    let mut l: Vec<std::net::TcpListener> = fds.into_iter().map(Into::into).collect();
+    let ingress = l.split_off(h.egress);
+    for s in l.iter().chain(ingress.iter()) {
+        s.set_nonblocking(true)?;
+    }
+    // Let the old one know the sockets arrived.
+    let _ = s.write_all(b"ok\n");
+    Ok(Some(Listeners {
+        egress: l,
+        ingress,
+        egress_port: h.egress_port,
+        ingress_port: h.ingress_port,
+    }))
+}
+
+/// The old proxy's side: hands the listeners to the first successor that asks, then tells
+/// `handed`.
+fn serve_handover(
+    path: PathBuf,
+    fds: Vec<RawFd>,
+    handed: Handed,
+    done: tokio::sync::oneshot::Sender<()>,
+) -> io::Result<()> {
+    use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+    let _ = std::fs::remove_file(&path);
+    let l = std::os::unix::net::UnixListener::bind(&path)?;
+    std::thread::Builder::new()
+        .name("http-proxy-handover".into())
+        .spawn(move || {
+            for s in l.incoming() {
+                let Ok(mut s) = s else { continue };
+                let mut line = [0u8; 9];
+                if s.read_exact(&mut line).is_err() || &line != b"takeover\n" {
+                    continue;
+                }
+                let body = serde_json::to_vec(&handed).unwrap_or_default();
+                let iov = [io::IoSlice::new(&body)];
+                let rights = [ControlMessage::ScmRights(&fds)];
+                if sendmsg::<()>(s.as_raw_fd(), &iov, &rights, MsgFlags::empty(), None).is_err() {
+                    continue;
+                }
+                let mut ok = [0u8; 3];
+                let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
+                if s.read_exact(&mut ok).is_ok() {
+                    let _ = std::fs::remove_file(&path);
+                    let _ = done.send(());
+                    return;
+                }
+            }
+        })?;
+    Ok(())
+}
+
+/// Runs the proxy until SIGTERM/SIGINT, a successor, or until its state directory or pinned
+/// maps vanish.
+pub fn run(opts: ProxyOptions) -> Result<(), ProxyError> {
+    let mut told = false;
+    while !opts.pins.join("l7_proxy").exists() || !opts.state_dir.is_dir() {
+        if !told {
+            tracing::info!(pins = %opts.pins.display(), state_dir = %opts.state_dir.display(), "HTTP proxy: waiting for the agent's pinned maps and state directory");
+            told = true;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let sock_path = super::socket_path(&opts.state_dir);
+    let (listeners, successor) = match take_over(&opts.state_dir) {
+        Ok(Some(l)) => (l, true),
+        Ok(None) => {
+            if std::os::unix::net::UnixStream::connect(&sock_path).is_ok() {
+                return Err(ProxyError::AlreadyRunning(opts.state_dir.clone()));
+            }
+            let l = Listeners::bind(opts.egress_port, opts.ingress_port)
+                .map_err(setup("bind the proxy's listeners"))?;
+            (l, false)
+        }
+        Err(e) => {
+            return Err(ProxyError::Setup(
+                "take the listeners over".into(),
+                e.to_string(),
+            ))
+        }
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(setup("start the runtime"))?;
+    rt.block_on(serve(opts, listeners, successor))
+}
+
+/// The sysctl the hand-over of forwarded packets to the proxy needs off.
+const EARLY_DEMUX: &str = "/proc/sys/net/ipv4/tcp_early_demux";
+
+/// The proxy's sockets share their tuples with the flows they serve (transparently). With
+/// TCP early demux on, a packet of such a flow that the host stack forwards toward the pod
+/// (before to_container sends it back in to the proxy) is matched to the proxy's socket on
+/// the way and then dropped by the forwarding path (`ip_forward`: "a packet for a local
+/// socket"). So it is turned off in this namespace, and said so.
+fn disable_early_demux() -> Result<(), ProxyError> {
+    match std::fs::read_to_string(EARLY_DEMUX) {
+        Ok(v) if v.trim() == "0" => return Ok(()),
+        Ok(_) => {}
+        Err(e) => {
+            return Err(ProxyError::Setup(
+                format!("read {EARLY_DEMUX}"),
+                e.to_string(),
+            ))
+        }
+    }
+    std::fs::write(EARLY_DEMUX, "0").map_err(|e| {
+        ProxyError::Setup(
+            format!("set {EARLY_DEMUX} to 0 (forwarded packets of proxied connections would be dropped)"),
+            e.to_string(),
+        )
+    })?;
+    tracing::warn!(
+        sysctl = "net.ipv4.tcp_early_demux",
+        "set to 0: the HTTP proxy's transparent sockets share tuples with the flows the host forwards to it"
+    );
+    Ok(())
+}
+
+async fn serve(
+    opts: ProxyOptions,
+    listeners: Listeners,
+    successor: bool,
+) -> Result<(), ProxyError> {
+    disable_early_demux()?;
+    let marks = Marks::of(listeners.egress_port);
+    if !successor {
+        crate::proxy::local_delivery(marks.local, true)
+            .map_err(|e| ProxyError::Setup("policy routing for the HTTP proxy".into(), e))?;
+    }
+    let proxy = Arc::new(Proxy {
+        index: RwLock::new(Arc::new(Index::default())),
+        cache: Mutex::new(RuleCache::default()),
+        generation: watch::channel(0).0,
+        ipcache: Ipcache::open(&opts.pins).map_err(|e| ProxyError::Setup("ipcache".into(), e))?,
+        conntrack: Conntrack::open(&opts.pins)
+            .map_err(|e| ProxyError::Setup("conntrack".into(), e))?,
+        marks,
+        state_dir: opts.state_dir.clone(),
+        records: Mutex::new(None),
+        records_dropped: AtomicU64::new(0),
+        active: Mutex::new(HashSet::new()),
+    });
+    proxy.set_table(&kept_table(&opts.state_dir));
+    let sock_path = super::socket_path(&opts.state_dir);
+    let _ = std::fs::remove_file(&sock_path);
+    let agents = UnixListener::bind(&sock_path)
+        .map_err(setup(format!("listen on {}", sock_path.display())))?;
+    publish(
+        &opts.pins,
+        Some((listeners.egress_port, listeners.ingress_port, marks)),
+    )?;
+    let (handed_tx, mut handed_rx) = tokio::sync::oneshot::channel();
+    serve_handover(
+        super::handover_path(&opts.state_dir),
+        listeners.fds(),
+        Handed {
+            egress_port: listeners.egress_port,
+            ingress_port: listeners.ingress_port,
+            egress: listeners.egress.len(),
+            ingress: listeners.ingress.len(),
+        },
+        handed_tx,
+    )
+    .map_err(setup("serve the hand-over socket"))?;
+    tracing::info!(
+        egress = listeners.egress_port,
+        ingress = listeners.ingress_port,
+        mark = marks.local,
+        successor,
+        "HTTP proxy serving"
+    );
+    let graceful = Arc::new(hyper_util::server::graceful::GracefulShutdown::new());
+    let tunnels = Arc::new(watch::channel(0usize).0);
+    let (stop_accepting, accepting) = watch::channel(false);
+    let hello = FromProxy::Hello {
+        pid: std::process::id(),
+        egress_port: listeners.egress_port,
+        ingress_port: listeners.ingress_port,
+    };
+    let mut accept_tasks = Vec::new();
+    for (egress, list) in [(true, listeners.egress), (false, listeners.ingress)] {
+        for l in list {
+            let l = TcpListener::from_std(l).map_err(setup("register a listener"))?;
+            accept_tasks.push(tokio::spawn(accept_loop(
+                proxy.clone(),
+                l,
+                egress,
+                graceful.clone(),
+                tunnels.clone(),
+                accepting.clone(),
+            )));
+        }
+    }
+    let agent_task = {
+        let p = proxy.clone();
+        tokio::spawn(async move {
+            loop {
+                if let Ok((s, _)) = agents.accept().await {
+                    tokio::spawn(serve_agent(p.clone(), s, hello.clone()));
+                }
+            }
+        })
+    };
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(setup("SIGTERM handler"))?;
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let handed_over = loop {
+        tokio::select! {
+            _ = term.recv() => break false,
+            _ = tokio::signal::ctrl_c() => break false,
+            _ = &mut handed_rx => break true,
+            _ = tick.tick() => {
+                if !opts.state_dir.exists() || !opts.pins.join("l7_proxy").exists() {
+                    tracing::info!("HTTP proxy: its state directory or maps are gone; exiting");
+                    break false;
+                }
+            }
+        }
+    };
+    // Stop accepting (after a hand-over the successor accepts on the same sockets), stop
+    // serving the agent, then let the connections finish.
+    let _ = stop_accepting.send(true);
+    for t in accept_tasks {
+        let _ = t.await;
+    }
+    agent_task.abort();
+    if !handed_over {
+        let _ = publish(&opts.pins, None);
+        let _ = crate::proxy::local_delivery(marks.local, false);
+        let _ = std::fs::remove_file(&sock_path);
+        let _ = std::fs::remove_file(super::handover_path(&opts.state_dir));
+    }
+    tracing::info!(handed_over, "HTTP proxy draining its connections");
+    let drained = tokio::time::timeout(opts.drain_timeout, async {
+        if let Ok(g) = Arc::try_unwrap(graceful) {
+            g.shutdown().await;
+        }
+        // Tunnels (TLS, upgraded connections) end when their peers close them.
+        let _ = tunnels.subscribe().wait_for(|n| *n == 0).await;
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!("HTTP proxy: connections still open after the drain timeout; closed");
+    }
+    Ok(())
+}
+
+/// Accepts redirected connections until told to stop.
+async fn accept_loop(
+    proxy: Arc<Proxy>,
+    l: TcpListener,
+    egress: bool,
+    graceful: Arc<hyper_util::server::graceful::GracefulShutdown>,
+    tunnels: Arc<watch::Sender<usize>>,
+    mut stop: watch::Receiver<bool>,
+) {
+    loop {
+        tokio::select! {
+            _ = stop.changed() => return,
+            r = l.accept() => {
+                let Ok((s, peer)) = r else { continue };
+                let Ok(local) = s.local_addr() else { continue };
+                let _ = s.set_nodelay(true);
+                let c = Conn::new(proxy.clone(), egress, peer, local, tunnels.clone());
+                tokio::spawn(c.run(s, graceful.watcher(), tunnels.clone()));
+            }
+        }
+    }
+}
+
+/// One redirected connection.
+struct Conn {
+    proxy: Arc<Proxy>,
+    egress: bool,
+    /// The client (the pod for egress) and the server it asked for.
+    client: SocketAddr,
+    server: SocketAddr,
+    peer_identity: u32,
+    upstream: tokio::sync::Mutex<Option<Sender>>,
+    tunnels: Arc<watch::Sender<usize>>,
+}
+
+/// Counts one tunnel (a TLS passthrough, an upgraded connection) while it lives.
+struct Tunnel(Arc<watch::Sender<usize>>);
+
+impl Tunnel {
+    fn new(t: &Arc<watch::Sender<usize>>) -> Tunnel {
+        t.send_modify(|n| *n += 1);
+        Tunnel(t.clone())
+    }
+}
+
+impl Drop for Tunnel {
+    fn drop(&mut self) {
+        self.0.send_modify(|n| *n = n.saturating_sub(1));
+    }
+}
+
+enum Sender {
+    H1(hyper::client::conn::http1::SendRequest<Incoming>),
+    H2(hyper::client::conn::http2::SendRequest<Incoming>),
+}
+
+/// Removes a connection from `Proxy::active` when it ends.
+struct Active(Arc<Proxy>, (IpAddr, SocketAddr, u16));
+
+impl Drop for Active {
+    fn drop(&mut self) {
+        lock(&self.0.active).remove(&self.1);
+    }
+}
+
+type Body = Either<Incoming, Full<Bytes>>;
+
+impl Conn {
+    fn new(
+        proxy: Arc<Proxy>,
+        egress: bool,
+        client: SocketAddr,
+        server: SocketAddr,
+        tunnels: Arc<watch::Sender<usize>>,
+    ) -> Arc<Conn> {
+        let peer = if egress { server.ip() } else { client.ip() };
+        let peer_identity = proxy.ipcache.identity(peer);
+        Arc::new(Conn {
+            proxy,
+            egress,
+            client,
+            server,
+            peer_identity,
+            upstream: tokio::sync::Mutex::new(None),
+            tunnels,
+        })
+    }
+
+    /// The endpoint's address: the client's for egress, the server's for ingress.
+    fn endpoint_ip(&self) -> IpAddr {
+        if self.egress {
+            self.client.ip()
+        } else {
+            self.server.ip()
+        }
+    }
+
+    /// The endpoint's entries for this connection, waiting a little for a table that does
+    /// not know the endpoint yet (the datapath may redirect before the table arrives).
+    async fn lookup(&self) -> Option<super::Lookup> {
+        let deadline = Instant::now() + TABLE_WAIT;
+        let mut gen = self.proxy.generation.subscribe();
+        loop {
+            let idx = self.proxy.index();
+            if let Some(l) = idx.lookup(
+                self.endpoint_ip(),
+                self.egress,
+                self.peer_identity,
+                self.server.port(),
+            ) {
+                return Some(l);
+            }
+            let left = deadline.checked_duration_since(Instant::now())?;
+            if tokio::time::timeout(left, gen.changed()).await.is_err() {
+                return None;
+            }
+        }
+    }
+
+    async fn run(
+        self: Arc<Self>,
+        s: TcpStream,
+        graceful: hyper_util::server::graceful::Watcher,
+        tunnels: Arc<watch::Sender<usize>>,
+    ) {
+        let key = (self.client.ip(), self.server, self.client.port());
+        lock(&self.proxy.active).insert(key);
+        let _active = Active(self.proxy.clone(), key);
+        let tls = self.lookup().await.is_some_and(|l| {
+            l.grants
+                .iter()
+                .flatten()
+                .any(|g| g.rules.as_ref().is_some_and(|c| c.source().is_tls()))
+        });
+        if tls {
+            let _tunnel = Tunnel::new(&tunnels);
+            self.tls(s).await;
+            return;
+        }
+        let me = self.clone();
+        let service = hyper::service::service_fn(move |req| {
+            let me = me.clone();
+            async move { Ok::<_, std::convert::Infallible>(me.request(req).await) }
+        });
+        let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+        let conn = builder.serve_connection_with_upgrades(TokioIo::new(s), service);
+        let _ = graceful.watch(conn.into_owned()).await;
+    }
+
+    /// Judges one request and forwards it, or answers it.
+    async fn request(self: &Arc<Self>, req: Request<Incoming>) -> Response<Body> {
+        let started = Instant::now();
+        let (mut parts, body) = req.into_parts();
+        let grpc = request::is_grpc(&parts.headers);
+        let protocol = format!("{:?}", parts.version);
+        let prepared = match request::prepare(
+            &parts.method,
+            &mut parts.uri,
+            parts.version,
+            &mut parts.headers,
+        ) {
+            Ok(p) => p,
+            Err(why) => {
+                let p = Prepared {
+                    method: parts.method.to_string(),
+                    path: parts.uri.to_string(),
+                    host: String::new(),
+                    url: parts.uri.to_string(),
+                };
+                self.record(&p, &protocol, 400, "dropped", vec![], started);
+                drain(body).await;
+                return left(request::status(StatusCode::BAD_REQUEST, why, grpc));
+            }
+        };
+        let (verdict, grants, audit) = self.judge(&prepared, &parts.headers).await;
+        let policies = policy_refs(&verdict, &grants);
+        let allowed = verdict.is_allowed();
+        if !allowed && !audit {
+            let r = request::denied(grpc);
+            self.record(&prepared, &protocol, 403, "dropped", policies, started);
+            drain(body).await;
+            return left(r);
+        }
+        if let HttpVerdict::Allowed { matched, .. } = &verdict {
+            request::apply_actions(&mut parts.headers, &matched.actions);
+        }
+        let mut req = Request::from_parts(parts, body);
+        strip_hop_by_hop(req.headers_mut());
+        let downstream_upgrade = hyper::upgrade::on(&mut req);
+        let sent = Instant::now();
+        let result = self.forward(req).await;
+        let server_time = sent.elapsed();
+        let word = if allowed { "forwarded" } else { "audit" };
+        match result {
+            Ok(mut resp) => {
+                let code = resp.status().as_u16();
+                if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+                    let up = hyper::upgrade::on(&mut resp);
+                    let tunnel = Tunnel::new(&self.tunnels);
+                    tokio::spawn(async move {
+                        splice(downstream_upgrade, up).await;
+                        drop(tunnel);
+                    });
+                }
+                strip_hop_by_hop_response(resp.headers_mut());
+                let spent = started.elapsed().saturating_sub(server_time);
+                self.record_timed(&prepared, &protocol, code, word, policies, spent);
+                resp.map(Either::Left)
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, server = %self.server, "HTTP proxy: upstream failed");
+                *self.upstream.lock().await = None;
+                self.record(&prepared, &protocol, 503, word, policies, started);
+                left(request::status(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "upstream connect error or disconnect/reset before headers",
+                    grpc,
+                ))
+            }
+        }
+    }
+
+    /// The rules' verdict with the grants it refers to, and whether the endpoint audits (a
+    /// denial passes, reported).
+    async fn judge(
+        &self,
+        p: &Prepared,
+        headers: &http::HeaderMap,
+    ) -> (HttpVerdict, Vec<IndexedGrant>, bool) {
+        let none = HttpVerdict::Denied {
+            considered: vec![],
+            grants: vec![],
+        };
+        let Some(l) = self.lookup().await else {
+            return (none, vec![], false);
+        };
+        let Some(grants) = l.grants else {
+            return (none, vec![], l.audit);
+        };
+        let g: Vec<Grant> = grants
+            .iter()
+            .map(|g| Grant {
+                rule: &g.rule,
+                rules: g.rules.as_deref(),
+            })
+            .collect();
+        let h = Headers(headers);
+        let view = RequestView {
+            method: &p.method,
+            path: &p.path,
+            host: &p.host,
+            headers: &h,
+        };
+        let v = judge(&g, &view);
+        (v, grants, l.audit)
+    }
+
+    /// Sends an allowed request on over this connection's upstream (made on first use).
+    async fn forward(&self, req: Request<Incoming>) -> Result<Response<Incoming>, String> {
+        let mut guard = self.upstream.lock().await;
+        if guard.as_ref().is_none_or(|s| match s {
+            Sender::H1(s) => s.is_closed(),
+            Sender::H2(s) => s.is_closed(),
+        }) {
+            *guard = Some(self.connect(req.version()).await?);
+        }
+        match guard.as_mut() {
+            Some(Sender::H1(s)) => {
+                s.ready().await.map_err(|e| e.to_string())?;
+                let fut = s.send_request(req);
+                drop(guard);
+                fut.await.map_err(|e| e.to_string())
+            }
+            Some(Sender::H2(s)) => {
+                let mut s = s.clone();
+                drop(guard);
+                s.ready().await.map_err(|e| e.to_string())?;
+                s.send_request(req).await.map_err(|e| e.to_string())
+            }
+            None => Err("no upstream".into()),
+        }
+    }
+
+    async fn connect(&self, version: Version) -> Result<Sender, String> {
+        let stream = self.connect_tcp().await.map_err(|e| e.to_string())?;
+        let io = TokioIo::new(stream);
+        if version >= Version::HTTP_2 {
+            let (s, conn) = hyper::client::conn::http2::handshake(TokioExecutor::new(), io)
+                .await
+                .map_err(|e| e.to_string())?;
+            tokio::spawn(conn);
+            Ok(Sender::H2(s))
+        } else {
+            let (s, conn) = hyper::client::conn::http1::handshake(io)
+                .await
+                .map_err(|e| e.to_string())?;
+            tokio::spawn(conn.with_upgrades());
+            Ok(Sender::H1(s))
+        }
+    }
+
+    /// The TCP connection to the server, as the pod.
+    async fn connect_tcp(&self) -> io::Result<TcpStream> {
+        let m = self.proxy.marks;
+        let outside = matches!(
+            self.peer_identity,
+            IDENTITY_WORLD | IDENTITY_WORLD_IPV4 | IDENTITY_WORLD_IPV6
+        ) || self.peer_identity & LOCAL_IDENTITY_FLAG != 0;
+        let from = (!(self.egress && outside)).then_some(self.client.ip());
+        let endpoint = self
+            .egress
+            .then(|| self.proxy.index().endpoint_of(self.client.ip()))
+            .flatten();
+        let active = &self.proxy.active;
+        let (client, server) = (self.client.ip(), self.server);
+        let busy = move |port: u16| lock(active).contains(&(client, server, port));
+        upstream::connect(Upstream {
+            from,
+            to: self.server,
+            mark: if self.egress {
+                m.upstream_egress
+            } else {
+                m.upstream_ingress
+            },
+            record: match (from, endpoint) {
+                (Some(_), Some(ep)) => Some((&self.proxy.conntrack, ep as u32)),
+                _ => None,
+            },
+            busy: &busy,
+        })
+        .await
+    }
+
+    /// TLS passthrough judged by the ClientHello's server name.
+    async fn tls(&self, mut s: TcpStream) {
+        let started = Instant::now();
+        let mut buf = Vec::with_capacity(1024);
+        let sni = tokio::time::timeout(HELLO_TIMEOUT, async {
+            loop {
+                match client_hello(&buf) {
+                    Hello::Incomplete if buf.len() < MAX_HELLO => {}
+                    Hello::ServerName(n) => return Some(n),
+                    _ => return None,
+                }
+                let mut chunk = [0u8; 4096];
+                match s.read(&mut chunk).await {
+                    Ok(0) | Err(_) => return None,
+                    Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                }
+            }
+        })
+        .await
+        .ok()
+        .flatten();
+        let name = sni.clone().flatten().unwrap_or_default();
+        let p = Prepared {
+            method: String::new(),
+            path: String::new(),
+            host: name.clone(),
+            url: name.clone(),
+        };
+        let lookup = self.lookup().await;
+        let audit = lookup.as_ref().is_some_and(|l| l.audit);
+        let grants = lookup.and_then(|l| l.grants).unwrap_or_default();
+        let by = grants.iter().find(|g| match &g.rules {
+            None => true,
+            Some(c) => sni.is_some() && server_name_allowed(&c.source().server_names, &name),
+        });
+        let policies: Vec<PolicyRef> = match by {
+            Some(g) => vec![(*g.policy).clone()],
+            None => grants.iter().map(|g| (*g.policy).clone()).collect(),
+        };
+        if by.is_none() && !audit {
+            self.record(&p, "TLS", 0, "dropped", policies, started);
+            return;
+        }
+        let word = if by.is_some() { "forwarded" } else { "audit" };
+        let mut up = match self.connect_tcp().await {
+            Ok(u) => u,
+            Err(e) => {
+                tracing::debug!(error = %e, "HTTP proxy: TLS upstream failed");
+                return;
+            }
+        };
+        self.record(&p, "TLS", 0, word, policies, started);
+        if up.write_all(&buf).await.is_ok() {
+            let _ = tokio::io::copy_bidirectional(&mut s, &mut up).await;
+        }
+    }
+
+    fn record(
+        &self,
+        p: &Prepared,
+        protocol: &str,
+        code: u16,
+        verdict: &str,
+        policies: Vec<PolicyRef>,
+        started: Instant,
+    ) {
+        self.record_timed(p, protocol, code, verdict, policies, started.elapsed());
+    }
+
+    fn record_timed(
+        &self,
+        p: &Prepared,
+        protocol: &str,
+        code: u16,
+        verdict: &str,
+        policies: Vec<PolicyRef>,
+        spent: Duration,
+    ) {
+        let (endpoint, direction) = {
+            let idx = self.proxy.index();
+            (
+                idx.endpoint_of(self.endpoint_ip()).unwrap_or(0),
+                if self.egress { "egress" } else { "ingress" },
+            )
+        };
+        self.proxy.record(L7Record {
+            endpoint,
+            direction: direction.into(),
+            verdict: verdict.into(),
+            source: self.client.to_string(),
+            destination: self.server.to_string(),
+            port: self.server.port(),
+            peer_identity: self.peer_identity,
+            http: HttpFields {
+                method: p.method.clone(),
+                url: p.url.clone(),
+                protocol: protocol.into(),
+                code,
+            },
+            latency_ns: spent.as_nanos() as u64,
+            policies,
+            time_ns: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(0),
+        });
+    }
+}
+
+/// The rules a verdict names, as flows name them (the matching HTTP rule's index included).
+fn policy_refs(v: &HttpVerdict, grants: &[IndexedGrant]) -> Vec<PolicyRef> {
+    let of = |i: &usize| grants.get(*i).map(|g| (*g.policy).clone());
+    match v {
+        HttpVerdict::Allowed { grant, matched, .. } => of(grant)
+            .map(|mut p| {
+                p.http = Some(matched.index);
+                vec![p]
+            })
+            .unwrap_or_default(),
+        HttpVerdict::AllowedL4 { grant, .. } => of(grant).into_iter().collect(),
+        HttpVerdict::Denied { grants: tried, .. } => tried.iter().filter_map(of).collect(),
+    }
+}
+
+fn left(r: Response<Full<Bytes>>) -> Response<Body> {
+    r.map(Either::Right)
+}
+
+/// Reads a refused request's body to its end (discarding it) so the connection can carry the
+/// next request.
+async fn drain(mut body: Incoming) {
+    while let Some(f) = body.frame().await {
+        if f.is_err() {
+            return;
+        }
+    }
+}
+
+/// Headers about this hop only (RFC 9110 section 7.6.1): hyper frames the next hop itself.
+/// An upgrade keeps `Connection: upgrade` and `Upgrade`.
+fn strip_hop_by_hop(h: &mut http::HeaderMap) {
+    let upgrade = h.contains_key(http::header::UPGRADE);
+    let listed: Vec<String> = h
+        .get_all(http::header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(',').map(|t| t.trim().to_ascii_lowercase()))
+        .filter(|t| t != "upgrade")
+        .collect();
+    for n in listed {
+        h.remove(n.as_str());
+    }
+    for n in ["keep-alive", "proxy-connection", "transfer-encoding"] {
+        h.remove(n);
+    }
+    if !upgrade {
+        h.remove(http::header::CONNECTION);
+    }
+}
+
+fn strip_hop_by_hop_response(h: &mut http::HeaderMap) {
+    for n in ["keep-alive", "proxy-connection", "transfer-encoding"] {
+        h.remove(n);
+    }
+}
+
+/// Both sides of an upgraded connection (WebSocket): bytes flow, judged no further.
+async fn splice(down: hyper::upgrade::OnUpgrade, up: hyper::upgrade::OnUpgrade) {
+    let (Ok(down), Ok(up)) = (down.await, up.await) else {
+        return;
+    };
+    let mut down = TokioIo::new(down);
+    let mut up = TokioIo::new(up);
+    let _ = tokio::io::copy_bidirectional(&mut down, &mut up).await;
+}
+
+/// One connection of the agent: tables in, the hello and records out.
+async fn serve_agent(proxy: Arc<Proxy>, s: UnixStream, hello: FromProxy) {
+    let (rd, mut wr) = s.into_split();
+    let (tx, mut rx) = mpsc::channel::<String>(RECORDS_MAX);
+    if let Ok(line) = serde_json::to_string(&hello) {
+        let _ = tx.try_send(line);
+    }
+    *lock(&proxy.records) = Some(tx);
+    let writer = tokio::spawn(async move {
+        while let Some(mut line) = rx.recv().await {
+            line.push('\n');
+            if wr.write_all(line.as_bytes()).await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut lines = BufReader::new(rd).lines();
+    while let Ok(Some(line)) = lines.next_line().await {
+        match serde_json::from_str::<ToProxy>(&line) {
+            Ok(ToProxy::Table(t)) => proxy.set_table(&t),
+            Err(e) => {
+                tracing::warn!(error = %e, "HTTP proxy: a line from the agent was not understood")
+            }
+        }
+    }
+    writer.abort();
+}

@@ -1,0 +1,117 @@
+//! The agent's side of the HTTP proxy, shared by its actors and its proxy link: each
+//! endpoint's part of the table (what the proxy is sent) and what the agent knows of the
+//! proxy.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use serde::Serialize;
+
+use super::{EndpointTable, ProxyTable};
+
+/// The proxy as the agent last heard from it.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ProxyView {
+    /// `auto`, `external` or `disabled`.
+    pub mode: String,
+    pub connected: bool,
+    pub pid: Option<u32>,
+    pub egress_port: Option<u16>,
+    pub ingress_port: Option<u16>,
+    /// Why it is not connected, when known (flows to it are dropped meanwhile).
+    pub error: Option<String>,
+}
+
+#[derive(Debug)]
+pub struct HttpState {
+    tables: Mutex<BTreeMap<u64, EndpointTable>>,
+    /// Bumped on every change of the tables (the link sends the table again).
+    pub changed: tokio::sync::watch::Sender<u64>,
+    pub proxy: Mutex<ProxyView>,
+}
+
+impl Default for HttpState {
+    fn default() -> Self {
+        HttpState {
+            tables: Mutex::new(BTreeMap::new()),
+            changed: tokio::sync::watch::channel(0).0,
+            proxy: Mutex::new(ProxyView::default()),
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl HttpState {
+    /// Sets (or, with `None`, removes) an endpoint's table; the link is told when it changed.
+    pub fn set_table(&self, endpoint: u64, table: Option<EndpointTable>) {
+        let mut t = lock(&self.tables);
+        let changed = match table {
+            Some(new) => t.insert(endpoint, new.clone()).as_ref() != Some(&new),
+            None => t.remove(&endpoint).is_some(),
+        };
+        drop(t);
+        if changed {
+            self.changed.send_modify(|n| *n += 1);
+        }
+    }
+
+    /// Whether the endpoint has L7 rules (a table).
+    pub fn has(&self, endpoint: u64) -> bool {
+        lock(&self.tables).contains_key(&endpoint)
+    }
+
+    /// The whole table.
+    pub fn table(&self) -> ProxyTable {
+        ProxyTable {
+            endpoints: lock(&self.tables).values().cloned().collect(),
+        }
+    }
+
+    /// Endpoints with L7 rules.
+    pub fn endpoints(&self) -> usize {
+        lock(&self.tables).len()
+    }
+
+    pub fn proxy(&self) -> ProxyView {
+        lock(&self.proxy).clone()
+    }
+
+    pub fn update_proxy(&self, f: impl FnOnce(&mut ProxyView)) {
+        f(&mut lock(&self.proxy));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(id: u64, pod: &str) -> EndpointTable {
+        EndpointTable {
+            id,
+            pod: pod.into(),
+            ips: vec![],
+            audit: false,
+            entries: vec![],
+            rule_sets: vec![],
+        }
+    }
+
+    #[test]
+    fn only_a_change_wakes_the_link() {
+        let s = HttpState::default();
+        let mut rx = s.changed.subscribe();
+        s.set_table(1, Some(t(1, "y/a")));
+        assert!(rx.has_changed().unwrap());
+        rx.borrow_and_update();
+        s.set_table(1, Some(t(1, "y/a")));
+        assert!(!rx.has_changed().unwrap(), "the same table again");
+        s.set_table(2, None);
+        assert!(!rx.has_changed().unwrap(), "nothing to remove");
+        s.set_table(1, None);
+        assert!(rx.has_changed().unwrap());
+        assert_eq!(s.table().endpoints.len(), 0);
+    }
+}
