@@ -86,14 +86,16 @@ fn parse(h: &[u8]) -> Option<Hello> {
 
 /// A minimal ClientHello naming `name` (tests and benches).
 pub fn client_hello_for(name: &str) -> Vec<u8> {
+    // server_name extension: type 0, then its data: the list's length, one entry (type 0,
+    // length, name).
+    let mut data = Vec::new();
+    data.extend_from_slice(&((3 + name.len()) as u16).to_be_bytes());
+    data.push(0);
+    data.extend_from_slice(&(name.len() as u16).to_be_bytes());
+    data.extend_from_slice(name.as_bytes());
     let mut sni = vec![0u8, 0];
-    let entry_len = 3 + name.len();
-    sni.extend_from_slice(&(entry_len as u16).to_be_bytes());
-    sni.push(0);
-    sni.extend_from_slice(&(name.len() as u16).to_be_bytes());
-    sni.extend_from_slice(name.as_bytes());
-    let ext_len = sni.len() - 4;
-    sni[2..4].copy_from_slice(&(ext_len as u16).to_be_bytes());
+    sni.extend_from_slice(&(data.len() as u16).to_be_bytes());
+    sni.extend_from_slice(&data);
     let mut body = vec![3u8, 3];
     body.extend_from_slice(&[7u8; 32]);
     body.push(0); // session id
