@@ -126,8 +126,9 @@ static __always_inline int decide(struct __sk_buff *skb, __u32 ep, int egress, i
 			return dns_redirect(skb, &p, ep);
 		}
 		/* Redirected to the HTTP proxy where it opened: the client's packets keep going
-		 * there (the proxy's own, on the same tuple, by their mark, do not). */
-		if (ct->l7 && origin == UPSTREAM_NONE)
+		 * there (the client may be the proxy itself, judged at the pod's egress), but not
+		 * those of the proxy's own connection judged at this ingress, on the same tuple. */
+		if (ct->l7 && origin != UPSTREAM_INGRESS)
 			return to_l7_proxy(skb, &p, ep, PROXY_LOCAL, egress, from_device);
 		/* The opening direction: the pod's own packets, or what arrives for it as it did. */
 		*bypass = 1;
@@ -142,9 +143,10 @@ static __always_inline int decide(struct __sk_buff *skb, __u32 ep, int egress, i
 			ct->closing = 1;
 		__sync_fetch_and_add(&ct->packets, 1);
 		count(CILIATE_ALLOW_REPLY);
-		/* A reply to a connection the HTTP proxy made goes to the proxy's socket (its own
-		 * answers to a client, by their mark, go on to the pod). */
-		if (ct->proxy_upstream && origin != FROM_DOWNSTREAM)
+		/* A reply to a connection the HTTP proxy made goes to the proxy's socket. Only when
+		 * a client's own proxied connection shares the tuple (ct->l7) do the proxy's
+		 * answers to that client, told by their mark, go on to the pod. */
+		if (ct->proxy_upstream && !(ct->l7 && origin == FROM_DOWNSTREAM))
 			return to_l7_proxy(skb, &p, ep, PROXY_LOCAL, egress, from_device);
 		/* A reply the pod sends skips the stack only if its connection did; a reply that
 		 * arrives with the very tuple the pod sent to was translated by nobody. */

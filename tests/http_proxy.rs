@@ -148,3 +148,185 @@ fn ingress_http_rules_judge_each_request_on_a_kept_connection() {
         .is_err());
     let _ = Duration::from_secs(0);
 }
+
+/// client2 (`other: client`) may only POST /public and /private on echo (the connectivity
+/// suite's `client-egress-l7-http-method`, written here by hand).
+const CLIENT_EGRESS: &str = "apiVersion: cilium.io/v2
+kind: CiliumNetworkPolicy
+metadata: {name: client-egress, namespace: x}
+spec:
+  endpointSelector: {matchLabels: {other: client}}
+  egress:
+    - toEndpoints: [{matchLabels: {kind: echo}}]
+      toPorts:
+        - ports: [{port: '8080', protocol: TCP}]
+          rules:
+            http:
+              - {method: POST, path: '/public$'}
+              - {method: POST, path: '/private$'}
+";
+
+#[test]
+fn egress_and_ingress_http_rules_both_judge_a_request_and_name_their_rules() {
+    let both = format!("{ECHO_POLICY}---\n{CLIENT_EGRESS}");
+    let Some(s) = setup(&both) else { return };
+    let mut c = s.conn(0);
+    // Egress allows POST only, ingress GET only: nothing passes both.
+    let r = c
+        .request("POST", "/public", &[("Content-Length", "0")])
+        .unwrap_or_else(|e| panic!("{e}: {}", s.why()));
+    assert_eq!(r.status, 403, "ingress denies POST: {r:?}");
+    let r = c.request("GET", "/public", &[]).unwrap();
+    assert_eq!(r.status, 403, "egress denies GET");
+    // Without the ingress policy, egress alone decides.
+    std::fs::write(s.agent.manifests().join("policy.yaml"), CLIENT_EGRESS).unwrap();
+    let rev = s.agent.revision();
+    s.agent
+        .wait_until("the edit applies", || s.agent.revision() > rev);
+    s.agent.wait_realized(s.agent.revision());
+    // The same connection: the edit applies to its next request.
+    c.send_raw(b"POST /public HTTP/1.1\r\nHost: echo\r\nContent-Length: 3\r\n\r\nabc")
+        .unwrap();
+    let r = c.response().unwrap();
+    assert_eq!(r.status, 200, "{r:?}");
+    assert!(
+        r.body.contains("body=3"),
+        "the body went through: {}",
+        r.body
+    );
+    let r = c.request("GET", "/public", &[]).unwrap();
+    assert_eq!(r.status, 403);
+    // The flows name the deciding rules, with the HTTP rule that matched.
+    s.agent.wait_until("l7 flows are recorded", || {
+        let f = s.agent.json("/debug/http")["flows"].clone();
+        let f = f.as_array().cloned().unwrap_or_default();
+        let forwarded = f.iter().any(|e| {
+            e["verdict"] == "forwarded"
+                && e["direction"] == "egress"
+                && e["http"]["method"] == "POST"
+                && e["http"]["code"] == 200
+                && e["policies"][0]["name"] == "client-egress"
+                && e["policies"][0]["http"] == 0
+                && e["source_pod"] == "x/client"
+                && e["destination_pod"] == "x/echo"
+        });
+        let dropped = f.iter().any(|e| {
+            e["verdict"] == "dropped" && e["http"]["method"] == "GET" && e["http"]["code"] == 403
+        });
+        forwarded && dropped
+    });
+}
+
+#[test]
+fn http2_streams_are_judged_each_on_its_own() {
+    let Some(s) = setup(ECHO_POLICY) else { return };
+    let got = common::http::h2_requests(
+        &s.w.pods[0].netns,
+        s.echo(),
+        vec![
+            ("GET", "/public".into()),
+            ("GET", "/private".into()),
+            ("POST", "/".into()),
+            ("GET", "/".into()),
+        ],
+    )
+    .unwrap_or_else(|e| panic!("{e}: {}", s.why()));
+    let codes: Vec<u16> = got.iter().map(|(c, _)| *c).collect();
+    assert_eq!(codes, [200, 403, 403, 200], "{got:?}");
+    assert!(
+        got[0].1.starts_with("GET http://") && got[0].1.contains(":8080/public from="),
+        "{}",
+        got[0].1
+    );
+    assert_eq!(got[1].1, "Access denied\r\n");
+}
+
+#[test]
+fn a_websocket_upgrade_is_judged_then_its_bytes_flow() {
+    let policy = ECHO_POLICY.replace(
+        "- {method: GET, path: '/$'}",
+        "- {method: GET, path: '/ws$'}",
+    );
+    let Some(s) = setup(&policy) else { return };
+    let mut c = s.conn(0);
+    let r = c
+        .request(
+            "GET",
+            "/ws",
+            &[("Connection", "Upgrade"), ("Upgrade", "websocket")],
+        )
+        .unwrap_or_else(|e| panic!("{e}: {}", s.why()));
+    assert_eq!(r.status, 101, "{r:?}");
+    use std::io::{Read, Write};
+    c.stream().get_mut().write_all(b"frames flow").unwrap();
+    let mut buf = [0u8; 11];
+    c.stream().read_exact(&mut buf).unwrap();
+    assert_eq!(&buf, b"frames flow");
+    // An upgrade the rules do not allow.
+    let mut c = s.conn(0);
+    let r = c
+        .request(
+            "GET",
+            "/chat",
+            &[("Connection", "Upgrade"), ("Upgrade", "websocket")],
+        )
+        .unwrap();
+    assert_eq!(r.status, 403);
+}
+
+/// What a hostile pod sends to get around path rules or confuse the server about where a
+/// request ends: each is judged as the server will read it, or refused.
+#[test]
+fn requests_built_to_bypass_the_rules_are_normalised_or_refused() {
+    let Some(s) = setup(ECHO_POLICY) else { return };
+    let mut c = s.conn(0);
+    let send = |c: &mut Conn, raw: &str| {
+        c.send_raw(raw.as_bytes()).unwrap();
+        c.response()
+            .unwrap_or_else(|e| panic!("{raw:?}: {e}: {}", s.why()))
+    };
+    // Dot-segments, escapes, repeated slashes and the absolute form are normalised, and the
+    // server sees what was matched.
+    let r = send(
+        &mut c,
+        "GET /public/../private HTTP/1.1\r\nHost: echo\r\n\r\n",
+    );
+    assert_eq!(r.status, 403, "/public/../private is /private");
+    let r = send(&mut c, "GET /%70ublic HTTP/1.1\r\nHost: echo\r\n\r\n");
+    assert_eq!(r.status, 200);
+    assert!(
+        r.body.starts_with("GET /public "),
+        "forwarded as matched: {}",
+        r.body
+    );
+    let r = send(&mut c, "GET //public HTTP/1.1\r\nHost: echo\r\n\r\n");
+    assert!(
+        r.status == 200 && r.body.starts_with("GET /public "),
+        "{r:?}"
+    );
+    let r = send(
+        &mut c,
+        "GET http://echo:8080/private HTTP/1.1\r\nHost: echo\r\n\r\n",
+    );
+    assert_eq!(r.status, 403, "absolute form");
+    let r = send(&mut c, "GET /%2e%2e/private HTTP/1.1\r\nHost: echo\r\n\r\n");
+    assert_eq!(r.status, 403);
+    // Header names in any case.
+    let r = send(
+        &mut c,
+        "GET /private HTTP/1.1\r\nHost: echo\r\nx-VERY-secret-TOKEN: 42\r\n\r\n",
+    );
+    assert_eq!(r.status, 200, "{r:?}");
+    // Ambiguous framing and a second Host: 400 (each on a connection of its own: the proxy
+    // may close it).
+    for raw in [
+        "POST /public HTTP/1.1\r\nHost: echo\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        "POST /public HTTP/1.1\r\nHost: echo\r\nContent-Length: 3\r\nContent-Length: 3\r\n\r\nabc",
+        "GET /public HTTP/1.1\r\nHost: echo\r\nHost: evil\r\n\r\n",
+        "GET /public HTTP/1.1\r\nHost: echo\r\nX-Folded: a\r\n b\r\n\r\n",
+    ] {
+        let mut c = s.conn(0);
+        let r = send(&mut c, raw);
+        assert_eq!(r.status, 400, "{raw:?}: {r:?}");
+    }
+}

@@ -231,7 +231,7 @@ impl EndpointActor {
             audit,
             whole,
         );
-        self.shared.http.set_table(id, table);
+        self.shared.http.set_table(id, Some(table));
     }
 
     fn persist(&mut self) {

@@ -162,8 +162,9 @@ pub struct Lookup {
     pub endpoint: u64,
     pub pod: Arc<str>,
     pub audit: bool,
-    /// `None`: no entry allows this peer and port (a policy change since the connection was
-    /// redirected, or a table not received yet): every request is denied.
+    /// `None`: no allow entry for this peer and port has L7 rules now (the policy changed
+    /// since the connection was redirected): its requests pass, as the datapath lets an
+    /// established connection's packets pass.
     pub grants: Option<Grants>,
 }
 
@@ -308,11 +309,12 @@ impl Index {
                 break;
             }
         }
+        let l7 = grants.iter().any(|g| g.rules.is_some());
         Some(Lookup {
             endpoint: ep.id,
             pod: ep.pod.clone(),
             audit: ep.audit,
-            grants: any.then_some(grants),
+            grants: (any && l7).then_some(grants),
         })
     }
 
@@ -427,7 +429,10 @@ mod tests {
             "the L3-only allow lets every request through"
         );
         // Only the wildcard entry on another port or for another peer.
-        assert!(idx.lookup(ip, false, 999, 9090).unwrap().grants.is_some());
+        assert!(
+            idx.lookup(ip, false, 999, 9090).unwrap().grants.is_none(),
+            "only the L3-only allow: no L7 rule applies"
+        );
         assert!(idx.lookup(ip, true, 300, 8080).unwrap().grants.is_none());
         assert!(idx
             .lookup("10.0.0.8".parse().unwrap(), false, 300, 8080)

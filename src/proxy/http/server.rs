@@ -759,15 +759,21 @@ impl Conn {
         p: &Prepared,
         headers: &http::HeaderMap,
     ) -> (HttpVerdict, Vec<IndexedGrant>, bool) {
-        let none = HttpVerdict::Denied {
-            considered: vec![],
-            grants: vec![],
-        };
+        // An endpoint the table does not know (after a short wait): denied, fail closed.
         let Some(l) = self.lookup().await else {
+            let none = HttpVerdict::Denied {
+                considered: vec![],
+                grants: vec![],
+            };
             return (none, vec![], false);
         };
+        // No L7 rule applies any more: L3/L4 let the connection through; so do its requests.
         let Some(grants) = l.grants else {
-            return (none, vec![], l.audit);
+            let l4 = HttpVerdict::AllowedL4 {
+                by: "no L7 rule applies".into(),
+                grant: usize::MAX,
+            };
+            return (l4, vec![], l.audit);
         };
         let g: Vec<Grant> = grants
             .iter()
@@ -893,6 +899,8 @@ impl Conn {
         };
         let lookup = self.lookup().await;
         let audit = lookup.as_ref().is_some_and(|l| l.audit);
+        // A known endpoint with no L7 rule for this peer and port any more: L3/L4 decided.
+        let no_rules = lookup.as_ref().is_some_and(|l| l.grants.is_none());
         let grants = lookup.and_then(|l| l.grants).unwrap_or_default();
         let by = grants.iter().find(|g| match &g.rules {
             None => true,
@@ -902,11 +910,12 @@ impl Conn {
             Some(g) => vec![(*g.policy).clone()],
             None => grants.iter().map(|g| (*g.policy).clone()).collect(),
         };
-        if by.is_none() && !audit {
+        let by = by.is_some() || no_rules;
+        if !by && !audit {
             self.record(&p, "TLS", 0, "dropped", policies, started);
             return;
         }
-        let word = if by.is_some() { "forwarded" } else { "audit" };
+        let word = if by { "forwarded" } else { "audit" };
         let mut up = match self.connect_tcp().await {
             Ok(u) => u,
             Err(e) => {

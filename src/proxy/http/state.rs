@@ -58,9 +58,11 @@ impl HttpState {
         }
     }
 
-    /// Whether the endpoint has L7 rules (a table).
+    /// Whether the endpoint has L7 rules (entries in its table).
     pub fn has(&self, endpoint: u64) -> bool {
-        lock(&self.tables).contains_key(&endpoint)
+        lock(&self.tables)
+            .get(&endpoint)
+            .is_some_and(|t| !t.entries.is_empty())
     }
 
     /// The whole table.
@@ -72,7 +74,10 @@ impl HttpState {
 
     /// Endpoints with L7 rules.
     pub fn endpoints(&self) -> usize {
-        lock(&self.tables).len()
+        lock(&self.tables)
+            .values()
+            .filter(|t| !t.entries.is_empty())
+            .count()
     }
 
     pub fn proxy(&self) -> ProxyView {

@@ -85,23 +85,25 @@ fn grants(
         .collect()
 }
 
-/// An endpoint's table, or `None` when it has no L7 rule.
+/// An endpoint's table (no entries: it has no L7 rule; the proxy still knows the endpoint,
+/// so a connection it proxied under an earlier policy goes on, judged at L3/L4 as the
+/// datapath judges established connections).
 pub fn endpoint_table(
     id: u64,
     pod: &str,
     ips: &[std::net::IpAddr],
     audit: bool,
     map: &MapState,
-) -> Option<EndpointTable> {
+) -> EndpointTable {
     let (entries, rule_sets) = proxy_entries(map);
-    (!rule_sets.is_empty()).then(|| EndpointTable {
+    EndpointTable {
         id,
         pod: pod.to_string(),
         ips: ips.to_vec(),
         audit,
         entries,
         rule_sets,
-    })
+    }
 }
 
 #[cfg(test)]
@@ -139,7 +141,7 @@ mod tests {
             named_ports: &[],
             host: false,
         });
-        let t = endpoint_table(3, "y/web", &[], false, &pol.map).unwrap();
+        let t = endpoint_table(3, "y/web", &[], false, &pol.map);
         assert_eq!(t.rule_sets.len(), 1);
         let ids: Vec<(u32, u8, u16)> = t
             .entries
@@ -160,13 +162,14 @@ mod tests {
         assert!(client_entry.grants[0]
             .rule
             .starts_with("CiliumNetworkPolicy y/web[0]"));
-        // No L7 rule: no table.
+        // No L7 rule: an empty table.
         let other = e.resolve(&EndpointView {
             identity: ops,
             labels: &labels("ops"),
             named_ports: &[],
             host: false,
         });
-        assert!(endpoint_table(4, "y/ops", &[], false, &other.map).is_none());
+        let t = endpoint_table(4, "y/ops", &[], false, &other.map);
+        assert!(t.entries.is_empty() && t.rule_sets.is_empty());
     }
 }
