@@ -5,13 +5,15 @@
 //!   and the proxy's table, pure: each endpoint's allow entries for the ports the proxy sees,
 //!   every allowing rule with its L7 part, looked up as the datapath looks up the policy map;
 //! - [`table`]: the table built from an endpoint's resolved policy (the agent's side);
-//! - [`request`]: what the proxy refuses before any rule (ambiguous framing, duplicate Host,
-//!   malformed targets) and its answers (403, gRPC `PERMISSION_DENIED`);
+//! - [`request`]: what the proxy refuses before any rule (duplicate Host, malformed targets)
+//!   and its answers (403, gRPC `PERMISSION_DENIED`); [`framing`]: the ambiguous framing
+//!   hyper would accept (Content-Length with Transfer-Encoding, or twice), refused `400`;
 //! - [`sni`]: the server name of a TLS ClientHello;
 //! - [`server`]: the process (listeners, HTTP/1.1 and HTTP/2 through hyper, upstream
 //!   connections as the pod, hand-over of the listeners to a successor);
 //! - [`state`]: the agent's side (each endpoint's table, the proxy as last seen).
 
+pub mod framing;
 pub mod request;
 pub mod server;
 pub mod sni;

@@ -563,6 +563,8 @@ struct Conn {
     peer_identity: u32,
     upstream: tokio::sync::Mutex<Option<Sender>>,
     tunnels: Arc<watch::Sender<usize>>,
+    /// What the framing tracker found in each HTTP/1.1 request head, in order.
+    framing: super::framing::Verdicts,
 }
 
 /// Counts one tunnel (a TLS passthrough, an upgraded connection) while it lives.
@@ -615,6 +617,7 @@ impl Conn {
             peer_identity,
             upstream: tokio::sync::Mutex::new(None),
             tunnels,
+            framing: Default::default(),
         })
     }
 
@@ -675,7 +678,8 @@ impl Conn {
             async move { Ok::<_, std::convert::Infallible>(me.request(req).await) }
         });
         let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-        let conn = builder.serve_connection_with_upgrades(TokioIo::new(s), service);
+        let io = super::framing::Watched::new(s, self.framing.clone());
+        let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
         let _ = graceful.watch(conn.into_owned()).await;
     }
 
@@ -685,12 +689,18 @@ impl Conn {
         let (mut parts, body) = req.into_parts();
         let grpc = request::is_grpc(&parts.headers);
         let protocol = format!("{:?}", parts.version);
-        let prepared = match request::prepare(
-            &parts.method,
-            &mut parts.uri,
-            parts.version,
-            &mut parts.headers,
-        ) {
+        let framing = match super::framing::next(&self.framing) {
+            Some(why) => Err(why),
+            None => Ok(()),
+        };
+        let prepared = match framing.and_then(|_| {
+            request::prepare(
+                &parts.method,
+                &mut parts.uri,
+                parts.version,
+                &mut parts.headers,
+            )
+        }) {
             Ok(p) => p,
             Err(why) => {
                 let p = Prepared {
