@@ -330,3 +330,216 @@ fn requests_built_to_bypass_the_rules_are_normalised_or_refused() {
         assert_eq!(r.status, 400, "{raw:?}: {r:?}");
     }
 }
+
+#[test]
+fn a_grpc_call_the_rules_deny_fails_with_permission_denied_and_the_connection_serves_on() {
+    let policy = ECHO_POLICY.replace(
+        "- {method: GET, path: '/$'}",
+        "- {method: POST, path: '/test.Echo/Say'}",
+    );
+    let Some(s) = setup(&policy) else { return };
+    // The HTTP echo server holds 8080: the gRPC one serves on 8081.
+    let to = SocketAddr::new(s.w.pods[2].addr, 8081);
+    common::grpc::serve(&s.w.pods[2].netns, to);
+    let policy = policy.replace("port: '8080'", "port: '8081'");
+    std::fs::write(s.agent.manifests().join("policy.yaml"), policy).unwrap();
+    let rev = s.agent.revision();
+    s.agent
+        .wait_until("the edit applies", || s.agent.revision() > rev);
+    s.agent.wait_realized(s.agent.revision());
+    let ns = &s.w.pods[0].netns;
+    let say = common::grpc::call(ns, to, "Say", "hi", 3);
+    assert_eq!(
+        say,
+        vec![Ok("echo hi".to_string()); 3],
+        "allowed calls: {}",
+        s.why()
+    );
+    let admin = common::grpc::call(ns, to, "Admin", "x", 2);
+    assert_eq!(admin, vec![Err(tonic::Code::PermissionDenied); 2]);
+}
+
+/// A TCP server that answers each connection's first bytes with `got N` and closes.
+fn tls_sink(netns: &str, addr: SocketAddr) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    common::netns::in_netns(netns, move || {
+        let l = std::net::TcpListener::bind(addr).expect("bind");
+        tx.send(()).unwrap();
+        for s in l.incoming().flatten() {
+            use std::io::{Read, Write};
+            let mut s = s;
+            let mut buf = [0u8; 17000];
+            if let Ok(n) = s.read(&mut buf) {
+                let _ = s.write_all(format!("got {n}").as_bytes());
+            }
+        }
+    });
+    rx.recv().unwrap();
+}
+
+/// Sends `first` on a new connection from `netns` and returns what came back.
+fn first_exchange(netns: &str, to: SocketAddr, first: Vec<u8>) -> String {
+    common::netns::in_netns(netns, move || {
+        use std::io::{Read, Write};
+        let Ok(mut s) = std::net::TcpStream::connect_timeout(&to, Duration::from_secs(3)) else {
+            return "connect failed".to_string();
+        };
+        s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        let _ = s.write_all(&first);
+        let mut out = String::new();
+        let _ = s.read_to_string(&mut out);
+        out
+    })
+    .join()
+    .unwrap()
+}
+
+#[test]
+fn tls_server_names_are_judged_from_the_client_hello() {
+    let policy = "apiVersion: cilium.io/v2
+kind: CiliumNetworkPolicy
+metadata: {name: tls, namespace: x}
+spec:
+  endpointSelector: {matchLabels: {app: client}}
+  egress:
+    - toEndpoints: [{matchLabels: {kind: echo}}]
+      toPorts:
+        - ports: [{port: '443', protocol: TCP}]
+          serverNames: [api.example.com, '*.svc.example']
+";
+    let Some(s) = setup(policy) else { return };
+    let to = SocketAddr::new(s.w.pods[2].addr, 443);
+    tls_sink(&s.w.pods[2].netns, to);
+    let hello = |n: &str| ciliate::proxy::http::sni::client_hello_for(n);
+    let ns = &s.w.pods[0].netns;
+    let len = hello("api.example.com").len();
+    assert_eq!(
+        first_exchange(ns, to, hello("api.example.com")),
+        format!("got {len}"),
+        "{}",
+        s.why()
+    );
+    assert!(first_exchange(ns, to, hello("a.svc.example")).starts_with("got "));
+    assert_eq!(
+        first_exchange(ns, to, hello("evil.com")),
+        "",
+        "closed unseen"
+    );
+    assert_eq!(
+        first_exchange(ns, to, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".to_vec()),
+        "",
+        "not TLS: closed"
+    );
+}
+
+#[test]
+fn without_a_proxy_l7_connections_are_dropped_and_status_says_why() {
+    if !privileged() {
+        return;
+    }
+    let w = world(2);
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tmp.path().join("manifests");
+    std::fs::create_dir_all(&m).unwrap();
+    let (c, e) = (w.pods[0].addr, w.pods[1].addr);
+    std::fs::write(
+        m.join("cluster.yaml"),
+        format!(
+            "apiVersion: v1\nkind: Namespace\nmetadata: {{name: x}}
+---
+apiVersion: v1\nkind: Pod\nmetadata: {{name: client, namespace: x, labels: {{app: client}}}}
+status: {{podIPs: [{{ip: {c}}}]}}
+---
+apiVersion: v1\nkind: Pod\nmetadata: {{name: echo, namespace: x, labels: {{kind: echo}}}}
+status: {{podIPs: [{{ip: {e}}}]}}
+"
+        ),
+    )
+    .unwrap();
+    std::fs::write(m.join("policy.yaml"), ECHO_POLICY).unwrap();
+    serve(&w.pods[1].netns, e, 8080);
+    serve(&w.pods[1].netns, e, 9090);
+    let pins = w.pins.to_string_lossy().to_string();
+    let agent = Agent::start_with(
+        tmp.path(),
+        &[
+            "--datapath",
+            "bpf",
+            "--bpf-root",
+            &pins,
+            "--http-proxy",
+            "disabled",
+        ],
+    );
+    agent.add_endpoint("x/client", c, &w.pods[0].host_if);
+    agent.add_endpoint("x/echo", e, &w.pods[1].host_if);
+    agent.wait_realized(agent.revision());
+    assert!(
+        Conn::open(&w.pods[0].netns, SocketAddr::new(e, 8080))
+            .and_then(|mut c| c.request("GET", "/public", &[]))
+            .is_err(),
+        "no proxy: the connection is dropped, not let through unjudged"
+    );
+    let status = agent.cli_json(&["status"]);
+    let why = status["http_proxy"]["error"].as_str().unwrap_or_default();
+    assert!(why.contains("disabled"), "{status}");
+    assert_eq!(status["http_proxy"]["connected"], false);
+    assert_eq!(status["http_proxy"]["endpoints_with_l7_rules"], 1);
+    // A drop the monitor names.
+    let drops = agent.cli(&[
+        "monitor",
+        "-o",
+        "json",
+        "--since",
+        "1m",
+        "--verdict",
+        "dropped",
+        "--count",
+        "1",
+    ]);
+    assert!(drops.1.contains("not-realized"), "{drops:?}");
+    // Other ports, without L7 rules, are L3/L4 as ever: 9090 is not allowed at all here.
+    assert!(Conn::open(&w.pods[0].netns, SocketAddr::new(e, 9090))
+        .and_then(|mut c| c.request("GET", "/", &[]))
+        .is_err());
+}
+
+#[test]
+fn monitor_shows_l7_flows_with_hubbles_fields() {
+    let Some(s) = setup(ECHO_POLICY) else { return };
+    let mut c = s.conn(0);
+    assert_eq!(c.request("GET", "/public", &[]).unwrap().status, 200);
+    assert_eq!(c.request("DELETE", "/public", &[]).unwrap().status, 403);
+    let (code, out, err) = s.agent.cli(&[
+        "monitor", "-o", "json", "--type", "l7", "--since", "1m", "--count", "2",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let flows: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(flows.len(), 2, "{out}");
+    let (ok, denied) = (&flows[0], &flows[1]);
+    assert_eq!(ok["type"], "l7");
+    assert_eq!(ok["verdict"], "forwarded");
+    assert_eq!(ok["direction"], "ingress");
+    assert_eq!(ok["source_pod"], "x/client");
+    assert_eq!(ok["destination_pod"], "x/echo");
+    assert_eq!(ok["port"], 8080);
+    assert_eq!(ok["http"]["method"], "GET");
+    assert_eq!(ok["http"]["code"], 200);
+    assert_eq!(ok["http"]["protocol"], "HTTP/1.1");
+    assert!(ok["http"]["url"].as_str().unwrap().ends_with("/public"));
+    assert!(ok["latency_ns"].as_u64().is_some());
+    assert_eq!(ok["policies"][0]["name"], "echo");
+    assert_eq!(ok["policies"][0]["http"], 1);
+    assert_eq!(denied["verdict"], "dropped");
+    assert_eq!(denied["http"]["code"], 403);
+    // Per-rule hits and metrics.
+    let metrics = s.agent.http_get("/metrics").1;
+    assert!(
+        metrics.contains("ciliate_l7_requests_total{verdict=\"dropped\"} 1"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("ciliate_l7_proxy_latency_seconds_count 2"));
+}

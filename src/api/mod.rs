@@ -98,6 +98,18 @@ pub struct StatusModel {
     /// with `--watch-pods`) and this node's endpoint slices.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remote_pods: Option<crate::k8s::slices::PodSourceView>,
+    /// The HTTP proxy (L7 HTTP policy) as last seen: connected, or why not (connections L7
+    /// rules cover are dropped meanwhile), and how many endpoints have L7 rules.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub http_proxy: Option<HttpProxyStatus>,
+}
+
+/// `status`'s view of the HTTP proxy.
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+pub struct HttpProxyStatus {
+    #[serde(flatten)]
+    pub proxy: crate::proxy::http::state::ProxyView,
+    pub endpoints_with_l7_rules: usize,
 }
 
 /// The node's pod CIDR and how much of it is in use.
@@ -392,6 +404,10 @@ async fn status(st: web::Data<AppState>) -> HttpResponse {
             .ok()
             .map(|v| v.clone())
             .filter(|v| !v.remote_pods_from.is_empty()),
+        http_proxy: (st.datapath == "bpf").then(|| HttpProxyStatus {
+            proxy: st.shared.http.proxy(),
+            endpoints_with_l7_rules: st.shared.http.endpoints(),
+        }),
     })
 }
 

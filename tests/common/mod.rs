@@ -4,6 +4,7 @@
 pub mod agent;
 pub mod cluster;
 pub mod cni;
+pub mod grpc;
 pub mod http;
 pub mod netns;
 

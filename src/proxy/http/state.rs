@@ -10,7 +10,7 @@ use serde::Serialize;
 use super::{EndpointTable, ProxyTable};
 
 /// The proxy as the agent last heard from it.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, serde::Deserialize)]
 pub struct ProxyView {
     /// `auto`, `external` or `disabled`.
     pub mode: String,
