@@ -543,3 +543,164 @@ fn monitor_shows_l7_flows_with_hubbles_fields() {
     );
     assert!(metrics.contains("ciliate_l7_proxy_latency_seconds_count 2"));
 }
+
+/// Clients sending requests as fast as they get answers, each on a kept connection (a new
+/// one every few requests): what went wrong, and how many were answered. A client retries a
+/// request once on a fresh connection when its kept one closed before any byte of the answer
+/// (RFC 9112 section 9.3.1: an idle connection may close at any time).
+struct Load {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<(u64, Vec<String>)>>,
+}
+
+impl Load {
+    fn start(netns: &str, to: SocketAddr, clients: usize) -> Load {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let threads = (0..clients)
+            .map(|i| {
+                let (stop, ns) = (stop.clone(), netns.to_string());
+                std::thread::spawn(move || {
+                    let (mut ok, mut failures) = (0u64, Vec::new());
+                    let mut conn: Option<Conn> = None;
+                    let mut n = 0u64;
+                    while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                        n += 1;
+                        // Every 20th request opens a new connection.
+                        if n % 20 == (i as u64 % 20) {
+                            conn = None;
+                        }
+                        let attempt = |fresh: bool, conn: &mut Option<Conn>| {
+                            if fresh || conn.is_none() {
+                                *conn = Some(Conn::open(&ns, to)?);
+                            }
+                            let c = conn.as_mut().expect("a connection");
+                            let r = c.request("GET", "/public", &[]);
+                            if r.as_ref()
+                                .is_ok_and(|r| r.header("connection") == Some("close"))
+                            {
+                                *conn = None;
+                            }
+                            r
+                        };
+                        let r = match attempt(false, &mut conn) {
+                            Err(e)
+                                if e.kind() == std::io::ErrorKind::UnexpectedEof
+                                    || e.kind() == std::io::ErrorKind::ConnectionReset
+                                    || e.kind() == std::io::ErrorKind::BrokenPipe =>
+                            {
+                                attempt(true, &mut conn)
+                            }
+                            r => r,
+                        };
+                        match r {
+                            Ok(r) if r.status == 200 => ok += 1,
+                            Ok(r) => failures.push(format!("status {}", r.status)),
+                            Err(e) => {
+                                failures.push(e.to_string());
+                                conn = None;
+                            }
+                        }
+                    }
+                    (ok, failures)
+                })
+            })
+            .collect();
+        Load { stop, threads }
+    }
+
+    fn stop(self) -> (u64, Vec<String>) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        let mut all = (0, Vec::new());
+        for t in self.threads {
+            let (ok, f) = t.join().unwrap();
+            all.0 += ok;
+            all.1.extend(f);
+        }
+        all
+    }
+}
+
+#[test]
+fn kill_9_of_the_agent_under_load_fails_no_request() {
+    let Some(mut s) = setup(ECHO_POLICY) else {
+        return;
+    };
+    let load = Load::start(&s.w.pods[0].netns, s.echo(), 4);
+    std::thread::sleep(Duration::from_millis(500));
+    let args: Vec<String> = vec![
+        "--datapath".into(),
+        "bpf".into(),
+        "--bpf-root".into(),
+        s.w.pins.to_string_lossy().into(),
+    ];
+    for _ in 0..2 {
+        let mut child = s.agent.child.take().unwrap();
+        child.kill().unwrap();
+        child.wait().unwrap();
+        std::thread::sleep(Duration::from_millis(700));
+        let a: Vec<&str> = args.iter().map(String::as_str).collect();
+        s.agent = Agent::start_with(s._tmp.path(), &a);
+        s.agent
+            .wait_until("ready", || s.agent.http_get("/readyz").0 == 200);
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let (ok, failures) = load.stop();
+    assert!(
+        failures.is_empty(),
+        "{} of {} failed: {:?}",
+        failures.len(),
+        ok + failures.len() as u64,
+        &failures[..failures.len().min(5)]
+    );
+    assert!(ok > 200, "{ok} requests answered");
+    // Still judged after the restarts.
+    assert_eq!(
+        s.conn(0).request("GET", "/private", &[]).unwrap().status,
+        403
+    );
+}
+
+#[test]
+fn a_new_proxy_takes_over_under_load_without_a_failed_request() {
+    let Some(s) = setup(ECHO_POLICY) else { return };
+    let old = s.agent.json("/debug/http")["proxy"]["pid"]
+        .as_u64()
+        .unwrap();
+    let load = Load::start(&s.w.pods[0].netns, s.echo(), 4);
+    std::thread::sleep(Duration::from_millis(500));
+    let state = s._tmp.path().join("state");
+    let mut new = std::process::Command::new(common::agent::BIN)
+        .args(["http-proxy", "--state-dir"])
+        .arg(&state)
+        .arg("--bpf-root")
+        .arg(&s.w.pins)
+        .stderr(std::fs::File::create(s._tmp.path().join("new-proxy.log")).unwrap())
+        .spawn()
+        .unwrap();
+    // The old one hands its listeners over, drains and exits.
+    s.agent.wait_until("the old proxy exited", || {
+        !std::path::Path::new(&format!("/proc/{old}")).exists()
+            || std::fs::read_to_string(format!("/proc/{old}/stat"))
+                .is_ok_and(|st| st.contains(") Z"))
+    });
+    s.agent.wait_until("the agent talks to the new proxy", || {
+        s.agent.json("/debug/http")["proxy"]["pid"].as_u64() == Some(new.id() as u64)
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    let (ok, failures) = load.stop();
+    assert!(
+        failures.is_empty(),
+        "{} of {} failed: {:?}\n{}",
+        failures.len(),
+        ok + failures.len() as u64,
+        &failures[..failures.len().min(5)],
+        std::fs::read_to_string(s._tmp.path().join("new-proxy.log")).unwrap_or_default()
+    );
+    assert!(ok > 200, "{ok} requests answered");
+    assert_eq!(
+        s.conn(0).request("GET", "/private", &[]).unwrap().status,
+        403
+    );
+    let _ = new.kill();
+    let _ = new.wait();
+}
