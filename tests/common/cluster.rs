@@ -82,6 +82,12 @@ impl ClusterNode {
     pub fn add_pod_labelled(&mut self, api: &TestApiServer, name: &str, labels: Value) -> CniPod {
         let mut object = pod_object(name, "", &self.name, None);
         object["metadata"]["labels"] = labels;
+        self.add_pod_from(api, name, object)
+    }
+
+    /// Like `add_pod`, from a Pod object of namespace `x` (labels, container ports) bound here.
+    pub fn add_pod_from(&mut self, api: &TestApiServer, name: &str, mut object: Value) -> CniPod {
+        object["spec"]["nodeName"] = json!(self.name);
         api.apply_json(object.clone()).expect("pod object");
         let pod = self.pods.as_mut().expect("pods").add("x", name);
         let ip = pod.addr.to_string();
@@ -335,6 +341,14 @@ impl Cluster {
     pub fn add_pod(&mut self, i: usize, name: &str, app: &str) -> CniPod {
         let api = self.api.take().expect("API server");
         let pod = self.nodes[i - 1].add_pod(&api, name, app);
+        self.api = Some(api);
+        pod
+    }
+
+    /// Creates pod `x/name` on node `i` from a Pod object (labels, container ports).
+    pub fn add_pod_from(&mut self, i: usize, name: &str, object: Value) -> CniPod {
+        let api = self.api.take().expect("API server");
+        let pod = self.nodes[i - 1].add_pod_from(&api, name, object);
         self.api = Some(api);
         pod
     }
