@@ -93,6 +93,41 @@ pub fn serve(netns: &str, addr: IpAddr, port: u16) {
     rx.recv().unwrap();
 }
 
+/// Serves HTTP/1.1 (and h2c) on `addr:port` inside `netns`, answering every request with
+/// `len` bytes (benchmarks).
+pub fn serve_fixed(netns: &str, addr: IpAddr, port: u16, len: usize) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    in_netns(netns, move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let body = Bytes::from(vec![b'x'; len]);
+        rt.block_on(async move {
+            let l = tokio::net::TcpListener::bind(SocketAddr::new(addr, port))
+                .await
+                .expect("bind");
+            tx.send(()).unwrap();
+            loop {
+                let Ok((s, _)) = l.accept().await else {
+                    continue;
+                };
+                let body = body.clone();
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(move |_req| {
+                        let body = body.clone();
+                        async move { Ok::<_, hyper::Error>(hyper::Response::new(Full::new(body))) }
+                    });
+                    let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                        .serve_connection(TokioIo::new(s), svc)
+                        .await;
+                });
+            }
+        });
+    });
+    rx.recv().unwrap();
+}
+
 /// A kept HTTP/1.1 connection from a pod, speaking raw bytes.
 pub struct Conn {
     s: BufReader<TcpStream>,
