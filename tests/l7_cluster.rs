@@ -140,7 +140,7 @@ impl Suite {
         &self,
         from: &CniPod,
         i: usize,
-        reqs: &[(&str, &str, Option<(&str, &str)>)],
+        reqs: &[Req<'_>],
     ) -> Vec<u16> {
         let Ok(mut c) = Conn::open(&from.netns, self.echo(i)) else {
             return vec![0; reqs.len()];
@@ -158,6 +158,9 @@ impl Suite {
 }
 
 const TOKEN: Option<(&str, &str)> = Some(("X-Very-Secret-Token", "42"));
+
+/// A request: method, path, and one header.
+type Req<'a> = (&'a str, &'a str, Option<(&'a str, &'a str)>);
 
 /// The echo-ingress manifests: client2 (`other: client`) may GET `/`, `/public`, and
 /// `/private` with the token; client is not selected at all (no connection).
@@ -238,7 +241,7 @@ fn the_connectivity_suites_http_manifests_are_enforced_across_nodes() {
     ] {
         let m = s.apply(file);
         for i in 0..2 {
-            let post = |r: &(&str, &str, Option<(&str, &str)>)| r.0 == "POST";
+            let post = |r: &Req| r.0 == "POST";
             let reqs: Vec<_> = reqs
                 .iter()
                 .map(|r| {
