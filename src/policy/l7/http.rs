@@ -18,7 +18,9 @@
 
 use std::sync::Arc;
 
-use regex::{Regex, RegexBuilder, RegexSet, RegexSetBuilder};
+use std::collections::HashMap;
+
+use regex::{Regex, RegexBuilder};
 use serde::{Deserialize, Serialize};
 
 /// One `http` rule, validated (regex sources as written).
@@ -242,19 +244,83 @@ struct CompiledRule {
     header_matches: Vec<HeaderMatch>,
 }
 
-/// One `toPorts` entry's HTTP rules, compiled. Path regexes are also matched together in one
-/// pass (a `RegexSet`) when there are many, so a thousand rules cost one scan of the path.
+/// One `toPorts` entry's HTTP rules, compiled. With many rules, only those whose path can
+/// match are tried: each path regex's literal prefixes (`regex-syntax`'s extractor) index it,
+/// and a request looks up the prefixes of its own path, one hash lookup per prefix length in
+/// use (a thousand rules on distinct paths cost a few lookups and one regex).
 #[derive(Debug, Clone)]
 pub struct CompiledRules {
     source: Arc<L7PortRules>,
     rules: Vec<CompiledRule>,
-    /// Rules with a regex path, in the set's order (`path_set` index -> rule index).
-    path_rules: Vec<usize>,
-    path_set: Option<RegexSet>,
+    index: Option<PrefixIndex>,
 }
 
-/// With this many regex paths or more, they are matched as one set.
-const PATH_SET_MIN: usize = 8;
+/// With this many rules or more, they are indexed by path prefix.
+const INDEX_MIN: usize = 8;
+
+/// Rules by the literal prefixes any path they match starts with.
+#[derive(Debug, Clone, Default)]
+struct PrefixIndex {
+    /// Prefix lengths in use, ascending.
+    lens: Vec<usize>,
+    by_prefix: HashMap<Box<[u8]>, Vec<u32>>,
+    /// Rules with no usable prefix: always tried.
+    always: Vec<u32>,
+}
+
+impl PrefixIndex {
+    fn new(source: &L7PortRules) -> PrefixIndex {
+        let mut idx = PrefixIndex::default();
+        for (i, r) in source.http.iter().enumerate() {
+            match r.path.as_deref().and_then(path_prefixes) {
+                Some(prefixes) => {
+                    for p in prefixes {
+                        idx.by_prefix
+                            .entry(p.into_boxed_slice())
+                            .or_default()
+                            .push(i as u32);
+                    }
+                }
+                None => idx.always.push(i as u32),
+            }
+        }
+        let mut lens: Vec<usize> = idx.by_prefix.keys().map(|k| k.len()).collect();
+        lens.sort_unstable();
+        lens.dedup();
+        idx.lens = lens;
+        idx
+    }
+
+    /// The rules that may match `path`, in rule order.
+    fn candidates(&self, path: &str) -> Vec<u32> {
+        let b = path.as_bytes();
+        let mut out = self.always.clone();
+        for &len in self.lens.iter().take_while(|l| **l <= b.len()) {
+            if let Some(rules) = self.by_prefix.get(&b[..len]) {
+                out.extend_from_slice(rules);
+            }
+        }
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+}
+
+/// Every literal a match of `pattern` (matched from the start) begins with, when there are
+/// few and none is empty; `None`: no usable prefix (the rule is always tried).
+fn path_prefixes(pattern: &str) -> Option<Vec<Vec<u8>>> {
+    use regex_syntax::hir::literal::{ExtractKind, Extractor};
+    let hir = regex_syntax::Parser::new().parse(pattern).ok()?;
+    let seq = Extractor::new()
+        .kind(ExtractKind::Prefix)
+        .limit_total(64)
+        .extract(&hir);
+    let lits = seq.literals()?;
+    if lits.is_empty() || lits.iter().any(|l| l.as_bytes().is_empty()) {
+        return None;
+    }
+    Some(lits.iter().map(|l| l.as_bytes().to_vec()).collect())
+}
 
 impl CompiledRules {
     /// Compiles every regex; an error names the rule (`http[i].path`) and why.
@@ -275,30 +341,11 @@ impl CompiledRules {
                 header_matches: r.header_matches.clone(),
             });
         }
-        let path_rules: Vec<usize> = rules
-            .iter()
-            .enumerate()
-            .filter(|(_, r)| matches!(r.path, Some(Matcher::Regex(_))))
-            .map(|(i, _)| i)
-            .collect();
-        let path_set = (path_rules.len() >= PATH_SET_MIN)
-            .then(|| {
-                let pats = path_rules
-                    .iter()
-                    .map(|i| format!("^(?:{})$", source.http[*i].path.as_deref().unwrap_or("")));
-                // Past the set's own size limit the rules are matched one by one: slower,
-                // never a rule dropped.
-                RegexSetBuilder::new(pats)
-                    .size_limit(REGEX_SIZE_LIMIT.saturating_mul(64))
-                    .build()
-                    .ok()
-            })
-            .flatten();
+        let index = (rules.len() >= INDEX_MIN).then(|| PrefixIndex::new(&source));
         Ok(CompiledRules {
             source,
             rules,
-            path_rules,
-            path_set,
+            index,
         })
     }
 
@@ -308,31 +355,25 @@ impl CompiledRules {
 
     /// The first rule (in order) the request matches, with its header actions.
     pub fn first_match(&self, req: &RequestView) -> Option<RuleMatch> {
-        let by_set = self.path_set.as_ref().map(|set| {
-            let mut hit = vec![false; self.rules.len()];
-            for k in set.matches(req.path).iter() {
-                hit[self.path_rules[k]] = true;
-            }
-            hit
-        });
-        for (i, r) in self.rules.iter().enumerate() {
-            let path_ok = match (&r.path, &by_set) {
-                (None, _) => true,
-                (Some(Matcher::Regex(_)), Some(hit)) => hit[i],
-                (Some(m), _) => m.matches(req.path),
-            };
-            if !path_ok
-                || !r.method.as_ref().is_none_or(|m| m.matches(req.method))
-                || !r.host.as_ref().is_none_or(|m| m.matches(req.host))
-                || !r.headers.iter().all(|h| header_ok(h, req.headers))
-            {
-                continue;
-            }
-            if let Some(m) = header_matches(i, &r.header_matches, req.headers) {
-                return Some(m);
-            }
+        match &self.index {
+            Some(idx) => idx
+                .candidates(req.path)
+                .into_iter()
+                .find_map(|i| self.try_rule(i as usize, req)),
+            None => (0..self.rules.len()).find_map(|i| self.try_rule(i, req)),
         }
-        None
+    }
+
+    fn try_rule(&self, i: usize, req: &RequestView) -> Option<RuleMatch> {
+        let r = &self.rules[i];
+        if !r.path.as_ref().is_none_or(|m| m.matches(req.path))
+            || !r.method.as_ref().is_none_or(|m| m.matches(req.method))
+            || !r.host.as_ref().is_none_or(|m| m.matches(req.host))
+            || !r.headers.iter().all(|h| header_ok(h, req.headers))
+        {
+            return None;
+        }
+        header_matches(i, &r.header_matches, req.headers)
     }
 }
 
@@ -782,12 +823,43 @@ mod tests {
     }
 
     #[test]
-    fn a_thousand_path_regexes_match_as_one_set_and_agree_with_one_by_one() {
-        let many: Vec<HttpRule> = (0..1000)
+    fn a_thousand_path_regexes_are_indexed_by_prefix_and_agree_with_one_by_one() {
+        let mut many: Vec<HttpRule> = (0..1000)
             .map(|i| rule("GET", &format!("/api/v{i}/items/[0-9]+")))
             .collect();
-        let r = rules(many);
-        assert!(r.path_set.is_some());
+        many.push(rule("GET", "(?i)/ADMIN/.*"));
+        many.push(rule("GET", ".*/debug"));
+        many.push(rule("GET", "/(a|b)x"));
+        let r = rules(many.clone());
+        let idx = r.index.as_ref().unwrap();
+        assert_eq!(
+            idx.always,
+            [1001],
+            "only the pattern without a literal start"
+        );
+        let plain = CompiledRules {
+            index: None,
+            ..r.clone()
+        };
+        let none: Vec<(String, String)> = vec![];
+        for path in [
+            "/api/v733/items/42",
+            "/api/v7/items/1",
+            "/api/v73/items/",
+            "/Admin/x",
+            "/aDmIn/",
+            "/x/debug",
+            "/ax",
+            "/bx",
+            "/cx",
+            "/",
+        ] {
+            assert_eq!(
+                r.first_match(&req("GET", path, &none)).map(|m| m.index),
+                plain.first_match(&req("GET", path, &none)).map(|m| m.index),
+                "{path}"
+            );
+        }
         let none: Vec<(String, String)> = vec![];
         assert_eq!(
             r.first_match(&req("GET", "/api/v733/items/42", &none))
