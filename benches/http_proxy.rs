@@ -10,7 +10,7 @@
 //!    together make `RATE` requests/s, for `SECONDS`, through the proxy and straight,
 //!    alternating `ROUNDS` times; each request's time from its send to its last byte. Reported:
 //!    p50 and p99 of both, and their difference (goal: p50 <= 50 us, p99 <= 500 us).
-//! 2. Highest rate: as many requests as `CONNS` connections answer (closed loop), for
+//! 2. Highest rate: as many requests as `RATE_CONNS` connections answer (closed loop), for
 //!    `SECONDS`, through the proxy and straight, alternating `ROUNDS` times: the ratio of the
 //!    medians (goal >= 0.5).
 //! 3. Idle connections: `IDLE` connections through the proxy, each after one request: the
@@ -21,7 +21,8 @@
 //!    denying `/edit`, `EDITS` times; from the agent's revision moving (the edit accepted) to
 //!    the first request of a kept connection judged by the new rule (goal p99 <= 50 ms).
 //!
-//! Environment: `CILIATE_BENCH_HTTP_PART=N` runs only part N; `CILIATE_BENCH_HTTP_IDLE=N`.
+//! Environment: `CILIATE_BENCH_HTTP_PART=N` runs only part N; `CILIATE_BENCH_HTTP_IDLE=N`;
+//! `CILIATE_BENCH_HTTP_SIDE=egress` puts the HTTP rule at the client's egress.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -35,6 +36,8 @@ use common::http::{serve_fixed, Conn};
 use common::netns::{in_netns, world};
 
 const CONNS: usize = 8;
+/// Connections of the closed loop: enough that the cores, not the round trips, set the rate.
+const RATE_CONNS: usize = 32;
 const RATE: f64 = 5000.0;
 const SECONDS: f64 = 2.0;
 const ROUNDS: usize = 3;
@@ -44,23 +47,34 @@ fn part(n: u32) -> bool {
     std::env::var("CILIATE_BENCH_HTTP_PART").map_or(true, |p| p == n.to_string())
 }
 
+/// Where the HTTP rule sits: the server's ingress (default) or, with
+/// `CILIATE_BENCH_HTTP_SIDE=egress`, the client's egress.
+fn egress_side() -> bool {
+    std::env::var("CILIATE_BENCH_HTTP_SIDE").is_ok_and(|s| s == "egress")
+}
+
 fn policy(edit: bool) -> String {
     let verb = if edit { "GET" } else { "POST" };
+    let (subject, dir, peer, other) = if egress_side() {
+        ("client", "egress", "toEndpoints", "server")
+    } else {
+        ("server", "ingress", "fromEndpoints", "client")
+    };
     format!(
         "apiVersion: cilium.io/v2
 kind: CiliumNetworkPolicy
-metadata: {{name: server, namespace: x}}
+metadata: {{name: l7, namespace: x}}
 spec:
-  endpointSelector: {{matchLabels: {{app: server}}}}
-  ingress:
-    - fromEndpoints: [{{matchLabels: {{app: client}}}}]
+  endpointSelector: {{matchLabels: {{app: {subject}}}}}
+  {dir}:
+    - {peer}: [{{matchLabels: {{app: {other}}}}}]
       toPorts:
         - ports: [{{port: '8080', protocol: TCP}}]
           rules:
             http:
               - {{method: GET, path: '/.*'}}
               - {{method: {verb}, path: '/edit'}}
-    - fromEndpoints: [{{matchLabels: {{app: client}}}}]
+    - {peer}: [{{matchLabels: {{app: {other}}}}}]
       toPorts:
         - ports: [{{port: '9090', protocol: TCP}}]
 "
@@ -108,9 +122,9 @@ fn paced(netns: &str, to: SocketAddr, rate: f64, secs: f64) -> Vec<u64> {
         .collect()
 }
 
-/// Closed loop over `CONNS` connections for `secs`: requests answered per second.
-fn closed(netns: &str, to: SocketAddr, secs: f64) -> f64 {
-    let threads: Vec<_> = (0..CONNS)
+/// Closed loop over `conns` connections for `secs`: requests answered per second.
+fn closed(netns: &str, to: SocketAddr, conns: usize, secs: f64) -> f64 {
+    let threads: Vec<_> = (0..conns)
         .map(|_| {
             let ns = netns.to_string();
             std::thread::spawn(move || {
@@ -187,7 +201,12 @@ status: {{podIPs: [{{ip: {s}}}]}}
     let proxy_pid = agent.json("/debug/http")["proxy"]["pid"].as_u64().unwrap();
     let ns = &w.pods[0].netns;
     let (proxied, direct) = (SocketAddr::new(s, 8080), SocketAddr::new(s, 9090));
-    println!("machine: {cores} cores; 1 KiB responses; {CONNS} kept connections");
+    let side = if egress_side() {
+        "the client's egress"
+    } else {
+        "the server's ingress"
+    };
+    println!("machine: {cores} cores; 1 KiB responses; the HTTP rule at {side}");
     // Warm up both paths.
     let _ = paced(ns, proxied, 1000.0, 0.3);
     let _ = paced(ns, direct, 1000.0, 0.3);
@@ -217,14 +236,14 @@ status: {{podIPs: [{{ip: {s}}}]}}
     if part(2) {
         let (mut p, mut d) = (Vec::new(), Vec::new());
         for _ in 0..ROUNDS {
-            p.push(closed(ns, proxied, SECONDS));
-            d.push(closed(ns, direct, SECONDS));
+            p.push(closed(ns, proxied, RATE_CONNS, SECONDS));
+            d.push(closed(ns, direct, RATE_CONNS, SECONDS));
         }
         p.sort_by(f64::total_cmp);
         d.sort_by(f64::total_cmp);
         let (pm, dm) = (p[p.len() / 2], d[d.len() / 2]);
         println!(
-            "\n2. highest rate, closed loop over {CONNS} connections ({ROUNDS} alternating rounds)"
+            "\n2. highest rate, closed loop over {RATE_CONNS} connections ({ROUNDS} alternating rounds)"
         );
         println!(
             "   through the proxy {pm:.0}/s (rounds {p:.0?}); straight {dm:.0}/s (rounds {d:.0?}); ratio {:.2}",
