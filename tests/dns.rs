@@ -887,3 +887,46 @@ fn one_pods_flood_of_names_is_bounded_and_learns_only_selected_names() {
     assert_eq!(s.lookup("api.example.com"), ok(&[api]));
     assert!(https_ok(c, api));
 }
+
+/// L7 HTTP rules on a `toFQDNs` peer (#27, the shape of the connectivity suite's
+/// `client-egress-l7-http`): requests to an address the DNS proxy learned for the name are
+/// judged by the HTTP rules; the address itself is reachable only once learned.
+#[test]
+fn http_rules_on_a_to_fqdns_peer_judge_requests_to_the_learned_address() {
+    let Some(s) = setup(1, &[]) else { return };
+    let api = s.host(0);
+    common::http::serve(&s.w.pods[2].netns, api, 80);
+    let policy = common::dns_client_policy("client-egress", "{matchName: api.example.com}")
+        .replace(
+            "      toPorts: [{ports: [{port: '443', protocol: TCP}]}]",
+            "      toPorts: [{ports: [{port: '80', protocol: TCP}], rules: {http: [{method: GET, path: '/'}]}}]",
+        );
+    let rev = s.agent.revision();
+    std::fs::write(s.agent.manifests().join("policy.yaml"), policy).unwrap();
+    s.agent
+        .wait_until("the edit is applied", || s.agent.revision() > rev);
+    s.agent.wait_realized(s.agent.revision());
+    s.agent.wait_until("the HTTP proxy is connected", || {
+        s.agent.json("/debug/http")["proxy"]["connected"] == true
+    });
+    let to = SocketAddr::new(api, 80);
+    assert!(
+        common::http::Conn::open(&s.client().netns, to)
+            .and_then(|mut c| c.request("GET", "/", &[]))
+            .is_err(),
+        "not resolved yet: the address is no peer of the rule"
+    );
+    s.zone.set("api.example.com", &[api], 300);
+    assert_eq!(s.lookup("api.example.com"), ok(&[api]));
+    let mut c = common::http::Conn::open(&s.client().netns, to).expect("connect");
+    let r = c.request("GET", "/", &[]).unwrap();
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(c.request("GET", "/admin", &[]).unwrap().status, 403);
+    assert_eq!(
+        c.request("POST", "/", &[("Content-Length", "0")])
+            .unwrap()
+            .status,
+        403
+    );
+    assert_eq!(c.request("GET", "/", &[]).unwrap().status, 200);
+}
