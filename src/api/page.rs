@@ -44,6 +44,7 @@ const PAGE: &str = r##"<!doctype html>
 <h2>Nodes <span id="routing" class="muted"></span></h2><table id="nodes"><thead><tr><th>name</th><th>local</th><th>ips</th><th>pod CIDRs</th><th>route</th></tr></thead><tbody></tbody></table>
 <h2>Services <span id="svccounts" class="muted"></span></h2><table id="svcs"><thead><tr><th>service</th><th>frontend</th><th>backends</th></tr></thead><tbody></tbody></table>
 <h2>DNS proxy <span id="dnsproxy" class="muted"></span></h2><table id="fqdn"><thead><tr><th>name</th><th>ips</th><th>expires</th><th>endpoints</th></tr></thead><tbody></tbody></table>
+<h2>HTTP proxy: L7 flows <span id="httpproxy" class="muted"></span></h2><table id="l7"><thead><tr><th>time</th><th>verdict</th><th>direction</th><th>from</th><th>to</th><th>request</th><th>code</th><th>added</th><th>rule</th></tr></thead><tbody></tbody></table>
 <script>
 let sel = "PolicyRepoActor", change = null;
 const pod = (ip, name) => name ? `${esc(name)} <span class=muted>${esc(ip)}</span>` : esc(ip);
@@ -100,6 +101,11 @@ async function refresh(){
   const px = dns.proxy;
   document.getElementById("dnsproxy").innerHTML = `mode ${esc(px.mode || "?")} · ${px.connected ? `<span class=ok>connected</span> (pid ${px.pid}, udp ${px.udp_port}, tcp ${px.tcp_port})` : `<span class=err>not connected</span> ${esc(px.error)}`} · ${dns.endpoints_with_dns_rules ?? 0} endpoints with DNS rules · ${dns.cache.length} names`;
   fill("fqdn", dns.cache.slice(0, 200).map(n => `<tr><td>${esc(n.name)}</td><td>${esc(n.ips.join(", "))}</td><td>${esc(new Date(n.expires_at * 1000).toLocaleString())}</td><td>${esc(n.endpoints.join(", "))}</td></tr>`));
+  const http = await get("/debug/http").catch(() => ({proxy: {}, flows: []}));
+  const hp = http.proxy;
+  document.getElementById("httpproxy").innerHTML = `mode ${esc(hp.mode || "?")} · ${hp.connected ? `<span class=ok>connected</span> (pid ${hp.pid}, egress ${hp.egress_port}, ingress ${hp.ingress_port})` : `<span class=err>not connected</span> ${esc(hp.error)}`} · ${http.endpoints_with_l7_rules ?? 0} endpoints with L7 rules`;
+  const rule = p => p ? esc((p.namespace ? p.namespace + "/" : "") + p.name + (p.rule != null ? `[${p.rule}]` : "") + (p.http != null ? ` http[${p.http}]` : "")) : "";
+  fill("l7", (http.flows || []).map(f => `<tr><td>${esc(new Date(f.timestamp_ns / 1e6).toLocaleTimeString())}</td><td class="${f.verdict==='dropped'?'err':'ok'}">${esc(f.verdict)}</td><td>${esc(f.direction)}</td><td>${esc(f.source_pod || f.source)}</td><td>${esc(f.destination_pod || f.destination)}:${f.port}</td><td>${esc(f.http.method + " " + f.http.url)}</td><td>${f.http.code}</td><td>${Math.round(f.latency_ns / 1000)} µs</td><td>${(f.policies || []).map(rule).join(", ")}</td></tr>`));
   await flows(); await changes();
  } catch(e) { document.getElementById("hdr").innerHTML = `<span class=err>${esc(e.message)}</span>`; }
 }
