@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::agent::Agent;
 use common::http::{serve, Conn};
-use common::netns::{privileged, world, World};
+use common::netns::{ip_out, privileged, world, World};
 
 /// Namespace `x`: `client` (app: client, other: client), `stranger` (app: stranger), `echo`
 /// (kind: echo) serving HTTP on 8080.
@@ -147,6 +147,77 @@ fn ingress_http_rules_judge_each_request_on_a_kept_connection() {
         .and_then(|mut c| c.request("GET", "/", &[]))
         .is_err());
     let _ = Duration::from_secs(0);
+}
+
+/// The server's established connections on 8080, by the client's address.
+fn server_conns(s: &Setup) -> Vec<String> {
+    ip_out(&[
+        "netns",
+        "exec",
+        &s.w.pods[2].netns,
+        "ss",
+        "-Htn",
+        "state",
+        "established",
+        "( sport = :8080 )",
+    ])
+    .lines()
+    .filter_map(|l| l.split_whitespace().last().map(str::to_string))
+    .collect()
+}
+
+#[test]
+fn idle_client_connections_hold_no_upstream_connection() {
+    let Some(s) = setup(ECHO_POLICY) else { return };
+    let client = s.w.pods[0].addr;
+    // 40 kept client connections, one request each, one after the other.
+    let mut conns: Vec<Conn> = (0..40).map(|_| s.conn(0)).collect();
+    for c in &mut conns {
+        let r = c
+            .request("GET", "/public", &[])
+            .unwrap_or_else(|e| panic!("{e}: {}", s.why()));
+        assert_eq!(r.status, 200, "{r:?}");
+    }
+    let upstream = server_conns(&s);
+    assert!(
+        !upstream.is_empty() && upstream.len() <= 2,
+        "40 idle client connections, one request each in turn, share the upstream: the server has {upstream:?}"
+    );
+    assert!(
+        upstream
+            .iter()
+            .all(|peer| peer.starts_with(&format!("{client}:"))),
+        "made as the client: {upstream:?}"
+    );
+    // Each idle connection serves on, judged as before; the server still sees the client.
+    for c in &mut conns {
+        let r = c.request("GET", "/public", &[]).unwrap();
+        assert!(
+            r.body.starts_with(&format!("GET /public from={client}")),
+            "{r:?}"
+        );
+        assert_eq!(c.request("GET", "/private", &[]).unwrap().status, 403);
+    }
+    // Requests at once take as many upstream connections as they need, then share them again.
+    let threads: Vec<_> = conns
+        .into_iter()
+        .take(8)
+        .map(|mut c| {
+            std::thread::spawn(move || {
+                for _ in 0..50 {
+                    assert_eq!(c.request("GET", "/public", &[]).unwrap().status, 200);
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let after = server_conns(&s);
+    assert!(
+        after.len() <= 8,
+        "at most one per concurrent request: {after:?}"
+    );
 }
 
 /// client2 (`other: client`) may only POST /public and /private on echo (the connectivity

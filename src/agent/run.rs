@@ -9,7 +9,7 @@ use std::time::Instant;
 use actix::{Actor, AsyncContext};
 use actix_web::web;
 
-use super::listen::{raise_fd_limit, ListenError, Listeners};
+use super::listen::{ListenError, Listeners};
 use crate::actors::kube_watcher::{KubeWatcherActor, RemotePods};
 use crate::actors::loader::{GetIpcache, LoaderActor, SweepStrayEndpoints};
 use crate::actors::policy_repo::{
@@ -24,6 +24,7 @@ use crate::datapath::Datapath;
 use crate::endpoint::restore;
 use crate::endpoint::state::{StateDir, StateLock};
 use crate::introspect::{Registry, TracedAddr};
+use crate::limits::raise_fd_limit;
 use crate::runtime::Shared;
 
 pub use crate::config::{DatapathKind, Mode};

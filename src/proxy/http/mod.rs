@@ -14,6 +14,7 @@
 //! - [`state`]: the agent's side (each endpoint's table, the proxy as last seen).
 
 pub mod framing;
+pub mod pool;
 pub mod request;
 pub mod server;
 pub mod sni;

@@ -10,8 +10,9 @@
 //!   own) or, when the port's rules are TLS server names, the ClientHello's SNI. Every request
 //!   is judged by the rules in force when it arrives (a policy edit applies to the next
 //!   request of an open connection); denied: `403 Access denied` (gRPC: `PERMISSION_DENIED`),
-//!   the connection kept. Allowed requests go on over one upstream connection per client
-//!   connection, made as the pod (`upstream`), bodies streamed, never buffered whole.
+//!   the connection kept. Allowed requests go on over upstream connections made as the pod
+//!   (`upstream`) and shared by the client connections that would make the same one
+//!   (`pool`: an idle client connection holds none), bodies streamed, never buffered whole.
 //! - Routing and the datapath: the rule `fwmark local_mark -> local` and the pinned
 //!   `l7_proxy` map (ports, marks); mark 0 there means no proxy (flows dropped, fail closed).
 //! - Hand-over: a new `ciliate http-proxy` for the same state directory takes the listening
@@ -41,6 +42,7 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tokio::sync::{mpsc, watch};
 
+use super::pool::{Pool, Pooled};
 use super::request::{self, Headers, Prepared};
 use super::sni::{client_hello, Hello, MAX_HELLO};
 use super::upstream::{self, Conntrack, Upstream};
@@ -145,7 +147,18 @@ struct Proxy {
     records_dropped: AtomicU64,
     /// Redirected client connections open now: (client address, server, client port).
     active: Mutex<HashSet<(IpAddr, SocketAddr, u16)>>,
+    /// Idle upstream connections.
+    pool: Mutex<Pool<UpKey, Sender>>,
 }
+
+/// What makes an upstream connection what it is (`pool`): the address it is made from (`None`:
+/// the node's), the server, the mark (which side judged it), HTTP/2 or not.
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct UpKey(Option<IpAddr>, SocketAddr, u32, bool);
+
+/// Idle upstream connections kept per key, and for how long.
+const POOL_MAX_IDLE: usize = 64;
+const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -335,6 +348,11 @@ fn serve_handover(
 /// Runs the proxy until SIGTERM/SIGINT, a successor, or until its state directory or pinned
 /// maps vanish.
 pub fn run(opts: ProxyOptions) -> Result<(), ProxyError> {
+    // Every client connection is a file, and so is every upstream connection.
+    match crate::limits::raise_fd_limit() {
+        Ok((old, new)) => tracing::info!(from = old, to = new, "HTTP proxy: open-file limit"),
+        Err(e) => tracing::warn!(error = %e, "HTTP proxy: could not raise the open-file limit"),
+    }
     let mut told = false;
     while !opts.pins.join("l7_proxy").exists() || !opts.state_dir.is_dir() {
         if !told {
@@ -426,6 +444,7 @@ async fn serve(
         records: Mutex::new(None),
         records_dropped: AtomicU64::new(0),
         active: Mutex::new(HashSet::new()),
+        pool: Mutex::new(Pool::new(POOL_MAX_IDLE, POOL_IDLE_TIMEOUT)),
     });
     proxy.set_table(&kept_table(&opts.state_dir));
     let sock_path = super::socket_path(&opts.state_dir);
@@ -497,6 +516,7 @@ async fn serve(
             _ = tokio::signal::ctrl_c() => break false,
             _ = &mut handed_rx => break true,
             _ = tick.tick() => {
+                lock(&proxy.pool).sweep(Instant::now());
                 if !opts.state_dir.exists() || !opts.pins.join("l7_proxy").exists() {
                     tracing::info!("HTTP proxy: its state directory or maps are gone; exiting");
                     break false;
@@ -563,7 +583,6 @@ struct Conn {
     client: SocketAddr,
     server: SocketAddr,
     peer_identity: u32,
-    upstream: tokio::sync::Mutex<Option<Sender>>,
     tunnels: Arc<watch::Sender<usize>>,
     /// What the framing tracker found in each HTTP/1.1 request head, in order.
     framing: super::framing::Verdicts,
@@ -588,6 +607,27 @@ impl Drop for Tunnel {
 enum Sender {
     H1(hyper::client::conn::http1::SendRequest<Incoming>),
     H2(hyper::client::conn::http2::SendRequest<Incoming>),
+}
+
+impl Pooled for Sender {
+    fn is_closed(&self) -> bool {
+        match self {
+            Sender::H1(s) => s.is_closed(),
+            Sender::H2(s) => s.is_closed(),
+        }
+    }
+    fn is_ready(&self) -> bool {
+        match self {
+            Sender::H1(s) => s.is_ready(),
+            Sender::H2(s) => s.is_ready(),
+        }
+    }
+    fn shared(&self) -> Option<Sender> {
+        match self {
+            Sender::H1(_) => None,
+            Sender::H2(s) => Some(Sender::H2(s.clone())),
+        }
+    }
 }
 
 /// Removes a connection from `Proxy::active` when it ends.
@@ -617,7 +657,6 @@ impl Conn {
             client,
             server,
             peer_identity,
-            upstream: tokio::sync::Mutex::new(None),
             tunnels,
             framing: Default::default(),
         })
@@ -753,7 +792,6 @@ impl Conn {
             }
             Err(e) => {
                 tracing::debug!(error = %e, server = %self.server, "HTTP proxy: upstream failed");
-                *self.upstream.lock().await = None;
                 self.record(&prepared, &protocol, 503, word, policies, started);
                 left(request::status(
                     StatusCode::SERVICE_UNAVAILABLE,
@@ -805,30 +843,76 @@ impl Conn {
         (v, grants, l.audit)
     }
 
-    /// Sends an allowed request on over this connection's upstream (made on first use).
-    async fn forward(&self, req: Request<Incoming>) -> Result<Response<Incoming>, String> {
-        let mut guard = self.upstream.lock().await;
-        if guard.as_ref().is_none_or(|s| match s {
-            Sender::H1(s) => s.is_closed(),
-            Sender::H2(s) => s.is_closed(),
-        }) {
-            *guard = Some(self.connect(req.version()).await?);
-        }
-        match guard.as_mut() {
-            Some(Sender::H1(s)) => {
-                s.ready().await.map_err(|e| e.to_string())?;
-                let fut = s.send_request(req);
-                drop(guard);
-                fut.await.map_err(|e| e.to_string())
+    /// Sends an allowed request on over an idle upstream connection of its key, or a new one.
+    /// A request the kept connection turns away unsent (the server closed it meanwhile) goes
+    /// on a new one. An upgrade gets a connection of its own, never kept.
+    async fn forward(&self, mut req: Request<Incoming>) -> Result<Response<Incoming>, String> {
+        let upgrade = req.headers().contains_key(http::header::UPGRADE)
+            || req.method() == http::Method::CONNECT;
+        let key = self.up_key(req.version());
+        loop {
+            let kept = match upgrade {
+                true => None,
+                false => lock(&self.proxy.pool).checkout(&key, Instant::now()),
+            };
+            let fresh = kept.is_none();
+            let sender = match kept {
+                Some(s) => s,
+                None => self.connect(req.version()).await?,
+            };
+            let sent = match sender {
+                Sender::H1(mut s) => {
+                    let r = s.try_send_request(req).await;
+                    let reusable = r
+                        .as_ref()
+                        .is_ok_and(|r| r.status() != StatusCode::SWITCHING_PROTOCOLS);
+                    if reusable && !upgrade {
+                        lock(&self.proxy.pool).checkin(key.clone(), Sender::H1(s), Instant::now());
+                    }
+                    r
+                }
+                Sender::H2(mut s) => {
+                    if fresh {
+                        lock(&self.proxy.pool).checkin(
+                            key.clone(),
+                            Sender::H2(s.clone()),
+                            Instant::now(),
+                        );
+                    }
+                    s.try_send_request(req).await
+                }
+            };
+            match sent {
+                Ok(r) => return Ok(r),
+                Err(mut e) => match e.take_message() {
+                    Some(r) if !fresh => req = r,
+                    _ => return Err(e.into_error().to_string()),
+                },
             }
-            Some(Sender::H2(s)) => {
-                let mut s = s.clone();
-                drop(guard);
-                s.ready().await.map_err(|e| e.to_string())?;
-                s.send_request(req).await.map_err(|e| e.to_string())
-            }
-            None => Err("no upstream".into()),
         }
+    }
+
+    /// The pool key of this connection's requests of `version`.
+    fn up_key(&self, version: Version) -> UpKey {
+        let (from, mark) = self.up_from();
+        UpKey(from, self.server, mark, version >= Version::HTTP_2)
+    }
+
+    /// The address upstream connections are made from (`None`: the node's, for a peer outside
+    /// the cluster judged at egress) and their mark.
+    fn up_from(&self) -> (Option<IpAddr>, u32) {
+        let m = self.proxy.marks;
+        let outside = matches!(
+            self.peer_identity,
+            IDENTITY_WORLD | IDENTITY_WORLD_IPV4 | IDENTITY_WORLD_IPV6
+        ) || self.peer_identity & LOCAL_IDENTITY_FLAG != 0;
+        let from = (!(self.egress && outside)).then_some(self.client.ip());
+        let mark = if self.egress {
+            m.upstream_egress
+        } else {
+            m.upstream_ingress
+        };
+        (from, mark)
     }
 
     async fn connect(&self, version: Version) -> Result<Sender, String> {
@@ -851,12 +935,7 @@ impl Conn {
 
     /// The TCP connection to the server, as the pod.
     async fn connect_tcp(&self) -> io::Result<TcpStream> {
-        let m = self.proxy.marks;
-        let outside = matches!(
-            self.peer_identity,
-            IDENTITY_WORLD | IDENTITY_WORLD_IPV4 | IDENTITY_WORLD_IPV6
-        ) || self.peer_identity & LOCAL_IDENTITY_FLAG != 0;
-        let from = (!(self.egress && outside)).then_some(self.client.ip());
+        let (from, mark) = self.up_from();
         let endpoint = self
             .egress
             .then(|| self.proxy.index().endpoint_of(self.client.ip()))
@@ -867,11 +946,7 @@ impl Conn {
         upstream::connect(Upstream {
             from,
             to: self.server,
-            mark: if self.egress {
-                m.upstream_egress
-            } else {
-                m.upstream_ingress
-            },
+            mark,
             record: match (from, endpoint) {
                 (Some(_), Some(ep)) => Some((&self.proxy.conntrack, ep as u32)),
                 _ => None,
