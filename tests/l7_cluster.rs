@@ -136,12 +136,7 @@ impl Suite {
     }
 
     /// One kept connection from `from` to echo `i`: each (method, path, header) -> status.
-    fn statuses(
-        &self,
-        from: &CniPod,
-        i: usize,
-        reqs: &[Req<'_>],
-    ) -> Vec<u16> {
+    fn statuses(&self, from: &CniPod, i: usize, reqs: &[Req<'_>]) -> Vec<u16> {
         let Ok(mut c) = Conn::open(&from.netns, self.echo(i)) else {
             return vec![0; reqs.len()];
         };
