@@ -266,7 +266,7 @@ status: {{podIPs: [{{ip: {s}}}]}}
         })
         .join()
         .unwrap();
-        // One request on each (so each has its upstream connection too), then idle.
+        // One request on each (an upstream connection served it), then idle.
         let mut kept = Vec::with_capacity(conns.len());
         for s in conns {
             use std::io::{Read, Write};
@@ -283,13 +283,15 @@ status: {{podIPs: [{{ip: {s}}}]}}
             }
             kept.push(s);
         }
-        std::thread::sleep(Duration::from_secs(2));
+        // Idle: parked after a second, the heap trimmed at the next tick.
+        std::thread::sleep(Duration::from_secs(3));
         let after = rss_kib(proxy_pid);
         println!(
-            "\n3. {} idle kept connections through the proxy (each with its upstream): proxy RSS {} -> {} MiB",
+            "\n3. {} idle kept connections through the proxy, one request each: proxy RSS {} -> {} MiB (the proxy holds {})",
             kept.len(),
             before / 1024,
-            after / 1024
+            after / 1024,
+            agent.json("/debug/http")["proxy"]["holds"]
         );
         drop(kept);
     }

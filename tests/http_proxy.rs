@@ -167,7 +167,7 @@ fn server_conns(s: &Setup) -> Vec<String> {
 }
 
 #[test]
-fn idle_client_connections_hold_no_upstream_connection() {
+fn idle_client_connections_are_parked_and_hold_no_upstream_connection() {
     let Some(s) = setup(ECHO_POLICY) else { return };
     let client = s.w.pods[0].addr;
     // 40 kept client connections, one request each, one after the other.
@@ -189,6 +189,10 @@ fn idle_client_connections_hold_no_upstream_connection() {
             .all(|peer| peer.starts_with(&format!("{client}:"))),
         "made as the client: {upstream:?}"
     );
+    // Idle for longer than a second, they are parked: no HTTP state held.
+    s.agent.wait_until("40 client connections parked", || {
+        s.agent.json("/debug/http")["proxy"]["holds"]["parked"].as_u64() >= Some(40)
+    });
     // Each idle connection serves on, judged as before; the server still sees the client.
     for c in &mut conns {
         let r = c.request("GET", "/public", &[]).unwrap();
@@ -218,6 +222,8 @@ fn idle_client_connections_hold_no_upstream_connection() {
         after.len() <= 8,
         "at most one per concurrent request: {after:?}"
     );
+    let holds = &s.agent.json("/debug/http")["proxy"]["holds"];
+    assert_eq!(holds["connections"], 40, "{holds}");
 }
 
 /// client2 (`other: client`) may only POST /public and /private on echo (the connectivity
@@ -343,6 +349,70 @@ fn a_websocket_upgrade_is_judged_then_its_bytes_flow() {
         )
         .unwrap();
     assert_eq!(r.status, 403);
+}
+
+/// Parking an idle connection (after a second without a request) loses nothing: an answer the
+/// client is slow to read, pipelined requests, an upgrade on a connection that was parked.
+#[test]
+fn parking_idle_connections_loses_nothing() {
+    let policy = ECHO_POLICY
+        .replace(
+            "- {method: GET, path: '/$'}",
+            "- {method: GET, path: '/ws$'}",
+        )
+        .replace(
+            "- ports: [{port: '8080', protocol: TCP}]",
+            "- ports: [{port: '8080', protocol: TCP}, {port: '8090', protocol: TCP}]",
+        );
+    let Some(s) = setup(&policy) else { return };
+    const BIG: usize = 32 << 20;
+    common::http::serve_fixed(&s.w.pods[2].netns, s.w.pods[2].addr, 8090, BIG);
+    let big = SocketAddr::new(s.w.pods[2].addr, 8090);
+    // A client that reads nothing of a 32 MiB answer (more than the sockets buffer) for 2.5 s,
+    // then all of it.
+    let mut slow = Conn::open(&s.w.pods[0].netns, big).unwrap();
+    slow.send_raw(b"GET /public HTTP/1.1\r\nHost: e\r\n\r\n")
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(2500));
+    let r = slow
+        .response()
+        .unwrap_or_else(|e| panic!("{e}: {}", s.why()));
+    assert_eq!((r.status, r.body.len()), (200, BIG));
+    // Two requests in one write, before and after the connection was parked.
+    let mut c = s.conn(0);
+    for round in 0..2 {
+        c.send_raw(
+            b"GET /public HTTP/1.1\r\nHost: e\r\n\r\nGET /private HTTP/1.1\r\nHost: e\r\n\r\n",
+        )
+        .unwrap();
+        let (a, b) = (c.response().unwrap(), c.response().unwrap());
+        assert_eq!((a.status, b.status), (200, 403), "round {round}");
+        std::thread::sleep(Duration::from_millis(1500));
+    }
+    s.agent.wait_until("the connections parked", || {
+        s.agent.json("/debug/http")["proxy"]["holds"]["parked"].as_u64() >= Some(2)
+    });
+    // The slow client's connection, parked, serves again; then an upgrade on the other.
+    let r = slow.request("GET", "/public", &[]).unwrap();
+    assert_eq!((r.status, r.body.len()), (200, BIG));
+    let r = c
+        .request(
+            "GET",
+            "/ws",
+            &[("Connection", "Upgrade"), ("Upgrade", "websocket")],
+        )
+        .unwrap();
+    assert_eq!(r.status, 101, "{r:?}");
+    use std::io::{Read, Write};
+    c.stream().get_mut().write_all(b"after parking").unwrap();
+    let mut buf = [0u8; 13];
+    c.stream().read_exact(&mut buf).unwrap();
+    assert_eq!(&buf, b"after parking");
+    // A tunnel is never parked: quiet for longer than a second, its bytes still flow.
+    std::thread::sleep(Duration::from_millis(1500));
+    c.stream().get_mut().write_all(b"still flowing").unwrap();
+    c.stream().read_exact(&mut buf).unwrap();
+    assert_eq!(&buf, b"still flowing");
 }
 
 /// What a hostile pod sends to get around path rules or confuse the server about where a

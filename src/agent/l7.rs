@@ -165,6 +165,7 @@ fn handle(shared: &Shared, sink: &FlowSink, m: FromProxy) {
                 v.error = None;
             });
         }
+        FromProxy::Stats(s) => shared.http.update_proxy(|v| v.holds = Some(s)),
         FromProxy::Record(r) => {
             shared
                 .metrics

@@ -52,6 +52,17 @@ impl Tracker {
         }
     }
 
+    /// Between two requests: no head or body part read and every head's verdict taken.
+    pub fn between_requests(&self) -> bool {
+        self.state == State::Head
+            && self.buf.is_empty()
+            && self
+                .verdicts
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_empty()
+    }
+
     /// Reads `bytes`, the next the client sent.
     pub fn feed(&mut self, mut bytes: &[u8]) {
         while !bytes.is_empty() && self.state != State::Off {
@@ -122,12 +133,22 @@ impl Tracker {
 
     fn head<'a>(&mut self, bytes: &'a [u8]) -> &'a [u8] {
         let had = self.buf.len();
-        self.buf.extend_from_slice(bytes);
+        // A head that arrives whole (the common case) is read where it lies.
+        let whole = had == 0;
+        if !whole {
+            self.buf.extend_from_slice(bytes);
+        }
+        let head: &[u8] = if whole { bytes } else { &self.buf };
         let mut headers = [httparse::EMPTY_HEADER; 128];
         let mut req = httparse::Request::new(&mut headers);
-        let len = match req.parse(&self.buf) {
+        let len = match req.parse(head) {
             Ok(httparse::Status::Complete(len)) => len,
-            Ok(httparse::Status::Partial) if self.buf.len() <= MAX_LINE => return &[],
+            Ok(httparse::Status::Partial) if head.len() <= MAX_LINE => {
+                if whole {
+                    self.buf.extend_from_slice(bytes);
+                }
+                return &[];
+            }
             // Not HTTP/1.1 (HTTP/2's preface), or beyond what hyper reads: hyper decides.
             _ => {
                 self.state = State::Off;
@@ -168,7 +189,8 @@ impl Tracker {
             _ => State::Head,
         };
         let rest = len.saturating_sub(had);
-        self.buf.clear();
+        // Nothing kept between requests (an idle connection holds no buffer).
+        self.buf = Vec::new();
         &bytes[rest.min(bytes.len())..]
     }
 }
@@ -200,6 +222,20 @@ impl<T> Watched<T> {
             tracker: Tracker::new(verdicts),
         }
     }
+
+    pub fn get_ref(&self) -> &T {
+        &self.inner
+    }
+
+    pub fn into_inner(self) -> T {
+        self.inner
+    }
+}
+
+impl<T> super::park::Boundary for Watched<T> {
+    fn between_requests(&self) -> bool {
+        self.tracker.between_requests()
+    }
 }
 
 impl<T: AsyncRead + Unpin> AsyncRead for Watched<T> {
@@ -211,8 +247,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for Watched<T> {
         let before = buf.filled().len();
         let r = Pin::new(&mut self.inner).poll_read(cx, buf);
         if let Poll::Ready(Ok(())) = &r {
-            let new = buf.filled()[before..].to_vec();
-            self.tracker.feed(&new);
+            self.tracker.feed(&buf.filled()[before..]);
         }
         r
     }

@@ -14,6 +14,7 @@
 //! - [`state`]: the agent's side (each endpoint's table, the proxy as last seen).
 
 pub mod framing;
+pub mod park;
 pub mod pool;
 pub mod request;
 pub mod server;
@@ -132,6 +133,19 @@ pub enum FromProxy {
         ingress_port: u16,
     },
     Record(Box<L7Record>),
+    /// Every second: what the proxy holds.
+    Stats(ProxyStats),
+}
+
+/// What the HTTP proxy holds now.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProxyStats {
+    /// Client connections open (parked ones included).
+    pub connections: u64,
+    /// Client connections idle long enough to be parked (no HTTP state held).
+    pub parked: u64,
+    /// Idle upstream connections kept for the next request.
+    pub upstream_idle: u64,
 }
 
 /// One grant for a request, ready to judge by (`policy::l7::http::judge`).

@@ -13,6 +13,8 @@
 //!   the connection kept. Allowed requests go on over upstream connections made as the pod
 //!   (`upstream`) and shared by the client connections that would make the same one
 //!   (`pool`: an idle client connection holds none), bodies streamed, never buffered whole.
+//!   An HTTP/1.1 connection quiet for a second is parked (`park`): it holds no HTTP state
+//!   until its next request; every second the proxy tells the agent what it holds (`Stats`).
 //! - Routing and the datapath: the rule `fwmark local_mark -> local` and the pinned
 //!   `l7_proxy` map (ports, marks); mark 0 there means no proxy (flows dropped, fail closed).
 //! - Hand-over: a new `ciliate http-proxy` for the same state directory takes the listening
@@ -42,6 +44,7 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tokio::sync::{mpsc, watch};
 
+use super::park::{Counted, Exchanges, Parking};
 use super::pool::{Pool, Pooled};
 use super::request::{self, Headers, Prepared};
 use super::sni::{client_hello, Hello, MAX_HELLO};
@@ -149,12 +152,19 @@ struct Proxy {
     active: Mutex<HashSet<(IpAddr, SocketAddr, u16)>>,
     /// Idle upstream connections.
     pool: Mutex<Pool<UpKey, Sender>>,
+    /// Client connections parked since the last trim.
+    parked: AtomicU64,
+    /// Client connections parked now.
+    parked_now: AtomicU64,
 }
 
 /// What makes an upstream connection what it is (`pool`): the address it is made from (`None`:
 /// the node's), the server, the mark (which side judged it), HTTP/2 or not.
 #[derive(Clone, PartialEq, Eq, Hash)]
 struct UpKey(Option<IpAddr>, SocketAddr, u32, bool);
+
+/// Parked connections (in one second) worth a trim of the heap.
+const TRIM_AFTER_PARKED: u64 = 64;
 
 /// Idle upstream connections kept per key, and for how long.
 const POOL_MAX_IDLE: usize = 64;
@@ -174,6 +184,32 @@ impl Proxy {
         *self.index.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(idx);
         self.generation.send_modify(|g| *g += 1);
         keep_table(&self.state_dir, table);
+    }
+
+    /// Hands the memory of the hyper connections parked since the last call back to the
+    /// system (glibc keeps freed memory inside its heap resident until trimmed): many idle
+    /// connections would otherwise hold the proxy at its busiest size.
+    fn trim_after_parking(&self) {
+        if self.parked.swap(0, Ordering::Relaxed) >= TRIM_AFTER_PARKED {
+            // SAFETY: malloc_trim only releases free memory of the allocator's own heap.
+            unsafe {
+                nix::libc::malloc_trim(0);
+            }
+        }
+    }
+
+    /// Tells the agent what the proxy holds (dropped when the agent is not reading).
+    fn send_stats(&self, connections: u64) {
+        let stats = super::ProxyStats {
+            connections,
+            parked: self.parked_now.load(Ordering::Relaxed),
+            upstream_idle: lock(&self.pool).len() as u64,
+        };
+        if let Ok(line) = serde_json::to_string(&FromProxy::Stats(stats)) {
+            if let Some(tx) = lock(&self.records).as_ref() {
+                let _ = tx.try_send(line);
+            }
+        }
     }
 
     fn record(&self, r: L7Record) {
@@ -445,6 +481,8 @@ async fn serve(
         records_dropped: AtomicU64::new(0),
         active: Mutex::new(HashSet::new()),
         pool: Mutex::new(Pool::new(POOL_MAX_IDLE, POOL_IDLE_TIMEOUT)),
+        parked: AtomicU64::new(0),
+        parked_now: AtomicU64::new(0),
     });
     proxy.set_table(&kept_table(&opts.state_dir));
     let sock_path = super::socket_path(&opts.state_dir);
@@ -475,8 +513,7 @@ async fn serve(
         successor,
         "HTTP proxy serving"
     );
-    let graceful = Arc::new(hyper_util::server::graceful::GracefulShutdown::new());
-    let tunnels = Arc::new(watch::channel(0usize).0);
+    let live = Arc::new(watch::channel(0usize).0);
     let (stop_accepting, accepting) = watch::channel(false);
     let hello = FromProxy::Hello {
         pid: std::process::id(),
@@ -491,8 +528,7 @@ async fn serve(
                 proxy.clone(),
                 l,
                 egress,
-                graceful.clone(),
-                tunnels.clone(),
+                live.clone(),
                 accepting.clone(),
             )));
         }
@@ -517,6 +553,8 @@ async fn serve(
             _ = &mut handed_rx => break true,
             _ = tick.tick() => {
                 lock(&proxy.pool).sweep(Instant::now());
+                proxy.trim_after_parking();
+                proxy.send_stats(*live.borrow() as u64);
                 if !opts.state_dir.exists() || !opts.pins.join("l7_proxy").exists() {
                     tracing::info!("HTTP proxy: its state directory or maps are gone; exiting");
                     break false;
@@ -538,12 +576,11 @@ async fn serve(
         let _ = std::fs::remove_file(super::handover_path(&opts.state_dir));
     }
     tracing::info!(handed_over, "HTTP proxy draining its connections");
+    // Each connection was told (`accepting`): HTTP/1.1 ones end after the request in flight,
+    // parked ones at once, HTTP/2 ones after a GOAWAY; tunnels (TLS, upgraded connections)
+    // when their peers close them.
     let drained = tokio::time::timeout(opts.drain_timeout, async {
-        if let Ok(g) = Arc::try_unwrap(graceful) {
-            g.shutdown().await;
-        }
-        // Tunnels (TLS, upgraded connections) end when their peers close them.
-        let _ = tunnels.subscribe().wait_for(|n| *n == 0).await;
+        let _ = live.subscribe().wait_for(|n| *n == 0).await;
     })
     .await;
     if drained.is_err() {
@@ -557,8 +594,7 @@ async fn accept_loop(
     proxy: Arc<Proxy>,
     l: TcpListener,
     egress: bool,
-    graceful: Arc<hyper_util::server::graceful::GracefulShutdown>,
-    tunnels: Arc<watch::Sender<usize>>,
+    live: Arc<watch::Sender<usize>>,
     mut stop: watch::Receiver<bool>,
 ) {
     loop {
@@ -568,8 +604,8 @@ async fn accept_loop(
                 let Ok((s, peer)) = r else { continue };
                 let Ok(local) = s.local_addr() else { continue };
                 let _ = s.set_nodelay(true);
-                let c = Conn::new(proxy.clone(), egress, peer, local, tunnels.clone());
-                tokio::spawn(c.run(s, graceful.watcher(), tunnels.clone()));
+                let c = Conn::new(proxy.clone(), egress, peer, local);
+                tokio::spawn(c.run(s, Live::new(&live), stop.clone()));
             }
         }
     }
@@ -583,22 +619,42 @@ struct Conn {
     client: SocketAddr,
     server: SocketAddr,
     peer_identity: u32,
-    tunnels: Arc<watch::Sender<usize>>,
     /// What the framing tracker found in each HTTP/1.1 request head, in order.
     framing: super::framing::Verdicts,
+    /// Requests in flight and answers flushed (parking, `park`).
+    exchanges: Arc<Exchanges>,
+    /// The server's side of an upgrade the server accepted (`101`), for the connection to
+    /// splice once hyper hands the client's side back.
+    upgrade: Mutex<Option<hyper::upgrade::OnUpgrade>>,
 }
 
-/// Counts one tunnel (a TLS passthrough, an upgraded connection) while it lives.
-struct Tunnel(Arc<watch::Sender<usize>>);
+/// Counts a parked connection while it is parked.
+struct ParkedNow<'a>(&'a Proxy);
 
-impl Tunnel {
-    fn new(t: &Arc<watch::Sender<usize>>) -> Tunnel {
-        t.send_modify(|n| *n += 1);
-        Tunnel(t.clone())
+impl<'a> ParkedNow<'a> {
+    fn new(p: &'a Proxy) -> ParkedNow<'a> {
+        p.parked_now.fetch_add(1, Ordering::Relaxed);
+        ParkedNow(p)
     }
 }
 
-impl Drop for Tunnel {
+impl Drop for ParkedNow<'_> {
+    fn drop(&mut self) {
+        self.0.parked_now.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Counts one client connection while it lives (the drain waits for none).
+struct Live(Arc<watch::Sender<usize>>);
+
+impl Live {
+    fn new(t: &Arc<watch::Sender<usize>>) -> Live {
+        t.send_modify(|n| *n += 1);
+        Live(t.clone())
+    }
+}
+
+impl Drop for Live {
     fn drop(&mut self) {
         self.0.send_modify(|n| *n = n.saturating_sub(1));
     }
@@ -641,14 +697,17 @@ impl Drop for Active {
 
 type Body = Either<Incoming, Full<Bytes>>;
 
+/// What the service returns: its future boxed, so that hyper's connection can be polled
+/// without shutting the socket down (`poll_without_shutdown` wants it `Unpin`).
+type Answer = std::pin::Pin<
+    Box<
+        dyn std::future::Future<Output = Result<Response<Counted<Body>>, std::convert::Infallible>>
+            + Send,
+    >,
+>;
+
 impl Conn {
-    fn new(
-        proxy: Arc<Proxy>,
-        egress: bool,
-        client: SocketAddr,
-        server: SocketAddr,
-        tunnels: Arc<watch::Sender<usize>>,
-    ) -> Arc<Conn> {
+    fn new(proxy: Arc<Proxy>, egress: bool, client: SocketAddr, server: SocketAddr) -> Arc<Conn> {
         let peer = if egress { server.ip() } else { client.ip() };
         let peer_identity = proxy.ipcache.identity(peer);
         Arc::new(Conn {
@@ -657,8 +716,9 @@ impl Conn {
             client,
             server,
             peer_identity,
-            tunnels,
             framing: Default::default(),
+            exchanges: Default::default(),
+            upgrade: Mutex::new(None),
         })
     }
 
@@ -693,12 +753,7 @@ impl Conn {
         }
     }
 
-    async fn run(
-        self: Arc<Self>,
-        s: TcpStream,
-        graceful: hyper_util::server::graceful::Watcher,
-        tunnels: Arc<watch::Sender<usize>>,
-    ) {
+    async fn run(self: Arc<Self>, s: TcpStream, _live: Live, mut stop: watch::Receiver<bool>) {
         let key = (self.client.ip(), self.server, self.client.port());
         lock(&self.proxy.active).insert(key);
         let _active = Active(self.proxy.clone(), key);
@@ -708,20 +763,108 @@ impl Conn {
                 .flatten()
                 .any(|g| g.rules.as_ref().is_some_and(|c| c.source().is_tls()))
         });
+        // The sub-futures are boxed: a parked connection's task holds only what parking needs.
         if tls {
-            let _tunnel = Tunnel::new(&tunnels);
-            self.tls(s).await;
+            Box::pin(self.tls(s)).await;
             return;
         }
+        let h2 = tokio::select! {
+            h2 = http2_preface(&s) => h2,
+            _ = stop.wait_for(|s| *s) => return,
+        };
+        match h2 {
+            Ok(true) => Box::pin(self.serve_h2(s, stop)).await,
+            Ok(false) => self.serve_h1(s, stop).await,
+            Err(e) => tracing::debug!(error = %e, client = %self.client, "HTTP proxy: no request"),
+        }
+    }
+
+    /// The service hyper calls for each request of this connection.
+    fn service(
+        self: &Arc<Self>,
+    ) -> impl hyper::service::Service<
+        Request<Incoming>,
+        Response = Response<Counted<Body>>,
+        Error = std::convert::Infallible,
+        Future = Answer,
+    > + Unpin {
         let me = self.clone();
-        let service = hyper::service::service_fn(move |req| {
+        hyper::service::service_fn(move |req| {
             let me = me.clone();
-            async move { Ok::<_, std::convert::Infallible>(me.request(req).await) }
-        });
-        let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-        let io = super::framing::Watched::new(s, self.framing.clone());
-        let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
-        let _ = graceful.watch(conn.into_owned()).await;
+            let answer: Answer = Box::pin(async move {
+                let request = me.exchanges.begin();
+                let r = me.request(req).await;
+                Ok(r.map(|b| Counted::new(b, request)))
+            });
+            answer
+        })
+    }
+
+    /// HTTP/2: one hyper connection for the connection's life; told to stop, it sends GOAWAY.
+    async fn serve_h2(self: &Arc<Self>, s: TcpStream, mut stop: watch::Receiver<bool>) {
+        let builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+        let conn = builder.serve_connection(TokioIo::new(s), self.service());
+        tokio::pin!(conn);
+        let mut told = false;
+        loop {
+            tokio::select! {
+                _ = conn.as_mut() => return,
+                _ = stop.wait_for(|s| *s), if !told => {
+                    told = true;
+                    conn.as_mut().graceful_shutdown();
+                }
+            }
+        }
+    }
+
+    /// HTTP/1.1: a hyper connection while requests come, parked between them when idle
+    /// (`park`); an upgrade the server accepted is spliced once hyper is done.
+    async fn serve_h1(self: &Arc<Self>, s: TcpStream, mut stop: watch::Receiver<bool>) {
+        let mut io = Parking::new(
+            super::framing::Watched::new(s, self.framing.clone()),
+            self.exchanges.clone(),
+        );
+        loop {
+            // Boxed: dropped when parked, it leaves the task small.
+            let mut conn = Box::new(
+                hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(io), self.service()),
+            );
+            let mut told = *stop.borrow();
+            if told {
+                std::pin::Pin::new(&mut *conn).graceful_shutdown();
+            }
+            let done = loop {
+                tokio::select! {
+                    r = std::future::poll_fn(|cx| conn.poll_without_shutdown(cx)) => break r,
+                    _ = stop.wait_for(|s| *s), if !told => {
+                        told = true;
+                        std::pin::Pin::new(&mut *conn).graceful_shutdown();
+                    }
+                }
+            };
+            let parts = (*conn).into_parts();
+            io = parts.io.into_inner();
+            let upgrade = lock(&self.upgrade).take();
+            if let Some(up) = upgrade {
+                splice(io.into_inner().into_inner(), parts.read_buf, up).await;
+                return;
+            }
+            if done.is_err() || !io.take_parked() || told {
+                return;
+            }
+            if !parts.read_buf.is_empty() {
+                tracing::warn!(client = %self.client, "HTTP proxy: bytes read past an idle connection's end; closed");
+                return;
+            }
+            self.proxy.parked.fetch_add(1, Ordering::Relaxed);
+            // Parked: the socket alone waits for the next request (or the client's close).
+            let _parked = ParkedNow::new(&self.proxy);
+            tokio::select! {
+                r = io.get_ref().get_ref().readable() => if r.is_err() { return },
+                _ = stop.wait_for(|s| *s) => return,
+            }
+        }
     }
 
     /// Judges one request and forwards it, or answers it.
@@ -769,7 +912,6 @@ impl Conn {
         }
         let mut req = Request::from_parts(parts, body);
         strip_hop_by_hop(req.headers_mut());
-        let downstream_upgrade = hyper::upgrade::on(&mut req);
         let sent = Instant::now();
         let result = self.forward(req).await;
         let server_time = sent.elapsed();
@@ -778,12 +920,7 @@ impl Conn {
             Ok(mut resp) => {
                 let code = resp.status().as_u16();
                 if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
-                    let up = hyper::upgrade::on(&mut resp);
-                    let tunnel = Tunnel::new(&self.tunnels);
-                    tokio::spawn(async move {
-                        splice(downstream_upgrade, up).await;
-                        drop(tunnel);
-                    });
+                    *lock(&self.upgrade) = Some(hyper::upgrade::on(&mut resp));
                 }
                 strip_hop_by_hop_response(resp.headers_mut());
                 let spent = started.elapsed().saturating_sub(server_time);
@@ -1125,17 +1262,44 @@ fn strip_hop_by_hop_response(h: &mut http::HeaderMap) {
     }
 }
 
-/// Both sides of an upgraded connection (WebSocket): bytes flow, judged no further.
-async fn splice(down: hyper::upgrade::OnUpgrade, up: hyper::upgrade::OnUpgrade) {
-    let (Ok(down), Ok(up)) = (down.await, up.await) else {
+/// Both sides of an upgraded connection (WebSocket): the bytes the client sent after its
+/// upgrade request first, then bytes flow both ways, judged no further.
+async fn splice(mut down: TcpStream, early: Bytes, up: hyper::upgrade::OnUpgrade) {
+    let Ok(up) = up.await else {
         return;
     };
-    let mut down = TokioIo::new(down);
     let mut up = TokioIo::new(up);
+    if !early.is_empty() && up.write_all(&early).await.is_err() {
+        return;
+    }
     let _ = tokio::io::copy_bidirectional(&mut down, &mut up).await;
 }
 
-/// One connection of the agent: tables in, the hello and records out.
+/// Whether a client connection starts with HTTP/2's preface (prior knowledge), peeked so that
+/// hyper reads the connection from its first byte either way.
+async fn http2_preface(s: &TcpStream) -> io::Result<bool> {
+    const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+    let deadline = Instant::now() + HELLO_TIMEOUT;
+    let mut buf = [0u8; PREFACE.len()];
+    loop {
+        let n = s.peek(&mut buf).await?;
+        if n == 0 || buf[..n] != PREFACE[..n] {
+            return Ok(false);
+        }
+        if n == PREFACE.len() {
+            return Ok(true);
+        }
+        // Part of the preface so far: wait for the rest.
+        if Instant::now() > deadline {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "a partial HTTP/2 preface",
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 async fn serve_agent(proxy: Arc<Proxy>, s: UnixStream, hello: FromProxy) {
     let (rd, mut wr) = s.into_split();
     let (tx, mut rx) = mpsc::channel::<String>(RECORDS_MAX);

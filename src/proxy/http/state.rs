@@ -20,6 +20,9 @@ pub struct ProxyView {
     pub ingress_port: Option<u16>,
     /// Why it is not connected, when known (flows to it are dropped meanwhile).
     pub error: Option<String>,
+    /// What it holds, as it last said.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub holds: Option<super::ProxyStats>,
 }
 
 #[derive(Debug)]
