@@ -72,7 +72,7 @@ spec:
         - ports: [{{port: '8080', protocol: TCP}}]
           rules:
             http:
-              - {{method: GET, path: '/.*'}}
+              - {{method: GET, path: '/x'}}
               - {{method: {verb}, path: '/edit'}}
     - {peer}: [{{matchLabels: {{app: {other}}}}}]
       toPorts:

@@ -97,6 +97,8 @@ pub struct Metrics {
     pub l7_requests: Family<VerdictOnlyLabels, Counter>,
     /// Time the HTTP proxy added to one request, without the server's.
     pub l7_proxy_latency: Histogram,
+    /// Records of requests the HTTP proxy could not hand the agent (as it last said).
+    pub l7_records_dropped: Gauge,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -154,7 +156,13 @@ impl Metrics {
             identity_journal_errors: Counter::default(),
             l7_requests: Family::default(),
             l7_proxy_latency: Histogram::new(exponential_buckets(0.000005, 2.0, 20)),
+            l7_records_dropped: Gauge::default(),
         };
+        r.register(
+            "ciliate_l7_records_dropped",
+            "Records of HTTP requests the HTTP proxy could not hand the agent since it started (no flow for them)",
+            m.l7_records_dropped.clone(),
+        );
         r.register(
             "ciliate_l7_requests",
             "HTTP requests (and TLS connections) the HTTP proxy judged, by verdict (forwarded, dropped, audit)",

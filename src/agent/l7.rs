@@ -165,7 +165,13 @@ fn handle(shared: &Shared, sink: &FlowSink, m: FromProxy) {
                 v.error = None;
             });
         }
-        FromProxy::Stats(s) => shared.http.update_proxy(|v| v.holds = Some(s)),
+        FromProxy::Stats(s) => {
+            shared
+                .metrics
+                .l7_records_dropped
+                .set(s.records_dropped as i64);
+            shared.http.update_proxy(|v| v.holds = Some(s));
+        }
         FromProxy::Record(r) => {
             shared
                 .metrics

@@ -146,6 +146,9 @@ pub struct ProxyStats {
     pub parked: u64,
     /// Idle upstream connections kept for the next request.
     pub upstream_idle: u64,
+    /// Records of requests the agent never got (it was not reading, or too slow), since start.
+    #[serde(default)]
+    pub records_dropped: u64,
 }
 
 /// One grant for a request, ready to judge by (`policy::l7::http::judge`).

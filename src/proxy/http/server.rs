@@ -131,6 +131,12 @@ fn publish(pins: &Path, ports: Option<(u16, u16, Marks)>) -> Result<(), ProxyErr
 /// Records waiting for the agent, at most (older ones are dropped and counted).
 const RECORDS_MAX: usize = 65_536;
 
+/// Records wait this long for the ones after them: one write to the agent for many.
+const RECORD_BATCH: Duration = Duration::from_millis(10);
+
+/// Batches (and other messages) queued for the agent's connection.
+const RECORD_BATCHES: usize = 1024;
+
 /// How long a connection of an endpoint the table does not know yet waits for it.
 const TABLE_WAIT: Duration = Duration::from_secs(2);
 
@@ -146,8 +152,14 @@ struct Proxy {
     conntrack: Conntrack,
     marks: Marks,
     state_dir: PathBuf,
+    /// The agent connection's writer: JSON lines, each message ending in a newline.
     records: Mutex<Option<mpsc::Sender<String>>>,
     records_dropped: AtomicU64,
+    /// Records of the last few milliseconds, for the next batch (`flush_records`).
+    pending: Mutex<Vec<L7Record>>,
+    pending_ready: tokio::sync::Notify,
+    /// To the thread that writes batches as JSON lines, off the requests' thread.
+    batches: std::sync::mpsc::SyncSender<Vec<L7Record>>,
     /// Redirected client connections open now: (client address, server, client port).
     active: Mutex<HashSet<(IpAddr, SocketAddr, u16)>>,
     /// Idle upstream connections.
@@ -204,23 +216,61 @@ impl Proxy {
             connections,
             parked: self.parked_now.load(Ordering::Relaxed),
             upstream_idle: lock(&self.pool).len() as u64,
+            records_dropped: self.records_dropped.load(Ordering::Relaxed),
         };
-        if let Ok(line) = serde_json::to_string(&FromProxy::Stats(stats)) {
+        self.send_now(&FromProxy::Stats(stats));
+    }
+
+    /// Sends one message to the agent now (dropped when the agent is not reading).
+    fn send_now(&self, m: &FromProxy) {
+        if let Ok(mut line) = serde_json::to_string(m) {
+            line.push('\n');
             if let Some(tx) = lock(&self.records).as_ref() {
                 let _ = tx.try_send(line);
             }
         }
     }
 
+    /// Keeps a request's record for the next batch (counted as dropped beyond `RECORDS_MAX`).
     fn record(&self, r: L7Record) {
-        let Ok(line) = serde_json::to_string(&FromProxy::Record(Box::new(r))) else {
-            return;
-        };
-        let sent = lock(&self.records)
-            .as_ref()
-            .is_some_and(|tx| tx.try_send(line).is_ok());
-        if !sent {
+        let mut pending = lock(&self.pending);
+        if pending.len() >= RECORDS_MAX {
             self.records_dropped.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        pending.push(r);
+        if pending.len() == 1 {
+            self.pending_ready.notify_one();
+        }
+    }
+
+    /// Hands the records kept so far to the writing thread.
+    fn flush_records(&self) {
+        let batch = std::mem::take(&mut *lock(&self.pending));
+        let n = batch.len() as u64;
+        if n > 0 && self.batches.try_send(batch).is_err() {
+            self.records_dropped.fetch_add(n, Ordering::Relaxed);
+        }
+    }
+
+    /// Writes batches of records as JSON lines to the agent's connection (one message for a
+    /// batch), on a thread of its own.
+    fn write_batches(self: Arc<Self>, rx: std::sync::mpsc::Receiver<Vec<L7Record>>) {
+        for batch in rx {
+            let n = batch.len() as u64;
+            let mut out = String::with_capacity(batch.len() * 512);
+            for r in batch {
+                if let Ok(line) = serde_json::to_string(&FromProxy::Record(Box::new(r))) {
+                    out.push_str(&line);
+                    out.push('\n');
+                }
+            }
+            let sent = lock(&self.records)
+                .as_ref()
+                .is_some_and(|tx| tx.try_send(out).is_ok());
+            if !sent {
+                self.records_dropped.fetch_add(n, Ordering::Relaxed);
+            }
         }
     }
 }
@@ -468,6 +518,7 @@ async fn serve(
         crate::proxy::local_delivery(marks.local, true)
             .map_err(|e| ProxyError::Setup("policy routing for the HTTP proxy".into(), e))?;
     }
+    let (batches, batches_rx) = std::sync::mpsc::sync_channel(RECORD_BATCHES);
     let proxy = Arc::new(Proxy {
         index: RwLock::new(Arc::new(Index::default())),
         cache: Mutex::new(RuleCache::default()),
@@ -479,12 +530,30 @@ async fn serve(
         state_dir: opts.state_dir.clone(),
         records: Mutex::new(None),
         records_dropped: AtomicU64::new(0),
+        pending: Mutex::new(Vec::new()),
+        pending_ready: tokio::sync::Notify::new(),
+        batches,
         active: Mutex::new(HashSet::new()),
         pool: Mutex::new(Pool::new(POOL_MAX_IDLE, POOL_IDLE_TIMEOUT)),
         parked: AtomicU64::new(0),
         parked_now: AtomicU64::new(0),
     });
     proxy.set_table(&kept_table(&opts.state_dir));
+    {
+        let p = proxy.clone();
+        std::thread::Builder::new()
+            .name("http-proxy-records".into())
+            .spawn(move || p.write_batches(batches_rx))
+            .map_err(setup("start the records thread"))?;
+        let p = proxy.clone();
+        tokio::spawn(async move {
+            loop {
+                p.pending_ready.notified().await;
+                tokio::time::sleep(RECORD_BATCH).await;
+                p.flush_records();
+            }
+        });
+    }
     let sock_path = super::socket_path(&opts.state_dir);
     let _ = std::fs::remove_file(&sock_path);
     let agents = UnixListener::bind(&sock_path)
@@ -1302,15 +1371,12 @@ async fn http2_preface(s: &TcpStream) -> io::Result<bool> {
 
 async fn serve_agent(proxy: Arc<Proxy>, s: UnixStream, hello: FromProxy) {
     let (rd, mut wr) = s.into_split();
-    let (tx, mut rx) = mpsc::channel::<String>(RECORDS_MAX);
-    if let Ok(line) = serde_json::to_string(&hello) {
-        let _ = tx.try_send(line);
-    }
+    let (tx, mut rx) = mpsc::channel::<String>(RECORD_BATCHES);
     *lock(&proxy.records) = Some(tx);
+    proxy.send_now(&hello);
     let writer = tokio::spawn(async move {
-        while let Some(mut line) = rx.recv().await {
-            line.push('\n');
-            if wr.write_all(line.as_bytes()).await.is_err() {
+        while let Some(lines) = rx.recv().await {
+            if wr.write_all(lines.as_bytes()).await.is_err() {
                 return;
             }
         }
