@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use std::collections::HashMap;
 
-use regex::{Regex, RegexBuilder};
+use regex::{Regex, RegexBuilder, RegexSet, RegexSetBuilder};
 use serde::{Deserialize, Serialize};
 
 /// One `http` rule, validated (regex sources as written).
@@ -264,15 +264,30 @@ struct PrefixIndex {
     /// Prefix lengths in use, ascending.
     lens: Vec<usize>,
     by_prefix: HashMap<Box<[u8]>, Vec<u32>>,
-    /// Rules with no usable prefix: always tried.
+    /// Rules with no path: always tried.
     always: Vec<u32>,
+    /// Rules whose path regex has no usable prefix (`.*/items/[0-9]+`).
+    unprefixed: Vec<u32>,
+    /// With many of those, one regex set says which of them match (`unprefixed[k]` is the
+    /// set's pattern `k`), one pass over the path instead of one regex per rule.
+    unprefixed_set: Option<RegexSet>,
 }
+
+/// With this many prefix-less path regexes or more, they are matched as one set.
+const SET_MIN: usize = 8;
+/// The compiled size one such set may reach.
+const SET_SIZE_LIMIT: usize = 64 << 20;
 
 impl PrefixIndex {
     fn new(source: &L7PortRules) -> PrefixIndex {
         let mut idx = PrefixIndex::default();
+        let mut unprefixed_patterns = Vec::new();
         for (i, r) in source.http.iter().enumerate() {
-            match r.path.as_deref().and_then(path_prefixes) {
+            let Some(path) = r.path.as_deref() else {
+                idx.always.push(i as u32);
+                continue;
+            };
+            match path_prefixes(path) {
                 Some(prefixes) => {
                     for p in prefixes {
                         idx.by_prefix
@@ -281,13 +296,27 @@ impl PrefixIndex {
                             .push(i as u32);
                     }
                 }
-                None => idx.always.push(i as u32),
+                None => {
+                    idx.unprefixed.push(i as u32);
+                    unprefixed_patterns.push(format!("^(?:{path})$"));
+                }
             }
         }
         let mut lens: Vec<usize> = idx.by_prefix.keys().map(|k| k.len()).collect();
         lens.sort_unstable();
         lens.dedup();
         idx.lens = lens;
+        // A set too large to build leaves the rules tried one by one: slower, same verdicts.
+        if unprefixed_patterns.len() >= SET_MIN {
+            idx.unprefixed_set = RegexSetBuilder::new(&unprefixed_patterns)
+                .size_limit(
+                    REGEX_SIZE_LIMIT
+                        .saturating_mul(unprefixed_patterns.len())
+                        .min(SET_SIZE_LIMIT),
+                )
+                .build()
+                .ok();
+        }
         idx
     }
 
@@ -295,6 +324,10 @@ impl PrefixIndex {
     fn candidates(&self, path: &str) -> Vec<u32> {
         let b = path.as_bytes();
         let mut out = self.always.clone();
+        match &self.unprefixed_set {
+            Some(set) => out.extend(set.matches(path).iter().map(|k| self.unprefixed[k])),
+            None => out.extend_from_slice(&self.unprefixed),
+        }
         for &len in self.lens.iter().take_while(|l| **l <= b.len()) {
             if let Some(rules) = self.by_prefix.get(&b[..len]) {
                 out.extend_from_slice(rules);
@@ -833,10 +866,11 @@ mod tests {
         let r = rules(many.clone());
         let idx = r.index.as_ref().unwrap();
         assert_eq!(
-            idx.always,
+            idx.unprefixed,
             [1001],
             "only the pattern without a literal start"
         );
+        assert!(idx.always.is_empty() && idx.unprefixed_set.is_none());
         let plain = CompiledRules {
             index: None,
             ..r.clone()
@@ -869,6 +903,55 @@ mod tests {
         assert!(r
             .first_match(&req("GET", "/api/v733/items/x", &none))
             .is_none());
+    }
+
+    #[test]
+    fn many_path_regexes_without_a_prefix_are_matched_as_one_set_and_agree_with_one_by_one() {
+        let mut many: Vec<HttpRule> = (0..300)
+            .map(|i| rule("GET", &format!(".*/item{i}/[0-9]+(/details)?")))
+            .collect();
+        many.push(rule("GET", "/fixed/[a-z]+"));
+        many.push(HttpRule {
+            path: None,
+            ..rule("POST", "/")
+        });
+        many.push(rule("GET", "(?i).*/ITEM7/.*"));
+        let r = rules(many);
+        let idx = r.index.as_ref().unwrap();
+        assert_eq!(idx.always, [301], "the rule without a path");
+        assert_eq!(idx.unprefixed.len(), 301);
+        assert!(idx.unprefixed_set.is_some());
+        let plain = CompiledRules {
+            index: None,
+            ..r.clone()
+        };
+        let none: Vec<(String, String)> = vec![];
+        for (method, path) in [
+            ("GET", "/a/item299/5"),
+            ("GET", "/x/y/item12/77/details"),
+            ("GET", "/item12/77/detail"),
+            ("GET", "/Item7/x"),
+            ("GET", "/a/item7/1"),
+            ("GET", "/fixed/abc"),
+            ("GET", "/fixed/ABC"),
+            ("POST", "/anything"),
+            ("GET", "/"),
+            ("GET", "/a/item300/1"),
+        ] {
+            assert_eq!(
+                r.first_match(&req(method, path, &none)).map(|m| m.index),
+                plain
+                    .first_match(&req(method, path, &none))
+                    .map(|m| m.index),
+                "{method} {path}"
+            );
+        }
+        let at = |m: &str, p: &str| r.first_match(&req(m, p, &none)).map(|m| m.index);
+        assert_eq!(at("GET", "/a/item299/5"), Some(299));
+        assert_eq!(at("GET", "/a/item7/1"), Some(7), "first in rule order");
+        assert_eq!(at("GET", "/Item7/x"), Some(302));
+        assert_eq!(at("POST", "/anything"), Some(301));
+        assert_eq!(at("GET", "/a/item300/1"), None);
     }
 
     #[test]
