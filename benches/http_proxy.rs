@@ -40,6 +40,14 @@ const CONNS: usize = 8;
 const RATE_CONNS: usize = 32;
 const RATE: f64 = 5000.0;
 const SECONDS: f64 = 2.0;
+
+/// `CILIATE_BENCH_HTTP_SECONDS` lengthens part 2's rounds (to profile one of them).
+fn rate_seconds() -> f64 {
+    std::env::var("CILIATE_BENCH_HTTP_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(SECONDS)
+}
 const ROUNDS: usize = 3;
 const EDITS: usize = 40;
 
@@ -236,8 +244,8 @@ status: {{podIPs: [{{ip: {s}}}]}}
     if part(2) {
         let (mut p, mut d) = (Vec::new(), Vec::new());
         for _ in 0..ROUNDS {
-            p.push(closed(ns, proxied, RATE_CONNS, SECONDS));
-            d.push(closed(ns, direct, RATE_CONNS, SECONDS));
+            p.push(closed(ns, proxied, RATE_CONNS, rate_seconds()));
+            d.push(closed(ns, direct, RATE_CONNS, rate_seconds()));
         }
         p.sort_by(f64::total_cmp);
         d.sort_by(f64::total_cmp);
