@@ -247,7 +247,8 @@ struct CompiledRule {
 /// One `toPorts` entry's HTTP rules, compiled. With many rules, only those whose path can
 /// match are tried: each path regex's literal prefixes (`regex-syntax`'s extractor) index it,
 /// and a request looks up the prefixes of its own path, one hash lookup per prefix length in
-/// use (a thousand rules on distinct paths cost a few lookups and one regex).
+/// use (a thousand rules on distinct paths cost a few lookups and one regex); path regexes
+/// without a literal prefix are matched together as one regex set.
 #[derive(Debug, Clone)]
 pub struct CompiledRules {
     source: Arc<L7PortRules>,
