@@ -10,6 +10,10 @@
 //! another kind updates the figures first.
 //!
 //! Without valgrind the test says so and passes, except under `CI=true` (`.ci/setup` installs it).
+//!
+//! The BPF programs the same way, in the verifier's processed instructions (`verified_insns`, as
+//! root): committed in `benches/bpf_insns.json`, they hold for one kernel and one clang. The
+//! per-packet times are `cargo bench --bench datapath_ab`'s (interleaved against a baseline).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -17,6 +21,97 @@ use std::process::Command;
 
 /// The largest relative change of a figure that passes.
 const TOLERANCE: f64 = 0.02;
+
+#[test]
+fn bpf_programs_keep_their_verified_instruction_counts() {
+    use ciliate::datapath::bpf::{ensure_bpffs, load_netdev_program, load_program};
+    use std::os::fd::{AsFd, AsRawFd};
+    if !nix::unistd::geteuid().is_root() {
+        assert!(
+            std::env::var("CI").map_or(true, |v| v != "true"),
+            "CI runs as root"
+        );
+        eprintln!("SKIP: loading BPF programs needs root");
+        return;
+    }
+    let root = PathBuf::from(format!("/sys/fs/bpf/ciliate-icount-{}", std::process::id()));
+    ensure_bpffs(&root).unwrap();
+    let pins = root.join("ciliate");
+    let verified = |fd: std::os::fd::BorrowedFd<'_>| {
+        let mut info = libbpf_rs::libbpf_sys::bpf_prog_info::default();
+        let mut len = std::mem::size_of_val(&info) as u32;
+        let rc = unsafe {
+            libbpf_rs::libbpf_sys::bpf_prog_get_info_by_fd(fd.as_raw_fd(), &mut info, &mut len)
+        };
+        assert_eq!(rc, 0, "bpf_prog_get_info_by_fd");
+        info.verified_insns as u64
+    };
+    let mut measured = BTreeMap::new();
+    {
+        let mut s = std::mem::MaybeUninit::uninit();
+        let ep = load_program(&mut s, &pins, 7).unwrap();
+        measured.insert(
+            "to_container".to_string(),
+            verified(ep.progs.to_container.as_fd()),
+        );
+        measured.insert(
+            "from_container".to_string(),
+            verified(ep.progs.from_container.as_fd()),
+        );
+        let mut s = std::mem::MaybeUninit::uninit();
+        let dev = load_netdev_program(&mut s, &pins, false).unwrap();
+        measured.insert(
+            "from_netdev".to_string(),
+            verified(dev.progs.from_netdev.as_fd()),
+        );
+    }
+    let _ = std::fs::remove_dir_all(&root);
+    check("bpf_insns.json", &measured);
+}
+
+/// Compares `measured` with the figures committed in `benches/NAME` (or, with
+/// `CILIATE_ICOUNT_UPDATE=1`, writes them there).
+fn check(name: &str, measured: &BTreeMap<String, u64>) {
+    let figures = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("benches")
+        .join(name);
+    if std::env::var("CILIATE_ICOUNT_UPDATE").is_ok_and(|v| v == "1") {
+        let text = serde_json::to_string_pretty(measured).unwrap();
+        std::fs::write(&figures, text + "\n").unwrap();
+        eprintln!("updated {}: {measured:?}", figures.display());
+        return;
+    }
+    let committed: BTreeMap<String, u64> =
+        serde_json::from_str(&std::fs::read_to_string(&figures).unwrap()).unwrap();
+    let mut report = Vec::new();
+    let mut moved = false;
+    for (case, &now) in measured {
+        let Some(&then) = committed.get(case) else {
+            moved = true;
+            report.push(format!("{case}: {now} instructions, no committed figure"));
+            continue;
+        };
+        let ratio = now as f64 / then as f64;
+        let out = (ratio - 1.0).abs() > TOLERANCE;
+        moved |= out;
+        report.push(format!(
+            "{case}: {now} instructions against {then} committed ({:+.2} %){}",
+            (ratio - 1.0) * 100.0,
+            if out { "  <- moved" } else { "" }
+        ));
+    }
+    for case in committed.keys().filter(|c| !measured.contains_key(*c)) {
+        moved = true;
+        report.push(format!("{case}: committed, but no such case any more"));
+    }
+    eprintln!("{}", report.join("\n"));
+    assert!(
+        !moved,
+        "instruction counts in benches/{name} moved by more than {:.0} %:\n{}\n(a change made on purpose updates the figures: CILIATE_ICOUNT_UPDATE=1 cargo test --test icount)",
+        TOLERANCE * 100.0,
+        report.join("\n")
+    );
+}
 
 #[test]
 fn engine_hot_paths_keep_their_instruction_counts() {
@@ -41,43 +136,7 @@ fn engine_hot_paths_keep_their_instruction_counts() {
         .iter()
         .map(|c| (c.clone(), instructions(&bin, c)))
         .collect();
-    let figures = repo.join("benches/icount.json");
-    if std::env::var("CILIATE_ICOUNT_UPDATE").is_ok_and(|v| v == "1") {
-        let text = serde_json::to_string_pretty(&measured).unwrap();
-        std::fs::write(&figures, text + "\n").unwrap();
-        eprintln!("updated {}: {measured:?}", figures.display());
-        return;
-    }
-    let committed: BTreeMap<String, u64> =
-        serde_json::from_str(&std::fs::read_to_string(&figures).unwrap()).unwrap();
-    let mut report = Vec::new();
-    let mut moved = false;
-    for (case, &now) in &measured {
-        let Some(&then) = committed.get(case) else {
-            moved = true;
-            report.push(format!("{case}: {now} instructions, no committed figure"));
-            continue;
-        };
-        let ratio = now as f64 / then as f64;
-        let out = (ratio - 1.0).abs() > TOLERANCE;
-        moved |= out;
-        report.push(format!(
-            "{case}: {now} instructions against {then} committed ({:+.2} %){}",
-            (ratio - 1.0) * 100.0,
-            if out { "  <- moved" } else { "" }
-        ));
-    }
-    for case in committed.keys().filter(|c| !measured.contains_key(*c)) {
-        moved = true;
-        report.push(format!("{case}: committed, but no such case any more"));
-    }
-    eprintln!("{}", report.join("\n"));
-    assert!(
-        !moved,
-        "instruction counts moved by more than {:.0} %:\n{}\n(a change made on purpose updates benches/icount.json: CILIATE_ICOUNT_UPDATE=1 cargo test --test icount)",
-        TOLERANCE * 100.0,
-        report.join("\n")
-    );
+    check("icount.json", &measured);
 }
 
 /// Builds `benches/icount.rs` with the bench (release) profile; its executable.
