@@ -154,7 +154,7 @@ impl EndpointPolicy {
                 if self.direction(d).isolated_by.is_empty() {
                     Decision::NotIsolated
                 } else {
-                    Decision::Allowed(e.derived_from.clone())
+                    Decision::Allowed(e.derived_from.to_vec())
                 }
             }
             MapVerdict::NoMatch => {
@@ -751,11 +751,15 @@ impl PolicyEngine {
         ep: &EndpointView,
         peers: Option<&BTreeSet<NumericIdentity>>,
     ) -> EndpointPolicy {
-        let rules = self.rules_for(ep);
         let mut out = EndpointPolicy {
             revision: self.repo.revision(),
             ..Default::default()
         };
+        // Most endpoints of a large cluster are selected by no rule at all: nothing to build.
+        if !ep.host && self.selectors.selecting(ep.identity).next().is_none() {
+            return out;
+        }
+        let rules = self.rules_for(ep);
         // Rules arrive grouped by policy, and all rules of one policy share one key `Arc`, so
         // "already listed" is a pointer comparison with the last element.
         fn push_once(v: &mut Vec<Arc<PolicyKey>>, k: &Arc<PolicyKey>) {

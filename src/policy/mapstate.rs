@@ -9,6 +9,7 @@
 //! otherwise the direction's default applies (deny when isolated, allow when not).
 
 use rustc_hash::FxHashMap as HashMap;
+use smallvec::SmallVec;
 use std::sync::Arc;
 
 use super::attribution::{entry_cookie, Cookie, MatchKind, PolicyRef};
@@ -32,11 +33,15 @@ pub struct MapKey {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MapEntry {
     pub deny: bool,
-    pub derived_from: Vec<Arc<RuleOrigin>>,
+    /// Nearly always one or two rules: kept inline.
+    pub derived_from: Origins,
     /// Allows only, once a contribution carries L7 rules: every contribution with its L7 part
     /// (`None`: an L3/L4 allow, every request). Absent: no contribution has L7 rules.
     pub l7: Option<Box<Vec<L7Grant>>>,
 }
+
+/// The rules an entry was derived from.
+pub type Origins = SmallVec<[Arc<RuleOrigin>; 2]>;
 
 /// One allowing contribution to an entry and the L7 rules it comes with.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -102,10 +107,13 @@ struct Slot {
     entry: MapEntry,
 }
 
+/// The entries of one (direction, identity): most peers have one, kept inline.
+type Slots = SmallVec<[Slot; 1]>;
+
 /// All entries of one endpoint, grouped by (direction, identity) so a lookup probes two groups.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct MapState {
-    groups: HashMap<(Direction, NumericIdentity), Vec<Slot>>,
+    groups: HashMap<(Direction, NumericIdentity), Slots>,
     len: usize,
 }
 
@@ -186,7 +194,7 @@ impl MapState {
         }
         let mut entry = MapEntry {
             deny,
-            derived_from: vec![],
+            derived_from: Origins::new(),
             l7: None,
         };
         entry.grant(origin, rules);
@@ -360,43 +368,76 @@ impl MapState {
         self.groups.extend(part.groups);
     }
 
-    /// The changes that turn `realized` into `self`.
+    /// The changes that turn `realized` into `self`, upserts and deletes sorted by key (only
+    /// the changed entries are sorted, not every entry).
     pub fn diff_from(&self, realized: &MapState) -> MapDelta {
         let mut delta = MapDelta::default();
-        // Entries mostly share their origin lists: hash each distinct one once.
-        let mut known: HashMap<(Vec<usize>, MatchKind), Cookie> = HashMap::default();
-        for (k, e) in self.entries() {
-            match realized.get(&k) {
-                Some(old)
-                    if old.deny == e.deny
-                        && old.derived_from == e.derived_from
-                        && old.redirect() == e.redirect() => {}
-                _ => {
-                    delta.upserts.push((k, e.deny));
-                    if e.redirect() {
-                        delta.redirects.insert(k);
-                    }
-                    let kind = MatchKind::of_entry(&k, e.deny);
-                    let ptrs = e
-                        .derived_from
-                        .iter()
-                        .map(|o| Arc::as_ptr(o) as usize)
-                        .collect();
-                    let cookie = *known.entry((ptrs, kind)).or_insert_with(|| {
-                        let (cookie, refs) = entry_cookie(&e.derived_from, kind);
-                        delta.attributions.push((cookie, kind, refs));
-                        cookie
+        let mut changed: Vec<(MapKey, &MapEntry)> = Vec::new();
+        for (&(direction, identity), slots) in &self.groups {
+            let old = realized.groups.get(&(direction, identity));
+            for s in slots {
+                let same = old
+                    .and_then(|o| o.iter().find(|o| o.same_ports(s)))
+                    .is_some_and(|o| {
+                        o.entry.deny == s.entry.deny
+                            && o.entry.derived_from == s.entry.derived_from
+                            && o.entry.redirect() == s.entry.redirect()
                     });
-                    delta.cookies.insert(k, cookie);
+                if !same {
+                    changed.push((s.key(direction, identity), &s.entry));
                 }
             }
         }
-        for (k, _) in realized.entries() {
-            if self.get(&k).is_none() {
-                delta.deletes.push(k);
+        changed.sort_unstable_by_key(|(k, _)| *k);
+        // Entries mostly share their origin lists: hash each distinct one once.
+        let mut known: HashMap<(SmallVec<[usize; 2]>, MatchKind), Cookie> = HashMap::default();
+        delta.upserts.reserve(changed.len());
+        for (k, e) in changed {
+            delta.upserts.push((k, e.deny));
+            if e.redirect() {
+                delta.redirects.insert(k);
+            }
+            let kind = MatchKind::of_entry(&k, e.deny);
+            let ptrs = e
+                .derived_from
+                .iter()
+                .map(|o| Arc::as_ptr(o) as usize)
+                .collect();
+            let cookie = *known.entry((ptrs, kind)).or_insert_with(|| {
+                let (cookie, refs) = entry_cookie(&e.derived_from, kind);
+                delta.attributions.push((cookie, kind, refs));
+                cookie
+            });
+            delta.cookies.insert(k, cookie);
+        }
+        for (&(direction, identity), slots) in &realized.groups {
+            let now = self.groups.get(&(direction, identity));
+            for s in slots {
+                if !now.is_some_and(|n| n.iter().any(|n| n.same_ports(s))) {
+                    delta.deletes.push(s.key(direction, identity));
+                }
             }
         }
+        delta.deletes.sort_unstable();
         delta
+    }
+}
+
+impl Slot {
+    fn same_ports(&self, other: &Slot) -> bool {
+        self.protocol == other.protocol
+            && self.port_lo == other.port_lo
+            && self.port_hi == other.port_hi
+    }
+
+    fn key(&self, direction: Direction, identity: NumericIdentity) -> MapKey {
+        MapKey {
+            direction,
+            identity,
+            protocol: self.protocol,
+            port_lo: self.port_lo,
+            port_hi: self.port_hi,
+        }
     }
 }
 
