@@ -110,9 +110,42 @@ struct Proxy {
     learn_timeout: Duration,
     /// Each pod's share of the proxy (`limit`).
     limiter: Arc<super::limit::SourceLimiter>,
+    /// Transparent sockets bound to the servers pods asked (an answer's source), kept for the
+    /// next answer from the same server instead of one socket per answer. A pod chooses the
+    /// server address, so there are at most `REPLY_SOCKETS` (then all are dropped and made
+    /// anew).
+    replies: Mutex<HashMap<SocketAddr, Arc<Socket>>>,
 }
 
+/// Answer sockets kept at most.
+const REPLY_SOCKETS: usize = 256;
+
 impl Proxy {
+    /// Sends `answer` to `to` from `from` (the server the pod asked).
+    fn reply(&self, from: SocketAddr, to: SocketAddr, answer: &[u8]) -> io::Result<()> {
+        let s = {
+            let mut kept = self.replies.lock().unwrap_or_else(|p| p.into_inner());
+            match kept.get(&from) {
+                Some(s) => s.clone(),
+                None => {
+                    if kept.len() >= REPLY_SOCKETS {
+                        kept.clear();
+                    }
+                    let s = Arc::new(answer_socket(from)?);
+                    kept.insert(from, s.clone());
+                    s
+                }
+            }
+        };
+        s.send_to(answer, &to.into()).map(|_| ()).inspect_err(|_| {
+            // A socket that failed is not kept: the next answer makes a new one.
+            self.replies
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&from);
+        })
+    }
+
     fn to_agent(&self, m: &FromProxy) -> bool {
         let Ok(line) = serde_json::to_string(m) else {
             return false;
@@ -402,9 +435,10 @@ fn recv_with_dst(fd: i32, buf: &mut [u8]) -> io::Result<(usize, SocketAddr, Sock
     }
 }
 
-/// Sends `answer` to `to` from `from` (the server the pod asked): a transparent socket bound
-/// to that address and port, for this one datagram.
-fn send_from(from: SocketAddr, to: SocketAddr, answer: &[u8]) -> io::Result<()> {
+/// A transparent socket bound to `from` (a server's address and port) that answers pods in its
+/// name. It only sends: the pods' queries reach the proxy's own socket (assigned by the
+/// datapath), so its receive buffer is kept to the minimum.
+fn answer_socket(from: SocketAddr) -> io::Result<Socket> {
     let s = Socket::new(Domain::for_address(from), Type::DGRAM, Some(Protocol::UDP))?;
     s.set_reuse_address(true)?;
     s.set_reuse_port(true)?;
@@ -412,9 +446,9 @@ fn send_from(from: SocketAddr, to: SocketAddr, answer: &[u8]) -> io::Result<()> 
     if from.is_ipv6() {
         ipv6_transparent(&s)?;
     }
+    s.set_recv_buffer_size(0)?;
     s.bind(&from.into())?;
-    s.send_to(answer, &to.into())?;
-    Ok(())
+    Ok(s)
 }
 
 /// Asks the server the pod asked, over UDP, and waits for the answer with the query's id.
@@ -427,12 +461,14 @@ async fn upstream_udp(dst: SocketAddr, q: &wire::Question) -> io::Result<Vec<u8>
     let s = UdpSocket::bind(bind).await?;
     s.connect(dst).await?;
     s.send(&q.forward).await?;
-    let mut buf = vec![0u8; 65535];
+    // Room for the largest datagram, not zeroed: recv_buf fills the spare capacity.
+    let mut buf = Vec::with_capacity(65535);
     tokio::time::timeout(Duration::from_secs(5), async {
         loop {
-            let n = s.recv(&mut buf).await?;
-            if wire::addresses(&buf[..n], q).is_some() {
-                return Ok(buf[..n].to_vec());
+            buf.clear();
+            s.recv_buf(&mut buf).await?;
+            if wire::addresses(&buf, q).is_some() {
+                return Ok(buf.to_vec());
             }
         }
     })
@@ -487,7 +523,7 @@ async fn serve_udp(proxy: Arc<Proxy>, sock: Arc<UdpSocket>) {
             let started = Instant::now();
             let (now, forward) = proxy.judge(&query, src.ip(), dst, 17);
             if let Some(answer) = now {
-                let _ = send_from(dst, src, &answer);
+                let _ = proxy.reply(dst, src, &answer);
                 return;
             }
             let Some((q, endpoint, pod, policies)) = forward else {
@@ -499,7 +535,7 @@ async fn serve_udp(proxy: Arc<Proxy>, sock: Arc<UdpSocket>) {
                     proxy
                         .answered(&q, endpoint, &pod, policies, &answer, spent)
                         .await;
-                    if let Err(e) = send_from(dst, src, &answer) {
+                    if let Err(e) = proxy.reply(dst, src, &answer) {
                         tracing::warn!(error = %e, %dst, %src, "DNS proxy: cannot answer the pod");
                     }
                 }
@@ -702,6 +738,7 @@ pub fn run(opts: ProxyOptions) -> Result<(), ProxyError> {
             seq: AtomicU64::new(0),
             learn_timeout: opts.learn_timeout,
             limiter: super::limit::SourceLimiter::new(opts.source_limits),
+            replies: Mutex::new(HashMap::new()),
         });
         let agents = UnixListener::bind(&sock_path)
             .map_err(setup(format!("listen on {}", sock_path.display())))?;
