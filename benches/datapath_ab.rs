@@ -40,11 +40,12 @@ use libbpf_rs::{
 use ciliate::datapath::bpf::datapath::BpfDatapath;
 use ciliate::datapath::bpf::ensure_bpffs;
 use ciliate::datapath::{Datapath, EndpointAttachment, EndpointFlags};
-use ciliate::policy::mapstate::{MapDelta, MapKey};
-use ciliate::policy::rule::{Direction, PROTO_TCP};
+use ciliate::policy::mapstate::MapDelta;
 
-const SYN: u8 = 0x02;
-const ACK: u8 = 0x10;
+#[path = "shared/packets.rs"]
+mod packets;
+use packets::{addr, packet, tcp_in, ACK, SYN};
+
 const EP: u32 = 7;
 /// Repeats of one packet per timed run (their events fit in the 1 MiB ring buffer).
 const RUNS: u32 = 10_000;
@@ -469,16 +470,6 @@ fn load(path: &Path, shared: &Path, private: &Path, allow_events: Option<bool>) 
     Loaded { obj, notes }
 }
 
-fn tcp_in(identity: u32, port: u16) -> MapKey {
-    MapKey {
-        direction: Direction::Ingress,
-        identity,
-        protocol: PROTO_TCP,
-        port_lo: port,
-        port_hi: port,
-    }
-}
-
 /// The datapath bench's state: 100,000 ipcache entries, endpoint `EP` allowing identities
 /// 1000..17383 on TCP/80 at ingress, default deny.
 fn fill(dp: &mut BpfDatapath) {
@@ -511,24 +502,4 @@ fn fill(dp: &mut BpfDatapath) {
         ..Default::default()
     };
     dp.sync_policy(EP as u16, flags, &delta, true).unwrap();
-}
-
-fn addr(i: u32) -> [u8; 4] {
-    [10, 100 + (i >> 16) as u8, (i >> 8) as u8, i as u8]
-}
-
-fn packet(src: [u8; 4], dst: [u8; 4], sport: u16, dport: u16, tcp_flags: u8) -> Vec<u8> {
-    let mut p = vec![0u8; 14 + 20 + 20];
-    p[12] = 0x08;
-    p[14] = 0x45;
-    p[16..18].copy_from_slice(&40u16.to_be_bytes());
-    p[22] = 64;
-    p[23] = 6;
-    p[26..30].copy_from_slice(&src);
-    p[30..34].copy_from_slice(&dst);
-    p[34..36].copy_from_slice(&sport.to_be_bytes());
-    p[36..38].copy_from_slice(&dport.to_be_bytes());
-    p[46] = 0x50;
-    p[47] = tcp_flags;
-    p
 }

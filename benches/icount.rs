@@ -29,7 +29,10 @@ use ciliate::policy::mapstate::{MapKey, MapState};
 use ciliate::policy::rule::{Direction, PolicyKey, PolicyKind, RuleOrigin, Section, PROTO_TCP};
 use ciliate::policy::selector::{LabelSelector, Requirement, Selector};
 use ciliate::policy::selector_cache::SelectorCache;
-use ciliate::policy::translate::parse_policy;
+
+#[path = "shared/engine.rs"]
+mod engine;
+use engine::{add_policy, pod_labels};
 
 const CASES: [&str; 6] = [
     "resolve_no_match",
@@ -53,17 +56,6 @@ fn main() {
         // `cargo bench` runs every bench binary with `--bench`: nothing to time here.
         _ => println!("icount: instruction counts run by `cargo test --test icount` (valgrind)"),
     }
-}
-
-fn pod_labels(ns: &str, app: &str) -> Labels {
-    let pod: BTreeMap<String, String> = [("app".to_string(), app.to_string())].into();
-    Labels::for_pod(ns, &pod, &BTreeMap::new(), Some("default"))
-}
-
-fn add_policy(engine: &mut PolicyEngine, yaml: &str) {
-    let doc: serde_yaml::Value = serde_yaml::from_str(yaml).expect("icount policy is YAML");
-    let p = parse_policy(&doc, "default", "icount").expect("icount policy is valid");
-    engine.upsert_policy(p);
 }
 
 fn resolve_no_match() {

@@ -6,8 +6,6 @@
 //! - `simulate/world_5000_pods`: `simulate` on 5,000 pods, 500 namespaces, 2,000 policies and
 //!   10,000 probes, YAML parsing included.
 
-use std::collections::BTreeMap;
-
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
 
 use ciliate::policy::engine::{EndpointView, PolicyEngine};
@@ -15,19 +13,11 @@ use ciliate::policy::identity::IdentityInfo;
 use ciliate::policy::labels::{Label, Labels};
 use ciliate::policy::selector::{LabelSelector, Operator, Requirement, Selector};
 use ciliate::policy::selector_cache::SelectorCache;
-use ciliate::policy::translate::parse_policy;
 use ciliate::simulate::generate::{generate_world, WorldSize};
 
-fn pod_labels(ns: &str, app: &str) -> Labels {
-    let pod: BTreeMap<String, String> = [("app".to_string(), app.to_string())].into();
-    Labels::for_pod(ns, &pod, &BTreeMap::new(), Some("default"))
-}
-
-fn add_policy(engine: &mut PolicyEngine, yaml: &str) {
-    let doc: serde_yaml::Value = serde_yaml::from_str(yaml).expect("bench policy is YAML");
-    let p = parse_policy(&doc, "default", "bench").expect("bench policy is valid");
-    engine.upsert_policy(p);
-}
+#[path = "shared/engine.rs"]
+mod engine;
+use engine::{add_policy, pod_labels};
 
 /// A pod endpoint of `identity` with `labels`, without named ports.
 fn pod_view(

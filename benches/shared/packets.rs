@@ -1,0 +1,47 @@
+//! Datapath bench helpers shared by `benches/datapath.rs` and `benches/datapath_ab.rs`: test
+//! packets, peer addresses and policy keys.
+#![allow(dead_code)]
+
+use ciliate::policy::mapstate::MapKey;
+use ciliate::policy::rule::{Direction, PROTO_TCP};
+
+pub const SYN: u8 = 0x02;
+pub const ACK: u8 = 0x10;
+
+/// The ingress key of `identity` on TCP `port`.
+pub fn tcp_in(identity: u32, port: u16) -> MapKey {
+    MapKey {
+        direction: Direction::Ingress,
+        identity,
+        protocol: PROTO_TCP,
+        port_lo: port,
+        port_hi: port,
+    }
+}
+
+/// Ingress entries allowing identities 1000.. 17383 on TCP/80.
+pub fn allow_16k() -> Vec<(MapKey, bool)> {
+    (0..16_384u32)
+        .map(|i| (tcp_in(1000 + i, 80), false))
+        .collect()
+}
+
+pub fn packet(src: [u8; 4], dst: [u8; 4], sport: u16, dport: u16, tcp_flags: u8) -> Vec<u8> {
+    let mut p = vec![0u8; 14 + 20 + 20];
+    p[12] = 0x08;
+    p[14] = 0x45;
+    p[16..18].copy_from_slice(&40u16.to_be_bytes());
+    p[22] = 64;
+    p[23] = 6;
+    p[26..30].copy_from_slice(&src);
+    p[30..34].copy_from_slice(&dst);
+    p[34..36].copy_from_slice(&sport.to_be_bytes());
+    p[36..38].copy_from_slice(&dport.to_be_bytes());
+    p[46] = 0x50;
+    p[47] = tcp_flags;
+    p
+}
+
+pub fn addr(i: u32) -> [u8; 4] {
+    [10, 100 + (i >> 16) as u8, (i >> 8) as u8, i as u8]
+}
