@@ -114,35 +114,59 @@ struct Proxy {
     /// next answer from the same server instead of one socket per answer. A pod chooses the
     /// server address, so there are at most `REPLY_SOCKETS` (then all are dropped and made
     /// anew).
-    replies: Mutex<HashMap<SocketAddr, Arc<Socket>>>,
+    replies: Mutex<Kept<SocketAddr, Arc<Socket>>>,
 }
 
 /// Answer sockets kept at most.
 const REPLY_SOCKETS: usize = 256;
 
+/// Values kept by key, at most `max` of them: past that, all are dropped and made anew (what a
+/// pod can make the proxy keep is bounded; a pod cycling through addresses costs itself new
+/// sockets, not the proxy memory).
+struct Kept<K, V> {
+    map: HashMap<K, V>,
+    max: usize,
+}
+
+impl<K: std::hash::Hash + Eq + Copy, V: Clone> Kept<K, V> {
+    fn new(max: usize) -> Self {
+        Kept {
+            map: HashMap::new(),
+            max,
+        }
+    }
+
+    /// The value kept for `k`, or a new one from `make` (kept unless making it failed).
+    fn get_or_make<E>(&mut self, k: K, make: impl FnOnce() -> Result<V, E>) -> Result<V, E> {
+        if let Some(v) = self.map.get(&k) {
+            return Ok(v.clone());
+        }
+        if self.map.len() >= self.max {
+            self.map.clear();
+        }
+        let v = make()?;
+        self.map.insert(k, v.clone());
+        Ok(v)
+    }
+
+    fn forget(&mut self, k: &K) {
+        self.map.remove(k);
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.map.len()
+    }
+}
+
 impl Proxy {
     /// Sends `answer` to `to` from `from` (the server the pod asked).
     fn reply(&self, from: SocketAddr, to: SocketAddr, answer: &[u8]) -> io::Result<()> {
-        let s = {
-            let mut kept = self.replies.lock().unwrap_or_else(|p| p.into_inner());
-            match kept.get(&from) {
-                Some(s) => s.clone(),
-                None => {
-                    if kept.len() >= REPLY_SOCKETS {
-                        kept.clear();
-                    }
-                    let s = Arc::new(answer_socket(from)?);
-                    kept.insert(from, s.clone());
-                    s
-                }
-            }
-        };
+        let replies = || self.replies.lock().unwrap_or_else(|p| p.into_inner());
+        let s = replies().get_or_make(from, || answer_socket(from).map(Arc::new))?;
         s.send_to(answer, &to.into()).map(|_| ()).inspect_err(|_| {
             // A socket that failed is not kept: the next answer makes a new one.
-            self.replies
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove(&from);
+            replies().forget(&from);
         })
     }
 
@@ -738,7 +762,7 @@ pub fn run(opts: ProxyOptions) -> Result<(), ProxyError> {
             seq: AtomicU64::new(0),
             learn_timeout: opts.learn_timeout,
             limiter: super::limit::SourceLimiter::new(opts.source_limits),
-            replies: Mutex::new(HashMap::new()),
+            replies: Mutex::new(Kept::new(REPLY_SOCKETS)),
         });
         let agents = UnixListener::bind(&sock_path)
             .map_err(setup(format!("listen on {}", sock_path.display())))?;
@@ -788,4 +812,37 @@ pub fn run(opts: ProxyOptions) -> Result<(), ProxyError> {
         let _ = std::fs::remove_file(&sock_path);
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn answer_sockets_kept_are_bounded_however_many_servers_pods_name() {
+        let mut kept: Kept<SocketAddr, u32> = Kept::new(REPLY_SOCKETS);
+        let mut made = 0u32;
+        // A pod naming 10,000 distinct servers (addresses it chose) in turn.
+        for i in 0..10_000u32 {
+            let server = SocketAddr::from(([10, (i >> 16) as u8, (i >> 8) as u8, i as u8], 53));
+            kept.get_or_make(server, || {
+                made += 1;
+                Ok::<_, ()>(i)
+            })
+            .unwrap();
+            assert!(kept.len() <= REPLY_SOCKETS, "{} kept", kept.len());
+        }
+        assert_eq!(made, 10_000);
+        // The usual case: one server, one socket made and reused.
+        let dns: SocketAddr = "10.96.0.10:53".parse().unwrap();
+        let first = kept.get_or_make(dns, || Ok::<_, ()>(7)).unwrap();
+        let again = kept.get_or_make(dns, || Ok::<_, ()>(8)).unwrap();
+        assert_eq!((first, again), (7, 7));
+        // A value that could not be made is not kept; one forgotten is made anew.
+        let other: SocketAddr = "10.96.0.11:53".parse().unwrap();
+        assert_eq!(kept.get_or_make(other, || Err::<u32, _>("no")), Err("no"));
+        assert_eq!(kept.get_or_make(other, || Ok::<_, &str>(9)), Ok(9));
+        kept.forget(&other);
+        assert_eq!(kept.get_or_make(other, || Ok::<_, &str>(10)), Ok(10));
+    }
 }
