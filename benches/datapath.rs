@@ -23,7 +23,7 @@ use ciliate::policy::mapstate::MapDelta;
 
 #[path = "shared/packets.rs"]
 mod packets;
-use packets::{addr, allow_16k, packet, tcp_in, ACK, SYN};
+use packets::{addr, allow_16k, fill_ipcache, packet, tcp_in, ACK, SYN};
 
 fn main() {
     if !std::env::args().any(|a| a == "--bench") {
@@ -42,16 +42,7 @@ fn main() {
     // 100,000 ipcache entries, 16,384 policy entries (one per peer identity, TCP 80).
     let mut dp = BpfDatapath::open(&root).unwrap();
     let t = Instant::now();
-    for i in 0..100_000u32 {
-        let a = addr(i);
-        dp.upsert_ipcache(
-            format!("{}.{}.{}.{}/32", a[0], a[1], a[2], a[3])
-                .parse()
-                .unwrap(),
-            1000 + i,
-        )
-        .unwrap();
-    }
+    fill_ipcache(&mut dp);
     println!(
         "ipcache: 100000 entries written in {:.2}s",
         t.elapsed().as_secs_f64()

@@ -44,7 +44,7 @@ use ciliate::policy::mapstate::MapDelta;
 
 #[path = "shared/packets.rs"]
 mod packets;
-use packets::{addr, packet, tcp_in, ACK, SYN};
+use packets::{addr, allow_16k, fill_ipcache, packet, ACK, SYN};
 
 const EP: u32 = 7;
 /// Repeats of one packet per timed run (their events fit in the 1 MiB ring buffer).
@@ -473,16 +473,7 @@ fn load(path: &Path, shared: &Path, private: &Path, allow_events: Option<bool>) 
 /// The datapath bench's state: 100,000 ipcache entries, endpoint `EP` allowing identities
 /// 1000..17383 on TCP/80 at ingress, default deny.
 fn fill(dp: &mut BpfDatapath) {
-    for i in 0..100_000u32 {
-        let a = addr(i);
-        dp.upsert_ipcache(
-            format!("{}.{}.{}.{}/32", a[0], a[1], a[2], a[3])
-                .parse()
-                .unwrap(),
-            1000 + i,
-        )
-        .unwrap();
-    }
+    fill_ipcache(dp);
     dp.attach_endpoint(&EndpointAttachment {
         id: EP as u16,
         interface: None,
@@ -496,9 +487,7 @@ fn fill(dp: &mut BpfDatapath) {
         ..Default::default()
     };
     let delta = MapDelta {
-        upserts: (0..16_384u32)
-            .map(|i| (tcp_in(1000 + i, 80), false))
-            .collect(),
+        upserts: allow_16k(),
         ..Default::default()
     };
     dp.sync_policy(EP as u16, flags, &delta, true).unwrap();

@@ -2,6 +2,8 @@
 //! packets, peer addresses and policy keys.
 #![allow(dead_code)]
 
+use ciliate::datapath::bpf::datapath::BpfDatapath;
+use ciliate::datapath::Datapath;
 use ciliate::policy::mapstate::MapKey;
 use ciliate::policy::rule::{Direction, PROTO_TCP};
 
@@ -44,4 +46,18 @@ pub fn packet(src: [u8; 4], dst: [u8; 4], sport: u16, dport: u16, tcp_flags: u8)
 
 pub fn addr(i: u32) -> [u8; 4] {
     [10, 100 + (i >> 16) as u8, (i >> 8) as u8, i as u8]
+}
+
+/// 100,000 ipcache host entries: `addr(i)` has identity `1000 + i`.
+pub fn fill_ipcache(dp: &mut BpfDatapath) {
+    for i in 0..100_000u32 {
+        let a = addr(i);
+        dp.upsert_ipcache(
+            format!("{}.{}.{}.{}/32", a[0], a[1], a[2], a[3])
+                .parse()
+                .unwrap(),
+            1000 + i,
+        )
+        .unwrap();
+    }
 }
