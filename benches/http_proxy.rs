@@ -12,7 +12,8 @@
 //!    p50 and p99 of both, and their difference (goal: p50 <= 50 us, p99 <= 500 us).
 //! 2. Highest rate: as many requests as `RATE_CONNS` connections answer (closed loop), for
 //!    `SECONDS`, through the proxy and straight, alternating `ROUNDS` times: the ratio of the
-//!    medians (goal >= 0.5).
+//!    medians (goal >= 0.5), and the CPU time the proxy and the agent spent per proxied
+//!    request (steadier than the rates, for A/B comparisons).
 //! 3. Idle connections: `IDLE` connections through the proxy, each after one request: the
 //!    proxy's RSS before and after (goal <= 150 MiB).
 //! 4. Many rules: 1,000 path regexes on one port (in process, the proxy's own matcher): the
@@ -150,6 +151,22 @@ fn closed(netns: &str, to: SocketAddr, conns: usize, secs: f64) -> f64 {
     threads.into_iter().map(|t| t.join().unwrap()).sum::<u64>() as f64 / secs
 }
 
+/// CPU time a process's threads have run, in ns (`/proc/PID/task/*/schedstat`).
+fn cpu_ns(pid: u64) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0;
+    };
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .filter_map(|s| {
+            s.split_whitespace()
+                .next()
+                .and_then(|v| v.parse::<u64>().ok())
+        })
+        .sum()
+}
+
 fn rss_kib(pid: u64) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
@@ -242,9 +259,16 @@ status: {{podIPs: [{{ip: {s}}}]}}
         );
     }
     if part(2) {
+        let agent_pid = agent.child.as_ref().map_or(0, |c| c.id() as u64);
         let (mut p, mut d) = (Vec::new(), Vec::new());
+        let (mut proxy_ns, mut agent_ns, mut requests) = (0u64, 0u64, 0f64);
         for _ in 0..ROUNDS {
-            p.push(closed(ns, proxied, RATE_CONNS, rate_seconds()));
+            let (p0, a0) = (cpu_ns(proxy_pid), cpu_ns(agent_pid));
+            let rate = closed(ns, proxied, RATE_CONNS, rate_seconds());
+            proxy_ns += cpu_ns(proxy_pid) - p0;
+            agent_ns += cpu_ns(agent_pid) - a0;
+            requests += rate * rate_seconds();
+            p.push(rate);
             d.push(closed(ns, direct, RATE_CONNS, rate_seconds()));
         }
         p.sort_by(f64::total_cmp);
@@ -256,6 +280,11 @@ status: {{podIPs: [{{ip: {s}}}]}}
         println!(
             "   through the proxy {pm:.0}/s (rounds {p:.0?}); straight {dm:.0}/s (rounds {d:.0?}); ratio {:.2}",
             pm / dm
+        );
+        println!(
+            "   CPU per proxied request: proxy {:.1} us, agent {:.1} us",
+            proxy_ns as f64 / requests / 1000.0,
+            agent_ns as f64 / requests / 1000.0
         );
     }
     if part(3) {
