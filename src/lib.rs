@@ -16,6 +16,7 @@ pub mod endpoint;
 pub mod introspect;
 pub mod ipam;
 pub mod k8s;
+pub mod kinds;
 pub mod limits;
 pub mod manifests;
 pub mod metrics;

@@ -1003,3 +1003,43 @@ fn the_admission_policy_lets_an_agent_write_only_its_own_nodes_slices() {
         Ok(())
     );
 }
+
+/// The ClusterRole grants `verbs` on `resource` of `group`.
+fn grants(role: &ClusterRole, group: &str, resource: &str, verbs: &[&str]) -> bool {
+    verbs.iter().all(|verb| {
+        role.rules.iter().flatten().any(|r| {
+            r.api_groups.iter().flatten().any(|g| g == group)
+                && r.resources.iter().flatten().any(|x| x == resource)
+                && r.verbs.iter().any(|v| v == verb)
+        })
+    })
+}
+
+/// The RBAC follows the kind registry: the agent may read every kind it watches and write the
+/// status of every kind whose status it reports.
+#[test]
+fn rbac_covers_every_kind_of_the_registry() {
+    let role = load_all()
+        .into_iter()
+        .find_map(|(_, o)| match o {
+            Object::ClusterRole(r) => Some(r),
+            _ => None,
+        })
+        .expect("a ClusterRole");
+    for info in ciliate::kinds::KINDS.iter() {
+        assert!(
+            grants(&role, info.group, info.plural, &["get", "list", "watch"]),
+            "the ClusterRole does not let the agent watch {} ({}/{})",
+            info.name,
+            info.group,
+            info.plural
+        );
+        let status = format!("{}/status", info.plural);
+        assert_eq!(
+            grants(&role, info.group, &status, &["patch"]),
+            info.status,
+            "{}: the ClusterRole's status grant does not match the registry",
+            info.name
+        );
+    }
+}

@@ -25,7 +25,7 @@ use actix::{Actor, Context, Handler, Message};
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use kube::api::{Api, ApiResource, DynamicObject};
+use kube::api::{Api, DynamicObject};
 use kube::runtime::watcher::{self, watcher};
 use kube::runtime::WatchStreamExt;
 use kube::Resource;
@@ -34,7 +34,6 @@ use serde::de::DeserializeOwned;
 use super::feed::{Item, Origin, ToRepo, WatchFeed};
 use super::policy_repo::{NodeUpsert, PolicyRepoActor};
 use crate::introspect::{with_change, TracedAddr};
-use crate::k8s::crd::{CiliumClusterwideNetworkPolicy, CiliumNetworkPolicy};
 use crate::k8s::node::{desired_annotations, needs_update};
 use crate::k8s::slice_writer::LocalPod;
 use crate::k8s::slices::{check_slice_node, endpoint_hash, slice_pods_where, SliceObject};
@@ -50,12 +49,8 @@ const DEFAULT_NAMESPACE: &str = "default";
 /// The watched resources (`objects::Kind`, in apply order).
 pub use crate::objects::Kind as Watched;
 
-fn api_version(kind: Watched) -> &'static str {
-    match kind {
-        Watched::NetworkPolicy => "networking.k8s.io/v1",
-        Watched::CiliumNetworkPolicy | Watched::CiliumClusterwideNetworkPolicy => "cilium.io/v2",
-        _ => "v1",
-    }
+fn api_version(kind: Watched) -> String {
+    kind.info().api_version()
 }
 
 /// An object as a watcher delivers it. Policies stay untyped: the agent validates them itself
@@ -289,25 +284,9 @@ impl KubeWatcherActor {
         if self.slice_mode() {
             spawn_slice_watch(Api::<SliceObject>::all(c.clone()), me.clone());
         }
-        // The policy kinds, untyped (validated by the agent itself, field by field).
-        let np = ApiResource {
-            group: "networking.k8s.io".into(),
-            version: "v1".into(),
-            api_version: "networking.k8s.io/v1".into(),
-            kind: "NetworkPolicy".into(),
-            plural: "networkpolicies".into(),
-        };
-        let policies = [
-            (Watched::NetworkPolicy, np),
-            (
-                Watched::CiliumNetworkPolicy,
-                ApiResource::erase::<CiliumNetworkPolicy>(&()),
-            ),
-            (
-                Watched::CiliumClusterwideNetworkPolicy,
-                ApiResource::erase::<CiliumClusterwideNetworkPolicy>(&()),
-            ),
-        ];
+        // The policy kinds (the kind registry's), untyped (validated by the agent itself, field
+        // by field).
+        let policies = Watched::policies().map(|r| (r.kind, crate::k8s::api_resource(r)));
         for (kind, resource) in policies {
             spawn_watch(
                 kind,

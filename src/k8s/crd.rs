@@ -218,7 +218,8 @@ impl JsonSchema for CiliumClusterwideNetworkPolicy {
     }
 }
 
-/// Both CRDs with the file name each has under `manifests/crds/`.
+/// The CRDs with the file name each has under `manifests/crds/`: ciliate's endpoint slices and
+/// every kind the registry (`kinds::KINDS`) marks `crd`.
 pub fn crds() -> [(&'static str, CustomResourceDefinition); 3] {
     [
         ("ciliateendpointslices.yaml", super::slices::crd()),
@@ -238,6 +239,42 @@ mod tests {
         let version = &crd.spec.versions[0];
         serde_json::to_value(&version.schema.as_ref().expect("schema").open_api_v3_schema)
             .expect("schema as JSON")
+    }
+
+    #[test]
+    fn every_kind_the_registry_gives_a_crd_has_one() {
+        let crds = crds();
+        for info in crate::kinds::KINDS.iter().filter(|r| r.crd) {
+            let Some((_, crd)) = crds.iter().find(|(_, c)| c.spec.names.kind == info.name) else {
+                panic!(
+                    "{}: the registry says it has a CRD; crds() has none",
+                    info.name
+                );
+            };
+            assert_eq!(crd.spec.group, info.group, "{}", info.name);
+            assert_eq!(crd.spec.names.plural, info.plural, "{}", info.name);
+            let scope = if info.cluster_scoped {
+                "Cluster"
+            } else {
+                "Namespaced"
+            };
+            assert_eq!(crd.spec.scope, scope, "{}", info.name);
+            assert!(
+                crd.spec.versions.iter().any(|v| v.name == info.version),
+                "{}",
+                info.name
+            );
+        }
+        // And every policy CRD is a kind the registry knows.
+        for (_, crd) in &crds {
+            if crd.spec.names.kind.ends_with("Policy") {
+                assert!(
+                    crate::kinds::Kind::parse(&crd.spec.names.kind).is_some_and(|k| k.info().crd),
+                    "{}",
+                    crd.spec.names.kind
+                );
+            }
+        }
     }
 
     #[test]

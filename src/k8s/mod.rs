@@ -9,3 +9,14 @@ pub mod node;
 pub mod slice_writer;
 pub mod slices;
 pub mod status;
+
+/// The API resource of a kind of the registry (`kinds::KINDS`), for untyped clients.
+pub fn api_resource(info: &crate::kinds::KindInfo) -> kube::api::ApiResource {
+    kube::api::ApiResource {
+        group: info.group.into(),
+        version: info.version.into(),
+        api_version: info.api_version(),
+        kind: info.name.into(),
+        plural: info.plural.into(),
+    }
+}

@@ -17,14 +17,11 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
-use kube::api::{Api, ApiResource, DynamicObject, Patch, PatchParams};
+use kube::api::{Api, DynamicObject, Patch, PatchParams};
 use serde_json::json;
 
-use super::crd::{
-    CiliumClusterwideNetworkPolicy, CiliumNetworkPolicy, ConditionStatus, PolicyCondition,
-    PolicyNodeStatus, CONDITION_VALID,
-};
-use crate::policy::rule::{PolicyKey, PolicyKind};
+use super::crd::{ConditionStatus, PolicyCondition, PolicyNodeStatus, CONDITION_VALID};
+use crate::policy::rule::PolicyKey;
 
 /// What happened to a policy, as the status writer needs to know it.
 #[derive(Debug, Clone, PartialEq)]
@@ -273,10 +270,7 @@ impl StatusBook {
 }
 
 fn has_status(key: &PolicyKey) -> bool {
-    matches!(
-        key.kind,
-        PolicyKind::CiliumNetworkPolicy | PolicyKind::CiliumClusterwideNetworkPolicy
-    )
+    key.kind.has_status()
 }
 
 fn set_valid(e: &mut Entry, status: ConditionStatus, reason: &str, message: &str) {
@@ -286,18 +280,13 @@ fn set_valid(e: &mut Entry, status: ConditionStatus, reason: &str, message: &str
     e.valid = (status, reason.into(), message.into());
 }
 
-fn api_for(client: &kube::Client, key: &PolicyKey) -> Api<DynamicObject> {
-    match (&key.kind, &key.namespace) {
-        (PolicyKind::CiliumNetworkPolicy, Some(ns)) => Api::namespaced_with(
-            client.clone(),
-            ns,
-            &ApiResource::erase::<CiliumNetworkPolicy>(&()),
-        ),
-        _ => Api::all_with(
-            client.clone(),
-            &ApiResource::erase::<CiliumClusterwideNetworkPolicy>(&()),
-        ),
-    }
+/// The API of the key's kind (`has_status` kinds only: they are in the registry).
+fn api_for(client: &kube::Client, key: &PolicyKey) -> Option<Api<DynamicObject>> {
+    let resource = super::api_resource(key.kind.info()?);
+    Some(match &key.namespace {
+        Some(ns) => Api::namespaced_with(client.clone(), ns, &resource),
+        None => Api::all_with(client.clone(), &resource),
+    })
 }
 
 /// Writes policy status until every sink is dropped.
@@ -331,7 +320,7 @@ pub async fn run_status_writer(
             _ = tick.tick() => {
                 for key in book.due(Instant::now(), &options, per_tick) {
                     let Some(patch) = book.patch(&key, &node_name) else { continue };
-                    let api = api_for(&client, &key);
+                    let Some(api) = api_for(&client, &key) else { continue };
                     match api
                         .patch_status(&key.name, &PatchParams::default(), &Patch::Merge(&patch))
                         .await
@@ -359,6 +348,7 @@ pub async fn run_status_writer(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::policy::rule::PolicyKind;
 
     fn cnp(name: &str) -> PolicyKey {
         PolicyKey::new(PolicyKind::CiliumNetworkPolicy, Some("x"), name)

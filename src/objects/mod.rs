@@ -3,9 +3,7 @@
 
 pub mod addresses;
 pub mod index;
-pub mod kind;
-
-pub use kind::Kind;
+pub use crate::kinds::Kind;
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;

@@ -8,42 +8,7 @@ use std::sync::Arc;
 
 use super::selector::{LabelSelector, SelectorRef};
 
-/// The three policy kinds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum PolicyKind {
-    NetworkPolicy,
-    CiliumNetworkPolicy,
-    CiliumClusterwideNetworkPolicy,
-    /// Behaviour the agent adds on its own (e.g. allow-localhost); never parsed from input.
-    Builtin,
-}
-
-impl PolicyKind {
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            PolicyKind::NetworkPolicy => "NetworkPolicy",
-            PolicyKind::CiliumNetworkPolicy => "CiliumNetworkPolicy",
-            PolicyKind::CiliumClusterwideNetworkPolicy => "CiliumClusterwideNetworkPolicy",
-            PolicyKind::Builtin => "built-in",
-        }
-    }
-
-    pub fn from_kind(kind: &str) -> Option<Self> {
-        match kind {
-            "NetworkPolicy" => Some(PolicyKind::NetworkPolicy),
-            "CiliumNetworkPolicy" => Some(PolicyKind::CiliumNetworkPolicy),
-            "CiliumClusterwideNetworkPolicy" => Some(PolicyKind::CiliumClusterwideNetworkPolicy),
-            _ => None,
-        }
-    }
-
-    pub fn is_namespaced(&self) -> bool {
-        matches!(
-            self,
-            PolicyKind::NetworkPolicy | PolicyKind::CiliumNetworkPolicy
-        )
-    }
-}
+pub use crate::kinds::PolicyKind;
 
 /// The resource a policy came from: rules are stored, replaced and deleted by this key.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]

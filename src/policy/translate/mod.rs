@@ -18,6 +18,7 @@ use serde_yaml::Value;
 
 use super::rule::{PolicyKey, PolicyKind, Rule};
 use super::services::ServiceTable;
+use crate::kinds::Family;
 
 pub use common::{icmp_type_from_name, is_iana_service_name, parse_cidr};
 
@@ -166,9 +167,12 @@ pub fn parse_policy_with_services(
             policy: location.to_string(),
             field: "kind".into(),
             message: if kind_str.is_empty() {
-                "missing kind (expected NetworkPolicy, CiliumNetworkPolicy or CiliumClusterwideNetworkPolicy)".into()
+                format!("missing kind (expected {})", PolicyKind::expected())
             } else {
-                format!("unsupported kind {kind_str:?} (expected NetworkPolicy, CiliumNetworkPolicy or CiliumClusterwideNetworkPolicy)")
+                format!(
+                    "unsupported kind {kind_str:?} (expected {})",
+                    PolicyKind::expected()
+                )
             },
         });
     };
@@ -204,9 +208,9 @@ pub fn parse_policy_with_services(
     if name.is_empty() {
         return Err(ctx.err("metadata.name", "missing name"));
     }
-    let expected_api = match kind {
-        PolicyKind::NetworkPolicy => "networking.k8s.io/v1",
-        _ => "cilium.io/v2",
+    let (expected_api, family) = match (kind.info(), kind.family()) {
+        (Some(info), Some(family)) => (info.api_version(), family),
+        _ => return Err(ctx.err("kind", "the agent's own rules are never parsed")),
     };
     match str_field(doc, &["apiVersion"]) {
         Some(v) if v == expected_api => {}
@@ -227,12 +231,12 @@ pub fn parse_policy_with_services(
         }
     }
     let policy_name = key.to_string();
-    let rules = match kind {
-        PolicyKind::NetworkPolicy => {
+    let rules = match family {
+        Family::Kubernetes => {
             let np = deserialize(doc, &policy_name, &mut ctx.warnings)?;
             knp::translate(&mut ctx, &np)?
         }
-        _ => {
+        Family::Cilium => {
             let cp = deserialize(doc, &policy_name, &mut ctx.warnings)?;
             cilium::translate(&mut ctx, &cp)?
         }

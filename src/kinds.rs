@@ -1,0 +1,290 @@
+//! Every kind of object the agent reads, in one table (`KINDS`): its name, API group and
+//! version, plural, scope, and for policy kinds which family of policy it is and whether the
+//! agent writes its status. The manifest directory, both watchers, `objects::Kind`,
+//! `PolicyKind`, policy translation and the CRD list all read it, so a new kind is one row here
+//! (plus its translation).
+//!
+//! A leaf module: it depends on nothing else of the crate.
+
+/// A kind the agent reads. The variant order is the apply order: identities exist before the
+/// rules that select them (namespaces, nodes, services and pods before policies); deletes go
+/// the other way. `KINDS` has one row per variant, in this order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Kind {
+    Namespace,
+    Node,
+    Service,
+    EndpointSlice,
+    Pod,
+    NetworkPolicy,
+    CiliumNetworkPolicy,
+    CiliumClusterwideNetworkPolicy,
+}
+
+/// The policy kinds, and the agent's own rules.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum PolicyKind {
+    NetworkPolicy,
+    CiliumNetworkPolicy,
+    CiliumClusterwideNetworkPolicy,
+    /// Behaviour the agent adds on its own (e.g. allow-localhost); never parsed from input.
+    Builtin,
+}
+
+/// Which wire types and translation a policy kind has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    /// `networking.k8s.io/v1` NetworkPolicy.
+    Kubernetes,
+    /// `cilium.io/v2` CiliumNetworkPolicy and CiliumClusterwideNetworkPolicy.
+    Cilium,
+}
+
+/// One kind's row.
+#[derive(Debug, Clone, Copy)]
+pub struct KindInfo {
+    pub kind: Kind,
+    /// As manifests and the API server spell it.
+    pub name: &'static str,
+    /// `""`: the core group.
+    pub group: &'static str,
+    pub version: &'static str,
+    pub plural: &'static str,
+    pub cluster_scoped: bool,
+    /// For policy kinds: which one, and its family.
+    pub policy: Option<(PolicyKind, Family)>,
+    /// The agent writes each object's status (conditions, per node).
+    pub status: bool,
+    /// `manifests/crds/` has its CustomResourceDefinition (`k8s::crd::crds`).
+    pub crd: bool,
+}
+
+impl KindInfo {
+    /// `group/version`, or `version` for the core group.
+    pub fn api_version(&self) -> String {
+        if self.group.is_empty() {
+            self.version.to_string()
+        } else {
+            format!("{}/{}", self.group, self.version)
+        }
+    }
+}
+
+const fn row(
+    kind: Kind,
+    name: &'static str,
+    group: &'static str,
+    version: &'static str,
+    plural: &'static str,
+    cluster_scoped: bool,
+) -> KindInfo {
+    KindInfo {
+        kind,
+        name,
+        group,
+        version,
+        plural,
+        cluster_scoped,
+        policy: None,
+        status: false,
+        crd: false,
+    }
+}
+
+/// A policy kind; `custom`: a custom resource whose status the agent writes.
+const fn policy(mut r: KindInfo, p: PolicyKind, family: Family, custom: bool) -> KindInfo {
+    r.policy = Some((p, family));
+    r.status = custom;
+    r.crd = custom;
+    r
+}
+
+/// Every kind, in apply order (the order of `Kind`'s variants).
+pub const KINDS: [KindInfo; 8] = [
+    row(Kind::Namespace, "Namespace", "", "v1", "namespaces", true),
+    row(Kind::Node, "Node", "", "v1", "nodes", true),
+    row(Kind::Service, "Service", "", "v1", "services", false),
+    row(
+        Kind::EndpointSlice,
+        "EndpointSlice",
+        "discovery.k8s.io",
+        "v1",
+        "endpointslices",
+        false,
+    ),
+    row(Kind::Pod, "Pod", "", "v1", "pods", false),
+    policy(
+        row(
+            Kind::NetworkPolicy,
+            "NetworkPolicy",
+            "networking.k8s.io",
+            "v1",
+            "networkpolicies",
+            false,
+        ),
+        PolicyKind::NetworkPolicy,
+        Family::Kubernetes,
+        false,
+    ),
+    policy(
+        row(
+            Kind::CiliumNetworkPolicy,
+            "CiliumNetworkPolicy",
+            "cilium.io",
+            "v2",
+            "ciliumnetworkpolicies",
+            false,
+        ),
+        PolicyKind::CiliumNetworkPolicy,
+        Family::Cilium,
+        true,
+    ),
+    policy(
+        row(
+            Kind::CiliumClusterwideNetworkPolicy,
+            "CiliumClusterwideNetworkPolicy",
+            "cilium.io",
+            "v2",
+            "ciliumclusterwidenetworkpolicies",
+            true,
+        ),
+        PolicyKind::CiliumClusterwideNetworkPolicy,
+        Family::Cilium,
+        true,
+    ),
+];
+
+impl Kind {
+    pub const ALL: [Kind; 8] = [
+        Kind::Namespace,
+        Kind::Node,
+        Kind::Service,
+        Kind::EndpointSlice,
+        Kind::Pod,
+        Kind::NetworkPolicy,
+        Kind::CiliumNetworkPolicy,
+        Kind::CiliumClusterwideNetworkPolicy,
+    ];
+
+    pub fn info(self) -> &'static KindInfo {
+        &KINDS[self as usize]
+    }
+
+    /// The kind as manifests and the API server spell it.
+    pub fn name(self) -> &'static str {
+        self.info().name
+    }
+
+    /// `None` for kinds the agent has no use for.
+    pub fn parse(kind: &str) -> Option<Kind> {
+        KINDS.iter().find(|r| r.name == kind).map(|r| r.kind)
+    }
+
+    pub fn is_policy(self) -> bool {
+        self.info().policy.is_some()
+    }
+
+    pub fn cluster_scoped(self) -> bool {
+        self.info().cluster_scoped
+    }
+
+    /// The policy kinds, in apply order.
+    pub fn policies() -> impl Iterator<Item = &'static KindInfo> {
+        KINDS.iter().filter(|r| r.policy.is_some())
+    }
+}
+
+impl std::fmt::Display for Kind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl PolicyKind {
+    /// The kind's row (`None` for the agent's own rules).
+    pub fn info(self) -> Option<&'static KindInfo> {
+        KINDS
+            .iter()
+            .find(|r| r.policy.is_some_and(|(p, _)| p == self))
+    }
+
+    pub fn as_str(&self) -> &'static str {
+        self.info().map_or("built-in", |r| r.name)
+    }
+
+    pub fn from_kind(kind: &str) -> Option<Self> {
+        Kind::parse(kind).and_then(|k| k.info().policy.map(|(p, _)| p))
+    }
+
+    pub fn is_namespaced(&self) -> bool {
+        self.info().is_some_and(|r| !r.cluster_scoped)
+    }
+
+    /// `None` for the agent's own rules.
+    pub fn family(self) -> Option<Family> {
+        self.info().and_then(|r| r.policy.map(|(_, f)| f))
+    }
+
+    /// The agent writes the status of objects of this kind.
+    pub fn has_status(self) -> bool {
+        self.info().is_some_and(|r| r.status)
+    }
+
+    /// "A, B or C": the policy kinds, for error messages.
+    pub fn expected() -> String {
+        let names: Vec<&str> = Kind::policies().map(|r| r.name).collect();
+        match names.split_last() {
+            Some((last, rest)) if !rest.is_empty() => format!("{} or {last}", rest.join(", ")),
+            Some((last, _)) => last.to_string(),
+            None => String::new(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Family, Kind, PolicyKind, KINDS};
+
+    #[test]
+    fn one_row_per_kind_in_apply_order() {
+        for (i, k) in Kind::ALL.into_iter().enumerate() {
+            assert_eq!(KINDS[i].kind, k, "row {i}");
+            assert_eq!(Kind::parse(k.name()), Some(k));
+        }
+        assert_eq!(Kind::parse("ConfigMap"), None);
+        let mut sorted = Kind::ALL;
+        sorted.sort();
+        assert_eq!(sorted, Kind::ALL);
+        assert!(Kind::Pod < Kind::NetworkPolicy && Kind::Namespace < Kind::Pod);
+        assert!(Kind::CiliumNetworkPolicy.is_policy() && !Kind::Pod.is_policy());
+        // Policies come after everything they select.
+        let first_policy = Kind::ALL.iter().position(|k| k.is_policy()).unwrap();
+        assert!(Kind::ALL[first_policy..].iter().all(|k| k.is_policy()));
+    }
+
+    #[test]
+    fn policy_kinds_read_the_table() {
+        assert_eq!(
+            PolicyKind::from_kind("CiliumClusterwideNetworkPolicy"),
+            Some(PolicyKind::CiliumClusterwideNetworkPolicy)
+        );
+        assert_eq!(PolicyKind::from_kind("Pod"), None);
+        assert_eq!(PolicyKind::from_kind("built-in"), None);
+        assert_eq!(PolicyKind::Builtin.as_str(), "built-in");
+        assert!(PolicyKind::NetworkPolicy.is_namespaced());
+        assert!(!PolicyKind::CiliumClusterwideNetworkPolicy.is_namespaced());
+        assert!(!PolicyKind::Builtin.is_namespaced());
+        assert_eq!(PolicyKind::NetworkPolicy.family(), Some(Family::Kubernetes));
+        assert!(PolicyKind::CiliumNetworkPolicy.has_status());
+        assert!(!PolicyKind::NetworkPolicy.has_status());
+        assert_eq!(
+            PolicyKind::expected(),
+            "NetworkPolicy, CiliumNetworkPolicy or CiliumClusterwideNetworkPolicy"
+        );
+        assert_eq!(
+            Kind::NetworkPolicy.info().api_version(),
+            "networking.k8s.io/v1"
+        );
+        assert_eq!(Kind::Pod.info().api_version(), "v1");
+    }
+}
