@@ -313,3 +313,25 @@ fn icmp_types_by_number_and_name() {
     assert_eq!(l[1].protocol, Protocol::Icmpv6);
     assert_eq!(l[1].port, PortSpec::Range(128, 128));
 }
+
+#[test]
+fn fields_only_allow_rules_have_are_unknown_in_deny_rules() {
+    let p = parse(
+        "{apiVersion: cilium.io/v2, kind: CiliumNetworkPolicy, metadata: {name: p, namespace: x},
+          spec: {endpointSelector: {}, enableDefaultDeny: {ingress: false, egress: false},
+                 ingressDeny: [{fromEntities: [world], authentication: {mode: required}, bogus: 1}],
+                 egressDeny: [{toEntities: [world], toFQDNs: [{matchName: a.com}], authentication: {mode: disabled},
+                               toPorts: [{ports: [{port: '80'}], rules: {http: [{}]}}]}]}}",
+    )
+    .unwrap();
+    assert_eq!(
+        p.warnings,
+        vec![
+            "CiliumNetworkPolicy x/p: ignoring unknown field spec.ingressDeny[0].authentication",
+            "CiliumNetworkPolicy x/p: ignoring unknown field spec.ingressDeny[0].bogus",
+            "CiliumNetworkPolicy x/p: ignoring unknown field spec.egressDeny[0].toFQDNs",
+            "CiliumNetworkPolicy x/p: ignoring unknown field spec.egressDeny[0].authentication",
+            "CiliumNetworkPolicy x/p: ignoring unknown field spec.egressDeny[0].toPorts[0].rules",
+        ]
+    );
+}
