@@ -27,6 +27,7 @@ pub mod selector;
 pub mod selector_cache;
 pub mod services;
 pub mod status;
+pub mod tiers;
 pub mod translate;
 
 pub use engine::{Decision, EndpointPolicy, EndpointView, NamedPort, PolicyChange, PolicyEngine};
