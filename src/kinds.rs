@@ -19,6 +19,9 @@ pub enum Kind {
     NetworkPolicy,
     CiliumNetworkPolicy,
     CiliumClusterwideNetworkPolicy,
+    AdminNetworkPolicy,
+    BaselineAdminNetworkPolicy,
+    ClusterNetworkPolicy,
 }
 
 /// The policy kinds, and the agent's own rules.
@@ -27,6 +30,9 @@ pub enum PolicyKind {
     NetworkPolicy,
     CiliumNetworkPolicy,
     CiliumClusterwideNetworkPolicy,
+    AdminNetworkPolicy,
+    BaselineAdminNetworkPolicy,
+    ClusterNetworkPolicy,
     /// Behaviour the agent adds on its own (e.g. allow-localhost); never parsed from input.
     Builtin,
 }
@@ -38,6 +44,9 @@ pub enum Family {
     Kubernetes,
     /// `cilium.io/v2` CiliumNetworkPolicy and CiliumClusterwideNetworkPolicy.
     Cilium,
+    /// `policy.networking.k8s.io`: AdminNetworkPolicy and BaselineAdminNetworkPolicy
+    /// (`v1alpha1`), ClusterNetworkPolicy (`v1alpha2`): the cluster tiers.
+    NetworkPolicyApi,
 }
 
 /// One kind's row.
@@ -57,6 +66,8 @@ pub struct KindInfo {
     pub status: bool,
     /// `manifests/crds/` has its CustomResourceDefinition (`k8s::crd::crds`).
     pub crd: bool,
+    /// The Kubernetes watcher watches it (the initial sync waits for its first list).
+    pub watched: bool,
 }
 
 impl KindInfo {
@@ -88,6 +99,7 @@ const fn row(
         policy: None,
         status: false,
         crd: false,
+        watched: true,
     }
 }
 
@@ -99,8 +111,15 @@ const fn policy(mut r: KindInfo, p: PolicyKind, family: Family, custom: bool) ->
     r
 }
 
+/// A kind the Kubernetes watcher does not watch yet (no CRD shipped, no status written): read
+/// from the manifest directory and `policy simulate` worlds only.
+const fn unwatched(mut r: KindInfo) -> KindInfo {
+    r.watched = false;
+    r
+}
+
 /// Every kind, in apply order (the order of `Kind`'s variants).
-pub const KINDS: [KindInfo; 8] = [
+pub const KINDS: [KindInfo; 11] = [
     row(Kind::Namespace, "Namespace", "", "v1", "namespaces", true),
     row(Kind::Node, "Node", "", "v1", "nodes", true),
     row(Kind::Service, "Service", "", "v1", "services", false),
@@ -152,10 +171,49 @@ pub const KINDS: [KindInfo; 8] = [
         Family::Cilium,
         true,
     ),
+    unwatched(policy(
+        row(
+            Kind::AdminNetworkPolicy,
+            "AdminNetworkPolicy",
+            "policy.networking.k8s.io",
+            "v1alpha1",
+            "adminnetworkpolicies",
+            true,
+        ),
+        PolicyKind::AdminNetworkPolicy,
+        Family::NetworkPolicyApi,
+        false,
+    )),
+    unwatched(policy(
+        row(
+            Kind::BaselineAdminNetworkPolicy,
+            "BaselineAdminNetworkPolicy",
+            "policy.networking.k8s.io",
+            "v1alpha1",
+            "baselineadminnetworkpolicies",
+            true,
+        ),
+        PolicyKind::BaselineAdminNetworkPolicy,
+        Family::NetworkPolicyApi,
+        false,
+    )),
+    unwatched(policy(
+        row(
+            Kind::ClusterNetworkPolicy,
+            "ClusterNetworkPolicy",
+            "policy.networking.k8s.io",
+            "v1alpha2",
+            "clusternetworkpolicies",
+            true,
+        ),
+        PolicyKind::ClusterNetworkPolicy,
+        Family::NetworkPolicyApi,
+        false,
+    )),
 ];
 
 impl Kind {
-    pub const ALL: [Kind; 8] = [
+    pub const ALL: [Kind; 11] = [
         Kind::Namespace,
         Kind::Node,
         Kind::Service,
@@ -164,6 +222,9 @@ impl Kind {
         Kind::NetworkPolicy,
         Kind::CiliumNetworkPolicy,
         Kind::CiliumClusterwideNetworkPolicy,
+        Kind::AdminNetworkPolicy,
+        Kind::BaselineAdminNetworkPolicy,
+        Kind::ClusterNetworkPolicy,
     ];
 
     pub fn info(self) -> &'static KindInfo {
@@ -279,8 +340,13 @@ mod tests {
         assert!(!PolicyKind::NetworkPolicy.has_status());
         assert_eq!(
             PolicyKind::expected(),
-            "NetworkPolicy, CiliumNetworkPolicy or CiliumClusterwideNetworkPolicy"
+            "NetworkPolicy, CiliumNetworkPolicy, CiliumClusterwideNetworkPolicy, AdminNetworkPolicy, BaselineAdminNetworkPolicy or ClusterNetworkPolicy"
         );
+        assert_eq!(
+            Kind::ClusterNetworkPolicy.info().api_version(),
+            "policy.networking.k8s.io/v1alpha2"
+        );
+        assert!(!Kind::AdminNetworkPolicy.info().watched && Kind::Pod.info().watched);
         assert_eq!(
             Kind::NetworkPolicy.info().api_version(),
             "networking.k8s.io/v1"

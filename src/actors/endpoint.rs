@@ -308,6 +308,8 @@ impl EndpointActor {
                 engine.resolve_peers(&view, peers.as_ref()),
             )
         };
+        // Cluster tiers resolve whole (`EndpointPolicy::tiered`): realized whole too.
+        let peers = peers.filter(|_| !policy.tiered);
         let (ingress_cookie, ingress_by) = isolation_cookie(&policy.ingress.isolated_by);
         let (egress_cookie, egress_by) = isolation_cookie(&policy.egress.isolated_by);
         let (ingress_default_deny, egress_default_deny, audit) = self.shared.enforcement.apply(

@@ -207,7 +207,10 @@ impl KubeWatcherActor {
             shared,
             repo,
             me: None,
-            unsynced: Watched::ALL.into_iter().collect(),
+            unsynced: Watched::ALL
+                .into_iter()
+                .filter(|k| k.info().watched)
+                .collect(),
             relisting: HashMap::new(),
             error_logged: HashMap::new(),
             last_error: HashMap::new(),
@@ -286,7 +289,9 @@ impl KubeWatcherActor {
         }
         // The policy kinds (the kind registry's), untyped (validated by the agent itself, field
         // by field).
-        let policies = Watched::policies().map(|r| (r.kind, crate::k8s::api_resource(r)));
+        let policies = Watched::policies()
+            .filter(|r| r.watched)
+            .map(|r| (r.kind, crate::k8s::api_resource(r)));
         for (kind, resource) in policies {
             spawn_watch(
                 kind,

@@ -112,6 +112,12 @@ pub struct EndpointPolicy {
     /// The DNS proxy's table for this endpoint (`l7::dns::DnsRuleEntry`); empty when no egress
     /// allow rule carries DNS rules (then its DNS does not go through the proxy).
     pub dns: Vec<super::l7::dns::DnsRuleEntry>,
+    /// Cluster tiers (AdminNetworkPolicy, ...) select the endpoint: `map` is their compilation
+    /// with the NetworkPolicy tier (`policy::tiers`), always resolved whole (a change of one
+    /// peer may change the entries of every other).
+    pub tiered: bool,
+    /// What the tiers' compilation could not express exactly (denied instead).
+    pub notes: Vec<String>,
 }
 
 /// Why a packet was allowed or dropped.
@@ -759,7 +765,12 @@ impl PolicyEngine {
         if !ep.host && self.selectors.selecting(ep.identity).next().is_none() {
             return out;
         }
-        let rules = self.rules_for(ep);
+        let (tiered, rules): (Vec<Arc<Rule>>, Vec<Arc<Rule>>) = self
+            .rules_for(ep)
+            .into_iter()
+            .partition(|r| r.tier.is_some());
+        // Tiers need the whole picture: an incremental resolution becomes a full one.
+        let peers = peers.filter(|_| tiered.is_empty());
         // Rules arrive grouped by policy, and all rules of one policy share one key `Arc`, so
         // "already listed" is a pointer comparison with the last element.
         fn push_once(v: &mut Vec<Arc<PolicyKey>>, k: &Arc<PolicyKey>) {
@@ -822,6 +833,115 @@ impl PolicyEngine {
                 false,
                 &self.allow_localhost,
             );
+        }
+        if !tiered.is_empty() {
+            self.apply_tiers(&mut out, &tiered, ep);
+        }
+        out
+    }
+
+    /// Compiles the cluster tiers that select the endpoint with its NetworkPolicy tier (`out`
+    /// so far) into `out` (`policy::tiers`).
+    fn apply_tiers(&self, out: &mut EndpointPolicy, tiered: &[Arc<Rule>], ep: &EndpointView) {
+        let mut tiered = tiered.to_vec();
+        // Tier, then priority; the same priority: by kind, then name (documented in README).
+        tiered.sort_by(|a, b| (a.tier, &a.policy).cmp(&(b.tier, &b.policy)));
+        out.tiered = true;
+        for r in &tiered {
+            if !out.selected_by.contains(&r.policy) {
+                out.selected_by.push(r.policy.clone());
+            }
+        }
+        for d in [Direction::Ingress, Direction::Egress] {
+            let mut t = super::tiers::Tiers::default();
+            for r in &tiered {
+                let Some(place) = r.tier else { continue };
+                let list = match place.tier {
+                    super::rule::Tier::Admin => &mut t.admin,
+                    super::rule::Tier::Baseline => &mut t.baseline,
+                };
+                for pr in r
+                    .peer_rules
+                    .iter()
+                    .filter(|pr| pr.origin.section.direction() == d)
+                {
+                    list.extend(self.tier_rules(pr, ep));
+                }
+            }
+            if t.is_empty() {
+                continue;
+            }
+            let np_isolated = !out.direction(d).isolated_by.is_empty();
+            let defaults = tier_defaults(out.direction(d), &tiered, d);
+            let c = super::tiers::compile(&t, &out.map, np_isolated, d, &defaults);
+            out.map.replace_direction(d, c.map);
+            out.notes.extend(c.notes);
+            let dir = match d {
+                Direction::Ingress => &mut out.ingress,
+                Direction::Egress => &mut out.egress,
+            };
+            if c.isolated && dir.isolated_by.is_empty() {
+                dir.isolated_by
+                    .extend(tiered.iter().map(|r| r.policy.clone()));
+                dir.isolated_by.dedup();
+            }
+        }
+    }
+
+    /// One tier peer rule with its peers and ports resolved: one `TierRule`, or several in a
+    /// row when an egress named port stands for different ports on different peers (each
+    /// with its own peers: still first-match in the same place).
+    fn tier_rules(&self, pr: &PeerRule, ep: &EndpointView) -> Vec<super::tiers::TierRule> {
+        let (ids, _) = self.peer_rule_identities(pr, &[]);
+        let action = pr.action.unwrap_or(super::rule::Action::Deny);
+        let rule = |peers: Vec<NumericIdentity>, ports| super::tiers::TierRule {
+            origin: pr.origin.clone(),
+            action,
+            peers,
+            ports,
+        };
+        let Ports::List(list) = &pr.ports else {
+            return vec![rule(ids, None)];
+        };
+        let egress = pr.origin.section.direction() == Direction::Egress;
+        // Ports by peer: the same for all unless an egress rule names a port.
+        let named = list.iter().any(|m| matches!(m.port, PortSpec::Named(_)));
+        let groups: Vec<(Vec<NumericIdentity>, Vec<NumericIdentity>)> = if egress && named {
+            ids.iter().map(|&id| (vec![id], vec![id])).collect()
+        } else {
+            vec![(ids.clone(), vec![IDENTITY_ANY])]
+        };
+        let mut out: Vec<super::tiers::TierRule> = Vec::new();
+        for (peers, owner) in groups {
+            let mut ports = Vec::new();
+            for m in list {
+                let protos = m.protocol.numbers();
+                match &m.port {
+                    PortSpec::Range(lo, hi) => {
+                        ports.extend(protos.iter().map(|&p| (p, *lo, *hi)));
+                    }
+                    PortSpec::Named(name) if !egress => ports.extend(
+                        ep.named_ports
+                            .iter()
+                            .filter(|np| np.name == *name && protos.contains(&np.protocol))
+                            .map(|np| (np.protocol, np.port, np.port)),
+                    ),
+                    PortSpec::Named(name) => ports.extend(
+                        self.named_ports_of(owner[0], name)
+                            .into_iter()
+                            .filter(|(p, _)| protos.contains(p))
+                            .map(|(p, port)| (p, port, port)),
+                    ),
+                }
+            }
+            // Merge peers that ended up with the same ports (one rule, not one per peer).
+            match out.last_mut() {
+                Some(last) if last.ports.as_deref() == Some(&ports[..]) => last.peers.extend(peers),
+                _ => out.push(rule(peers, Some(ports))),
+            }
+        }
+        for r in &mut out {
+            r.peers.sort_unstable();
         }
         out
     }
@@ -994,6 +1114,36 @@ impl PolicyEngine {
     /// The identity info of `id`, if it exists.
     pub fn identity(&self, id: NumericIdentity) -> Option<&IdentityInfo> {
         self.identities.get(id)
+    }
+}
+
+/// What a tiered direction's default-decided entries are derived from: the NetworkPolicy
+/// tier's isolation (the first isolating policy) for denials, the first tier policy for
+/// allowing by default.
+fn tier_defaults(
+    dir: &DirectionPolicy,
+    tiered: &[Arc<Rule>],
+    d: Direction,
+) -> super::tiers::Defaults {
+    let tier_key = tiered[0].policy.clone();
+    let (allow_section, deny_section) = match d {
+        Direction::Ingress => (Section::Ingress, Section::IngressDeny),
+        Direction::Egress => (Section::Egress, Section::EgressDeny),
+    };
+    super::tiers::Defaults {
+        allow: Arc::new(RuleOrigin {
+            policy: tier_key.clone(),
+            section: allow_section,
+            path: "(none of its rules, nor any of another tier, matched: allowed by default)"
+                .into(),
+            l7: false,
+        }),
+        deny: Arc::new(RuleOrigin {
+            policy: dir.isolated_by.first().cloned().unwrap_or(tier_key),
+            section: deny_section,
+            path: "(default deny)".into(),
+            l7: false,
+        }),
     }
 }
 

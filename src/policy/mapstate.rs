@@ -351,6 +351,14 @@ impl MapState {
         self.diff_from(&realized.of_peers(peers))
     }
 
+    /// Replaces every entry of direction `d` by those of `part` of that direction.
+    pub fn replace_direction(&mut self, d: Direction, part: MapState) {
+        self.groups.retain(|(dir, _), _| *dir != d);
+        self.groups
+            .extend(part.groups.into_iter().filter(|((dir, _), _)| *dir == d));
+        self.len = self.groups.values().map(|s| s.len()).sum();
+    }
+
     /// Replaces the entries of `peers` by those of `part` (which holds no others).
     pub fn replace_peers(
         &mut self,

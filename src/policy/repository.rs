@@ -155,6 +155,7 @@ mod tests {
                 isolates_egress: false,
                 peer_rules: vec![],
                 requires: vec![],
+                tier: None,
             })],
             notes: vec![],
         }

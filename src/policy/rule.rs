@@ -100,6 +100,48 @@ impl Section {
     }
 }
 
+/// A tier around the NetworkPolicy tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Tier {
+    Admin,
+    Baseline,
+}
+
+impl Tier {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Tier::Admin => "Admin",
+            Tier::Baseline => "Baseline",
+        }
+    }
+}
+
+/// What a tier rule does with the traffic it matches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Action {
+    Allow,
+    Deny,
+    /// Skips the rest of the tier: the next tier decides.
+    Pass,
+}
+
+impl Action {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Action::Allow => "Allow",
+            Action::Deny => "Deny",
+            Action::Pass => "Pass",
+        }
+    }
+}
+
+/// Where a rule of a cluster tier stands: its tier and priority (lower first).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TierPlace {
+    pub tier: Tier,
+    pub priority: u32,
+}
+
 /// Where a map entry came from: enough to explain a verdict.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct RuleOrigin {
@@ -122,12 +164,17 @@ impl RuleOrigin {
                 self.policy.short()
             );
         }
-        rule_name(
+        let name = rule_name(
             self.policy.kind.as_str(),
             self.policy.namespace.as_deref(),
             &self.policy.name,
             self.index(),
-        )
+        );
+        // What a cluster tier's default stands on (`policy::tiers::Defaults`).
+        if self.path.starts_with('(') {
+            return format!("{name} {}", self.path);
+        }
+        name
     }
 
     /// The rule's index in its section (`specs[0].egressDeny[2]` -> 2).
@@ -268,6 +315,8 @@ pub struct PeerRule {
     /// `toPorts[].rules.http` and `serverNames`: what the HTTP proxy lets through on those
     /// ports (allow rules only).
     pub l7: Vec<L7Ports>,
+    /// A cluster tier's rule (`Rule::tier`): what it does with what it matches.
+    pub action: Option<Action>,
 }
 
 /// The L7 part of one `toPorts` entry the HTTP proxy enforces, and the ports it is on.
@@ -398,6 +447,9 @@ pub struct Rule {
     /// `fromRequires` / `toRequires` of every section; they constrain the peer rules of every
     /// rule that selects the same endpoint (see `PeerRequirement`).
     pub requires: Vec<Arc<PeerRequirement>>,
+    /// A rule of a cluster tier (AdminNetworkPolicy, ...): its peer rules are evaluated in
+    /// order around the NetworkPolicy tier (`policy::tiers`), never merged into it.
+    pub tier: Option<TierPlace>,
 }
 
 impl Rule {

@@ -31,43 +31,8 @@ use std::sync::Arc;
 use super::identity::{NumericIdentity, IDENTITY_ANY};
 use super::mapstate::{MapEntry, MapKey, MapState, MapVerdict};
 use super::rule::{
-    Direction, RuleOrigin, PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP,
+    Action, Direction, RuleOrigin, Tier, PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP,
 };
-
-/// A tier around the NetworkPolicy tier.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Tier {
-    Admin,
-    Baseline,
-}
-
-impl Tier {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Tier::Admin => "Admin",
-            Tier::Baseline => "Baseline",
-        }
-    }
-}
-
-/// What a tier rule does with the traffic it matches.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Action {
-    Allow,
-    Deny,
-    /// Skips the rest of the tier: the next tier decides.
-    Pass,
-}
-
-impl Action {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Action::Allow => "Allow",
-            Action::Deny => "Deny",
-            Action::Pass => "Pass",
-        }
-    }
-}
 
 /// One rule of a tier, its peers resolved to identities.
 #[derive(Debug, Clone)]
@@ -285,11 +250,19 @@ impl Cells {
     }
 }
 
+/// What entries decided by a default are derived from: allowed because no tier decided, and
+/// denied by the NetworkPolicy tier's isolation.
+#[derive(Debug, Clone)]
+pub struct Defaults {
+    pub allow: Arc<RuleOrigin>,
+    pub deny: Arc<RuleOrigin>,
+}
+
 /// The origins an outcome's entry is derived from, and their L7 rules.
 fn origins_of<'a>(
     tiers: &'a Tiers,
     o: &'a Outcome,
-    isolated_by: &'a Arc<RuleOrigin>,
+    defaults: &'a Defaults,
 ) -> Vec<(
     &'a Arc<RuleOrigin>,
     Option<&'a Arc<super::l7::http::L7PortRules>>,
@@ -304,8 +277,14 @@ fn origins_of<'a>(
                 .collect(),
             None => e.derived_from.iter().map(|o| (o, None)).collect(),
         },
-        DecidedBy::NetworkPolicyDefault | DecidedBy::Default => vec![(isolated_by, None)],
+        DecidedBy::NetworkPolicyDefault => vec![(&defaults.deny, None)],
+        DecidedBy::Default => vec![(&defaults.allow, None)],
     }
+}
+
+/// A rule (of a tier, or a NetworkPolicy-tier entry) decided it, not a default.
+fn by_rule(o: &Outcome) -> bool {
+    matches!(o.by, DecidedBy::Rule(..) | DecidedBy::NetworkPolicy(_))
 }
 
 /// Writes one cell's entry.
@@ -315,7 +294,7 @@ fn put(
     deny: bool,
     tiers: &Tiers,
     o: &Outcome,
-    fallback: &Arc<RuleOrigin>,
+    fallback: &Defaults,
 ) {
     for (origin, l7) in origins_of(tiers, o, fallback) {
         map.insert_l7(key, deny, origin, if deny { None } else { l7 });
@@ -323,14 +302,13 @@ fn put(
 }
 
 /// The entries that give every cell of `direction` its verdict through the tiers (module
-/// documentation). `fallback`: the origin entries decided by a default are derived from (the
-/// NetworkPolicy tier's isolation, or allow-by-default).
+/// documentation). `fallback`: what entries decided by a default are derived from.
 pub fn compile(
     tiers: &Tiers,
     np: &MapState,
     np_isolated: bool,
     direction: Direction,
-    fallback: &Arc<RuleOrigin>,
+    fallback: &Defaults,
 ) -> Compiled {
     let cells = Cells::new(tiers, np, direction);
     let eval = |id: NumericIdentity, p: u8, port: u16| {
@@ -411,7 +389,9 @@ pub fn compile(
                     c,
                     fallback,
                 );
-            } else if wild {
+            } else if wild || (by_rule(c) && (0..o).all(|x| !grid[x][p][r].allow)) {
+                // Needed under the wildcard allow; otherwise it names the deciding rule (the
+                // default would say only "isolated"), where no named identity is allowed.
                 put(
                     &mut out.map,
                     key(IDENTITY_ANY, proto, range),
@@ -452,10 +432,7 @@ pub fn compile(
                             fallback,
                         );
                     }
-                } else if covered
-                    || (matches!(c.by, DecidedBy::Rule(..) | DecidedBy::NetworkPolicy(_))
-                        && wider.by != c.by)
-                {
+                } else if covered || (by_rule(c) && wider.by != c.by) {
                     put(
                         &mut out.map,
                         key(id, proto, range),
@@ -492,7 +469,10 @@ mod tests {
 
     /// Every cell, looked up in the compiled map as the datapath does, against `evaluate`.
     fn check(tiers: &Tiers, np: &MapState, np_isolated: bool, ids: &[NumericIdentity]) {
-        let fallback = origin("fallback");
+        let fallback = Defaults {
+            allow: origin("allowed"),
+            deny: origin("isolated"),
+        };
         let c = compile(tiers, np, np_isolated, Direction::Ingress, &fallback);
         let exact = c.notes.is_empty();
         for &id in ids {
@@ -612,7 +592,12 @@ mod tests {
                 rule("pass-3", Action::Pass, vec![3], None),
                 rule("allow-all", Action::Allow, vec![IDENTITY_ANY], None),
             ],
-            baseline: vec![rule("deny-3", Action::Deny, vec![3], Some(vec![(PROTO_TCP, 80, 80)]))],
+            baseline: vec![rule(
+                "deny-3",
+                Action::Deny,
+                vec![3],
+                Some(vec![(PROTO_TCP, 80, 80)]),
+            )],
         };
         // 3 reaches the baseline (nothing isolates): denied on TCP 80, allowed elsewhere.
         check(&tiers, &np, false, &[3, 4]);
@@ -623,7 +608,12 @@ mod tests {
         // Passed on one port only: default-denied there, under the wildcard allow.
         let tiers = Tiers {
             admin: vec![
-                rule("pass-3-80", Action::Pass, vec![3], Some(vec![(PROTO_TCP, 80, 80)])),
+                rule(
+                    "pass-3-80",
+                    Action::Pass,
+                    vec![3],
+                    Some(vec![(PROTO_TCP, 80, 80)]),
+                ),
                 rule("allow-all", Action::Allow, vec![IDENTITY_ANY], None),
             ],
             baseline: vec![],

@@ -1,6 +1,7 @@
 //! Wire types of the policy kinds, as users write them (YAML or JSON), one module per family
 //! (`kinds::Family`): `kubernetes` (`networking.k8s.io/v1` NetworkPolicy), `cilium`
-//! (`cilium.io/v2` CiliumNetworkPolicy / CiliumClusterwideNetworkPolicy); here what they share.
+//! (`cilium.io/v2` CiliumNetworkPolicy / CiliumClusterwideNetworkPolicy), `npa`
+//! (`policy.networking.k8s.io`: the cluster tiers); here what they share.
 //!
 //! They mirror the upstream types field for field, with every field optional so that
 //! *validation* (in `translate`), not deserialisation, decides what is missing and says where.
@@ -9,9 +10,11 @@
 
 mod cilium;
 mod kubernetes;
+mod npa;
 
 pub use cilium::*;
 pub use kubernetes::*;
+pub use npa::*;
 
 use std::collections::BTreeMap;
 

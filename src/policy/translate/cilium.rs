@@ -282,6 +282,7 @@ fn translate_rule(ctx: &mut Ctx, r: &api::Rule, path: &str) -> Result<Rule, Poli
         isolates_egress: egress_present && default_deny.egress != Some(false),
         peer_rules,
         requires,
+        tier: None,
     })
 }
 
@@ -602,6 +603,7 @@ fn translate_peer_rule(
         endpoint_selectors,
         dns,
         l7: l7_ports,
+        action: None,
     })
 }
 

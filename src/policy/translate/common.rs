@@ -213,7 +213,7 @@ pub fn is_iana_service_name(s: &str) -> bool {
 }
 
 /// Kubernetes' port names (`IsValidPortName`): an IANA service name in lower case.
-fn is_kubernetes_port_name(s: &str) -> bool {
+pub fn is_kubernetes_port_name(s: &str) -> bool {
     is_iana_service_name(s) && !s.bytes().any(|c| c.is_ascii_uppercase())
 }
 

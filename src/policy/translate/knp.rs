@@ -92,6 +92,7 @@ pub fn translate(ctx: &mut Ctx, np: &api::NetworkPolicy) -> Result<Vec<Rule>, Po
         isolates_egress: egress,
         peer_rules,
         requires: vec![],
+        tier: None,
     }])
 }
 
@@ -149,6 +150,7 @@ fn peer_rule(
         endpoint_selectors,
         dns: Vec::new(),
         l7: Vec::new(),
+        action: None,
     })
 }
 

@@ -9,6 +9,7 @@
 mod cilium;
 mod common;
 mod knp;
+mod npa;
 
 use std::fmt;
 use std::sync::Arc;
@@ -235,6 +236,14 @@ pub fn parse_policy_with_services(
         Family::Kubernetes => {
             let np = deserialize(doc, &policy_name, &mut ctx.warnings)?;
             knp::translate(&mut ctx, &np)?
+        }
+        Family::NetworkPolicyApi if kind == PolicyKind::ClusterNetworkPolicy => {
+            let p = deserialize(doc, &policy_name, &mut ctx.warnings)?;
+            npa::translate_v1alpha2(&mut ctx, &p)?
+        }
+        Family::NetworkPolicyApi => {
+            let p = deserialize(doc, &policy_name, &mut ctx.warnings)?;
+            npa::translate_v1alpha1(&mut ctx, &p)?
         }
         Family::Cilium => {
             let cp = deserialize(doc, &policy_name, &mut ctx.warnings)?;

@@ -1,0 +1,541 @@
+//! The network-policy-api's cluster tiers -> rules: AdminNetworkPolicy and
+//! BaselineAdminNetworkPolicy (`v1alpha1`), ClusterNetworkPolicy (`v1alpha2`), with the CRDs'
+//! validation (the API server's, for objects that never met one: the manifest directory).
+//!
+//! Each policy becomes one `Rule` with its `TierPlace` and one peer rule per rule of
+//! `ingress`/`egress`, in order, each with its action (`policy::tiers` evaluates them in order).
+//! Subjects and pod peers are pods (label selectors over the pod's and its namespace's labels,
+//! as NetworkPolicy's); `networks` are CIDR selectors. `nodes` and `domainNames` peers are not
+//! enforced yet: a policy with one is rejected with the field, never half-enforced.
+
+use std::sync::Arc;
+
+use super::common::{cidr_selector, is_kubernetes_port_name, knp_protocol, label_selector};
+use super::{Ctx, PolicyError};
+use crate::policy::api;
+use crate::policy::labels::{NAMESPACE_LABELS_PREFIX, POD_NAMESPACE_LABEL, SOURCE_K8S};
+use crate::policy::rule::{
+    Action, PeerRule, Peers, PolicyKind, PortMatch, PortSpec, Ports, Protocol, Rule, RuleOrigin,
+    Section, Subject, Tier, TierPlace,
+};
+use crate::policy::selector::{LabelSelector, Operator, Requirement, Selector, SelectorRef};
+
+/// The highest priority the API allows.
+const MAX_PRIORITY: i64 = 1000;
+
+/// An AdminNetworkPolicy or BaselineAdminNetworkPolicy.
+pub fn translate_v1alpha1(
+    ctx: &mut Ctx,
+    p: &api::AdminNetworkPolicy,
+) -> Result<Vec<Rule>, PolicyError> {
+    let Some(spec) = &p.spec else {
+        return Err(ctx.err("spec", "missing spec"));
+    };
+    let baseline = ctx.key.kind == PolicyKind::BaselineAdminNetworkPolicy;
+    let place = if baseline {
+        if ctx.key.name != "default" {
+            return Err(ctx.err(
+                "metadata.name",
+                "a BaselineAdminNetworkPolicy must be named \"default\" (there is one per cluster)",
+            ));
+        }
+        if spec.priority.is_some() {
+            return Err(ctx.err(
+                "spec.priority",
+                "a BaselineAdminNetworkPolicy has no priority",
+            ));
+        }
+        TierPlace {
+            tier: Tier::Baseline,
+            priority: 0,
+        }
+    } else {
+        TierPlace {
+            tier: Tier::Admin,
+            priority: priority(ctx, spec.priority)?,
+        }
+    };
+    let actions: &[(&str, Action)] = if baseline {
+        &[("Allow", Action::Allow), ("Deny", Action::Deny)]
+    } else {
+        &[
+            ("Allow", Action::Allow),
+            ("Deny", Action::Deny),
+            ("Pass", Action::Pass),
+        ]
+    };
+    translate(ctx, spec, place, actions, &|ctx, ports, _, path| {
+        anp_ports(ctx, ports, path)
+    })
+}
+
+/// A ClusterNetworkPolicy.
+pub fn translate_v1alpha2(
+    ctx: &mut Ctx,
+    p: &api::ClusterNetworkPolicy,
+) -> Result<Vec<Rule>, PolicyError> {
+    let Some(spec) = &p.spec else {
+        return Err(ctx.err("spec", "missing spec"));
+    };
+    let tier = match spec.tier.as_deref() {
+        Some("Admin") => Tier::Admin,
+        Some("Baseline") => Tier::Baseline,
+        Some(t) => {
+            return Err(ctx.err(
+                "spec.tier",
+                format!("unknown tier {t:?} (Admin or Baseline)"),
+            ))
+        }
+        None => return Err(ctx.err("spec.tier", "missing tier (Admin or Baseline)")),
+    };
+    let place = TierPlace {
+        tier,
+        priority: priority(ctx, spec.priority)?,
+    };
+    let actions: &[(&str, Action)] = &[
+        ("Accept", Action::Allow),
+        ("Deny", Action::Deny),
+        ("Pass", Action::Pass),
+    ];
+    translate(ctx, spec, place, actions, &|ctx, _, protocols, path| {
+        cnp_protocols(ctx, protocols, path)
+    })
+}
+
+fn priority(ctx: &Ctx, p: Option<i64>) -> Result<u32, PolicyError> {
+    match p {
+        Some(p) if (0..=MAX_PRIORITY).contains(&p) => Ok(p as u32),
+        Some(p) => Err(ctx.err(
+            "spec.priority",
+            format!("priority {p} is out of range (0 to {MAX_PRIORITY})"),
+        )),
+        None => Err(ctx.err("spec.priority", "missing priority")),
+    }
+}
+
+/// One rule of `ingress` or `egress`, its ports already read (the versions name them apart).
+struct PeerRuleIn<'a> {
+    action: Option<&'a str>,
+    peers: Option<&'a Vec<api::TierPeer>>,
+    ports: Ports,
+    ingress: bool,
+    path: String,
+}
+
+/// Reads a rule's ports, whichever field its version has them in (`ports`, `protocols`).
+type PortsOf<'a, V> = dyn Fn(
+        &Ctx,
+        Option<&<V as api::Version>::Ports>,
+        Option<&<V as api::Version>::Protocols>,
+        &str,
+    ) -> Result<Ports, PolicyError>
+    + 'a;
+
+fn translate<V: api::Version>(
+    ctx: &mut Ctx,
+    spec: &api::TierPolicySpec<V>,
+    place: TierPlace,
+    actions: &[(&str, Action)],
+    ports_of: &PortsOf<'_, V>,
+) -> Result<Vec<Rule>, PolicyError> {
+    let subject = subject(ctx, spec.subject.as_ref())?;
+    let mut rules = Vec::new();
+    for (i, r) in spec.ingress.iter().flatten().enumerate() {
+        let path = format!("spec.ingress[{i}]");
+        rules.push(PeerRuleIn {
+            action: r.action.as_deref(),
+            peers: r.from.as_ref(),
+            ports: ports_of(ctx, r.ports.as_ref(), r.protocols.as_ref(), &path)?,
+            ingress: true,
+            path,
+        });
+    }
+    for (i, r) in spec.egress.iter().flatten().enumerate() {
+        let path = format!("spec.egress[{i}]");
+        rules.push(PeerRuleIn {
+            action: r.action.as_deref(),
+            peers: r.to.as_ref(),
+            ports: ports_of(ctx, r.ports.as_ref(), r.protocols.as_ref(), &path)?,
+            ingress: false,
+            path,
+        });
+    }
+    let peer_rules = rules
+        .into_iter()
+        .map(|r| peer_rule(ctx, r, actions))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(vec![Rule {
+        policy: ctx.key.clone(),
+        path: "spec".into(),
+        subject: Subject::Endpoints(Selector::labels(subject)),
+        isolates_ingress: false,
+        isolates_egress: false,
+        peer_rules,
+        requires: vec![],
+        tier: Some(place),
+    }])
+}
+
+fn peer_rule(
+    ctx: &mut Ctx,
+    r: PeerRuleIn<'_>,
+    actions: &[(&str, Action)],
+) -> Result<PeerRule, PolicyError> {
+    let path = r.path.as_str();
+    let peers_field = if r.ingress { "from" } else { "to" };
+    let names = || {
+        actions
+            .iter()
+            .map(|(n, _)| *n)
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let action = match r.action {
+        Some(a) => actions
+            .iter()
+            .find(|(n, _)| *n == a)
+            .map(|(_, a)| *a)
+            .ok_or_else(|| {
+                ctx.err(
+                    format!("{path}.action"),
+                    format!("unknown action {a:?} ({})", names()),
+                )
+            })?,
+        None => {
+            return Err(ctx.err(
+                format!("{path}.action"),
+                format!("missing action ({})", names()),
+            ))
+        }
+    };
+    let list = r.peers.filter(|l| !l.is_empty()).ok_or_else(|| {
+        ctx.err(
+            format!("{path}.{peers_field}"),
+            "at least one peer is required",
+        )
+    })?;
+    let mut sels: Vec<SelectorRef> = Vec::new();
+    let mut deny_all = false;
+    for (j, p) in list.iter().enumerate() {
+        let pp = format!("{path}.{peers_field}[{j}]");
+        match peer(ctx, p, &pp, r.ingress)? {
+            Some(mut s) => sels.append(&mut s),
+            // A peer with no field this version knows (a newer CRD's): fail closed, as the
+            // API prescribes: an Allow matches nothing of it, a Deny or Pass denies all.
+            None => {
+                let what = if action == Action::Allow {
+                    "it matches nothing (fail closed)"
+                } else {
+                    "the rule denies all traffic (fail closed)"
+                };
+                let w = format!("{}: {pp} has no peer field ciliate knows: {what}", ctx.key);
+                ctx.warnings.push(w);
+                deny_all |= action != Action::Allow;
+            }
+        }
+    }
+    let endpoint_selectors = sels
+        .iter()
+        .filter(|s| matches!(s.kind(), crate::policy::selector::SelectorKind::Labels(_)))
+        .count();
+    let (peers, ports, action) = if deny_all {
+        (Peers::Any, Ports::Any, Action::Deny)
+    } else {
+        (Peers::Selectors(sels), r.ports, action)
+    };
+    let section = match (r.ingress, action) {
+        (true, Action::Deny) => Section::IngressDeny,
+        (true, _) => Section::Ingress,
+        (false, Action::Deny) => Section::EgressDeny,
+        (false, _) => Section::Egress,
+    };
+    Ok(PeerRule {
+        origin: Arc::new(RuleOrigin {
+            policy: ctx.key.clone(),
+            section,
+            path: path.to_string(),
+            l7: false,
+        }),
+        peers,
+        ports,
+        endpoint_selectors,
+        dns: Vec::new(),
+        l7: Vec::new(),
+        action: Some(action),
+    })
+}
+
+/// `subject`: exactly one of `namespaces` and `pods`.
+fn subject(ctx: &Ctx, s: Option<&api::TierSubject>) -> Result<LabelSelector, PolicyError> {
+    let Some(s) = s else {
+        return Err(ctx.err("spec.subject", "missing subject"));
+    };
+    match (&s.namespaces, &s.pods) {
+        (Some(ns), None) => pods_of(ctx, Some(ns), None, "spec.subject.namespaces", ""),
+        (None, Some(p)) => pods_of(
+            ctx,
+            p.namespace_selector.as_ref(),
+            p.pod_selector.as_ref(),
+            "spec.subject.pods.namespaceSelector",
+            "spec.subject.pods.podSelector",
+        ),
+        _ => Err(ctx.err(
+            "spec.subject",
+            "exactly one of namespaces and pods must be set",
+        )),
+    }
+}
+
+/// The pods of the namespaces `ns` selects that `pods` selects (every pod when absent; never
+/// a reserved identity or a host-networked pod: they have no namespace label).
+fn pods_of(
+    ctx: &Ctx,
+    ns: Option<&api::LabelSelector>,
+    pods: Option<&api::LabelSelector>,
+    ns_path: &str,
+    pods_path: &str,
+) -> Result<LabelSelector, PolicyError> {
+    let mut reqs: Vec<Requirement> = Vec::new();
+    if let Some(p) = pods {
+        reqs.extend(
+            label_selector(ctx, p, pods_path)?
+                .requirements()
+                .iter()
+                .cloned(),
+        );
+    }
+    if let Some(n) = ns {
+        // Namespace labels reach pods as io.cilium.k8s.namespace.labels.<key>.
+        for r in label_selector(ctx, n, ns_path)?.requirements() {
+            reqs.push(Requirement::new(
+                Some(SOURCE_K8S.into()),
+                format!("{NAMESPACE_LABELS_PREFIX}{}", r.key),
+                r.op,
+                r.values.clone(),
+            ));
+        }
+    }
+    reqs.push(Requirement::new(
+        Some(SOURCE_K8S.into()),
+        POD_NAMESPACE_LABEL.into(),
+        Operator::Exists,
+        vec![],
+    ));
+    Ok(LabelSelector::new(reqs))
+}
+
+/// One peer's selectors; `None` when it has no field this version knows.
+fn peer(
+    ctx: &mut Ctx,
+    p: &api::TierPeer,
+    path: &str,
+    ingress: bool,
+) -> Result<Option<Vec<SelectorRef>>, PolicyError> {
+    let set = [
+        ("namespaces", p.namespaces.is_some()),
+        ("pods", p.pods.is_some()),
+        ("nodes", p.nodes.is_some()),
+        ("networks", p.networks.is_some()),
+        ("domainNames", p.domain_names.is_some()),
+    ];
+    let present: Vec<&str> = set.iter().filter(|(_, s)| *s).map(|(n, _)| *n).collect();
+    match present.as_slice() {
+        [] => return Ok(None),
+        [_] => {}
+        many => {
+            return Err(ctx.err(
+                path,
+                format!(
+                    "exactly one peer field may be set, not {}",
+                    many.join(" and ")
+                ),
+            ))
+        }
+    }
+    if ingress && !matches!(present[0], "namespaces" | "pods") {
+        return Err(ctx.err(
+            format!("{path}.{}", present[0]),
+            "an ingress peer is namespaces or pods",
+        ));
+    }
+    if let Some(ns) = &p.namespaces {
+        return Ok(Some(vec![Selector::labels(pods_of(
+            ctx,
+            Some(ns),
+            None,
+            &format!("{path}.namespaces"),
+            "",
+        )?)]));
+    }
+    if let Some(pp) = &p.pods {
+        return Ok(Some(vec![Selector::labels(pods_of(
+            ctx,
+            pp.namespace_selector.as_ref(),
+            pp.pod_selector.as_ref(),
+            &format!("{path}.pods.namespaceSelector"),
+            &format!("{path}.pods.podSelector"),
+        )?)]));
+    }
+    if let Some(nets) = &p.networks {
+        if nets.is_empty() {
+            return Err(ctx.err(format!("{path}.networks"), "at least one CIDR is required"));
+        }
+        let mut out = Vec::new();
+        for (k, n) in nets.iter().enumerate() {
+            let np = format!("{path}.networks[{k}]");
+            let sel = cidr_selector(ctx, Some(n), None, &np, true)
+                .map_err(|e| PolicyError { field: np, ..e })?;
+            out.push(Selector::cidr(sel));
+        }
+        ctx.note(format!(
+            "{path}.networks: matched against addresses outside the cluster's pods and nodes only; the API also matches pod and node addresses inside the CIDRs (not yet)"
+        ));
+        return Ok(Some(out));
+    }
+    let field = present[0];
+    Err(ctx.err(
+        format!("{path}.{field}"),
+        format!("{field} peers are not enforced by ciliate yet; the policy is rejected rather than enforced in part"),
+    ))
+}
+
+/// `v1alpha1` `ports`: `portNumber`, `portRange` or `namedPort`, each exactly one.
+fn anp_ports(
+    ctx: &Ctx,
+    ports: Option<&Vec<api::AnpPort>>,
+    path: &str,
+) -> Result<Ports, PolicyError> {
+    let Some(list) = ports else {
+        return Ok(Ports::Any);
+    };
+    let mut out = Vec::new();
+    for (j, p) in list.iter().enumerate() {
+        let pp = format!("{path}.ports[{j}]");
+        match (&p.port_number, &p.port_range, &p.named_port) {
+            (Some(n), None, None) => {
+                let protocol = knp_protocol(
+                    ctx,
+                    n.protocol.as_deref(),
+                    &format!("{pp}.portNumber.protocol"),
+                )?;
+                let port = port_number(ctx, n.port, &format!("{pp}.portNumber.port"))?;
+                out.push(PortMatch {
+                    protocol,
+                    port: PortSpec::Range(port, port),
+                });
+            }
+            (None, Some(r), None) => {
+                let protocol = knp_protocol(
+                    ctx,
+                    r.protocol.as_deref(),
+                    &format!("{pp}.portRange.protocol"),
+                )?;
+                let (lo, hi) = range(ctx, r.start, r.end, &format!("{pp}.portRange"))?;
+                out.push(PortMatch {
+                    protocol,
+                    port: PortSpec::Range(lo, hi),
+                });
+            }
+            (None, None, Some(name)) => out.push(named(ctx, name, &format!("{pp}.namedPort"))?),
+            _ => {
+                return Err(ctx.err(
+                    pp,
+                    "exactly one of portNumber, portRange and namedPort must be set",
+                ))
+            }
+        }
+    }
+    Ok(Ports::List(out))
+}
+
+/// `v1alpha2` `protocols`: `tcp`, `udp`, `sctp` (each with an optional `destinationPort`) or
+/// `destinationNamedPort`, each exactly one.
+fn cnp_protocols(
+    ctx: &Ctx,
+    protocols: Option<&Vec<api::CnpProtocol>>,
+    path: &str,
+) -> Result<Ports, PolicyError> {
+    let Some(list) = protocols else {
+        return Ok(Ports::Any);
+    };
+    let mut out = Vec::new();
+    for (j, p) in list.iter().enumerate() {
+        let pp = format!("{path}.protocols[{j}]");
+        let set = [
+            ("tcp", Protocol::Tcp, &p.tcp),
+            ("udp", Protocol::Udp, &p.udp),
+            ("sctp", Protocol::Sctp, &p.sctp),
+        ];
+        let transports: Vec<_> = set.iter().filter(|(_, _, t)| t.is_some()).collect();
+        match (transports.as_slice(), &p.destination_named_port) {
+            ([(name, protocol, Some(t))], None) => {
+                let tp = format!("{pp}.{name}.destinationPort");
+                let port = match &t.destination_port {
+                    None => PortSpec::Range(0, 65535),
+                    Some(d) => match (d.number, &d.range) {
+                        (Some(n), None) => {
+                            let n = port_number(ctx, Some(n), &format!("{tp}.number"))?;
+                            PortSpec::Range(n, n)
+                        }
+                        (None, Some(r)) => {
+                            let (lo, hi) = range(ctx, r.start, r.end, &format!("{tp}.range"))?;
+                            PortSpec::Range(lo, hi)
+                        }
+                        _ => return Err(ctx.err(tp, "exactly one of number and range must be set")),
+                    },
+                };
+                out.push(PortMatch {
+                    protocol: *protocol,
+                    port,
+                });
+            }
+            ([], Some(name)) => out.push(named(ctx, name, &format!("{pp}.destinationNamedPort"))?),
+            _ => {
+                return Err(ctx.err(
+                    pp,
+                    "exactly one of tcp, udp, sctp and destinationNamedPort must be set",
+                ))
+            }
+        }
+    }
+    Ok(Ports::List(out))
+}
+
+fn port_number(ctx: &Ctx, n: Option<i64>, path: &str) -> Result<u16, PolicyError> {
+    match n {
+        Some(n) if (1..=65535).contains(&n) => Ok(n as u16),
+        Some(n) => Err(ctx.err(path, format!("port {n} is out of range (1 to 65535)"))),
+        None => Err(ctx.err(path, "missing port")),
+    }
+}
+
+fn range(
+    ctx: &Ctx,
+    start: Option<i64>,
+    end: Option<i64>,
+    path: &str,
+) -> Result<(u16, u16), PolicyError> {
+    let lo = port_number(ctx, start, &format!("{path}.start"))?;
+    let hi = port_number(ctx, end, &format!("{path}.end"))?;
+    if lo >= hi {
+        return Err(ctx.err(
+            format!("{path}.end"),
+            format!("the end ({hi}) must be greater than the start ({lo})"),
+        ));
+    }
+    Ok((lo, hi))
+}
+
+/// A named port: the destination pod's container port of that name (any of its protocols).
+fn named(ctx: &Ctx, name: &str, path: &str) -> Result<PortMatch, PolicyError> {
+    if !is_kubernetes_port_name(name) {
+        return Err(ctx.err(
+            path,
+            format!("{name:?} is not a valid port name (lower case, 1-15 characters of a-z, 0-9 and '-')"),
+        ));
+    }
+    Ok(PortMatch {
+        protocol: Protocol::Any,
+        port: PortSpec::Named(name.to_string()),
+    })
+}
