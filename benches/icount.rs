@@ -168,6 +168,7 @@ fn mapstate_diff() {
         section: Section::Ingress,
         path: "spec.ingress[0]".into(),
         l7: false,
+        tier: None,
     });
     let mut realized = MapState::new();
     let mut wanted = MapState::new();

@@ -533,6 +533,7 @@ mod tests {
                 name: "a".into(),
                 rule: None,
                 http: None,
+                tier: Default::default(),
             },
             Some(7),
             Some(2),

@@ -82,6 +82,44 @@ pub struct PolicyRef {
     /// In L7 flows: the HTTP rule of that rule that matched (`http[1]` -> 1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub http: Option<usize>,
+    /// The tier the rule is evaluated in.
+    #[serde(default)]
+    pub tier: PolicyTier,
+}
+
+/// A flow's policy's tier, as interfaces section 12 names it.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum PolicyTier {
+    Admin,
+    #[default]
+    NetworkPolicy,
+    Baseline,
+}
+
+impl PolicyTier {
+    /// The tier of a rule (`None`: the NetworkPolicy tier's).
+    pub fn of(t: Option<crate::policy::rule::Tier>) -> PolicyTier {
+        match t {
+            Some(crate::policy::rule::Tier::Admin) => PolicyTier::Admin,
+            Some(crate::policy::rule::Tier::Baseline) => PolicyTier::Baseline,
+            None => PolicyTier::NetworkPolicy,
+        }
+    }
+
+    /// The tier of a policy of `kind` when only its key is known (a default deny names
+    /// policies, not rules): a ClusterNetworkPolicy's is in its spec, not its key, and the
+    /// only policies of that kind a default names are Admin ones (`EndpointPolicy::isolated_by`).
+    pub fn of_kind(kind: crate::kinds::PolicyKind) -> PolicyTier {
+        use crate::kinds::PolicyKind as K;
+        match kind {
+            K::AdminNetworkPolicy | K::ClusterNetworkPolicy => PolicyTier::Admin,
+            K::BaselineAdminNetworkPolicy => PolicyTier::Baseline,
+            _ => PolicyTier::NetworkPolicy,
+        }
+    }
 }
 
 impl PolicyRef {
@@ -92,12 +130,16 @@ impl PolicyRef {
             name: p.name.clone(),
             rule,
             http: None,
+            tier: PolicyTier::of_kind(p.kind),
         }
     }
 
     /// The policy and rule an origin names.
     pub fn of_rule(o: &crate::policy::rule::RuleOrigin) -> PolicyRef {
-        Self::of_policy(&o.policy, o.index())
+        PolicyRef {
+            tier: PolicyTier::of(o.tier),
+            ..Self::of_policy(&o.policy, o.index())
+        }
     }
 
     /// `Kind ns/name[rule]`, as verdicts name rules everywhere (`RuleOrigin::describe`), with
@@ -303,6 +345,7 @@ mod tests {
             section: Section::Ingress,
             path: path.into(),
             l7: false,
+            tier: None,
         })
     }
 

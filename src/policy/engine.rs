@@ -118,6 +118,18 @@ pub struct EndpointPolicy {
     pub tiered: bool,
     /// What the tiers' compilation could not express exactly (denied instead).
     pub notes: Vec<String>,
+    /// The tiers of each tiered direction as evaluated, for explanations (`tier_outcome`).
+    pub tier_views: Vec<Arc<TierView>>,
+}
+
+/// One tiered direction before its compilation: what `policy::tiers::evaluate` walks.
+#[derive(Debug, Clone)]
+pub struct TierView {
+    pub direction: Direction,
+    pub tiers: super::tiers::Tiers,
+    /// The NetworkPolicy tier's entries and the policies that isolate the endpoint there.
+    pub np: MapState,
+    pub np_isolated_by: Vec<Arc<PolicyKey>>,
 }
 
 /// Why a packet was allowed or dropped.
@@ -175,6 +187,28 @@ impl EndpointPolicy {
                 }
             }
         }
+    }
+
+    /// How the tiers decide this traffic, when cluster tiers apply in direction `d` (the
+    /// verdict is `decide`'s; this is the walk through the tiers that explains it).
+    pub fn tier_outcome(
+        &self,
+        d: Direction,
+        peer: NumericIdentity,
+        protocol: u8,
+        port: u16,
+    ) -> Option<(&TierView, super::tiers::Outcome)> {
+        let v = self.tier_views.iter().find(|v| v.direction == d)?;
+        let o = super::tiers::evaluate(
+            &v.tiers,
+            &v.np,
+            !v.np_isolated_by.is_empty(),
+            d,
+            peer,
+            protocol,
+            port,
+        );
+        Some((v, o))
     }
 
     /// The requirements that took away an allow for this traffic.
@@ -271,6 +305,7 @@ impl PolicyEngine {
                 section: Section::Ingress,
                 path: "allow-localhost".into(),
                 l7: false,
+                tier: None,
             }),
             fqdn_names: HashMap::new(),
         };
@@ -874,6 +909,12 @@ impl PolicyEngine {
             let np_isolated = !out.direction(d).isolated_by.is_empty();
             let defaults = tier_defaults(out.direction(d), &tiered, d);
             let c = super::tiers::compile(&t, &out.map, np_isolated, d, &defaults);
+            out.tier_views.push(Arc::new(TierView {
+                direction: d,
+                tiers: t,
+                np: out.map.clone(),
+                np_isolated_by: out.direction(d).isolated_by.clone(),
+            }));
             out.map.replace_direction(d, c.map);
             out.notes.extend(c.notes);
             let dir = match d {
@@ -1126,6 +1167,7 @@ fn tier_defaults(
     d: Direction,
 ) -> super::tiers::Defaults {
     let tier_key = tiered[0].policy.clone();
+    let tier = tiered[0].tier.map(|p| p.tier);
     let (allow_section, deny_section) = match d {
         Direction::Ingress => (Section::Ingress, Section::IngressDeny),
         Direction::Egress => (Section::Egress, Section::EgressDeny),
@@ -1137,12 +1179,18 @@ fn tier_defaults(
             path: "(none of its rules, nor any of another tier, matched: allowed by default)"
                 .into(),
             l7: false,
+            tier,
         }),
         deny: Arc::new(RuleOrigin {
             policy: dir.isolated_by.first().cloned().unwrap_or(tier_key),
             section: deny_section,
             path: "(default deny)".into(),
             l7: false,
+            tier: if dir.isolated_by.is_empty() {
+                tier
+            } else {
+                None
+            },
         }),
     }
 }

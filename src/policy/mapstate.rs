@@ -497,6 +497,7 @@ mod tests {
             section,
             path: format!("spec.{}[0]", section.as_str()),
             l7: false,
+            tier: None,
         })
     }
 

@@ -152,6 +152,8 @@ pub struct RuleOrigin {
     /// The rule carries L7 rules that ciliate enforces at L3/L4 only (Kafka, generic L7,
     /// TLS interception, listeners; HTTP and server names are enforced, see `PeerRule::l7`).
     pub l7: bool,
+    /// A cluster tier's rule (`None`: the NetworkPolicy tier's).
+    pub tier: Option<Tier>,
 }
 
 impl RuleOrigin {

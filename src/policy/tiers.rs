@@ -464,6 +464,7 @@ mod tests {
             section: Section::Ingress,
             path: "spec.ingress[0]".into(),
             l7: false,
+            tier: None,
         })
     }
 

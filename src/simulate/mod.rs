@@ -469,6 +469,8 @@ enum Side {
     /// The party has no policy of its own (outside the cluster).
     Outside,
     Decided(Decision),
+    /// Cluster tiers apply: the verdict, and the walk through the tiers that explains it.
+    Tiered(Decision, String),
 }
 
 impl Sim {
@@ -578,9 +580,16 @@ impl Sim {
 
     fn side(&mut self, who: Party, other: Party, d: Direction, proto: u8, port: u16) -> Side {
         let peer = self.identity_seen_by(who, other);
+        let selected = self.describe(who);
         match self.policy_of(who) {
             None => Side::Outside,
-            Some(pol) => Side::Decided(pol.decide(d, peer, proto, port)),
+            Some(pol) => {
+                let decision = pol.decide(d, peer, proto, port);
+                match pol.tier_outcome(d, peer, proto, port) {
+                    Some((view, o)) => Side::Tiered(decision, tier_walk(view, &o, &selected)),
+                    None => Side::Decided(decision),
+                }
+            }
         }
     }
 
@@ -934,6 +943,7 @@ impl Sim {
         };
         // Egress is judged first (the packet leaves before it arrives).
         let denial = |side: &Side, selected: &str, dir: &str, peer: &str| match side {
+            Side::Tiered(decision, walk) if !decision.is_allowed() => Some(walk.clone()),
             Side::Decided(Decision::Denied(o)) => Some(format!("denied by {}", o.describe())),
             Side::Decided(Decision::DefaultDenied {
                 isolated_by,
@@ -960,6 +970,7 @@ impl Sim {
                     let by: Vec<String> = o.iter().map(|x| x.describe()).collect();
                     format!("{dir} allowed by {}", by.join(", "))
                 }
+                Side::Tiered(_, walk) => format!("{dir}: {walk}"),
                 Side::Decided(_) => String::new(),
             }
         };
@@ -975,3 +986,61 @@ impl Sim {
 
 #[cfg(test)]
 mod tests;
+
+/// The walk through the tiers: `[Admin] AdminNetworkPolicy a[0] Pass -> [NetworkPolicy]
+/// default deny: x/b is selected by NetworkPolicy x/deny-all -> denied`.
+fn tier_walk(
+    view: &crate::policy::engine::TierView,
+    o: &crate::policy::tiers::Outcome,
+    selected: &str,
+) -> String {
+    use crate::policy::rule::{Action, PolicyKind, Tier};
+    use crate::policy::tiers::DecidedBy;
+    let rule = |t: Tier, i: usize| match t {
+        Tier::Admin => &view.tiers.admin[i],
+        Tier::Baseline => &view.tiers.baseline[i],
+    };
+    let step = |t: Tier, i: usize| {
+        let r = rule(t, i);
+        let word = match r.action {
+            Action::Allow if r.origin.policy.kind == PolicyKind::ClusterNetworkPolicy => "Accept",
+            a => a.as_str(),
+        };
+        format!("[{}] {} {word}", t.as_str(), r.origin.describe())
+    };
+    let passes = |t: Tier| -> Vec<String> {
+        o.passed
+            .iter()
+            .filter(|(pt, _)| *pt == t)
+            .map(|(pt, i)| step(*pt, *i))
+            .collect()
+    };
+    let mut parts = passes(Tier::Admin);
+    match &o.by {
+        DecidedBy::Rule(Tier::Admin, i) => parts.push(step(Tier::Admin, *i)),
+        DecidedBy::NetworkPolicy(e) => {
+            let by: Vec<String> = e.derived_from.iter().map(|x| x.describe()).collect();
+            let what = if e.deny { "denied" } else { "allowed" };
+            parts.push(format!("[NetworkPolicy] {what} by {}", by.join(", ")));
+        }
+        DecidedBy::NetworkPolicyDefault => {
+            let by: Vec<String> = view.np_isolated_by.iter().map(|k| k.to_string()).collect();
+            parts.push(format!(
+                "[NetworkPolicy] default deny: {selected} is selected by {}",
+                by.join(", ")
+            ));
+        }
+        DecidedBy::Rule(Tier::Baseline, i) => {
+            parts.push(format!("[NetworkPolicy] nothing isolates {selected}"));
+            parts.extend(passes(Tier::Baseline));
+            parts.push(step(Tier::Baseline, *i));
+        }
+        DecidedBy::Default => {
+            parts.push(format!("[NetworkPolicy] nothing isolates {selected}"));
+            parts.extend(passes(Tier::Baseline));
+            parts.push("[Baseline] no rule matches".into());
+        }
+    }
+    parts.push(if o.allow { "allowed" } else { "denied" }.into());
+    parts.join(" -> ")
+}

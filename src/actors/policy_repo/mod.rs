@@ -91,6 +91,7 @@ fn policy_ref(key: &PolicyKey) -> crate::policy::attribution::PolicyRef {
         name: key.name.clone(),
         rule: None,
         http: None,
+        tier: crate::policy::attribution::PolicyTier::of_kind(key.kind),
     }
 }
 

@@ -144,6 +144,7 @@ fn peer_rule(
             section,
             path: path.to_string(),
             l7: false,
+            tier: None,
         }),
         peers,
         ports,

@@ -120,6 +120,7 @@ struct PeerRuleIn<'a> {
     ports: Ports,
     ingress: bool,
     path: String,
+    tier: Tier,
 }
 
 /// Reads a rule's ports, whichever field its version has them in (`ports`, `protocols`).
@@ -148,6 +149,7 @@ fn translate<V: api::Version>(
             ports: ports_of(ctx, r.ports.as_ref(), r.protocols.as_ref(), &path)?,
             ingress: true,
             path,
+            tier: place.tier,
         });
     }
     for (i, r) in spec.egress.iter().flatten().enumerate() {
@@ -158,6 +160,7 @@ fn translate<V: api::Version>(
             ports: ports_of(ctx, r.ports.as_ref(), r.protocols.as_ref(), &path)?,
             ingress: false,
             path,
+            tier: place.tier,
         });
     }
     let peer_rules = rules
@@ -255,6 +258,7 @@ fn peer_rule(
             section,
             path: path.to_string(),
             l7: false,
+            tier: Some(r.tier),
         }),
         peers,
         ports,

@@ -356,6 +356,7 @@ mod tests {
             name: name.into(),
             rule: Some(rule),
             http: None,
+            tier: Default::default(),
         };
         WireGrant {
             rule: policy.named(),
