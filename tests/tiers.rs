@@ -1,0 +1,157 @@
+//! Cluster policy tiers on real packets: the agent with `--datapath bpf` and a manifest
+//! directory holding AdminNetworkPolicies, a BaselineAdminNetworkPolicy and a
+//! CiliumNetworkPolicy, between network-namespace pods. An Admin Deny beats the CNP's allow, a
+//! priority change and a Pass apply live, the Baseline tier denies only where nothing of the
+//! NetworkPolicy tier selects the pod, and the drop names the deciding rule and its tier.
+//! Privileged: with CI=true it must run.
+
+mod common;
+
+use std::time::Duration;
+
+use common::agent::Agent;
+use common::netns::{privileged_two_pods, tcp_ok};
+use common::{eventually, wait_output};
+
+fn cnp_b_from_a() -> &'static str {
+    "apiVersion: cilium.io/v2
+kind: CiliumNetworkPolicy
+metadata: {name: b-from-a, namespace: x}
+spec:
+  endpointSelector: {matchLabels: {app: b}}
+  ingress:
+    - fromEndpoints: [{matchLabels: {app: a}}]
+      toPorts: [{ports: [{port: '8080', protocol: TCP}, {port: '9090', protocol: TCP}]}]
+"
+}
+
+/// An AdminNetworkPolicy on b's ingress from a on `port`.
+fn anp(name: &str, priority: u32, action: &str, port: u16) -> String {
+    format!(
+        "apiVersion: policy.networking.k8s.io/v1alpha1
+kind: AdminNetworkPolicy
+metadata: {{name: {name}}}
+spec:
+  priority: {priority}
+  subject: {{pods: {{namespaceSelector: {{}}, podSelector: {{matchLabels: {{app: b}}}}}}}}
+  ingress:
+    - name: {name}-rule
+      action: {action}
+      from: [{{pods: {{namespaceSelector: {{}}, podSelector: {{matchLabels: {{app: a}}}}}}}}]
+      ports: [{{portNumber: {{protocol: TCP, port: {port}}}}}]
+"
+    )
+}
+
+const BANP_DENY_A: &str = "apiVersion: policy.networking.k8s.io/v1alpha1
+kind: BaselineAdminNetworkPolicy
+metadata: {name: default}
+spec:
+  subject: {namespaces: {}}
+  ingress:
+    - {name: deny-from-a, action: Deny, from: [{pods: {namespaceSelector: {}, podSelector: {matchLabels: {app: a}}}}]}
+";
+
+#[test]
+fn tiers_decide_real_connections_and_change_live() {
+    let Some(w) = privileged_two_pods(&[8080, 9090]) else {
+        return;
+    };
+    let (a, b) = (&w.pods[0], &w.pods[1]);
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tmp.path().join("manifests");
+    std::fs::create_dir_all(&m).unwrap();
+    let cluster =
+        common::namespace_x_with_pods(&[("a", &a.addr.to_string()), ("b", &b.addr.to_string())]);
+    std::fs::write(m.join("cluster.yaml"), cluster).unwrap();
+    std::fs::write(m.join("cnp.yaml"), cnp_b_from_a()).unwrap();
+    std::fs::write(m.join("deny.yaml"), anp("deny-9090", 10, "Deny", 9090)).unwrap();
+    std::fs::write(m.join("allow.yaml"), anp("allow-9090", 20, "Allow", 9090)).unwrap();
+    let pins = w.pins.to_string_lossy().to_string();
+    let agent = Agent::start_with(tmp.path(), &["--datapath", "bpf", "--bpf-root", &pins]);
+    for (name, pod) in [("x/a", a), ("x/b", b)] {
+        agent.add_endpoint(name, pod.addr, &pod.host_if);
+    }
+    agent.wait_realized(agent.revision());
+    let applied = |what: &str, file: &str, text: &str| {
+        let rev = agent.revision();
+        std::fs::write(m.join(file), text).unwrap();
+        agent.wait_until(what, || agent.revision() > rev);
+        agent.wait_realized(agent.revision());
+    };
+
+    // The Admin Deny (priority 10) beats both the CNP's allow and the Admin Allow (20).
+    assert!(tcp_ok(&a.netns, b.addr, 8080), "the CNP allows 8080");
+    let mon = std::process::Command::new(common::agent::BIN)
+        .args([
+            "monitor",
+            "--count",
+            "1",
+            "--verdict",
+            "dropped",
+            "-o",
+            "json",
+        ])
+        .arg("--socket")
+        .arg(agent.socket())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!tcp_ok(&a.netns, b.addr, 9090), "the Admin Deny drops 9090");
+    let out = wait_output(mon, Duration::from_secs(10));
+    let ev: serde_json::Value = serde_json::from_str(out.lines().next().unwrap_or(""))
+        .unwrap_or_else(|e| panic!("{e}: {out:?}"));
+    assert_eq!(ev["port"], 9090, "{ev}");
+    assert_eq!(
+        (
+            &ev["policies"][0]["kind"],
+            &ev["policies"][0]["name"],
+            &ev["policies"][0]["rule"],
+            &ev["policies"][0]["tier"]
+        ),
+        (
+            &serde_json::json!("AdminNetworkPolicy"),
+            &serde_json::json!("deny-9090"),
+            &serde_json::json!(0),
+            &serde_json::json!("admin")
+        ),
+        "the drop names the deciding rule and its tier: {ev}"
+    );
+
+    // A priority change, live: the Allow now comes first.
+    applied(
+        "the priority change",
+        "allow.yaml",
+        &anp("allow-9090", 5, "Allow", 9090),
+    );
+    eventually("9090 allowed by the Admin Allow", || {
+        tcp_ok(&a.netns, b.addr, 9090)
+    });
+    // The Allow goes; the Deny becomes a Pass: the CNP decides (allows).
+    std::fs::remove_file(m.join("allow.yaml")).unwrap();
+    applied("the Pass", "deny.yaml", &anp("deny-9090", 10, "Pass", 9090));
+    eventually("9090 passed to the CNP, which allows", || {
+        tcp_ok(&a.netns, b.addr, 9090)
+    });
+
+    // The Baseline tier: denies a only where nothing of the NetworkPolicy tier selects b.
+    applied("the baseline", "banp.yaml", BANP_DENY_A);
+    assert!(
+        tcp_ok(&a.netns, b.addr, 8080),
+        "the CNP selects b: the baseline does not apply"
+    );
+    std::fs::remove_file(m.join("cnp.yaml")).unwrap();
+    let rev = agent.revision();
+    agent.wait_until("the CNP is gone", || agent.revision() > rev);
+    agent.wait_realized(agent.revision());
+    eventually("the baseline denies a -> b:8080", || {
+        !tcp_ok(&a.netns, b.addr, 8080)
+    });
+    assert!(
+        !tcp_ok(&a.netns, b.addr, 9090),
+        "9090: the Admin Pass, no NetworkPolicy, the Baseline Deny"
+    );
+    drop(agent);
+    drop(w);
+}
