@@ -310,6 +310,9 @@ impl EndpointActor {
         };
         // Cluster tiers resolve whole (`EndpointPolicy::tiered`): realized whole too.
         let peers = peers.filter(|_| !policy.tiered);
+        for note in &policy.notes {
+            tracing::warn!(endpoint = self.record.id, %note, "cluster tiers: denied beyond the policies (fail closed)");
+        }
         let (ingress_cookie, ingress_by) = isolation_cookie(&policy.ingress.isolated_by);
         let (egress_cookie, egress_by) = isolation_cookie(&policy.egress.isolated_by);
         let (ingress_default_deny, egress_default_deny, audit) = self.shared.enforcement.apply(
