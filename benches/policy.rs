@@ -1,6 +1,8 @@
 //! Benchmarks for the policy-engine targets of issue #2:
 //! - `resolve/no_matching_rules_20k`: one endpoint against 20,000 rules none of which select it.
 //! - `resolve/selected_by_1000_rules`: one endpoint selected by 1,000 rules over 1,000 identities.
+//! - `resolve/tiers_100x25_plus_1000_cnp`: the same endpoint also selected by 100
+//!   ClusterNetworkPolicies of 25 rules each (issue #28: <= 1 ms).
 //! - `selector_cache/new_identity_10k_selectors`: an identity appearing (and going) with 10,000
 //!   selectors cached.
 //! - `simulate/world_5000_pods`: `simulate` on 5,000 pods, 500 namespaces, 2,000 policies and
@@ -95,6 +97,50 @@ fn bench_resolve(c: &mut Criterion) {
         resolved.map.len()
     );
     c.bench_function("resolve/selected_by_1000_rules", |b| {
+        b.iter(|| black_box(engine.resolve(black_box(&view))))
+    });
+
+    // The same, plus 100 ClusterNetworkPolicies of 25 rules each (issue #28): Admin and
+    // Baseline, Allow/Deny/Pass, peers by pod selector (5 apps) or by namespace, on TCP ports.
+    for p in 0..100 {
+        let tier = if p % 4 == 3 { "Baseline" } else { "Admin" };
+        let rules: Vec<String> = (0..25)
+            .map(|k| {
+                let action = ["Accept", "Deny", "Pass"][(p + k) % 3];
+                let action = if tier == "Baseline" && action == "Pass" { "Deny" } else { action };
+                let peer = if k % 5 == 0 {
+                    "{namespaces: {matchLabels: {kubernetes.io/metadata.name: x}}}".to_string()
+                } else {
+                    let apps: Vec<String> = (0..5)
+                        .map(|j| format!("app-{}", (p * 25 + k + j * 97) % 1000))
+                        .collect();
+                    format!(
+                        "{{pods: {{namespaceSelector: {{}}, podSelector: {{matchExpressions: [{{key: app, operator: In, values: [{}]}}]}}}}}}",
+                        apps.join(", ")
+                    )
+                };
+                format!(
+                    "{{name: r{k}, action: {action}, from: [{peer}], protocols: [{{tcp: {{destinationPort: {{number: {}}}}}}}]}}",
+                    1000 + (p + k) % 50
+                )
+            })
+            .collect();
+        add_policy(
+            &mut engine,
+            &format!(
+                "{{apiVersion: policy.networking.k8s.io/v1alpha2, kind: ClusterNetworkPolicy, metadata: {{name: t{p}}}, spec: {{tier: {tier}, priority: {}, subject: {{namespaces: {{}}}}, ingress: [{}]}}}}",
+                p % 1000,
+                rules.join(", ")
+            ),
+        );
+    }
+    let resolved = engine.resolve(&view);
+    assert!(resolved.tiered && resolved.selected_by.len() == 1100);
+    eprintln!(
+        "tiers_100x25_plus_1000_cnp: map state has {} entries",
+        resolved.map.len()
+    );
+    c.bench_function("resolve/tiers_100x25_plus_1000_cnp", |b| {
         b.iter(|| black_box(engine.resolve(black_box(&view))))
     });
 }
