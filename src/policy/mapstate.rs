@@ -351,6 +351,38 @@ impl MapState {
         self.diff_from(&realized.of_peers(peers))
     }
 
+    /// The (protocol, first port, last port) of the entries of `identity` in direction `d`.
+    pub fn slots(
+        &self,
+        d: Direction,
+        identity: NumericIdentity,
+    ) -> impl Iterator<Item = (u8, u16, u16)> + '_ {
+        self.groups
+            .get(&(d, identity))
+            .into_iter()
+            .flatten()
+            .map(|s| (s.protocol, s.port_lo, s.port_hi))
+    }
+
+    /// Every identity with entries in direction `d`, with theirs (`slots`).
+    pub fn slots_of(
+        &self,
+        d: Direction,
+    ) -> impl Iterator<Item = (NumericIdentity, Vec<(u8, u16, u16)>)> + '_ {
+        self.groups
+            .iter()
+            .filter(move |((dir, _), _)| *dir == d)
+            .map(|((_, id), slots)| {
+                (
+                    *id,
+                    slots
+                        .iter()
+                        .map(|s| (s.protocol, s.port_lo, s.port_hi))
+                        .collect(),
+                )
+            })
+    }
+
     /// Replaces every entry of direction `d` by those of `part` of that direction.
     pub fn replace_direction(&mut self, d: Direction, part: MapState) {
         self.groups.retain(|(dir, _), _| *dir != d);

@@ -181,75 +181,6 @@ pub struct Compiled {
     pub notes: Vec<String>,
 }
 
-/// The cells of one direction: identity classes, protocol classes, port ranges per protocol.
-struct Cells {
-    /// Every identity a rule or a NetworkPolicy-tier entry names.
-    named: Vec<NumericIdentity>,
-    /// An identity no rule names (a stand-in for all of them).
-    other: NumericIdentity,
-    protocols: Vec<u8>,
-    /// Per protocol of `protocols`: the port ranges that cover 0..=65535.
-    ranges: Vec<Vec<(u16, u16)>>,
-}
-
-impl Cells {
-    fn new(tiers: &Tiers, np: &MapState, direction: Direction) -> Cells {
-        let mut named = BTreeSet::new();
-        let mut protocols: BTreeSet<u8> = COMMON_PROTOCOLS.into_iter().collect();
-        let mut bounds: Vec<(u8, u16, u16)> = Vec::new();
-        for r in tiers.admin.iter().chain(tiers.baseline.iter()) {
-            named.extend(r.peers.iter().copied().filter(|&i| i != IDENTITY_ANY));
-            for &(p, lo, hi) in r.ports.iter().flatten() {
-                protocols.insert(p);
-                bounds.push((p, lo, hi));
-            }
-        }
-        for (k, _) in np.entries() {
-            if k.direction != direction {
-                continue;
-            }
-            if k.identity != IDENTITY_ANY {
-                named.insert(k.identity);
-            }
-            if k.protocol != 0 {
-                protocols.insert(k.protocol);
-            }
-            bounds.push((k.protocol, k.port_lo, k.port_hi));
-        }
-        let protocols: Vec<u8> = protocols.into_iter().collect();
-        let ranges = protocols
-            .iter()
-            .map(|&p| {
-                // Every range of this protocol (or of all protocols) starts a cell at its
-                // first port and after its last.
-                let mut cuts: BTreeSet<u32> = [0u32, 65536].into_iter().collect();
-                for &(q, lo, hi) in &bounds {
-                    if q == p || q == 0 {
-                        cuts.insert(lo as u32);
-                        cuts.insert(hi as u32 + 1);
-                    }
-                }
-                let cuts: Vec<u32> = cuts.into_iter().collect();
-                cuts.windows(2)
-                    .map(|w| (w[0] as u16, (w[1] - 1) as u16))
-                    .collect()
-            })
-            .collect();
-        let named: Vec<NumericIdentity> = named.into_iter().collect();
-        // Any number no rule names stands for the identities no rule names.
-        let other = (1..)
-            .map(|i| u32::MAX - i)
-            .find(|i| named.binary_search(i).is_err())
-            .unwrap_or(u32::MAX);
-        Cells {
-            named,
-            other,
-            protocols,
-            ranges,
-        }
-    }
-}
-
 /// What entries decided by a default are derived from: allowed because no tier decided, and
 /// denied by the NetworkPolicy tier's isolation.
 #[derive(Debug, Clone)]
@@ -258,45 +189,331 @@ pub struct Defaults {
     pub deny: Arc<RuleOrigin>,
 }
 
-/// The origins an outcome's entry is derived from, and their L7 rules.
-fn origins_of<'a>(
+/// Who decided a cell, cheaply (compilation only; `DecidedBy` is for explanations).
+#[derive(Debug, Clone, Copy)]
+enum By<'a> {
+    Rule(Tier, usize),
+    Np(&'a MapEntry),
+    NpDefault,
+    Default,
+}
+
+impl PartialEq for By<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (By::Rule(a, i), By::Rule(b, j)) => a == b && i == j,
+            (By::Np(a), By::Np(b)) => std::ptr::eq(*a, *b),
+            (By::NpDefault, By::NpDefault) | (By::Default, By::Default) => true,
+            _ => false,
+        }
+    }
+}
+
+/// A cell's verdict and who decided it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Verdict<'a> {
+    allow: bool,
+    by: By<'a>,
+}
+
+/// A port range's state while the tiers are painted over it, in order.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum State<'a> {
+    Open,
+    /// An Admin `Pass`: the NetworkPolicy tier decides.
+    Passed,
+    /// The NetworkPolicy tier did not decide and does not isolate: the Baseline tier decides.
+    ToBaseline,
+    Done(Verdict<'a>),
+}
+
+/// Inclusive port ranges of one protocol with their state, in order, covering 0..=65535.
+type Segments<'a> = Vec<(u16, u16, State<'a>)>;
+
+/// Sets the parts of `lo..=hi` in state `from` to `to` (the segments are sorted and cover
+/// 0..=65535: only those overlapping the range are looked at).
+fn paint<'a>(segs: &mut Segments<'a>, lo: u16, hi: u16, from: State<'a>, to: State<'a>) {
+    let start = segs.partition_point(|&(_, b, _)| b < lo);
+    let mut end = start;
+    let mut any = false;
+    while end < segs.len() && segs[end].0 <= hi {
+        any |= segs[end].2 == from;
+        end += 1;
+    }
+    if !any {
+        return;
+    }
+    let mut repl: Vec<(u16, u16, State<'a>)> = Vec::with_capacity(end - start + 2);
+    for &(a, b, s) in &segs[start..end] {
+        if s != from {
+            repl.push((a, b, s));
+            continue;
+        }
+        if a < lo {
+            repl.push((a, lo - 1, s));
+        }
+        repl.push((a.max(lo), b.min(hi), to));
+        if hi < b {
+            repl.push((hi + 1, b, s));
+        }
+    }
+    segs.splice(start..end, repl);
+}
+
+/// One identity's verdicts: per protocol of the cells (`Cells::protocols`), and for every other
+/// protocol.
+struct Painted<'a> {
+    protocols: Vec<Vec<(u16, u16, Verdict<'a>)>>,
+    other: Verdict<'a>,
+}
+
+/// What the cells are made of for one direction.
+struct Cells {
+    protocols: Vec<u8>,
+    /// Tier rules with every peer (`IDENTITY_ANY`), by tier.
+    any: [Vec<usize>; 2],
+    /// Tier rules naming each identity, by tier (in order).
+    named: std::collections::BTreeMap<NumericIdentity, [Vec<usize>; 2]>,
+    /// An identity no rule or entry names (a stand-in for all of them).
+    other: NumericIdentity,
+}
+
+impl Cells {
+    fn new(tiers: &Tiers, np: &MapState, direction: Direction) -> Cells {
+        let mut protocols: BTreeSet<u8> = COMMON_PROTOCOLS.into_iter().collect();
+        let mut any: [Vec<usize>; 2] = [Vec::new(), Vec::new()];
+        let mut named: std::collections::BTreeMap<NumericIdentity, [Vec<usize>; 2]> =
+            Default::default();
+        for (t, rules) in [&tiers.admin, &tiers.baseline].into_iter().enumerate() {
+            for (i, r) in rules.iter().enumerate() {
+                protocols.extend(r.ports.iter().flatten().map(|&(p, _, _)| p));
+                if r.peers.first() == Some(&IDENTITY_ANY) {
+                    any[t].push(i);
+                } else {
+                    for &id in &r.peers {
+                        named.entry(id).or_default()[t].push(i);
+                    }
+                }
+            }
+        }
+        for (id, slots) in np.slots_of(direction) {
+            protocols.extend(slots.iter().map(|&(p, _, _)| p).filter(|&p| p != 0));
+            if id != IDENTITY_ANY {
+                named.entry(id).or_default();
+            }
+        }
+        let other = (1..)
+            .map(|i| u32::MAX - i)
+            .find(|i| !named.contains_key(i))
+            .unwrap_or(u32::MAX);
+        Cells {
+            protocols: protocols.into_iter().collect(),
+            any,
+            named,
+            other,
+        }
+    }
+
+    /// The rules of tier `t` that can match `id`, in order.
+    fn rules_for(&self, id: NumericIdentity, t: usize) -> Vec<usize> {
+        let own = self.named.get(&id).map_or(&[][..], |r| &r[t][..]);
+        let mut v: Vec<usize> = self.any[t].iter().chain(own).copied().collect();
+        v.sort_unstable();
+        v
+    }
+}
+
+/// Paints the tiers over every protocol and port of `id` (the evaluation of `evaluate`, by
+/// ranges instead of by packet).
+#[allow(clippy::too_many_arguments)]
+fn paint_identity<'a>(
+    tiers: &Tiers,
+    np: &'a MapState,
+    np_isolated: bool,
+    direction: Direction,
+    cells: &Cells,
+    id: NumericIdentity,
+) -> Painted<'a> {
+    let n = cells.protocols.len();
+    let mut segs: Vec<Segments<'a>> = vec![vec![(0, 65535, State::Open)]; n];
+    let mut other = State::Open;
+    let state = |t: Tier, i: usize, a: Action| match a {
+        Action::Allow => State::Done(Verdict {
+            allow: true,
+            by: By::Rule(t, i),
+        }),
+        Action::Deny => State::Done(Verdict {
+            allow: false,
+            by: By::Rule(t, i),
+        }),
+        // A Pass in the Admin tier hands over to the NetworkPolicy tier; in the Baseline tier
+        // (ClusterNetworkPolicy) it ends the tiers: allowed.
+        Action::Pass if t == Tier::Admin => State::Passed,
+        Action::Pass => State::Done(Verdict {
+            allow: true,
+            by: By::Default,
+        }),
+    };
+    let apply = |segs: &mut Vec<Segments<'a>>, other: &mut State<'a>, t: Tier, from: State<'a>| {
+        let (ti, rules) = match t {
+            Tier::Admin => (0, &tiers.admin),
+            Tier::Baseline => (1, &tiers.baseline),
+        };
+        for i in cells.rules_for(id, ti) {
+            let r = &rules[i];
+            let to = state(t, i, r.action);
+            match &r.ports {
+                None => {
+                    for s in segs.iter_mut() {
+                        paint(s, 0, 65535, from, to);
+                    }
+                    if *other == from {
+                        *other = to;
+                    }
+                }
+                Some(list) => {
+                    for &(p, lo, hi) in list {
+                        if let Ok(k) = cells.protocols.binary_search(&p) {
+                            paint(&mut segs[k], lo, hi, from, to);
+                        }
+                    }
+                }
+            }
+        }
+    };
+    apply(&mut segs, &mut other, Tier::Admin, State::Open);
+    // The NetworkPolicy tier, over what the Admin tier left or passed on.
+    let np_state = |p: u8, port: u16| match np.lookup(direction, id, p, port) {
+        MapVerdict::Denied(e) => State::Done(Verdict {
+            allow: false,
+            by: By::Np(e),
+        }),
+        MapVerdict::Allowed(e) => State::Done(Verdict {
+            allow: true,
+            by: By::Np(e),
+        }),
+        MapVerdict::NoMatch if np_isolated => State::Done(Verdict {
+            allow: false,
+            by: By::NpDefault,
+        }),
+        MapVerdict::NoMatch => State::ToBaseline,
+    };
+    let entries: Vec<(u8, u16, u16)> = [id, IDENTITY_ANY]
+        .iter()
+        .flat_map(|&i| np.slots(direction, i))
+        .collect();
+    for (k, s) in segs.iter_mut().enumerate() {
+        let p = cells.protocols[k];
+        let mut out: Segments<'a> = Vec::with_capacity(s.len());
+        for &(a, b, st) in s.iter() {
+            if !matches!(st, State::Open | State::Passed) {
+                out.push((a, b, st));
+                continue;
+            }
+            // Cut at the bounds of the entries of this protocol (or all protocols).
+            let mut cuts: Vec<u32> = vec![a as u32, b as u32 + 1];
+            for &(q, lo, hi) in &entries {
+                if q == p || q == 0 {
+                    for c in [lo as u32, hi as u32 + 1] {
+                        if c > a as u32 && c <= b as u32 {
+                            cuts.push(c);
+                        }
+                    }
+                }
+            }
+            cuts.sort_unstable();
+            cuts.dedup();
+            for w in cuts.windows(2) {
+                let (lo, hi) = (w[0] as u16, (w[1] - 1) as u16);
+                out.push((lo, hi, np_state(p, lo)));
+            }
+        }
+        *s = out;
+    }
+    if matches!(other, State::Open | State::Passed) {
+        other = np_state(OTHER_PROTOCOL, 0);
+    }
+    apply(&mut segs, &mut other, Tier::Baseline, State::ToBaseline);
+    let done = |st: State<'a>| match st {
+        State::Done(v) => v,
+        _ => Verdict {
+            allow: true,
+            by: By::Default,
+        },
+    };
+    let protocols = segs
+        .into_iter()
+        .map(|s| {
+            let mut out: Vec<(u16, u16, Verdict<'a>)> = Vec::with_capacity(s.len());
+            for (a, b, st) in s {
+                let v = done(st);
+                match out.last_mut() {
+                    Some(last) if last.2 == v && last.1 as u32 + 1 == a as u32 => last.1 = b,
+                    _ => out.push((a, b, v)),
+                }
+            }
+            out
+        })
+        .collect();
+    Painted {
+        protocols,
+        other: done(other),
+    }
+}
+
+/// The pieces two identities' ranges cut one protocol into: (first, last, theirs, others').
+fn pieces<'a, 'b>(
+    x: &'b [(u16, u16, Verdict<'a>)],
+    o: &'b [(u16, u16, Verdict<'a>)],
+) -> Vec<(u16, u16, &'b Verdict<'a>, usize)> {
+    let (mut i, mut j) = (0, 0);
+    let mut out = Vec::with_capacity(x.len() + o.len());
+    while i < x.len() && j < o.len() {
+        let lo = x[i].0.max(o[j].0);
+        let hi = x[i].1.min(o[j].1);
+        out.push((lo, hi, &x[i].2, j));
+        if x[i].1 == hi {
+            i += 1;
+        }
+        if o[j].1 == hi {
+            j += 1;
+        }
+    }
+    out
+}
+
+/// The origins a verdict's entry is derived from, and their L7 rules.
+fn origins<'a>(
     tiers: &'a Tiers,
-    o: &'a Outcome,
+    v: &Verdict<'a>,
     defaults: &'a Defaults,
 ) -> Vec<(
     &'a Arc<RuleOrigin>,
     Option<&'a Arc<super::l7::http::L7PortRules>>,
 )> {
-    match &o.by {
-        DecidedBy::Rule(Tier::Admin, i) => vec![(&tiers.admin[*i].origin, None)],
-        DecidedBy::Rule(Tier::Baseline, i) => vec![(&tiers.baseline[*i].origin, None)],
-        DecidedBy::NetworkPolicy(e) => match &e.l7 {
+    match v.by {
+        By::Rule(Tier::Admin, i) => vec![(&tiers.admin[i].origin, None)],
+        By::Rule(Tier::Baseline, i) => vec![(&tiers.baseline[i].origin, None)],
+        By::Np(e) => match &e.l7 {
             Some(grants) => grants
                 .iter()
                 .map(|g| (&g.origin, g.rules.as_ref()))
                 .collect(),
             None => e.derived_from.iter().map(|o| (o, None)).collect(),
         },
-        DecidedBy::NetworkPolicyDefault => vec![(&defaults.deny, None)],
-        DecidedBy::Default => vec![(&defaults.allow, None)],
+        By::NpDefault => vec![(&defaults.deny, None)],
+        By::Default => vec![(&defaults.allow, None)],
     }
 }
 
 /// A rule (of a tier, or a NetworkPolicy-tier entry) decided it, not a default.
-fn by_rule(o: &Outcome) -> bool {
-    matches!(o.by, DecidedBy::Rule(..) | DecidedBy::NetworkPolicy(_))
+fn by_rule(v: &Verdict<'_>) -> bool {
+    matches!(v.by, By::Rule(..) | By::Np(_))
 }
 
 /// Writes one cell's entry.
-fn put(
-    map: &mut MapState,
-    key: MapKey,
-    deny: bool,
-    tiers: &Tiers,
-    o: &Outcome,
-    fallback: &Defaults,
-) {
-    for (origin, l7) in origins_of(tiers, o, fallback) {
+fn put(map: &mut MapState, key: MapKey, deny: bool, tiers: &Tiers, v: &Verdict<'_>, d: &Defaults) {
+    for (origin, l7) in origins(tiers, v, d) {
         map.insert_l7(key, deny, origin, if deny { None } else { l7 });
     }
 }
@@ -311,121 +528,111 @@ pub fn compile(
     fallback: &Defaults,
 ) -> Compiled {
     let cells = Cells::new(tiers, np, direction);
-    let eval = |id: NumericIdentity, p: u8, port: u16| {
-        evaluate(tiers, np, np_isolated, direction, id, p, port)
-    };
-    // Outcomes: [identity class][protocol][range], identity classes `named` then `other`.
-    let classes: Vec<NumericIdentity> = cells.named.iter().copied().chain([cells.other]).collect();
-    let grid: Vec<Vec<Vec<Outcome>>> = classes
-        .iter()
-        .map(|&id| {
-            cells
-                .protocols
-                .iter()
-                .zip(&cells.ranges)
-                .map(|(&p, rs)| rs.iter().map(|&(lo, _)| eval(id, p, lo)).collect())
-                .collect()
-        })
-        .collect();
-    let other_protocol: Vec<Outcome> = classes
-        .iter()
-        .map(|&id| eval(id, OTHER_PROTOCOL, 0))
-        .collect();
-    let o = classes.len() - 1; // the `other` class
+    let paint = |id| paint_identity(tiers, np, np_isolated, direction, &cells, id);
+    let o = paint(cells.other);
+    let named: Vec<(NumericIdentity, Painted<'_>)> =
+        cells.named.keys().map(|&id| (id, paint(id))).collect();
     let mut out = Compiled {
-        isolated: grid
+        isolated: named
             .iter()
-            .flatten()
-            .flatten()
-            .chain(other_protocol.iter())
-            .any(|c| !c.allow),
+            .map(|(_, p)| p)
+            .chain([&o])
+            .any(|p| !p.other.allow || p.protocols.iter().flatten().any(|c| !c.2.allow)),
         ..Default::default()
     };
+    // Per protocol, the other identities' ranges some named identity is allowed in while they
+    // are denied.
+    let mut named_allowed: Vec<Vec<bool>> =
+        o.protocols.iter().map(|s| vec![false; s.len()]).collect();
+    let mut denied_all_else_allowed_some = false;
+    for (_, x) in &named {
+        let mut any_allowed = false;
+        for (k, xs) in x.protocols.iter().enumerate() {
+            for (_, _, c, j) in pieces(xs, &o.protocols[k]) {
+                if c.allow {
+                    any_allowed = true;
+                    if !o.protocols[k][j].2.allow {
+                        named_allowed[k][j] = true;
+                    }
+                }
+            }
+        }
+        denied_all_else_allowed_some |= !x.other.allow && any_allowed;
+    }
     // The wildcard allow for every other protocol of every other identity, unless it would
     // need a deny it cannot have (module documentation).
-    let mut wild = other_protocol[o].allow;
-    if wild {
-        let named_allowed_where_other_denied = (0..cells.protocols.len()).any(|p| {
-            (0..cells.ranges[p].len())
-                .any(|r| !grid[o][p][r].allow && (0..o).any(|x| grid[x][p][r].allow))
-        });
-        let denied_all_else_allowed_some =
-            (0..o).any(|x| !other_protocol[x].allow && grid[x].iter().flatten().any(|c| c.allow));
-        if named_allowed_where_other_denied || denied_all_else_allowed_some {
-            wild = false;
-            out.notes.push(format!(
-                "{}: protocols other than those the rules name (and TCP, UDP, SCTP, ICMP, ICMPv6) are denied for peers no rule names: the tiers' verdicts for them have no exact form in the policy map (fail closed)",
-                direction.as_str()
-            ));
-        }
+    let mut wild = o.other.allow;
+    if wild && (named_allowed.iter().flatten().any(|&b| b) || denied_all_else_allowed_some) {
+        wild = false;
+        out.notes.push(format!(
+            "{}: protocols other than those the rules name (and TCP, UDP, SCTP, ICMP, ICMPv6) are denied for peers no rule names: the tiers' verdicts for them have no exact form in the policy map (fail closed)",
+            direction.as_str()
+        ));
     }
-    let key = |identity: NumericIdentity, protocol: u8, (lo, hi): (u16, u16)| MapKey {
+    let key = |identity: NumericIdentity, protocol: u8, lo: u16, hi: u16| MapKey {
         direction,
         identity,
         protocol,
         port_lo: lo,
         port_hi: hi,
     };
-    let all = (0u16, 65535u16);
     if wild {
         put(
             &mut out.map,
-            key(IDENTITY_ANY, 0, all),
+            key(IDENTITY_ANY, 0, 0, 65535),
             false,
             tiers,
-            &other_protocol[o],
+            &o.other,
             fallback,
         );
     }
-    for (p, &proto) in cells.protocols.iter().enumerate() {
-        for (r, &range) in cells.ranges[p].iter().enumerate() {
-            let c = &grid[o][p][r];
+    for (k, &proto) in cells.protocols.iter().enumerate() {
+        for (j, (lo, hi, c)) in o.protocols[k].iter().enumerate() {
+            let k_ = key(IDENTITY_ANY, proto, *lo, *hi);
             if c.allow {
-                put(
-                    &mut out.map,
-                    key(IDENTITY_ANY, proto, range),
-                    false,
-                    tiers,
-                    c,
-                    fallback,
-                );
-            } else if wild || (by_rule(c) && (0..o).all(|x| !grid[x][p][r].allow)) {
+                put(&mut out.map, k_, false, tiers, c, fallback);
+            } else if wild || (by_rule(c) && !named_allowed[k][j]) {
                 // Needed under the wildcard allow; otherwise it names the deciding rule (the
                 // default would say only "isolated"), where no named identity is allowed.
-                put(
-                    &mut out.map,
-                    key(IDENTITY_ANY, proto, range),
-                    true,
-                    tiers,
-                    c,
-                    fallback,
-                );
+                put(&mut out.map, k_, true, tiers, c, fallback);
             }
         }
     }
-    for (x, &id) in cells.named.iter().enumerate() {
-        let own = &other_protocol[x];
+    for (id, x) in &named {
+        let own = &x.other;
         let mut own_wild = false;
-        if own.allow && (!wild || own.by != other_protocol[o].by) {
-            put(&mut out.map, key(id, 0, all), false, tiers, own, fallback);
+        if own.allow && (!wild || own.by != o.other.by) {
+            put(
+                &mut out.map,
+                key(*id, 0, 0, 65535),
+                false,
+                tiers,
+                own,
+                fallback,
+            );
             own_wild = true;
         } else if !own.allow && wild {
             // No concrete cell of `id` is allowed (or `wild` would be off).
-            put(&mut out.map, key(id, 0, all), true, tiers, own, fallback);
+            put(
+                &mut out.map,
+                key(*id, 0, 0, 65535),
+                true,
+                tiers,
+                own,
+                fallback,
+            );
             continue;
         }
-        for (p, &proto) in cells.protocols.iter().enumerate() {
-            for (r, &range) in cells.ranges[p].iter().enumerate() {
-                let c = &grid[x][p][r];
-                let wider = &grid[o][p][r];
+        for (k, &proto) in cells.protocols.iter().enumerate() {
+            for (lo, hi, c, j) in pieces(&x.protocols[k], &o.protocols[k]) {
+                let wider = &o.protocols[k][j].2;
                 let covered = wider.allow || wild || own_wild;
                 if c.allow {
-                    // The wider allows' own deciding rule covers it already.
-                    let same = wider.allow && wider.by == c.by;
-                    if !same {
+                    // The wider allow's own deciding rule covers it already.
+                    if !(wider.allow && wider.by == c.by) {
                         put(
                             &mut out.map,
-                            key(id, proto, range),
+                            key(*id, proto, lo, hi),
                             false,
                             tiers,
                             c,
@@ -435,7 +642,7 @@ pub fn compile(
                 } else if covered || (by_rule(c) && wider.by != c.by) {
                     put(
                         &mut out.map,
-                        key(id, proto, range),
+                        key(*id, proto, lo, hi),
                         true,
                         tiers,
                         c,
