@@ -135,7 +135,7 @@ fn bench_resolve(c: &mut Criterion) {
         );
     }
     let resolved = engine.resolve(&view);
-    assert!(resolved.tiered && resolved.selected_by.len() == 1100);
+    assert!(resolved.tiered() && resolved.selected_by.len() == 1100);
     eprintln!(
         "tiers_100x25_plus_1000_cnp: map state has {} entries",
         resolved.map.len()

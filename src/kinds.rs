@@ -262,11 +262,25 @@ impl std::fmt::Display for Kind {
 }
 
 impl PolicyKind {
+    /// The kind (`None` for the agent's own rules). A match, not a search of `KINDS`: verdicts
+    /// name policies on the per-event path (a test checks it agrees with the table).
+    pub fn kind(self) -> Option<Kind> {
+        match self {
+            PolicyKind::NetworkPolicy => Some(Kind::NetworkPolicy),
+            PolicyKind::CiliumNetworkPolicy => Some(Kind::CiliumNetworkPolicy),
+            PolicyKind::CiliumClusterwideNetworkPolicy => {
+                Some(Kind::CiliumClusterwideNetworkPolicy)
+            }
+            PolicyKind::AdminNetworkPolicy => Some(Kind::AdminNetworkPolicy),
+            PolicyKind::BaselineAdminNetworkPolicy => Some(Kind::BaselineAdminNetworkPolicy),
+            PolicyKind::ClusterNetworkPolicy => Some(Kind::ClusterNetworkPolicy),
+            PolicyKind::Builtin => None,
+        }
+    }
+
     /// The kind's row (`None` for the agent's own rules).
     pub fn info(self) -> Option<&'static KindInfo> {
-        KINDS
-            .iter()
-            .find(|r| r.policy.is_some_and(|(p, _)| p == self))
+        self.kind().map(Kind::info)
     }
 
     pub fn as_str(&self) -> &'static str {
@@ -321,6 +335,16 @@ mod tests {
         // Policies come after everything they select.
         let first_policy = Kind::ALL.iter().position(|k| k.is_policy()).unwrap();
         assert!(Kind::ALL[first_policy..].iter().all(|k| k.is_policy()));
+    }
+
+    #[test]
+    fn policy_kinds_and_rows_agree() {
+        for r in KINDS.iter() {
+            if let Some((p, _)) = r.policy {
+                assert_eq!(p.kind(), Some(r.kind), "{}", r.name);
+            }
+        }
+        assert_eq!(PolicyKind::Builtin.kind(), None);
     }
 
     #[test]

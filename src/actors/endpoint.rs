@@ -309,8 +309,8 @@ impl EndpointActor {
             )
         };
         // Cluster tiers resolve whole (`EndpointPolicy::tiered`): realized whole too.
-        let peers = peers.filter(|_| !policy.tiered);
-        for note in &policy.notes {
+        let peers = peers.filter(|_| !policy.tiered());
+        for note in policy.tiers.iter().flat_map(|t| &t.notes) {
             tracing::warn!(endpoint = self.record.id, %note, "cluster tiers: denied beyond the policies (fail closed)");
         }
         let (ingress_cookie, ingress_by) = isolation_cookie(&policy.ingress.isolated_by);

@@ -137,8 +137,12 @@ impl PolicyRef {
     /// The policy and rule an origin names.
     pub fn of_rule(o: &crate::policy::rule::RuleOrigin) -> PolicyRef {
         PolicyRef {
+            kind: o.policy.kind.as_str().to_string(),
+            namespace: o.policy.namespace.clone(),
+            name: o.policy.name.clone(),
+            rule: o.index(),
+            http: None,
             tier: PolicyTier::of(o.tier),
-            ..Self::of_policy(&o.policy, o.index())
         }
     }
 
@@ -208,22 +212,22 @@ fn policy_words(h: &mut u32, p: &PolicyKey) {
 /// The cookie of an entry derived from `origins` (in any order) matching as `kind`, and what
 /// it stands for.
 pub fn entry_cookie(origins: &[Arc<RuleOrigin>], kind: MatchKind) -> (Cookie, Vec<PolicyRef>) {
-    let refs: BTreeSet<(&PolicyKey, &str)> = origins
+    let refs: BTreeSet<(&PolicyKey, &str, Option<crate::policy::rule::Tier>)> = origins
         .iter()
         .filter(|o| o.policy.kind != PolicyKind::Builtin)
-        .map(|o| (o.policy.as_ref(), o.path.as_str()))
+        .map(|o| (o.policy.as_ref(), o.path.as_str(), o.tier))
         .collect();
     let mut h = 0x811c_9dc5u32;
     fnv1a32(&mut h, kind.as_str().as_bytes());
     let mut policies = Vec::with_capacity(refs.len());
-    for (p, path) in refs {
+    for (p, path, tier) in refs {
         policy_words(&mut h, p);
         fnv1a32(&mut h, path.as_bytes());
         fnv1a32(&mut h, b"\n");
-        policies.push(PolicyRef::of_policy(
-            p,
-            crate::policy::rule::rule_index(path),
-        ));
+        policies.push(PolicyRef {
+            tier: PolicyTier::of(tier),
+            ..PolicyRef::of_policy(p, crate::policy::rule::rule_index(path))
+        });
     }
     (finish(h), policies)
 }
@@ -350,6 +354,39 @@ mod tests {
     }
 
     use crate::policy::mapstate::ingress_key as key;
+
+    #[test]
+    fn flows_name_the_tier_of_the_rule_not_of_the_kind() {
+        let baseline = Arc::new(RuleOrigin {
+            tier: Some(crate::policy::rule::Tier::Baseline),
+            ..(*origin(
+                PolicyKind::ClusterNetworkPolicy,
+                None,
+                "b",
+                "spec.ingress[2]",
+            ))
+            .clone()
+        });
+        let np = origin(
+            PolicyKind::NetworkPolicy,
+            Some("x"),
+            "np",
+            "spec.ingress[0]",
+        );
+        let (_, refs) = entry_cookie(&[baseline, np], MatchKind::L3Only);
+        let tiers: Vec<(&str, PolicyTier)> =
+            refs.iter().map(|r| (r.name.as_str(), r.tier)).collect();
+        assert_eq!(
+            tiers,
+            vec![
+                ("np", PolicyTier::NetworkPolicy),
+                ("b", PolicyTier::Baseline)
+            ]
+        );
+        let json = serde_json::to_value(&refs[1]).unwrap();
+        assert_eq!(json["tier"], "baseline", "{json}");
+        assert_eq!(json["rule"], 2, "{json}");
+    }
 
     #[test]
     fn monitor_and_simulate_name_a_rule_the_same_way() {

@@ -114,12 +114,18 @@ pub struct EndpointPolicy {
     pub dns: Vec<super::l7::dns::DnsRuleEntry>,
     /// Cluster tiers (AdminNetworkPolicy, ...) select the endpoint: `map` is their compilation
     /// with the NetworkPolicy tier (`policy::tiers`), always resolved whole (a change of one
-    /// peer may change the entries of every other).
-    pub tiered: bool,
+    /// peer may change the entries of every other). Boxed: most endpoints have none, and the
+    /// resolution of an endpoint nothing selects stays small.
+    pub tiers: Option<Box<TierState>>,
+}
+
+/// What the cluster tiers left on a tiered endpoint's policy.
+#[derive(Debug, Clone, Default)]
+pub struct TierState {
     /// What the tiers' compilation could not express exactly (denied instead).
     pub notes: Vec<String>,
     /// The tiers of each tiered direction as evaluated, for explanations (`tier_outcome`).
-    pub tier_views: Vec<Arc<TierView>>,
+    pub views: Vec<Arc<TierView>>,
 }
 
 /// One tiered direction before its compilation: what `policy::tiers::evaluate` walks.
@@ -189,6 +195,11 @@ impl EndpointPolicy {
         }
     }
 
+    /// Cluster tiers select the endpoint (`tiers`).
+    pub fn tiered(&self) -> bool {
+        self.tiers.is_some()
+    }
+
     /// How the tiers decide this traffic, when cluster tiers apply in direction `d` (the
     /// verdict is `decide`'s; this is the walk through the tiers that explains it).
     pub fn tier_outcome(
@@ -198,7 +209,12 @@ impl EndpointPolicy {
         protocol: u8,
         port: u16,
     ) -> Option<(&TierView, super::tiers::Outcome)> {
-        let v = self.tier_views.iter().find(|v| v.direction == d)?;
+        let v = self
+            .tiers
+            .as_ref()?
+            .views
+            .iter()
+            .find(|v| v.direction == d)?;
         let o = super::tiers::evaluate(
             &v.tiers,
             &v.np,
@@ -881,7 +897,7 @@ impl PolicyEngine {
         let mut tiered = tiered.to_vec();
         // Tier, then priority; the same priority: by kind, then name (documented in README).
         tiered.sort_by(|a, b| (a.tier, &a.policy).cmp(&(b.tier, &b.policy)));
-        out.tiered = true;
+        let mut state = TierState::default();
         for r in &tiered {
             if !out.selected_by.contains(&r.policy) {
                 out.selected_by.push(r.policy.clone());
@@ -909,14 +925,14 @@ impl PolicyEngine {
             let np_isolated = !out.direction(d).isolated_by.is_empty();
             let defaults = tier_defaults(out.direction(d), &tiered, d);
             let c = super::tiers::compile(&t, &out.map, np_isolated, d, &defaults);
-            out.tier_views.push(Arc::new(TierView {
+            state.views.push(Arc::new(TierView {
                 direction: d,
                 tiers: t,
                 np: out.map.clone(),
                 np_isolated_by: out.direction(d).isolated_by.clone(),
             }));
             out.map.replace_direction(d, c.map);
-            out.notes.extend(c.notes);
+            state.notes.extend(c.notes);
             let dir = match d {
                 Direction::Ingress => &mut out.ingress,
                 Direction::Egress => &mut out.egress,
@@ -927,6 +943,7 @@ impl PolicyEngine {
                 dir.isolated_by.dedup();
             }
         }
+        out.tiers = Some(Box::new(state));
     }
 
     /// One tier peer rule with its peers and ports resolved: one `TierRule`, or several in a
