@@ -501,6 +501,45 @@ pub fn icmp_type_from_name(name: &str, v6: bool) -> Option<u8> {
     table.iter().find(|(n, _)| *n == name).map(|(_, t)| *t)
 }
 
+/// The pods of the namespaces `ns` selects that `pods` selects (every pod when absent; never
+/// a reserved identity or a host-networked pod: they have no namespace label). Namespace
+/// labels reach pods as `io.cilium.k8s.namespace.labels.<key>`.
+pub fn pods_in_namespaces(
+    ctx: &Ctx,
+    ns: Option<&api::LabelSelector>,
+    pods: Option<&api::LabelSelector>,
+    ns_path: &str,
+    pods_path: &str,
+) -> Result<LabelSelector, PolicyError> {
+    let mut reqs: Vec<Requirement> = Vec::new();
+    if let Some(p) = pods {
+        reqs.extend(
+            label_selector(ctx, p, pods_path)?
+                .requirements()
+                .iter()
+                .cloned(),
+        );
+    }
+    if let Some(n) = ns {
+        // Namespace labels reach pods as io.cilium.k8s.namespace.labels.<key>.
+        for r in label_selector(ctx, n, ns_path)?.requirements() {
+            reqs.push(Requirement::new(
+                Some(SOURCE_K8S.into()),
+                format!("{NAMESPACE_LABELS_PREFIX}{}", r.key),
+                r.op,
+                r.values.clone(),
+            ));
+        }
+    }
+    reqs.push(Requirement::new(
+        Some(SOURCE_K8S.into()),
+        POD_NAMESPACE_LABEL.into(),
+        Operator::Exists,
+        vec![],
+    ));
+    Ok(LabelSelector::new(reqs))
+}
+
 #[cfg(test)]
 mod tests {
     use super::go_parse_port;

@@ -3,14 +3,12 @@
 
 use std::sync::Arc;
 
-use super::common::{cidr_selector, knp_protocol, label_selector, port_spec};
+use super::common::{cidr_selector, knp_protocol, label_selector, pods_in_namespaces, port_spec};
 use super::{Ctx, PolicyError};
 use crate::policy::api;
-use crate::policy::labels::{NAMESPACE_LABELS_PREFIX, POD_NAMESPACE_LABEL, SOURCE_K8S};
+use crate::policy::labels::{POD_NAMESPACE_LABEL, SOURCE_K8S};
 use crate::policy::rule::{PeerRule, Peers, PortMatch, Ports, Rule, RuleOrigin, Section, Subject};
-use crate::policy::selector::{
-    LabelSelector, Operator, Requirement, Selector, SelectorKind, SelectorRef,
-};
+use crate::policy::selector::{LabelSelector, Requirement, Selector, SelectorKind, SelectorRef};
 
 pub fn translate(ctx: &mut Ctx, np: &api::NetworkPolicy) -> Result<Vec<Rule>, PolicyError> {
     let Some(spec) = &np.spec else {
@@ -195,27 +193,13 @@ fn peer(
             ));
         }
         (pod, Some(nss)) => {
-            if let Some(ps) = pod {
-                let s = label_selector(ctx, ps, &format!("{path}.podSelector"))?;
-                reqs.extend(s.requirements().iter().cloned());
-            }
-            let s = label_selector(ctx, nss, &format!("{path}.namespaceSelector"))?;
-            // Namespace labels reach pods as io.cilium.k8s.namespace.labels.<key>.
-            for r in s.requirements() {
-                reqs.push(Requirement::new(
-                    Some(SOURCE_K8S.into()),
-                    format!("{NAMESPACE_LABELS_PREFIX}{}", r.key),
-                    r.op,
-                    r.values.clone(),
-                ));
-            }
-            // Only pods (anything with a namespace), never reserved identities.
-            reqs.push(Requirement::new(
-                Some(SOURCE_K8S.into()),
-                POD_NAMESPACE_LABEL.into(),
-                Operator::Exists,
-                vec![],
-            ));
+            return Ok(Selector::labels(pods_in_namespaces(
+                ctx,
+                Some(nss),
+                pod.as_ref(),
+                &format!("{path}.namespaceSelector"),
+                &format!("{path}.podSelector"),
+            )?));
         }
     }
     Ok(Selector::labels(LabelSelector::new(reqs)))

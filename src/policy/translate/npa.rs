@@ -10,15 +10,14 @@
 
 use std::sync::Arc;
 
-use super::common::{cidr_selector, is_kubernetes_port_name, knp_protocol, label_selector};
+use super::common::{cidr_selector, is_kubernetes_port_name, knp_protocol, pods_in_namespaces};
 use super::{Ctx, PolicyError};
 use crate::policy::api;
-use crate::policy::labels::{NAMESPACE_LABELS_PREFIX, POD_NAMESPACE_LABEL, SOURCE_K8S};
 use crate::policy::rule::{
     Action, PeerRule, Peers, PolicyKind, PortMatch, PortSpec, Ports, Protocol, Rule, RuleOrigin,
     Section, Subject, Tier, TierPlace,
 };
-use crate::policy::selector::{LabelSelector, Operator, Requirement, Selector, SelectorRef};
+use crate::policy::selector::{LabelSelector, Selector, SelectorRef};
 
 /// The highest priority the API allows.
 const MAX_PRIORITY: i64 = 1000;
@@ -275,8 +274,8 @@ fn subject(ctx: &Ctx, s: Option<&api::TierSubject>) -> Result<LabelSelector, Pol
         return Err(ctx.err("spec.subject", "missing subject"));
     };
     match (&s.namespaces, &s.pods) {
-        (Some(ns), None) => pods_of(ctx, Some(ns), None, "spec.subject.namespaces", ""),
-        (None, Some(p)) => pods_of(
+        (Some(ns), None) => pods_in_namespaces(ctx, Some(ns), None, "spec.subject.namespaces", ""),
+        (None, Some(p)) => pods_in_namespaces(
             ctx,
             p.namespace_selector.as_ref(),
             p.pod_selector.as_ref(),
@@ -288,44 +287,6 @@ fn subject(ctx: &Ctx, s: Option<&api::TierSubject>) -> Result<LabelSelector, Pol
             "exactly one of namespaces and pods must be set",
         )),
     }
-}
-
-/// The pods of the namespaces `ns` selects that `pods` selects (every pod when absent; never
-/// a reserved identity or a host-networked pod: they have no namespace label).
-fn pods_of(
-    ctx: &Ctx,
-    ns: Option<&api::LabelSelector>,
-    pods: Option<&api::LabelSelector>,
-    ns_path: &str,
-    pods_path: &str,
-) -> Result<LabelSelector, PolicyError> {
-    let mut reqs: Vec<Requirement> = Vec::new();
-    if let Some(p) = pods {
-        reqs.extend(
-            label_selector(ctx, p, pods_path)?
-                .requirements()
-                .iter()
-                .cloned(),
-        );
-    }
-    if let Some(n) = ns {
-        // Namespace labels reach pods as io.cilium.k8s.namespace.labels.<key>.
-        for r in label_selector(ctx, n, ns_path)?.requirements() {
-            reqs.push(Requirement::new(
-                Some(SOURCE_K8S.into()),
-                format!("{NAMESPACE_LABELS_PREFIX}{}", r.key),
-                r.op,
-                r.values.clone(),
-            ));
-        }
-    }
-    reqs.push(Requirement::new(
-        Some(SOURCE_K8S.into()),
-        POD_NAMESPACE_LABEL.into(),
-        Operator::Exists,
-        vec![],
-    ));
-    Ok(LabelSelector::new(reqs))
 }
 
 /// One peer's selectors; `None` when it has no field this version knows.
@@ -363,7 +324,7 @@ fn peer(
         ));
     }
     if let Some(ns) = &p.namespaces {
-        return Ok(Some(vec![Selector::labels(pods_of(
+        return Ok(Some(vec![Selector::labels(pods_in_namespaces(
             ctx,
             Some(ns),
             None,
@@ -372,7 +333,7 @@ fn peer(
         )?)]));
     }
     if let Some(pp) = &p.pods {
-        return Ok(Some(vec![Selector::labels(pods_of(
+        return Ok(Some(vec![Selector::labels(pods_in_namespaces(
             ctx,
             pp.namespace_selector.as_ref(),
             pp.pod_selector.as_ref(),
