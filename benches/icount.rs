@@ -26,7 +26,7 @@ use ciliate::policy::identity::IdentityInfo;
 use ciliate::policy::ipcache::IpCache;
 use ciliate::policy::labels::{Label, Labels};
 use ciliate::policy::mapstate::{MapKey, MapState};
-use ciliate::policy::rule::{Direction, PolicyKey, PolicyKind, RuleOrigin, Section, PROTO_TCP};
+use ciliate::policy::rule::{PolicyKey, PolicyKind, RuleOrigin, Section, PROTO_TCP};
 use ciliate::policy::selector::{LabelSelector, Requirement, Selector};
 use ciliate::policy::selector_cache::SelectorCache;
 
@@ -149,13 +149,7 @@ fn icount_measured_selector_cache(cache: &mut SelectorCache, info: &IdentityInfo
 }
 
 fn key(identity: u32, port: u16) -> MapKey {
-    MapKey {
-        direction: Direction::Ingress,
-        identity,
-        protocol: PROTO_TCP,
-        port_lo: port,
-        port_hi: port,
-    }
+    ciliate::policy::mapstate::ingress_key(identity, PROTO_TCP, port, port)
 }
 
 fn mapstate_diff() {

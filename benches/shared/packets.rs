@@ -5,20 +5,14 @@
 use ciliate::datapath::bpf::datapath::BpfDatapath;
 use ciliate::datapath::Datapath;
 use ciliate::policy::mapstate::MapKey;
-use ciliate::policy::rule::{Direction, PROTO_TCP};
+use ciliate::policy::rule::PROTO_TCP;
 
 pub const SYN: u8 = 0x02;
 pub const ACK: u8 = 0x10;
 
 /// The ingress key of `identity` on TCP `port`.
 pub fn tcp_in(identity: u32, port: u16) -> MapKey {
-    MapKey {
-        direction: Direction::Ingress,
-        identity,
-        protocol: PROTO_TCP,
-        port_lo: port,
-        port_hi: port,
-    }
+    ciliate::policy::mapstate::ingress_key(identity, PROTO_TCP, port, port)
 }
 
 /// Ingress entries allowing identities 1000.. 17383 on TCP/80.

@@ -481,9 +481,8 @@ impl Slot {
     }
 }
 
-/// An ingress key (for tests).
-#[cfg(test)]
-pub(crate) fn ingress_key(identity: NumericIdentity, protocol: u8, lo: u16, hi: u16) -> MapKey {
+/// An ingress key (tests and benches).
+pub fn ingress_key(identity: NumericIdentity, protocol: u8, lo: u16, hi: u16) -> MapKey {
     MapKey {
         direction: Direction::Ingress,
         identity,

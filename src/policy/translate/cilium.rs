@@ -16,7 +16,7 @@ use crate::policy::fqdn::FqdnPattern;
 use crate::policy::l7::http::{HeaderMatch, HeaderRequirement, HttpRule, L7PortRules, Mismatch};
 use crate::policy::rule::{
     DnsRules, L7Ports, PeerRequirement, PeerRule, Peers, PortMatch, PortSpec, Ports, Protocol,
-    Rule, RuleOrigin, Section, Subject,
+    Rule, Section, Subject,
 };
 use crate::policy::selector::{CidrSelector, Selector, SelectorRef};
 use crate::policy::services::ServiceRef;
@@ -327,13 +327,7 @@ fn collect_requires(
             let p = format!("{path}.{}[{i}].{field}[{j}]", section.as_str());
             let sel = label_selector(ctx, s, &p)?;
             out.push(Arc::new(PeerRequirement {
-                origin: Arc::new(RuleOrigin {
-                    policy: ctx.key.clone(),
-                    section,
-                    path: p,
-                    l7: false,
-                    tier: None,
-                }),
+                origin: ctx.origin(section, p, false, None),
                 selector: scope_peer_selector(sel, namespace, false, init),
                 text: selector_text(s),
             }));
@@ -593,13 +587,7 @@ fn translate_peer_rule(
         ));
     }
     Ok(PeerRule {
-        origin: Arc::new(RuleOrigin {
-            policy: ctx.key.clone(),
-            section,
-            path: path.to_string(),
-            l7,
-            tier: None,
-        }),
+        origin: ctx.origin(section, path, l7, None),
         peers,
         ports,
         endpoint_selectors,

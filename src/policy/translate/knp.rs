@@ -1,13 +1,11 @@
 //! Kubernetes NetworkPolicy -> rules, with the API server's validation and Cilium's translation
 //! (`pkg/k8s/network_policy.go`).
 
-use std::sync::Arc;
-
 use super::common::{cidr_selector, knp_protocol, label_selector, pods_in_namespaces, port_spec};
 use super::{Ctx, PolicyError};
 use crate::policy::api;
 use crate::policy::labels::{POD_NAMESPACE_LABEL, SOURCE_K8S};
-use crate::policy::rule::{PeerRule, Peers, PortMatch, Ports, Rule, RuleOrigin, Section, Subject};
+use crate::policy::rule::{PeerRule, Peers, PortMatch, Ports, Rule, Section, Subject};
 use crate::policy::selector::{LabelSelector, Requirement, Selector, SelectorKind, SelectorRef};
 
 pub fn translate(ctx: &mut Ctx, np: &api::NetworkPolicy) -> Result<Vec<Rule>, PolicyError> {
@@ -137,13 +135,7 @@ fn peer_rule(
         }
     };
     Ok(PeerRule {
-        origin: Arc::new(RuleOrigin {
-            policy: ctx.key.clone(),
-            section,
-            path: path.to_string(),
-            l7: false,
-            tier: None,
-        }),
+        origin: ctx.origin(section, path, false, None),
         peers,
         ports,
         endpoint_selectors,

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use serde::de::DeserializeOwned;
 use serde_yaml::Value;
 
-use super::rule::{PolicyKey, PolicyKind, Rule};
+use super::rule::{PolicyKey, PolicyKind, Rule, RuleOrigin, Section, Tier};
 use super::services::ServiceTable;
 use crate::kinds::Family;
 
@@ -70,6 +70,23 @@ impl Ctx<'_> {
         if !self.notes.contains(&note) {
             self.notes.push(note);
         }
+    }
+
+    /// The origin of a peer rule (or requirement) of this policy at `path`.
+    pub fn origin(
+        &self,
+        section: Section,
+        path: impl Into<String>,
+        l7: bool,
+        tier: Option<Tier>,
+    ) -> Arc<RuleOrigin> {
+        Arc::new(RuleOrigin {
+            policy: self.key.clone(),
+            section,
+            path: path.into(),
+            l7,
+            tier,
+        })
     }
 
     pub fn namespace(&self) -> Option<&str> {

@@ -8,14 +8,12 @@
 //! as NetworkPolicy's); `networks` are CIDR selectors. `nodes` and `domainNames` peers are not
 //! enforced yet: a policy with one is rejected with the field, never half-enforced.
 
-use std::sync::Arc;
-
 use super::common::{cidr_selector, is_kubernetes_port_name, knp_protocol, pods_in_namespaces};
 use super::{Ctx, PolicyError};
 use crate::policy::api;
 use crate::policy::rule::{
-    Action, PeerRule, Peers, PolicyKind, PortMatch, PortSpec, Ports, Protocol, Rule, RuleOrigin,
-    Section, Subject, Tier, TierPlace,
+    Action, PeerRule, Peers, PolicyKind, PortMatch, PortSpec, Ports, Protocol, Rule, Section,
+    Subject, Tier, TierPlace,
 };
 use crate::policy::selector::{LabelSelector, Selector, SelectorRef};
 
@@ -252,13 +250,7 @@ fn peer_rule(
         (false, _) => Section::Egress,
     };
     Ok(PeerRule {
-        origin: Arc::new(RuleOrigin {
-            policy: ctx.key.clone(),
-            section,
-            path: path.to_string(),
-            l7: false,
-            tier: Some(r.tier),
-        }),
+        origin: ctx.origin(section, path, false, Some(r.tier)),
         peers,
         ports,
         endpoint_selectors,
