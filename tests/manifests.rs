@@ -250,7 +250,7 @@ fn every_document_is_a_valid_object_of_its_kind() {
             ("ClusterRole", 1),
             ("ClusterRoleBinding", 1),
             ("ConfigMap", 1),
-            ("CustomResourceDefinition", 3),
+            ("CustomResourceDefinition", 6),
             ("DaemonSet", 1),
             ("ServiceAccount", 1),
             ("ValidatingAdmissionPolicy", 1),
@@ -270,6 +270,9 @@ fn every_document_is_a_valid_object_of_its_kind() {
             CiliumNetworkPolicy::crd_name(),
             CiliumClusterwideNetworkPolicy::crd_name(),
             ciliate::k8s::slices::CiliateEndpointSlice::crd_name(),
+            ciliate::k8s::npa_crd::AdminNetworkPolicy::crd_name(),
+            ciliate::k8s::npa_crd::BaselineAdminNetworkPolicy::crd_name(),
+            ciliate::k8s::npa_crd::ClusterNetworkPolicy::crd_name(),
         ])
     );
 }
@@ -595,6 +598,9 @@ fn cluster_role_grants_exactly_what_the_agent_needs() {
         "networking.k8s.io/networkpolicies",
         "cilium.io/ciliumnetworkpolicies",
         "cilium.io/ciliumclusterwidenetworkpolicies",
+        "policy.networking.k8s.io/adminnetworkpolicies",
+        "policy.networking.k8s.io/baselineadminnetworkpolicies",
+        "policy.networking.k8s.io/clusternetworkpolicies",
     ] {
         for verb in ["get", "list", "watch"] {
             wanted.insert(format!("{resource}:{verb}"));
@@ -607,6 +613,9 @@ fn cluster_role_grants_exactly_what_the_agent_needs() {
     for resource in [
         "cilium.io/ciliumnetworkpolicies/status",
         "cilium.io/ciliumclusterwidenetworkpolicies/status",
+        "policy.networking.k8s.io/adminnetworkpolicies/status",
+        "policy.networking.k8s.io/baselineadminnetworkpolicies/status",
+        "policy.networking.k8s.io/clusternetworkpolicies/status",
     ] {
         for verb in ["get", "update", "patch"] {
             wanted.insert(format!("{resource}:{verb}"));

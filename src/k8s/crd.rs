@@ -220,13 +220,26 @@ impl JsonSchema for CiliumClusterwideNetworkPolicy {
 
 /// The CRDs with the file name each has under `manifests/crds/`: ciliate's endpoint slices and
 /// every kind the registry (`kinds::KINDS`) marks `crd`.
-pub fn crds() -> [(&'static str, CustomResourceDefinition); 3] {
+pub fn crds() -> [(&'static str, CustomResourceDefinition); 6] {
+    use super::npa_crd::{AdminNetworkPolicy, BaselineAdminNetworkPolicy, ClusterNetworkPolicy};
     [
         ("ciliateendpointslices.yaml", super::slices::crd()),
         ("ciliumnetworkpolicies.yaml", CiliumNetworkPolicy::crd()),
         (
             "ciliumclusterwidenetworkpolicies.yaml",
             CiliumClusterwideNetworkPolicy::crd(),
+        ),
+        (
+            "policy.networking.k8s.io_adminnetworkpolicies.yaml",
+            AdminNetworkPolicy::crd(),
+        ),
+        (
+            "policy.networking.k8s.io_baselineadminnetworkpolicies.yaml",
+            BaselineAdminNetworkPolicy::crd(),
+        ),
+        (
+            "policy.networking.k8s.io_clusternetworkpolicies.yaml",
+            ClusterNetworkPolicy::crd(),
         ),
     ]
 }
