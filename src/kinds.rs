@@ -68,6 +68,11 @@ pub struct KindInfo {
     pub crd: bool,
     /// The Kubernetes watcher watches it (the initial sync waits for its first list).
     pub watched: bool,
+    /// Served only where its CRD is installed (the network-policy-api's, which a cluster may
+    /// not have): while the API server answers 404 the kind holds no objects and the initial
+    /// sync does not wait for it; the watch keeps retrying and picks the kind up once the CRD
+    /// appears. Any other error still holds the sync (fail closed).
+    pub optional: bool,
 }
 
 impl KindInfo {
@@ -100,6 +105,7 @@ const fn row(
         status: false,
         crd: false,
         watched: true,
+        optional: false,
     }
 }
 
@@ -111,10 +117,9 @@ const fn policy(mut r: KindInfo, p: PolicyKind, family: Family, custom: bool) ->
     r
 }
 
-/// A kind the Kubernetes watcher does not watch yet (no CRD shipped, no status written): read
-/// from the manifest directory and `policy simulate` worlds only.
-const fn unwatched(mut r: KindInfo) -> KindInfo {
-    r.watched = false;
+/// A kind served only where its CRD is installed (`optional`).
+const fn optional(mut r: KindInfo) -> KindInfo {
+    r.optional = true;
     r
 }
 
@@ -171,7 +176,7 @@ pub const KINDS: [KindInfo; 11] = [
         Family::Cilium,
         true,
     ),
-    unwatched(policy(
+    optional(policy(
         row(
             Kind::AdminNetworkPolicy,
             "AdminNetworkPolicy",
@@ -182,9 +187,9 @@ pub const KINDS: [KindInfo; 11] = [
         ),
         PolicyKind::AdminNetworkPolicy,
         Family::NetworkPolicyApi,
-        false,
+        true,
     )),
-    unwatched(policy(
+    optional(policy(
         row(
             Kind::BaselineAdminNetworkPolicy,
             "BaselineAdminNetworkPolicy",
@@ -195,9 +200,9 @@ pub const KINDS: [KindInfo; 11] = [
         ),
         PolicyKind::BaselineAdminNetworkPolicy,
         Family::NetworkPolicyApi,
-        false,
+        true,
     )),
-    unwatched(policy(
+    optional(policy(
         row(
             Kind::ClusterNetworkPolicy,
             "ClusterNetworkPolicy",
@@ -208,7 +213,7 @@ pub const KINDS: [KindInfo; 11] = [
         ),
         PolicyKind::ClusterNetworkPolicy,
         Family::NetworkPolicyApi,
-        false,
+        true,
     )),
 ];
 
@@ -370,7 +375,9 @@ mod tests {
             Kind::ClusterNetworkPolicy.info().api_version(),
             "policy.networking.k8s.io/v1alpha2"
         );
-        assert!(!Kind::AdminNetworkPolicy.info().watched && Kind::Pod.info().watched);
+        let anp = Kind::AdminNetworkPolicy.info();
+        assert!(anp.watched && anp.optional && anp.status && anp.crd);
+        assert!(Kind::Pod.info().watched && !Kind::CiliumNetworkPolicy.info().optional);
         assert_eq!(
             Kind::NetworkPolicy.info().api_version(),
             "networking.k8s.io/v1"

@@ -58,6 +58,9 @@ pub struct Shared {
     /// What the initial sync still waits for (e.g. `CiliumNetworkPolicy: not listed yet (last
     /// error: ...)`), shown by `/readyz` while not ready.
     pub sync_waiting: Arc<Mutex<Vec<String>>>,
+    /// Kubernetes mode: the optional kinds (`kinds::KindInfo::optional`) the API server does not
+    /// serve (their CRD is not installed), shown by `status`.
+    pub kinds_not_served: Arc<Mutex<std::collections::BTreeSet<&'static str>>>,
     /// Kubernetes mode: where policy outcomes go to be written into CNP/CCNP status.
     pub policy_status: Option<crate::k8s::status::PolicyStatusSink>,
     /// The Node objects known, for the route reconciler (`PolicyRepoActor` publishes them).
@@ -121,6 +124,7 @@ impl Shared {
             bootstrap: Default::default(),
             pod_names: Default::default(),
             sync_waiting: Arc::new(Mutex::new(Vec::new())),
+            kinds_not_served: Default::default(),
             policy_status: None,
             nodes: tokio::sync::watch::channel(Default::default()).0,
             routing: Arc::new(Mutex::new(crate::network::RoutingView {

@@ -293,6 +293,141 @@ spec:
     drop(agent);
 }
 
+/// An AdminNetworkPolicy "deny a to b on `port`" (or `Pass`) at `priority`.
+fn anp(name: &str, priority: u32, action: &str, port: u16) -> String {
+    format!(
+        "apiVersion: policy.networking.k8s.io/v1alpha1
+kind: AdminNetworkPolicy
+metadata: {{name: {name}}}
+spec:
+  priority: {priority}
+  subject: {{pods: {{namespaceSelector: {{}}, podSelector: {{matchLabels: {{app: b}}}}}}}}
+  ingress:
+  - action: {action}
+    from: [{{pods: {{namespaceSelector: {{}}, podSelector: {{matchLabels: {{app: a}}}}}}}}]
+    ports: [{{portNumber: {{protocol: TCP, port: {port}}}}}]
+"
+    )
+}
+
+/// A cluster tier's condition of `kind` `name` with this type.
+fn tier_condition(kubectl: &Kubectl, kind: &str, name: &str, type_: &str) -> Value {
+    let o = kubectl.json(&["get", kind, name]);
+    o["status"]["conditions"]
+        .as_array()
+        .and_then(|c| c.iter().find(|c| c["type"] == type_).cloned())
+        .unwrap_or(Value::Null)
+}
+
+/// Cluster tiers in Kubernetes mode: AdminNetworkPolicies applied with kubectl are enforced on
+/// real traffic ahead of a CiliumNetworkPolicy (Deny beats its allow; a lower priority's Pass
+/// hands the decision back to it), a priority change applies live, each object carries its
+/// conditions (Accepted, or the field that is wrong; SamePriority with ciliate's order), and
+/// deleting one with kubectl undoes it.
+#[test]
+fn cluster_tiers_applied_with_kubectl_are_enforced_and_report_conditions() {
+    let Some(w) = privileged_two_pods(&[8080, 9090]) else {
+        return;
+    };
+    let (a, b) = (&w.pods[0], &w.pods[1]);
+    let (a_ip, b_ip) = (a.addr.to_string(), b.addr.to_string());
+    let (server, tmp, kubectl) = api_server();
+    seed_cluster(
+        &server,
+        &kubectl,
+        &[pod("a", "a", &a_ip), pod("b", "b", &b_ip)],
+    );
+    let pins = w.pins.to_string_lossy().to_string();
+    let agent = Agent::start_kubernetes(
+        tmp.path(),
+        &kubectl.kubeconfig,
+        &["--datapath", "bpf", "--bpf-root", &pins],
+    );
+    add_endpoint(&agent, "x/a", &a_ip, Some(&a.host_if));
+    add_endpoint(&agent, "x/b", &b_ip, Some(&b.host_if));
+    let status = agent.cli_json(&["status"]);
+    assert!(
+        status.get("kinds_not_served").is_none(),
+        "the CRDs are installed: {status}"
+    );
+    kubectl.apply(&allow_port("b-from-a", "b", "a", 8080));
+    eventually("the CNP admits a on 8080 only", || {
+        tcp_ok(&a.netns, b.addr, 8080) && !tcp_ok(&a.netns, b.addr, 9090)
+    });
+
+    // An Admin Deny beats the CNP's allow.
+    kubectl.apply(&anp("deny-a", 20, "Deny", 8080));
+    eventually("the ANP denies a on 8080", || {
+        !tcp_ok(&a.netns, b.addr, 8080)
+    });
+    eventually("deny-a is Accepted", || {
+        tier_condition(&kubectl, "anp", "deny-a", "Accepted")["status"] == "True"
+    });
+
+    // A Pass at a lower priority number comes first and hands over to the CNP; moved behind
+    // the Deny, the Deny decides again.
+    kubectl.apply(&anp("pass-a", 10, "Pass", 8080));
+    eventually("the Pass hands a back to the CNP", || {
+        tcp_ok(&a.netns, b.addr, 8080)
+    });
+    kubectl.apply(&anp("pass-a", 30, "Pass", 8080));
+    eventually("after the priority change the Deny decides", || {
+        !tcp_ok(&a.netns, b.addr, 8080)
+    });
+
+    // The same priority: both say so, and in which order ciliate evaluates them.
+    kubectl.apply(&anp("pass-a", 20, "Pass", 8080));
+    for name in ["deny-a", "pass-a"] {
+        eventually(&format!("{name} says it shares priority 20"), || {
+            let c = tier_condition(&kubectl, "anp", name, "SamePriority");
+            c["status"] == "True"
+                && c["message"].as_str().is_some_and(|m| {
+                    m.ends_with(
+                        "then name: AdminNetworkPolicy deny-a, then AdminNetworkPolicy pass-a",
+                    )
+                })
+        });
+    }
+    // deny-a comes first by name: denied.
+    eventually("deny-a decides", || !tcp_ok(&a.netns, b.addr, 8080));
+
+    // An invalid one: Accepted False with its field; the others stay enforced.
+    kubectl.apply(
+        "apiVersion: policy.networking.k8s.io/v1alpha2
+kind: ClusterNetworkPolicy
+metadata: {name: no-such-tier}
+spec:
+  tier: Middle
+  priority: 1
+  subject: {namespaces: {}}
+",
+    );
+    eventually("the invalid CNP-tier policy says which field", || {
+        let c = tier_condition(
+            &kubectl,
+            "clusternetworkpolicies",
+            "no-such-tier",
+            "Accepted",
+        );
+        c["status"] == "False"
+            && c["reason"] == "Invalid"
+            && c["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("spec.tier"))
+    });
+    assert!(!tcp_ok(&a.netns, b.addr, 8080));
+    assert!(!tcp_ok(&a.netns, b.addr, 9090), "the CNP still isolates b");
+
+    // Deleting the Deny with kubectl: the Pass alone hands over to the CNP, and pass-a no
+    // longer shares its priority.
+    kubectl.ok(&["delete", "anp", "deny-a"], None);
+    eventually("a reaches b:8080 again", || tcp_ok(&a.netns, b.addr, 8080));
+    eventually("pass-a shares its priority with nobody", || {
+        tier_condition(&kubectl, "anp", "pass-a", "SamePriority").is_null()
+    });
+    drop(agent);
+}
+
 /// True when the endpoint's realized policy map (read from the kernel) admits `identity` on
 /// `port`; false too while the endpoint has no map yet (before its first regeneration).
 fn admits(agent: &Agent, ep: u64, identity: u64, port: u64) -> bool {
@@ -480,10 +615,27 @@ fn readyz_says_what_the_initial_sync_waits_for() {
             && body.contains("CiliumClusterwideNetworkPolicy")
             && body.contains("CiliateEndpointSlice to be listed (last error:")
             && !body.contains("waiting for Pod")
+            && !body.contains("AdminNetworkPolicy")
+            && !body.contains(" ClusterNetworkPolicy")
+    });
+    // The network-policy-api's kinds are optional: not served, none exist, nothing waits.
+    agent.wait_until("status names the kinds not served", || {
+        agent.cli_json(&["status"])["kinds_not_served"]
+            == json!([
+                "AdminNetworkPolicy",
+                "BaselineAdminNetworkPolicy",
+                "ClusterNetworkPolicy"
+            ])
     });
     kubectl.ok(&["apply", "-f", &crds_dir()], None);
     agent.wait_until("ready once the CRDs exist", || {
         agent.http_get("/readyz").0 == 200
+    });
+    agent.wait_until("and the tiers' kinds are served", || {
+        agent
+            .cli_json(&["status"])
+            .get("kinds_not_served")
+            .is_none()
     });
 }
 

@@ -80,6 +80,9 @@ pub enum Change {
     InitDone,
     /// The watch failed; the watcher retries with backoff.
     Error(String),
+    /// The API server does not serve the resource (404 on the list: its CRD is not
+    /// installed). The watcher retries with backoff, so the resource is picked up once served.
+    NotServed(String),
 }
 
 /// What a watcher task hands to the actor.
@@ -104,7 +107,9 @@ crate::traceable!(SliceEvent, "SliceEvent", |m| {
         Change::Init => "CiliateEndpointSlice relist".into(),
         Change::InitApply(_) => "CiliateEndpointSlice list".into(),
         Change::InitDone => "CiliateEndpointSlice listed".into(),
-        Change::Error(e) => format!("CiliateEndpointSlice watch error: {e}"),
+        Change::Error(e) | Change::NotServed(e) => {
+            format!("CiliateEndpointSlice watch error: {e}")
+        }
     }
 });
 
@@ -160,7 +165,9 @@ crate::traceable!(WatchEvent, "WatchEvent", |m| {
         Change::Init => "relist",
         Change::InitApply(_) => "list",
         Change::InitDone => "listed",
-        Change::Error(e) => return format!("{} watch error: {e}", m.resource.name()),
+        Change::Error(e) | Change::NotServed(e) => {
+            return format!("{} watch error: {e}", m.resource.name())
+        }
     };
     format!("{} {what}", m.resource.name())
 });
@@ -307,7 +314,7 @@ impl KubeWatcherActor {
         let labels = crate::metrics::ResourceLabels {
             resource: resource.to_string(),
         };
-        let family = if matches!(change, Change::Error(_)) {
+        let family = if matches!(change, Change::Error(_) | Change::NotServed(_)) {
             &self.shared.metrics.k8s_watch_errors
         } else {
             &self.shared.metrics.k8s_watch_events
@@ -320,7 +327,9 @@ impl KubeWatcherActor {
         match change {
             Change::Init => {
                 self.relisting.insert(resource, HashSet::new());
+                self.served(resource, true);
             }
+            Change::NotServed(e) if resource.info().optional => self.not_served(resource, &e),
             Change::InitApply(obj) => {
                 if let Some(key) = self.update(resource, &obj, false) {
                     self.relisting.entry(resource).or_default().insert(key);
@@ -332,62 +341,96 @@ impl KubeWatcherActor {
             Change::Delete(obj) => {
                 self.update(resource, &obj, true);
             }
-            Change::InitDone => {
-                // What the relist no longer holds was deleted while the watch was down.
-                let seen = self.relisting.remove(&resource).unwrap_or_default();
-                // In endpoint-slice mode the Pod watch lists this node's pods only: the others
-                // come and go with their slices.
-                let known = if resource == Watched::Pod && self.slice_mode() {
-                    let mut k: Vec<String> = self.local_pods.iter().cloned().collect();
-                    k.sort();
-                    k
-                } else {
-                    self.feed.keys(resource)
-                };
-                for key in known {
-                    if !seen.contains(&key) {
-                        if resource == Watched::Pod && self.local_pods.remove(&key) {
-                            self.tell_writer(LocalPod::Delete(key.clone()));
-                        }
-                        let out = self.feed.delete(resource, &key);
-                        self.send_as(|| format!("{resource} {key} gone at relist"), out);
-                    }
-                }
-                let first = self.unsynced.remove(&resource);
-                self.last_error.remove(&resource);
-                self.publish_waiting();
-                if first && resource == Watched::Pod {
-                    self.tell_writer(LocalPod::Listed);
-                }
-                if first {
-                    tracing::info!(resource = resource.name(), objects = seen.len(), "listed");
-                    if self.all_listed() {
-                        self.finish_initial_sync();
-                    }
-                } else {
-                    tracing::info!(resource = resource.name(), objects = seen.len(), "relisted");
-                }
+            Change::InitDone => self.listed(resource),
+            Change::Error(e) | Change::NotServed(e) => self.watch_failed(resource, e),
+        }
+    }
+
+    /// An optional kind is not served (its CRD is not installed): no object of it can exist.
+    /// Counts as an empty list (what was cached is gone with the CRD), once per outage.
+    fn not_served(&mut self, resource: Watched, error: &str) {
+        if !self.served(resource, false) {
+            return;
+        }
+        tracing::info!(resource = resource.name(), error, "not served by the API server (CRD not installed): none exist; watching for it to appear");
+        self.relisting.insert(resource, HashSet::new());
+        self.listed(resource);
+    }
+
+    /// Records whether `resource` is served; returns whether that changed.
+    fn served(&self, resource: Watched, served: bool) -> bool {
+        let Ok(mut set) = self.shared.kinds_not_served.lock() else {
+            return false;
+        };
+        if served {
+            set.remove(resource.name())
+        } else {
+            set.insert(resource.name())
+        }
+    }
+
+    /// A (re)list of `resource` is complete.
+    fn listed(&mut self, resource: Watched) {
+        // What the relist no longer holds was deleted while the watch was down.
+        let seen = self.relisting.remove(&resource).unwrap_or_default();
+        self.forget_unseen(resource, &seen);
+        let first = self.unsynced.remove(&resource);
+        self.last_error.remove(&resource);
+        self.publish_waiting();
+        if first && resource == Watched::Pod {
+            self.tell_writer(LocalPod::Listed);
+        }
+        if first {
+            tracing::info!(resource = resource.name(), objects = seen.len(), "listed");
+            if self.all_listed() {
+                self.finish_initial_sync();
             }
-            Change::Error(e) => {
-                if self.unsynced.contains(&resource) {
-                    self.last_error.insert(resource, e.clone());
-                    self.publish_waiting();
+        } else {
+            tracing::info!(resource = resource.name(), objects = seen.len(), "relisted");
+        }
+    }
+
+    /// Deletes the objects of `resource` a relist no longer holds.
+    fn forget_unseen(&mut self, resource: Watched, seen: &HashSet<String>) {
+        // In endpoint-slice mode the Pod watch lists this node's pods only: the others come
+        // and go with their slices.
+        let known = if resource == Watched::Pod && self.slice_mode() {
+            let mut k: Vec<String> = self.local_pods.iter().cloned().collect();
+            k.sort();
+            k
+        } else {
+            self.feed.keys(resource)
+        };
+        for key in known {
+            if !seen.contains(&key) {
+                if resource == Watched::Pod && self.local_pods.remove(&key) {
+                    self.tell_writer(LocalPod::Delete(key.clone()));
                 }
-                let now = Instant::now();
-                let quiet = self
-                    .error_logged
-                    .get(&resource)
-                    .is_some_and(|t| now.duration_since(*t) < Duration::from_secs(30));
-                if !quiet {
-                    let hint = if e.contains("404") && resource >= Watched::CiliumNetworkPolicy {
-                        " (are the CRDs installed? kubectl apply -f manifests/crds/)"
-                    } else {
-                        ""
-                    };
-                    tracing::warn!(resource = resource.name(), error = %e, "watch failed; retrying with backoff, cached objects stay in force{hint}");
-                    self.error_logged.insert(resource, now);
-                }
+                let out = self.feed.delete(resource, &key);
+                self.send_as(|| format!("{resource} {key} gone at relist"), out);
             }
+        }
+    }
+
+    /// A watch of `resource` failed; the watcher retries with backoff.
+    fn watch_failed(&mut self, resource: Watched, e: String) {
+        if self.unsynced.contains(&resource) {
+            self.last_error.insert(resource, e.clone());
+            self.publish_waiting();
+        }
+        let now = Instant::now();
+        let quiet = self
+            .error_logged
+            .get(&resource)
+            .is_some_and(|t| now.duration_since(*t) < Duration::from_secs(30));
+        if !quiet {
+            let hint = if e.contains("404") && resource >= Watched::CiliumNetworkPolicy {
+                " (are the CRDs installed? kubectl apply -f manifests/crds/)"
+            } else {
+                ""
+            };
+            tracing::warn!(resource = resource.name(), error = %e, "watch failed; retrying with backoff, cached objects stay in force{hint}");
+            self.error_logged.insert(resource, now);
         }
     }
 
@@ -513,7 +556,7 @@ impl KubeWatcherActor {
                     self.finish_initial_sync();
                 }
             }
-            Change::Error(e) => {
+            Change::Error(e) | Change::NotServed(e) => {
                 if !self.slices.synced {
                     self.slices.last_error = Some(e.clone());
                     self.publish_waiting();
@@ -861,6 +904,15 @@ fn spawn_slice_watch(api: Api<SliceObject>, me: TracedAddr<KubeWatcherActor>) {
     );
 }
 
+/// The list (or watch) was answered 404: the resource is not served.
+fn not_served(e: &watcher::Error) -> bool {
+    match e {
+        watcher::Error::InitialListFailed(kube::Error::Api(s))
+        | watcher::Error::WatchStartFailed(kube::Error::Api(s)) => s.code == 404,
+        _ => false,
+    }
+}
+
 fn run_watch<K>(
     api: Api<K>,
     config: watcher::Config,
@@ -880,6 +932,7 @@ fn run_watch<K>(
                 Ok(watcher::Event::Init) => Change::Init,
                 Ok(watcher::Event::InitApply(o)) => Change::InitApply(wrap(o)),
                 Ok(watcher::Event::InitDone) => Change::InitDone,
+                Err(e) if not_served(&e) => Change::NotServed(e.to_string()),
                 Err(e) => Change::Error(e.to_string()),
             };
             deliver(change);

@@ -98,6 +98,10 @@ pub struct StatusModel {
     /// with `--watch-pods`) and this node's endpoint slices.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remote_pods: Option<crate::k8s::slices::PodSourceView>,
+    /// Kubernetes mode: policy kinds the API server does not serve (their CRD is not
+    /// installed), e.g. `AdminNetworkPolicy`: none of them can exist, so none is enforced.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub kinds_not_served: Vec<String>,
     /// The HTTP proxy (L7 HTTP policy) as last seen: connected, or why not (connections L7
     /// rules cover are dropped meanwhile), and how many endpoints have L7 rules.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -404,6 +408,12 @@ async fn status(st: web::Data<AppState>) -> HttpResponse {
             .ok()
             .map(|v| v.clone())
             .filter(|v| !v.remote_pods_from.is_empty()),
+        kinds_not_served: st
+            .shared
+            .kinds_not_served
+            .lock()
+            .map(|k| k.iter().map(|s| s.to_string()).collect())
+            .unwrap_or_default(),
         http_proxy: (st.datapath == "bpf").then(|| HttpProxyStatus {
             proxy: st.shared.http.proxy(),
             endpoints_with_l7_rules: st.shared.http.endpoints(),

@@ -21,7 +21,15 @@ use kube::api::{Api, DynamicObject, Patch, PatchParams};
 use serde_json::json;
 
 use super::crd::{ConditionStatus, PolicyCondition, PolicyNodeStatus, CONDITION_VALID};
-use crate::policy::rule::PolicyKey;
+use crate::kinds::Family;
+use crate::policy::rule::{PolicyKey, TierPlace};
+
+/// The condition type of a cluster tier's policy (network-policy-api) saying whether ciliate
+/// accepted it; its message is the validation error with its field path.
+pub const CONDITION_ACCEPTED: &str = "Accepted";
+/// The condition type present while other policies share the policy's tier and priority; its
+/// message says the order ciliate evaluates them in.
+pub const CONDITION_SAME_PRIORITY: &str = "SamePriority";
 
 /// What happened to a policy, as the status writer needs to know it.
 #[derive(Debug, Clone, PartialEq)]
@@ -32,6 +40,8 @@ pub enum PolicyStatusEvent {
         revision: u64,
         /// Parts enforced partially or not at all (fail closed), shown as annotations.
         notes: Vec<String>,
+        /// A cluster tier's policy: its tier and priority (for the same-priority condition).
+        place: Option<TierPlace>,
     },
     /// The policy failed validation; `previous_enforced` when an earlier version stays in force.
     Rejected {
@@ -98,6 +108,10 @@ struct Entry {
     transition: String,
     /// The accepted revision not yet known to be realized.
     awaiting: Option<u64>,
+    /// A cluster tier's policy in force: its tier and priority.
+    place: Option<TierPlace>,
+    /// The notes of the version in force (cluster tiers: the `Accepted` message).
+    notes: Vec<String>,
     dirty: bool,
     last_write: Option<Instant>,
     /// Do not try before this (backoff after a failed write).
@@ -124,10 +138,16 @@ impl StatusBook {
                 key,
                 revision,
                 notes,
+                place,
             } => {
                 if !has_status(&key) {
                     return;
                 }
+                let old = self.entries.get(&key).and_then(|e| e.place);
+                self.touch_places([old, place]);
+                let e = self.entry(key.clone());
+                e.place = place;
+                e.notes = notes.clone();
                 let annotations: BTreeMap<String, String> = notes
                     .into_iter()
                     .enumerate()
@@ -154,7 +174,7 @@ impl StatusBook {
                 if !has_status(&key) {
                     return;
                 }
-                let e = self.entry(key);
+                let e = self.entry(key.clone());
                 e.node.ok = false;
                 e.node.error = Some(error.clone());
                 // An earlier accepted version keeps being enforced (at its revision).
@@ -162,12 +182,20 @@ impl StatusBook {
                 if !previous_enforced {
                     e.awaiting = None;
                     e.node.local_policy_revision = 0;
+                    // Nothing of it is in force: it shares no priority any more.
+                    let old = e.place.take();
+                    e.notes.clear();
+                    set_valid(e, ConditionStatus::False, "Invalid", &error);
+                    e.dirty = true;
+                    self.touch_places([old, None]);
+                    return;
                 }
                 set_valid(e, ConditionStatus::False, "Invalid", &error);
                 e.dirty = true;
             }
             PolicyStatusEvent::Deleted { key } => {
-                self.entries.remove(&key);
+                let old = self.entries.remove(&key).and_then(|e| e.place);
+                self.touch_places([old, None]);
             }
             PolicyStatusEvent::Realized {
                 revision,
@@ -179,7 +207,9 @@ impl StatusBook {
                 } else if !self.synced {
                     return;
                 }
-                for e in self.entries.values_mut() {
+                // Cluster tiers' status has no per-node enforcement to update.
+                let per_node = |k: &PolicyKey| k.kind.family() == Some(Family::Cilium);
+                for (_, e) in self.entries.iter_mut().filter(|(k, _)| per_node(k)) {
                     let hit = match e.awaiting {
                         Some(r) if initial => r <= revision,
                         Some(r) => r == revision,
@@ -207,6 +237,8 @@ impl StatusBook {
             valid: (ConditionStatus::False, String::new(), String::new()),
             transition: String::new(),
             awaiting: None,
+            place: None,
+            notes: Vec::new(),
             dirty: false,
             last_write: None,
             not_before: Instant::now(),
@@ -235,8 +267,84 @@ impl StatusBook {
             .collect()
     }
 
-    /// The merge patch for a policy's status, stamping `lastUpdated`.
+    /// Marks every entry at these places for a write (who shares their priority changed).
+    fn touch_places(&mut self, places: [Option<TierPlace>; 2]) {
+        for e in self.entries.values_mut() {
+            if e.place.is_some() && places.contains(&e.place) {
+                e.dirty = true;
+            }
+        }
+    }
+
+    /// The other policies in force at `key`'s tier and priority, in ciliate's order
+    /// (`PolicyKey`'s: kind, then name), `key` among them.
+    fn same_priority(&self, key: &PolicyKey) -> Vec<&PolicyKey> {
+        let Some(place) = self.entries.get(key).and_then(|e| e.place) else {
+            return Vec::new();
+        };
+        let mut keys: Vec<&PolicyKey> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| e.place == Some(place))
+            .map(|(k, _)| k)
+            .collect();
+        keys.sort();
+        if keys.len() < 2 {
+            keys.clear();
+        }
+        keys
+    }
+
+    /// The merge patch for a policy's status: per family (`patch`).
     fn patch(&mut self, key: &PolicyKey, node_name: &str) -> Option<serde_json::Value> {
+        match key.kind.family() {
+            Some(Family::NetworkPolicyApi) => self.tier_patch(key),
+            _ => self.cilium_patch(key, node_name),
+        }
+    }
+
+    /// A cluster tier's status: `metav1.Condition`s only, the same on every node (validation
+    /// and the same-priority order depend on the policies alone), so that agents writing the
+    /// whole list in turn agree.
+    fn tier_patch(&mut self, key: &PolicyKey) -> Option<serde_json::Value> {
+        let ties = self.same_priority(key);
+        let e = self.entries.get(key)?;
+        let message = if e.valid.0 == ConditionStatus::True {
+            e.notes.join("; ")
+        } else {
+            e.valid.2.clone()
+        };
+        let mut conditions = vec![json!({
+            "type": CONDITION_ACCEPTED,
+            "status": e.valid.0,
+            "reason": if e.valid.0 == ConditionStatus::True { "Accepted" } else { "Invalid" },
+            "message": message,
+            "lastTransitionTime": e.transition,
+        })];
+        if let Some(place) = e.place.filter(|_| !ties.is_empty()) {
+            let names: Vec<String> = ties.iter().map(|k| k.to_string()).collect();
+            conditions.push(json!({
+                "type": CONDITION_SAME_PRIORITY,
+                "status": ConditionStatus::True,
+                "reason": "SamePriority",
+                "message": format!(
+                    "{} policies share tier {} priority {}; ciliate evaluates them by kind \
+                     (AdminNetworkPolicy, BaselineAdminNetworkPolicy, ClusterNetworkPolicy), \
+                     then name: {}",
+                    ties.len(),
+                    place.tier.as_str(),
+                    place.priority,
+                    names.join(", then ")
+                ),
+                "lastTransitionTime": now_rfc3339(),
+            }));
+        }
+        Some(json!({"status": {"conditions": conditions}}))
+    }
+
+    /// A Cilium policy's status: this node's entry, and the `Valid` condition. Stamps
+    /// `lastUpdated`.
+    fn cilium_patch(&mut self, key: &PolicyKey, node_name: &str) -> Option<serde_json::Value> {
         let e = self.entries.get_mut(key)?;
         e.node.last_updated = now_rfc3339();
         let condition = PolicyCondition {
@@ -359,6 +467,7 @@ mod tests {
             key: cnp(name),
             revision,
             notes: vec![],
+            place: None,
         }
     }
 
@@ -447,7 +556,112 @@ mod tests {
             key: PolicyKey::new(PolicyKind::NetworkPolicy, Some("x"), "np"),
             revision: 1,
             notes: vec![],
+            place: None,
         });
         assert!(book.entries.is_empty());
+    }
+
+    fn anp(name: &str) -> PolicyKey {
+        PolicyKey::new(PolicyKind::AdminNetworkPolicy, None, name)
+    }
+
+    fn tier_accepted(key: PolicyKey, priority: u32, revision: u64) -> PolicyStatusEvent {
+        PolicyStatusEvent::Accepted {
+            key,
+            revision,
+            notes: vec![],
+            place: Some(TierPlace {
+                tier: crate::policy::rule::Tier::Admin,
+                priority,
+            }),
+        }
+    }
+
+    fn conditions(book: &mut StatusBook, key: &PolicyKey) -> Vec<serde_json::Value> {
+        let patch = book.patch(key, "n1").expect("entry");
+        assert!(
+            patch["status"].get("nodes").is_none(),
+            "a cluster tier's status has conditions only: {patch}"
+        );
+        patch["status"]["conditions"].as_array().unwrap().clone()
+    }
+
+    #[test]
+    fn cluster_tiers_get_accepted_or_the_field_that_is_wrong() {
+        let mut book = StatusBook::default();
+        book.apply(tier_accepted(anp("ok"), 10, 1));
+        let c = conditions(&mut book, &anp("ok"));
+        assert_eq!(c.len(), 1);
+        assert_eq!(c[0]["type"], "Accepted");
+        assert_eq!(c[0]["status"], "True");
+        assert_eq!(c[0]["reason"], "Accepted");
+        for field in ["message", "lastTransitionTime"] {
+            assert!(c[0][field].is_string(), "{field} is required upstream");
+        }
+        book.apply(PolicyStatusEvent::Rejected {
+            key: anp("bad"),
+            error: "spec.priority: 1001 is above 1000".into(),
+            previous_enforced: false,
+        });
+        let c = conditions(&mut book, &anp("bad"));
+        assert_eq!(c[0]["status"], "False");
+        assert_eq!(c[0]["reason"], "Invalid");
+        assert_eq!(c[0]["message"], "spec.priority: 1001 is above 1000");
+        // Realized revisions concern per-node status only: no write for tiers.
+        for k in book.due(Instant::now(), &WriterOptions::default(), 10) {
+            book.written(&k, Instant::now());
+        }
+        book.apply(realized(1, true));
+        assert!(book
+            .due(
+                Instant::now() + Duration::from_secs(1),
+                &WriterOptions::default(),
+                10
+            )
+            .is_empty());
+    }
+
+    #[test]
+    fn policies_sharing_a_priority_say_so_and_the_order_until_they_no_longer_do() {
+        let mut book = StatusBook::default();
+        let cnp = PolicyKey::new(PolicyKind::ClusterNetworkPolicy, None, "a-cnp");
+        book.apply(tier_accepted(anp("b"), 10, 1));
+        book.apply(tier_accepted(cnp.clone(), 10, 2));
+        book.apply(tier_accepted(anp("c"), 20, 3));
+        let later = Instant::now() + Duration::from_secs(1);
+        for k in book.due(later, &WriterOptions::default(), 10) {
+            book.written(&k, later);
+        }
+        book.apply(tier_accepted(anp("a"), 10, 4));
+        let options = WriterOptions::default();
+        let mut due = book.due(later + Duration::from_secs(1), &options, 10);
+        due.sort();
+        assert_eq!(due, vec![anp("a"), anp("b"), cnp.clone()], "c is elsewhere");
+        for key in [anp("a"), anp("b"), cnp.clone()] {
+            let c = conditions(&mut book, &key);
+            assert_eq!(c[1]["type"], "SamePriority", "{key}");
+            assert_eq!(
+                c[1]["message"],
+                "3 policies share tier Admin priority 10; ciliate evaluates them by kind \
+                 (AdminNetworkPolicy, BaselineAdminNetworkPolicy, ClusterNetworkPolicy), then \
+                 name: AdminNetworkPolicy a, then AdminNetworkPolicy b, then \
+                 ClusterNetworkPolicy a-cnp"
+            );
+        }
+        assert_eq!(conditions(&mut book, &anp("c")).len(), 1);
+        // b moves away and a is deleted: the CNP shares its priority with nobody.
+        book.apply(tier_accepted(anp("b"), 30, 5));
+        book.apply(PolicyStatusEvent::Deleted { key: anp("a") });
+        assert_eq!(conditions(&mut book, &cnp).len(), 1);
+        assert_eq!(conditions(&mut book, &anp("b")).len(), 1);
+        // A rejected version with nothing in force shares nothing either.
+        book.apply(tier_accepted(anp("d"), 30, 6));
+        assert_eq!(conditions(&mut book, &anp("b")).len(), 2);
+        book.apply(PolicyStatusEvent::Rejected {
+            key: anp("d"),
+            error: "spec.subject: required".into(),
+            previous_enforced: false,
+        });
+        assert_eq!(conditions(&mut book, &anp("b")).len(), 1);
     }
 }

@@ -25,6 +25,7 @@ impl Handler<PolicyUpsert> for PolicyRepoActor {
         let accepted_at = Instant::now();
         let key = (*msg.policy.key).clone();
         let notes = msg.policy.notes.clone();
+        let place = msg.policy.rules.first().and_then(|r| r.tier);
         let known = self.statuses.accepted(&msg.policy, msg.source);
         let (generation, dropped) = self.fqdn_generation_and_rules(&key);
         let mut change = self.engine_mut().upsert_policy(msg.policy);
@@ -34,6 +35,7 @@ impl Handler<PolicyUpsert> for PolicyRepoActor {
                 key: key.clone(),
                 revision: change.revision,
                 notes,
+                place,
             });
         self.statuses.enforced_from(&key, change.revision);
         self.react(
