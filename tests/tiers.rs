@@ -152,6 +152,46 @@ fn tiers_decide_real_connections_and_change_live() {
         !tcp_ok(&a.netns, b.addr, 9090),
         "9090: the Admin Pass, no NetworkPolicy, the Baseline Deny"
     );
+
+    // `monitor` finds the drops by tier, kind and rule among the flows kept.
+    let first = |args: &[&str]| -> serde_json::Value {
+        let mon = std::process::Command::new(common::agent::BIN)
+            .args(["monitor", "--since", "5m", "--count", "1", "-o", "json"])
+            .args(args)
+            .arg("--socket")
+            .arg(agent.socket())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = wait_output(mon, Duration::from_secs(10));
+        serde_json::from_str(out.lines().next().unwrap_or(""))
+            .unwrap_or_else(|e| panic!("monitor {args:?}: {e}: {out:?}"))
+    };
+    let ev = first(&[
+        "--tier",
+        "baseline",
+        "--policy",
+        "BaselineAdminNetworkPolicy/default[0]",
+    ]);
+    assert_eq!(
+        (
+            &ev["verdict"],
+            &ev["policies"][0]["tier"],
+            &ev["policies"][0]["name"]
+        ),
+        (
+            &serde_json::json!("dropped"),
+            &serde_json::json!("baseline"),
+            &serde_json::json!("default")
+        ),
+        "{ev}"
+    );
+    let ev = first(&["--tier", "admin", "--verdict", "dropped"]);
+    assert_eq!(
+        (&ev["port"], &ev["policies"][0]["name"]),
+        (&serde_json::json!(9090), &serde_json::json!("deny-9090")),
+        "the first Admin drop kept: {ev}"
+    );
     drop(agent);
     drop(w);
 }

@@ -620,6 +620,7 @@ struct MonitorQuery {
     port: Option<u16>,
     verdict: Option<String>,
     policy: Option<String>,
+    tier: Option<String>,
     #[serde(rename = "type")]
     kind: Option<String>,
 }
@@ -650,6 +651,7 @@ impl MonitorQuery {
             port: self.port,
             verdict: self.verdict.clone(),
             policy: self.policy.clone(),
+            tier: self.tier.clone(),
             kind: self.kind.clone(),
         }
     }

@@ -332,9 +332,14 @@ pub struct FlowFilter {
     /// Only `forwarded`, `dropped` or `audit` flows.
     #[arg(long, value_parser = ["forwarded", "dropped", "audit"])]
     pub verdict: Option<String>,
-    /// Only flows a policy decided: `NS/NAME`, or `NAME` for clusterwide ones.
-    #[arg(long)]
+    /// Only flows a policy decided: `NS/NAME`, or `NAME` for cluster-scoped ones; a kind may
+    /// lead (`AdminNetworkPolicy/NAME`, `CiliumNetworkPolicy/NS/NAME`) and a rule follow
+    /// (`NAME[0]`).
+    #[arg(long, value_parser = policy_pattern)]
     pub policy: Option<String>,
+    /// Only flows a policy of this tier decided (with `--policy`: that policy, in that tier).
+    #[arg(long, value_parser = ["admin", "network-policy", "baseline"])]
+    pub tier: Option<String>,
     /// Only events of this type (`dns` is reserved for DNS-aware policy).
     #[arg(long = "type", value_parser = ["flow", "l7", "dns", "policy", "endpoint"])]
     #[serde(rename = "type")]
@@ -353,6 +358,7 @@ impl FlowFilter {
                     && self.port.is_none()
                     && self.verdict.is_none()
                     && self.policy.is_none()
+                    && self.tier.is_none()
             }
         }
     }
@@ -372,16 +378,86 @@ impl FlowFilter {
             && peer(&self.to, &e.destination, &e.destination_pod)
             && self.port.is_none_or(|p| p == e.port)
             && self.verdict.as_deref().is_none_or(|v| v == e.verdict)
-            && self.policy.as_deref().is_none_or(|want| {
-                e.policies.iter().any(|p| {
-                    let name = match &p.namespace {
-                        Some(ns) => format!("{ns}/{}", p.name),
-                        None => p.name.clone(),
-                    };
-                    name == want
-                })
-            })
+            && self.decided_by(&e.policies)
     }
+
+    /// `--policy` and `--tier`: one of the flow's policies is both.
+    fn decided_by(&self, policies: &[PolicyRef]) -> bool {
+        if self.policy.is_none() && self.tier.is_none() {
+            return true;
+        }
+        // An unusable pattern (from a hand-written query) matches nothing.
+        let pattern = match self.policy.as_deref().map(PolicyPattern::parse) {
+            Some(Ok(p)) => Some(p),
+            Some(Err(_)) => return false,
+            None => None,
+        };
+        policies.iter().any(|p| {
+            pattern.as_ref().is_none_or(|pat| pat.matches(p))
+                && self.tier.as_deref().is_none_or(|t| p.tier.as_str() == t)
+        })
+    }
+}
+
+/// What `--policy` names: `[KIND/]NS/NAME` or `[KIND/]NAME`, then optionally `[RULE]`.
+#[derive(Debug, PartialEq)]
+struct PolicyPattern<'a> {
+    kind: Option<&'a str>,
+    namespace: Option<&'a str>,
+    name: &'a str,
+    rule: Option<usize>,
+}
+
+impl<'a> PolicyPattern<'a> {
+    fn parse(s: &'a str) -> Result<PolicyPattern<'a>, String> {
+        let (body, rule) = match s.strip_suffix(']').and_then(|t| t.rsplit_once('[')) {
+            Some((body, n)) => {
+                let n = n
+                    .parse::<usize>()
+                    .map_err(|_| format!("{s:?}: the rule in [...] is its index, e.g. [0]"))?;
+                (body, Some(n))
+            }
+            None => (s, None),
+        };
+        // Namespaces are lower case: a leading segment that is a policy kind is the kind.
+        let (kind, rest) = match body.split_once('/') {
+            Some((k, rest)) if crate::kinds::PolicyKind::from_kind(k).is_some() => (Some(k), rest),
+            Some((k, _)) if k.starts_with(|c: char| c.is_ascii_uppercase()) => {
+                return Err(format!(
+                    "{s:?}: {k:?} is no policy kind (expected {})",
+                    crate::kinds::PolicyKind::expected()
+                ))
+            }
+            _ => (None, body),
+        };
+        let (namespace, name) = match rest.split_once('/') {
+            Some((ns, name)) => (Some(ns), name),
+            None => (None, rest),
+        };
+        if name.is_empty() || name.contains('/') || namespace == Some("") {
+            return Err(format!(
+                "{s:?}: expected [KIND/]NAMESPACE/NAME or [KIND/]NAME, optionally with [RULE]"
+            ));
+        }
+        Ok(PolicyPattern {
+            kind,
+            namespace,
+            name,
+            rule,
+        })
+    }
+
+    fn matches(&self, p: &PolicyRef) -> bool {
+        self.name == p.name
+            && self.namespace == p.namespace.as_deref()
+            && self.kind.is_none_or(|k| k == p.kind)
+            && self.rule.is_none_or(|r| p.rule == Some(r))
+    }
+}
+
+/// `--policy`'s parser: the pattern as given, once it parses.
+fn policy_pattern(s: &str) -> Result<String, String> {
+    PolicyPattern::parse(s).map(|_| s.to_string())
 }
 
 /// Builds an event from the datapath's raw fields.
@@ -547,5 +623,67 @@ mod tests {
         assert!(to_b.accepts(&lost), "losses are never filtered away");
         assert!(lost.line().starts_with("LOST      3 events"));
         assert_eq!(serde_json::to_value(&lost).unwrap()["type"], "lost");
+    }
+
+    #[test]
+    fn monitor_filters_by_kind_rule_and_tier() {
+        use crate::policy::attribution::PolicyTier;
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct P {
+            #[command(flatten)]
+            f: FlowFilter,
+        }
+        let parse = |args: &[&str]| {
+            let mut v = vec!["x"];
+            v.extend(args);
+            P::try_parse_from(v).map(|p| p.f)
+        };
+        let reference = |kind: &str, ns: Option<&str>, name: &str, rule, tier| PolicyRef {
+            kind: kind.into(),
+            namespace: ns.map(str::to_string),
+            name: name.into(),
+            rule: Some(rule),
+            http: None,
+            tier,
+        };
+        let mut e = verdict_event(1, 1, 2, false, 6, 80, "drop-policy", 4, [0; 16], [0; 16], 0);
+        e.policies = vec![
+            reference("AdminNetworkPolicy", None, "deny-a", 0, PolicyTier::Admin),
+            reference(
+                "CiliumNetworkPolicy",
+                Some("x"),
+                "allow",
+                1,
+                PolicyTier::NetworkPolicy,
+            ),
+        ];
+        let shown = |args: &[&str]| parse(args).expect("parses").accepts(&e);
+        assert!(shown(&["--tier", "admin"]));
+        assert!(shown(&["--tier", "network-policy"]));
+        assert!(!shown(&["--tier", "baseline"]));
+        assert!(shown(&["--policy", "deny-a"]));
+        assert!(shown(&["--policy", "AdminNetworkPolicy/deny-a"]));
+        assert!(shown(&["--policy", "AdminNetworkPolicy/deny-a[0]"]));
+        assert!(!shown(&["--policy", "AdminNetworkPolicy/deny-a[1]"]));
+        assert!(!shown(&["--policy", "ClusterNetworkPolicy/deny-a"]));
+        assert!(shown(&["--policy", "CiliumNetworkPolicy/x/allow[1]"]));
+        assert!(!shown(&["--policy", "NetworkPolicy/x/allow"]));
+        assert!(!shown(&["--policy", "y/allow"]));
+        // Both of one entry: deny-a is no NetworkPolicy-tier rule.
+        assert!(!shown(&["--policy", "deny-a", "--tier", "network-policy"]));
+        assert!(shown(&["--policy", "x/allow", "--tier", "network-policy"]));
+        // With --tier, other events stay out as with every flow filter.
+        assert!(!parse(&["--tier", "admin"]).unwrap().accepts_other("policy"));
+        for (bad, says) in [
+            ("Adminnetworkpolicy/deny-a", "is no policy kind"),
+            ("a/b/c", "expected [KIND/]NAMESPACE/NAME"),
+            ("deny-a[first]", "the rule in [...] is its index"),
+            ("x/", "expected [KIND/]NAMESPACE/NAME"),
+        ] {
+            let err = parse(&["--policy", bad]).expect_err(bad).to_string();
+            assert!(err.contains(says), "{bad}: {err}");
+        }
+        assert!(parse(&["--tier", "Admin"]).is_err());
     }
 }

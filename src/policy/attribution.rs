@@ -100,6 +100,15 @@ pub enum PolicyTier {
 }
 
 impl PolicyTier {
+    /// As flow events and `monitor --tier` spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PolicyTier::Admin => "admin",
+            PolicyTier::NetworkPolicy => "network-policy",
+            PolicyTier::Baseline => "baseline",
+        }
+    }
+
     /// The tier of a rule (`None`: the NetworkPolicy tier's).
     pub fn of(t: Option<crate::policy::rule::Tier>) -> PolicyTier {
         match t {
