@@ -153,6 +153,30 @@ fn tiers_decide_real_connections_and_change_live() {
         "9090: the Admin Pass, no NetworkPolicy, the Baseline Deny"
     );
 
+    // `networks` cover pods' addresses too: an Admin Deny to b's address stops a's egress.
+    std::fs::remove_file(m.join("banp.yaml")).unwrap();
+    let rev = agent.revision();
+    agent.wait_until("the baseline is gone", || agent.revision() > rev);
+    agent.wait_realized(agent.revision());
+    eventually("a reaches b:8080 again", || tcp_ok(&a.netns, b.addr, 8080));
+    let nets = format!(
+        "apiVersion: policy.networking.k8s.io/v1alpha1
+kind: AdminNetworkPolicy
+metadata: {{name: no-b-address}}
+spec:
+  priority: 1
+  subject: {{pods: {{namespaceSelector: {{}}, podSelector: {{matchLabels: {{app: a}}}}}}}}
+  egress:
+    - {{name: deny-b, action: Deny, to: [{{networks: ['{}/32']}}]}}
+",
+        b.addr
+    );
+    applied("the networks Deny", "nets.yaml", &nets);
+    eventually("a's egress to b's address is denied", || {
+        !tcp_ok(&a.netns, b.addr, 8080)
+    });
+    std::fs::remove_file(m.join("nets.yaml")).unwrap();
+
     // `monitor` finds the drops by tier, kind and rule among the flows kept.
     let first = |args: &[&str]| -> serde_json::Value {
         let mon = std::process::Command::new(common::agent::BIN)

@@ -299,6 +299,9 @@ pub struct PolicyEngine {
     /// Names each address was learned for from DNS (normalized); each address with names
     /// holds one reference on its /32 (/128) CIDR identity, which carries them as labels.
     fqdn_names: HashMap<IpAddr, BTreeSet<String>>,
+    /// Rules of the cluster tiers with `networks` peers: their subjects' policy depends on
+    /// which identities hold the cluster's addresses (`tier_networks`).
+    networks_rules: Vec<Arc<Rule>>,
 }
 
 impl Default for PolicyEngine {
@@ -316,6 +319,7 @@ impl PolicyEngine {
             repo: Repository::new(),
             endpoint_ips: HashMap::new(),
             named_ports: HashMap::new(),
+            networks_rules: Vec::new(),
             allow_localhost: Arc::new(RuleOrigin {
                 policy: Arc::new(PolicyKey::new(PolicyKind::Builtin, None, "allow-localhost")),
                 section: Section::Ingress,
@@ -498,6 +502,23 @@ impl PolicyEngine {
                 self.ipcache.remove(p);
             }
         }
+    }
+
+    /// The endpoint identities whose policy depends on whether these addresses are the
+    /// cluster's, and whose: the subjects of cluster tier rules whose `networks` contain one
+    /// (`tier_networks`). Their endpoints regenerate when such an address comes, goes or
+    /// changes identity.
+    pub fn networks_subjects(&self, addresses: &[IpNet]) -> BTreeSet<NumericIdentity> {
+        let mut out = BTreeSet::new();
+        for rule in &self.networks_rules {
+            let hit = Self::cidr_prefixes(rule)
+                .iter()
+                .any(|p| addresses.iter().any(|a| p.contains(a)));
+            if hit {
+                self.add_subjects(rule, &mut out);
+            }
+        }
+        out
     }
 
     /// The identity behind an address (longest prefix match; world when nothing matches).
@@ -703,6 +724,9 @@ impl PolicyEngine {
         for rule in &rules {
             self.add_subjects(rule, &mut change.affected);
             change.affects_hosts |= matches!(rule.subject, Subject::Nodes(_));
+            if rule.tier.is_some() && !Self::cidr_prefixes(rule).is_empty() {
+                self.networks_rules.push(rule.clone());
+            }
         }
         // Endpoints whose existing rules select the new CIDR identities change too.
         for id in &change.new_identities {
@@ -734,6 +758,8 @@ impl PolicyEngine {
     }
 
     fn drop_rules(&mut self, rules: &[Arc<Rule>], change: &mut PolicyChange) {
+        self.networks_rules
+            .retain(|r| !rules.iter().any(|d| Arc::ptr_eq(r, d)));
         for rule in rules {
             self.add_subjects(rule, &mut change.affected);
             change.affects_hosts |= matches!(rule.subject, Subject::Nodes(_));
@@ -903,6 +929,7 @@ impl PolicyEngine {
                 out.selected_by.push(r.policy.clone());
             }
         }
+        let mut covers = super::tier_networks::CoverMemo::default();
         for d in [Direction::Ingress, Direction::Egress] {
             let mut t = super::tiers::Tiers::default();
             for r in &tiered {
@@ -916,7 +943,7 @@ impl PolicyEngine {
                     .iter()
                     .filter(|pr| pr.origin.section.direction() == d)
                 {
-                    list.extend(self.tier_rules(pr, ep));
+                    list.extend(self.tier_rules(pr, ep, &mut covers, &mut state.notes));
                 }
             }
             if t.is_empty() {
@@ -949,9 +976,16 @@ impl PolicyEngine {
     /// One tier peer rule with its peers and ports resolved: one `TierRule`, or several in a
     /// row when an egress named port stands for different ports on different peers (each
     /// with its own peers: still first-match in the same place).
-    fn tier_rules(&self, pr: &PeerRule, ep: &EndpointView) -> Vec<super::tiers::TierRule> {
-        let (ids, _) = self.peer_rule_identities(pr, &[]);
+    fn tier_rules(
+        &self,
+        pr: &PeerRule,
+        ep: &EndpointView,
+        covers: &mut super::tier_networks::CoverMemo,
+        notes: &mut Vec<String>,
+    ) -> Vec<super::tiers::TierRule> {
+        let (mut ids, _) = self.peer_rule_identities(pr, &[]);
         let action = pr.action.unwrap_or(super::rule::Action::Deny);
+        let partly_denied = self.networks_inside(pr, action, &mut ids, covers, notes);
         let rule = |peers: Vec<NumericIdentity>, ports| super::tiers::TierRule {
             origin: pr.origin.clone(),
             action,
@@ -1001,7 +1035,60 @@ impl PolicyEngine {
         for r in &mut out {
             r.peers.sort_unstable();
         }
+        if !partly_denied.is_empty() {
+            // In the Pass's place (its own peers are disjoint from these).
+            out.insert(0, rule(partly_denied, None));
+            out[0].action = super::rule::Action::Deny;
+        }
         out
+    }
+
+    /// A tier rule's `networks` inside the cluster (`tier_networks`): adds the identities its
+    /// CIDRs cover to `ids` as the rule's action allows; returns those a `Pass` must deny.
+    fn networks_inside(
+        &self,
+        pr: &PeerRule,
+        action: super::rule::Action,
+        ids: &mut Vec<NumericIdentity>,
+        covers: &mut super::tier_networks::CoverMemo,
+        notes: &mut Vec<String>,
+    ) -> Vec<NumericIdentity> {
+        use super::rule::Action;
+        let Peers::Selectors(all) = &pr.peers else {
+            return Vec::new();
+        };
+        let cidrs: Vec<&super::selector::CidrSelector> = all
+            .iter()
+            .filter_map(|s| match s.kind() {
+                SelectorKind::Cidr(c) => Some(c),
+                _ => None,
+            })
+            .collect();
+        if cidrs.is_empty() {
+            return Vec::new();
+        }
+        let cover = covers.get(&self.endpoint_ips, &cidrs);
+        ids.extend(&cover.full);
+        let mut pass_denies = Vec::new();
+        match action {
+            Action::Deny => ids.extend(&cover.partial),
+            Action::Allow => {}
+            Action::Pass => pass_denies = cover.partial.clone(),
+        }
+        ids.sort_unstable();
+        ids.dedup();
+        if !cover.partial.is_empty() {
+            let what = match action {
+                Action::Deny => "denied, also their addresses outside",
+                Action::Allow => "not allowed by it, also their addresses inside",
+                Action::Pass => "denied instead of passed",
+            };
+            notes.push(format!(
+                "{} {}.networks: identities {:?} have addresses both inside and outside the CIDRs: {what} (fail closed)",
+                pr.origin.policy, pr.origin.path, cover.partial
+            ));
+        }
+        pass_denies
     }
 
     /// The identities a set of selectors selects, sorted and deduplicated.
@@ -1242,6 +1329,62 @@ mod tests {
             named_ports: ports,
             host: false,
         }
+    }
+
+    /// A cluster tier's `networks` cover pods whose addresses are inside (fully: peers; partly:
+    /// a Deny's peers, never an Allow's), and address changes name the endpoints to redo.
+    #[test]
+    fn tier_networks_cover_the_cluster_s_addresses_as_they_come_and_go() {
+        let mut e = PolicyEngine::new();
+        let (la, lb, lc) = (pod("x", "a"), pod("x", "b"), pod("x", "c"));
+        let a = e.allocate_identity(&la).id();
+        let b = e.allocate_identity(&lb).id();
+        let c = e.allocate_identity(&lc).id();
+        e.upsert_policy(policy("{apiVersion: policy.networking.k8s.io/v1alpha1, kind: AdminNetworkPolicy, metadata: {name: nets}, spec: {priority: 1, subject: {pods: {namespaceSelector: {}, podSelector: {matchLabels: {app: a}}}}, egress: [{action: Allow, to: [{networks: [10.0.1.0/24]}], ports: [{portNumber: {protocol: TCP, port: 80}}]}, {action: Deny, to: [{networks: [10.0.1.0/24]}]}]}}"));
+        let egress = |e: &PolicyEngine, peer, port| match e.resolve(&view(a, &la, &[])).map.lookup(
+            Direction::Egress,
+            peer,
+            PROTO_TCP,
+            port,
+        ) {
+            MapVerdict::Allowed(_) => "allowed",
+            MapVerdict::Denied(_) => "denied",
+            MapVerdict::NoMatch => "no match",
+        };
+        // b's address is not the cluster's yet: b is one of the peers no rule names (allowed).
+        assert_eq!(egress(&e, b, 81), "allowed");
+        assert!(e
+            .networks_subjects(&["10.9.9.9/32".parse().unwrap()])
+            .is_empty());
+        assert_eq!(
+            e.networks_subjects(&["10.0.1.7/32".parse().unwrap()]),
+            [a].into(),
+            "a's policy depends on 10.0.1.7"
+        );
+        e.upsert_endpoint_ip("10.0.1.7".parse().unwrap(), b);
+        assert_eq!(egress(&e, b, 80), "allowed");
+        assert_eq!(egress(&e, b, 81), "denied");
+        // c has one address inside and one outside: denied by the Deny, not allowed by the Allow.
+        e.upsert_endpoint_ip("10.0.1.8".parse().unwrap(), c);
+        e.upsert_endpoint_ip("10.0.2.8".parse().unwrap(), c);
+        assert_eq!(egress(&e, c, 80), "denied");
+        let notes = e.resolve(&view(a, &la, &[])).tiers.unwrap().notes;
+        assert!(
+            notes.iter().any(|n| n.contains("both inside and outside")),
+            "{notes:?}"
+        );
+        // b's address goes: b is no longer covered.
+        e.remove_endpoint_ip("10.0.1.7".parse().unwrap());
+        assert_eq!(egress(&e, b, 81), "allowed");
+        // Without the policy, no address matters.
+        e.delete_policy(&PolicyKey::new(
+            PolicyKind::AdminNetworkPolicy,
+            None,
+            "nets",
+        ));
+        assert!(e
+            .networks_subjects(&["10.0.1.7/32".parse().unwrap()])
+            .is_empty());
     }
 
     #[test]

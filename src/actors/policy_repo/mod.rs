@@ -318,8 +318,19 @@ impl PolicyRepoActor {
     }
 
     /// Sends one reaction: its endpoints regenerate, the others bump (policy changes only).
-    fn react(&self, r: Reaction) {
+    fn react(&self, mut r: Reaction) {
         self.journal_numbers();
+        // Cluster tiers' `networks` follow the cluster's addresses.
+        if !r.ipcache.is_empty() {
+            let nets: Vec<ipnet::IpNet> = r
+                .ipcache
+                .iter()
+                .map(|c| match c {
+                    IpcacheChange::Upsert(n, _) | IpcacheChange::Remove(n) => *n,
+                })
+                .collect();
+            r.affected.extend(self.engine().networks_subjects(&nets));
+        }
         let revision = self.engine().revision();
         if !self.initial_sync_done && r.done.is_none() {
             // The initial sync regenerates nothing yet: its ipcache changes go to the datapath

@@ -5,7 +5,8 @@
 //! Each policy becomes one `Rule` with its `TierPlace` and one peer rule per rule of
 //! `ingress`/`egress`, in order, each with its action (`policy::tiers` evaluates them in order).
 //! Subjects and pod peers are pods (label selectors over the pod's and its namespace's labels,
-//! as NetworkPolicy's); `networks` are CIDR selectors. `nodes` and `domainNames` peers are not
+//! as NetworkPolicy's); `networks` are CIDR selectors (covering the cluster's own addresses too:
+//! `policy::tier_networks`). `nodes` and `domainNames` peers are not
 //! enforced yet: a policy with one is rejected with the field, never half-enforced.
 
 use super::common::{cidr_selector, is_kubernetes_port_name, knp_protocol, pods_in_namespaces};
@@ -344,9 +345,6 @@ fn peer(
                 .map_err(|e| PolicyError { field: np, ..e })?;
             out.push(Selector::cidr(sel));
         }
-        ctx.note(format!(
-            "{path}.networks: matched against addresses outside the cluster's pods and nodes only; the API also matches pod and node addresses inside the CIDRs (not yet)"
-        ));
         return Ok(Some(out));
     }
     let field = present[0];
