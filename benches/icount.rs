@@ -9,6 +9,9 @@
 //! - `resolve_no_match`: resolve one endpoint that none of 2,000 rules selects.
 //! - `resolve_selected_by_200`: resolve one endpoint selected by 200 rules (5 peers, 2 ports
 //!   each).
+//! - `resolve_tiers`: the same endpoint also selected by 20 ClusterNetworkPolicies of 25 rules
+//!   each (Admin and Baseline; Accept, Deny, Pass; a namespace of 1,000 identities or 5 pods as
+//!   peers; TCP ports).
 //! - `selector_cache_new_identity`: a new identity against 2,000 selectors.
 //! - `mapstate_diff`: the delta between two 10,000-entry map states that differ in 1,000.
 //! - `ipcache_upsert`: 1,000 host entries into an ipcache of 10,000.
@@ -34,9 +37,10 @@ use ciliate::policy::selector_cache::SelectorCache;
 mod engine;
 use engine::{add_policy, pod_labels};
 
-const CASES: [&str; 6] = [
+const CASES: [&str; 7] = [
     "resolve_no_match",
     "resolve_selected_by_200",
+    "resolve_tiers",
     "selector_cache_new_identity",
     "mapstate_diff",
     "ipcache_upsert",
@@ -49,6 +53,7 @@ fn main() {
         "--list" => CASES.iter().for_each(|c| println!("{c}")),
         "resolve_no_match" => resolve_no_match(),
         "resolve_selected_by_200" => resolve_selected_by_200(),
+        "resolve_tiers" => resolve_tiers(),
         "selector_cache_new_identity" => selector_cache_new_identity(),
         "mapstate_diff" => mapstate_diff(),
         "ipcache_upsert" => ipcache_upsert(),
@@ -87,6 +92,67 @@ fn resolve_no_match() {
 }
 
 fn resolve_selected_by_200() {
+    let (engine, labels, id) = selected_by_200();
+    let view = EndpointView {
+        identity: id,
+        labels: &labels,
+        named_ports: &[],
+        host: false,
+    };
+    assert_eq!(engine.resolve(&view).selected_by.len(), 200);
+    icount_measured_resolve(&engine, &view);
+}
+
+fn resolve_tiers() {
+    let (mut engine, labels, id) = selected_by_200();
+    for p in 0..20 {
+        let tier = if p % 4 == 3 { "Baseline" } else { "Admin" };
+        let rules: Vec<String> = (0..25)
+            .map(|k| {
+                let action = ["Accept", "Deny", "Pass"][(p + k) % 3];
+                let action = if tier == "Baseline" && action == "Pass" { "Deny" } else { action };
+                let peer = if k % 5 == 0 {
+                    "{namespaces: {matchLabels: {kubernetes.io/metadata.name: x}}}".to_string()
+                } else {
+                    let apps: Vec<String> = (0..5)
+                        .map(|j| format!("app-{}", (p * 25 + k + j * 97) % 1000))
+                        .collect();
+                    format!(
+                        "{{pods: {{namespaceSelector: {{}}, podSelector: {{matchExpressions: [{{key: app, operator: In, values: [{}]}}]}}}}}}",
+                        apps.join(", ")
+                    )
+                };
+                format!(
+                    "{{name: r{k}, action: {action}, from: [{peer}], protocols: [{{tcp: {{destinationPort: {{number: {}}}}}}}]}}",
+                    1000 + (p + k) % 50
+                )
+            })
+            .collect();
+        add_policy(
+            &mut engine,
+            &format!(
+                "{{apiVersion: policy.networking.k8s.io/v1alpha2, kind: ClusterNetworkPolicy, metadata: {{name: t{p}}}, spec: {{tier: {tier}, priority: {p}, subject: {{namespaces: {{}}}}, ingress: [{}]}}}}",
+                rules.join(", ")
+            ),
+        );
+    }
+    let view = EndpointView {
+        identity: id,
+        labels: &labels,
+        named_ports: &[],
+        host: false,
+    };
+    let resolved = engine.resolve(&view);
+    assert!(resolved.tiered() && resolved.selected_by.len() == 220);
+    icount_measured_resolve(&engine, &view);
+}
+
+/// One endpoint selected by 200 rules (5 peers, 2 ports each) over 1,000 identities.
+fn selected_by_200() -> (
+    PolicyEngine,
+    Labels,
+    ciliate::policy::identity::NumericIdentity,
+) {
     let mut engine = PolicyEngine::new();
     for i in 0..1000 {
         engine.allocate_identity(&pod_labels("x", &format!("app-{i}")));
@@ -102,14 +168,7 @@ fn resolve_selected_by_200() {
     }
     let labels = pod_labels("x", "app-0");
     let id = engine.allocate_identity(&labels).id();
-    let view = EndpointView {
-        identity: id,
-        labels: &labels,
-        named_ports: &[],
-        host: false,
-    };
-    assert_eq!(engine.resolve(&view).selected_by.len(), 200);
-    icount_measured_resolve(&engine, &view);
+    (engine, labels, id)
 }
 
 #[inline(never)]

@@ -929,7 +929,7 @@ impl PolicyEngine {
                 out.selected_by.push(r.policy.clone());
             }
         }
-        let mut covers = super::tier_networks::CoverMemo::default();
+        let mut memo = TierMemo::default();
         for d in [Direction::Ingress, Direction::Egress] {
             let mut t = super::tiers::Tiers::default();
             for r in &tiered {
@@ -943,7 +943,7 @@ impl PolicyEngine {
                     .iter()
                     .filter(|pr| pr.origin.section.direction() == d)
                 {
-                    list.extend(self.tier_rules(pr, ep, &mut covers, &mut state.notes));
+                    list.extend(self.tier_rules(pr, ep, &mut memo, &mut state.notes));
                 }
             }
             if t.is_empty() {
@@ -980,12 +980,24 @@ impl PolicyEngine {
         &self,
         pr: &PeerRule,
         ep: &EndpointView,
-        covers: &mut super::tier_networks::CoverMemo,
+        memo: &mut TierMemo,
         notes: &mut Vec<String>,
     ) -> Vec<super::tiers::TierRule> {
-        let (mut ids, _) = self.peer_rule_identities(pr, &[]);
+        // Rules of many policies name the same selectors (a namespace): resolved once.
+        let key: Vec<*const super::selector::Selector> = match &pr.peers {
+            Peers::Any => Vec::new(),
+            Peers::Selectors(s) => s.iter().map(Arc::as_ptr).collect(),
+        };
+        let mut ids = match memo.peers.get(&key) {
+            Some(ids) => ids.clone(),
+            None => {
+                let (ids, _) = self.peer_rule_identities(pr, &[]);
+                memo.peers.insert(key, ids.clone());
+                ids
+            }
+        };
         let action = pr.action.unwrap_or(super::rule::Action::Deny);
-        let partly_denied = self.networks_inside(pr, action, &mut ids, covers, notes);
+        let partly_denied = self.networks_inside(pr, action, &mut ids, &mut memo.covers, notes);
         let rule = |peers: Vec<NumericIdentity>, ports| super::tiers::TierRule {
             origin: pr.origin.clone(),
             action,
@@ -1260,6 +1272,14 @@ impl PolicyEngine {
     pub fn identity(&self, id: NumericIdentity) -> Option<&IdentityInfo> {
         self.identities.get(id)
     }
+}
+
+/// What the resolution of one endpoint's tier rules computes once and reuses.
+#[derive(Default)]
+struct TierMemo {
+    /// Peer identities by the peer selectors (pointers: selectors are interned).
+    peers: HashMap<Vec<*const super::selector::Selector>, Vec<NumericIdentity>>,
+    covers: super::tier_networks::CoverMemo,
 }
 
 /// What a tiered direction's default-decided entries are derived from: the NetworkPolicy

@@ -28,6 +28,8 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
+use smallvec::SmallVec;
+
 use super::identity::{NumericIdentity, IDENTITY_ANY};
 use super::mapstate::{MapEntry, MapKey, MapState, MapVerdict};
 use super::rule::{
@@ -228,11 +230,16 @@ enum State<'a> {
 }
 
 /// Inclusive port ranges of one protocol with their state, in order, covering 0..=65535.
-type Segments<'a> = Vec<(u16, u16, State<'a>)>;
+/// Inline for the usual few: most protocols of most identities are one or two ranges, and
+/// every identity of the cells gets a set per protocol.
+type Segments<'a> = SmallVec<[(u16, u16, State<'a>); 2]>;
+
+/// One protocol's verdicts of one identity (see `Segments`).
+type Verdicts<'a> = SmallVec<[(u16, u16, Verdict<'a>); 2]>;
 
 /// Sets the parts of `lo..=hi` in state `from` to `to` (the segments are sorted and cover
 /// 0..=65535: only those overlapping the range are looked at).
-fn paint<'a>(segs: &mut Segments<'a>, lo: u16, hi: u16, from: State<'a>, to: State<'a>) {
+fn paint<T: Copy + PartialEq>(segs: &mut Vec<(u16, u16, T)>, lo: u16, hi: u16, from: T, to: T) {
     let start = segs.partition_point(|&(_, b, _)| b < lo);
     let mut end = start;
     let mut any = false;
@@ -243,7 +250,7 @@ fn paint<'a>(segs: &mut Segments<'a>, lo: u16, hi: u16, from: State<'a>, to: Sta
     if !any {
         return;
     }
-    let mut repl: Vec<(u16, u16, State<'a>)> = Vec::with_capacity(end - start + 2);
+    let mut repl: Vec<(u16, u16, T)> = Vec::with_capacity(end - start + 2);
     for &(a, b, s) in &segs[start..end] {
         if s != from {
             repl.push((a, b, s));
@@ -263,17 +270,91 @@ fn paint<'a>(segs: &mut Segments<'a>, lo: u16, hi: u16, from: State<'a>, to: Sta
 /// One identity's verdicts: per protocol of the cells (`Cells::protocols`), and for every other
 /// protocol.
 struct Painted<'a> {
-    protocols: Vec<Vec<(u16, u16, Verdict<'a>)>>,
+    protocols: Vec<Verdicts<'a>>,
     other: Verdict<'a>,
 }
 
-/// What the cells are made of for one direction.
+/// No rule (in a first-match painting).
+const NONE: u32 = u32::MAX;
+
+/// Ranges of one protocol with the first matching rule of a tier (`NONE`: none), in order,
+/// covering 0..=65535.
+type FirstMatch = Vec<(u16, u16, u32)>;
+
+/// The first-match painting of one group of a tier's rules: per protocol of the cells, and the
+/// first rule that matches every protocol.
+#[derive(Clone)]
+struct GroupPaint {
+    protocols: Vec<FirstMatch>,
+    other: u32,
+}
+
+impl GroupPaint {
+    fn new(rules: &[TierRule], members: &[usize], protocols: &[u8]) -> GroupPaint {
+        let mut g = GroupPaint {
+            protocols: vec![vec![(0, 65535, NONE)]; protocols.len()],
+            other: NONE,
+        };
+        for &i in members {
+            let to = i as u32;
+            match &rules[i].ports {
+                None => {
+                    for s in &mut g.protocols {
+                        paint(s, 0, 65535, NONE, to);
+                    }
+                    if g.other == NONE {
+                        g.other = to;
+                    }
+                }
+                Some(list) => {
+                    for &(p, lo, hi) in list {
+                        if let Ok(k) = protocols.binary_search(&p) {
+                            paint(&mut g.protocols[k], lo, hi, NONE, to);
+                        }
+                    }
+                }
+            }
+        }
+        g
+    }
+
+    /// Its ranges, over every protocol.
+    fn size(&self) -> usize {
+        self.protocols.iter().map(Vec::len).sum()
+    }
+
+    /// Makes this the first match of both paintings, cell by cell (a protocol the other
+    /// painting has no rule for stays as it is).
+    fn merge_from(&mut self, o: &GroupPaint) {
+        for (a, b) in self.protocols.iter_mut().zip(&o.protocols) {
+            if matches!(b[..], [(_, _, NONE)]) {
+                continue;
+            }
+            let mut out: FirstMatch = Vec::with_capacity(a.len() + b.len());
+            for (lo, hi, x, j) in pieces(a, b) {
+                let v = (*x).min(b[j].2);
+                match out.last_mut() {
+                    Some(last) if last.2 == v => last.1 = hi,
+                    _ => out.push((lo, hi, v)),
+                }
+            }
+            *a = out;
+        }
+        self.other = self.other.min(o.other);
+    }
+}
+
+/// What the cells are made of for one direction. A tier's rules are grouped by their peers
+/// (rules of many policies name the same namespace, hence the same identities): each group is
+/// painted once, and an identity's verdicts are the first match over its groups.
 struct Cells {
     protocols: Vec<u8>,
-    /// Tier rules with every peer (`IDENTITY_ANY`), by tier.
-    any: [Vec<usize>; 2],
-    /// Tier rules naming each identity, by tier (in order).
-    named: std::collections::BTreeMap<NumericIdentity, [Vec<usize>; 2]>,
+    /// Per tier (Admin, Baseline): the groups' paintings; group 0 holds the rules with every
+    /// peer (`IDENTITY_ANY`).
+    groups: [Vec<GroupPaint>; 2],
+    /// The groups (beyond 0) naming each identity, per tier; every identity an entry of the
+    /// NetworkPolicy tier names is here too.
+    named: std::collections::BTreeMap<NumericIdentity, [Vec<u32>; 2]>,
     /// An identity no rule or entry names (a stand-in for all of them).
     other: NumericIdentity,
 }
@@ -281,23 +362,54 @@ struct Cells {
 impl Cells {
     fn new(tiers: &Tiers, np: &MapState, direction: Direction) -> Cells {
         let mut protocols: BTreeSet<u8> = COMMON_PROTOCOLS.into_iter().collect();
-        let mut any: [Vec<usize>; 2] = [Vec::new(), Vec::new()];
-        let mut named: std::collections::BTreeMap<NumericIdentity, [Vec<usize>; 2]> =
+        for r in tiers.admin.iter().chain(&tiers.baseline) {
+            protocols.extend(r.ports.iter().flatten().map(|&(p, _, _)| p));
+        }
+        let slots: Vec<_> = np.slots_of(direction).collect();
+        for (_, s) in &slots {
+            protocols.extend(s.iter().map(|&(p, _, _)| p).filter(|&p| p != 0));
+        }
+        let protocols: Vec<u8> = protocols.into_iter().collect();
+        let mut named: std::collections::BTreeMap<NumericIdentity, [Vec<u32>; 2]> =
             Default::default();
+        let mut groups: [Vec<GroupPaint>; 2] = [Vec::new(), Vec::new()];
         for (t, rules) in [&tiers.admin, &tiers.baseline].into_iter().enumerate() {
+            // Group 0: every peer; then one group per distinct peer list, in first appearance.
+            let mut members: Vec<Vec<usize>> = vec![Vec::new()];
+            let mut heads: Vec<&[NumericIdentity]> = vec![&[]];
+            let mut by_shape: std::collections::HashMap<(usize, u32, u32), Vec<usize>> =
+                Default::default();
             for (i, r) in rules.iter().enumerate() {
-                protocols.extend(r.ports.iter().flatten().map(|&(p, _, _)| p));
                 if r.peers.first() == Some(&IDENTITY_ANY) {
-                    any[t].push(i);
-                } else {
-                    for &id in &r.peers {
-                        named.entry(id).or_default()[t].push(i);
+                    members[0].push(i);
+                    continue;
+                }
+                let shape = (
+                    r.peers.len(),
+                    r.peers.first().copied().unwrap_or(0),
+                    r.peers.last().copied().unwrap_or(0),
+                );
+                let same = by_shape.entry(shape).or_default();
+                match same.iter().find(|&&g| heads[g] == &r.peers[..]) {
+                    Some(&g) => members[g].push(i),
+                    None => {
+                        same.push(heads.len());
+                        heads.push(&r.peers);
+                        members.push(vec![i]);
                     }
                 }
             }
+            for (g, peers) in heads.iter().enumerate().skip(1) {
+                for &id in peers.iter() {
+                    named.entry(id).or_default()[t].push(g as u32);
+                }
+            }
+            groups[t] = members
+                .iter()
+                .map(|m| GroupPaint::new(rules, m, &protocols))
+                .collect();
         }
-        for (id, slots) in np.slots_of(direction) {
-            protocols.extend(slots.iter().map(|&(p, _, _)| p).filter(|&p| p != 0));
+        for (id, _) in slots {
             if id != IDENTITY_ANY {
                 named.entry(id).or_default();
             }
@@ -307,19 +419,30 @@ impl Cells {
             .find(|i| !named.contains_key(i))
             .unwrap_or(u32::MAX);
         Cells {
-            protocols: protocols.into_iter().collect(),
-            any,
+            protocols,
+            groups,
             named,
             other,
         }
     }
 
-    /// The rules of tier `t` that can match `id`, in order.
-    fn rules_for(&self, id: NumericIdentity, t: usize) -> Vec<usize> {
-        let own = self.named.get(&id).map_or(&[][..], |r| &r[t][..]);
-        let mut v: Vec<usize> = self.any[t].iter().chain(own).copied().collect();
-        v.sort_unstable();
-        v
+    /// The first matching rule of tier `t` for every cell of `id`.
+    fn first_match(&self, id: NumericIdentity, t: usize) -> std::borrow::Cow<'_, GroupPaint> {
+        let own = self.named.get(&id).map_or(&[][..], |g| &g[t][..]);
+        let mut order: Vec<&GroupPaint> =
+            own.iter().map(|&g| &self.groups[t][g as usize]).collect();
+        // Smallest first: a merge costs the size of both, and one group (a namespace's rules)
+        // is often much larger than the rest.
+        order.sort_by_key(|g| g.size());
+        let mut out: Option<GroupPaint> = None;
+        for g in order {
+            out.get_or_insert_with(|| self.groups[t][0].clone())
+                .merge_from(g);
+        }
+        match out {
+            Some(o) => std::borrow::Cow::Owned(o),
+            None => std::borrow::Cow::Borrowed(&self.groups[t][0]),
+        }
     }
 }
 
@@ -334,54 +457,44 @@ fn paint_identity<'a>(
     cells: &Cells,
     id: NumericIdentity,
 ) -> Painted<'a> {
-    let n = cells.protocols.len();
-    let mut segs: Vec<Segments<'a>> = vec![vec![(0, 65535, State::Open)]; n];
-    let mut other = State::Open;
-    let state = |t: Tier, i: usize, a: Action| match a {
-        Action::Allow => State::Done(Verdict {
-            allow: true,
-            by: By::Rule(t, i),
-        }),
-        Action::Deny => State::Done(Verdict {
-            allow: false,
-            by: By::Rule(t, i),
-        }),
-        // A Pass in the Admin tier hands over to the NetworkPolicy tier; in the Baseline tier
-        // (ClusterNetworkPolicy) it ends the tiers: allowed.
-        Action::Pass if t == Tier::Admin => State::Passed,
-        Action::Pass => State::Done(Verdict {
-            allow: true,
-            by: By::Default,
-        }),
-    };
-    let apply = |segs: &mut Vec<Segments<'a>>, other: &mut State<'a>, t: Tier, from: State<'a>| {
-        let (ti, rules) = match t {
-            Tier::Admin => (0, &tiers.admin),
-            Tier::Baseline => (1, &tiers.baseline),
+    let state = |t: Tier, i: u32, from: State<'a>| {
+        if i == NONE {
+            return from;
+        }
+        let i = i as usize;
+        let action = match t {
+            Tier::Admin => tiers.admin[i].action,
+            Tier::Baseline => tiers.baseline[i].action,
         };
-        for i in cells.rules_for(id, ti) {
-            let r = &rules[i];
-            let to = state(t, i, r.action);
-            match &r.ports {
-                None => {
-                    for s in segs.iter_mut() {
-                        paint(s, 0, 65535, from, to);
-                    }
-                    if *other == from {
-                        *other = to;
-                    }
-                }
-                Some(list) => {
-                    for &(p, lo, hi) in list {
-                        if let Ok(k) = cells.protocols.binary_search(&p) {
-                            paint(&mut segs[k], lo, hi, from, to);
-                        }
-                    }
-                }
-            }
+        match action {
+            Action::Allow => State::Done(Verdict {
+                allow: true,
+                by: By::Rule(t, i),
+            }),
+            Action::Deny => State::Done(Verdict {
+                allow: false,
+                by: By::Rule(t, i),
+            }),
+            // A Pass in the Admin tier hands over to the NetworkPolicy tier; in the Baseline
+            // tier (ClusterNetworkPolicy) it ends the tiers: allowed.
+            Action::Pass if t == Tier::Admin => State::Passed,
+            Action::Pass => State::Done(Verdict {
+                allow: true,
+                by: By::Default,
+            }),
         }
     };
-    apply(&mut segs, &mut other, Tier::Admin, State::Open);
+    let admin = cells.first_match(id, 0);
+    let mut segs: Vec<Segments<'a>> = admin
+        .protocols
+        .iter()
+        .map(|s| {
+            s.iter()
+                .map(|&(a, b, i)| (a, b, state(Tier::Admin, i, State::Open)))
+                .collect()
+        })
+        .collect();
+    let mut other = state(Tier::Admin, admin.other, State::Open);
     // The NetworkPolicy tier, over what the Admin tier left or passed on.
     let np_state = |p: u8, port: u16| match np.lookup(direction, id, p, port) {
         MapVerdict::Denied(e) => State::Done(Verdict {
@@ -402,16 +515,21 @@ fn paint_identity<'a>(
         .iter()
         .flat_map(|&i| np.slots(direction, i))
         .collect();
+    let mut cuts: Vec<u32> = Vec::new();
     for (k, s) in segs.iter_mut().enumerate() {
         let p = cells.protocols[k];
-        let mut out: Segments<'a> = Vec::with_capacity(s.len());
+        if !s.iter().any(|x| matches!(x.2, State::Open | State::Passed)) {
+            continue;
+        }
+        let mut out: Segments<'a> = SmallVec::with_capacity(s.len());
         for &(a, b, st) in s.iter() {
             if !matches!(st, State::Open | State::Passed) {
                 out.push((a, b, st));
                 continue;
             }
             // Cut at the bounds of the entries of this protocol (or all protocols).
-            let mut cuts: Vec<u32> = vec![a as u32, b as u32 + 1];
+            cuts.clear();
+            cuts.extend([a as u32, b as u32 + 1]);
             for &(q, lo, hi) in &entries {
                 if q == p || q == 0 {
                     for c in [lo as u32, hi as u32 + 1] {
@@ -433,7 +551,22 @@ fn paint_identity<'a>(
     if matches!(other, State::Open | State::Passed) {
         other = np_state(OTHER_PROTOCOL, 0);
     }
-    apply(&mut segs, &mut other, Tier::Baseline, State::ToBaseline);
+    // The Baseline tier, over what nothing decided so far.
+    let baseline = cells.first_match(id, 1);
+    for (s, b) in segs.iter_mut().zip(&baseline.protocols) {
+        if !s.iter().any(|x| x.2 == State::ToBaseline) {
+            continue;
+        }
+        *s = pieces(s, b)
+            .map(|(lo, hi, st, j)| match st {
+                State::ToBaseline => (lo, hi, state(Tier::Baseline, b[j].2, *st)),
+                _ => (lo, hi, *st),
+            })
+            .collect();
+    }
+    if other == State::ToBaseline {
+        other = state(Tier::Baseline, baseline.other, other);
+    }
     let done = |st: State<'a>| match st {
         State::Done(v) => v,
         _ => Verdict {
@@ -444,7 +577,7 @@ fn paint_identity<'a>(
     let protocols = segs
         .into_iter()
         .map(|s| {
-            let mut out: Vec<(u16, u16, Verdict<'a>)> = Vec::with_capacity(s.len());
+            let mut out: Verdicts<'a> = SmallVec::with_capacity(s.len());
             for (a, b, st) in s {
                 let v = done(st);
                 match out.last_mut() {
@@ -462,47 +595,68 @@ fn paint_identity<'a>(
 }
 
 /// The pieces two identities' ranges cut one protocol into: (first, last, theirs, others').
-fn pieces<'a, 'b>(
-    x: &'b [(u16, u16, Verdict<'a>)],
-    o: &'b [(u16, u16, Verdict<'a>)],
-) -> Vec<(u16, u16, &'b Verdict<'a>, usize)> {
-    let (mut i, mut j) = (0, 0);
-    let mut out = Vec::with_capacity(x.len() + o.len());
-    while i < x.len() && j < o.len() {
-        let lo = x[i].0.max(o[j].0);
-        let hi = x[i].1.min(o[j].1);
-        out.push((lo, hi, &x[i].2, j));
-        if x[i].1 == hi {
-            i += 1;
-        }
-        if o[j].1 == hi {
-            j += 1;
-        }
-    }
-    out
+fn pieces<'b, X, O>(x: &'b [(u16, u16, X)], o: &'b [(u16, u16, O)]) -> Pieces<'b, X, O> {
+    Pieces { x, o, i: 0, j: 0 }
 }
 
-/// The origins a verdict's entry is derived from, and their L7 rules.
-fn origins<'a>(
-    tiers: &'a Tiers,
-    v: &Verdict<'a>,
-    defaults: &'a Defaults,
-) -> Vec<(
-    &'a Arc<RuleOrigin>,
-    Option<&'a Arc<super::l7::http::L7PortRules>>,
-)> {
+/// The iterator of [`pieces`] (no allocation: it runs for every range of every identity).
+struct Pieces<'b, X, O> {
+    x: &'b [(u16, u16, X)],
+    o: &'b [(u16, u16, O)],
+    i: usize,
+    j: usize,
+}
+
+impl<'b, X, O> Iterator for Pieces<'b, X, O> {
+    type Item = (u16, u16, &'b X, usize);
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let (x, o) = (self.x.get(self.i)?, self.o.get(self.j)?);
+        let lo = x.0.max(o.0);
+        let hi = x.1.min(o.1);
+        let out = (lo, hi, &x.2, self.j);
+        if x.1 == hi {
+            self.i += 1;
+        }
+        if o.1 == hi {
+            self.j += 1;
+        }
+        Some(out)
+    }
+}
+
+/// Inserts the entry of a verdict, derived from its origins (with their L7 rules).
+fn insert_origins(
+    map: &mut MapState,
+    key: MapKey,
+    deny: bool,
+    tiers: &Tiers,
+    v: &Verdict<'_>,
+    d: &Defaults,
+) {
+    let one = |map: &mut MapState, o: &Arc<RuleOrigin>| map.insert_l7(key, deny, o, None);
     match v.by {
-        By::Rule(Tier::Admin, i) => vec![(&tiers.admin[i].origin, None)],
-        By::Rule(Tier::Baseline, i) => vec![(&tiers.baseline[i].origin, None)],
+        By::Rule(Tier::Admin, i) => one(map, &tiers.admin[i].origin),
+        By::Rule(Tier::Baseline, i) => one(map, &tiers.baseline[i].origin),
         By::Np(e) => match &e.l7 {
-            Some(grants) => grants
-                .iter()
-                .map(|g| (&g.origin, g.rules.as_ref()))
-                .collect(),
-            None => e.derived_from.iter().map(|o| (o, None)).collect(),
+            Some(grants) => {
+                for g in grants.iter() {
+                    map.insert_l7(
+                        key,
+                        deny,
+                        &g.origin,
+                        if deny { None } else { g.rules.as_ref() },
+                    );
+                }
+            }
+            None => {
+                for o in e.derived_from.iter() {
+                    one(map, o);
+                }
+            }
         },
-        By::NpDefault => vec![(&defaults.deny, None)],
-        By::Default => vec![(&defaults.allow, None)],
+        By::NpDefault => one(map, &d.deny),
+        By::Default => one(map, &d.allow),
     }
 }
 
@@ -513,9 +667,7 @@ fn by_rule(v: &Verdict<'_>) -> bool {
 
 /// Writes one cell's entry.
 fn put(map: &mut MapState, key: MapKey, deny: bool, tiers: &Tiers, v: &Verdict<'_>, d: &Defaults) {
-    for (origin, l7) in origins(tiers, v, d) {
-        map.insert_l7(key, deny, origin, if deny { None } else { l7 });
-    }
+    insert_origins(map, key, deny, tiers, v, d);
 }
 
 /// The entries that give every cell of `direction` its verdict through the tiers (module
