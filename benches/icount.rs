@@ -35,7 +35,7 @@ use ciliate::policy::selector_cache::SelectorCache;
 
 #[path = "shared/engine.rs"]
 mod engine;
-use engine::{add_policy, pod_labels};
+use engine::{add_policy, add_tier_policies, pod_labels};
 
 const CASES: [&str; 7] = [
     "resolve_no_match",
@@ -105,37 +105,7 @@ fn resolve_selected_by_200() {
 
 fn resolve_tiers() {
     let (mut engine, labels, id) = selected_by_200();
-    for p in 0..20 {
-        let tier = if p % 4 == 3 { "Baseline" } else { "Admin" };
-        let rules: Vec<String> = (0..25)
-            .map(|k| {
-                let action = ["Accept", "Deny", "Pass"][(p + k) % 3];
-                let action = if tier == "Baseline" && action == "Pass" { "Deny" } else { action };
-                let peer = if k % 5 == 0 {
-                    "{namespaces: {matchLabels: {kubernetes.io/metadata.name: x}}}".to_string()
-                } else {
-                    let apps: Vec<String> = (0..5)
-                        .map(|j| format!("app-{}", (p * 25 + k + j * 97) % 1000))
-                        .collect();
-                    format!(
-                        "{{pods: {{namespaceSelector: {{}}, podSelector: {{matchExpressions: [{{key: app, operator: In, values: [{}]}}]}}}}}}",
-                        apps.join(", ")
-                    )
-                };
-                format!(
-                    "{{name: r{k}, action: {action}, from: [{peer}], protocols: [{{tcp: {{destinationPort: {{number: {}}}}}}}]}}",
-                    1000 + (p + k) % 50
-                )
-            })
-            .collect();
-        add_policy(
-            &mut engine,
-            &format!(
-                "{{apiVersion: policy.networking.k8s.io/v1alpha2, kind: ClusterNetworkPolicy, metadata: {{name: t{p}}}, spec: {{tier: {tier}, priority: {p}, subject: {{namespaces: {{}}}}, ingress: [{}]}}}}",
-                rules.join(", ")
-            ),
-        );
-    }
+    add_tier_policies(&mut engine, 20);
     let view = EndpointView {
         identity: id,
         labels: &labels,

@@ -19,7 +19,7 @@ use ciliate::simulate::generate::{generate_world, WorldSize};
 
 #[path = "shared/engine.rs"]
 mod engine;
-use engine::{add_policy, pod_labels};
+use engine::{add_policy, add_tier_policies, pod_labels};
 
 /// A pod endpoint of `identity` with `labels`, without named ports.
 fn pod_view(
@@ -130,38 +130,7 @@ fn bench_resolve(c: &mut Criterion) {
 
     // The same, plus 100 ClusterNetworkPolicies of 25 rules each (issue #28): Admin and
     // Baseline, Allow/Deny/Pass, peers by pod selector (5 apps) or by namespace, on TCP ports.
-    for p in 0..100 {
-        let tier = if p % 4 == 3 { "Baseline" } else { "Admin" };
-        let rules: Vec<String> = (0..25)
-            .map(|k| {
-                let action = ["Accept", "Deny", "Pass"][(p + k) % 3];
-                let action = if tier == "Baseline" && action == "Pass" { "Deny" } else { action };
-                let peer = if k % 5 == 0 {
-                    "{namespaces: {matchLabels: {kubernetes.io/metadata.name: x}}}".to_string()
-                } else {
-                    let apps: Vec<String> = (0..5)
-                        .map(|j| format!("app-{}", (p * 25 + k + j * 97) % 1000))
-                        .collect();
-                    format!(
-                        "{{pods: {{namespaceSelector: {{}}, podSelector: {{matchExpressions: [{{key: app, operator: In, values: [{}]}}]}}}}}}",
-                        apps.join(", ")
-                    )
-                };
-                format!(
-                    "{{name: r{k}, action: {action}, from: [{peer}], protocols: [{{tcp: {{destinationPort: {{number: {}}}}}}}]}}",
-                    1000 + (p + k) % 50
-                )
-            })
-            .collect();
-        add_policy(
-            &mut engine,
-            &format!(
-                "{{apiVersion: policy.networking.k8s.io/v1alpha2, kind: ClusterNetworkPolicy, metadata: {{name: t{p}}}, spec: {{tier: {tier}, priority: {}, subject: {{namespaces: {{}}}}, ingress: [{}]}}}}",
-                p % 1000,
-                rules.join(", ")
-            ),
-        );
-    }
+    add_tier_policies(&mut engine, 100);
     let resolved = engine.resolve(&view);
     assert!(resolved.tiered() && resolved.selected_by.len() == 1100);
     eprintln!(

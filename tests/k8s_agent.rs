@@ -158,28 +158,70 @@ fn add_endpoint(agent: &Agent, name: &str, ip: &str, interface: Option<&str>) ->
     agent.cli_json(&args)["id"].as_u64().expect("endpoint id")
 }
 
+/// Pods a and b (network namespaces; b serves 8080 and 9090) known to a fresh API server, and
+/// the agent in Kubernetes mode on the BPF datapath with both as endpoints.
+struct TwoPods {
+    // Dropped in this order: the agent before the API server and the namespaces.
+    agent: Agent,
+    kubectl: Kubectl,
+    _server: TestApiServer,
+    _tmp: tempfile::TempDir,
+    w: common::netns::World,
+    ep_a: u64,
+    ep_b: u64,
+}
+
+impl TwoPods {
+    /// `None` when not privileged (never under CI=true).
+    fn start() -> Option<TwoPods> {
+        let w = privileged_two_pods(&[8080, 9090])?;
+        let (a, b) = (&w.pods[0], &w.pods[1]);
+        let (a_ip, b_ip) = (a.addr.to_string(), b.addr.to_string());
+        let (server, tmp, kubectl) = api_server();
+        seed_cluster(
+            &server,
+            &kubectl,
+            &[pod("a", "a", &a_ip), pod("b", "b", &b_ip)],
+        );
+        let pins = w.pins.to_string_lossy().to_string();
+        let agent = Agent::start_kubernetes(
+            tmp.path(),
+            &kubectl.kubeconfig,
+            &["--datapath", "bpf", "--bpf-root", &pins],
+        );
+        let ep_a = add_endpoint(&agent, "x/a", &a_ip, Some(&a.host_if));
+        let ep_b = add_endpoint(&agent, "x/b", &b_ip, Some(&b.host_if));
+        Some(TwoPods {
+            agent,
+            kubectl,
+            _server: server,
+            _tmp: tmp,
+            w,
+            ep_a,
+            ep_b,
+        })
+    }
+
+    fn a(&self) -> &common::netns::Pod {
+        &self.w.pods[0]
+    }
+
+    fn b(&self) -> &common::netns::Pod {
+        &self.w.pods[1]
+    }
+
+    fn a_ip(&self) -> String {
+        self.a().addr.to_string()
+    }
+}
+
 #[test]
 fn kubectl_policies_are_enforced_with_status_annotations_and_label_moves() {
-    let Some(w) = privileged_two_pods(&[8080, 9090]) else {
+    let Some(t) = TwoPods::start() else {
         return;
     };
-    let (a, b) = (&w.pods[0], &w.pods[1]);
-    let (a_ip, b_ip) = (a.addr.to_string(), b.addr.to_string());
-
-    let (server, tmp, kubectl) = api_server();
-    seed_cluster(
-        &server,
-        &kubectl,
-        &[pod("a", "a", &a_ip), pod("b", "b", &b_ip)],
-    );
-    let pins = w.pins.to_string_lossy().to_string();
-    let agent = Agent::start_kubernetes(
-        tmp.path(),
-        &kubectl.kubeconfig,
-        &["--datapath", "bpf", "--bpf-root", &pins],
-    );
-    let ep_a = add_endpoint(&agent, "x/a", &a_ip, Some(&a.host_if));
-    let ep_b = add_endpoint(&agent, "x/b", &b_ip, Some(&b.host_if));
+    let (a, b, a_ip, agent, kubectl) = (t.a(), t.b(), t.a_ip(), &t.agent, &t.kubectl);
+    let (ep_a, ep_b) = (t.ep_a, t.ep_b);
     assert!(agent.endpoint(ep_b)["identity"].as_u64().is_some());
 
     // No policy selects b yet: both ports open.
@@ -195,7 +237,7 @@ fn kubectl_policies_are_enforced_with_status_annotations_and_label_moves() {
 
     // Its status shows this node's enforcement at the agent's revision.
     eventually("the CNP status says node-1 enforces it", || {
-        let s = node_status(&kubectl, "b-from-a");
+        let s = node_status(kubectl, "b-from-a");
         s["ok"] == true && s["enforcing"] == true && s["localPolicyRevision"].as_i64() > Some(0)
     });
     let cnp = kubectl.json(&["get", "cnp", "-n", "x", "b-from-a"]);
@@ -277,7 +319,7 @@ spec:
     eventually("endpoint a moved to a new identity", || {
         let e = agent.endpoint(ep_a);
         e["identity"].as_u64().is_some_and(|i| i != old_a)
-            && identity_of(&agent, &a_ip) == e["identity"].as_u64()
+            && identity_of(agent, &a_ip) == e["identity"].as_u64()
     });
     eventually("b no longer admits a", || !tcp_ok(&a.netns, b.addr, 8080));
     // And back: the policy admits it again.
@@ -290,7 +332,6 @@ spec:
     // Deleting the policy with kubectl opens b again.
     kubectl.ok(&["delete", "cnp", "-n", "x", "b-from-a"], None);
     eventually("b is open again", || tcp_ok(&a.netns, b.addr, 9090));
-    drop(agent);
 }
 
 /// An AdminNetworkPolicy "deny a to b on `port`" (or `Pass`) at `priority`.
@@ -326,25 +367,10 @@ fn tier_condition(kubectl: &Kubectl, kind: &str, name: &str, type_: &str) -> Val
 /// deleting one with kubectl undoes it.
 #[test]
 fn cluster_tiers_applied_with_kubectl_are_enforced_and_report_conditions() {
-    let Some(w) = privileged_two_pods(&[8080, 9090]) else {
+    let Some(t) = TwoPods::start() else {
         return;
     };
-    let (a, b) = (&w.pods[0], &w.pods[1]);
-    let (a_ip, b_ip) = (a.addr.to_string(), b.addr.to_string());
-    let (server, tmp, kubectl) = api_server();
-    seed_cluster(
-        &server,
-        &kubectl,
-        &[pod("a", "a", &a_ip), pod("b", "b", &b_ip)],
-    );
-    let pins = w.pins.to_string_lossy().to_string();
-    let agent = Agent::start_kubernetes(
-        tmp.path(),
-        &kubectl.kubeconfig,
-        &["--datapath", "bpf", "--bpf-root", &pins],
-    );
-    add_endpoint(&agent, "x/a", &a_ip, Some(&a.host_if));
-    add_endpoint(&agent, "x/b", &b_ip, Some(&b.host_if));
+    let (a, b, agent, kubectl) = (t.a(), t.b(), &t.agent, &t.kubectl);
     let status = agent.cli_json(&["status"]);
     assert!(
         status.get("kinds_not_served").is_none(),
@@ -361,7 +387,7 @@ fn cluster_tiers_applied_with_kubectl_are_enforced_and_report_conditions() {
         !tcp_ok(&a.netns, b.addr, 8080)
     });
     eventually("deny-a is Accepted", || {
-        tier_condition(&kubectl, "anp", "deny-a", "Accepted")["status"] == "True"
+        tier_condition(kubectl, "anp", "deny-a", "Accepted")["status"] == "True"
     });
 
     // A Pass at a lower priority number comes first and hands over to the CNP; moved behind
@@ -379,7 +405,7 @@ fn cluster_tiers_applied_with_kubectl_are_enforced_and_report_conditions() {
     kubectl.apply(&anp("pass-a", 20, "Pass", 8080));
     for name in ["deny-a", "pass-a"] {
         eventually(&format!("{name} says it shares priority 20"), || {
-            let c = tier_condition(&kubectl, "anp", name, "SamePriority");
+            let c = tier_condition(kubectl, "anp", name, "SamePriority");
             c["status"] == "True"
                 && c["message"].as_str().is_some_and(|m| {
                     m.ends_with(
@@ -404,7 +430,7 @@ spec:
     );
     eventually("the invalid CNP-tier policy says which field", || {
         let c = tier_condition(
-            &kubectl,
+            kubectl,
             "clusternetworkpolicies",
             "no-such-tier",
             "Accepted",
@@ -423,9 +449,8 @@ spec:
     kubectl.ok(&["delete", "anp", "deny-a"], None);
     eventually("a reaches b:8080 again", || tcp_ok(&a.netns, b.addr, 8080));
     eventually("pass-a shares its priority with nobody", || {
-        tier_condition(&kubectl, "anp", "pass-a", "SamePriority").is_null()
+        tier_condition(kubectl, "anp", "pass-a", "SamePriority").is_null()
     });
-    drop(agent);
 }
 
 /// True when the endpoint's realized policy map (read from the kernel) admits `identity` on
