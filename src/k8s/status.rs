@@ -31,6 +31,24 @@ pub const CONDITION_ACCEPTED: &str = "Accepted";
 /// message says the order ciliate evaluates them in.
 pub const CONDITION_SAME_PRIORITY: &str = "SamePriority";
 
+/// Policies a `SamePriority` message names before it counts the rest.
+const MAX_NAMES: usize = 10;
+/// A condition message's length at most (the upstream schema allows 32,768; a longer one
+/// would be refused, and retried, forever).
+const MAX_MESSAGE: usize = 4096;
+
+/// `message`, cut to `MAX_MESSAGE` bytes (on a character boundary) with a mark.
+fn bounded(message: String) -> String {
+    if message.len() <= MAX_MESSAGE {
+        return message;
+    }
+    let mut end = MAX_MESSAGE - 20;
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{} ... (truncated)", &message[..end])
+}
+
 /// What happened to a policy, as the status writer needs to know it.
 #[derive(Debug, Clone, PartialEq)]
 pub enum PolicyStatusEvent {
@@ -318,16 +336,28 @@ impl StatusBook {
             "type": CONDITION_ACCEPTED,
             "status": e.valid.0,
             "reason": if e.valid.0 == ConditionStatus::True { "Accepted" } else { "Invalid" },
-            "message": message,
+            "message": bounded(message),
             "lastTransitionTime": e.transition,
         })];
         if let Some(place) = e.place.filter(|_| !ties.is_empty()) {
-            let names: Vec<String> = ties.iter().map(|k| k.to_string()).collect();
+            // Bounded: a thousand policies may share a priority.
+            let mut names: Vec<String> =
+                ties.iter().take(MAX_NAMES).map(|k| k.to_string()).collect();
+            if ties.len() > MAX_NAMES {
+                names.push(format!("{} more", ties.len() - MAX_NAMES));
+            }
+            if let Some(at) = ties
+                .iter()
+                .position(|k| *k == key)
+                .filter(|&i| i >= MAX_NAMES)
+            {
+                names.push(format!("... {key} is number {} of them", at + 1));
+            }
             conditions.push(json!({
                 "type": CONDITION_SAME_PRIORITY,
                 "status": ConditionStatus::True,
                 "reason": "SamePriority",
-                "message": format!(
+                "message": bounded(format!(
                     "{} policies share tier {} priority {}; ciliate evaluates them by kind \
                      (AdminNetworkPolicy, BaselineAdminNetworkPolicy, ClusterNetworkPolicy), \
                      then name: {}",
@@ -335,7 +365,7 @@ impl StatusBook {
                     place.tier.as_str(),
                     place.priority,
                     names.join(", then ")
-                ),
+                )),
                 "lastTransitionTime": now_rfc3339(),
             }));
         }
@@ -663,5 +693,39 @@ mod tests {
             previous_enforced: false,
         });
         assert_eq!(conditions(&mut book, &anp("b")).len(), 1);
+    }
+
+    #[test]
+    fn condition_messages_stay_bounded() {
+        let mut book = StatusBook::default();
+        for i in 0..30 {
+            book.apply(tier_accepted(anp(&format!("p{i:02}")), 7, i + 1));
+        }
+        let c = conditions(&mut book, &anp("p25"));
+        let m = c[1]["message"].as_str().unwrap();
+        assert!(
+            m.starts_with("30 policies share tier Admin priority 7"),
+            "{m}"
+        );
+        assert!(m.contains("AdminNetworkPolicy p09, then 20 more"), "{m}");
+        assert!(!m.contains("AdminNetworkPolicy p10"), "{m}");
+        assert!(
+            m.ends_with("AdminNetworkPolicy p25 is number 26 of them"),
+            "{m}"
+        );
+        book.apply(PolicyStatusEvent::Rejected {
+            key: anp("long"),
+            error: "é".repeat(10_000),
+            previous_enforced: false,
+        });
+        let m = conditions(&mut book, &anp("long"))[0]["message"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert!(
+            m.len() <= MAX_MESSAGE && m.ends_with("(truncated)"),
+            "{}",
+            m.len()
+        );
     }
 }
