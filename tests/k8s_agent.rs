@@ -12,8 +12,8 @@ use std::process::{Command, Stdio};
 
 use ciliate_test_apiserver::{ServerOptions, TestApiServer};
 use common::agent::Agent;
-use common::eventually;
 use common::netns::{privileged, privileged_two_pods, tcp_ok, world};
+use common::{anp_b_from_a as anp, eventually};
 use serde_json::{json, Value};
 
 const NODE: &str = "node-1";
@@ -332,23 +332,6 @@ spec:
     // Deleting the policy with kubectl opens b again.
     kubectl.ok(&["delete", "cnp", "-n", "x", "b-from-a"], None);
     eventually("b is open again", || tcp_ok(&a.netns, b.addr, 9090));
-}
-
-/// An AdminNetworkPolicy "deny a to b on `port`" (or `Pass`) at `priority`.
-fn anp(name: &str, priority: u32, action: &str, port: u16) -> String {
-    format!(
-        "apiVersion: policy.networking.k8s.io/v1alpha1
-kind: AdminNetworkPolicy
-metadata: {{name: {name}}}
-spec:
-  priority: {priority}
-  subject: {{pods: {{namespaceSelector: {{}}, podSelector: {{matchLabels: {{app: b}}}}}}}}
-  ingress:
-  - action: {action}
-    from: [{{pods: {{namespaceSelector: {{}}, podSelector: {{matchLabels: {{app: a}}}}}}}}]
-    ports: [{{portNumber: {{protocol: TCP, port: {port}}}}}]
-"
-    )
 }
 
 /// A cluster tier's condition of `kind` `name` with this type.

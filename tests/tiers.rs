@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::agent::Agent;
 use common::netns::{privileged_two_pods, tcp_ok};
-use common::{eventually, wait_output};
+use common::{anp_b_from_a as anp, eventually, wait_output};
 
 fn cnp_b_from_a() -> &'static str {
     "apiVersion: cilium.io/v2
@@ -23,24 +23,6 @@ spec:
     - fromEndpoints: [{matchLabels: {app: a}}]
       toPorts: [{ports: [{port: '8080', protocol: TCP}, {port: '9090', protocol: TCP}]}]
 "
-}
-
-/// An AdminNetworkPolicy on b's ingress from a on `port`.
-fn anp(name: &str, priority: u32, action: &str, port: u16) -> String {
-    format!(
-        "apiVersion: policy.networking.k8s.io/v1alpha1
-kind: AdminNetworkPolicy
-metadata: {{name: {name}}}
-spec:
-  priority: {priority}
-  subject: {{pods: {{namespaceSelector: {{}}, podSelector: {{matchLabels: {{app: b}}}}}}}}
-  ingress:
-    - name: {name}-rule
-      action: {action}
-      from: [{{pods: {{namespaceSelector: {{}}, podSelector: {{matchLabels: {{app: a}}}}}}}}]
-      ports: [{{portNumber: {{protocol: TCP, port: {port}}}}}]
-"
-    )
 }
 
 const BANP_DENY_A: &str = "apiVersion: policy.networking.k8s.io/v1alpha1

@@ -141,3 +141,22 @@ pub fn wait_output(mut child: std::process::Child, limit: std::time::Duration) -
     let out = child.wait_with_output().unwrap();
     String::from_utf8_lossy(&out.stdout).to_string()
 }
+
+/// An AdminNetworkPolicy (v1alpha1) on the ingress of pods `app: b` from pods `app: a` on TCP
+/// `port`, one rule (`NAME-rule`) with `action` (Allow, Deny, Pass) at `priority`.
+pub fn anp_b_from_a(name: &str, priority: u32, action: &str, port: u16) -> String {
+    format!(
+        "apiVersion: policy.networking.k8s.io/v1alpha1
+kind: AdminNetworkPolicy
+metadata: {{name: {name}}}
+spec:
+  priority: {priority}
+  subject: {{pods: {{namespaceSelector: {{}}, podSelector: {{matchLabels: {{app: b}}}}}}}}
+  ingress:
+    - name: {name}-rule
+      action: {action}
+      from: [{{pods: {{namespaceSelector: {{}}, podSelector: {{matchLabels: {{app: a}}}}}}}}]
+      ports: [{{portNumber: {{protocol: TCP, port: {port}}}}}]
+"
+    )
+}
