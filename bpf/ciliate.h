@@ -195,6 +195,14 @@ struct verdict_event {
 	__u32 pad2;
 };
 
+/* Verdict events wait per CPU in a batch of up to this many and go to the ring buffer as one
+ * record (events back to back): one reservation for many instead of one each. A batch leaves
+ * when it is full or CILIATE_EVENT_FLUSH_NS after its first event (a timer on that CPU). */
+#define CILIATE_EVENT_BATCH 32
+#define CILIATE_EVENT_FLUSH_NS 1000000
+/* Slots of the batch array when the loader does not size it to the possible CPUs. */
+#define CILIATE_EVENT_BATCH_CPUS 256
+
 /* BPF host routing, receive side: a local pod's IPv4 address (network order, the key of
  * local_endpoints) -> where a packet for it arriving on the node's device is delivered once
  * its policy allowed it (bpf_redirect_peer into the pod, with these addresses). */

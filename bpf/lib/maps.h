@@ -56,6 +56,24 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } events SEC(".maps");
 
+/* One CPU's verdict events on their way to the ring buffer (lib/events.h). Only programs and
+ * the flush timer of that CPU touch it, never at once: a tc program runs with bottom halves
+ * off and the timer (pinned to the CPU) runs as a softirq. */
+struct event_batch {
+	struct bpf_timer timer;
+	/* When the first waiting event was decided: every event of the batch carries it (the
+	 * batch leaves within CILIATE_EVENT_FLUSH_NS, so no event's time is off by more). */
+	__u64 first_ns;
+	__u32 count;	/* events waiting in ev[] */
+	__u8 timer_ready; /* bpf_timer_init done */
+	__u8 armed;	/* the flush timer is started */
+	__u8 pad[2];
+	struct verdict_event ev[CILIATE_EVENT_BATCH];
+};
+
+/* Indexed by CPU; the loader sizes it to the possible CPUs. */
+PINNED_MAP(BPF_MAP_TYPE_ARRAY, CILIATE_EVENT_BATCH_CPUS, __u32, struct event_batch, 0) event_batches SEC(".maps");
+
 PINNED_MAP(BPF_MAP_TYPE_ARRAY, 1, __u32, struct datapath_config, 0) settings SEC(".maps");
 
 PINNED_MAP(BPF_MAP_TYPE_ARRAY, 1, __u32, struct dns_proxy_config, 0) dns_proxy SEC(".maps");

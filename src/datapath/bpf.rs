@@ -176,6 +176,12 @@ fn load_instance<'obj>(
             );
         }
     }
+    // One batch of verdict events per CPU (bpf/lib/events.h).
+    let cpus = libbpf_rs::num_possible_cpus().map_err(sys("count the possible CPUs"))?;
+    open.maps
+        .event_batches
+        .set_max_entries(cpus.max(1) as u32)
+        .map_err(sys("size the event batches"))?;
     let moved = migrate::set_aside_incompatible_pins(open.open_object(), pin_root)?;
     let what = match instance {
         Instance::Endpoint(id) => format!("load the BPF program for endpoint {id}"),
@@ -186,6 +192,27 @@ fn load_instance<'obj>(
         m.finish(pin_root);
     }
     Ok(skel)
+}
+
+/// The verdict events of one ring-buffer record: a batch of this build's events back to back
+/// (`bpf/lib/events.h`), or one event alone, which an older program wrote shorter (the fields
+/// it lacks read as 0).
+pub(crate) fn record_events(data: &[u8]) -> impl Iterator<Item = types::verdict_event> + '_ {
+    const SIZE: usize = std::mem::size_of::<types::verdict_event>();
+    let (batch, single): (&[u8], &[u8]) = if data.len() > SIZE {
+        (data, &[])
+    } else {
+        (&[], data)
+    };
+    let lone = (!single.is_empty()).then(|| {
+        let mut buf = [0u8; SIZE];
+        buf[..single.len()].copy_from_slice(single);
+        buf
+    });
+    batch
+        .chunks_exact(SIZE)
+        .filter_map(types::verdict_event::from_bytes)
+        .chain(lone.and_then(|b| types::verdict_event::from_bytes(&b)))
 }
 
 /// Program return codes (`linux/pkt_cls.h`).

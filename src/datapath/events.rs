@@ -13,7 +13,8 @@ pub struct VerdictEvent {
     /// `flow`.
     #[serde(rename = "type", default = "flow")]
     pub kind: String,
-    /// Kernel monotonic time of the decision, in nanoseconds.
+    /// Kernel monotonic time of the decision, in nanoseconds, to within a scheduler tick and the
+    /// datapath's event batching (a millisecond).
     pub timestamp_ns: u64,
     /// When the agent received it (RFC 3339, milliseconds).
     #[serde(default, skip_serializing_if = "Option::is_none")]

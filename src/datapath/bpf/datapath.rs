@@ -195,11 +195,7 @@ impl BpfDatapath {
                 let (keep_cb, sink_cb) = (keep.clone(), sink.clone());
                 let mut builder = libbpf_rs::RingBufferBuilder::new();
                 let added = builder.add(&map, move |data: &[u8]| {
-                    // Events of an older program are shorter: the fields they lack read as 0.
-                    let mut buf = [0u8; std::mem::size_of::<types::verdict_event>()];
-                    let n = data.len().min(buf.len());
-                    buf[..n].copy_from_slice(&data[..n]);
-                    if let Some(e) = types::verdict_event::from_bytes(&buf) {
+                    for e in super::record_events(data) {
                         let reason = super::REASONS.get(e.reason as usize).copied().unwrap_or("drop-unknown");
                         let ev = crate::datapath::events::verdict_event(
                             e.timestamp_ns, e.endpoint_id, e.peer_identity, e.egress != 0, e.protocol, e.port, reason, e.family, e.saddr, e.daddr, e.cookie,

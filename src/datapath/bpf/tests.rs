@@ -1049,3 +1049,90 @@ fn a_pinned_tcx_link_leaves_no_descriptor_open() {
     );
     tcx::detach(&pin);
 }
+
+/// A ring-buffer record holds a batch of events back to back, or one event alone, which an
+/// older program wrote shorter.
+#[test]
+fn records_split_into_their_events() {
+    let event = |port: u16| types::verdict_event {
+        port,
+        reason: 5,
+        family: 4,
+        ..Default::default()
+    };
+    let mut batch = Vec::new();
+    for port in [80u16, 81, 82] {
+        batch.extend_from_slice(event(port).as_bytes());
+    }
+    let ports: Vec<u16> = record_events(&batch).map(|e| e.port).collect();
+    assert_eq!(ports, [80, 81, 82]);
+    let one: Vec<_> = record_events(event(443).as_bytes()).collect();
+    assert_eq!(one.len(), 1);
+    assert_eq!((one[0].port, one[0].reason), (443, 5));
+    // An older, shorter event: the fields it lacks (here the cookie) read as 0.
+    let mut old = event(53);
+    old.cookie = 9;
+    let short = &old.as_bytes()[..offset_of!(types::verdict_event, cookie)];
+    let got: Vec<_> = record_events(short).collect();
+    assert_eq!((got.len(), got[0].port, got[0].cookie), (1, 53, 0));
+    assert_eq!(record_events(&[]).count(), 0);
+}
+
+/// Runs `f` on CPU 0 alone (so that every event goes into one CPU's batch), then lets the
+/// thread run anywhere again.
+fn on_cpu_0<T>(f: impl FnOnce() -> T) -> T {
+    use nix::sched::{sched_getaffinity, sched_setaffinity, CpuSet};
+    use nix::unistd::Pid;
+    let before = sched_getaffinity(Pid::from_raw(0)).expect("affinity");
+    let mut one = CpuSet::new();
+    one.set(0).unwrap();
+    sched_setaffinity(Pid::from_raw(0), &one).expect("pin to CPU 0");
+    let r = f();
+    sched_setaffinity(Pid::from_raw(0), &before).expect("unpin");
+    r
+}
+
+/// Verdict events wait per CPU and leave in batches: several events to a record, and what
+/// does not fill a batch leaves by the flush timer without any further packet; every event
+/// arrives, in order, with its own fields.
+#[test]
+fn verdict_events_leave_in_batches_and_none_is_held_back() {
+    if !privileged() {
+        return;
+    }
+    let mut l = load(7);
+    l.tcp_80_from_400(7);
+    let records = std::rc::Rc::new(std::cell::RefCell::new(Vec::<Vec<u16>>::new()));
+    let sink = records.clone();
+    let mut builder = libbpf_rs::RingBufferBuilder::new();
+    builder
+        .add(&l.skel.maps.events, move |data: &[u8]| {
+            sink.borrow_mut()
+                .push(record_events(data).map(|e| e.port).collect());
+            0
+        })
+        .unwrap();
+    let rb = builder.build().unwrap();
+    // 40 denied packets (drops are always reported), each to its own port.
+    let ports: Vec<u16> = (1000..1040).collect();
+    on_cpu_0(|| {
+        for &port in &ports {
+            let denied = packet(6, "10.0.0.3", "10.0.0.1", 40000, port);
+            assert_eq!(l.run(false, &denied), 2, "denied");
+        }
+    });
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while records.borrow().iter().map(Vec::len).sum::<usize>() < ports.len()
+        && std::time::Instant::now() < deadline
+    {
+        rb.poll(std::time::Duration::from_millis(50)).unwrap();
+    }
+    let records = records.borrow();
+    let got: Vec<u16> = records.iter().flatten().copied().collect();
+    // 40 is no multiple of the batch (32): the last events came by the timer alone.
+    assert_eq!(got, ports, "every event, in order: {records:?}");
+    assert!(
+        records.iter().any(|r| r.len() > 1),
+        "several events share a record: {records:?}"
+    );
+}
