@@ -51,16 +51,34 @@ static __always_inline void fill_event(struct verdict_event *e, __u64 now, struc
 	e->pad2 = 0;
 }
 
+static __always_inline void fill_event4(struct verdict_event4 *e, __u64 now, struct packet *p,
+					__u32 ep, __u32 identity, int egress, __u32 reason,
+					__u32 cookie)
+{
+	e->timestamp_ns = now;
+	e->peer_identity = identity;
+	e->cookie = cookie;
+	e->egress = egress;
+	e->protocol = p->protocol;
+	e->port = p->policy_port;
+	e->reason = reason;
+	e->family = 4;
+	e->endpoint_id = ep;
+	__builtin_memcpy(e->saddr, p->saddr, 4);
+	__builtin_memcpy(e->daddr, p->daddr, 4);
+}
+
 /* Sends the CPU's waiting events to the ring buffer as one record. */
 static __noinline int flush_events(struct event_batch *b)
 {
-	__u32 n = b->count;
+	__u32 n = b->used;
 	if (n == 0)
 		return 0;
-	if (n > CILIATE_EVENT_BATCH)
-		n = CILIATE_EVENT_BATCH;
-	if (bpf_ringbuf_output(&events, b->ev, n * sizeof(struct verdict_event), 0))
-		count_lost(n);
+	if (n > CILIATE_EVENT_BATCH_BYTES)
+		n = CILIATE_EVENT_BATCH_BYTES;
+	if (bpf_ringbuf_output(&events, b->buf, n, 0))
+		count_lost(b->count);
+	b->used = 0;
 	b->count = 0;
 	return 0;
 }
@@ -104,17 +122,29 @@ __noinline int emit_event(struct packet *p, __u32 ep, __u32 identity, __u32 egre
 	__u32 cpu = bpf_get_smp_processor_id();
 	struct event_batch *b = bpf_map_lookup_elem(&event_batches, &cpu);
 	if (b) {
-		__u32 n = b->count;
-		if (n >= CILIATE_EVENT_BATCH) {
+		__u32 off = b->used;
+		if (off > CILIATE_EVENT_BATCH_BYTES - sizeof(struct verdict_event)) {
 			flush_events(b);
-			n = 0;
+			off = 0;
 		}
-		if (n == 0)
+		if (off == 0) {
+			*(__u64 *)b->buf = CILIATE_EVENT_RECORD_MARK;
 			b->first_ns = bpf_ktime_get_coarse_ns();
-		fill_event(&b->ev[n & (CILIATE_EVENT_BATCH - 1)], b->first_ns, p, ep, identity,
-			   egress, reason, cookie);
-		b->count = n + 1;
-		if (n + 1 == CILIATE_EVENT_BATCH)
+			off = 8;
+		}
+		off &= CILIATE_EVENT_BATCH_BYTES - 1;
+		if (p->family == 4) {
+			fill_event4((struct verdict_event4 *)(b->buf + off), b->first_ns, p, ep,
+				    identity, egress, reason, cookie);
+			off += sizeof(struct verdict_event4);
+		} else {
+			fill_event((struct verdict_event *)(b->buf + off), b->first_ns, p, ep,
+				   identity, egress, reason, cookie);
+			off += sizeof(struct verdict_event);
+		}
+		b->used = off;
+		b->count += 1;
+		if (off > CILIATE_EVENT_BATCH_BYTES - sizeof(struct verdict_event))
 			flush_events(b);
 		else if (!b->armed)
 			arm_flush(b);

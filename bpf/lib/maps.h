@@ -16,6 +16,7 @@ struct policy_key _abi_policy_key = {};
 struct ipcache_host_key _abi_ipcache_host_key = {};
 struct policy_value _abi_policy_value = {};
 struct verdict_event _abi_verdict_event = {};
+struct verdict_event4 _abi_verdict_event4 = {};
 struct local_endpoint _abi_local_endpoint = {};
 struct l7_proxy_config _abi_l7_proxy_config = {};
 struct ct_value _abi_ct_value = {};
@@ -64,11 +65,12 @@ struct event_batch {
 	/* When the first waiting event was decided: every event of the batch carries it (the
 	 * batch leaves within CILIATE_EVENT_FLUSH_NS, so no event's time is off by more). */
 	__u64 first_ns;
-	__u32 count;	/* events waiting in ev[] */
+	__u32 used;	/* bytes of buf[] waiting: the marker and the events */
+	__u16 count;	/* events waiting */
 	__u8 timer_ready; /* bpf_timer_init done */
 	__u8 armed;	/* the flush timer is started */
-	__u8 pad[2];
-	struct verdict_event ev[CILIATE_EVENT_BATCH];
+	/* Room past CILIATE_EVENT_BATCH_BYTES for one more event at any offset below it. */
+	__u8 buf[CILIATE_EVENT_BATCH_BYTES + sizeof(struct verdict_event)];
 };
 
 /* Indexed by CPU; the loader sizes it to the possible CPUs. */

@@ -194,25 +194,65 @@ fn load_instance<'obj>(
     Ok(skel)
 }
 
-/// The verdict events of one ring-buffer record: a batch of this build's events back to back
-/// (`bpf/lib/events.h`), or one event alone, which an older program wrote shorter (the fields
-/// it lacks read as 0).
-pub(crate) fn record_events(data: &[u8]) -> impl Iterator<Item = types::verdict_event> + '_ {
-    const SIZE: usize = std::mem::size_of::<types::verdict_event>();
-    let (batch, single): (&[u8], &[u8]) = if data.len() > SIZE {
-        (data, &[])
-    } else {
-        (&[], data)
+/// The verdict events of one ring-buffer record (`bpf/ciliate.h`): a batch (the record mark,
+/// then IPv4 events in their short form and IPv6 events in full, back to back), or one event
+/// alone, which an older program wrote shorter (the fields it lacks read as 0). A batch cut
+/// short ends at its last whole event.
+pub(crate) fn record_events(data: &[u8]) -> Vec<types::verdict_event> {
+    const FULL: usize = std::mem::size_of::<types::verdict_event>();
+    const SHORT: usize = std::mem::size_of::<types::verdict_event4>();
+    const FAMILY: usize = std::mem::offset_of!(types::verdict_event, family);
+    let mark = (EVENT_RECORD_MARK).to_ne_bytes();
+    let Some(mut rest) = data.strip_prefix(&mark[..]) else {
+        let mut buf = [0u8; FULL];
+        let n = data.len().min(FULL);
+        buf[..n].copy_from_slice(&data[..n]);
+        return (n > 0)
+            .then(|| types::verdict_event::from_bytes(&buf))
+            .flatten()
+            .into_iter()
+            .collect();
     };
-    let lone = (!single.is_empty()).then(|| {
-        let mut buf = [0u8; SIZE];
-        buf[..single.len()].copy_from_slice(single);
-        buf
-    });
-    batch
-        .chunks_exact(SIZE)
-        .filter_map(types::verdict_event::from_bytes)
-        .chain(lone.and_then(|b| types::verdict_event::from_bytes(&b)))
+    let mut out = Vec::with_capacity(rest.len() / SHORT);
+    while rest.len() > FAMILY {
+        let size = if rest[FAMILY] == 4 { SHORT } else { FULL };
+        let Some(bytes) = rest.get(..size) else { break };
+        if size == SHORT {
+            if let Some(e) = types::verdict_event4::from_bytes(bytes) {
+                out.push(types::verdict_event::from(e));
+            }
+        } else if let Some(e) = types::verdict_event::from_bytes(bytes) {
+            out.push(e);
+        }
+        rest = &rest[size..];
+    }
+    out
+}
+
+/// `CILIATE_EVENT_RECORD_MARK`: the first bytes of a batch record.
+pub const EVENT_RECORD_MARK: u64 = 0xC11A_7EBA_7C00_0001;
+
+impl From<types::verdict_event4> for types::verdict_event {
+    fn from(e: types::verdict_event4) -> Self {
+        let mut saddr = [0u8; 16];
+        let mut daddr = [0u8; 16];
+        saddr[..4].copy_from_slice(&e.saddr);
+        daddr[..4].copy_from_slice(&e.daddr);
+        types::verdict_event {
+            timestamp_ns: e.timestamp_ns,
+            endpoint_id: e.endpoint_id as u32,
+            peer_identity: e.peer_identity,
+            egress: e.egress,
+            protocol: e.protocol,
+            port: e.port,
+            reason: e.reason,
+            family: e.family,
+            saddr,
+            daddr,
+            cookie: e.cookie,
+            ..Default::default()
+        }
+    }
 }
 
 /// Program return codes (`linux/pkt_cls.h`).
@@ -314,6 +354,7 @@ pod_types!(
     ct6_key,
     ct_value,
     verdict_event,
+    verdict_event4,
     datapath_config,
     dns_proxy_config,
     l7_proxy_config,

@@ -71,9 +71,26 @@ pub(super) fn set_aside_incompatible_pins(
     Ok(moved)
 }
 
+/// Maps whose entries are work in flight, not state: never copied into another layout.
+const IN_FLIGHT: [&str; 1] = ["event_batches"];
+
+/// Old maps of [`IN_FLIGHT`], held for the life of the process: programs of the old version
+/// still write into theirs until they are replaced, and its flush timers run only while user
+/// space holds the map (the kernel cancels them once no descriptor or pin is left).
+static KEPT_IN_FLIGHT: std::sync::Mutex<Vec<MapHandle>> = std::sync::Mutex::new(Vec::new());
+
 impl MovedPin {
     /// Copies what fits into this build's map (same key and value sizes), then unpins the old.
     pub(super) fn finish(self, pin_root: &Path) {
+        if IN_FLIGHT.contains(&self.name.as_str()) {
+            let _ = std::fs::remove_file(&self.old_path);
+            tracing::info!(map = %self.name, "pinned map of another version kept until exit, not copied: its events leave by its own timers");
+            KEPT_IN_FLIGHT
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(self.old);
+            return;
+        }
         let new_path = pin_root.join(&self.name);
         let (copied, failed) = match MapHandle::from_pinned_path(&new_path) {
             Ok(new) => copy_entries(&self.old, &new),
