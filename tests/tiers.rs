@@ -3,15 +3,24 @@
 //! CiliumNetworkPolicy, between network-namespace pods. An Admin Deny beats the CNP's allow, a
 //! priority change and a Pass apply live, the Baseline tier denies only where nothing of the
 //! NetworkPolicy tier selects the pod, and the drop names the deciding rule and its tier.
+//! Then across two nodes of the cluster harness (Kubernetes mode, CNI pods): TCP, UDP and SCTP
+//! under an Admin Deny and Allow whose order a priority change flips, live.
 //! Privileged: with CI=true it must run.
 
 mod common;
 
 use std::time::Duration;
 
+use std::net::IpAddr;
+
 use common::agent::Agent;
-use common::netns::{privileged_two_pods, tcp_ok};
+use common::cluster::Cluster;
+use common::netns::{
+    privileged, privileged_two_pods, sctp_echo_server, sctp_ok, tcp_ok, tcp_server, udp_ok,
+    udp_server,
+};
 use common::{anp_b_from_a as anp, eventually, wait_output};
+use serde_json::json;
 
 fn cnp_b_from_a() -> &'static str {
     "apiVersion: cilium.io/v2
@@ -200,4 +209,94 @@ spec:
     );
     drop(agent);
     drop(w);
+}
+
+/// An AdminNetworkPolicy on b's ingress from a, on TCP 8080, UDP 5353 and SCTP 9999.
+fn anp_three_protocols(name: &str, priority: u32, action: &str) -> serde_json::Value {
+    let pods = |app: &str| json!({"pods": {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app": app}}}});
+    let port =
+        |protocol: &str, port: u16| json!({"portNumber": {"protocol": protocol, "port": port}});
+    json!({
+        "apiVersion": "policy.networking.k8s.io/v1alpha1",
+        "kind": "AdminNetworkPolicy",
+        "metadata": {"name": name},
+        "spec": {
+            "priority": priority,
+            "subject": pods("b"),
+            "ingress": [{
+                "name": format!("{name}-rule"),
+                "action": action,
+                "from": [pods("a")],
+                "ports": [port("TCP", 8080), port("UDP", 5353), port("SCTP", 9999)],
+            }],
+        },
+    })
+}
+
+#[test]
+fn tiers_decide_across_nodes_over_tcp_udp_and_sctp_and_a_priority_change_applies_live() {
+    let Some(mut c) = privileged().then(|| Cluster::start(2)) else {
+        return;
+    };
+    let a = c.add_pod(1, "a", "a");
+    let b = c.add_pod(2, "b", "b");
+    let b_addr = IpAddr::V4(b.addr);
+    tcp_server(&b.netns, b_addr, 8080);
+    udp_server(&b.netns, b_addr, 5353);
+    sctp_echo_server(&b.netns, 9999);
+    let tcp = || tcp_ok(&a.netns, b_addr, 8080);
+    let udp = || udp_ok(&a.netns, b_addr, 5353);
+    let sctp = || sctp_ok(&a.netns, b.addr, 9999);
+    eventually(
+        "a (node 1) reaches b (node 2) over TCP, UDP and SCTP",
+        || tcp() && udp() && sctp(),
+    );
+    // An Admin Deny (priority 20) ahead of an Admin Allow (30) of the same traffic.
+    let api = c.api();
+    api.apply_json(anp_three_protocols("deny-a", 20, "Deny"))
+        .expect("the Deny");
+    api.apply_json(anp_three_protocols("allow-a", 30, "Allow"))
+        .expect("the Allow");
+    eventually(
+        "the Admin Deny stops TCP, UDP and SCTP across nodes",
+        || !tcp() && !udp() && !sctp(),
+    );
+    // The Allow's priority changes to 10: it comes first, live, for new connections of all three.
+    api.apply_json(anp_three_protocols("allow-a", 10, "Allow"))
+        .expect("the priority change");
+    eventually("the Admin Allow, now first, lets all three through", || {
+        tcp() && udp() && sctp()
+    });
+    // And back behind the Deny.
+    api.apply_json(anp_three_protocols("allow-a", 40, "Allow"))
+        .expect("the priority change");
+    eventually("the Deny is first again", || !tcp() && !udp() && !sctp());
+    // The drop names the deciding rule and its tier on the node that enforces it.
+    let (code, flows, err) = c.node(2).agent().cli(&[
+        "monitor",
+        "--since",
+        "5m",
+        "--count",
+        "1",
+        "-o",
+        "json",
+        "--tier",
+        "admin",
+        "--verdict",
+        "dropped",
+        "--port",
+        "9999",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let ev: serde_json::Value = serde_json::from_str(flows.lines().next().unwrap_or(""))
+        .unwrap_or_else(|e| panic!("{e}: {flows:?}"));
+    assert_eq!(
+        (
+            &ev["protocol"],
+            &ev["policies"][0]["name"],
+            &ev["policies"][0]["tier"]
+        ),
+        (&json!("SCTP"), &json!("deny-a"), &json!("admin")),
+        "{ev}"
+    );
 }

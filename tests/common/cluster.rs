@@ -310,6 +310,9 @@ impl Cluster {
             "ciliumnetworkpolicies",
             "ciliumclusterwidenetworkpolicies",
             "ciliateendpointslices",
+            "policy.networking.k8s.io_adminnetworkpolicies",
+            "policy.networking.k8s.io_baselineadminnetworkpolicies",
+            "policy.networking.k8s.io_clusternetworkpolicies",
         ] {
             let path = format!("{}/manifests/crds/{crd}.yaml", env!("CARGO_MANIFEST_DIR"));
             let text = std::fs::read_to_string(&path).expect("CRD manifest");

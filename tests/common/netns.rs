@@ -214,6 +214,124 @@ pub fn udp_server(netns: &str, addr: IpAddr, port: u16) {
     rx.recv().unwrap();
 }
 
+/// SCTP by hand: this kernel may have no SCTP stack (no module), so packets are built and read
+/// on raw sockets of protocol 132. A packet: the common header (source and destination port,
+/// verification tag, checksum) and one INIT chunk carrying `tag` as its initiate tag. Nothing
+/// on the way checks the CRC32c checksum (left 0): the datapath judges ports, the stack of a
+/// kernel without SCTP hands the packet to raw sockets only.
+const IPPROTO_SCTP: i32 = 132;
+
+fn sctp_packet(sport: u16, dport: u16, tag: u32) -> Vec<u8> {
+    let mut p = Vec::with_capacity(32);
+    p.extend_from_slice(&sport.to_be_bytes());
+    p.extend_from_slice(&dport.to_be_bytes());
+    p.extend_from_slice(&0u32.to_be_bytes()); // verification tag: 0 on an INIT
+    p.extend_from_slice(&0u32.to_be_bytes()); // checksum
+    p.extend_from_slice(&[1, 0]); // INIT, no flags
+    p.extend_from_slice(&20u16.to_be_bytes()); // chunk length
+    p.extend_from_slice(&tag.to_be_bytes()); // initiate tag
+    p.extend_from_slice(&65535u32.to_be_bytes()); // receiver window
+    p.extend_from_slice(&1u16.to_be_bytes()); // outbound streams
+    p.extend_from_slice(&1u16.to_be_bytes()); // inbound streams
+    p.extend_from_slice(&tag.to_be_bytes()); // initial TSN
+    p
+}
+
+/// (source address, source port, destination port, initiate tag) of an IPv4 packet read from a
+/// raw SCTP socket (which hands over the IP header too).
+fn sctp_parse(b: &[u8]) -> Option<(std::net::Ipv4Addr, u16, u16, u32)> {
+    let ihl = ((*b.first()? & 0x0f) as usize) * 4;
+    let s = b.get(ihl..ihl + 24)?;
+    let src = std::net::Ipv4Addr::new(b[12], b[13], b[14], b[15]);
+    let port = |i: usize| u16::from_be_bytes([s[i], s[i + 1]]);
+    let tag = u32::from_be_bytes([s[16], s[17], s[18], s[19]]);
+    (s[12] == 1).then_some((src, port(0), port(2), tag))
+}
+
+fn raw_sctp_socket() -> socket2::Socket {
+    socket2::Socket::new(
+        socket2::Domain::IPV4,
+        socket2::Type::RAW,
+        Some(socket2::Protocol::from(IPPROTO_SCTP)),
+    )
+    .expect("a raw SCTP socket")
+}
+
+/// An SCTP "echo" in `netns` for the rest of the process: every INIT to `port` is answered with
+/// an INIT back to its sender (ports swapped, the same tag).
+pub fn sctp_echo_server(netns: &str, port: u16) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    in_netns(netns, move || {
+        let s = raw_sctp_socket();
+        tx.send(()).unwrap();
+        let mut buf = [std::mem::MaybeUninit::<u8>::uninit(); 1500];
+        while let Ok(n) = s.recv(&mut buf) {
+            // SAFETY: recv initialised the first n bytes.
+            let got: Vec<u8> = buf[..n]
+                .iter()
+                .map(|b| unsafe { b.assume_init() })
+                .collect();
+            let Some((from, sport, dport, tag)) = sctp_parse(&got) else {
+                continue;
+            };
+            if dport == port {
+                let to = SocketAddr::new(IpAddr::V4(from), 0);
+                let _ = s.send_to(&sctp_packet(port, sport, tag), &to.into());
+            }
+        }
+    });
+    rx.recv().unwrap();
+}
+
+/// Does an SCTP INIT from `netns` to `to:port` come back from `sctp_echo_server`? Each probe
+/// uses a source port of its own, so it is a new association to the datapath.
+pub fn sctp_ok(netns: &str, to: std::net::Ipv4Addr, port: u16) -> bool {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, Ordering::SeqCst);
+    let sport = 20_000 + (std::process::id() + n * 7) as u16 % 30_000;
+    let tag = 0x5c70_0000u32.wrapping_add(n);
+    in_netns(netns, move || {
+        let s = raw_sctp_socket();
+        s.set_read_timeout(Some(Duration::from_millis(700)))
+            .unwrap();
+        let dest = SocketAddr::new(IpAddr::V4(to), 0);
+        if s.send_to(&sctp_packet(sport, port, tag), &dest.into())
+            .is_err()
+        {
+            return false;
+        }
+        let deadline = std::time::Instant::now() + Duration::from_millis(700);
+        let mut buf = [std::mem::MaybeUninit::<u8>::uninit(); 1500];
+        while std::time::Instant::now() < deadline {
+            let n = match s.recv(&mut buf) {
+                Ok(n) => n,
+                // The read timeout.
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    return false
+                }
+                // An ICMP error some earlier probe drew: not this probe's answer.
+                Err(_) => continue,
+            };
+            // SAFETY: recv initialised the first n bytes.
+            let got: Vec<u8> = buf[..n]
+                .iter()
+                .map(|b| unsafe { b.assume_init() })
+                .collect();
+            if sctp_parse(&got) == Some((to, port, sport, tag)) {
+                return true;
+            }
+        }
+        false
+    })
+    .join()
+    .unwrap()
+}
+
 /// Does a TCP connection from `netns` to `to:port` complete and carry the answer?
 pub fn tcp_ok(netns: &str, to: IpAddr, port: u16) -> bool {
     in_netns(netns, move || {
