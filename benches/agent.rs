@@ -241,55 +241,21 @@ async fn in_process() {
         t0.elapsed().as_secs_f64()
     );
 
-    // One change selecting 100 of 1,000 endpoints (grp=g-k holds 100 endpoints).
-    let mut d100 = Vec::new();
-    for i in 0..40 {
-        let y = format!(
-            "{{apiVersion: cilium.io/v2, kind: CiliumClusterwideNetworkPolicy, metadata: {{name: sel100-{i}}}, spec: {{endpointSelector: {{matchLabels: {{grp: g-{}}}}}, ingress: [{{fromEndpoints: [{{matchLabels: {{app: r-{}}}}}], toPorts: [{{ports: [{{port: '{}', protocol: TCP}}]}}]}}]}}}}",
-            i % 10,
-            i % 100,
-            9000 + i
-        );
-        let rev = upsert(&core, &y).await;
-        d100.push(implementation_of(&shared, rev).await);
-        let imp = shared.implementations();
-        assert_eq!(
-            imp.iter().find(|x| x.revision == rev).map(|x| x.endpoints),
-            Some(100)
-        );
+    // CILIATE_BENCH_AGENT_TIERS=all|light: only the tier phases (both, or the light one), for
+    // profiling them.
+    let tiers = std::env::var("CILIATE_BENCH_AGENT_TIERS").ok();
+    if tiers.is_none() {
+        changes_of_ccnps(&core, &shared).await;
     }
-    println!(
-        "change selecting 100 of 1000 endpoints: implementation delay p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms ({} changes)",
-        pct(d100.clone(), 0.5) * 1e3,
-        pct(d100.clone(), 0.99) * 1e3,
-        pct(d100.clone(), 1.0) * 1e3,
-        d100.len()
-    );
-
-    // One change selecting all 1,000 endpoints.
-    let mut d1000 = Vec::new();
-    for i in 0..30 {
-        let y = format!(
-            "{{apiVersion: cilium.io/v2, kind: CiliumClusterwideNetworkPolicy, metadata: {{name: all-{}}}, spec: {{endpointSelector: {{matchLabels: {{role: bench}}}}, ingress: [{{fromEndpoints: [{{matchLabels: {{app: r-{}}}}}], toPorts: [{{ports: [{{port: '{}', protocol: TCP}}]}}]}}]}}}}",
-            i % 3,
-            i % 100,
-            10000 + i
-        );
-        let rev = upsert(&core, &y).await;
-        d1000.push(implementation_of(&shared, rev).await);
-    }
-    println!(
-        "change selecting all 1000 endpoints: implementation delay p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms ({} changes)",
-        pct(d1000.clone(), 0.5) * 1e3,
-        pct(d1000.clone(), 0.99) * 1e3,
-        pct(d1000.clone(), 1.0) * 1e3,
-        d1000.len()
-    );
 
     // Cluster tiers (issue #28): ClusterNetworkPolicies selecting every endpoint; one of them
     // changes priority, again and again. Light: 10 policies of 5 rules; heavy: 100 of 25 (each
     // endpoint's map then holds ~10,000 entries, recomputed whole on every change).
-    for (policies, rules, changes) in [(10, 5, 30), (100, 25, 6)] {
+    let cases = [(10, 5, 30), (100, 25, 6)];
+    let cases = cases
+        .into_iter()
+        .filter(|&(p, _, _)| tiers.as_deref() != Some("light") || p == 10);
+    for (policies, rules, changes) in cases {
         for p in 0..policies {
             upsert(&core, &tier_policy(p, p as u32, rules)).await;
         }
@@ -322,6 +288,9 @@ async fn in_process() {
         }
     }
 
+    if tiers.is_some() {
+        return;
+    }
     // A burst: 1,000 edits of one policy selecting every endpoint, spread over one second.
     let before: Vec<u64> = endpoint_stats(&core).await.iter().map(|s| s.1).collect();
     let start = Instant::now();
@@ -367,6 +336,55 @@ async fn in_process() {
         pct(per.clone(), 1.0),
         per.iter().sum::<f64>() / per.len() as f64
     );
+}
+
+/// Implementation delay of CCNP changes selecting 100, then all 1,000 endpoints.
+async fn changes_of_ccnps(core: &Core, shared: &Shared) {
+    // One change selecting 100 of 1,000 endpoints (grp=g-k holds 100 endpoints).
+    let mut d100 = Vec::new();
+    for i in 0..40 {
+        let y = format!(
+            "{{apiVersion: cilium.io/v2, kind: CiliumClusterwideNetworkPolicy, metadata: {{name: sel100-{i}}}, spec: {{endpointSelector: {{matchLabels: {{grp: g-{}}}}}, ingress: [{{fromEndpoints: [{{matchLabels: {{app: r-{}}}}}], toPorts: [{{ports: [{{port: '{}', protocol: TCP}}]}}]}}]}}}}",
+            i % 10,
+            i % 100,
+            9000 + i
+        );
+        let rev = upsert(core, &y).await;
+        d100.push(implementation_of(shared, rev).await);
+        let imp = shared.implementations();
+        assert_eq!(
+            imp.iter().find(|x| x.revision == rev).map(|x| x.endpoints),
+            Some(100)
+        );
+    }
+    println!(
+        "change selecting 100 of 1000 endpoints: implementation delay p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms ({} changes)",
+        pct(d100.clone(), 0.5) * 1e3,
+        pct(d100.clone(), 0.99) * 1e3,
+        pct(d100.clone(), 1.0) * 1e3,
+        d100.len()
+    );
+
+    // One change selecting all 1,000 endpoints.
+    let mut d1000 = Vec::new();
+    for i in 0..30 {
+        let y = format!(
+            "{{apiVersion: cilium.io/v2, kind: CiliumClusterwideNetworkPolicy, metadata: {{name: all-{}}}, spec: {{endpointSelector: {{matchLabels: {{role: bench}}}}, ingress: [{{fromEndpoints: [{{matchLabels: {{app: r-{}}}}}], toPorts: [{{ports: [{{port: '{}', protocol: TCP}}]}}]}}]}}}}",
+            i % 3,
+            i % 100,
+            10000 + i
+        );
+        let rev = upsert(core, &y).await;
+        d1000.push(implementation_of(shared, rev).await);
+    }
+    println!(
+        "change selecting all 1000 endpoints: implementation delay p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms ({} changes)",
+        pct(d1000.clone(), 0.5) * 1e3,
+        pct(d1000.clone(), 0.99) * 1e3,
+        pct(d1000.clone(), 1.0) * 1e3,
+        d1000.len()
+    );
+
 }
 
 /// Kills the agent when the bench ends, panics included.
@@ -507,5 +525,7 @@ fn main() {
     if std::env::var_os("CILIATE_BENCH_SKIP_IN_PROCESS").is_none() {
         sys.block_on(in_process());
     }
-    rss_of_real_agent();
+    if std::env::var_os("CILIATE_BENCH_AGENT_TIERS").is_none() {
+        rss_of_real_agent();
+    }
 }

@@ -349,12 +349,12 @@ impl GroupPaint {
 /// painted once, and an identity's verdicts are the first match over its groups.
 struct Cells {
     protocols: Vec<u8>,
-    /// Per tier (Admin, Baseline): the groups' paintings; group 0 holds the rules with every
-    /// peer (`IDENTITY_ANY`).
-    groups: [Vec<GroupPaint>; 2],
-    /// The groups (beyond 0) naming each identity, per tier; every identity an entry of the
-    /// NetworkPolicy tier names is here too.
-    named: std::collections::BTreeMap<NumericIdentity, [Vec<u32>; 2]>,
+    /// The class of each identity a rule or an entry of the NetworkPolicy tier names: the
+    /// identities of one class are named by the same groups (the index in `classes`).
+    named: std::collections::BTreeMap<NumericIdentity, u32>,
+    /// Per class (0: named by no group), the first match of its groups, per tier: painted
+    /// once for every identity of the class (a namespace's identities share theirs).
+    classes: Vec<[GroupPaint; 2]>,
     /// An identity no rule or entry names (a stand-in for all of them).
     other: NumericIdentity,
 }
@@ -372,6 +372,8 @@ impl Cells {
         let protocols: Vec<u8> = protocols.into_iter().collect();
         let mut named: std::collections::BTreeMap<NumericIdentity, [Vec<u32>; 2]> =
             Default::default();
+        // Per tier (Admin, Baseline): the groups' paintings; group 0 holds the rules with
+        // every peer (`IDENTITY_ANY`).
         let mut groups: [Vec<GroupPaint>; 2] = [Vec::new(), Vec::new()];
         for (t, rules) in [&tiers.admin, &tiers.baseline].into_iter().enumerate() {
             // Group 0: every peer; then one group per distinct peer list, in first appearance.
@@ -418,32 +420,47 @@ impl Cells {
             .map(|i| u32::MAX - i)
             .find(|i| !named.contains_key(i))
             .unwrap_or(u32::MAX);
+        // Classes: identities named by the same groups share their first matches.
+        let mut class_of: std::collections::HashMap<[Vec<u32>; 2], u32> = Default::default();
+        let mut classes = vec![[groups[0][0].clone(), groups[1][0].clone()]];
+        class_of.insert(Default::default(), 0);
+        let named = named
+            .into_iter()
+            .map(|(id, own)| {
+                let next = classes.len() as u32;
+                let class = *class_of.entry(own).or_insert_with_key(|own| {
+                    classes.push([0, 1].map(|t| first_match(&groups[t], &own[t])));
+                    next
+                });
+                (id, class)
+            })
+            .collect();
         Cells {
             protocols,
-            groups,
             named,
+            classes,
             other,
         }
     }
 
-    /// The first matching rule of tier `t` for every cell of `id`.
-    fn first_match(&self, id: NumericIdentity, t: usize) -> std::borrow::Cow<'_, GroupPaint> {
-        let own = self.named.get(&id).map_or(&[][..], |g| &g[t][..]);
-        let mut order: Vec<&GroupPaint> =
-            own.iter().map(|&g| &self.groups[t][g as usize]).collect();
-        // Smallest first: a merge costs the size of both, and one group (a namespace's rules)
-        // is often much larger than the rest.
-        order.sort_by_key(|g| g.size());
-        let mut out: Option<GroupPaint> = None;
-        for g in order {
-            out.get_or_insert_with(|| self.groups[t][0].clone())
-                .merge_from(g);
-        }
-        match out {
-            Some(o) => std::borrow::Cow::Owned(o),
-            None => std::borrow::Cow::Borrowed(&self.groups[t][0]),
-        }
+    /// The first matching rule of tier `t` (0: Admin, 1: Baseline) for every cell of `id`.
+    fn first_match(&self, id: NumericIdentity, t: usize) -> &GroupPaint {
+        let class = self.named.get(&id).copied().unwrap_or(0);
+        &self.classes[class as usize][t]
     }
+}
+
+/// The first match of a tier's group 0 and the groups `own` (indexes in `groups`).
+fn first_match(groups: &[GroupPaint], own: &[u32]) -> GroupPaint {
+    let mut order: Vec<&GroupPaint> = own.iter().map(|&g| &groups[g as usize]).collect();
+    // Smallest first: a merge costs the size of both, and one group (a namespace's rules) is
+    // often much larger than the rest.
+    order.sort_by_key(|g| g.size());
+    let mut out = groups[0].clone();
+    for g in order {
+        out.merge_from(g);
+    }
+    out
 }
 
 /// Paints the tiers over every protocol and port of `id` (the evaluation of `evaluate`, by
@@ -682,12 +699,34 @@ pub fn compile(
     let cells = Cells::new(tiers, np, direction);
     let paint = |id| paint_identity(tiers, np, np_isolated, direction, &cells, id);
     let o = paint(cells.other);
-    let named: Vec<(NumericIdentity, Painted<'_>)> =
-        cells.named.keys().map(|&id| (id, paint(id))).collect();
+    // An identity without entries of its own in the NetworkPolicy tier is painted as every
+    // other of its class: once per class.
+    let mut paintings: Vec<Painted<'_>> = Vec::new();
+    let mut of_class: std::collections::HashMap<u32, usize> = Default::default();
+    let named: Vec<(NumericIdentity, usize)> = cells
+        .named
+        .iter()
+        .map(|(&id, &class)| {
+            let shared = np.slots(direction, id).next().is_none();
+            let at = match shared.then(|| of_class.get(&class)).flatten() {
+                Some(&at) => at,
+                None => {
+                    paintings.push(paint(id));
+                    if shared {
+                        of_class.insert(class, paintings.len() - 1);
+                    }
+                    paintings.len() - 1
+                }
+            };
+            (id, at)
+        })
+        .collect();
+    let named: Vec<(NumericIdentity, &Painted<'_>)> =
+        named.into_iter().map(|(id, at)| (id, &paintings[at])).collect();
     let mut out = Compiled {
         isolated: named
             .iter()
-            .map(|(_, p)| p)
+            .map(|&(_, p)| p)
             .chain([&o])
             .any(|p| !p.other.allow || p.protocols.iter().flatten().any(|c| !c.2.allow)),
         ..Default::default()
