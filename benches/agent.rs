@@ -384,7 +384,6 @@ async fn changes_of_ccnps(core: &Core, shared: &Shared) {
         pct(d1000.clone(), 1.0) * 1e3,
         d1000.len()
     );
-
 }
 
 /// Kills the agent when the bench ends, panics included.

@@ -721,8 +721,10 @@ pub fn compile(
             (id, at)
         })
         .collect();
-    let named: Vec<(NumericIdentity, &Painted<'_>)> =
-        named.into_iter().map(|(id, at)| (id, &paintings[at])).collect();
+    let named: Vec<(NumericIdentity, &Painted<'_>)> = named
+        .into_iter()
+        .map(|(id, at)| (id, &paintings[at]))
+        .collect();
     let mut out = Compiled {
         isolated: named
             .iter()
