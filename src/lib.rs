@@ -19,6 +19,7 @@ pub mod k8s;
 pub mod kinds;
 pub mod limits;
 pub mod manifests;
+pub mod memory;
 pub mod metrics;
 pub mod network;
 pub mod objects;

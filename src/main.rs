@@ -1,5 +1,14 @@
 use clap::Parser;
 
+/// mimalloc for every ciliate process (`ciliate::memory` says why and how it is set up).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// mimalloc's options, set before anything allocates.
+#[used]
+#[link_section = ".init_array"]
+static CONFIGURE_ALLOCATOR: extern "C" fn() = ciliate::memory::configure_allocator;
+
 use ciliate::agent::run::{run, AgentConfig, Mode};
 use ciliate::cli::commands::ClientCall;
 use ciliate::cli::{

@@ -273,13 +273,3 @@ impl Bootstrap {
         self.phases.lock().map(|p| p.clone()).unwrap_or_default()
     }
 }
-
-/// Returns the allocator's free memory to the system (glibc keeps freed heap otherwise, so a
-/// burst such as the initial sync would stay in the RSS for good).
-pub fn release_free_memory() {
-    #[cfg(target_env = "gnu")]
-    // SAFETY: malloc_trim only walks the allocator's own free lists.
-    unsafe {
-        nix::libc::malloc_trim(0);
-    }
-}

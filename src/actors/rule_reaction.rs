@@ -134,12 +134,12 @@ impl RuleReactionActor {
                 .do_send(UpdateIpcache { changes: p.ipcache }, NAME);
         }
         if p.release_memory && !p.set_ready {
-            crate::runtime::release_free_memory();
+            crate::memory::release_free_memory();
         }
         if p.set_ready {
             // The initial sync's transient objects (watch pages, converted copies) are freed:
             // hand the memory back to the system rather than keep it as the agent's RSS.
-            crate::runtime::release_free_memory();
+            crate::memory::release_free_memory();
             self.shared.bootstrap.ready(&self.shared.metrics);
             self.shared.ready.store(true, Ordering::SeqCst);
             tracing::info!(
@@ -238,7 +238,7 @@ pub struct PolicyReaction {
     /// The initial sync: report ready when done.
     pub set_ready: bool,
     /// A large policy went or was replaced: once the endpoints dropped their old policies,
-    /// hand the freed heap back to the system (`runtime::release_free_memory`).
+    /// hand the freed heap back to the system (`memory::release_free_memory`).
     pub release_memory: bool,
     /// Only these peer identities' selections changed: endpoints may update incrementally.
     pub peers: Option<std::collections::BTreeSet<crate::policy::identity::NumericIdentity>>,

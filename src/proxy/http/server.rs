@@ -199,14 +199,11 @@ impl Proxy {
     }
 
     /// Hands the memory of the hyper connections parked since the last call back to the
-    /// system (glibc keeps freed memory inside its heap resident until trimmed): many idle
+    /// system (an allocator keeps freed memory resident until told): many idle
     /// connections would otherwise hold the proxy at its busiest size.
     fn trim_after_parking(&self) {
         if self.parked.swap(0, Ordering::Relaxed) >= TRIM_AFTER_PARKED {
-            // SAFETY: malloc_trim only releases free memory of the allocator's own heap.
-            unsafe {
-                nix::libc::malloc_trim(0);
-            }
+            crate::memory::release_free_memory();
         }
     }
 
