@@ -12,6 +12,10 @@
 //! Then the real `ciliate agent` binary on a manifest directory of the same cluster, with the
 //! 1,000 endpoints added through its API: its RSS once every endpoint is realized.
 
+/// The ciliate binary's allocator (`ciliate::memory`), so that in-process figures are the agent's.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::collections::BTreeMap;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -242,10 +246,13 @@ async fn in_process() {
     );
 
     // CILIATE_BENCH_AGENT_TIERS=all|light: only the tier phases (both, or the light one), for
-    // profiling them.
+    // profiling them; `none`: only the changes before them.
     let tiers = std::env::var("CILIATE_BENCH_AGENT_TIERS").ok();
-    if tiers.is_none() {
+    if tiers.is_none() || tiers.as_deref() == Some("none") {
         changes_of_ccnps(&core, &shared).await;
+    }
+    if tiers.as_deref() == Some("none") {
+        return;
     }
 
     // Cluster tiers (issue #28): ClusterNetworkPolicies selecting every endpoint; one of them

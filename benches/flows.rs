@@ -7,6 +7,10 @@
 //!
 //! `cargo bench --bench flows`
 
+/// The ciliate binary's allocator (`ciliate::memory`), so that in-process figures are the agent's.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::net::IpAddr;
 use std::sync::Arc;
 

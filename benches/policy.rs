@@ -8,6 +8,10 @@
 //! - `simulate/world_5000_pods`: `simulate` on 5,000 pods, 500 namespaces, 2,000 policies and
 //!   10,000 probes, YAML parsing included.
 
+/// The ciliate binary's allocator (`ciliate::memory`), so that in-process figures are the agent's.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
 
 use ciliate::policy::engine::{EndpointView, PolicyEngine};
