@@ -177,7 +177,7 @@ fn handle(shared: &Shared, sink: &FlowSink, m: FromProxy) {
                 .metrics
                 .l7_requests
                 .get_or_create(&crate::metrics::VerdictOnlyLabels {
-                    verdict: r.verdict.clone(),
+                    verdict: r.verdict.to_string(),
                 })
                 .inc();
             shared
@@ -191,10 +191,14 @@ fn handle(shared: &Shared, sink: &FlowSink, m: FromProxy) {
 
 /// A proxy record as a flow (`type: l7`).
 pub fn flow_of(r: L7Record) -> VerdictEvent {
+    // `address:port` (`[v6]:port`) -> the address, as datapath flows name it.
     let ip = |s: &str| {
-        s.parse::<std::net::SocketAddr>()
-            .map(|a| a.ip().to_string())
-            .unwrap_or_else(|_| s.to_string())
+        let host = s.rsplit_once(':').map_or(s, |(h, _)| h);
+        let host = host
+            .strip_prefix('[')
+            .and_then(|h| h.strip_suffix(']'))
+            .unwrap_or(host);
+        host.to_string()
     };
     VerdictEvent {
         kind: "l7".into(),
@@ -202,7 +206,7 @@ pub fn flow_of(r: L7Record) -> VerdictEvent {
         time: None,
         endpoint: r.endpoint as u32,
         peer_identity: r.peer_identity,
-        direction: r.direction,
+        direction: r.direction.into_owned(),
         protocol: "TCP".into(),
         port: r.port,
         reason: if r.verdict == "dropped" {
@@ -210,7 +214,7 @@ pub fn flow_of(r: L7Record) -> VerdictEvent {
         } else {
             "l7".into()
         },
-        verdict: r.verdict,
+        verdict: r.verdict.into_owned(),
         source: ip(&r.source),
         destination: ip(&r.destination),
         source_pod: None,
@@ -222,5 +226,61 @@ pub fn flow_of(r: L7Record) -> VerdictEvent {
         lost: None,
         http: Some(r.http),
         latency_ns: Some(r.latency_ns),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::datapath::events::HttpFields;
+
+    /// A record as the proxy writes it, read back as the agent reads it.
+    fn read(source: &str, destination: &str) -> L7Record {
+        let line = format!(
+            r#"{{"record":{{"endpoint":7,"direction":"ingress","verdict":"dropped","source":"{source}","destination":"{destination}","port":8080,"peer_identity":4242,"http":{{"method":"POST","url":"http://s/admin","protocol":"HTTP/1.1","code":403}},"latency_ns":1500,"policies":[],"time_ns":9}}}}"#
+        );
+        match serde_json::from_str::<FromProxy>(&line).expect("a record") {
+            FromProxy::Record(r) => *r,
+            other => panic!("not a record: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_record_becomes_an_l7_flow_naming_addresses_without_ports() {
+        let f = flow_of(read("10.0.0.5:41000", "10.0.0.9:8080"));
+        assert_eq!(
+            (f.source.as_str(), f.destination.as_str()),
+            ("10.0.0.5", "10.0.0.9")
+        );
+        assert_eq!((f.kind.as_str(), f.reason.as_str()), ("l7", "l7-deny"));
+        assert_eq!(
+            (f.verdict.as_str(), f.direction.as_str()),
+            ("dropped", "ingress")
+        );
+        assert_eq!((f.endpoint, f.peer_identity, f.port), (7, 4242, 8080));
+        assert_eq!(
+            f.http,
+            Some(HttpFields {
+                method: "POST".into(),
+                url: "http://s/admin".into(),
+                protocol: "HTTP/1.1".into(),
+                code: 403,
+            })
+        );
+        let f = flow_of(read("[fd00::5]:41000", "[fd00::9]:8080"));
+        assert_eq!(
+            (f.source.as_str(), f.destination.as_str()),
+            ("fd00::5", "fd00::9")
+        );
+    }
+
+    #[test]
+    fn a_record_written_by_the_proxy_reads_back_the_same() {
+        let r = read("10.0.0.5:41000", "10.0.0.9:8080");
+        let line = serde_json::to_string(&FromProxy::Record(Box::new(r.clone()))).unwrap();
+        match serde_json::from_str::<FromProxy>(&line).unwrap() {
+            FromProxy::Record(back) => assert_eq!(*back, r),
+            other => panic!("not a record: {other:?}"),
+        }
     }
 }

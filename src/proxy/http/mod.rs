@@ -23,6 +23,7 @@ pub mod state;
 pub mod table;
 pub mod upstream;
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
@@ -106,11 +107,12 @@ pub enum ToProxy {
 pub struct L7Record {
     pub endpoint: u64,
     /// `ingress` or `egress`, of the endpoint.
-    pub direction: String,
+    pub direction: Cow<'static, str>,
     /// `forwarded`, `dropped` or `audit`.
-    pub verdict: String,
-    pub source: String,
-    pub destination: String,
+    pub verdict: Cow<'static, str>,
+    /// `address:port` of the client and the server (shared by a connection's records).
+    pub source: Arc<str>,
+    pub destination: Arc<str>,
     pub port: u16,
     pub peer_identity: u32,
     pub http: HttpFields,

@@ -684,6 +684,8 @@ struct Conn {
     /// The client (the pod for egress) and the server it asked for.
     client: SocketAddr,
     server: SocketAddr,
+    /// `client` and `server` as records name them (written once per connection, not per request).
+    names: (Arc<str>, Arc<str>),
     peer_identity: u32,
     /// What the framing tracker found in each HTTP/1.1 request head, in order.
     framing: super::framing::Verdicts,
@@ -781,6 +783,7 @@ impl Conn {
             egress,
             client,
             server,
+            names: (client.to_string().into(), server.to_string().into()),
             peer_identity,
             framing: Default::default(),
             exchanges: Default::default(),
@@ -800,16 +803,22 @@ impl Conn {
     /// The endpoint's entries for this connection, waiting a little for a table that does
     /// not know the endpoint yet (the datapath may redirect before the table arrives).
     async fn lookup(&self) -> Option<super::Lookup> {
-        let deadline = Instant::now() + TABLE_WAIT;
-        let mut gen = self.proxy.generation.subscribe();
-        loop {
-            let idx = self.proxy.index();
-            if let Some(l) = idx.lookup(
+        let now = || {
+            self.proxy.index().lookup(
                 self.endpoint_ip(),
                 self.egress,
                 self.peer_identity,
                 self.server.port(),
-            ) {
+            )
+        };
+        if let Some(l) = now() {
+            return Some(l);
+        }
+        let deadline = Instant::now() + TABLE_WAIT;
+        // Subscribed before looking again: a table that comes in between is not missed.
+        let mut gen = self.proxy.generation.subscribe();
+        loop {
+            if let Some(l) = now() {
                 return Some(l);
             }
             let left = deadline.checked_duration_since(Instant::now())?;
@@ -938,7 +947,7 @@ impl Conn {
         let started = Instant::now();
         let (mut parts, body) = req.into_parts();
         let grpc = request::is_grpc(&parts.headers);
-        let protocol = format!("{:?}", parts.version);
+        let protocol = version_name(parts.version);
         let framing = match super::framing::next(&self.framing) {
             Some(why) => Err(why),
             None => Ok(()),
@@ -959,7 +968,7 @@ impl Conn {
                     host: String::new(),
                     url: parts.uri.to_string(),
                 };
-                self.record(&p, &protocol, 400, "dropped", vec![], started);
+                self.record(p, protocol, 400, "dropped", vec![], started);
                 drain(body).await;
                 return left(request::status(StatusCode::BAD_REQUEST, why, grpc));
             }
@@ -969,7 +978,7 @@ impl Conn {
         let allowed = verdict.is_allowed();
         if !allowed && !audit {
             let r = request::denied(grpc);
-            self.record(&prepared, &protocol, 403, "dropped", policies, started);
+            self.record(prepared, protocol, 403, "dropped", policies, started);
             drain(body).await;
             return left(r);
         }
@@ -990,12 +999,12 @@ impl Conn {
                 }
                 strip_hop_by_hop_response(resp.headers_mut());
                 let spent = started.elapsed().saturating_sub(server_time);
-                self.record_timed(&prepared, &protocol, code, word, policies, spent);
+                self.record_timed(prepared, protocol, code, word, policies, spent);
                 resp.map(Either::Left)
             }
             Err(e) => {
                 tracing::debug!(error = %e, server = %self.server, "HTTP proxy: upstream failed");
-                self.record(&prepared, &protocol, 503, word, policies, started);
+                self.record(prepared, protocol, 503, word, policies, started);
                 left(request::status(
                     StatusCode::SERVICE_UNAVAILABLE,
                     "upstream connect error or disconnect/reset before headers",
@@ -1202,7 +1211,7 @@ impl Conn {
         };
         let by = by.is_some() || no_rules;
         if !by && !audit {
-            self.record(&p, "TLS", 0, "dropped", policies, started);
+            self.record(p, "TLS", 0, "dropped", policies, started);
             return;
         }
         let word = if by { "forwarded" } else { "audit" };
@@ -1213,7 +1222,7 @@ impl Conn {
                 return;
             }
         };
-        self.record(&p, "TLS", 0, word, policies, started);
+        self.record(p, "TLS", 0, word, policies, started);
         if up.write_all(&buf).await.is_ok() {
             let _ = tokio::io::copy_bidirectional(&mut s, &mut up).await;
         }
@@ -1221,10 +1230,10 @@ impl Conn {
 
     fn record(
         &self,
-        p: &Prepared,
-        protocol: &str,
+        p: Prepared,
+        protocol: &'static str,
         code: u16,
-        verdict: &str,
+        verdict: &'static str,
         policies: Vec<PolicyRef>,
         started: Instant,
     ) {
@@ -1233,31 +1242,29 @@ impl Conn {
 
     fn record_timed(
         &self,
-        p: &Prepared,
-        protocol: &str,
+        p: Prepared,
+        protocol: &'static str,
         code: u16,
-        verdict: &str,
+        verdict: &'static str,
         policies: Vec<PolicyRef>,
         spent: Duration,
     ) {
-        let (endpoint, direction) = {
-            let idx = self.proxy.index();
-            (
-                idx.endpoint_of(self.endpoint_ip()).unwrap_or(0),
-                if self.egress { "egress" } else { "ingress" },
-            )
-        };
+        let endpoint = self
+            .proxy
+            .index()
+            .endpoint_of(self.endpoint_ip())
+            .unwrap_or(0);
         self.proxy.record(L7Record {
             endpoint,
-            direction: direction.into(),
+            direction: if self.egress { "egress" } else { "ingress" }.into(),
             verdict: verdict.into(),
-            source: self.client.to_string(),
-            destination: self.server.to_string(),
+            source: self.names.0.clone(),
+            destination: self.names.1.clone(),
             port: self.server.port(),
             peer_identity: self.peer_identity,
             http: HttpFields {
-                method: p.method.clone(),
-                url: p.url.clone(),
+                method: p.method,
+                url: p.url,
                 protocol: protocol.into(),
                 code,
             },
@@ -1268,6 +1275,18 @@ impl Conn {
                 .map(|d| d.as_nanos() as u64)
                 .unwrap_or(0),
         });
+    }
+}
+
+/// `HTTP/1.1` and the like, as records name a request's version.
+fn version_name(v: Version) -> &'static str {
+    match v {
+        Version::HTTP_09 => "HTTP/0.9",
+        Version::HTTP_10 => "HTTP/1.0",
+        Version::HTTP_11 => "HTTP/1.1",
+        Version::HTTP_2 => "HTTP/2.0",
+        Version::HTTP_3 => "HTTP/3.0",
+        _ => "HTTP",
     }
 }
 
