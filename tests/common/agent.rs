@@ -261,6 +261,41 @@ impl Drop for Agent {
             let _ = c.kill();
             let _ = c.wait();
         }
+        self.remove_masquerade_table();
+    }
+}
+
+impl Agent {
+    /// An agent keeps masquerading after it stops (by design: a restart must not cut pods off),
+    /// so a test agent in the machine's own namespace would leave its `ip ciliate_<tag>` table
+    /// there for good. Once no agent runs on this agent's state directory any more, the
+    /// table goes (in whatever namespace this test runs; one of another namespace is not seen).
+    fn remove_masquerade_table(&self) {
+        let state = self.dir.join("state");
+        let state_arg = state.to_string_lossy().into_owned();
+        let running = std::fs::read_dir("/proc")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+            .any(|cmd| {
+                // An agent (its proxies outlive it until the directory goes).
+                let mut args = cmd.split(|b| *b == 0).skip(1);
+                args.next() == Some(b"agent".as_slice())
+                    && args.any(|a| a == b"--state-dir")
+                    && args.next() == Some(state_arg.as_bytes())
+            });
+        if running {
+            return;
+        }
+        let table = ciliate::datapath::masquerade::table_name(
+            &ciliate::datapath::masquerade::tag_for(&state),
+        );
+        let _ = Command::new("nft")
+            .args(["delete", "table", "ip", &table])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
     }
 }
 
