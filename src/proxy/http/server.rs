@@ -1333,7 +1333,7 @@ fn strip_hop_by_hop(h: &mut http::HeaderMap) {
     for n in listed {
         h.remove(n.as_str());
     }
-    for n in ["keep-alive", "proxy-connection", "transfer-encoding"] {
+    for n in &HOP_BY_HOP {
         h.remove(n);
     }
     if !upgrade {
@@ -1342,10 +1342,18 @@ fn strip_hop_by_hop(h: &mut http::HeaderMap) {
 }
 
 fn strip_hop_by_hop_response(h: &mut http::HeaderMap) {
-    for n in ["keep-alive", "proxy-connection", "transfer-encoding"] {
+    for n in &HOP_BY_HOP {
         h.remove(n);
     }
 }
+
+/// Hop-by-hop headers dropped whether or not `Connection` lists them (names made once, not
+/// parsed from text on every request).
+const HOP_BY_HOP: [http::HeaderName; 3] = [
+    http::HeaderName::from_static("keep-alive"),
+    http::HeaderName::from_static("proxy-connection"),
+    http::header::TRANSFER_ENCODING,
+];
 
 /// Both sides of an upgraded connection (WebSocket): the bytes the client sent after its
 /// upgrade request first, then bytes flow both ways, judged no further.
