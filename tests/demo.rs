@@ -13,6 +13,7 @@ fn the_demo_shows_policies_taking_effect_and_cleans_up() {
     if !privileged() {
         return;
     }
+    let tables_before = nft_tables();
     let out = std::process::Command::new(BIN)
         .args(["demo", "--once", "--debug-addr"])
         .arg(format!("127.0.0.1:{}", free_port()))
@@ -121,6 +122,11 @@ fn the_demo_shows_policies_taking_effect_and_cleans_up() {
         tag_links.is_empty(),
         "node links left behind: {tag_links:?}"
     );
+    let tables: Vec<_> = nft_tables()
+        .into_iter()
+        .filter(|t| !tables_before.contains(t))
+        .collect();
+    assert!(tables.is_empty(), "nft tables left behind: {tables:?}");
     let cgroups: Vec<_> = ["/sys/fs/cgroup/unified", "/sys/fs/cgroup"]
         .iter()
         .filter_map(|d| std::fs::read_dir(d).ok())
@@ -128,6 +134,20 @@ fn the_demo_shows_policies_taking_effect_and_cleans_up() {
         .filter(|e| e.file_name().to_string_lossy().starts_with("ciliate-demo-"))
         .collect();
     assert!(cgroups.is_empty(), "cgroups left behind: {cgroups:?}");
+}
+
+/// The nft tables of this host's namespace (`family name`).
+fn nft_tables() -> Vec<String> {
+    let out = std::process::Command::new("nft")
+        .args(["list", "tables"])
+        .output()
+        .expect("nft (installed by .ci/setup)");
+    assert!(out.status.success(), "nft list tables failed");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.strip_prefix("table "))
+        .map(str::to_string)
+        .collect()
 }
 
 /// The lines of `ip ARGS` that `keep` accepts.
