@@ -3,13 +3,14 @@
 //! glibc's malloc cost the HTTP proxy about a tenth of its time per proxied request (arena
 //! locks, consolidation of freed chunks) and the agent a quarter of its work per L7 record
 //! (`cargo bench --bench http_proxy`, perf). mimalloc's per-thread heaps take most of that
-//! away. The global allocator is declared by the binary (`src/main.rs`: tests and benches
-//! keep the system's); this module holds what the process does with it.
+//! away. The global allocator is declared by the binary (`src/main.rs`) and by the benches that
+//! run the agent in process (agent, policy, flows); tests and `benches/icount` keep the
+//! system's. This module holds what the process does with it.
 //!
 //! Memory is handed back to the system: arenas are committed on demand, not eagerly
 //! (`ARENA_EAGER_COMMIT` = 0), so a purge of freed pages decommits them and the RSS falls
 //! (eager commit purges by reset, which leaves the pages in the RSS until the kernel wants
-//! them: 10,000 parked proxy connections held 206 MiB instead of 129 MiB).
+//! them: 10,000 parked proxy connections held 206 MiB instead of 126 MiB).
 
 /// `mi_option_arena_eager_commit` in mimalloc v3's `mimalloc.h` (libmimalloc-sys does not name
 /// it): 0 commits an arena's memory as it is used.
