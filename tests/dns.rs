@@ -930,3 +930,89 @@ fn http_rules_on_a_to_fqdns_peer_judge_requests_to_the_learned_address() {
     );
     assert_eq!(c.request("GET", "/", &[]).unwrap().status, 200);
 }
+
+/// A ClusterNetworkPolicy `domainNames` allowlist (issue #28): the subject's DNS goes through
+/// the proxy although no policy has DNS rules (every name is forwarded, and its answer learned),
+/// `*.example.com` allows what names at any depth below example.com resolved to, on the rule's
+/// port, and the Deny behind it drops the rest, the addresses of other names included.
+#[test]
+fn cluster_network_policy_domain_names_allow_what_the_pods_answers_resolved() {
+    let Some(s) = setup(3, &[]) else { return };
+    let (api, deep, evil) = (s.host(0), s.host(1), s.host(2));
+    common::netns::tcp_server(&s.w.pods[2].netns, api, 80);
+    s.zone.set("api.example.com", &[api], 300);
+    s.zone.set("a.b.example.com", &[deep], 300);
+    s.zone.set("evil.test", &[evil], 300);
+    let policy = "apiVersion: policy.networking.k8s.io/v1alpha2
+kind: ClusterNetworkPolicy
+metadata: {name: egress-allowlist}
+spec:
+  tier: Admin
+  priority: 10
+  subject: {pods: {namespaceSelector: {}, podSelector: {matchLabels: {app: client}}}}
+  egress:
+    - name: dns
+      action: Accept
+      to: [{pods: {namespaceSelector: {}, podSelector: {matchLabels: {k8s-app: kube-dns}}}}]
+      protocols: [{udp: {destinationPort: {number: 53}}}, {tcp: {destinationPort: {number: 53}}}]
+    - {name: names, action: Accept, to: [{domainNames: ['*.example.com']}], protocols: [{tcp: {destinationPort: {number: 443}}}]}
+    - {name: rest, action: Deny, to: [{networks: [0.0.0.0/0]}]}
+";
+    let rev = s.agent.revision();
+    std::fs::write(s.agent.manifests().join("policy.yaml"), policy).unwrap();
+    s.agent
+        .wait_until("the edit is applied", || s.agent.revision() > rev);
+    s.agent.wait_realized(s.agent.revision());
+    let c = &s.client().netns;
+    assert_eq!(
+        s.agent.json("/debug/dns")["endpoints_with_dns_rules"],
+        1,
+        "the subject's DNS goes through the proxy"
+    );
+    assert!(!https_ok(c, api), "nothing resolved yet");
+
+    assert_eq!(s.lookup("api.example.com"), ok(&[api]));
+    assert!(
+        https_ok(c, api),
+        "allowed once resolved; cache {}, agent log:\n{}",
+        s.cache(),
+        s.agent.log()
+    );
+    assert_eq!(lookup(c, s.dns(), "a.b.example.com", true), ok(&[deep]));
+    assert!(https_ok(c, deep), "two labels below example.com match too");
+    assert!(
+        !common::netns::tcp_ok(c, api, 80),
+        "the rule's port only: 80 falls to the Deny"
+    );
+
+    // No DNS rules: the proxy forwards every name; its addresses stay denied.
+    assert_eq!(s.lookup("evil.test"), ok(&[evil]));
+    assert!(s.zone.asked("evil.test"), "forwarded to the server");
+    assert!(!https_ok(c, evil), "evil.test matches no domainNames entry");
+    let names: Vec<serde_json::Value> = s
+        .cache()
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["name"].clone())
+        .collect();
+    assert!(
+        names.contains(&"api.example.com".into()) && names.contains(&"a.b.example.com".into()),
+        "{names:?}"
+    );
+
+    // Without the policy the subject's DNS no longer goes through the proxy, and nothing is
+    // denied any more.
+    let rev = s.agent.revision();
+    std::fs::remove_file(s.agent.manifests().join("policy.yaml")).unwrap();
+    s.agent
+        .wait_until("the removal is applied", || s.agent.revision() > rev);
+    s.agent.wait_realized(s.agent.revision());
+    assert!(https_ok(c, evil));
+    assert!(common::netns::tcp_ok(c, api, 80), "port 80 answers");
+    assert_eq!(
+        s.agent.json("/debug/dns")["endpoints_with_dns_rules"],
+        0,
+        "no endpoint's DNS goes through the proxy any more"
+    );
+}

@@ -300,3 +300,76 @@ fn tiers_decide_across_nodes_over_tcp_udp_and_sctp_and_a_priority_change_applies
         "{ev}"
     );
 }
+
+/// An AdminNetworkPolicy of one pod's egress to `nodes` selected by `labels` on TCP 7070.
+fn anp_to_nodes(
+    name: &str,
+    priority: u32,
+    action: &str,
+    labels: serde_json::Value,
+) -> serde_json::Value {
+    json!({
+        "apiVersion": "policy.networking.k8s.io/v1alpha1",
+        "kind": "AdminNetworkPolicy",
+        "metadata": {"name": name},
+        "spec": {
+            "priority": priority,
+            "subject": {"pods": {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app": "a"}}}},
+            "egress": [{
+                "name": format!("{name}-rule"),
+                "action": action,
+                "to": [{"nodes": {"matchLabels": labels}}],
+                "ports": [{"portNumber": {"protocol": "TCP", "port": 7070}}],
+            }],
+        },
+    })
+}
+
+/// `nodes` peers (issue #28) on real packets: a pod on node 1 reaches its own node (the host
+/// identity) and node 2 (remote-node). A Deny of every node stops both; an Allow ahead of it
+/// follows the nodes' labels live: no node labelled, both denied; both labelled, both allowed;
+/// one relabelled away, the Allow selects some nodes only and allows none (node addresses share
+/// two identities: fail closed, as README says).
+#[test]
+fn nodes_peers_follow_the_nodes_labels_live() {
+    let Some(mut c) = privileged().then(|| Cluster::start(2)) else {
+        return;
+    };
+    let a = c.add_pod(1, "a", "a");
+    let (n1, n2) = (common::cluster::node_ip(1), common::cluster::node_ip(2));
+    let n1_ns = c.node(1).netns.clone();
+    let n2_ns = c.node(2).netns.clone();
+    tcp_server(&n1_ns, IpAddr::V4(n1), 7070);
+    tcp_server(&n2_ns, IpAddr::V4(n2), 7070);
+    let own = || tcp_ok(&a.netns, IpAddr::V4(n1), 7070);
+    let remote = || tcp_ok(&a.netns, IpAddr::V4(n2), 7070);
+    eventually("a reaches both nodes", || own() && remote());
+    let api = c.api();
+    api.apply_json(anp_to_nodes("deny-nodes", 20, "Deny", json!({})))
+        .expect("the Deny");
+    eventually("the Deny of every node stops both", || !own() && !remote());
+    api.apply_json(anp_to_nodes(
+        "allow-blue",
+        10,
+        "Allow",
+        json!({"pool": "blue"}),
+    ))
+    .expect("the Allow");
+    let label = |i: usize, pool: &str| {
+        let mut node = common::cluster::node_object(i);
+        node["metadata"]["labels"] = json!({"pool": pool});
+        api.apply_json(node).expect("node labels");
+    };
+    label(1, "blue");
+    label(2, "blue");
+    eventually("both nodes blue: the Allow lets both through", || {
+        own() && remote()
+    });
+    label(2, "green");
+    eventually(
+        "one node blue: the Allow selects some nodes, allows none (fail closed)",
+        || !own() && !remote(),
+    );
+    label(2, "blue");
+    eventually("blue again: both allowed", || own() && remote());
+}

@@ -327,18 +327,20 @@ impl EndpointActor {
             ingress_cookie,
             egress_cookie,
             audit,
-            dns_proxy: !policy.dns.is_empty(),
+            dns_proxy: policy.dns_redirected(),
         };
         // The proxy learns the rules before the datapath sends it this endpoint's DNS (until
         // then it refuses the endpoint's queries: fail closed).
         self.shared.dns.set_rules(
             self.record.id as u64,
-            (!policy.dns.is_empty()).then(|| crate::proxy::dns::EndpointRules {
-                id: self.record.id as u64,
-                pod: self.record.name.clone(),
-                ips: self.record.ips.clone(),
-                entries: policy.dns.clone(),
-            }),
+            policy
+                .dns_redirected()
+                .then(|| crate::proxy::dns::EndpointRules {
+                    id: self.record.id as u64,
+                    pod: self.record.name.clone(),
+                    ips: self.record.ips.clone(),
+                    entries: policy.dns.clone(),
+                }),
         );
         // Likewise the HTTP proxy learns the endpoint's L7 rules before connections they cover
         // reach it (until then it holds them briefly, then denies: fail closed).

@@ -521,6 +521,14 @@ impl ClusterIndex {
             let e = self.addresses.claim(*ip, claim);
             Self::effect(engine, *ip, &e, &mut change.ipcache);
         }
+        let labels: Labels = node
+            .labels
+            .iter()
+            .map(|(k, v)| crate::policy::labels::Label::k8s(k, v))
+            .collect();
+        change
+            .affected
+            .extend(engine.upsert_node_labels(&node.name, labels));
         self.nodes.insert(node.name.clone(), node);
         change
     }
@@ -534,6 +542,7 @@ impl ClusterIndex {
             let e = self.addresses.release(*ip, &holder);
             Self::effect(engine, *ip, &e, &mut change.ipcache);
         }
+        change.affected.extend(engine.delete_node_labels(name));
         Some(change)
     }
 }

@@ -12,6 +12,7 @@ use ipnet::IpNet;
 
 use super::identity::{
     Allocation, IdentityAllocator, IdentityInfo, NumericIdentity, IDENTITY_ANY, IDENTITY_HOST,
+    IDENTITY_REMOTE_NODE,
 };
 use super::ipcache::IpCache;
 use super::l7::http::L7PortRules;
@@ -112,6 +113,10 @@ pub struct EndpointPolicy {
     /// The DNS proxy's table for this endpoint (`l7::dns::DnsRuleEntry`); empty when no egress
     /// allow rule carries DNS rules (then its DNS does not go through the proxy).
     pub dns: Vec<super::l7::dns::DnsRuleEntry>,
+    /// The endpoint's DNS goes through the DNS proxy even with no DNS rules (`dns` empty: every
+    /// name forwarded): a cluster tier's `domainNames` peer selects the addresses its answers
+    /// resolve, so they must be learned.
+    pub dns_observed: bool,
     /// Cluster tiers (AdminNetworkPolicy, ...) select the endpoint: `map` is their compilation
     /// with the NetworkPolicy tier (`policy::tiers`), always resolved whole (a change of one
     /// peer may change the entries of every other). Boxed: most endpoints have none, and the
@@ -193,6 +198,11 @@ impl EndpointPolicy {
                 }
             }
         }
+    }
+
+    /// The endpoint's DNS goes through the DNS proxy: DNS rules, or names to learn.
+    pub fn dns_redirected(&self) -> bool {
+        !self.dns.is_empty() || self.dns_observed
     }
 
     /// Cluster tiers select the endpoint (`tiers`).
@@ -302,6 +312,11 @@ pub struct PolicyEngine {
     /// Rules of the cluster tiers with `networks` peers: their subjects' policy depends on
     /// which identities hold the cluster's addresses (`tier_networks`).
     networks_rules: Vec<Arc<Rule>>,
+    /// Node name -> its labels: what cluster tiers' `nodes` peers select.
+    node_labels: BTreeMap<String, Labels>,
+    /// Rules of the cluster tiers with `nodes` peers: their subjects' policy depends on the
+    /// nodes and their labels.
+    nodes_rules: Vec<Arc<Rule>>,
 }
 
 impl Default for PolicyEngine {
@@ -320,6 +335,8 @@ impl PolicyEngine {
             endpoint_ips: HashMap::new(),
             named_ports: HashMap::new(),
             networks_rules: Vec::new(),
+            node_labels: BTreeMap::new(),
+            nodes_rules: Vec::new(),
             allow_localhost: Arc::new(RuleOrigin {
                 policy: Arc::new(PolicyKey::new(PolicyKind::Builtin, None, "allow-localhost")),
                 section: Section::Ingress,
@@ -519,6 +536,38 @@ impl PolicyEngine {
             }
         }
         out
+    }
+
+    /// A node appeared or its labels changed (`labels`: its Kubernetes labels). Returns the
+    /// endpoint identities to regenerate: the subjects of cluster tier rules with `nodes` peers,
+    /// whose cover of the node identities may have changed.
+    pub fn upsert_node_labels(&mut self, name: &str, labels: Labels) -> BTreeSet<NumericIdentity> {
+        if self.node_labels.get(name) == Some(&labels) {
+            return BTreeSet::new();
+        }
+        self.node_labels.insert(name.to_string(), labels);
+        self.nodes_subjects()
+    }
+
+    /// A node went away: as [`Self::upsert_node_labels`].
+    pub fn delete_node_labels(&mut self, name: &str) -> BTreeSet<NumericIdentity> {
+        if self.node_labels.remove(name).is_none() {
+            return BTreeSet::new();
+        }
+        self.nodes_subjects()
+    }
+
+    fn nodes_subjects(&self) -> BTreeSet<NumericIdentity> {
+        let mut out = BTreeSet::new();
+        for rule in &self.nodes_rules {
+            self.add_subjects(rule, &mut out);
+        }
+        out
+    }
+
+    fn has_nodes_peers(rule: &Rule) -> bool {
+        rule.selectors()
+            .any(|s| matches!(s.kind(), SelectorKind::Nodes(_)))
     }
 
     /// The identity behind an address (longest prefix match; world when nothing matches).
@@ -727,6 +776,9 @@ impl PolicyEngine {
             if rule.tier.is_some() && !Self::cidr_prefixes(rule).is_empty() {
                 self.networks_rules.push(rule.clone());
             }
+            if rule.tier.is_some() && Self::has_nodes_peers(rule) {
+                self.nodes_rules.push(rule.clone());
+            }
         }
         // Endpoints whose existing rules select the new CIDR identities change too.
         for id in &change.new_identities {
@@ -759,6 +811,8 @@ impl PolicyEngine {
 
     fn drop_rules(&mut self, rules: &[Arc<Rule>], change: &mut PolicyChange) {
         self.networks_rules
+            .retain(|r| !rules.iter().any(|d| Arc::ptr_eq(r, d)));
+        self.nodes_rules
             .retain(|r| !rules.iter().any(|d| Arc::ptr_eq(r, d)));
         for rule in rules {
             self.add_subjects(rule, &mut change.affected);
@@ -799,7 +853,7 @@ impl PolicyEngine {
                 .iter()
                 .filter(|r| match r.subject.selector().kind() {
                     SelectorKind::Labels(ls) => ls.matches(ep.labels),
-                    SelectorKind::Cidr(_) | SelectorKind::Fqdn(_) => false,
+                    SelectorKind::Cidr(_) | SelectorKind::Fqdn(_) | SelectorKind::Nodes(_) => false,
                 })
                 .cloned()
                 .collect()
@@ -924,6 +978,11 @@ impl PolicyEngine {
         // Tier, then priority; the same priority: by kind, then name (documented in README).
         tiered.sort_by(|a, b| (a.tier, &a.policy).cmp(&(b.tier, &b.policy)));
         let mut state = TierState::default();
+        out.dns_observed = tiered.iter().any(|r| {
+            r.peer_rules
+                .iter()
+                .any(|pr| pr.origin.section == Section::Egress && pr.has_fqdn_peers())
+        });
         for r in &tiered {
             if !out.selected_by.contains(&r.policy) {
                 out.selected_by.push(r.policy.clone());
@@ -997,15 +1056,27 @@ impl PolicyEngine {
             }
         };
         let action = pr.action.unwrap_or(super::rule::Action::Deny);
-        let partly_denied = self.networks_inside(pr, action, &mut ids, &mut memo.covers, notes);
+        let mut partly_denied = self.networks_inside(pr, action, &mut ids, &mut memo.covers, notes);
+        partly_denied.extend(self.nodes_inside(pr, action, &mut ids, notes));
         let rule = |peers: Vec<NumericIdentity>, ports| super::tiers::TierRule {
             origin: pr.origin.clone(),
             action,
             peers,
             ports,
         };
+        // Identities a Pass covers only partly are denied in its place (their own rule first:
+        // its peers are disjoint from the Pass's).
+        let partly = |out: &mut Vec<super::tiers::TierRule>| {
+            if !partly_denied.is_empty() {
+                let mut deny = rule(partly_denied.clone(), None);
+                deny.action = super::rule::Action::Deny;
+                out.insert(0, deny);
+            }
+        };
         let Ports::List(list) = &pr.ports else {
-            return vec![rule(ids, None)];
+            let mut out = vec![rule(ids, None)];
+            partly(&mut out);
+            return out;
         };
         let egress = pr.origin.section.direction() == Direction::Egress;
         // Ports by peer: the same for all unless an egress rule names a port.
@@ -1047,11 +1118,7 @@ impl PolicyEngine {
         for r in &mut out {
             r.peers.sort_unstable();
         }
-        if !partly_denied.is_empty() {
-            // In the Pass's place (its own peers are disjoint from these).
-            out.insert(0, rule(partly_denied, None));
-            out[0].action = super::rule::Action::Deny;
-        }
+        partly(&mut out);
         out
     }
 
@@ -1098,6 +1165,64 @@ impl PolicyEngine {
             notes.push(format!(
                 "{} {}.networks: identities {:?} have addresses both inside and outside the CIDRs: {what} (fail closed)",
                 pr.origin.policy, pr.origin.path, cover.partial
+            ));
+        }
+        pass_denies
+    }
+
+    /// A tier rule's `nodes` peers: every node's addresses are `host` (this node's) or
+    /// `remote-node` (the others'), so a rule selecting every node has both identities as
+    /// peers, one selecting none neither, and one selecting some of the nodes covers both
+    /// partly: it is a Deny's peer (the other nodes are denied too), not an Allow's, and denied
+    /// where the rule is a Pass, as `networks_inside` does (fail closed, with a note). The same
+    /// for every endpoint, whichever node it is on. Returns the identities a `Pass` must deny.
+    fn nodes_inside(
+        &self,
+        pr: &PeerRule,
+        action: super::rule::Action,
+        ids: &mut Vec<NumericIdentity>,
+        notes: &mut Vec<String>,
+    ) -> Vec<NumericIdentity> {
+        use super::rule::Action;
+        let Peers::Selectors(all) = &pr.peers else {
+            return Vec::new();
+        };
+        let sels: Vec<&super::selector::LabelSelector> = all
+            .iter()
+            .filter_map(|s| match s.kind() {
+                SelectorKind::Nodes(l) => Some(l),
+                _ => None,
+            })
+            .collect();
+        if sels.is_empty() {
+            return Vec::new();
+        }
+        let selected = self
+            .node_labels
+            .values()
+            .filter(|l| sels.iter().any(|s| s.matches(l)))
+            .count();
+        let nodes = [IDENTITY_HOST, IDENTITY_REMOTE_NODE];
+        let full = selected == self.node_labels.len();
+        let mut pass_denies = Vec::new();
+        match (selected, action) {
+            (0, _) => return Vec::new(),
+            (_, Action::Deny) => ids.extend(nodes),
+            _ if full => ids.extend(nodes),
+            (_, Action::Allow) => {}
+            (_, Action::Pass) => pass_denies = nodes.to_vec(),
+        }
+        ids.sort_unstable();
+        ids.dedup();
+        if !full {
+            let what = match action {
+                Action::Deny => "all nodes are denied",
+                Action::Allow => "no node is allowed by it",
+                Action::Pass => "all nodes are denied instead of passed",
+            };
+            notes.push(format!(
+                "{} {}.nodes: selects {selected} of the {} nodes, whose addresses share the host and remote-node identities: {what} (fail closed)",
+                pr.origin.policy, pr.origin.path, self.node_labels.len()
             ));
         }
         pass_denies
@@ -1405,6 +1530,68 @@ mod tests {
         assert!(e
             .networks_subjects(&["10.0.1.7/32".parse().unwrap()])
             .is_empty());
+    }
+
+    /// A cluster tier's `nodes` peer covers the node identities as the nodes and their labels
+    /// come and go: every node selected (both identities are peers), some (a Deny's peers, not
+    /// an Allow's, with a note), none; and node changes name the endpoints to redo.
+    #[test]
+    fn tier_nodes_cover_the_node_identities_as_nodes_come_and_go() {
+        let mut e = PolicyEngine::new();
+        let la = pod("x", "a");
+        let a = e.allocate_identity(&la).id();
+        let node = |role: &str| -> Labels { [Label::k8s("role", role)].into_iter().collect() };
+        assert!(
+            e.upsert_node_labels("w1", node("worker")).is_empty(),
+            "no rule yet"
+        );
+        e.upsert_policy(policy("{apiVersion: policy.networking.k8s.io/v1alpha1, kind: AdminNetworkPolicy, metadata: {name: n}, spec: {priority: 1, subject: {pods: {namespaceSelector: {}, podSelector: {matchLabels: {app: a}}}}, egress: [{action: Allow, to: [{nodes: {matchLabels: {role: worker}}}], ports: [{portNumber: {protocol: TCP, port: 80}}]}, {action: Deny, to: [{nodes: {matchLabels: {role: worker}}}]}]}}"));
+        let egress = |e: &PolicyEngine, peer, port| match e.resolve(&view(a, &la, &[])).map.lookup(
+            Direction::Egress,
+            peer,
+            PROTO_TCP,
+            port,
+        ) {
+            MapVerdict::Allowed(_) => "allowed",
+            MapVerdict::Denied(_) => "denied",
+            MapVerdict::NoMatch => "no match",
+        };
+        // The only node is a worker: both node identities are exact peers.
+        for id in [IDENTITY_HOST, IDENTITY_REMOTE_NODE] {
+            assert_eq!(egress(&e, id, 80), "allowed");
+            assert_eq!(egress(&e, id, 81), "denied");
+        }
+        // A control-plane node joins: the rules now select some nodes.
+        assert_eq!(
+            e.upsert_node_labels("cp", node("control-plane")),
+            [a].into(),
+            "a's policy depends on the nodes"
+        );
+        assert!(
+            e.upsert_node_labels("cp", node("control-plane")).is_empty(),
+            "no change"
+        );
+        for id in [IDENTITY_HOST, IDENTITY_REMOTE_NODE] {
+            assert_eq!(
+                egress(&e, id, 80),
+                "denied",
+                "the Allow allows no node, the Deny all"
+            );
+        }
+        let notes = e.resolve(&view(a, &la, &[])).tiers.unwrap().notes;
+        assert!(
+            notes.iter().any(|n| n.contains("selects 1 of the 2 nodes")),
+            "{notes:?}"
+        );
+        // It leaves: exact again.
+        assert_eq!(e.delete_node_labels("cp"), [a].into());
+        assert_eq!(egress(&e, IDENTITY_REMOTE_NODE, 80), "allowed");
+        // Relabelled out of the selection: no node is a peer, the Deny no longer applies (the
+        // tiers allow what no rule matches).
+        assert_eq!(e.upsert_node_labels("w1", node("gpu")), [a].into());
+        assert_eq!(egress(&e, IDENTITY_REMOTE_NODE, 81), "allowed");
+        e.delete_policy(&PolicyKey::new(PolicyKind::AdminNetworkPolicy, None, "n"));
+        assert!(e.upsert_node_labels("w1", node("worker")).is_empty());
     }
 
     #[test]

@@ -11,6 +11,10 @@
 //!   only (`ToAnchoredRegexp`). (`**.` is 1.19's multi-level prefix: in 1.16 it is two `*` and
 //!   matches one label, as here.)
 //!
+//! The network-policy-api's `domainNames` (`FqdnPattern::domain_name`) are a third form: an exact
+//! name, or `*.` followed by a name, where the `*` matches one or more whole labels
+//! (`*.example.com` matches `a.example.com` and `a.b.example.com`, not `example.com`).
+//!
 //! Addresses learned from DNS answers carry one `fqdn:<name>` label per name that resolved to
 //! them, on top of their CIDR labels, so that `toFQDNs` selectors select them through the
 //! selector cache like any other peer (see `PolicyEngine::learn_fqdn`).
@@ -35,6 +39,10 @@ pub struct FqdnPattern {
     /// Normalized text; for a pattern, with its `*`s.
     text: String,
     pattern: bool,
+    /// A network-policy-api domain name with its `*.` prefix: the text after it, with one or
+    /// more labels before (never set with `pattern`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    subdomains: bool,
 }
 
 impl FqdnPattern {
@@ -42,6 +50,7 @@ impl FqdnPattern {
         FqdnPattern {
             text: normalize(name),
             pattern: false,
+            subdomains: false,
         }
     }
 
@@ -49,6 +58,20 @@ impl FqdnPattern {
         FqdnPattern {
             text: normalize(pattern),
             pattern: true,
+            subdomains: false,
+        }
+    }
+
+    /// A network-policy-api `domainNames` entry (validated by the caller): `*.example.com`
+    /// matches every name below `example.com`, at any depth; any other is one exact name.
+    pub fn domain_name(name: &str) -> FqdnPattern {
+        match name.strip_prefix("*.") {
+            Some(parent) => FqdnPattern {
+                text: normalize(parent),
+                pattern: false,
+                subdomains: true,
+            },
+            None => FqdnPattern::name(name),
         }
     }
 
@@ -57,6 +80,12 @@ impl FqdnPattern {
     /// `.` only ever separates labels.
     pub fn matches(&self, name: &str) -> bool {
         let name = normalize(name);
+        if self.subdomains {
+            return name
+                .strip_suffix(self.text.as_str())
+                .and_then(|below| below.strip_suffix('.'))
+                .is_some_and(|below| !below.is_empty() && below.split('.').all(|l| !l.is_empty()));
+        }
         if !self.pattern {
             return name == self.text;
         }
@@ -108,7 +137,9 @@ fn label_matches(pattern: &str, label: &str) -> bool {
 
 impl fmt::Display for FqdnPattern {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.pattern {
+        if self.subdomains {
+            write!(f, "domainName:*.{}", self.text)
+        } else if self.pattern {
             write!(f, "matchPattern:{}", self.text)
         } else {
             write!(f, "matchName:{}", self.text)
@@ -381,5 +412,39 @@ mod tests {
         let two = FqdnPattern::pattern("**.example.com");
         assert!(two.matches("a.example.com"));
         assert!(!two.matches("a.b.example.com"));
+    }
+
+    #[test]
+    fn a_domain_names_star_matches_one_or_more_whole_labels() {
+        // The network-policy-api's own examples (v0.2.0, `DomainName`).
+        let exact = FqdnPattern::domain_name("kubernetes.io");
+        assert!(exact.matches("kubernetes.io") && exact.matches("Kubernetes.IO."));
+        for other in ["www.kubernetes.io", "my-kubernetes.io", "wikipedia.org"] {
+            assert!(!exact.matches(other), "{other}");
+        }
+        let below = FqdnPattern::domain_name("*.kubernetes.io");
+        for name in [
+            "www.kubernetes.io",
+            "blog.kubernetes.io",
+            "latest.blog.kubernetes.io",
+            "WWW.Kubernetes.io.",
+        ] {
+            assert!(below.matches(name), "{name}");
+        }
+        for other in [
+            "kubernetes.io",
+            "wikipedia.org",
+            "my-kubernetes.io",
+            ".kubernetes.io",
+            "a..kubernetes.io",
+        ] {
+            assert!(!below.matches(other), "{other}");
+        }
+        // Never the same selector as a CNP's one-label pattern of the same text.
+        assert_ne!(below, FqdnPattern::pattern("*.kubernetes.io"));
+        assert_eq!(below.to_string(), "domainName:*.kubernetes.io");
+        // Serialized as before for the other forms (kept DNS rules stay readable).
+        let json = serde_json::to_string(&FqdnPattern::pattern("*.a.b")).unwrap();
+        assert!(!json.contains("subdomains"), "{json}");
     }
 }

@@ -347,6 +347,11 @@ pub enum DnsVerdict<'a> {
 }
 
 impl PeerRule {
+    /// Some peer is a DNS name (`toFQDNs`, `domainNames`).
+    pub fn has_fqdn_peers(&self) -> bool {
+        matches!(&self.peers, Peers::Selectors(s) if s.iter().any(|s| matches!(s.kind(), super::selector::SelectorKind::Fqdn(_))))
+    }
+
     /// How this rule treats a DNS query on `protocol`/`port`. An L3-only rule (`Ports::Any`)
     /// does not cover it: as in Cilium, a port-less allow never lifts another rule's DNS rules
     /// on the port (the DNS proxy still sees the query).

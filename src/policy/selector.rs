@@ -217,6 +217,10 @@ pub enum SelectorKind {
     Cidr(CidrSelector),
     /// `toFQDNs`: the addresses learned for names it matches (their `fqdn:` labels).
     Fqdn(super::fqdn::FqdnPattern),
+    /// A cluster tier's `nodes` peer: the nodes whose labels it matches. Selects no identity
+    /// through the cache: node addresses share the `host` and `remote-node` identities, and
+    /// the engine resolves which of those the selected nodes cover (`PolicyEngine::nodes_inside`).
+    Nodes(LabelSelector),
 }
 
 /// A canonical selector with its hash computed once.
@@ -251,6 +255,10 @@ impl Selector {
         Arc::new(Selector::new(SelectorKind::Fqdn(pattern)))
     }
 
+    pub fn nodes(sel: LabelSelector) -> SelectorRef {
+        Arc::new(Selector::new(SelectorKind::Nodes(sel)))
+    }
+
     pub fn kind(&self) -> &SelectorKind {
         &self.kind
     }
@@ -263,6 +271,7 @@ impl Selector {
                 .labels
                 .iter()
                 .any(|l| l.source == super::fqdn::SOURCE_FQDN && p.matches(&l.key)),
+            SelectorKind::Nodes(_) => false,
         }
     }
 }
@@ -288,6 +297,7 @@ impl fmt::Display for Selector {
             SelectorKind::Labels(s) => s.fmt(f),
             SelectorKind::Cidr(c) => c.fmt(f),
             SelectorKind::Fqdn(p) => p.fmt(f),
+            SelectorKind::Nodes(s) => write!(f, "nodes:{s}"),
         }
     }
 }

@@ -290,6 +290,8 @@ fn build(text: &str, sections: &yaml::Sections, out: &mut Simulation) -> Result<
         let raw = n.labels.unwrap_or_default();
         check_labels(&raw).map_err(|m| werr(format!("nodes[{i}].labels"), m))?;
         let mut labels: Labels = raw.iter().map(|(k, v)| Label::k8s(k, v)).collect();
+        // What cluster tiers' `nodes` peers select: the node's own labels.
+        engine.upsert_node_labels(&n.name, labels.clone());
         labels.insert(Label::reserved("host"));
         for (j, ip) in n.ips.iter().enumerate() {
             let a = parse_ip(ip, &format!("nodes[{i}].ips[{j}]"))?;
@@ -316,6 +318,7 @@ fn build(text: &str, sections: &yaml::Sections, out: &mut Simulation) -> Result<
         Ok(())
     })?;
     if nodes.is_empty() {
+        engine.upsert_node_labels("local", Labels::default());
         let labels: Labels = [Label::reserved("host")].into_iter().collect();
         nodes.push(Node {
             name: "local".into(),

@@ -171,7 +171,14 @@ impl Handler<NodeUpsert> for PolicyRepoActor {
         let local = msg.node.name == self.shared.node_name;
         let change = self.indexed(|ix, e| ix.upsert_node(e, msg.node, local));
         self.publish_nodes();
-        self.react(Reaction::new("node").ipcache(change.ipcache));
+        // `affected`: subjects of cluster tiers' `nodes` peers (the nodes or their labels
+        // changed), regenerated at the same revision (`forced`).
+        self.react(
+            Reaction::new("node")
+                .affecting(change.affected.iter().copied())
+                .forced()
+                .ipcache(change.ipcache),
+        );
     }
 }
 
@@ -190,7 +197,12 @@ impl Handler<NodeDelete> for PolicyRepoActor {
             return;
         };
         self.publish_nodes();
-        self.react(Reaction::new("node deleted").ipcache(change.ipcache));
+        self.react(
+            Reaction::new("node deleted")
+                .affecting(change.affected.iter().copied())
+                .forced()
+                .ipcache(change.ipcache),
+        );
     }
 }
 

@@ -6,12 +6,18 @@
 //! `ingress`/`egress`, in order, each with its action (`policy::tiers` evaluates them in order).
 //! Subjects and pod peers are pods (label selectors over the pod's and its namespace's labels,
 //! as NetworkPolicy's); `networks` are CIDR selectors (covering the cluster's own addresses too:
-//! `policy::tier_networks`). `nodes` and `domainNames` peers are not
-//! enforced yet: a policy with one is rejected with the field, never half-enforced.
+//! `policy::tier_networks`); `domainNames` (Allow/Accept only) are DNS-name selectors with the
+//! API's wildcard (`fqdn::FqdnPattern::domain_name`): the addresses the subject's answers
+//! resolve, learned through the DNS proxy, which every subject's DNS then goes through
+//! (`EndpointPolicy::dns_observed`); `nodes` are node label selectors, resolved by the engine
+//! into the node identities they cover (`PolicyEngine::nodes_inside`).
 
-use super::common::{cidr_selector, is_kubernetes_port_name, knp_protocol, pods_in_namespaces};
+use super::common::{
+    cidr_selector, is_kubernetes_port_name, knp_protocol, label_selector, pods_in_namespaces,
+};
 use super::{Ctx, PolicyError};
 use crate::policy::api;
+use crate::policy::fqdn::FqdnPattern;
 use crate::policy::rule::{
     Action, PeerRule, Peers, PolicyKind, PortMatch, PortSpec, Ports, Protocol, Rule, Section,
     Subject, Tier, TierPlace,
@@ -219,7 +225,7 @@ fn peer_rule(
     let mut deny_all = false;
     for (j, p) in list.iter().enumerate() {
         let pp = format!("{path}.{peers_field}[{j}]");
-        match peer(ctx, p, &pp, r.ingress)? {
+        match peer(ctx, p, &pp, r.ingress, action)? {
             Some(mut s) => sels.append(&mut s),
             // A peer with no field this version knows (a newer CRD's): fail closed, as the
             // API prescribes: an Allow matches nothing of it, a Deny or Pass denies all.
@@ -235,6 +241,7 @@ fn peer_rule(
             }
         }
     }
+    named_ports_need_pods(ctx, &r, list)?;
     let endpoint_selectors = sels
         .iter()
         .filter(|s| matches!(s.kind(), crate::policy::selector::SelectorKind::Labels(_)))
@@ -288,6 +295,7 @@ fn peer(
     p: &api::TierPeer,
     path: &str,
     ingress: bool,
+    action: Action,
 ) -> Result<Option<Vec<SelectorRef>>, PolicyError> {
     let set = [
         ("namespaces", p.namespaces.is_some()),
@@ -347,11 +355,112 @@ fn peer(
         }
         return Ok(Some(out));
     }
-    let field = present[0];
+    if let Some(sel) = &p.nodes {
+        let sel = label_selector(ctx, sel, &format!("{path}.nodes"))?;
+        return Ok(Some(vec![Selector::nodes(sel)]));
+    }
+    if let Some(names) = &p.domain_names {
+        return domain_names(ctx, names, &format!("{path}.domainNames"), action).map(Some);
+    }
+    // Every field of `set` is handled above; a new one must be too (rejected until it is).
     Err(ctx.err(
-        format!("{path}.{field}"),
-        format!("{field} peers are not enforced by ciliate yet; the policy is rejected rather than enforced in part"),
+        format!("{path}.{}", present[0]),
+        "this peer field is not enforced; the policy is rejected rather than enforced in part",
     ))
+}
+
+/// The most names one `domainNames` peer may list, as the CRD says.
+const MAX_DOMAIN_NAMES: usize = 25;
+
+/// `domainNames`: only in an Allow (Accept) rule, 1 to 25 names, each a DNS name of two labels
+/// or more, optionally after `*.`.
+fn domain_names(
+    ctx: &Ctx,
+    names: &[String],
+    path: &str,
+    action: Action,
+) -> Result<Vec<SelectorRef>, PolicyError> {
+    if ctx.key.kind == PolicyKind::BaselineAdminNetworkPolicy {
+        return Err(ctx.err(
+            path,
+            "a BaselineAdminNetworkPolicy (v1alpha1) has no domainNames peers; a ClusterNetworkPolicy of the Baseline tier has",
+        ));
+    }
+    if action != Action::Allow {
+        return Err(ctx.err(
+            path,
+            "domainNames peers are only supported in an Accept (v1alpha2) or Allow (v1alpha1) rule",
+        ));
+    }
+    if names.is_empty() || names.len() > MAX_DOMAIN_NAMES {
+        return Err(ctx.err(
+            path,
+            format!(
+                "{} names: between 1 and {MAX_DOMAIN_NAMES} are allowed",
+                names.len()
+            ),
+        ));
+    }
+    names
+        .iter()
+        .enumerate()
+        .map(|(k, n)| {
+            if is_domain_name(n) {
+                Ok(Selector::fqdn(FqdnPattern::domain_name(n)))
+            } else {
+                Err(ctx.err(
+                    format!("{path}[{k}]"),
+                    format!("{n:?} is not a domain name (labels of letters, digits, '-' and '_', two at least, optionally after \"*.\"; '*' only as that prefix)"),
+                ))
+            }
+        })
+        .collect()
+}
+
+/// The CRD's `DomainName` pattern: an optional `*.`, two labels or more (each starting and
+/// ending with a letter or digit, `-` and `_` inside), an optional trailing dot.
+fn is_domain_name(n: &str) -> bool {
+    let rest = n.strip_prefix("*.").unwrap_or(n);
+    let rest = rest.strip_suffix('.').unwrap_or(rest);
+    let label = |l: &str| {
+        let b = l.as_bytes();
+        !b.is_empty()
+            && b[0].is_ascii_alphanumeric()
+            && b[b.len() - 1].is_ascii_alphanumeric()
+            && b.iter()
+                .all(|c| c.is_ascii_alphanumeric() || *c == b'-' || *c == b'_')
+    };
+    rest.split('.').count() >= 2 && rest.split('.').all(label)
+}
+
+/// The CRD's rule: a named port is the destination pod's, so a rule whose peers include
+/// `networks`, `nodes` or `domainNames` names none.
+fn named_ports_need_pods(
+    ctx: &Ctx,
+    r: &PeerRuleIn<'_>,
+    peers: &[api::TierPeer],
+) -> Result<(), PolicyError> {
+    let Ports::List(list) = &r.ports else {
+        return Ok(());
+    };
+    if !list.iter().any(|p| matches!(p.port, PortSpec::Named(_))) {
+        return Ok(());
+    }
+    let kinds = [
+        ("networks", peers.iter().any(|p| p.networks.is_some())),
+        ("nodes", peers.iter().any(|p| p.nodes.is_some())),
+        (
+            "domainNames",
+            peers.iter().any(|p| p.domain_names.is_some()),
+        ),
+    ];
+    match kinds.iter().find(|(_, set)| *set) {
+        Some((kind, _)) => Err(ctx.err(
+            r.path.as_str(),
+            format!("a {kind} peer cannot be set with named ports: only pods have named ports"),
+        )),
+        None => Ok(()),
+    }
 }
 
 /// `v1alpha1` `ports`: `portNumber`, `portRange` or `namedPort`, each exactly one.
