@@ -73,6 +73,8 @@ def walk(go, manifests):
     pod_vars = set()
     last_name = None
     literal = None
+    named = None
+    strings = {}
     cnp_name = None
     mutate = None
     # One statement per line: a call split over lines is joined.
@@ -155,6 +157,29 @@ def walk(go, manifests):
             policies[cnp_name] = mutate
             worlds.append(copy.deepcopy(policies)); probes.append([])
             continue
+        # A string variable (a port name).
+        m = re.match(r'(\w+) := "([^"]*)"$', line)
+        if m:
+            strings[m.group(1)] = m.group(2); continue
+        # A rule's ports rewritten as one named port: `r.Ports = &[]...Port{ {NamedPort: &v}, }`
+        # (v1alpha1) or `r.Protocols = []...Protocol{ {DestinationNamedPort: v}, }` (v1alpha2).
+        m = re.match(r'(\w+)\.(Ports|Protocols) = &?\[\]\w+\.\w+\{$', line)
+        if m and m.group(1) in vars_:
+            named = {"var": m.group(1), "field": m.group(2), "port": None}; continue
+        if named is not None:
+            m = re.match(r'(?:Destination)?NamedPort: &?(\w+),$', line)
+            if m:
+                named["port"] = strings[m.group(1)]; continue
+            if line in ("{", "},"):
+                continue
+            if line == "}" and named["port"] is not None:
+                rule = vars_[named["var"]]
+                if named["field"] == "Ports":
+                    rule["ports"] = [{"namedPort": named["port"]}]
+                else:
+                    rule["protocols"] = [{"destinationNamedPort": named["port"]}]
+                named = None; continue
+            notes.append("stopped in a named port literal at: " + line); return worlds, probes, notes, False
         # A new rule written out in the test: name, action and `Networks` of pod addresses.
         m = re.match(r'(\w+) := \[\]\w+\.(?:Cluster|Admin|BaselineAdmin)NetworkPolicy(Egress|Ingress)Rule\{$', line)
         if m:
@@ -187,16 +212,31 @@ def walk(go, manifests):
             notes.append("stopped at: " + line); return worlds, probes, notes, False
     return worlds, probes, notes, True
 
-def main():
-    summary = []
+def tests():
+    """(file, text, ShortName, several in the file) of every ConformanceTest asked for."""
     for gofile in TESTS:
         go = show("conformance/tests/" + gofile)
+        chunks = re.split(r'\nvar \w+ = suite\.ConformanceTest\{', go)[1:] or [go]
+        for chunk in chunks:
+            yield gofile, chunk, re.search(r'ShortName:\s*"(\w+)"', chunk).group(1), len(chunks) > 1
+
+def main():
+    summary = []
+    for gofile, go, short, several in tests():
         manifests = [show("conformance/" + m) for m in re.findall(r'Manifests:\s*\[\]string\{"([^"]+)"\}', go)]
-        short = re.search(r'ShortName:\s*"(\w+)"', go).group(1)
         mpath = re.findall(r'Manifests:\s*\[\]string\{"([^"]+)"\}', go)
+        if "centaur" in go:
+            # A host-networked server (its address is its node's): the worlds of these tests
+            # are written by hand (npa-*-egress-nodes.yaml).
+            print(f"{gofile} {short}: skipped, a host-networked server (see npa-*-egress-nodes.yaml)")
+            continue
         worlds, probes, notes, complete = walk(go, manifests)
         stem = gofile[:-3].replace("-rules", "").replace("-network-policy-standard", "")
+        stem = stem.replace("-network-policy-experimental", "-experimental")
         stem = stem.replace("baseline-admin-", "baseline-")
+        if several:
+            # A file of several tests: one stem per test, the end of its ShortName.
+            stem += "-" + re.sub(r"(?<!^)(?=[A-Z])", "-", re.sub(r"^.*(?:Egress|Ingress)", "", short)).lower()
         base = "npa-" + TAG.replace(".", "") + "-" + stem
         for i, (pols, ps) in enumerate(zip(worlds, probes)):
             if not ps:
