@@ -864,13 +864,9 @@ impl PolicyEngine {
                 .flat_map(|sel| self.repo.rules_with_subject(sel).iter().cloned())
                 .collect()
         };
-        rules.sort_unstable_by(|a, b| {
-            if Arc::ptr_eq(&a.policy, &b.policy) {
-                a.path.cmp(&b.path)
-            } else {
-                a.policy.cmp(&b.policy)
-            }
-        });
+        // Each selector's rules come sorted (`Repository::rules_with_subject`): a stable sort
+        // merges the runs (one run: n - 1 comparisons) where an unstable one sorted them anew.
+        rules.sort_by(|a, b| super::repository::rule_order(a, b));
         rules
     }
 

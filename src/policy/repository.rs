@@ -21,12 +21,23 @@ pub struct StoredPolicy {
 pub struct Repository {
     policies: BTreeMap<Arc<PolicyKey>, StoredPolicy>,
     revision: u64,
-    /// Endpoint rules by their subject selector.
+    /// Endpoint rules by their subject selector, each list in resolution order (policy key,
+    /// then rule path: `rule_order`), so that resolving an endpoint merges sorted runs
+    /// instead of sorting.
     by_subject: HashMap<SelectorRef, Vec<Arc<Rule>>>,
     /// Rules by every peer selector they use.
     by_peer: HashMap<SelectorRef, Vec<Arc<Rule>>>,
     /// Host (nodeSelector) rules; few, matched directly against node labels.
     host_rules: Vec<Arc<Rule>>,
+}
+
+/// The order rules apply in: by policy, then by rule path.
+pub fn rule_order(a: &Rule, b: &Rule) -> std::cmp::Ordering {
+    if Arc::ptr_eq(&a.policy, &b.policy) {
+        a.path.cmp(&b.path)
+    } else {
+        a.policy.cmp(&b.policy)
+    }
 }
 
 fn unindex(map: &mut HashMap<SelectorRef, Vec<Arc<Rule>>>, sel: &SelectorRef, rule: &Arc<Rule>) {
@@ -69,11 +80,11 @@ impl Repository {
 
     fn index(&mut self, rule: &Arc<Rule>) {
         match &rule.subject {
-            Subject::Endpoints(s) => self
-                .by_subject
-                .entry(s.clone())
-                .or_default()
-                .push(rule.clone()),
+            Subject::Endpoints(s) => {
+                let v = self.by_subject.entry(s.clone()).or_default();
+                let at = v.partition_point(|r| rule_order(r, rule).is_lt());
+                v.insert(at, rule.clone());
+            }
             Subject::Nodes(_) => self.host_rules.push(rule.clone()),
         }
         for sel in rule.selectors().skip(1) {
