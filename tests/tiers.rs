@@ -329,7 +329,8 @@ fn anp_to_nodes(
 /// identity) and node 2 (remote-node). A Deny of every node stops both; an Allow ahead of it
 /// follows the nodes' labels live: no node labelled, both denied; both labelled, both allowed;
 /// one relabelled away, the Allow selects some nodes only and allows none (node addresses share
-/// two identities: fail closed, as README says).
+/// two identities: fail closed, as README says). Last, `networks: [0.0.0.0/0]` covers both
+/// node addresses.
 #[test]
 fn nodes_peers_follow_the_nodes_labels_live() {
     let Some(mut c) = privileged().then(|| Cluster::start(2)) else {
@@ -372,4 +373,13 @@ fn nodes_peers_follow_the_nodes_labels_live() {
     );
     label(2, "blue");
     eventually("blue again: both allowed", || own() && remote());
+    // `networks` cover node addresses too (the API: cluster-internal traffic is checked
+    // against them): a Deny of 0.0.0.0/0 ahead of the Allow stops both (as `policy simulate`
+    // says, tests/worlds/npa-networks-cover-nodes.yaml).
+    let mut deny_all = anp_to_nodes("deny-networks", 5, "Deny", json!({}));
+    deny_all["spec"]["egress"][0]["to"] = json!([{"networks": ["0.0.0.0/0"]}]);
+    api.apply_json(deny_all).expect("the networks Deny");
+    eventually("a Deny of 0.0.0.0/0 stops both nodes", || {
+        !own() && !remote()
+    });
 }

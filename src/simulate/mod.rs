@@ -317,6 +317,19 @@ fn build(text: &str, sections: &yaml::Sections, out: &mut Simulation) -> Result<
         });
         Ok(())
     })?;
+    // Node addresses are the cluster's, as in the agent's ipcache (host: the local node's,
+    // remote-node: the others'): cluster tiers' `networks` cover them (seen from the local
+    // node), and CIDR rules do not select them.
+    for p in party_by_ip.values() {
+        if let Party::Node(i, ip) = *p {
+            let id = if i == local {
+                IDENTITY_HOST
+            } else {
+                IDENTITY_REMOTE_NODE
+            };
+            engine.upsert_endpoint_ip(ip, id);
+        }
+    }
     if nodes.is_empty() {
         engine.upsert_node_labels("local", Labels::default());
         let labels: Labels = [Label::reserved("host")].into_iter().collect();
