@@ -28,7 +28,11 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
+use rustc_hash::FxHashMap;
 use smallvec::SmallVec;
+
+/// The groups (indexes) of one tier that name an identity.
+type GroupList = SmallVec<[u32; 6]>;
 
 use super::identity::{NumericIdentity, IDENTITY_ANY};
 use super::mapstate::{MapEntry, MapKey, MapState, MapVerdict};
@@ -370,7 +374,8 @@ impl Cells {
             protocols.extend(s.iter().map(|&(p, _, _)| p).filter(|&p| p != 0));
         }
         let protocols: Vec<u8> = protocols.into_iter().collect();
-        let mut named: std::collections::BTreeMap<NumericIdentity, [Vec<u32>; 2]> =
+        // Per identity, per tier: the groups naming it (few: kept inline, no allocation).
+        let mut named: std::collections::BTreeMap<NumericIdentity, [GroupList; 2]> =
             Default::default();
         // Per tier (Admin, Baseline): the groups' paintings; group 0 holds the rules with
         // every peer (`IDENTITY_ANY`).
@@ -379,8 +384,7 @@ impl Cells {
             // Group 0: every peer; then one group per distinct peer list, in first appearance.
             let mut members: Vec<Vec<usize>> = vec![Vec::new()];
             let mut heads: Vec<&[NumericIdentity]> = vec![&[]];
-            let mut by_shape: std::collections::HashMap<(usize, u32, u32), Vec<usize>> =
-                Default::default();
+            let mut by_shape: FxHashMap<(usize, u32, u32), Vec<usize>> = Default::default();
             for (i, r) in rules.iter().enumerate() {
                 if r.peers.first() == Some(&IDENTITY_ANY) {
                     members[0].push(i);
@@ -421,7 +425,8 @@ impl Cells {
             .find(|i| !named.contains_key(i))
             .unwrap_or(u32::MAX);
         // Classes: identities named by the same groups share their first matches.
-        let mut class_of: std::collections::HashMap<[Vec<u32>; 2], u32> = Default::default();
+        // Hashed once per named identity of every resolution: Fx, not SipHash.
+        let mut class_of: FxHashMap<[GroupList; 2], u32> = Default::default();
         let mut classes = vec![[groups[0][0].clone(), groups[1][0].clone()]];
         class_of.insert(Default::default(), 0);
         let named = named
@@ -702,7 +707,7 @@ pub fn compile(
     // An identity without entries of its own in the NetworkPolicy tier is painted as every
     // other of its class: once per class.
     let mut paintings: Vec<Painted<'_>> = Vec::new();
-    let mut of_class: std::collections::HashMap<u32, usize> = Default::default();
+    let mut of_class: FxHashMap<u32, usize> = Default::default();
     let named: Vec<(NumericIdentity, usize)> = cells
         .named
         .iter()
