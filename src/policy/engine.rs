@@ -1143,15 +1143,7 @@ impl PolicyEngine {
             return Vec::new();
         }
         let cover = covers.get(&self.endpoint_ips, &cidrs);
-        ids.extend(&cover.full);
-        let mut pass_denies = Vec::new();
-        match action {
-            Action::Deny => ids.extend(&cover.partial),
-            Action::Allow => {}
-            Action::Pass => pass_denies = cover.partial.clone(),
-        }
-        ids.sort_unstable();
-        ids.dedup();
+        let pass_denies = add_cover(action, ids, &cover);
         if !cover.partial.is_empty() {
             let what = match action {
                 Action::Deny => "denied, also their addresses outside",
@@ -1198,19 +1190,20 @@ impl PolicyEngine {
             .values()
             .filter(|l| sels.iter().any(|s| s.matches(l)))
             .count();
-        let nodes = [IDENTITY_HOST, IDENTITY_REMOTE_NODE];
-        let full = selected == self.node_labels.len();
-        let mut pass_denies = Vec::new();
-        match (selected, action) {
-            (0, _) => return Vec::new(),
-            (_, Action::Deny) => ids.extend(nodes),
-            _ if full => ids.extend(nodes),
-            (_, Action::Allow) => {}
-            (_, Action::Pass) => pass_denies = nodes.to_vec(),
-        }
-        ids.sort_unstable();
-        ids.dedup();
-        if !full {
+        let nodes = vec![IDENTITY_HOST, IDENTITY_REMOTE_NODE];
+        let cover = match selected {
+            0 => return Vec::new(),
+            n if n == self.node_labels.len() => super::tier_networks::Cover {
+                full: nodes,
+                partial: vec![],
+            },
+            _ => super::tier_networks::Cover {
+                full: vec![],
+                partial: nodes,
+            },
+        };
+        let pass_denies = add_cover(action, ids, &cover);
+        if !cover.partial.is_empty() {
             let what = match action {
                 Action::Deny => "all nodes are denied",
                 Action::Allow => "no node is allowed by it",
@@ -1393,6 +1386,27 @@ impl PolicyEngine {
     pub fn identity(&self, id: NumericIdentity) -> Option<&IdentityInfo> {
         self.identities.get(id)
     }
+}
+
+/// Adds the identities a tier rule's peers cover to `ids` as its action allows: fully covered
+/// ones always; partly covered ones as a Deny's peers (fail closed), never an Allow's. Returns
+/// the partly covered ones a `Pass` must deny instead of passing.
+fn add_cover(
+    action: super::rule::Action,
+    ids: &mut Vec<NumericIdentity>,
+    cover: &super::tier_networks::Cover,
+) -> Vec<NumericIdentity> {
+    use super::rule::Action;
+    ids.extend(&cover.full);
+    let mut pass_denies = Vec::new();
+    match action {
+        Action::Deny => ids.extend(&cover.partial),
+        Action::Allow => {}
+        Action::Pass => pass_denies = cover.partial.clone(),
+    }
+    ids.sort_unstable();
+    ids.dedup();
+    pass_denies
 }
 
 /// What the resolution of one endpoint's tier rules computes once and reuses.
