@@ -16,3 +16,4 @@ pub mod loader;
 pub mod policy_repo;
 pub mod rule_reaction;
 pub mod watcher;
+pub mod workers;

@@ -228,7 +228,7 @@ impl PolicyRepoActor {
             crate::actors::endpoint::Reports::to(&self.reaction),
             journal.clone(),
         );
-        let addr = TracedAddr::new(actor.start(), journal);
+        let addr = TracedAddr::new(self.workers.start(actor), journal);
         let model = EndpointModel {
             id: record.id,
             name: record.name.clone(),

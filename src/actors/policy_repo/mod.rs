@@ -255,6 +255,8 @@ pub struct PolicyRepoActor {
     numbers: std::cell::RefCell<Option<crate::endpoint::numbering::NumberJournal>>,
     /// The kernel's ipcache as a previous run left it, until the initial sync is done.
     kernel_ipcache: Vec<(ipnet::IpNet, NumericIdentity)>,
+    /// The arbiters the endpoint actors run on (`actors::workers`): they regenerate in parallel.
+    workers: crate::actors::workers::Workers,
 }
 
 impl PolicyRepoActor {
@@ -275,6 +277,7 @@ impl PolicyRepoActor {
             sync_ipcache: Default::default(),
             numbers: Default::default(),
             kernel_ipcache: Vec::new(),
+            workers: Default::default(),
         }
     }
 
