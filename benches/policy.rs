@@ -1,7 +1,8 @@
 //! Benchmarks for the policy-engine targets of issue #2:
 //! - `resolve/no_matching_rules_20k`: one endpoint against 20,000 rules none of which select it.
 //! - `resolve/selected_by_1000_rules`: one endpoint selected by 1,000 rules over 1,000 identities.
-//! - `resolve/tiers_100x25_plus_1000_cnp`: the same endpoint also selected by 100
+//! - `resolve/tiers_100x25_plus_1000_cnp` (and `_shared`, its tiers' compilation shared with an
+//!   endpoint resolved before, `policy::tier_memo`): the same endpoint also selected by 100
 //!   ClusterNetworkPolicies of 25 rules each (issue #28: <= 1 ms).
 //! - `selector_cache/new_identity_10k_selectors`: an identity appearing (and going) with 10,000
 //!   selectors cached.
@@ -142,7 +143,16 @@ fn bench_resolve(c: &mut Criterion) {
         resolved.map.len(),
         datapath_shape(&resolved.map)
     );
+    // Cold: every resolution compiles the tiers (the first endpoint of its kind); warm: the
+    // tiers' compilation is shared (`policy::tier_memo`) with an endpoint resolved before.
     c.bench_function("resolve/tiers_100x25_plus_1000_cnp", |b| {
+        b.iter_batched(
+            || engine.clear_tier_memo(),
+            |()| black_box(engine.resolve(black_box(&view))),
+            criterion::BatchSize::SmallInput,
+        )
+    });
+    c.bench_function("resolve/tiers_100x25_plus_1000_cnp_shared", |b| {
         b.iter(|| black_box(engine.resolve(black_box(&view))))
     });
 }

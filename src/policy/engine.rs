@@ -317,6 +317,9 @@ pub struct PolicyEngine {
     /// Rules of the cluster tiers with `nodes` peers: their subjects' policy depends on the
     /// nodes and their labels.
     nodes_rules: Vec<Arc<Rule>>,
+    /// Tier compilations shared between endpoints of the same inputs (`tier_memo`): a cache,
+    /// keyed by the inputs themselves, so no change to the engine has to invalidate it.
+    tier_memo: super::tier_memo::CompileMemo,
 }
 
 impl Default for PolicyEngine {
@@ -337,6 +340,7 @@ impl PolicyEngine {
             networks_rules: Vec::new(),
             node_labels: BTreeMap::new(),
             nodes_rules: Vec::new(),
+            tier_memo: Default::default(),
             allow_localhost: Arc::new(RuleOrigin {
                 policy: Arc::new(PolicyKey::new(PolicyKind::Builtin, None, "allow-localhost")),
                 section: Section::Ingress,
@@ -355,6 +359,16 @@ impl PolicyEngine {
 
     pub fn revision(&self) -> u64 {
         self.repo.revision()
+    }
+
+    /// The tier compilations shared between endpoints (`tier_memo`): (hits, misses, held).
+    pub fn tier_memo_stats(&self) -> (u64, u64, usize) {
+        self.tier_memo.stats()
+    }
+
+    /// Forgets the shared tier compilations (benchmarks of a cold resolution).
+    pub fn clear_tier_memo(&self) {
+        self.tier_memo.clear()
     }
 
     pub fn repository(&self) -> &Repository {
@@ -1006,15 +1020,17 @@ impl PolicyEngine {
             }
             let np_isolated = !out.direction(d).isolated_by.is_empty();
             let defaults = tier_defaults(out.direction(d), &tiered, d);
-            let c = super::tiers::compile(&t, &out.map, np_isolated, d, &defaults);
+            let c = self
+                .tier_memo
+                .compile(&t, &out.map, np_isolated, d, &defaults);
             state.views.push(Arc::new(TierView {
                 direction: d,
                 tiers: t,
                 np: out.map.clone(),
                 np_isolated_by: out.direction(d).isolated_by.clone(),
             }));
-            out.map.replace_direction(d, c.map);
-            state.notes.extend(c.notes);
+            out.map.replace_direction_from(d, &c.map);
+            state.notes.extend(c.notes.iter().cloned());
             let dir = match d {
                 Direction::Ingress => &mut out.ingress,
                 Direction::Egress => &mut out.egress,
@@ -1602,6 +1618,38 @@ mod tests {
         assert_eq!(egress(&e, IDENTITY_REMOTE_NODE, 81), "allowed");
         e.delete_policy(&PolicyKey::new(PolicyKind::AdminNetworkPolicy, None, "n"));
         assert!(e.upsert_node_labels("w1", node("worker")).is_empty());
+    }
+
+    #[test]
+    fn endpoints_of_the_same_tier_inputs_share_one_compilation_and_changes_still_show() {
+        let mut e = PolicyEngine::new();
+        let (la, lb) = (pod("x", "a"), pod("x", "b"));
+        let (a, b) = (e.allocate_identity(&la).id(), e.allocate_identity(&lb).id());
+        e.upsert_policy(policy("{apiVersion: policy.networking.k8s.io/v1alpha2, kind: ClusterNetworkPolicy, metadata: {name: c}, spec: {tier: Admin, priority: 1, subject: {namespaces: {}}, ingress: [{name: r, action: Deny, from: [{pods: {namespaceSelector: {}, podSelector: {matchLabels: {app: z}}}}], protocols: [{tcp: {destinationPort: {number: 80}}}]}]}}"));
+        let pa = e.resolve(&view(a, &la, &[]));
+        let pb = e.resolve(&view(b, &lb, &[]));
+        assert_eq!(pa.map, pb.map, "the same inputs, the same entries");
+        let (hits, misses, _) = e.tier_memo_stats();
+        assert_eq!(
+            (hits, misses),
+            (1, 1),
+            "ingress compiled once (no egress tier rules)"
+        );
+        // A peer appears: both see it (different inputs, compiled anew).
+        let lz = pod("y", "z");
+        let z = e.allocate_identity(&lz).id();
+        for (id, l) in [(a, &la), (b, &lb)] {
+            let p = e.resolve(&view(id, l, &[]));
+            assert!(matches!(
+                p.map.lookup(Direction::Ingress, z, PROTO_TCP, 80),
+                MapVerdict::Denied(_)
+            ));
+            assert_eq!(
+                p.map,
+                e.clone().resolve(&view(id, l, &[])).map,
+                "as without the memo"
+            );
+        }
     }
 
     #[test]

@@ -384,11 +384,58 @@ impl MapState {
             })
     }
 
-    /// Replaces every entry of direction `d` by those of `part` of that direction.
-    pub fn replace_direction(&mut self, d: Direction, part: MapState) {
-        self.groups.retain(|(dir, _), _| *dir != d);
+    /// The entries of direction `d` alone.
+    pub fn direction_part(&self, d: Direction) -> MapState {
+        let groups: HashMap<_, _> = self
+            .groups
+            .iter()
+            .filter(|((dir, _), _)| *dir == d)
+            .map(|(k, v)| (*k, v.clone()))
+            .collect();
+        let len = groups.values().map(|s: &Slots| s.len()).sum();
+        MapState { groups, len }
+    }
+
+    /// Whether the entries of direction `d` are the same in both, each identity's in the same
+    /// order (what a lookup finds first, hence what it explains, is the same too).
+    pub fn same_direction(&self, other: &MapState, d: Direction) -> bool {
+        let count = |m: &MapState| m.groups.keys().filter(|(dir, _)| *dir == d).count();
+        count(self) == count(other)
+            && self
+                .groups
+                .iter()
+                .filter(|((dir, _), _)| *dir == d)
+                .all(|(k, v)| other.groups.get(k) == Some(v))
+    }
+
+    /// A hash of the keys and kinds of direction `d`'s entries, whatever the groups' order
+    /// (`same_direction` decides; this only narrows the candidates).
+    pub fn direction_fingerprint(&self, d: Direction) -> u64 {
+        use std::hash::{Hash, Hasher};
         self.groups
-            .extend(part.groups.into_iter().filter(|((dir, _), _)| *dir == d));
+            .iter()
+            .filter(|((dir, _), _)| *dir == d)
+            .map(|((_, id), slots)| {
+                let mut h = rustc_hash::FxHasher::default();
+                id.hash(&mut h);
+                for s in slots {
+                    (s.protocol, s.port_lo, s.port_hi, s.entry.deny).hash(&mut h);
+                }
+                h.finish()
+            })
+            .fold(0u64, u64::wrapping_add)
+    }
+
+    /// Replaces every entry of direction `d` by copies of those of `part` of that direction
+    /// (`part` is shared: a compilation of the tiers other endpoints use too).
+    pub fn replace_direction_from(&mut self, d: Direction, part: &MapState) {
+        self.groups.retain(|(dir, _), _| *dir != d);
+        self.groups.extend(
+            part.groups
+                .iter()
+                .filter(|((dir, _), _)| *dir == d)
+                .map(|(k, v)| (*k, v.clone())),
+        );
         self.len = self.groups.values().map(|s| s.len()).sum();
     }
 

@@ -1,0 +1,423 @@
+//! Compiled tiers shared between endpoints.
+//!
+//! `tiers::compile` is a pure function of its inputs: the tier rules with their resolved peers,
+//! the NetworkPolicy tier's entries of the direction, whether that tier isolates, and the
+//! defaults' origins. Endpoints selected by the same cluster policies and the same namespace
+//! policies (the pods of one Deployment, or every pod under a cluster-wide guardrail with the
+//! same namespace policy) compile the same inputs; a change of one ClusterNetworkPolicy that
+//! selects them all compiled them once per endpoint.
+//!
+//! The memo keys each result by those inputs themselves, compared whole (rule origins by
+//! pointer, everything else by value, the entries of each identity in order): a hit is the
+//! result the compilation would give, whatever changed in the engine since, so nothing has to
+//! invalidate it. It is bounded by the entries it holds ([`MAX_HELD`]) and the results
+//! ([`MAX_RESULTS`]); the least recently used go first. A result too large to be worth holding
+//! ([`MAX_ONE`]) is not kept.
+
+use std::hash::{Hash, Hasher};
+use std::sync::{Arc, Mutex};
+
+use rustc_hash::{FxHashMap, FxHasher};
+
+use super::mapstate::MapState;
+use super::rule::{Direction, RuleOrigin};
+use super::tiers::{compile, Compiled, Defaults, TierRule, Tiers};
+
+/// Map entries held by the memo, inputs and results (about 100 bytes each).
+pub const MAX_HELD: usize = 200_000;
+/// Results held.
+pub const MAX_RESULTS: usize = 512;
+/// A result (with its inputs) above this many entries is not kept.
+pub const MAX_ONE: usize = MAX_HELD / 4;
+
+/// The inputs of one compilation.
+struct Key {
+    tiers: Tiers,
+    /// The NetworkPolicy tier's entries of `direction` only.
+    np: MapState,
+    np_isolated: bool,
+    direction: Direction,
+    allow: RuleOrigin,
+    deny: RuleOrigin,
+}
+
+struct Held {
+    key: Key,
+    out: Arc<Compiled>,
+    /// Entries held (inputs and result).
+    size: usize,
+    /// When it was last used (the memo's clock).
+    used: u64,
+}
+
+#[derive(Default)]
+struct Inner {
+    by_hash: FxHashMap<u64, Vec<Held>>,
+    held: usize,
+    results: usize,
+    clock: u64,
+    hits: u64,
+    misses: u64,
+}
+
+/// See the module documentation.
+#[derive(Default)]
+pub struct CompileMemo {
+    inner: Mutex<Inner>,
+}
+
+impl std::fmt::Debug for CompileMemo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (hits, misses, results) = self.stats();
+        write!(
+            f,
+            "CompileMemo {{ results: {results}, hits: {hits}, misses: {misses} }}"
+        )
+    }
+}
+
+/// A copy of an engine starts with an empty memo (a memo is a cache, never state).
+impl Clone for CompileMemo {
+    fn clone(&self) -> Self {
+        CompileMemo::default()
+    }
+}
+
+fn same_rules(a: &[TierRule], b: &[TierRule]) -> bool {
+    a.len() == b.len()
+        && a.iter().zip(b).all(|(x, y)| {
+            Arc::ptr_eq(&x.origin, &y.origin)
+                && x.action == y.action
+                && x.peers == y.peers
+                && x.ports == y.ports
+        })
+}
+
+fn hash_rules(h: &mut FxHasher, rules: &[TierRule]) {
+    rules.len().hash(h);
+    for r in rules {
+        (Arc::as_ptr(&r.origin) as usize).hash(h);
+        r.action.hash(h);
+        r.peers.hash(h);
+        r.ports.hash(h);
+    }
+}
+
+impl Key {
+    fn matches(
+        &self,
+        tiers: &Tiers,
+        np: &MapState,
+        np_isolated: bool,
+        direction: Direction,
+        (allow, deny): (&RuleOrigin, &RuleOrigin),
+    ) -> bool {
+        self.direction == direction
+            && self.np_isolated == np_isolated
+            && same_rules(&self.tiers.admin, &tiers.admin)
+            && same_rules(&self.tiers.baseline, &tiers.baseline)
+            && *allow == self.allow
+            && *deny == self.deny
+            && np.same_direction(&self.np, direction)
+    }
+}
+
+fn lock(m: &Mutex<Inner>) -> std::sync::MutexGuard<'_, Inner> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl CompileMemo {
+    /// `tiers::compile(tiers, np, np_isolated, direction, fallback)`, from the memo when the
+    /// same inputs were compiled before (shared: the caller copies what it keeps).
+    pub fn compile(
+        &self,
+        tiers: &Tiers,
+        np: &MapState,
+        np_isolated: bool,
+        direction: Direction,
+        fallback: &Defaults,
+    ) -> Arc<Compiled> {
+        let mut h = FxHasher::default();
+        (direction as u8, np_isolated).hash(&mut h);
+        hash_rules(&mut h, &tiers.admin);
+        hash_rules(&mut h, &tiers.baseline);
+        np.direction_fingerprint(direction).hash(&mut h);
+        // The defaults name the policies isolating the endpoint: endpoints of one tier
+        // differ by them more often than by anything else.
+        fallback.allow.hash(&mut h);
+        fallback.deny.hash(&mut h);
+        let hash = h.finish();
+        let defaults = (&*fallback.allow, &*fallback.deny);
+        {
+            let mut inner = lock(&self.inner);
+            inner.clock += 1;
+            let now = inner.clock;
+            let found = inner.by_hash.get_mut(&hash).and_then(|list| {
+                list.iter_mut()
+                    .find(|x| x.key.matches(tiers, np, np_isolated, direction, defaults))
+            });
+            if let Some(x) = found {
+                x.used = now;
+                let out = x.out.clone();
+                inner.hits += 1;
+                return out;
+            }
+            inner.misses += 1;
+        }
+        // Compiled outside the lock: other endpoints look up meanwhile.
+        let out = Arc::new(compile(tiers, np, np_isolated, direction, fallback));
+        let np = np.direction_part(direction);
+        let size = out.map.len() + np.len() + 1;
+        if size <= MAX_ONE {
+            let held = Held {
+                key: Key {
+                    tiers: tiers.clone(),
+                    np,
+                    np_isolated,
+                    direction,
+                    allow: (*fallback.allow).clone(),
+                    deny: (*fallback.deny).clone(),
+                },
+                out: out.clone(),
+                size,
+                used: 0,
+            };
+            lock(&self.inner).keep(hash, held);
+        }
+        out
+    }
+
+    /// (hits, misses, results held).
+    pub fn stats(&self) -> (u64, u64, usize) {
+        let inner = lock(&self.inner);
+        (inner.hits, inner.misses, inner.results)
+    }
+
+    /// Forgets every result.
+    pub fn clear(&self) {
+        let mut inner = lock(&self.inner);
+        inner.by_hash.clear();
+        inner.held = 0;
+        inner.results = 0;
+    }
+}
+
+impl Inner {
+    fn keep(&mut self, hash: u64, mut held: Held) {
+        self.clock += 1;
+        held.used = self.clock;
+        let list = self.by_hash.entry(hash).or_default();
+        // Two endpoints compiled the same inputs at once: one copy.
+        let k = &held.key;
+        if list.iter().any(|x| {
+            x.key.matches(
+                &k.tiers,
+                &k.np,
+                k.np_isolated,
+                k.direction,
+                (&k.allow, &k.deny),
+            )
+        }) {
+            return;
+        }
+        self.held += held.size;
+        self.results += 1;
+        list.push(held);
+        while self.held > MAX_HELD || self.results > MAX_RESULTS {
+            self.evict_oldest();
+        }
+    }
+
+    /// Drops the least recently used result.
+    fn evict_oldest(&mut self) {
+        let Some((&hash, i)) = self
+            .by_hash
+            .iter()
+            .flat_map(|(h, list)| list.iter().enumerate().map(move |(i, x)| (h, i, x.used)))
+            .min_by_key(|&(_, _, used)| used)
+            .map(|(h, i, _)| (h, i))
+        else {
+            return;
+        };
+        let list = self.by_hash.get_mut(&hash).expect("just found");
+        let gone = list.swap_remove(i);
+        if list.is_empty() {
+            self.by_hash.remove(&hash);
+        }
+        self.held -= gone.size;
+        self.results -= 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::identity::IDENTITY_ANY;
+    use crate::policy::mapstate::MapKey;
+    use crate::policy::rule::{Action, PolicyKey, PolicyKind, Section};
+    use crate::policy::tiers::TierRule;
+
+    fn origin(name: &str) -> Arc<RuleOrigin> {
+        Arc::new(RuleOrigin {
+            policy: Arc::new(PolicyKey::new(
+                PolicyKind::CiliumNetworkPolicy,
+                Some("x"),
+                name,
+            )),
+            section: Section::Ingress,
+            path: "spec.ingress[0]".into(),
+            l7: false,
+            tier: None,
+        })
+    }
+
+    fn rule(o: &Arc<RuleOrigin>, action: Action, peer: u32, port: u16) -> TierRule {
+        TierRule {
+            origin: o.clone(),
+            action,
+            peers: vec![peer],
+            ports: Some(vec![(6, port, port)]),
+        }
+    }
+
+    fn np(peer: u32, port: u16, o: &Arc<RuleOrigin>) -> MapState {
+        let mut m = MapState::new();
+        m.insert(
+            MapKey {
+                direction: Direction::Ingress,
+                identity: peer,
+                protocol: 6,
+                port_lo: port,
+                port_hi: port,
+            },
+            false,
+            o,
+        );
+        m
+    }
+
+    fn same(a: &Compiled, b: &Compiled) -> bool {
+        a.map == b.map && a.isolated == b.isolated && a.notes == b.notes
+    }
+
+    #[test]
+    fn a_hit_is_what_compiling_gives_and_any_difference_misses() {
+        let memo = CompileMemo::default();
+        let (r1, r2, n1) = (origin("r1"), origin("r2"), origin("n1"));
+        let d = Defaults {
+            allow: origin("allow"),
+            deny: origin("deny"),
+        };
+        let tiers = Tiers {
+            admin: vec![
+                rule(&r1, Action::Deny, 300, 80),
+                rule(&r2, Action::Pass, 301, 81),
+            ],
+            baseline: vec![],
+        };
+        let base = np(301, 81, &n1);
+        let direct = compile(&tiers, &base, true, Direction::Ingress, &d);
+        let first = memo.compile(&tiers, &base, true, Direction::Ingress, &d);
+        assert!(same(&first, &direct));
+        // The same inputs in other values (another endpoint's): a hit, the same result.
+        let again = memo.compile(
+            &tiers.clone(),
+            &np(301, 81, &n1),
+            true,
+            Direction::Ingress,
+            &d,
+        );
+        assert!(same(&again, &direct));
+        assert_eq!(memo.stats(), (1, 1, 1));
+        // Each input differing misses, and gives what compiling gives.
+        let other_tiers = Tiers {
+            admin: vec![
+                rule(&r1, Action::Allow, 300, 80),
+                rule(&r2, Action::Pass, 301, 81),
+            ],
+            baseline: vec![],
+        };
+        let same_text_other_rule = Tiers {
+            admin: vec![
+                rule(&origin("r1"), Action::Deny, 300, 80),
+                rule(&r2, Action::Pass, 301, 81),
+            ],
+            baseline: vec![],
+        };
+        let cases: Vec<(Tiers, MapState, bool, Direction)> = vec![
+            (other_tiers, base.clone(), true, Direction::Ingress),
+            (same_text_other_rule, base.clone(), true, Direction::Ingress),
+            (tiers.clone(), np(301, 82, &n1), true, Direction::Ingress),
+            (
+                tiers.clone(),
+                np(301, 81, &origin("n2")),
+                true,
+                Direction::Ingress,
+            ),
+            (tiers.clone(), base.clone(), false, Direction::Ingress),
+            (tiers.clone(), base.clone(), true, Direction::Egress),
+        ];
+        for (i, (t, m, iso, dir)) in cases.iter().enumerate() {
+            let want = compile(t, m, *iso, *dir, &d);
+            let got = memo.compile(t, m, *iso, *dir, &d);
+            assert!(same(&got, &want), "case {i}");
+            assert_eq!(memo.stats().0, 1, "case {i} missed");
+        }
+        // Other defaults: a miss too.
+        let d2 = Defaults {
+            allow: origin("allow2"),
+            deny: origin("deny"),
+        };
+        let got = memo.compile(&tiers, &base, true, Direction::Ingress, &d2);
+        assert!(same(
+            &got,
+            &compile(&tiers, &base, true, Direction::Ingress, &d2)
+        ));
+        assert_eq!(memo.stats().0, 1);
+        // The egress entries of the NetworkPolicy tier do not matter to the ingress result.
+        let mut with_egress = base.clone();
+        with_egress.insert(
+            MapKey {
+                direction: Direction::Egress,
+                identity: IDENTITY_ANY,
+                protocol: 0,
+                port_lo: 0,
+                port_hi: 65535,
+            },
+            false,
+            &n1,
+        );
+        let got = memo.compile(&tiers, &with_egress, true, Direction::Ingress, &d);
+        assert!(same(&got, &direct));
+        assert_eq!(memo.stats().0, 2);
+    }
+
+    #[test]
+    fn bounded_least_recently_used_first() {
+        let memo = CompileMemo::default();
+        let d = Defaults {
+            allow: origin("allow"),
+            deny: origin("deny"),
+        };
+        let r = origin("r");
+        let tiers = |peer: u32| Tiers {
+            admin: vec![rule(&r, Action::Deny, peer, 80)],
+            baseline: vec![],
+        };
+        let empty = MapState::new();
+        for peer in 0..(MAX_RESULTS as u32 + 10) {
+            memo.compile(&tiers(1000 + peer), &empty, false, Direction::Ingress, &d);
+            // The first stays in use: never the oldest.
+            memo.compile(&tiers(1000), &empty, false, Direction::Ingress, &d);
+        }
+        let (_, _, results) = memo.stats();
+        assert_eq!(results, MAX_RESULTS);
+        let (hits, _, _) = memo.stats();
+        memo.compile(&tiers(1000), &empty, false, Direction::Ingress, &d);
+        assert_eq!(memo.stats().0, hits + 1, "the one in use was kept");
+        memo.compile(&tiers(1001), &empty, false, Direction::Ingress, &d);
+        assert_eq!(memo.stats().0, hits + 1, "the oldest went");
+        memo.clear();
+        assert_eq!(memo.stats().2, 0);
+    }
+}
