@@ -935,6 +935,14 @@ fn http_rules_on_a_to_fqdns_peer_judge_requests_to_the_learned_address() {
 /// the proxy although no policy has DNS rules (every name is forwarded, and its answer learned),
 /// `*.example.com` allows what names at any depth below example.com resolved to, on the rule's
 /// port, and the Deny behind it drops the rest, the addresses of other names included.
+/// The Admin policy of the test below with its `dns` rule's action replaced.
+fn policy_text_with_dns_action(policy: &str, action: &str) -> String {
+    policy.replace(
+        "- name: dns\n      action: Accept",
+        &format!("- name: dns\n      action: {action}"),
+    )
+}
+
 #[test]
 fn cluster_network_policy_domain_names_allow_what_the_pods_answers_resolved() {
     let Some(s) = setup(3, &[]) else { return };
@@ -1000,6 +1008,37 @@ spec:
         names.contains(&"api.example.com".into()) && names.contains(&"a.b.example.com".into()),
         "{names:?}"
     );
+
+    // A NetworkPolicy-tier DNS rule (api.example.com only) does not judge the queries the
+    // Admin tier accepts: they never reach that tier. Passed on to it, they are judged.
+    let apply = |file: &str, yaml: Option<&str>| {
+        let rev = s.agent.revision();
+        let path = s.agent.manifests().join(file);
+        match yaml {
+            Some(y) => std::fs::write(path, y).unwrap(),
+            None => std::fs::remove_file(path).unwrap(),
+        }
+        s.agent
+            .wait_until("the edit is applied", || s.agent.revision() > rev);
+        s.agent.wait_realized(s.agent.revision());
+    };
+    apply("cnp.yaml", Some(&self::policy()));
+    assert_eq!(
+        s.lookup("evil.test"),
+        ok(&[evil]),
+        "accepted by the Admin tier: any name"
+    );
+    let passed = policy_text_with_dns_action(policy, "Pass");
+    assert_ne!(passed, policy);
+    apply("policy.yaml", Some(&passed));
+    assert_eq!(
+        s.lookup("evil.test"),
+        Lookup::Answer(ResponseCode::Refused, vec![]),
+        "passed on: the NetworkPolicy tier's DNS rules judge it"
+    );
+    assert_eq!(s.lookup("api.example.com"), ok(&[api]));
+    apply("policy.yaml", Some(policy));
+    apply("cnp.yaml", None);
 
     // Without the policy the subject's DNS no longer goes through the proxy, and nothing is
     // denied any more.

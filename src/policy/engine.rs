@@ -1018,6 +1018,11 @@ impl PolicyEngine {
             if t.is_empty() {
                 continue;
             }
+            // What the Admin tier accepts never meets the NetworkPolicy tier's DNS rules.
+            if d == Direction::Egress && !out.dns.is_empty() {
+                let accepted = super::l7::dns::tier_accepted(&out.dns, &t.admin);
+                out.dns.splice(0..0, accepted);
+            }
             let np_isolated = !out.direction(d).isolated_by.is_empty();
             let defaults = tier_defaults(out.direction(d), &tiered, d);
             let c = self
@@ -1650,6 +1655,35 @@ mod tests {
                 "as without the memo"
             );
         }
+    }
+
+    #[test]
+    fn a_query_the_admin_tier_accepts_is_not_judged_by_network_policy_dns_rules() {
+        use super::super::l7::dns::{dns_ruling, DnsRuling};
+        let mut e = PolicyEngine::new();
+        let (la, ld) = (pod("x", "a"), pod("kube-system", "kube-dns"));
+        let (a, dns) = (e.allocate_identity(&la).id(), e.allocate_identity(&ld).id());
+        e.upsert_policy(policy("{apiVersion: cilium.io/v2, kind: CiliumNetworkPolicy, metadata: {name: p, namespace: x}, spec: {endpointSelector: {matchLabels: {app: a}}, egress: [{toEndpoints: [{matchLabels: {k8s:io.kubernetes.pod.namespace: kube-system, app: kube-dns}}], toPorts: [{ports: [{port: '53', protocol: UDP}], rules: {dns: [{matchPattern: '*.example.com'}]}}]}]}}"));
+        let ruling = |e: &PolicyEngine, name: &str| {
+            dns_ruling(&e.resolve(&view(a, &la, &[])).dns, dns, 17, 53, name)
+        };
+        assert!(matches!(ruling(&e, "evil.test."), DnsRuling::Refuse(_)));
+        let anp = |action: &str| {
+            policy(&format!("{{apiVersion: policy.networking.k8s.io/v1alpha1, kind: AdminNetworkPolicy, metadata: {{name: dns}}, spec: {{priority: 1, subject: {{pods: {{namespaceSelector: {{}}, podSelector: {{matchLabels: {{app: a}}}}}}}}, egress: [{{name: dns, action: {action}, to: [{{pods: {{namespaceSelector: {{matchLabels: {{kubernetes.io/metadata.name: kube-system}}}}, podSelector: {{matchLabels: {{app: kube-dns}}}}}}}}], ports: [{{portNumber: {{protocol: UDP, port: 53}}}}]}}]}}}}"))
+        };
+        // Accepted by the Admin tier: any name, and the Admin rule decided it.
+        e.upsert_policy(anp("Allow"));
+        match ruling(&e, "evil.test.") {
+            DnsRuling::Forward(by) => assert!(by[0].contains("AdminNetworkPolicy"), "{by:?}"),
+            r => panic!("{r:?}"),
+        }
+        // Passed on: the NetworkPolicy tier decides, with its DNS rules.
+        e.upsert_policy(anp("Pass"));
+        assert!(matches!(ruling(&e, "evil.test."), DnsRuling::Refuse(_)));
+        assert!(matches!(
+            ruling(&e, "api.example.com."),
+            DnsRuling::Forward(_)
+        ));
     }
 
     #[test]
