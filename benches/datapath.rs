@@ -10,6 +10,13 @@
 //!
 //! timed by the kernel itself (`BPF_PROG_TEST_RUN` duration, ns per run); and the wall time of
 //! applying a 10,000-entry policy delta through `BpfDatapath::sync_policy`.
+//!
+//! Cluster tiers (issue #28: a packet still costs one policy lookup, within 10 ns): two
+//! endpoints resolved by the engine over 200 peer identities, one selected by 1,000
+//! CiliumNetworkPolicies, the other by the same plus 100 ClusterNetworkPolicies of 25 rules
+//! (`benches/shared/engine.rs`; fewer if their map would not fit the datapath's 16,384
+//! entries); a warm new connection and an established packet from allowed peers of each,
+//! interleaved round by round.
 
 use std::mem::MaybeUninit;
 use std::time::Instant;
@@ -24,6 +31,9 @@ use ciliate::policy::mapstate::MapDelta;
 #[path = "shared/packets.rs"]
 mod packets;
 use packets::{addr, allow_16k, fill_ipcache, packet, tcp_in, ACK, SYN};
+
+#[path = "shared/engine.rs"]
+mod engine;
 
 fn main() {
     if !std::env::args().any(|a| a == "--bench") {
@@ -237,6 +247,8 @@ fn main() {
         reply_ns,
     );
 
+    tiered_map_ab(&mut dp, &pins);
+
     // The same established packet timed one run per call, as the new connections are: what a
     // single-run measurement adds by itself.
     let mut one: Vec<f64> = (0..20_000)
@@ -317,4 +329,232 @@ fn main() {
     drop(unmanaged);
     drop(dp);
     let _ = std::fs::remove_dir_all(&root);
+}
+
+/// The engine of `resolve/selected_by_1000_rules` (`benches/policy.rs`) over `n` identities
+/// `x/app-N` (there 1,000): 1,000 CiliumNetworkPolicies selecting every pod of `x`, each
+/// allowing 5 of them on a TCP and a UDP port; and `tiers` ClusterNetworkPolicies on top, whose
+/// namespace rules name all `n` (a namespace of N identities on P ports is up to N x P
+/// entries: with 1,000 the tiered map would not fit the datapath).
+fn tier_bench_map(n: usize, tiers: usize) -> (ciliate::policy::mapstate::MapState, Vec<u32>) {
+    use ciliate::policy::engine::{EndpointView, PolicyEngine};
+    let mut e = PolicyEngine::new();
+    let ids: Vec<u32> = (0..n)
+        .map(|i| {
+            e.allocate_identity(&engine::pod_labels("x", &format!("app-{i}")))
+                .id()
+        })
+        .collect();
+    for r in 0..1000 {
+        let vals: Vec<String> = (0..5)
+            .map(|k| format!("app-{}", (r + k * 37) % n))
+            .collect();
+        engine::add_policy(
+            &mut e,
+            &format!(
+                "{{apiVersion: cilium.io/v2, kind: CiliumNetworkPolicy, metadata: {{name: r{r}, namespace: x}}, spec: {{endpointSelector: {{}}, ingress: [{{fromEndpoints: [{{matchExpressions: [{{key: app, operator: In, values: [{}]}}]}}], toPorts: [{{ports: [{{port: \"{}\", protocol: TCP}}, {{port: \"{}\", protocol: UDP}}]}}]}}]}}}}",
+                vals.join(", "),
+                1000 + r % 50,
+                2000 + r % 50
+            ),
+        );
+    }
+    engine::add_tier_policies(&mut e, tiers);
+    let labels = engine::pod_labels("x", "me");
+    let id = e.allocate_identity(&labels).id();
+    let view = EndpointView {
+        identity: id,
+        labels: &labels,
+        named_ports: &[],
+        host: false,
+    };
+    (e.resolve(&view).map, ids)
+}
+
+/// The kinds of a map's datapath entries: (any identity, protocol, port prefix length) -> count.
+fn entry_kinds(map: &ciliate::policy::mapstate::MapState) -> String {
+    let mut kinds = std::collections::BTreeMap::new();
+    for (k, v) in map.entries() {
+        for e in ciliate::datapath::abi::expand_key(&k) {
+            *kinds
+                .entry((e.identity == 0, e.protocol, e.port_prefix_len, v.deny))
+                .or_insert(0) += 1;
+        }
+    }
+    kinds
+        .iter()
+        .map(|((any, p, len, deny), n)| {
+            format!(
+                "{} {}/{p}/{len}: {n}",
+                if *deny { "deny" } else { "allow" },
+                if *any { "any" } else { "id" }
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Datapath entries of a map (port ranges split into prefixes).
+fn datapath_entries(map: &ciliate::policy::mapstate::MapState) -> usize {
+    map.entries()
+        .iter()
+        .map(|(k, _)| ciliate::datapath::abi::expand_key(k).len())
+        .sum()
+}
+
+/// Issue #28's A/B: a new connection and an established packet against a plain endpoint's map
+/// and a tiered one, in one process, interleaved.
+fn tiered_map_ab(dp: &mut BpfDatapath, pins: &std::path::Path) {
+    use ciliate::policy::mapstate::{MapState, MapVerdict};
+    use ciliate::policy::rule::{Direction, PROTO_TCP};
+    const IDENTITIES: usize = 200;
+    let (plain, ids) = tier_bench_map(IDENTITIES, 0);
+    let (tiers, tiered) = [100, 50, 20, 10]
+        .into_iter()
+        .map(|t| (t, tier_bench_map(IDENTITIES, t).0))
+        .find(|(t, m)| {
+            let fits = datapath_entries(m) <= 16_384;
+            if !fits {
+                println!("cluster tiers: {t} ClusterNetworkPolicies: {} datapath entries, more than the map holds", datapath_entries(m));
+            }
+            fits
+        })
+        .expect("some number of tier policies fits the map");
+    println!(
+        "cluster tiers: over {IDENTITIES} identities, the map of 1,000 CNPs {} entries ({} datapath); with {tiers} ClusterNetworkPolicies of 25 rules too {} entries ({} datapath)",
+        plain.len(),
+        datapath_entries(&plain),
+        tiered.len(),
+        datapath_entries(&tiered)
+    );
+    println!(
+        "cluster tiers: entry kinds (allow|deny identity|any/protocol/port prefix length): plain {}; tiered {}",
+        entry_kinds(&plain),
+        entry_kinds(&tiered)
+    );
+    let flags = EndpointFlags {
+        ingress_default_deny: true,
+        ..Default::default()
+    };
+    // Peers at 10.97.N.M with the engine's identities (ids[i] at 10.97.i/256.i%256).
+    let peer = |i: usize| [10, 97, (i / 256) as u8, (i % 256) as u8];
+    for (i, id) in ids.iter().enumerate() {
+        let a = peer(i);
+        dp.upsert_ipcache(
+            format!("{}.{}.{}.{}/32", a[0], a[1], a[2], a[3])
+                .parse()
+                .unwrap(),
+            *id,
+        )
+        .unwrap();
+    }
+    let dst = [10, 99, 0, 2];
+    let mut samples: Vec<Vec<(Vec<u8>, Vec<u8>)>> = Vec::new();
+    for (ep, map) in [(21u16, &plain), (22u16, &tiered)] {
+        dp.attach_endpoint(&EndpointAttachment {
+            id: ep,
+            interface: None,
+            ips: vec![],
+            identity: 2,
+            mac: None,
+        })
+        .unwrap();
+        dp.sync_policy(ep, flags, &map.diff_from(&MapState::new()), true)
+            .unwrap();
+        // Up to 32 allowed (peer, TCP port) pairs of the map, spread over the peers.
+        let mut pairs = Vec::new();
+        for (i, id) in ids.iter().enumerate().step_by(7) {
+            for port in 1000..1050u16 {
+                if matches!(
+                    map.lookup(Direction::Ingress, *id, PROTO_TCP, port),
+                    MapVerdict::Allowed(_)
+                ) {
+                    let sport = 3000 + pairs.len() as u16;
+                    pairs.push((
+                        packet(peer(i), dst, sport, port, SYN),
+                        packet(peer(i), dst, sport, port, ACK),
+                    ));
+                    break;
+                }
+            }
+            if pairs.len() == 32 {
+                break;
+            }
+        }
+        assert!(
+            pairs.len() >= 8,
+            "endpoint {ep}: allowed pairs {}",
+            pairs.len()
+        );
+        samples.push(pairs);
+    }
+    let (mut s21, mut s22) = (MaybeUninit::uninit(), MaybeUninit::uninit());
+    let progs = [
+        load_program(&mut s21, pins, 21).unwrap(),
+        load_program(&mut s22, pins, 22).unwrap(),
+    ];
+    let run = |prog: &libbpf_rs::ProgramMut<'_>, pkt: &[u8], repeat: u32| {
+        let out = prog
+            .test_run(ProgramInput {
+                data_in: Some(pkt),
+                repeat,
+                ..Default::default()
+            })
+            .unwrap();
+        (out.return_value, out.duration.as_nanos() as f64)
+    };
+    const ROUNDS: usize = 7;
+    const RUNS: u32 = 20_000;
+    // Per endpoint: per round, the median over its pairs; new connection and established.
+    let mut syn: [Vec<f64>; 2] = Default::default();
+    let mut est: [Vec<f64>; 2] = Default::default();
+    for _ in 0..ROUNDS {
+        for k in 0..2 {
+            let prog = &progs[k].progs.to_container;
+            let mut s: Vec<f64> = Vec::new();
+            let mut e: Vec<f64> = Vec::new();
+            for (open, ack) in &samples[k] {
+                let (rc, ns) = run(prog, open, RUNS);
+                assert_eq!(rc, 0, "endpoint {}: allowed", 21 + k);
+                s.push(ns);
+                let (rc, ns) = run(prog, ack, RUNS);
+                assert_eq!(rc, 0);
+                e.push(ns);
+            }
+            for (v, out) in [(s, &mut syn[k]), (e, &mut est[k])] {
+                let mut v = v;
+                v.sort_by(|a, b| a.total_cmp(b));
+                out.push(v[v.len() / 2]);
+            }
+        }
+    }
+    let median = |v: &[f64]| {
+        let mut v = v.to_vec();
+        v.sort_by(|a, b| a.total_cmp(b));
+        v[v.len() / 2]
+    };
+    // The per-round difference, so both sides of a round share the machine's moment.
+    let diff = |v: &[Vec<f64>; 2]| {
+        let d: Vec<f64> = v[1].iter().zip(&v[0]).map(|(b, a)| b - a).collect();
+        let mut s = d.clone();
+        s.sort_by(|a, b| a.total_cmp(b));
+        (median(&d), s[0], s[s.len() - 1])
+    };
+    for (what, v) in [
+        ("new TCP connection, warm", &syn),
+        ("established flow", &est),
+    ] {
+        let (d, lo, hi) = diff(v);
+        println!(
+            "cluster tiers, {what}: plain {:.0} ns, tiered {:.0} ns per packet; tiered - plain {d:+.0} ns (median of {ROUNDS} rounds, range {lo:+.0} to {hi:+.0}; {} and {} peers)",
+            median(&v[0]),
+            median(&v[1]),
+            samples[0].len(),
+            samples[1].len()
+        );
+    }
+    drop(progs);
+    for ep in [21u16, 22] {
+        dp.detach_endpoint(ep).unwrap();
+    }
 }

@@ -826,8 +826,12 @@ pub fn compile(
                 let wider = &o.protocols[k][j].2;
                 let covered = wider.allow || wild || own_wild;
                 if c.allow {
-                    // The wider allow's own deciding rule covers it already.
-                    if !(wider.allow && wider.by == c.by) {
+                    // The wider allow's own deciding rule covers it already, or the identity's
+                    // own allow of every protocol does (the same rule: no entry of a new kind,
+                    // which would cost every new connection of the endpoint one more probe).
+                    let own_covers = own_wild && own.by == c.by;
+                    let wider_covers = wider.allow && wider.by == c.by;
+                    if !(own_covers || wider_covers) {
                         put(
                             &mut out.map,
                             key(*id, proto, lo, hi),
