@@ -150,17 +150,6 @@ fn main() {
 
     // New connections: 20,000 distinct packets (source ports), one run each, kernel-timed;
     // sorted nanoseconds per packet.
-    // One kernel-timed test run of `prog` on `pkt`, `repeat` times: (verdict, ns per run).
-    let run = |prog: &libbpf_rs::ProgramMut<'_>, pkt: &[u8], repeat: u32| {
-        let out = prog
-            .test_run(ProgramInput {
-                data_in: Some(pkt),
-                repeat,
-                ..Default::default()
-            })
-            .unwrap();
-        (out.return_value, out.duration.as_nanos() as f64)
-    };
     let new_connections = |src: &dyn Fn(u32) -> [u8; 4]| {
         let mut ns: Vec<f64> = (0..20_000u32)
             .map(|i| {
@@ -331,6 +320,18 @@ fn main() {
     let _ = std::fs::remove_dir_all(&root);
 }
 
+/// One kernel-timed test run of `prog` on `pkt`, `repeat` times: (verdict, ns per run).
+fn run(prog: &libbpf_rs::ProgramMut<'_>, pkt: &[u8], repeat: u32) -> (u32, f64) {
+    let out = prog
+        .test_run(ProgramInput {
+            data_in: Some(pkt),
+            repeat,
+            ..Default::default()
+        })
+        .unwrap();
+    (out.return_value, out.duration.as_nanos() as f64)
+}
+
 /// The engine of `resolve/selected_by_1000_rules` (`benches/policy.rs`) over `n` identities
 /// `x/app-N` (there 1,000): 1,000 CiliumNetworkPolicies selecting every pod of `x`, each
 /// allowing 5 of them on a TCP and a UDP port; and `tiers` ClusterNetworkPolicies on top, whose
@@ -493,16 +494,6 @@ fn tiered_map_ab(dp: &mut BpfDatapath, pins: &std::path::Path) {
         load_program(&mut s21, pins, 21).unwrap(),
         load_program(&mut s22, pins, 22).unwrap(),
     ];
-    let run = |prog: &libbpf_rs::ProgramMut<'_>, pkt: &[u8], repeat: u32| {
-        let out = prog
-            .test_run(ProgramInput {
-                data_in: Some(pkt),
-                repeat,
-                ..Default::default()
-            })
-            .unwrap();
-        (out.return_value, out.duration.as_nanos() as f64)
-    };
     const ROUNDS: usize = 7;
     const RUNS: u32 = 20_000;
     // Per endpoint: per round, the median over its pairs; new connection and established.

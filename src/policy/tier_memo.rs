@@ -254,22 +254,9 @@ mod tests {
     use super::*;
     use crate::policy::identity::IDENTITY_ANY;
     use crate::policy::mapstate::MapKey;
-    use crate::policy::rule::{Action, PolicyKey, PolicyKind, Section};
+    use crate::policy::rule::Action;
+    use crate::policy::tiers::tests::origin;
     use crate::policy::tiers::TierRule;
-
-    fn origin(name: &str) -> Arc<RuleOrigin> {
-        Arc::new(RuleOrigin {
-            policy: Arc::new(PolicyKey::new(
-                PolicyKind::CiliumNetworkPolicy,
-                Some("x"),
-                name,
-            )),
-            section: Section::Ingress,
-            path: "spec.ingress[0]".into(),
-            l7: false,
-            tier: None,
-        })
-    }
 
     fn rule(o: &Arc<RuleOrigin>, action: Action, peer: u32, port: u16) -> TierRule {
         TierRule {

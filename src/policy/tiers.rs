@@ -858,12 +858,13 @@ pub fn compile(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::policy::rule::{PolicyKey, PolicyKind, Section};
     use proptest::prelude::*;
 
-    fn origin(name: &str) -> Arc<RuleOrigin> {
+    /// An ingress rule of CiliumNetworkPolicy `x/name` (tests of this module and `tier_memo`).
+    pub(crate) fn origin(name: &str) -> Arc<RuleOrigin> {
         Arc::new(RuleOrigin {
             policy: Arc::new(PolicyKey::new(
                 PolicyKind::CiliumNetworkPolicy,
