@@ -21,7 +21,7 @@
 use std::mem::MaybeUninit;
 use std::time::Instant;
 
-use libbpf_rs::{MapCore, MapFlags, ProgramInput};
+use libbpf_rs::{MapCore, MapFlags};
 
 use ciliate::datapath::bpf::datapath::BpfDatapath;
 use ciliate::datapath::bpf::{ensure_bpffs, load_program, types, Pod, EP_INGRESS_DEFAULT_DENY};
@@ -30,7 +30,7 @@ use ciliate::policy::mapstate::MapDelta;
 
 #[path = "shared/packets.rs"]
 mod packets;
-use packets::{addr, allow_16k, fill_ipcache, packet, tcp_in, ACK, SYN};
+use packets::{addr, allow_16k, fill_ipcache, packet, tcp_in, timed_run as run, ACK, SYN};
 
 #[path = "shared/engine.rs"]
 mod engine;
@@ -318,18 +318,6 @@ fn main() {
     drop(unmanaged);
     drop(dp);
     let _ = std::fs::remove_dir_all(&root);
-}
-
-/// One kernel-timed test run of `prog` on `pkt`, `repeat` times: (verdict, ns per run).
-fn run(prog: &libbpf_rs::ProgramMut<'_>, pkt: &[u8], repeat: u32) -> (u32, f64) {
-    let out = prog
-        .test_run(ProgramInput {
-            data_in: Some(pkt),
-            repeat,
-            ..Default::default()
-        })
-        .unwrap();
-    (out.return_value, out.duration.as_nanos() as f64)
 }
 
 /// The engine of `resolve/selected_by_1000_rules` (`benches/policy.rs`) over `n` identities

@@ -33,9 +33,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use libbpf_rs::libbpf_sys;
-use libbpf_rs::{
-    AsRawLibbpf, MapCore, MapFlags, MapHandle, MapType, Object, ObjectBuilder, ProgramInput,
-};
+use libbpf_rs::{AsRawLibbpf, MapCore, MapFlags, MapHandle, MapType, Object, ObjectBuilder};
 
 use ciliate::datapath::bpf::datapath::BpfDatapath;
 use ciliate::datapath::bpf::ensure_bpffs;
@@ -275,14 +273,8 @@ fn run(obj: &Object, prog: &str, pkt: &[u8], repeat: u32) -> (i32, f64) {
         .progs_mut()
         .find(|p| p.name() == prog)
         .unwrap_or_else(|| panic!("the object has no program {prog}"));
-    let out = p
-        .test_run(ProgramInput {
-            data_in: Some(pkt),
-            repeat,
-            ..Default::default()
-        })
-        .unwrap();
-    (out.return_value as i32, out.duration.as_nanos() as f64)
+    let (verdict, ns) = packets::timed_run(&p, pkt, repeat);
+    (verdict as i32, ns)
 }
 
 /// The verifier's processed instructions and the translated size of one program.

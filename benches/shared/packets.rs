@@ -2,6 +2,8 @@
 //! packets, peer addresses and policy keys.
 #![allow(dead_code)]
 
+use libbpf_rs::ProgramInput;
+
 use ciliate::datapath::bpf::datapath::BpfDatapath;
 use ciliate::datapath::Datapath;
 use ciliate::policy::mapstate::MapKey;
@@ -54,4 +56,16 @@ pub fn fill_ipcache(dp: &mut BpfDatapath) {
         )
         .unwrap();
     }
+}
+
+/// One kernel-timed test run of `prog` on `pkt`, `repeat` times: (verdict, ns per run).
+pub fn timed_run(prog: &libbpf_rs::ProgramMut<'_>, pkt: &[u8], repeat: u32) -> (u32, f64) {
+    let out = prog
+        .test_run(ProgramInput {
+            data_in: Some(pkt),
+            repeat,
+            ..Default::default()
+        })
+        .unwrap();
+    (out.return_value, out.duration.as_nanos() as f64)
 }
