@@ -10,6 +10,12 @@ use serde_json::Value;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_ciliate");
 
+/// The binary the harness runs as the agent: `CILIATE_AGENT_BIN` when set (an A/B bench runs
+/// one bench binary against two builds, one after the other), else this build's.
+pub fn agent_bin() -> String {
+    std::env::var("CILIATE_AGENT_BIN").unwrap_or_else(|_| BIN.to_string())
+}
+
 pub struct Agent {
     pub child: Option<Child>,
     pub dir: PathBuf,
@@ -78,7 +84,7 @@ impl Agent {
     /// socket and debug address), for tests that change how the process starts (resource
     /// limits, umask, environment) or watch a start fail.
     pub fn command(dir: &Path, socket: &Path, debug: &str, args: &[&str]) -> Command {
-        let mut cmd = Command::new(BIN);
+        let mut cmd = Command::new(agent_bin());
         cmd.arg("agent");
         // node-1 unless the test names another node.
         if !args.contains(&"--node-name") {

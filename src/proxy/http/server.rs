@@ -29,7 +29,7 @@ use std::io::{self, Read, Write};
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -162,12 +162,73 @@ struct Proxy {
     batches: std::sync::mpsc::SyncSender<Vec<L7Record>>,
     /// Redirected client connections open now: (client address, server, client port).
     active: Mutex<HashSet<(IpAddr, SocketAddr, u16)>>,
-    /// Idle upstream connections.
-    pool: Mutex<Pool<UpKey, Sender>>,
-    /// Client connections parked since the last trim.
-    parked: AtomicU64,
+    /// The threads that serve client connections (`Shard`), and the next to take one.
+    shards: Vec<Arc<Shard>>,
+    next_shard: AtomicUsize,
     /// Client connections parked now.
     parked_now: AtomicU64,
+}
+
+/// One of the proxy's serving threads: a runtime of its own that a client connection lives
+/// on from its hand-off to its end, with the upstream connections its requests use (`pool`,
+/// one per thread), so that a request wakes no other thread. Accepting, the agent's link and
+/// the records stay on the process's main thread.
+struct Shard {
+    handle: tokio::runtime::Handle,
+    /// Idle upstream connections made on this thread.
+    pool: Mutex<Pool<UpKey, Sender>>,
+    /// Client connections parked on this thread since its last trim.
+    parked: AtomicU64,
+}
+
+impl Shard {
+    /// Starts the thread `n` and its runtime; every second it drops expired upstream
+    /// connections and, after parking, hands its heap's free memory back (a thread's own).
+    fn start(n: usize) -> io::Result<Arc<Shard>> {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        std::thread::Builder::new()
+            .name(format!("http-proxy-{n}"))
+            .spawn(move || {
+                let rt = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(rt) => rt,
+                    Err(e) => return drop(tx.send(Err(e))),
+                };
+                let shard = Arc::new(Shard {
+                    handle: rt.handle().clone(),
+                    pool: Mutex::new(Pool::new(POOL_MAX_IDLE, POOL_IDLE_TIMEOUT)),
+                    parked: AtomicU64::new(0),
+                });
+                if tx.send(Ok(shard.clone())).is_err() {
+                    return;
+                }
+                rt.block_on(async move {
+                    let mut tick = tokio::time::interval(Duration::from_secs(1));
+                    loop {
+                        tick.tick().await;
+                        lock(&shard.pool).sweep(Instant::now());
+                        if shard.parked.swap(0, Ordering::Relaxed) >= TRIM_AFTER_PARKED {
+                            crate::memory::release_free_memory();
+                        }
+                    }
+                })
+            })?;
+        rx.recv()
+            .map_err(|_| io::Error::other("the serving thread ended at its start"))?
+    }
+}
+
+/// Serving threads: one per core, at most `MAX_SHARDS` (the proxy shares the node's cores
+/// with the pods it serves; on a node of two, one thread left the other core idle a fifth of
+/// the time at the highest rate, `benches/http_proxy.rs` part 2).
+const MAX_SHARDS: usize = 4;
+
+fn shard_count() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, MAX_SHARDS)
 }
 
 /// What makes an upstream connection what it is (`pool`): the address it is made from (`None`:
@@ -175,7 +236,9 @@ struct Proxy {
 #[derive(Clone, PartialEq, Eq, Hash)]
 struct UpKey(Option<IpAddr>, SocketAddr, u32, bool);
 
-/// Parked connections (in one second) worth a trim of the heap.
+/// Parked connections (in one second, on one thread) worth a trim of that thread's heap: an
+/// allocator keeps freed memory resident until told, and many idle connections would
+/// otherwise hold the proxy at its busiest size.
 const TRIM_AFTER_PARKED: u64 = 64;
 
 /// Idle upstream connections kept per key, and for how long.
@@ -198,13 +261,10 @@ impl Proxy {
         keep_table(&self.state_dir, table);
     }
 
-    /// Hands the memory of the hyper connections parked since the last call back to the
-    /// system (an allocator keeps freed memory resident until told): many idle
-    /// connections would otherwise hold the proxy at its busiest size.
-    fn trim_after_parking(&self) {
-        if self.parked.swap(0, Ordering::Relaxed) >= TRIM_AFTER_PARKED {
-            crate::memory::release_free_memory();
-        }
+    /// The serving thread for the next client connection (round robin).
+    fn shard(&self) -> Arc<Shard> {
+        let n = self.next_shard.fetch_add(1, Ordering::Relaxed);
+        self.shards[n % self.shards.len()].clone()
     }
 
     /// Tells the agent what the proxy holds (dropped when the agent is not reading).
@@ -212,7 +272,7 @@ impl Proxy {
         let stats = super::ProxyStats {
             connections,
             parked: self.parked_now.load(Ordering::Relaxed),
-            upstream_idle: lock(&self.pool).len() as u64,
+            upstream_idle: self.shards.iter().map(|s| lock(&s.pool).len() as u64).sum(),
             records_dropped: self.records_dropped.load(Ordering::Relaxed),
         };
         self.send_now(&FromProxy::Stats(stats));
@@ -462,9 +522,10 @@ pub fn run(opts: ProxyOptions) -> Result<(), ProxyError> {
             ))
         }
     };
-    // One thread: a request's client connection, its judging and its upstream connection are
-    // tasks of one thread, so a request costs no wake-up across threads (on a small node those
-    // cost more than the proxy's own work).
+    // This thread accepts, links to the agent and batches records; each client connection is
+    // handed to a serving thread (`Shard`) where its requests, their judging and their upstream
+    // connections are tasks of that one thread, so a request costs no wake-up across threads
+    // (on a small node those cost more than the proxy's own work).
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -531,8 +592,11 @@ async fn serve(
         pending_ready: tokio::sync::Notify::new(),
         batches,
         active: Mutex::new(HashSet::new()),
-        pool: Mutex::new(Pool::new(POOL_MAX_IDLE, POOL_IDLE_TIMEOUT)),
-        parked: AtomicU64::new(0),
+        shards: (0..shard_count())
+            .map(Shard::start)
+            .collect::<io::Result<_>>()
+            .map_err(setup("start the serving threads"))?,
+        next_shard: AtomicUsize::new(0),
         parked_now: AtomicU64::new(0),
     });
     proxy.set_table(&kept_table(&opts.state_dir));
@@ -618,8 +682,6 @@ async fn serve(
             _ = tokio::signal::ctrl_c() => break false,
             _ = &mut handed_rx => break true,
             _ = tick.tick() => {
-                lock(&proxy.pool).sweep(Instant::now());
-                proxy.trim_after_parking();
                 proxy.send_stats(*live.borrow() as u64);
                 if !opts.state_dir.exists() || !opts.pins.join("l7_proxy").exists() {
                     tracing::info!("HTTP proxy: its state directory or maps are gone; exiting");
@@ -670,8 +732,16 @@ async fn accept_loop(
                 let Ok((s, peer)) = r else { continue };
                 let Ok(local) = s.local_addr() else { continue };
                 let _ = s.set_nodelay(true);
-                let c = Conn::new(proxy.clone(), egress, peer, local);
-                tokio::spawn(c.run(s, Live::new(&live), stop.clone()));
+                let Ok(s) = s.into_std() else { continue };
+                let (proxy, live, stop) = (proxy.clone(), Live::new(&live), stop.clone());
+                let shard = proxy.shard();
+                // Registered with the serving thread's runtime, where the connection lives.
+                shard.handle.clone().spawn(async move {
+                    match TcpStream::from_std(s) {
+                        Ok(s) => Conn::new(proxy, shard, egress, peer, local).run(s, live, stop).await,
+                        Err(e) => tracing::warn!(error = %e, client = %peer, "HTTP proxy: could not serve a connection"),
+                    }
+                });
             }
         }
     }
@@ -680,6 +750,8 @@ async fn accept_loop(
 /// One redirected connection.
 struct Conn {
     proxy: Arc<Proxy>,
+    /// The thread it lives on (its upstream connections come from that thread's pool).
+    shard: Arc<Shard>,
     egress: bool,
     /// The client (the pod for egress) and the server it asked for.
     client: SocketAddr,
@@ -775,11 +847,18 @@ type Answer = std::pin::Pin<
 >;
 
 impl Conn {
-    fn new(proxy: Arc<Proxy>, egress: bool, client: SocketAddr, server: SocketAddr) -> Arc<Conn> {
+    fn new(
+        proxy: Arc<Proxy>,
+        shard: Arc<Shard>,
+        egress: bool,
+        client: SocketAddr,
+        server: SocketAddr,
+    ) -> Arc<Conn> {
         let peer = if egress { server.ip() } else { client.ip() };
         let peer_identity = proxy.ipcache.identity(peer);
         Arc::new(Conn {
             proxy,
+            shard,
             egress,
             client,
             server,
@@ -932,7 +1011,7 @@ impl Conn {
                 tracing::warn!(client = %self.client, "HTTP proxy: bytes read past an idle connection's end; closed");
                 return;
             }
-            self.proxy.parked.fetch_add(1, Ordering::Relaxed);
+            self.shard.parked.fetch_add(1, Ordering::Relaxed);
             // Parked: the socket alone waits for the next request (or the client's close).
             let _parked = ParkedNow::new(&self.proxy);
             tokio::select! {
@@ -1065,7 +1144,7 @@ impl Conn {
         loop {
             let kept = match upgrade {
                 true => None,
-                false => lock(&self.proxy.pool).checkout(&key, Instant::now()),
+                false => lock(&self.shard.pool).checkout(&key, Instant::now()),
             };
             let fresh = kept.is_none();
             let sender = match kept {
@@ -1079,13 +1158,13 @@ impl Conn {
                         .as_ref()
                         .is_ok_and(|r| r.status() != StatusCode::SWITCHING_PROTOCOLS);
                     if reusable && !upgrade {
-                        lock(&self.proxy.pool).checkin(key.clone(), Sender::H1(s), Instant::now());
+                        lock(&self.shard.pool).checkin(key.clone(), Sender::H1(s), Instant::now());
                     }
                     r
                 }
                 Sender::H2(mut s) => {
                     if fresh {
-                        lock(&self.proxy.pool).checkin(
+                        lock(&self.shard.pool).checkin(
                             key.clone(),
                             Sender::H2(s.clone()),
                             Instant::now(),
