@@ -19,6 +19,7 @@ pub mod pool;
 pub mod request;
 pub mod server;
 pub mod sni;
+pub mod spin;
 pub mod state;
 pub mod table;
 pub mod upstream;

@@ -48,6 +48,7 @@ use super::park::{Counted, Exchanges, Parking};
 use super::pool::{Pool, Pooled};
 use super::request::{self, Headers, Prepared};
 use super::sni::{client_hello, Hello, MAX_HELLO};
+use super::spin::Spin;
 use super::upstream::{self, Conntrack, Upstream};
 use super::{FromProxy, Index, IndexedGrant, L7Record, ProxyTable, RuleCache, ToProxy};
 use crate::datapath::events::HttpFields;
@@ -179,6 +180,8 @@ struct Shard {
     pool: Mutex<Pool<UpKey, Sender>>,
     /// Client connections parked on this thread since its last trim.
     parked: AtomicU64,
+    /// Its requests waiting upstream, polled for without sleeping while that pays (`spin`).
+    spin: Arc<Spin>,
 }
 
 impl Shard {
@@ -200,7 +203,9 @@ impl Shard {
                     handle: rt.handle().clone(),
                     pool: Mutex::new(Pool::new(POOL_MAX_IDLE, POOL_IDLE_TIMEOUT)),
                     parked: AtomicU64::new(0),
+                    spin: Arc::new(Spin::default()),
                 });
+                rt.spawn(shard.spin.clone().run());
                 if tx.send(Ok(shard.clone())).is_err() {
                     return;
                 }
@@ -1153,7 +1158,11 @@ impl Conn {
             };
             let sent = match sender {
                 Sender::H1(mut s) => {
+                    let waiting = self.shard.spin.wait();
                     let r = s.try_send_request(req).await;
+                    if r.is_ok() {
+                        waiting.answered();
+                    }
                     let reusable = r
                         .as_ref()
                         .is_ok_and(|r| r.status() != StatusCode::SWITCHING_PROTOCOLS);
@@ -1170,7 +1179,12 @@ impl Conn {
                             Instant::now(),
                         );
                     }
-                    s.try_send_request(req).await
+                    let waiting = self.shard.spin.wait();
+                    let r = s.try_send_request(req).await;
+                    if r.is_ok() {
+                        waiting.answered();
+                    }
+                    r
                 }
             };
             match sent {
