@@ -152,9 +152,13 @@ impl Datapath for MemoryDatapath {
             .endpoints
             .get_mut(&id)
             .ok_or(DatapathError::UnknownEndpoint(id))?;
-        // Work on a copy so a failed sync leaves nothing half-applied.
+        // As the BPF datapath: in place (taken, put back below) when the change fits whatever
+        // it holds; else on a copy, so a failed sync leaves nothing half-applied.
+        let in_place = !replace && ep.table.len_bound_after(delta) <= capacity;
         let mut table = if replace {
             EntryTable::new()
+        } else if in_place {
+            std::mem::take(&mut ep.table)
         } else {
             ep.table.clone()
         };
