@@ -111,12 +111,29 @@ struct Slot {
 /// kept inline (a heap allocation per such peer was a third of a resolve's instructions).
 type Slots = SmallVec<[Slot; 2]>;
 
-/// All entries of one endpoint, grouped by (direction, identity) so a lookup probes two groups.
+/// One direction's entries, grouped by peer identity so a lookup probes two groups.
+type Groups = HashMap<NumericIdentity, Slots>;
+
+/// All entries of one endpoint: each direction's groups shared copy-on-write, so a direction
+/// compiled once for many endpoints (cluster tiers, `replace_direction_from`) or a map kept as
+/// realized is held, not copied, and two maps sharing a direction compare it at once.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct MapState {
-    groups: HashMap<(Direction, NumericIdentity), Slots>,
-    len: usize,
+    /// Ingress, egress (`slot`).
+    dirs: [Arc<Groups>; 2],
+    /// Entries per direction.
+    lens: [usize; 2],
 }
+
+/// The index of direction `d` in `MapState::dirs`.
+fn slot(d: Direction) -> usize {
+    match d {
+        Direction::Ingress => 0,
+        Direction::Egress => 1,
+    }
+}
+
+const DIRECTIONS: [Direction; 2] = [Direction::Ingress, Direction::Egress];
 
 /// The entries that decided a lookup.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -154,6 +171,19 @@ impl MapState {
         Self::default()
     }
 
+    fn dir(&self, d: Direction) -> &Groups {
+        &self.dirs[slot(d)]
+    }
+
+    /// Direction `d`'s groups to change (copied first if another map shares them).
+    fn dir_mut(&mut self, d: Direction) -> &mut Groups {
+        Arc::make_mut(&mut self.dirs[slot(d)])
+    }
+
+    fn group(&self, d: Direction, identity: NumericIdentity) -> Option<&Slots> {
+        self.dir(d).get(&identity)
+    }
+
     /// Adds an entry. The same key from several rules merges: deny replaces allow, and the
     /// entry remembers every rule of the winning kind.
     pub fn insert(&mut self, key: MapKey, deny: bool, origin: &Arc<RuleOrigin>) {
@@ -169,10 +199,7 @@ impl MapState {
         origin: &Arc<RuleOrigin>,
         rules: Option<&Arc<L7PortRules>>,
     ) {
-        let slots = self
-            .groups
-            .entry((key.direction, key.identity))
-            .or_default();
+        let slots = self.dir_mut(key.direction).entry(key.identity).or_default();
         if let Some(s) = slots.iter_mut().find(|s| {
             s.protocol == key.protocol && s.port_lo == key.port_lo && s.port_hi == key.port_hi
         }) {
@@ -206,7 +233,7 @@ impl MapState {
             port_hi: key.port_hi,
             entry,
         });
-        self.len += 1;
+        self.lens[slot(key.direction)] += 1;
     }
 
     /// Decides a packet to/from `identity` on `protocol`/`port` by the entries alone.
@@ -224,7 +251,7 @@ impl MapState {
             &[identity, IDENTITY_ANY]
         };
         for id in ids {
-            let Some(slots) = self.groups.get(&(direction, *id)) else {
+            let Some(slots) = self.group(direction, *id) else {
                 continue;
             };
             for s in slots {
@@ -264,7 +291,7 @@ impl MapState {
             &[identity, IDENTITY_ANY]
         };
         for id in ids {
-            for s in self.groups.get(&(direction, *id)).into_iter().flatten() {
+            for s in self.group(direction, *id).into_iter().flatten() {
                 if (s.protocol == 0 || s.protocol == protocol)
                     && s.port_lo <= port
                     && port <= s.port_hi
@@ -280,8 +307,7 @@ impl MapState {
     }
 
     pub fn get(&self, key: &MapKey) -> Option<&MapEntry> {
-        self.groups
-            .get(&(key.direction, key.identity))?
+        self.group(key.direction, key.identity)?
             .iter()
             .find(|s| {
                 s.protocol == key.protocol && s.port_lo == key.port_lo && s.port_hi == key.port_hi
@@ -291,14 +317,14 @@ impl MapState {
 
     /// Every entry, sorted by key.
     pub fn entries(&self) -> Vec<(MapKey, &MapEntry)> {
-        let mut out: Vec<(MapKey, &MapEntry)> = self
-            .groups
+        let mut out: Vec<(MapKey, &MapEntry)> = DIRECTIONS
             .iter()
-            .flat_map(|((direction, identity), slots)| {
+            .flat_map(|d| self.dir(*d).iter().map(move |g| (*d, g)))
+            .flat_map(|(direction, (identity, slots))| {
                 slots.iter().map(move |s| {
                     (
                         MapKey {
-                            direction: *direction,
+                            direction,
                             identity: *identity,
                             protocol: s.protocol,
                             port_lo: s.port_lo,
@@ -314,28 +340,29 @@ impl MapState {
     }
 
     pub fn len(&self) -> usize {
-        self.len
+        self.lens[0] + self.lens[1]
     }
 
     /// Whether any entry sends its traffic to the HTTP proxy.
     pub fn any_redirect(&self) -> bool {
-        self.groups
-            .values()
+        self.dirs
+            .iter()
+            .flat_map(|g| g.values())
             .any(|slots| slots.iter().any(|s| s.entry.redirect()))
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.len() == 0
     }
 
     /// The entries of the peer identities `peers` alone (both directions).
     pub fn of_peers(&self, peers: &std::collections::BTreeSet<NumericIdentity>) -> MapState {
         let mut out = MapState::new();
-        for d in [Direction::Ingress, Direction::Egress] {
+        for d in DIRECTIONS {
             for id in peers {
-                if let Some(slots) = self.groups.get(&(d, *id)) {
-                    out.len += slots.len();
-                    out.groups.insert((d, *id), slots.clone());
+                if let Some(slots) = self.group(d, *id) {
+                    out.lens[slot(d)] += slots.len();
+                    out.dir_mut(d).insert(*id, slots.clone());
                 }
             }
         }
@@ -358,8 +385,7 @@ impl MapState {
         d: Direction,
         identity: NumericIdentity,
     ) -> impl Iterator<Item = (u8, u16, u16)> + '_ {
-        self.groups
-            .get(&(d, identity))
+        self.group(d, identity)
             .into_iter()
             .flatten()
             .map(|s| (s.protocol, s.port_lo, s.port_hi))
@@ -370,52 +396,39 @@ impl MapState {
         &self,
         d: Direction,
     ) -> impl Iterator<Item = (NumericIdentity, Vec<(u8, u16, u16)>)> + '_ {
-        self.groups
-            .iter()
-            .filter(move |((dir, _), _)| *dir == d)
-            .map(|((_, id), slots)| {
-                (
-                    *id,
-                    slots
-                        .iter()
-                        .map(|s| (s.protocol, s.port_lo, s.port_hi))
-                        .collect(),
-                )
-            })
+        self.dir(d).iter().map(|(id, slots)| {
+            (
+                *id,
+                slots
+                    .iter()
+                    .map(|s| (s.protocol, s.port_lo, s.port_hi))
+                    .collect(),
+            )
+        })
     }
 
-    /// The entries of direction `d` alone.
+    /// The entries of direction `d` alone (shared, not copied).
     pub fn direction_part(&self, d: Direction) -> MapState {
-        let groups: HashMap<_, _> = self
-            .groups
-            .iter()
-            .filter(|((dir, _), _)| *dir == d)
-            .map(|(k, v)| (*k, v.clone()))
-            .collect();
-        let len = groups.values().map(|s: &Slots| s.len()).sum();
-        MapState { groups, len }
+        let mut out = MapState::new();
+        out.dirs[slot(d)] = self.dirs[slot(d)].clone();
+        out.lens[slot(d)] = self.lens[slot(d)];
+        out
     }
 
     /// Whether the entries of direction `d` are the same in both, each identity's in the same
     /// order (what a lookup finds first, hence what it explains, is the same too).
     pub fn same_direction(&self, other: &MapState, d: Direction) -> bool {
-        let count = |m: &MapState| m.groups.keys().filter(|(dir, _)| *dir == d).count();
-        count(self) == count(other)
-            && self
-                .groups
-                .iter()
-                .filter(|((dir, _), _)| *dir == d)
-                .all(|(k, v)| other.groups.get(k) == Some(v))
+        let (a, b) = (&self.dirs[slot(d)], &other.dirs[slot(d)]);
+        Arc::ptr_eq(a, b) || a == b
     }
 
     /// A hash of the keys and kinds of direction `d`'s entries, whatever the groups' order
     /// (`same_direction` decides; this only narrows the candidates).
     pub fn direction_fingerprint(&self, d: Direction) -> u64 {
         use std::hash::{Hash, Hasher};
-        self.groups
+        self.dir(d)
             .iter()
-            .filter(|((dir, _), _)| *dir == d)
-            .map(|((_, id), slots)| {
+            .map(|(id, slots)| {
                 let mut h = rustc_hash::FxHasher::default();
                 id.hash(&mut h);
                 for s in slots {
@@ -426,17 +439,11 @@ impl MapState {
             .fold(0u64, u64::wrapping_add)
     }
 
-    /// Replaces every entry of direction `d` by copies of those of `part` of that direction
-    /// (`part` is shared: a compilation of the tiers other endpoints use too).
+    /// Replaces every entry of direction `d` by those of `part` of that direction, shared
+    /// (`part` is a compilation of the tiers other endpoints use too).
     pub fn replace_direction_from(&mut self, d: Direction, part: &MapState) {
-        self.groups.retain(|(dir, _), _| *dir != d);
-        self.groups.extend(
-            part.groups
-                .iter()
-                .filter(|((dir, _), _)| *dir == d)
-                .map(|(k, v)| (*k, v.clone())),
-        );
-        self.len = self.groups.values().map(|s| s.len()).sum();
+        self.dirs[slot(d)] = part.dirs[slot(d)].clone();
+        self.lens[slot(d)] = part.lens[slot(d)];
     }
 
     /// Replaces the entries of `peers` by those of `part` (which holds no others).
@@ -445,15 +452,21 @@ impl MapState {
         peers: &std::collections::BTreeSet<NumericIdentity>,
         part: MapState,
     ) {
-        for d in [Direction::Ingress, Direction::Egress] {
+        let MapState { dirs, lens } = part;
+        for (d, added) in DIRECTIONS.into_iter().zip(dirs) {
+            let groups = self.dir_mut(d);
+            let mut removed = 0;
             for id in peers {
-                if let Some(old) = self.groups.remove(&(d, *id)) {
-                    self.len -= old.len();
+                if let Some(old) = groups.remove(id) {
+                    removed += old.len();
                 }
             }
+            match Arc::try_unwrap(added) {
+                Ok(g) => groups.extend(g),
+                Err(shared) => groups.extend(shared.iter().map(|(k, v)| (*k, v.clone()))),
+            }
+            self.lens[slot(d)] = self.lens[slot(d)] - removed + lens[slot(d)];
         }
-        self.len += part.len;
-        self.groups.extend(part.groups);
     }
 
     /// The changes that turn `realized` into `self`, upserts and deletes sorted by key (only
@@ -461,18 +474,22 @@ impl MapState {
     pub fn diff_from(&self, realized: &MapState) -> MapDelta {
         let mut delta = MapDelta::default();
         let mut changed: Vec<(MapKey, &MapEntry)> = Vec::new();
-        for (&(direction, identity), slots) in &self.groups {
-            let old = realized.groups.get(&(direction, identity));
-            for s in slots {
-                let same = old
-                    .and_then(|o| o.iter().find(|o| o.same_ports(s)))
-                    .is_some_and(|o| {
-                        o.entry.deny == s.entry.deny
-                            && o.entry.derived_from == s.entry.derived_from
-                            && o.entry.redirect() == s.entry.redirect()
-                    });
-                if !same {
-                    changed.push((s.key(direction, identity), &s.entry));
+        // A direction both share is the same: nothing of it changed.
+        let differ = |d: Direction| !Arc::ptr_eq(&self.dirs[slot(d)], &realized.dirs[slot(d)]);
+        for direction in DIRECTIONS.into_iter().filter(|d| differ(*d)) {
+            for (&identity, slots) in self.dir(direction) {
+                let old = realized.group(direction, identity);
+                for s in slots {
+                    let same = old
+                        .and_then(|o| o.iter().find(|o| o.same_ports(s)))
+                        .is_some_and(|o| {
+                            o.entry.deny == s.entry.deny
+                                && o.entry.derived_from == s.entry.derived_from
+                                && o.entry.redirect() == s.entry.redirect()
+                        });
+                    if !same {
+                        changed.push((s.key(direction, identity), &s.entry));
+                    }
                 }
             }
         }
@@ -498,11 +515,13 @@ impl MapState {
             });
             delta.cookies.insert(k, cookie);
         }
-        for (&(direction, identity), slots) in &realized.groups {
-            let now = self.groups.get(&(direction, identity));
-            for s in slots {
-                if !now.is_some_and(|n| n.iter().any(|n| n.same_ports(s))) {
-                    delta.deletes.push(s.key(direction, identity));
+        for direction in DIRECTIONS.into_iter().filter(|d| differ(*d)) {
+            for (&identity, slots) in realized.dir(direction) {
+                let now = self.group(direction, identity);
+                for s in slots {
+                    if !now.is_some_and(|n| n.iter().any(|n| n.same_ports(s))) {
+                        delta.deletes.push(s.key(direction, identity));
+                    }
                 }
             }
         }
