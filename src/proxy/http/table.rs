@@ -18,6 +18,11 @@ use crate::policy::rule::Direction;
 /// The entries of `map` the proxy needs (empty: the endpoint has no L7 rule), with the L7
 /// parts they refer to.
 pub fn proxy_entries(map: &MapState) -> (Vec<TableEntry>, Vec<L7PortRules>) {
+    // Most endpoints have no L7 rule: no entry redirects, none goes to the proxy (a scan, not
+    // the sorted copy of every entry below).
+    if !map.any_redirect() {
+        return (Vec::new(), Vec::new());
+    }
     let all = map.entries();
     // Port ranges of redirecting entries, per direction.
     let mut redirected: [Vec<(u16, u16)>; 2] = [vec![], vec![]];
