@@ -117,10 +117,11 @@ type Groups = HashMap<NumericIdentity, Slots>;
 /// All entries of one endpoint: each direction's groups shared copy-on-write, so a direction
 /// compiled once for many endpoints (cluster tiers, `replace_direction_from`) or a map kept as
 /// realized is held, not copied, and two maps sharing a direction compare it at once.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default)]
 pub struct MapState {
-    /// Ingress, egress (`slot`).
-    dirs: [Arc<Groups>; 2],
+    /// Ingress, egress (`slot`); `None` until the first entry (an empty map allocates
+    /// nothing: most resolves select no rule).
+    dirs: [Option<Arc<Groups>>; 2],
     /// Entries per direction.
     lens: [usize; 2],
 }
@@ -134,6 +135,26 @@ fn slot(d: Direction) -> usize {
 }
 
 const DIRECTIONS: [Direction; 2] = [Direction::Ingress, Direction::Egress];
+
+/// The groups of a direction without entries.
+static EMPTY: Groups = HashMap::with_hasher(rustc_hash::FxBuildHasher);
+
+/// Both hold the same groups (or none).
+fn shared(a: &Option<Arc<Groups>>, b: &Option<Arc<Groups>>) -> bool {
+    match (a, b) {
+        (None, None) => true,
+        (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+        _ => false,
+    }
+}
+
+impl PartialEq for MapState {
+    fn eq(&self, other: &MapState) -> bool {
+        DIRECTIONS.iter().all(|d| self.same_direction(other, *d))
+    }
+}
+
+impl Eq for MapState {}
 
 /// The entries that decided a lookup.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -172,12 +193,12 @@ impl MapState {
     }
 
     fn dir(&self, d: Direction) -> &Groups {
-        &self.dirs[slot(d)]
+        self.dirs[slot(d)].as_deref().unwrap_or(&EMPTY)
     }
 
     /// Direction `d`'s groups to change (copied first if another map shares them).
     fn dir_mut(&mut self, d: Direction) -> &mut Groups {
-        Arc::make_mut(&mut self.dirs[slot(d)])
+        Arc::make_mut(self.dirs[slot(d)].get_or_insert_with(Default::default))
     }
 
     fn group(&self, d: Direction, identity: NumericIdentity) -> Option<&Slots> {
@@ -345,9 +366,9 @@ impl MapState {
 
     /// Whether any entry sends its traffic to the HTTP proxy.
     pub fn any_redirect(&self) -> bool {
-        self.dirs
+        DIRECTIONS
             .iter()
-            .flat_map(|g| g.values())
+            .flat_map(|d| self.dir(*d).values())
             .any(|slots| slots.iter().any(|s| s.entry.redirect()))
     }
 
@@ -418,8 +439,7 @@ impl MapState {
     /// Whether the entries of direction `d` are the same in both, each identity's in the same
     /// order (what a lookup finds first, hence what it explains, is the same too).
     pub fn same_direction(&self, other: &MapState, d: Direction) -> bool {
-        let (a, b) = (&self.dirs[slot(d)], &other.dirs[slot(d)]);
-        Arc::ptr_eq(a, b) || a == b
+        shared(&self.dirs[slot(d)], &other.dirs[slot(d)]) || self.dir(d) == other.dir(d)
     }
 
     /// A hash of the keys and kinds of direction `d`'s entries, whatever the groups' order
@@ -461,9 +481,10 @@ impl MapState {
                     removed += old.len();
                 }
             }
-            match Arc::try_unwrap(added) {
-                Ok(g) => groups.extend(g),
-                Err(shared) => groups.extend(shared.iter().map(|(k, v)| (*k, v.clone()))),
+            match added.map(Arc::try_unwrap) {
+                None => {}
+                Some(Ok(g)) => groups.extend(g),
+                Some(Err(shared)) => groups.extend(shared.iter().map(|(k, v)| (*k, v.clone()))),
             }
             self.lens[slot(d)] = self.lens[slot(d)] - removed + lens[slot(d)];
         }
@@ -475,7 +496,7 @@ impl MapState {
         let mut delta = MapDelta::default();
         let mut changed: Vec<(MapKey, &MapEntry)> = Vec::new();
         // A direction both share is the same: nothing of it changed.
-        let differ = |d: Direction| !Arc::ptr_eq(&self.dirs[slot(d)], &realized.dirs[slot(d)]);
+        let differ = |d: Direction| !shared(&self.dirs[slot(d)], &realized.dirs[slot(d)]);
         for direction in DIRECTIONS.into_iter().filter(|d| differ(*d)) {
             for (&identity, slots) in self.dir(direction) {
                 let old = realized.group(direction, identity);
