@@ -12,7 +12,9 @@
 //! It pays only when answers come within the budget: `Gate` keeps how often the last ones did
 //! (a moving average), and the thread spins only while at least half did. Behind slow
 //! servers (milliseconds) it stops at once, and the proxy sleeps as before: no CPU burnt on
-//! waits it cannot shorten.
+//! waits it cannot shorten. The spinner starts when a thread's first request goes upstream;
+//! while a slow one waits (a long poll), later requests of that thread wait asleep, as without
+//! spinning.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
