@@ -272,10 +272,10 @@ impl Journal {
             // reallocated (and copied) at the same message count, so one policy change paid
             // for 1,000 of them at once (a 2-3x slower change, twice in the agent bench).
             if inner.records.capacity() < JOURNAL_CAPACITY {
-                let (r, d) = (&mut inner.records, JOURNAL_CAPACITY);
-                r.reserve_exact(d - r.len());
-                let dur = &mut inner.durations_us;
-                dur.reserve_exact(d - dur.len());
+                let missing = JOURNAL_CAPACITY - inner.records.len();
+                inner.records.reserve_exact(missing);
+                let missing = JOURNAL_CAPACITY - inner.durations_us.len();
+                inner.durations_us.reserve_exact(missing);
             }
             if inner.records.len() == JOURNAL_CAPACITY {
                 inner.records.pop_front();

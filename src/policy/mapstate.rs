@@ -474,6 +474,10 @@ impl MapState {
     ) {
         let MapState { dirs, lens } = part;
         for (d, added) in DIRECTIONS.into_iter().zip(dirs) {
+            // A direction neither part nor peers touch stays shared (not copied).
+            if added.is_none() && !peers.iter().any(|id| self.group(d, *id).is_some()) {
+                continue;
+            }
             let groups = self.dir_mut(d);
             let mut removed = 0;
             for id in peers {

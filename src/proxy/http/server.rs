@@ -1158,11 +1158,7 @@ impl Conn {
             };
             let sent = match sender {
                 Sender::H1(mut s) => {
-                    let waiting = self.shard.spin.wait();
-                    let r = s.try_send_request(req).await;
-                    if r.is_ok() {
-                        waiting.answered();
-                    }
+                    let r = self.shard.spin.answer(s.try_send_request(req)).await;
                     let reusable = r
                         .as_ref()
                         .is_ok_and(|r| r.status() != StatusCode::SWITCHING_PROTOCOLS);
@@ -1179,12 +1175,7 @@ impl Conn {
                             Instant::now(),
                         );
                     }
-                    let waiting = self.shard.spin.wait();
-                    let r = s.try_send_request(req).await;
-                    if r.is_ok() {
-                        waiting.answered();
-                    }
-                    r
+                    self.shard.spin.answer(s.try_send_request(req)).await
                 }
             };
             match sent {

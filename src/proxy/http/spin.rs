@@ -81,6 +81,20 @@ impl Spin {
         }
     }
 
+    /// Sends a request upstream (`send`: its answer's head, or its failure) counted as
+    /// waiting (`wait`); an answer counts toward the gate.
+    pub async fn answer<T, E>(
+        &self,
+        send: impl std::future::Future<Output = Result<T, E>>,
+    ) -> Result<T, E> {
+        let waiting = self.wait();
+        let r = send.await;
+        if r.is_ok() {
+            waiting.answered();
+        }
+        r
+    }
+
     /// The spinner, a task of the serving thread's runtime: told to start, it yields (keeping
     /// the thread polling its sockets) while a request waits, for at most `BUDGET`.
     pub async fn run(self: Arc<Self>) {
