@@ -145,11 +145,14 @@ fn bench_resolve(c: &mut Criterion) {
     );
     // Cold: every resolution compiles the tiers (the first endpoint of its kind); warm: the
     // tiers' compilation is shared (`policy::tier_memo`) with an endpoint resolved before.
+    // One resolution per batch: criterion keeps a batch's results until its end, and hundreds
+    // of 34,000-entry maps alive at once made the figure one of fresh pages (the agent drops
+    // an endpoint's previous map once the new one is in place).
     c.bench_function("resolve/tiers_100x25_plus_1000_cnp", |b| {
         b.iter_batched(
             || engine.clear_tier_memo(),
             |()| black_box(engine.resolve(black_box(&view))),
-            criterion::BatchSize::SmallInput,
+            criterion::BatchSize::PerIteration,
         )
     });
     c.bench_function("resolve/tiers_100x25_plus_1000_cnp_shared", |b| {

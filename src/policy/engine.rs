@@ -9,6 +9,7 @@ use std::net::IpAddr;
 use std::sync::Arc;
 
 use ipnet::IpNet;
+use smallvec::SmallVec;
 
 use super::identity::{
     Allocation, IdentityAllocator, IdentityInfo, NumericIdentity, IDENTITY_ANY, IDENTITY_HOST,
@@ -320,6 +321,9 @@ pub struct PolicyEngine {
     /// Tier compilations shared between endpoints of the same inputs (`tier_memo`): a cache,
     /// keyed by the inputs themselves, so no change to the engine has to invalidate it.
     tier_memo: super::tier_memo::CompileMemo,
+    /// Tier rules' peer identities shared between endpoints (`tier_memo::PeerLists`): a
+    /// cache, keyed by selection stamps, so no change to the engine has to invalidate it.
+    peer_lists: super::tier_memo::PeerLists,
 }
 
 impl Default for PolicyEngine {
@@ -341,6 +345,7 @@ impl PolicyEngine {
             node_labels: BTreeMap::new(),
             nodes_rules: Vec::new(),
             tier_memo: Default::default(),
+            peer_lists: Default::default(),
             allow_localhost: Arc::new(RuleOrigin {
                 policy: Arc::new(PolicyKey::new(PolicyKind::Builtin, None, "allow-localhost")),
                 section: Section::Ingress,
@@ -366,8 +371,9 @@ impl PolicyEngine {
         self.tier_memo.stats()
     }
 
-    /// Forgets the shared tier compilations (benchmarks of a cold resolution).
+    /// Forgets the shared tier compilations and peer lists (benchmarks of a cold resolution).
     pub fn clear_tier_memo(&self) {
+        self.peer_lists.clear();
         self.tier_memo.clear()
     }
 
@@ -993,8 +999,10 @@ impl PolicyEngine {
                 .iter()
                 .any(|pr| pr.origin.section == Section::Egress && pr.has_fqdn_peers())
         });
+        // No tier policy is among the NetworkPolicy tier's; the rules of one are in a row.
+        let np_tier = out.selected_by.len();
         for r in &tiered {
-            if !out.selected_by.contains(&r.policy) {
+            if out.selected_by[np_tier..].last() != Some(&r.policy) {
                 out.selected_by.push(r.policy.clone());
             }
         }
@@ -1064,18 +1072,24 @@ impl PolicyEngine {
             Peers::Any => Vec::new(),
             Peers::Selectors(s) => s.iter().map(Arc::as_ptr).collect(),
         };
-        let mut ids = match memo.peers.get(&key) {
+        let shared = match memo.peers.get(&key) {
             Some(ids) => ids.clone(),
             None => {
-                let (ids, _) = self.peer_rule_identities(pr, &[]);
+                let ids = self.shared_peer_ids(pr);
                 memo.peers.insert(key, ids.clone());
                 ids
             }
         };
         let action = pr.action.unwrap_or(super::rule::Action::Deny);
-        let mut partly_denied = self.networks_inside(pr, action, &mut ids, &mut memo.covers, notes);
-        partly_denied.extend(self.nodes_inside(pr, action, &mut ids, notes));
-        let rule = |peers: Vec<NumericIdentity>, ports| super::tiers::TierRule {
+        let (ids, partly_denied) = if names_cluster_parts(pr) {
+            let mut ids = shared.to_vec();
+            let mut partly = self.networks_inside(pr, action, &mut ids, &mut memo.covers, notes);
+            partly.extend(self.nodes_inside(pr, action, &mut ids, notes));
+            (Arc::from(ids), partly)
+        } else {
+            (shared, Vec::new())
+        };
+        let rule = |peers: Arc<[NumericIdentity]>, ports| super::tiers::TierRule {
             origin: pr.origin.clone(),
             action,
             peers,
@@ -1085,7 +1099,7 @@ impl PolicyEngine {
         // its peers are disjoint from the Pass's).
         let partly = |out: &mut Vec<super::tiers::TierRule>| {
             if !partly_denied.is_empty() {
-                let mut deny = rule(partly_denied.clone(), None);
+                let mut deny = rule(partly_denied.clone().into(), None);
                 deny.action = super::rule::Action::Deny;
                 out.insert(0, deny);
             }
@@ -1096,15 +1110,8 @@ impl PolicyEngine {
             return out;
         };
         let egress = pr.origin.section.direction() == Direction::Egress;
-        // Ports by peer: the same for all unless an egress rule names a port.
-        let named = list.iter().any(|m| matches!(m.port, PortSpec::Named(_)));
-        let groups: Vec<(Vec<NumericIdentity>, Vec<NumericIdentity>)> = if egress && named {
-            ids.iter().map(|&id| (vec![id], vec![id])).collect()
-        } else {
-            vec![(ids.clone(), vec![IDENTITY_ANY])]
-        };
-        let mut out: Vec<super::tiers::TierRule> = Vec::new();
-        for (peers, owner) in groups {
+        // The ports of the rule for peer `owner` (an egress named port: that peer's).
+        let ports_of = |owner: NumericIdentity| {
             let mut ports = Vec::new();
             for m in list {
                 let protos = m.protocol.numbers();
@@ -1119,24 +1126,51 @@ impl PolicyEngine {
                             .map(|np| (np.protocol, np.port, np.port)),
                     ),
                     PortSpec::Named(name) => ports.extend(
-                        self.named_ports_of(owner[0], name)
+                        self.named_ports_of(owner, name)
                             .into_iter()
                             .filter(|(p, _)| protos.contains(p))
                             .map(|(p, port)| (p, port, port)),
                     ),
                 }
             }
-            // Merge peers that ended up with the same ports (one rule, not one per peer).
-            match out.last_mut() {
-                Some(last) if last.ports.as_deref() == Some(&ports[..]) => last.peers.extend(peers),
-                _ => out.push(rule(peers, Some(ports))),
+            ports
+        };
+        // Ports by peer: the same for all unless an egress rule names a port.
+        let named = list.iter().any(|m| matches!(m.port, PortSpec::Named(_)));
+        let mut out: Vec<super::tiers::TierRule> = Vec::new();
+        if egress && named {
+            // Peers (in order) that end up with the same ports: one rule, not one per peer.
+            let mut runs: Vec<(Vec<NumericIdentity>, TierPorts)> = Vec::new();
+            for &id in ids.iter() {
+                let ports = ports_of(id);
+                match runs.last_mut() {
+                    Some((peers, p)) if *p == ports => peers.push(id),
+                    _ => runs.push((vec![id], ports)),
+                }
             }
-        }
-        for r in &mut out {
-            r.peers.sort_unstable();
+            out.extend(
+                runs.into_iter()
+                    .map(|(peers, ports)| rule(peers.into(), Some(ports))),
+            );
+        } else {
+            out.push(rule(ids, Some(ports_of(IDENTITY_ANY))));
         }
         partly(&mut out);
         out
+    }
+
+    /// A tier peer rule's identities (sorted), shared with every endpoint and rule that name
+    /// selectors of the same selections (`tier_memo::PeerLists`).
+    fn shared_peer_ids(&self, pr: &PeerRule) -> Arc<[NumericIdentity]> {
+        let Peers::Selectors(all) = &pr.peers else {
+            return self.peer_lists.get(SmallVec::new(), || vec![IDENTITY_ANY]);
+        };
+        // 0 (no stamp is 0): a selector the cache does not hold, which selects nothing.
+        let stamps = all
+            .iter()
+            .map(|s| self.selectors.selection_stamp(s).unwrap_or(0))
+            .collect();
+        self.peer_lists.get(stamps, || self.selected_by_any(all))
     }
 
     /// A tier rule's `networks` inside the cluster (`tier_networks`): adds the identities its
@@ -1430,11 +1464,20 @@ fn add_cover(
     pass_denies
 }
 
+/// A tier rule's ports: (protocol, first port, last port).
+type TierPorts = Vec<(u8, u16, u16)>;
+
+/// The rule names `networks` or `nodes`: its identities depend on what holds the cluster's
+/// addresses and on the nodes (`PolicyEngine::networks_inside`, `nodes_inside`).
+fn names_cluster_parts(pr: &PeerRule) -> bool {
+    matches!(&pr.peers, Peers::Selectors(s) if s.iter().any(|s| matches!(s.kind(), SelectorKind::Cidr(_) | SelectorKind::Nodes(_))))
+}
+
 /// What the resolution of one endpoint's tier rules computes once and reuses.
 #[derive(Default)]
 struct TierMemo {
     /// Peer identities by the peer selectors (pointers: selectors are interned).
-    peers: HashMap<Vec<*const super::selector::Selector>, Vec<NumericIdentity>>,
+    peers: HashMap<Vec<*const super::selector::Selector>, Arc<[NumericIdentity]>>,
     covers: super::tier_networks::CoverMemo,
 }
 

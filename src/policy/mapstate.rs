@@ -63,6 +63,41 @@ impl MapEntry {
 
     /// Records one allowing contribution (deny entries keep none). Called before `origin` is
     /// added to `derived_from`, whose contributions so far were L3/L4 unless recorded here.
+    /// The entry of one contribution (always inlined: built in place, not returned by copy,
+    /// in the resolution's hottest loop).
+    #[inline(always)]
+    fn new(deny: bool, origin: &Arc<RuleOrigin>, rules: Option<&Arc<L7PortRules>>) -> MapEntry {
+        let mut entry = MapEntry {
+            deny,
+            derived_from: Origins::new(),
+            l7: None,
+        };
+        entry.grant(origin, rules);
+        entry.derived_from.push(origin.clone());
+        entry
+    }
+
+    /// Adds a contribution to the same key: deny replaces allow, and the entry remembers
+    /// every rule of the winning kind.
+    #[inline]
+    fn merge(&mut self, deny: bool, origin: &Arc<RuleOrigin>, rules: Option<&Arc<L7PortRules>>) {
+        match (self.deny, deny) {
+            (false, true) => {
+                self.deny = true;
+                self.derived_from.clear();
+                self.derived_from.push(origin.clone());
+                self.l7 = None;
+            }
+            (true, false) => {}
+            _ => {
+                self.grant(origin, rules);
+                if !self.derived_from.iter().any(|o| Arc::ptr_eq(o, origin)) {
+                    self.derived_from.push(origin.clone());
+                }
+            }
+        }
+    }
+
     fn grant(&mut self, origin: &Arc<RuleOrigin>, rules: Option<&Arc<L7PortRules>>) {
         if self.deny {
             return;
@@ -105,6 +140,52 @@ struct Slot {
     port_lo: u16,
     port_hi: u16,
     entry: MapEntry,
+}
+
+/// The entries of one peer identity, written in a row and added to a map at once
+/// (`MapState::insert_group`): no lookup of the identity's group per entry.
+#[derive(Debug)]
+pub struct Group {
+    identity: NumericIdentity,
+    slots: Slots,
+}
+
+impl Group {
+    pub fn new(identity: NumericIdentity) -> Group {
+        Group {
+            identity,
+            slots: Slots::new(),
+        }
+    }
+
+    /// `MapState::insert_l7` of (protocol, ports) for this identity. The key is new to the
+    /// group, or the one written last (every contribution to one key in a row): earlier keys
+    /// are not searched.
+    pub fn insert_l7(
+        &mut self,
+        (protocol, port_lo, port_hi): (u8, u16, u16),
+        deny: bool,
+        origin: &Arc<RuleOrigin>,
+        rules: Option<&Arc<L7PortRules>>,
+    ) {
+        let same =
+            |s: &Slot| s.protocol == protocol && s.port_lo == port_lo && s.port_hi == port_hi;
+        match self.slots.last_mut() {
+            Some(s) if same(s) => s.entry.merge(deny, origin, rules),
+            _ => {
+                debug_assert!(
+                    !self.slots.iter().any(same),
+                    "Group::insert_l7: an earlier key again"
+                );
+                self.slots.push(Slot {
+                    protocol,
+                    port_lo,
+                    port_hi,
+                    entry: MapEntry::new(deny, origin, rules),
+                });
+            }
+        }
+    }
 }
 
 /// The entries of one (direction, identity): most peers have one or two (a port over TCP and UDP),
@@ -224,37 +305,48 @@ impl MapState {
         if let Some(s) = slots.iter_mut().find(|s| {
             s.protocol == key.protocol && s.port_lo == key.port_lo && s.port_hi == key.port_hi
         }) {
-            match (s.entry.deny, deny) {
-                (false, true) => {
-                    s.entry.deny = true;
-                    s.entry.derived_from.clear();
-                    s.entry.derived_from.push(origin.clone());
-                    s.entry.l7 = None;
-                }
-                (true, false) => {}
-                _ => {
-                    s.entry.grant(origin, rules);
-                    if !s.entry.derived_from.iter().any(|o| Arc::ptr_eq(o, origin)) {
-                        s.entry.derived_from.push(origin.clone());
-                    }
-                }
-            }
+            s.entry.merge(deny, origin, rules);
             return;
         }
-        let mut entry = MapEntry {
-            deny,
-            derived_from: Origins::new(),
-            l7: None,
-        };
-        entry.grant(origin, rules);
-        entry.derived_from.push(origin.clone());
         slots.push(Slot {
             protocol: key.protocol,
             port_lo: key.port_lo,
             port_hi: key.port_hi,
-            entry,
+            entry: MapEntry::new(deny, origin, rules),
         });
         self.lens[slot(key.direction)] += 1;
+    }
+
+    /// Adds the entries of `group` (as many `insert_l7`s would): at once when its identity has
+    /// none in `direction` yet.
+    pub fn insert_group(&mut self, direction: Direction, group: Group) {
+        if group.slots.is_empty() {
+            return;
+        }
+        let n = group.slots.len();
+        let slots = match self.dir_mut(direction).entry(group.identity) {
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(group.slots);
+                self.lens[slot(direction)] += n;
+                return;
+            }
+            std::collections::hash_map::Entry::Occupied(_) => group.slots,
+        };
+        for s in slots {
+            let key = s.key(direction, group.identity);
+            match &s.entry.l7 {
+                Some(grants) => {
+                    for g in grants.iter() {
+                        self.insert_l7(key, s.entry.deny, &g.origin, g.rules.as_ref());
+                    }
+                }
+                None => {
+                    for o in &s.entry.derived_from {
+                        self.insert_l7(key, s.entry.deny, o, None);
+                    }
+                }
+            }
+        }
     }
 
     /// Decides a packet to/from `identity` on `protocol`/`port` by the entries alone.
@@ -625,6 +717,50 @@ mod tests {
     }
 
     use super::ingress_key as key;
+
+    #[test]
+    fn a_group_adds_what_its_inserts_one_by_one_add() {
+        let (a, b, d) = (
+            origin("a", Section::Ingress),
+            origin("b", Section::Ingress),
+            origin("d", Section::IngressDeny),
+        );
+        // Several contributions to one key in a row, an allow then a deny of another key.
+        let write = |g: &mut Group| {
+            g.insert_l7((6, 80, 80), false, &a, None);
+            g.insert_l7((6, 80, 80), false, &b, None);
+            g.insert_l7((17, 53, 53), false, &a, None);
+            g.insert_l7((17, 53, 53), true, &d, None);
+        };
+        let one_by_one = |m: &mut MapState| {
+            m.insert(key(300, 6, 80, 80), false, &a);
+            m.insert(key(300, 6, 80, 80), false, &b);
+            m.insert(key(300, 17, 53, 53), false, &a);
+            m.insert(key(300, 17, 53, 53), true, &d);
+        };
+        // Into a map without entries for the identity (at once), and into one with some
+        // (merged entry by entry).
+        for before in [None, Some(key(300, 6, 80, 80)), Some(key(300, 1, 0, 0))] {
+            let mut want = MapState::new();
+            let mut got = MapState::new();
+            for m in [&mut want, &mut got] {
+                m.insert(key(301, 6, 80, 80), false, &a);
+                if let Some(k) = before {
+                    m.insert(k, true, &d);
+                }
+            }
+            one_by_one(&mut want);
+            let mut g = Group::new(300);
+            write(&mut g);
+            got.insert_group(Direction::Ingress, g);
+            assert_eq!(got, want, "{before:?}");
+            assert_eq!(got.len(), want.len(), "{before:?}");
+        }
+        // A group with no entries adds nothing (not an empty group).
+        let mut m = MapState::new();
+        m.insert_group(Direction::Ingress, Group::new(300));
+        assert!(m.is_empty() && m.group(Direction::Ingress, 300).is_none());
+    }
 
     #[test]
     fn deny_wins_over_more_specific_allow() {

@@ -24,6 +24,8 @@ type LabelKey = (String, String);
 struct Entry {
     selector: SelectorRef,
     selected: BTreeSet<NumericIdentity>,
+    /// Changes whenever `selected` does (from the cache's counter: never reused).
+    version: u64,
     refs: u32,
     index_keys: Vec<LabelKey>,
 }
@@ -41,6 +43,8 @@ pub struct SelectorCache {
     selected_by: HashMap<NumericIdentity, HashSet<SelectorId>>,
     /// Bumped whenever a `toFQDNs` selector enters or leaves the cache.
     fqdn_generation: u64,
+    /// The last selection version handed out (`Entry::version`).
+    versions: u64,
 }
 
 /// The `key=value` pairs a selector is indexed under: the values of its most selective `In`
@@ -111,9 +115,11 @@ impl SelectorCache {
         for k in &keys {
             self.by_label.entry(k.clone()).or_default().insert(id);
         }
+        self.versions += 1;
         self.entries[id as usize] = Some(Entry {
             selector: selector.clone(),
             selected,
+            version: self.versions,
             refs: 1,
             index_keys: keys,
         });
@@ -190,6 +196,8 @@ impl SelectorCache {
         for sid in candidates {
             if let Some(e) = self.entries[sid as usize].as_mut() {
                 if e.selector.matches(info) && e.selected.insert(info.id) {
+                    self.versions += 1;
+                    e.version = self.versions;
                     newly.push(sid);
                 }
             }
@@ -233,6 +241,8 @@ impl SelectorCache {
         for sid in &out {
             if let Some(e) = self.entries[*sid as usize].as_mut() {
                 e.selected.remove(&id);
+                self.versions += 1;
+                e.version = self.versions;
             }
         }
         out.sort_unstable();
@@ -243,6 +253,14 @@ impl SelectorCache {
     pub fn selections(&self, selector: &SelectorRef) -> Option<&BTreeSet<NumericIdentity>> {
         let id = self.by_selector.get(selector)?;
         self.entries[*id as usize].as_ref().map(|e| &e.selected)
+    }
+
+    /// A stamp of `selector`'s selections, if it is in the cache: two equal stamps (of any
+    /// selectors, at any times) mean the same selections, as the version changes with every
+    /// change of them and is never handed out twice.
+    pub fn selection_stamp(&self, selector: &SelectorRef) -> Option<u64> {
+        let id = self.by_selector.get(selector)?;
+        self.entries[*id as usize].as_ref().map(|e| e.version)
     }
 
     /// The cache id of `selector`, if it is in the cache.
@@ -355,6 +373,32 @@ mod tests {
         c.remove_selector(&a);
         assert!(c.selections(&a).is_none());
         assert!(c.is_empty());
+    }
+
+    #[test]
+    fn a_selection_stamp_changes_with_the_selections_and_is_never_reused() {
+        let mut c = SelectorCache::new();
+        let a = c.add_selector(&sel(&[("app", "a")]));
+        let b = c.add_selector(&sel(&[("app", "b")]));
+        let (a0, b0) = (
+            c.selection_stamp(&a).unwrap(),
+            c.selection_stamp(&b).unwrap(),
+        );
+        assert_ne!(a0, b0);
+        // An identity only `a` selects: `a`'s stamp moves, `b`'s does not.
+        c.add_identity(&ident(7, &[("app", "a")]));
+        let a1 = c.selection_stamp(&a).unwrap();
+        assert!(a1 != a0 && a1 != b0);
+        assert_eq!(c.selection_stamp(&b), Some(b0));
+        // Removed again: the same selections as before, but a new stamp all the same.
+        c.remove_identity(7);
+        let a2 = c.selection_stamp(&a).unwrap();
+        assert!(![a0, a1, b0].contains(&a2));
+        // A selector gone and one added in its slot: a stamp of its own.
+        c.remove_selector(&a);
+        assert_eq!(c.selection_stamp(&a), None);
+        let a3 = c.add_selector(&sel(&[("app", "a")]));
+        assert!(![a0, a1, a2, b0].contains(&c.selection_stamp(&a3).unwrap()));
     }
 
     #[test]

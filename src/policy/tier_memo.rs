@@ -13,11 +13,19 @@
 //! invalidate it. It is bounded by the entries it holds ([`MAX_HELD`]) and the results
 //! ([`MAX_RESULTS`]); the least recently used go first. A result too large to be worth holding
 //! ([`MAX_ONE`]) is not kept.
+//!
+//! [`PeerLists`] shares the tier rules' peer identities the same way: a rule naming a
+//! namespace stands for every identity of it (thousands), in every endpoint the rule selects.
+//! Endpoints take one shared list per distinct selection instead of a copy each, so the memo's
+//! comparisons above find the same list (a pointer) instead of comparing the identities.
 
 use std::hash::{Hash, Hasher};
 use std::sync::{Arc, Mutex};
 
 use rustc_hash::{FxHashMap, FxHasher};
+use smallvec::SmallVec;
+
+use super::identity::NumericIdentity;
 
 use super::mapstate::MapState;
 use super::rule::{Direction, RuleOrigin};
@@ -29,6 +37,77 @@ pub const MAX_HELD: usize = 200_000;
 pub const MAX_RESULTS: usize = 512;
 /// A result (with its inputs) above this many entries is not kept.
 pub const MAX_ONE: usize = MAX_HELD / 4;
+
+/// Identities held by [`PeerLists`] (4 bytes each), stale lists included; past it, all go.
+pub const MAX_PEER_IDS: usize = 1 << 20;
+
+/// Selection stamps -> the identities they select; with the identities held.
+type PeerListMap = FxHashMap<SmallVec<[u64; 2]>, Arc<[NumericIdentity]>>;
+
+/// The peer identities of tier rules, shared between endpoints, by the selection stamps of
+/// the rules' selectors (`SelectorCache::selection_stamp`): a stamp changes with the
+/// selections, so a list found is the list a resolution would compute now.
+#[derive(Default)]
+pub struct PeerLists {
+    inner: Mutex<(PeerListMap, usize)>,
+}
+
+impl std::fmt::Debug for PeerLists {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        write!(
+            f,
+            "PeerLists {{ lists: {}, ids: {} }}",
+            inner.0.len(),
+            inner.1
+        )
+    }
+}
+
+/// A copy starts empty (a cache, never state).
+impl Clone for PeerLists {
+    fn clone(&self) -> Self {
+        PeerLists::default()
+    }
+}
+
+impl PeerLists {
+    /// The list stamped `stamps`, computed by `compute` (outside the lock) when not held.
+    pub fn get(
+        &self,
+        stamps: SmallVec<[u64; 2]>,
+        compute: impl FnOnce() -> Vec<NumericIdentity>,
+    ) -> Arc<[NumericIdentity]> {
+        let lock = || self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(found) = lock().0.get(&stamps) {
+            return found.clone();
+        }
+        let list: Arc<[NumericIdentity]> = compute().into();
+        let mut inner = lock();
+        if inner.1 + list.len() > MAX_PEER_IDS {
+            inner.0.clear();
+            inner.1 = 0;
+        }
+        inner.1 += list.len();
+        inner.0.entry(stamps).or_insert(list).clone()
+    }
+
+    /// Lists held.
+    pub fn len(&self) -> usize {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Forgets every list.
+    pub fn clear(&self) {
+        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        inner.0.clear();
+        inner.1 = 0;
+    }
+}
 
 /// The inputs of one compilation.
 struct Key {
@@ -88,7 +167,7 @@ fn same_rules(a: &[TierRule], b: &[TierRule]) -> bool {
         && a.iter().zip(b).all(|(x, y)| {
             Arc::ptr_eq(&x.origin, &y.origin)
                 && x.action == y.action
-                && x.peers == y.peers
+                && (Arc::ptr_eq(&x.peers, &y.peers) || x.peers == y.peers)
                 && x.ports == y.ports
         })
 }
@@ -98,7 +177,9 @@ fn hash_rules(h: &mut FxHasher, rules: &[TierRule]) {
     for r in rules {
         (Arc::as_ptr(&r.origin) as usize).hash(h);
         r.action.hash(h);
-        r.peers.hash(h);
+        // The length and the ends: hashing thousands of identities per rule cost more than the
+        // compilation the memo saves; equality compares them (a pointer, mostly: `PeerLists`).
+        (r.peers.len(), r.peers.first(), r.peers.last()).hash(h);
         r.ports.hash(h);
     }
 }
@@ -262,7 +343,7 @@ mod tests {
         TierRule {
             origin: o.clone(),
             action,
-            peers: vec![peer],
+            peers: vec![peer].into(),
             ports: Some(vec![(6, port, port)]),
         }
     }

@@ -35,7 +35,7 @@ use smallvec::SmallVec;
 type GroupList = SmallVec<[u32; 6]>;
 
 use super::identity::{NumericIdentity, IDENTITY_ANY};
-use super::mapstate::{MapEntry, MapKey, MapState, MapVerdict};
+use super::mapstate::{Group, MapEntry, MapState, MapVerdict};
 use super::rule::{
     Action, Direction, RuleOrigin, Tier, PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP,
 };
@@ -45,8 +45,9 @@ use super::rule::{
 pub struct TierRule {
     pub origin: Arc<RuleOrigin>,
     pub action: Action,
-    /// Sorted; `IDENTITY_ANY` stands for every peer.
-    pub peers: Vec<NumericIdentity>,
+    /// Sorted; `IDENTITY_ANY` stands for every peer. Shared: endpoints and rules that name the
+    /// same selections hold one list (`tier_memo::PeerLists`).
+    pub peers: Arc<[NumericIdentity]>,
     /// `None`: every protocol and port; else (protocol, first port, last port), protocol never 0.
     pub ports: Option<Vec<(u8, u16, u16)>>,
 }
@@ -396,7 +397,7 @@ impl Cells {
                     r.peers.last().copied().unwrap_or(0),
                 );
                 let same = by_shape.entry(shape).or_default();
-                match same.iter().find(|&&g| heads[g] == &r.peers[..]) {
+                match same.iter().find(|&&g| same_list(heads[g], &r.peers)) {
                     Some(&g) => members[g].push(i),
                     None => {
                         same.push(heads.len());
@@ -453,6 +454,11 @@ impl Cells {
         let class = self.named.get(&id).copied().unwrap_or(0);
         &self.classes[class as usize][t]
     }
+}
+
+/// Two peer lists are the same: one shared list (a pointer), or equal identities.
+fn same_list(a: &[NumericIdentity], b: &[NumericIdentity]) -> bool {
+    std::ptr::eq(a, b) || a == b
 }
 
 /// The first match of a tier's group 0 and the groups `own` (indexes in `groups`).
@@ -647,24 +653,25 @@ impl<'b, X, O> Iterator for Pieces<'b, X, O> {
     }
 }
 
-/// Inserts the entry of a verdict, derived from its origins (with their L7 rules).
-fn insert_origins(
-    map: &mut MapState,
-    key: MapKey,
+/// Writes the entry of a verdict for `ports` of `group`'s identity, derived from its origins
+/// (with their L7 rules).
+fn put(
+    group: &mut Group,
+    ports: (u8, u16, u16),
     deny: bool,
     tiers: &Tiers,
     v: &Verdict<'_>,
     d: &Defaults,
 ) {
-    let one = |map: &mut MapState, o: &Arc<RuleOrigin>| map.insert_l7(key, deny, o, None);
+    let mut one = |o: &Arc<RuleOrigin>| group.insert_l7(ports, deny, o, None);
     match v.by {
-        By::Rule(Tier::Admin, i) => one(map, &tiers.admin[i].origin),
-        By::Rule(Tier::Baseline, i) => one(map, &tiers.baseline[i].origin),
+        By::Rule(Tier::Admin, i) => one(&tiers.admin[i].origin),
+        By::Rule(Tier::Baseline, i) => one(&tiers.baseline[i].origin),
         By::Np(e) => match &e.l7 {
             Some(grants) => {
                 for g in grants.iter() {
-                    map.insert_l7(
-                        key,
+                    group.insert_l7(
+                        ports,
                         deny,
                         &g.origin,
                         if deny { None } else { g.rules.as_ref() },
@@ -673,23 +680,18 @@ fn insert_origins(
             }
             None => {
                 for o in e.derived_from.iter() {
-                    one(map, o);
+                    one(o);
                 }
             }
         },
-        By::NpDefault => one(map, &d.deny),
-        By::Default => one(map, &d.allow),
+        By::NpDefault => one(&d.deny),
+        By::Default => one(&d.allow),
     }
 }
 
 /// A rule (of a tier, or a NetworkPolicy-tier entry) decided it, not a default.
 fn by_rule(v: &Verdict<'_>) -> bool {
     matches!(v.by, By::Rule(..) | By::Np(_))
-}
-
-/// Writes one cell's entry.
-fn put(map: &mut MapState, key: MapKey, deny: bool, tiers: &Tiers, v: &Verdict<'_>, d: &Defaults) {
-    insert_origins(map, key, deny, tiers, v, d);
 }
 
 /// The entries that give every cell of `direction` its verdict through the tiers (module
@@ -767,94 +769,70 @@ pub fn compile(
             direction.as_str()
         ));
     }
-    let key = |identity: NumericIdentity, protocol: u8, lo: u16, hi: u16| MapKey {
-        direction,
-        identity,
-        protocol,
-        port_lo: lo,
-        port_hi: hi,
-    };
+    let mut any = Group::new(IDENTITY_ANY);
     if wild {
-        put(
-            &mut out.map,
-            key(IDENTITY_ANY, 0, 0, 65535),
-            false,
-            tiers,
-            &o.other,
-            fallback,
-        );
+        put(&mut any, (0, 0, 65535), false, tiers, &o.other, fallback);
     }
     for (k, &proto) in cells.protocols.iter().enumerate() {
         for (j, (lo, hi, c)) in o.protocols[k].iter().enumerate() {
-            let k_ = key(IDENTITY_ANY, proto, *lo, *hi);
+            let ports = (proto, *lo, *hi);
             if c.allow {
-                put(&mut out.map, k_, false, tiers, c, fallback);
+                put(&mut any, ports, false, tiers, c, fallback);
             } else if wild || (by_rule(c) && !named_allowed[k][j]) {
                 // Needed under the wildcard allow; otherwise it names the deciding rule (the
                 // default would say only "isolated"), where no named identity is allowed.
-                put(&mut out.map, k_, true, tiers, c, fallback);
+                put(&mut any, ports, true, tiers, c, fallback);
             }
         }
     }
+    out.map.insert_group(direction, any);
     for (id, x) in &named {
-        let own = &x.other;
-        let mut own_wild = false;
-        if own.allow && (!wild || own.by != o.other.by) {
-            put(
-                &mut out.map,
-                key(*id, 0, 0, 65535),
-                false,
-                tiers,
-                own,
-                fallback,
-            );
-            own_wild = true;
-        } else if !own.allow && wild {
-            // No concrete cell of `id` is allowed (or `wild` would be off).
-            put(
-                &mut out.map,
-                key(*id, 0, 0, 65535),
-                true,
-                tiers,
-                own,
-                fallback,
-            );
-            continue;
-        }
-        for (k, &proto) in cells.protocols.iter().enumerate() {
-            for (lo, hi, c, j) in pieces(&x.protocols[k], &o.protocols[k]) {
-                let wider = &o.protocols[k][j].2;
-                let covered = wider.allow || wild || own_wild;
-                if c.allow {
-                    // The wider allow's own deciding rule covers it already, or the identity's
-                    // own allow of every protocol does (the same rule: no entry of a new kind,
-                    // which would cost every new connection of the endpoint one more probe).
-                    let own_covers = own_wild && own.by == c.by;
-                    let wider_covers = wider.allow && wider.by == c.by;
-                    if !(own_covers || wider_covers) {
-                        put(
-                            &mut out.map,
-                            key(*id, proto, lo, hi),
-                            false,
-                            tiers,
-                            c,
-                            fallback,
-                        );
-                    }
-                } else if covered || (by_rule(c) && wider.by != c.by) {
-                    put(
-                        &mut out.map,
-                        key(*id, proto, lo, hi),
-                        true,
-                        tiers,
-                        c,
-                        fallback,
-                    );
-                }
-            }
-        }
+        let mut g = Group::new(*id);
+        write_named(&mut g, x, &o, wild, &cells.protocols, tiers, fallback);
+        out.map.insert_group(direction, g);
     }
     out
+}
+
+/// The entries of a named identity painted `x`, where every other identity is painted `o`
+/// and `wild` says whether the wildcard allow is in place (`compile`).
+fn write_named(
+    g: &mut Group,
+    x: &Painted<'_>,
+    o: &Painted<'_>,
+    wild: bool,
+    protocols: &[u8],
+    tiers: &Tiers,
+    fallback: &Defaults,
+) {
+    let own = &x.other;
+    let mut own_wild = false;
+    if own.allow && (!wild || own.by != o.other.by) {
+        put(g, (0, 0, 65535), false, tiers, own, fallback);
+        own_wild = true;
+    } else if !own.allow && wild {
+        // No concrete cell of `id` is allowed (or `wild` would be off).
+        put(g, (0, 0, 65535), true, tiers, own, fallback);
+        return;
+    }
+    for (k, &proto) in protocols.iter().enumerate() {
+        for (lo, hi, c, j) in pieces(&x.protocols[k], &o.protocols[k]) {
+            let wider = &o.protocols[k][j].2;
+            let covered = wider.allow || wild || own_wild;
+            if c.allow {
+                // The wider allow's own deciding rule covers it already, or the identity's
+                // own allow of every protocol does (the same rule: no entry of a new kind,
+                // which would cost every new connection of the endpoint one more probe).
+                let own_covers = own_wild && own.by == c.by;
+                let wider_covers = wider.allow && wider.by == c.by;
+                if !(own_covers || wider_covers) {
+                    put(g, (proto, lo, hi), false, tiers, c, fallback);
+                }
+            } else if covered || (by_rule(c) && wider.by != c.by) {
+                put(g, (proto, lo, hi), true, tiers, c, fallback);
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -928,7 +906,7 @@ pub(crate) mod tests {
         TierRule {
             origin: origin(name),
             action,
-            peers,
+            peers: peers.into(),
             ports,
         }
     }

@@ -249,7 +249,7 @@ mod tests {
                 tier: Some(Tier::Admin),
             }),
             action,
-            peers: peers.to_vec(),
+            peers: peers.into(),
             ports: Some(vec![(protocol, lo, hi)]),
         }
     }
