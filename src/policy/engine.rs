@@ -138,7 +138,8 @@ pub struct TierState {
 #[derive(Debug, Clone)]
 pub struct TierView {
     pub direction: Direction,
-    pub tiers: super::tiers::Tiers,
+    /// Shared by the endpoints the same tier policies select (derefs to `tiers::Tiers`).
+    pub tiers: Arc<super::tier_memo::SharedTiers>,
     /// The NetworkPolicy tier's entries and the policies that isolate the endpoint there.
     pub np: MapState,
     pub np_isolated_by: Vec<Arc<PolicyKey>>,
@@ -324,6 +325,11 @@ pub struct PolicyEngine {
     /// Tier rules' peer identities shared between endpoints (`tier_memo::PeerLists`): a
     /// cache, keyed by selection stamps, so no change to the engine has to invalidate it.
     peer_lists: super::tier_memo::PeerLists,
+    /// Endpoints' resolved tier rules, shared (`TiersKey`): a cache.
+    resolved_tiers: super::tier_memo::SharedMemo<TiersKey, ResolvedTiers>,
+    /// Changes with everything resolving tier rules reads besides selections and the rules:
+    /// endpoint addresses (`networks`), named ports, node labels (`nodes`).
+    tier_inputs_generation: u64,
 }
 
 impl Default for PolicyEngine {
@@ -346,6 +352,8 @@ impl PolicyEngine {
             nodes_rules: Vec::new(),
             tier_memo: Default::default(),
             peer_lists: Default::default(),
+            resolved_tiers: Default::default(),
+            tier_inputs_generation: 0,
             allow_localhost: Arc::new(RuleOrigin {
                 policy: Arc::new(PolicyKey::new(PolicyKind::Builtin, None, "allow-localhost")),
                 section: Section::Ingress,
@@ -373,6 +381,7 @@ impl PolicyEngine {
 
     /// Forgets the shared tier compilations and peer lists (benchmarks of a cold resolution).
     pub fn clear_tier_memo(&self) {
+        self.resolved_tiers.clear();
         self.peer_lists.clear();
         self.tier_memo.clear()
     }
@@ -452,6 +461,7 @@ impl PolicyEngine {
         if self.identities.release(id).is_some() {
             self.selectors.remove_identity(id);
             self.named_ports.remove(&id);
+            self.tier_inputs_generation += 1;
             true
         } else {
             false
@@ -478,6 +488,7 @@ impl PolicyEngine {
         if ports.is_empty() {
             return false;
         }
+        self.tier_inputs_generation += 1;
         let m = self.named_ports.entry(id).or_default();
         let mut changed = false;
         for p in ports {
@@ -498,6 +509,7 @@ impl PolicyEngine {
         let Some(m) = self.named_ports.get_mut(&id) else {
             return false;
         };
+        self.tier_inputs_generation += 1;
         let mut changed = false;
         for p in ports {
             if let Some(byport) = m.get_mut(&p.name) {
@@ -524,12 +536,14 @@ impl PolicyEngine {
     /// Maps an endpoint or node address to its identity.
     pub fn upsert_endpoint_ip(&mut self, ip: IpAddr, id: NumericIdentity) {
         let p = IpNet::from(ip);
+        self.tier_inputs_generation += 1;
         self.endpoint_ips.insert(p, id);
         self.ipcache.upsert(p, id);
     }
 
     pub fn remove_endpoint_ip(&mut self, ip: IpAddr) {
         let p = IpNet::from(ip);
+        self.tier_inputs_generation += 1;
         self.endpoint_ips.remove(&p);
         match self.identities.lookup_cidr(&p) {
             Some(cid) => {
@@ -566,6 +580,7 @@ impl PolicyEngine {
             return BTreeSet::new();
         }
         self.node_labels.insert(name.to_string(), labels);
+        self.tier_inputs_generation += 1;
         self.nodes_subjects()
     }
 
@@ -574,6 +589,7 @@ impl PolicyEngine {
         if self.node_labels.remove(name).is_none() {
             return BTreeSet::new();
         }
+        self.tier_inputs_generation += 1;
         self.nodes_subjects()
     }
 
@@ -993,12 +1009,6 @@ impl PolicyEngine {
         let mut tiered = tiered.to_vec();
         // Tier, then priority; the same priority: by kind, then name (documented in README).
         tiered.sort_by(|a, b| (a.tier, &a.policy).cmp(&(b.tier, &b.policy)));
-        let mut state = TierState::default();
-        out.dns_observed = tiered.iter().any(|r| {
-            r.peer_rules
-                .iter()
-                .any(|pr| pr.origin.section == Section::Egress && pr.has_fqdn_peers())
-        });
         // No tier policy is among the NetworkPolicy tier's; the rules of one are in a row.
         let np_tier = out.selected_by.len();
         for r in &tiered {
@@ -1006,26 +1016,26 @@ impl PolicyEngine {
                 out.selected_by.push(r.policy.clone());
             }
         }
-        let mut memo = TierMemo::default();
+        // The endpoints these tier policies select share their resolved rules.
+        let key = TiersKey {
+            rules: tiered,
+            selections: self.selectors.selections_version(),
+            inputs: self.tier_inputs_generation,
+            named_ports: ep.named_ports.to_vec(),
+        };
+        let tiered = key.rules.clone();
+        let resolved = self
+            .resolved_tiers
+            .get(key, || self.resolve_tier_rules(&tiered, ep));
+        let mut state = TierState {
+            notes: resolved.notes.clone(),
+            ..Default::default()
+        };
+        out.dns_observed = resolved.dns_observed;
         for d in [Direction::Ingress, Direction::Egress] {
-            let mut t = super::tiers::Tiers::default();
-            for r in &tiered {
-                let Some(place) = r.tier else { continue };
-                let list = match place.tier {
-                    super::rule::Tier::Admin => &mut t.admin,
-                    super::rule::Tier::Baseline => &mut t.baseline,
-                };
-                for pr in r
-                    .peer_rules
-                    .iter()
-                    .filter(|pr| pr.origin.section.direction() == d)
-                {
-                    list.extend(self.tier_rules(pr, ep, &mut memo, &mut state.notes));
-                }
-            }
-            if t.is_empty() {
+            let Some(t) = &resolved.dirs[d as usize] else {
                 continue;
-            }
+            };
             // What the Admin tier accepts never meets the NetworkPolicy tier's DNS rules.
             if d == Direction::Egress && !out.dns.is_empty() {
                 let accepted = super::l7::dns::tier_accepted(&out.dns, &t.admin);
@@ -1035,10 +1045,10 @@ impl PolicyEngine {
             let defaults = tier_defaults(out.direction(d), &tiered, d);
             let c = self
                 .tier_memo
-                .compile(&t, &out.map, np_isolated, d, &defaults);
+                .compile(t, &out.map, np_isolated, d, &defaults);
             state.views.push(Arc::new(TierView {
                 direction: d,
-                tiers: t,
+                tiers: t.clone(),
                 np: out.map.clone(),
                 np_isolated_by: out.direction(d).isolated_by.clone(),
             }));
@@ -1055,6 +1065,41 @@ impl PolicyEngine {
             }
         }
         out.tiers = Some(Box::new(state));
+    }
+
+    /// The tier rules of `tiered` (in evaluation order) for an endpoint with `ep`'s named
+    /// ports, per direction, with what could not be resolved exactly.
+    fn resolve_tier_rules(&self, tiered: &[Arc<Rule>], ep: &EndpointView) -> ResolvedTiers {
+        let mut notes = Vec::new();
+        let dns_observed = tiered.iter().any(|r| {
+            r.peer_rules
+                .iter()
+                .any(|pr| pr.origin.section == Section::Egress && pr.has_fqdn_peers())
+        });
+        let mut memo = TierMemo::default();
+        let dirs = [Direction::Ingress, Direction::Egress].map(|d| {
+            let mut t = super::tiers::Tiers::default();
+            for r in tiered {
+                let Some(place) = r.tier else { continue };
+                let list = match place.tier {
+                    super::rule::Tier::Admin => &mut t.admin,
+                    super::rule::Tier::Baseline => &mut t.baseline,
+                };
+                for pr in r
+                    .peer_rules
+                    .iter()
+                    .filter(|pr| pr.origin.section.direction() == d)
+                {
+                    list.extend(self.tier_rules(pr, ep, &mut memo, &mut notes));
+                }
+            }
+            (!t.is_empty()).then(|| super::tier_memo::SharedTiers::new(t))
+        });
+        ResolvedTiers {
+            dirs,
+            notes,
+            dns_observed,
+        }
     }
 
     /// One tier peer rule with its peers and ports resolved: one `TierRule`, or several in a
@@ -1467,6 +1512,41 @@ fn add_cover(
 /// A tier rule's ports: (protocol, first port, last port).
 type TierPorts = Vec<(u8, u16, u16)>;
 
+/// What an endpoint's tier rules are resolved from, besides the engine's selections and
+/// state (`PolicyEngine::tier_inputs_generation`): the tier policies' rules selecting it (in
+/// evaluation order) and its named ports. Rules compare by pointer: a changed policy has new
+/// ones, and the key holds them, so an address is never reused while it is held.
+struct TiersKey {
+    rules: Vec<Arc<Rule>>,
+    selections: u64,
+    inputs: u64,
+    named_ports: Vec<NamedPort>,
+}
+
+impl PartialEq for TiersKey {
+    fn eq(&self, other: &TiersKey) -> bool {
+        self.selections == other.selections
+            && self.inputs == other.inputs
+            && self.named_ports == other.named_ports
+            && self.rules.len() == other.rules.len()
+            && self
+                .rules
+                .iter()
+                .zip(&other.rules)
+                .all(|(a, b)| Arc::ptr_eq(a, b))
+    }
+}
+
+/// An endpoint's tier rules resolved (`PolicyEngine::resolve_tier_rules`), shared by the
+/// endpoints of the same `TiersKey`.
+struct ResolvedTiers {
+    /// Ingress, egress (`Direction as usize`); `None`: no tier rule of the direction.
+    dirs: [Option<Arc<super::tier_memo::SharedTiers>>; 2],
+    notes: Vec<String>,
+    /// Some tier rule has egress FQDN peers (`EndpointPolicy::dns_observed`).
+    dns_observed: bool,
+}
+
 /// The rule names `networks` or `nodes`: its identities depend on what holds the cluster's
 /// addresses and on the nodes (`PolicyEngine::networks_inside`, `nodes_inside`).
 fn names_cluster_parts(pr: &PeerRule) -> bool {
@@ -1697,6 +1777,38 @@ mod tests {
                 e.clone().resolve(&view(id, l, &[])).map,
                 "as without the memo"
             );
+        }
+    }
+
+    /// Endpoints selected by the same tier policies share their resolved rules only when
+    /// their named ports are the same too.
+    #[test]
+    fn a_tier_rule_s_named_port_is_each_endpoint_s_own() {
+        let mut e = PolicyEngine::new();
+        let (la, lb, lz) = (pod("x", "a"), pod("x", "b"), pod("y", "z"));
+        let a = e.allocate_identity(&la).id();
+        let b = e.allocate_identity(&lb).id();
+        let z = e.allocate_identity(&lz).id();
+        e.upsert_policy(policy("{apiVersion: policy.networking.k8s.io/v1alpha2, kind: ClusterNetworkPolicy, metadata: {name: c}, spec: {tier: Admin, priority: 1, subject: {namespaces: {}}, ingress: [{name: r, action: Deny, from: [{pods: {namespaceSelector: {}, podSelector: {matchLabels: {app: z}}}}], protocols: [{destinationNamedPort: web}]}]}}"));
+        let port = |p: u16| NamedPort {
+            name: "web".into(),
+            protocol: PROTO_TCP,
+            port: p,
+        };
+        let (pa, pb) = ([port(8080)], [port(9090)]);
+        for _ in 0..2 {
+            let ra = e.resolve(&view(a, &la, &pa));
+            let rb = e.resolve(&view(b, &lb, &pb));
+            for (r, denied, open) in [(&ra, 8080, 9090), (&rb, 9090, 8080)] {
+                assert!(matches!(
+                    r.map.lookup(Direction::Ingress, z, PROTO_TCP, denied),
+                    MapVerdict::Denied(_)
+                ));
+                assert!(!matches!(
+                    r.map.lookup(Direction::Ingress, z, PROTO_TCP, open),
+                    MapVerdict::Denied(_)
+                ));
+            }
         }
     }
 

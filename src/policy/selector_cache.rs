@@ -263,6 +263,12 @@ impl SelectorCache {
         self.entries[*id as usize].as_ref().map(|e| e.version)
     }
 
+    /// Changes whenever any selector's selections change or a selector is added: equal
+    /// versions mean every selector present then and now selects the same identities.
+    pub fn selections_version(&self) -> u64 {
+        self.versions
+    }
+
     /// The cache id of `selector`, if it is in the cache.
     pub fn id_of(&self, selector: &SelectorRef) -> Option<SelectorId> {
         self.by_selector.get(selector).copied()

@@ -38,6 +38,101 @@ pub const MAX_RESULTS: usize = 512;
 /// A result (with its inputs) above this many entries is not kept.
 pub const MAX_ONE: usize = MAX_HELD / 4;
 
+/// One direction's tier rules shared by the endpoints they select, with their fingerprint
+/// (hashed once, not per endpoint). Derefs to the rules.
+#[derive(Debug)]
+pub struct SharedTiers {
+    tiers: Tiers,
+    fingerprint: u64,
+}
+
+impl SharedTiers {
+    pub fn new(tiers: Tiers) -> Arc<SharedTiers> {
+        let mut h = FxHasher::default();
+        hash_rules(&mut h, &tiers.admin);
+        hash_rules(&mut h, &tiers.baseline);
+        Arc::new(SharedTiers {
+            tiers,
+            fingerprint: h.finish(),
+        })
+    }
+}
+
+impl std::ops::Deref for SharedTiers {
+    type Target = Tiers;
+    fn deref(&self) -> &Tiers {
+        &self.tiers
+    }
+}
+
+/// Results shared between endpoints whose inputs compare equal (`K`'s `PartialEq`), the most
+/// recently used kept, at most `MAX_SHARED` of them: the engine's resolved tier rules by the
+/// tier policies that select an endpoint and the engine state they were resolved from.
+pub struct SharedMemo<K, V> {
+    inner: Mutex<Vec<(K, Arc<V>)>>,
+}
+
+/// Results a [`SharedMemo`] keeps.
+pub const MAX_SHARED: usize = 16;
+
+impl<K, V> Default for SharedMemo<K, V> {
+    fn default() -> Self {
+        SharedMemo {
+            inner: Mutex::new(Vec::new()),
+        }
+    }
+}
+
+/// A copy starts empty (a cache, never state).
+impl<K, V> Clone for SharedMemo<K, V> {
+    fn clone(&self) -> Self {
+        SharedMemo::default()
+    }
+}
+
+impl<K, V> std::fmt::Debug for SharedMemo<K, V> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let held = self.inner.lock().unwrap_or_else(|p| p.into_inner()).len();
+        write!(f, "SharedMemo {{ held: {held} }}")
+    }
+}
+
+impl<K: PartialEq, V> SharedMemo<K, V> {
+    /// The result for `key`, built by `build` (outside the lock) when no equal key is held.
+    pub fn get(&self, key: K, build: impl FnOnce() -> V) -> Arc<V> {
+        let lock = || self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        {
+            let mut held = lock();
+            if let Some(i) = held.iter().position(|(k, _)| *k == key) {
+                // Most recently used last.
+                let hit = held.remove(i);
+                let out = hit.1.clone();
+                held.push(hit);
+                return out;
+            }
+        }
+        let out = Arc::new(build());
+        let mut held = lock();
+        if held.len() >= MAX_SHARED {
+            held.remove(0);
+        }
+        held.push((key, out.clone()));
+        out
+    }
+
+    pub fn len(&self) -> usize {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn clear(&self) {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    }
+}
+
 /// Identities held by [`PeerLists`] (4 bytes each), stale lists included; past it, all go.
 pub const MAX_PEER_IDS: usize = 1 << 20;
 
@@ -111,7 +206,7 @@ impl PeerLists {
 
 /// The inputs of one compilation.
 struct Key {
-    tiers: Tiers,
+    tiers: Arc<SharedTiers>,
     /// The NetworkPolicy tier's entries of `direction` only.
     np: MapState,
     np_isolated: bool,
@@ -187,7 +282,7 @@ fn hash_rules(h: &mut FxHasher, rules: &[TierRule]) {
 impl Key {
     fn matches(
         &self,
-        tiers: &Tiers,
+        tiers: &Arc<SharedTiers>,
         np: &MapState,
         np_isolated: bool,
         direction: Direction,
@@ -195,8 +290,10 @@ impl Key {
     ) -> bool {
         self.direction == direction
             && self.np_isolated == np_isolated
-            && same_rules(&self.tiers.admin, &tiers.admin)
-            && same_rules(&self.tiers.baseline, &tiers.baseline)
+            && (Arc::ptr_eq(&self.tiers, tiers)
+                || (self.tiers.fingerprint == tiers.fingerprint
+                    && same_rules(&self.tiers.admin, &tiers.admin)
+                    && same_rules(&self.tiers.baseline, &tiers.baseline)))
             && *allow == self.allow
             && *deny == self.deny
             && np.same_direction(&self.np, direction)
@@ -212,16 +309,14 @@ impl CompileMemo {
     /// same inputs were compiled before (shared: the caller copies what it keeps).
     pub fn compile(
         &self,
-        tiers: &Tiers,
+        tiers: &Arc<SharedTiers>,
         np: &MapState,
         np_isolated: bool,
         direction: Direction,
         fallback: &Defaults,
     ) -> Arc<Compiled> {
         let mut h = FxHasher::default();
-        (direction as u8, np_isolated).hash(&mut h);
-        hash_rules(&mut h, &tiers.admin);
-        hash_rules(&mut h, &tiers.baseline);
+        (direction as u8, np_isolated, tiers.fingerprint).hash(&mut h);
         np.direction_fingerprint(direction).hash(&mut h);
         // The defaults name the policies isolating the endpoint: endpoints of one tier
         // differ by them more often than by anything else.
@@ -364,6 +459,11 @@ mod tests {
         m
     }
 
+    /// New shared rules (another endpoint's copy: equal, not the same pointer).
+    fn shared(t: &Tiers) -> Arc<SharedTiers> {
+        SharedTiers::new(t.clone())
+    }
+
     fn same(a: &Compiled, b: &Compiled) -> bool {
         a.map == b.map && a.isolated == b.isolated && a.notes == b.notes
     }
@@ -385,11 +485,11 @@ mod tests {
         };
         let base = np(301, 81, &n1);
         let direct = compile(&tiers, &base, true, Direction::Ingress, &d);
-        let first = memo.compile(&tiers, &base, true, Direction::Ingress, &d);
+        let first = memo.compile(&shared(&tiers), &base, true, Direction::Ingress, &d);
         assert!(same(&first, &direct));
         // The same inputs in other values (another endpoint's): a hit, the same result.
         let again = memo.compile(
-            &tiers.clone(),
+            &shared(&tiers),
             &np(301, 81, &n1),
             true,
             Direction::Ingress,
@@ -427,7 +527,7 @@ mod tests {
         ];
         for (i, (t, m, iso, dir)) in cases.iter().enumerate() {
             let want = compile(t, m, *iso, *dir, &d);
-            let got = memo.compile(t, m, *iso, *dir, &d);
+            let got = memo.compile(&shared(t), m, *iso, *dir, &d);
             assert!(same(&got, &want), "case {i}");
             assert_eq!(memo.stats().0, 1, "case {i} missed");
         }
@@ -436,7 +536,7 @@ mod tests {
             allow: origin("allow2"),
             deny: origin("deny"),
         };
-        let got = memo.compile(&tiers, &base, true, Direction::Ingress, &d2);
+        let got = memo.compile(&shared(&tiers), &base, true, Direction::Ingress, &d2);
         assert!(same(
             &got,
             &compile(&tiers, &base, true, Direction::Ingress, &d2)
@@ -455,7 +555,7 @@ mod tests {
             false,
             &n1,
         );
-        let got = memo.compile(&tiers, &with_egress, true, Direction::Ingress, &d);
+        let got = memo.compile(&shared(&tiers), &with_egress, true, Direction::Ingress, &d);
         assert!(same(&got, &direct));
         assert_eq!(memo.stats().0, 2);
     }
@@ -474,16 +574,22 @@ mod tests {
         };
         let empty = MapState::new();
         for peer in 0..(MAX_RESULTS as u32 + 10) {
-            memo.compile(&tiers(1000 + peer), &empty, false, Direction::Ingress, &d);
+            memo.compile(
+                &shared(&tiers(1000 + peer)),
+                &empty,
+                false,
+                Direction::Ingress,
+                &d,
+            );
             // The first stays in use: never the oldest.
-            memo.compile(&tiers(1000), &empty, false, Direction::Ingress, &d);
+            memo.compile(&shared(&tiers(1000)), &empty, false, Direction::Ingress, &d);
         }
         let (_, _, results) = memo.stats();
         assert_eq!(results, MAX_RESULTS);
         let (hits, _, _) = memo.stats();
-        memo.compile(&tiers(1000), &empty, false, Direction::Ingress, &d);
+        memo.compile(&shared(&tiers(1000)), &empty, false, Direction::Ingress, &d);
         assert_eq!(memo.stats().0, hits + 1, "the one in use was kept");
-        memo.compile(&tiers(1001), &empty, false, Direction::Ingress, &d);
+        memo.compile(&shared(&tiers(1001)), &empty, false, Direction::Ingress, &d);
         assert_eq!(memo.stats().0, hits + 1, "the oldest went");
         memo.clear();
         assert_eq!(memo.stats().2, 0);
