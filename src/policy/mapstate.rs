@@ -63,6 +63,15 @@ impl MapEntry {
 
     /// Records one allowing contribution (deny entries keep none). Called before `origin` is
     /// added to `derived_from`, whose contributions so far were L3/L4 unless recorded here.
+    /// Each contribution the entry was built from (its origin, with its L7 rules): inserted
+    /// one by one, they build the entry again.
+    fn contributions(&self, mut f: impl FnMut(&Arc<RuleOrigin>, Option<&Arc<L7PortRules>>)) {
+        match &self.l7 {
+            Some(grants) => grants.iter().for_each(|g| f(&g.origin, g.rules.as_ref())),
+            None => self.derived_from.iter().for_each(|o| f(o, None)),
+        }
+    }
+
     /// The entry of one contribution (always inlined: built in place, not returned by copy,
     /// in the resolution's hottest loop).
     #[inline(always)]
@@ -185,6 +194,30 @@ impl Group {
                 });
             }
         }
+    }
+}
+
+impl Group {
+    /// `insert_l7` of every contribution of `entry` (an entry of another map, the same deny
+    /// flag): a copy of it when the key is new to the group.
+    pub fn insert_entry(&mut self, (protocol, port_lo, port_hi): (u8, u16, u16), entry: &MapEntry) {
+        let same =
+            |s: &Slot| s.protocol == protocol && s.port_lo == port_lo && s.port_hi == port_hi;
+        if self.slots.last().is_some_and(same) {
+            let ports = (protocol, port_lo, port_hi);
+            entry.contributions(|o, rules| self.insert_l7(ports, entry.deny, o, rules));
+            return;
+        }
+        debug_assert!(
+            !self.slots.iter().any(same),
+            "Group::insert_entry: an earlier key again"
+        );
+        self.slots.push(Slot {
+            protocol,
+            port_lo,
+            port_hi,
+            entry: entry.clone(),
+        });
     }
 }
 
@@ -334,18 +367,8 @@ impl MapState {
         };
         for s in slots {
             let key = s.key(direction, group.identity);
-            match &s.entry.l7 {
-                Some(grants) => {
-                    for g in grants.iter() {
-                        self.insert_l7(key, s.entry.deny, &g.origin, g.rules.as_ref());
-                    }
-                }
-                None => {
-                    for o in &s.entry.derived_from {
-                        self.insert_l7(key, s.entry.deny, o, None);
-                    }
-                }
-            }
+            s.entry
+                .contributions(|o, rules| self.insert_l7(key, s.entry.deny, o, rules));
         }
     }
 
@@ -760,6 +783,35 @@ mod tests {
         let mut m = MapState::new();
         m.insert_group(Direction::Ingress, Group::new(300));
         assert!(m.is_empty() && m.group(Direction::Ingress, 300).is_none());
+    }
+
+    #[test]
+    fn a_group_copies_another_map_s_entry_or_merges_its_contributions() {
+        let (a, b, c) = (
+            origin("a", Section::Ingress),
+            origin("b", Section::Ingress),
+            origin("c", Section::Ingress),
+        );
+        let mut other = MapState::new();
+        other.insert(key(7, 6, 80, 80), false, &a);
+        other.insert(key(7, 6, 80, 80), false, &b);
+        let MapVerdict::Allowed(e) = other.lookup(Direction::Ingress, 7, 6, 80) else {
+            panic!("allowed")
+        };
+        // A new key: the entry as it is; the last key again: its contributions merged.
+        let mut g = Group::new(300);
+        g.insert_entry((6, 80, 80), e);
+        g.insert_l7((6, 443, 443), false, &c, None);
+        g.insert_entry((6, 443, 443), e);
+        let mut got = MapState::new();
+        got.insert_group(Direction::Ingress, g);
+        let mut want = MapState::new();
+        for (port, origins) in [(80, vec![&a, &b]), (443, vec![&c, &a, &b])] {
+            for o in origins {
+                want.insert(key(300, 6, port, port), false, o);
+            }
+        }
+        assert_eq!(got, want);
     }
 
     #[test]

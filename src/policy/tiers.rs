@@ -663,27 +663,13 @@ fn put(
     v: &Verdict<'_>,
     d: &Defaults,
 ) {
+    debug_assert_eq!(deny, !v.allow);
     let mut one = |o: &Arc<RuleOrigin>| group.insert_l7(ports, deny, o, None);
     match v.by {
         By::Rule(Tier::Admin, i) => one(&tiers.admin[i].origin),
         By::Rule(Tier::Baseline, i) => one(&tiers.baseline[i].origin),
-        By::Np(e) => match &e.l7 {
-            Some(grants) => {
-                for g in grants.iter() {
-                    group.insert_l7(
-                        ports,
-                        deny,
-                        &g.origin,
-                        if deny { None } else { g.rules.as_ref() },
-                    );
-                }
-            }
-            None => {
-                for o in e.derived_from.iter() {
-                    one(o);
-                }
-            }
-        },
+        // The NetworkPolicy tier's entry decided (its own deny flag): the same entry.
+        By::Np(e) => group.insert_entry(ports, e),
         By::NpDefault => one(&d.deny),
         By::Default => one(&d.allow),
     }
