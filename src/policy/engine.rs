@@ -1439,6 +1439,26 @@ impl PolicyEngine {
             }
             Ports::List(l) => l,
         };
+        // Port numbers and ranges only (most rules): each peer's entries in one go, in the
+        // order of the loop below (the same entries, in the same order).
+        if list.iter().all(|pm| matches!(pm.port, PortSpec::Range(..))) {
+            let mut cells: SmallVec<[super::mapstate::PortCell<'_>; 4]> = SmallVec::new();
+            for pm in list {
+                let PortSpec::Range(lo, hi) = pm.port else {
+                    continue;
+                };
+                let l7 = pr
+                    .l7
+                    .iter()
+                    .find(|e| e.ports.contains(pm))
+                    .map(|e| &e.rules);
+                cells.extend(pm.protocol.numbers().iter().map(|&p| (p, lo, hi, l7)));
+            }
+            for &id in ids {
+                map.insert_ports(direction, id, &cells, deny, origin);
+            }
+            return;
+        }
         for pm in list {
             let protos = pm.protocol.numbers();
             let l7 = pr

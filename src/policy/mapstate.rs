@@ -151,6 +151,9 @@ struct Slot {
     entry: MapEntry,
 }
 
+/// One entry's protocol, first and last port, and the L7 rules it allows (`insert_ports`).
+pub type PortCell<'a> = (u8, u16, u16, Option<&'a Arc<L7PortRules>>);
+
 /// The entries of one peer identity, written in a row and added to a map at once
 /// (`MapState::insert_group`): no lookup of the identity's group per entry.
 #[derive(Debug)]
@@ -348,6 +351,38 @@ impl MapState {
             entry: MapEntry::new(deny, origin, rules),
         });
         self.lens[slot(key.direction)] += 1;
+    }
+
+    /// `insert_l7` of `(protocol, first port, last port, L7 rules)` for each of `ports`, in
+    /// order, for one identity: its group is looked up once, not once per entry.
+    pub fn insert_ports(
+        &mut self,
+        direction: Direction,
+        identity: NumericIdentity,
+        ports: &[PortCell<'_>],
+        deny: bool,
+        origin: &Arc<RuleOrigin>,
+    ) {
+        let slots = self.dir_mut(direction).entry(identity).or_default();
+        let mut added = 0;
+        for &(protocol, port_lo, port_hi, rules) in ports {
+            let found = slots
+                .iter_mut()
+                .find(|s| s.protocol == protocol && s.port_lo == port_lo && s.port_hi == port_hi);
+            match found {
+                Some(s) => s.entry.merge(deny, origin, rules),
+                None => {
+                    slots.push(Slot {
+                        protocol,
+                        port_lo,
+                        port_hi,
+                        entry: MapEntry::new(deny, origin, rules),
+                    });
+                    added += 1;
+                }
+            }
+        }
+        self.lens[slot(direction)] += added;
     }
 
     /// Adds the entries of `group` (as many `insert_l7`s would): at once when its identity has
