@@ -942,6 +942,7 @@ impl PolicyEngine {
             }
         }
         let requires = Requirements::gather(&rules);
+        let mut ids = Vec::new();
         for rule in &rules {
             push_once(&mut out.selected_by, &rule.policy);
             if rule.isolates_ingress {
@@ -952,7 +953,7 @@ impl PolicyEngine {
             }
             for pr in &rule.peer_rules {
                 let section = pr.origin.section;
-                let (ids, withheld) = self.peer_rule_identities(pr, requires.of(section));
+                let withheld = self.peer_rule_identities_into(pr, requires.of(section), &mut ids);
                 match peers {
                     None => self.add_peer_rule(&mut out.map, pr, ep, &ids, &pr.origin),
                     Some(p) => {
@@ -1319,39 +1320,46 @@ impl PolicyEngine {
 
     /// The identities a set of selectors selects, sorted and deduplicated.
     fn selected_by_any(&self, sels: &[SelectorRef]) -> Vec<NumericIdentity> {
-        if let [one] = sels {
-            return self
-                .selectors
-                .selections(one)
-                .map(|s| s.iter().copied().collect())
-                .unwrap_or_default();
-        }
-        let mut ids: Vec<NumericIdentity> = sels
-            .iter()
-            .filter_map(|s| self.selectors.selections(s))
-            .flatten()
-            .copied()
-            .collect();
-        ids.sort_unstable();
-        ids.dedup();
+        let mut ids = Vec::new();
+        self.selected_by_any_into(sels, &mut ids);
         ids
     }
 
+    /// [`Self::selected_by_any`] into `ids` (cleared first: a buffer reused rule after rule).
+    fn selected_by_any_into(&self, sels: &[SelectorRef], ids: &mut Vec<NumericIdentity>) {
+        ids.clear();
+        ids.extend(
+            sels.iter()
+                .filter_map(|s| self.selectors.selections(s))
+                .flatten()
+                .copied(),
+        );
+        if sels.len() > 1 {
+            ids.sort_unstable();
+            ids.dedup();
+        }
+    }
+
     /// The peer identities of a peer rule once `requires` are ANDed into its endpoint
-    /// selectors, and the identities each failing requirement took away (for explanations).
-    fn peer_rule_identities(
+    /// selectors, into `ids` (sorted; a buffer reused rule after rule), and the identities each
+    /// failing requirement took away (for explanations).
+    fn peer_rule_identities_into(
         &self,
         pr: &PeerRule,
         requires: &[Arc<PeerRequirement>],
-    ) -> (Vec<NumericIdentity>, Withheld) {
+        ids: &mut Vec<NumericIdentity>,
+    ) -> Withheld {
         let Peers::Selectors(all) = &pr.peers else {
-            return (vec![IDENTITY_ANY], vec![]);
+            ids.clear();
+            ids.push(IDENTITY_ANY);
+            return vec![];
         };
         let (endpoints, others) = pr.split_selectors();
         if requires.is_empty() || endpoints.is_empty() {
-            return (self.selected_by_any(all), vec![]);
+            self.selected_by_any_into(all, ids);
+            return vec![];
         }
-        let mut ids = self.selected_by_any(others);
+        self.selected_by_any_into(others, ids);
         let mut withheld: Withheld = Vec::new();
         for id in self.selected_by_any(endpoints) {
             // An identity the allocator no longer knows matches nothing (fail closed).
@@ -1377,7 +1385,7 @@ impl PolicyEngine {
             v.retain(|id| ids.binary_search(id).is_err());
         }
         withheld.retain(|(_, v)| !v.is_empty());
-        (ids, withheld)
+        withheld
     }
 
     /// The (protocol, port) pairs a name stands for among the endpoints of `peer` (any

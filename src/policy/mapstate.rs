@@ -107,13 +107,17 @@ impl MapEntry {
         }
     }
 
+    /// Records an allowing contribution's L7 part, once the entry has one (inline: most
+    /// entries have none, and the check is all they pay).
+    #[inline]
     fn grant(&mut self, origin: &Arc<RuleOrigin>, rules: Option<&Arc<L7PortRules>>) {
-        if self.deny {
+        if self.deny || (self.l7.is_none() && rules.is_none()) {
             return;
         }
-        if self.l7.is_none() && rules.is_none() {
-            return;
-        }
+        self.grant_l7(origin, rules)
+    }
+
+    fn grant_l7(&mut self, origin: &Arc<RuleOrigin>, rules: Option<&Arc<L7PortRules>>) {
         let grants = self.l7.get_or_insert_with(|| {
             // The contributions before the first L7 one were all L3/L4.
             Box::new(
