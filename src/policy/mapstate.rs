@@ -179,52 +179,36 @@ impl Group {
     /// are not searched.
     pub fn insert_l7(
         &mut self,
-        (protocol, port_lo, port_hi): (u8, u16, u16),
+        ports: (u8, u16, u16),
         deny: bool,
         origin: &Arc<RuleOrigin>,
         rules: Option<&Arc<L7PortRules>>,
     ) {
-        let same =
-            |s: &Slot| s.protocol == protocol && s.port_lo == port_lo && s.port_hi == port_hi;
         match self.slots.last_mut() {
-            Some(s) if same(s) => s.entry.merge(deny, origin, rules),
+            Some(s) if s.at(ports) => s.entry.merge(deny, origin, rules),
             _ => {
                 debug_assert!(
-                    !self.slots.iter().any(same),
+                    !self.slots.iter().any(|s| s.at(ports)),
                     "Group::insert_l7: an earlier key again"
                 );
-                self.slots.push(Slot {
-                    protocol,
-                    port_lo,
-                    port_hi,
-                    entry: MapEntry::new(deny, origin, rules),
-                });
+                self.slots
+                    .push(Slot::new(ports, MapEntry::new(deny, origin, rules)));
             }
         }
     }
-}
 
-impl Group {
     /// `insert_l7` of every contribution of `entry` (an entry of another map, the same deny
     /// flag): a copy of it when the key is new to the group.
-    pub fn insert_entry(&mut self, (protocol, port_lo, port_hi): (u8, u16, u16), entry: &MapEntry) {
-        let same =
-            |s: &Slot| s.protocol == protocol && s.port_lo == port_lo && s.port_hi == port_hi;
-        if self.slots.last().is_some_and(same) {
-            let ports = (protocol, port_lo, port_hi);
+    pub fn insert_entry(&mut self, ports: (u8, u16, u16), entry: &MapEntry) {
+        if self.slots.last().is_some_and(|s| s.at(ports)) {
             entry.contributions(|o, rules| self.insert_l7(ports, entry.deny, o, rules));
             return;
         }
         debug_assert!(
-            !self.slots.iter().any(same),
+            !self.slots.iter().any(|s| s.at(ports)),
             "Group::insert_entry: an earlier key again"
         );
-        self.slots.push(Slot {
-            protocol,
-            port_lo,
-            port_hi,
-            entry: entry.clone(),
-        });
+        self.slots.push(Slot::new(ports, entry.clone()));
     }
 }
 
@@ -341,20 +325,8 @@ impl MapState {
         origin: &Arc<RuleOrigin>,
         rules: Option<&Arc<L7PortRules>>,
     ) {
-        let slots = self.dir_mut(key.direction).entry(key.identity).or_default();
-        if let Some(s) = slots.iter_mut().find(|s| {
-            s.protocol == key.protocol && s.port_lo == key.port_lo && s.port_hi == key.port_hi
-        }) {
-            s.entry.merge(deny, origin, rules);
-            return;
-        }
-        slots.push(Slot {
-            protocol: key.protocol,
-            port_lo: key.port_lo,
-            port_hi: key.port_hi,
-            entry: MapEntry::new(deny, origin, rules),
-        });
-        self.lens[slot(key.direction)] += 1;
+        let cell = (key.protocol, key.port_lo, key.port_hi, rules);
+        self.insert_ports(key.direction, key.identity, &[cell], deny, origin);
     }
 
     /// `insert_l7` of `(protocol, first port, last port, L7 rules)` for each of `ports`, in
@@ -370,18 +342,11 @@ impl MapState {
         let slots = self.dir_mut(direction).entry(identity).or_default();
         let mut added = 0;
         for &(protocol, port_lo, port_hi, rules) in ports {
-            let found = slots
-                .iter_mut()
-                .find(|s| s.protocol == protocol && s.port_lo == port_lo && s.port_hi == port_hi);
-            match found {
+            let ports = (protocol, port_lo, port_hi);
+            match slots.iter_mut().find(|s| s.at(ports)) {
                 Some(s) => s.entry.merge(deny, origin, rules),
                 None => {
-                    slots.push(Slot {
-                        protocol,
-                        port_lo,
-                        port_hi,
-                        entry: MapEntry::new(deny, origin, rules),
-                    });
+                    slots.push(Slot::new(ports, MapEntry::new(deny, origin, rules)));
                     added += 1;
                 }
             }
@@ -484,9 +449,7 @@ impl MapState {
     pub fn get(&self, key: &MapKey) -> Option<&MapEntry> {
         self.group(key.direction, key.identity)?
             .iter()
-            .find(|s| {
-                s.protocol == key.protocol && s.port_lo == key.port_lo && s.port_hi == key.port_hi
-            })
+            .find(|s| s.at((key.protocol, key.port_lo, key.port_hi)))
             .map(|s| &s.entry)
     }
 
@@ -710,10 +673,22 @@ impl MapState {
 }
 
 impl Slot {
+    fn new((protocol, port_lo, port_hi): (u8, u16, u16), entry: MapEntry) -> Slot {
+        Slot {
+            protocol,
+            port_lo,
+            port_hi,
+            entry,
+        }
+    }
+
+    /// Its protocol and ports are these.
+    fn at(&self, (protocol, port_lo, port_hi): (u8, u16, u16)) -> bool {
+        self.protocol == protocol && self.port_lo == port_lo && self.port_hi == port_hi
+    }
+
     fn same_ports(&self, other: &Slot) -> bool {
-        self.protocol == other.protocol
-            && self.port_lo == other.port_lo
-            && self.port_hi == other.port_hi
+        self.at((other.protocol, other.port_lo, other.port_hi))
     }
 
     fn key(&self, direction: Direction, identity: NumericIdentity) -> MapKey {
