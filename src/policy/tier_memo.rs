@@ -113,6 +113,10 @@ impl<K: PartialEq, V> SharedMemo<K, V> {
         }
         let out = Arc::new(build());
         let mut held = lock();
+        // Another endpoint built the same meanwhile: one copy.
+        if let Some((_, first)) = held.iter().find(|(k, _)| *k == key) {
+            return first.clone();
+        }
         if held.len() >= MAX_SHARED {
             held.remove(0);
         }
@@ -593,5 +597,33 @@ mod tests {
         assert_eq!(memo.stats().0, hits + 1, "the oldest went");
         memo.clear();
         assert_eq!(memo.stats().2, 0);
+    }
+
+    #[test]
+    fn a_shared_memo_builds_once_per_key_and_keeps_the_most_recently_used() {
+        let memo: SharedMemo<u32, String> = SharedMemo::default();
+        let builds = std::cell::Cell::new(0);
+        let get = |k: u32| {
+            memo.get(k, || {
+                builds.set(builds.get() + 1);
+                format!("v{k}")
+            })
+        };
+        let first = get(1);
+        assert!(Arc::ptr_eq(&first, &get(1)), "a hit is the same result");
+        assert_eq!((builds.get(), first.as_str()), (1, "v1"));
+        // More keys than it keeps, key 1 used all along: 1 stays, 2 (the oldest) goes.
+        for k in 2..(MAX_SHARED as u32 + 2) {
+            get(k);
+            get(1);
+        }
+        assert_eq!(memo.len(), MAX_SHARED);
+        let before = builds.get();
+        get(1);
+        assert_eq!(builds.get(), before, "the one in use was kept");
+        get(2);
+        assert_eq!(builds.get(), before + 1, "the least recently used went");
+        memo.clear();
+        assert!(memo.is_empty());
     }
 }
