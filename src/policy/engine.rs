@@ -1114,9 +1114,10 @@ impl PolicyEngine {
         notes: &mut Vec<String>,
     ) -> Vec<super::tiers::TierRule> {
         // Rules of many policies name the same selectors (a namespace): resolved once.
-        let key: Vec<*const super::selector::Selector> = match &pr.peers {
-            Peers::Any => Vec::new(),
-            Peers::Selectors(s) => s.iter().map(Arc::as_ptr).collect(),
+        // `None`: every peer, never the same as no selector at all (no peer).
+        let key: Option<Vec<*const super::selector::Selector>> = match &pr.peers {
+            Peers::Any => None,
+            Peers::Selectors(s) => Some(s.iter().map(Arc::as_ptr).collect()),
         };
         let shared = match memo.peers.get(&key) {
             Some(ids) => ids.clone(),
@@ -1208,8 +1209,9 @@ impl PolicyEngine {
     /// A tier peer rule's identities (sorted), shared with every endpoint and rule that name
     /// selectors of the same selections (`tier_memo::PeerLists`).
     fn shared_peer_ids(&self, pr: &PeerRule) -> Arc<[NumericIdentity]> {
+        // Every peer: not from the lists, whose empty key is a rule with no selector (no peer).
         let Peers::Selectors(all) = &pr.peers else {
-            return self.peer_lists.get(SmallVec::new(), || vec![IDENTITY_ANY]);
+            return Arc::from([IDENTITY_ANY]);
         };
         // 0 (no stamp is 0): a selector the cache does not hold, which selects nothing.
         let stamps = all
@@ -1584,8 +1586,9 @@ fn names_cluster_parts(pr: &PeerRule) -> bool {
 /// What the resolution of one endpoint's tier rules computes once and reuses.
 #[derive(Default)]
 struct TierMemo {
-    /// Peer identities by the peer selectors (pointers: selectors are interned).
-    peers: HashMap<Vec<*const super::selector::Selector>, Arc<[NumericIdentity]>>,
+    /// Peer identities by the peer selectors (pointers: selectors are interned; `None`: every
+    /// peer).
+    peers: HashMap<Option<Vec<*const super::selector::Selector>>, Arc<[NumericIdentity]>>,
     covers: super::tier_networks::CoverMemo,
 }
 
@@ -1806,6 +1809,24 @@ mod tests {
                 "as without the memo"
             );
         }
+    }
+
+    /// A tier rule whose peers are all unknown fields matches nothing when it allows and
+    /// everyone when it denies (fail closed both ways); the two never take each other's peers.
+    #[test]
+    fn a_rule_matching_no_peer_and_one_matching_every_peer_stay_apart() {
+        let mut e = PolicyEngine::new();
+        let (la, lz) = (pod("x", "a"), pod("y", "z"));
+        let a = e.allocate_identity(&la).id();
+        let z = e.allocate_identity(&lz).id();
+        // Allow from a peer of no known field (no peer), then Deny from one (every peer).
+        e.upsert_policy(policy("{apiVersion: policy.networking.k8s.io/v1alpha2, kind: ClusterNetworkPolicy, metadata: {name: c1}, spec: {tier: Admin, priority: 1, subject: {namespaces: {}}, ingress: [{name: r, action: Accept, from: [{futurePeer: {}}]}]}}"));
+        e.upsert_policy(policy("{apiVersion: policy.networking.k8s.io/v1alpha2, kind: ClusterNetworkPolicy, metadata: {name: c2}, spec: {tier: Admin, priority: 2, subject: {namespaces: {}}, ingress: [{name: r, action: Deny, from: [{futurePeer: {}}]}]}}"));
+        let p = e.resolve(&view(a, &la, &[]));
+        let v = p.map.lookup(Direction::Ingress, z, PROTO_TCP, 80);
+        let denied = matches!(v, MapVerdict::Denied(_))
+            || (matches!(v, MapVerdict::NoMatch) && !p.ingress.isolated_by.is_empty());
+        assert!(denied, "c2 denies every peer: {v:?}");
     }
 
     /// Endpoints selected by the same tier policies share their resolved rules only when
