@@ -1024,10 +1024,10 @@ impl PolicyEngine {
             inputs: self.tier_inputs_generation,
             named_ports: ep.named_ports.to_vec(),
         };
-        let tiered = key.rules.clone();
         let resolved = self
             .resolved_tiers
-            .get(key, || self.resolve_tier_rules(&tiered, ep));
+            .get(&key, || self.resolve_tier_rules(&key.rules, ep));
+        let tiered = key.rules;
         let mut state = TierState {
             notes: resolved.notes.clone(),
             ..Default::default()
@@ -1546,6 +1546,7 @@ type TierPorts = Vec<(u8, u16, u16)>;
 /// state (`PolicyEngine::tier_inputs_generation`): the tier policies' rules selecting it (in
 /// evaluation order) and its named ports. Rules compare by pointer: a changed policy has new
 /// ones, and the key holds them, so an address is never reused while it is held.
+#[derive(Clone)]
 struct TiersKey {
     rules: Vec<Arc<Rule>>,
     selections: u64,

@@ -97,13 +97,14 @@ impl<K, V> std::fmt::Debug for SharedMemo<K, V> {
     }
 }
 
-impl<K: PartialEq, V> SharedMemo<K, V> {
-    /// The result for `key`, built by `build` (outside the lock) when no equal key is held.
-    pub fn get(&self, key: K, build: impl FnOnce() -> V) -> Arc<V> {
+impl<K: PartialEq + Clone, V> SharedMemo<K, V> {
+    /// The result for `key`, built by `build` (outside the lock) when no equal key is held
+    /// (then a copy of the key is kept: a hit copies nothing).
+    pub fn get(&self, key: &K, build: impl FnOnce() -> V) -> Arc<V> {
         let lock = || self.inner.lock().unwrap_or_else(|p| p.into_inner());
         {
             let mut held = lock();
-            if let Some(i) = held.iter().position(|(k, _)| *k == key) {
+            if let Some(i) = held.iter().position(|(k, _)| k == key) {
                 // Most recently used last.
                 let hit = held.remove(i);
                 let out = hit.1.clone();
@@ -114,13 +115,13 @@ impl<K: PartialEq, V> SharedMemo<K, V> {
         let out = Arc::new(build());
         let mut held = lock();
         // Another endpoint built the same meanwhile: one copy.
-        if let Some((_, first)) = held.iter().find(|(k, _)| *k == key) {
+        if let Some((_, first)) = held.iter().find(|(k, _)| k == key) {
             return first.clone();
         }
         if held.len() >= MAX_SHARED {
             held.remove(0);
         }
-        held.push((key, out.clone()));
+        held.push((key.clone(), out.clone()));
         out
     }
 
@@ -604,7 +605,7 @@ mod tests {
         let memo: SharedMemo<u32, String> = SharedMemo::default();
         let builds = std::cell::Cell::new(0);
         let get = |k: u32| {
-            memo.get(k, || {
+            memo.get(&k, || {
                 builds.set(builds.get() + 1);
                 format!("v{k}")
             })
