@@ -14,11 +14,13 @@
 //!   what its DNS rules say (`policy::l7::dns::dns_ruling`);
 //! - [`server`]: the process (sockets, policy routing, the pinned maps);
 //! - [`state`]: the agent's side (FQDN cache, endpoints' rules, the proxy as last seen);
+//! - [`upstream`]: queries to the servers, on shared sockets;
 //! - [`wire`]: DNS messages through hickory-proto (questions, REFUSED answers, addresses).
 
 pub mod limit;
 pub mod server;
 pub mod state;
+pub mod upstream;
 pub mod wire;
 
 use std::collections::HashMap;

@@ -41,6 +41,9 @@ const KNOWN_PRUNE_AT: usize = 100_000;
 /// UDP queries waiting for their servers at once, at most.
 const MAX_IN_FLIGHT: usize = 8192;
 
+/// How long a forwarded UDP query waits for its server.
+const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// A pod's TCP connection to the proxy is closed after this long without a query.
 const TCP_IDLE: Duration = Duration::from_secs(10);
 
@@ -115,6 +118,8 @@ struct Proxy {
     /// server address, so there are at most `REPLY_SOCKETS` (then all are dropped and made
     /// anew).
     replies: Mutex<Kept<SocketAddr, Arc<Socket>>>,
+    /// Sockets to the servers pods asked, shared by their queries.
+    upstreams: super::upstream::Upstreams,
 }
 
 /// Answer sockets kept at most.
@@ -475,29 +480,17 @@ fn answer_socket(from: SocketAddr) -> io::Result<Socket> {
     Ok(s)
 }
 
-/// Asks the server the pod asked, over UDP, and waits for the answer with the query's id.
-async fn upstream_udp(dst: SocketAddr, q: &wire::Question) -> io::Result<Vec<u8>> {
-    let bind: SocketAddr = if dst.is_ipv4() {
-        (Ipv4Addr::UNSPECIFIED, 0).into()
-    } else {
-        (Ipv6Addr::UNSPECIFIED, 0).into()
-    };
-    let s = UdpSocket::bind(bind).await?;
-    s.connect(dst).await?;
-    s.send(&q.forward).await?;
-    // Room for the largest datagram, not zeroed: recv_buf fills the spare capacity.
-    let mut buf = Vec::with_capacity(65535);
-    tokio::time::timeout(Duration::from_secs(5), async {
-        loop {
-            buf.clear();
-            s.recv_buf(&mut buf).await?;
-            if wire::addresses(&buf, q).is_some() {
-                return Ok(buf.to_vec());
-            }
-        }
-    })
-    .await
-    .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "the DNS server did not answer"))?
+/// Asks the server the pod asked, over UDP, and waits for its answer to this question.
+async fn upstream_udp(
+    up: &super::upstream::Upstreams,
+    dst: SocketAddr,
+    q: &wire::Question,
+) -> io::Result<Vec<u8>> {
+    let answer = up.ask(dst, &q.forward, UPSTREAM_TIMEOUT).await?;
+    if wire::addresses(&answer, q).is_none() {
+        return Err(io::Error::other("the DNS server's answer is unreadable"));
+    }
+    Ok(answer)
 }
 
 /// A pod over its share: logged at its first drop and every 10,000th.
@@ -554,7 +547,7 @@ async fn serve_udp(proxy: Arc<Proxy>, sock: Arc<UdpSocket>) {
                 return;
             };
             let spent = started.elapsed();
-            match upstream_udp(dst, &q).await {
+            match upstream_udp(&proxy.upstreams, dst, &q).await {
                 Ok(answer) => {
                     proxy
                         .answered(&q, endpoint, &pod, policies, &answer, spent)
@@ -763,6 +756,7 @@ pub fn run(opts: ProxyOptions) -> Result<(), ProxyError> {
             learn_timeout: opts.learn_timeout,
             limiter: super::limit::SourceLimiter::new(opts.source_limits),
             replies: Mutex::new(Kept::new(REPLY_SOCKETS)),
+            upstreams: Default::default(),
         });
         let agents = UnixListener::bind(&sock_path)
             .map_err(setup(format!("listen on {}", sock_path.display())))?;
