@@ -56,7 +56,6 @@ fn agent(args: AgentArgs) -> i32 {
             .unwrap_or_else(|| "localhost".into())
     });
     let bpf_host_routing = (args.datapath == ciliate::config::DatapathKind::Bpf
-        && args.routing_mode == ciliate::network::RoutingMode::Native
         && !args.enable_host_legacy_routing)
         .then(|| args.bpf_root.join("ciliate"));
     let bpf_pins = (args.datapath == ciliate::config::DatapathKind::Bpf)

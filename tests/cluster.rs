@@ -394,11 +394,35 @@ fn tunnel_mode_carries_pod_traffic_across_nodes_over_vxlan() {
         tx_bytes >= big.len(),
         "node 1 sent the 64 KiB through its tunnel: {stats}"
     );
-    // Policy still sees the remote pods' identities through the tunnel.
+    // BPF host routing both ways through the tunnel: node 1's pod packets go from its veth
+    // straight to the vxlan device, node 2's program on that device delivers into b.
+    for i in 0..3 {
+        assert_eq!(host_routing_state(&c.nodes[i]), "bpf (ciliate_vxlan)");
+    }
+    assert!(
+        host_routed(&mut c, 1) > 0,
+        "node 1 sent through host routing"
+    );
+    assert!(
+        host_delivered(&mut c, 2) > 0,
+        "node 2's tunnel device program delivered into b"
+    );
+    // Policy still sees the remote pods' identities through the tunnel, and judges at node
+    // 2's tunnel device what it delivers.
     c.api().apply_json(cnp_b_from_a()).expect("policy");
     eventually("b admits a and not d", || {
         tcp_ok(&a.netns, b_addr, 8080) && !tcp_ok(&d.netns, b_addr, 8080)
     });
+    let before = host_delivered(&mut c, 2);
+    assert!(!tcp_ok(&d.netns, b_addr, 8080));
+    assert!(!udp_ok(&d.netns, b_addr, 5353), "UDP from d is denied");
+    assert_eq!(
+        host_delivered(&mut c, 2),
+        before,
+        "nothing denied was delivered"
+    );
+    assert!(tcp_ok(&a.netns, b_addr, 8080));
+    assert!(host_delivered(&mut c, 2) > before, "a's flow is delivered");
 
     // Node 1 back to native routing: its tunnel device (and the routes through it) go, native
     // routes take their place, once each.

@@ -276,9 +276,9 @@ pub struct AgentArgs {
     /// node) to the node's address (nftables, a table of this agent's own).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub enable_ipv4_masquerade: bool,
-    /// Native routing: send pod traffic to other nodes through the host stack's forwarding
-    /// (netfilter included) instead of BPF host routing (straight from the pod's veth to the
-    /// node's device once policy allowed it).
+    /// Send pod traffic to other nodes through the host stack's forwarding (netfilter
+    /// included) instead of BPF host routing (straight from the pod's veth to the node's
+    /// device, or into the tunnel, once policy allowed it).
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
     pub enable_host_legacy_routing: bool,
     /// Enforcement: `default` (isolated once a policy selects the endpoint), `always` (default

@@ -91,7 +91,8 @@ pub async fn run_route_reconciler(
                 tracing::warn!(error = %e, "BPF host routing map not updated; pod traffic to other nodes takes the host stack");
             }
         }
-        let host_routing = netdev.reconcile(&cfg, local_ip).await;
+        let tunnel = applier.as_ref().and_then(|a| a.tunnel_ifindex());
+        let host_routing = netdev.reconcile(&cfg, local_ip, tunnel).await;
         let masq = masquerade.reconcile(&local, &snapshot, &cfg).await;
         if let Ok(mut v) = view.lock() {
             v.host_routing = host_routing;
@@ -107,8 +108,9 @@ pub async fn run_route_reconciler(
     }
 }
 
-/// BPF host routing's receive side: the node device's program, on the device that holds the
-/// node's InternalIP. Attached once per run (a restarted agent swaps in its own build) and again
+/// BPF host routing's receive side: the node device's program, on the device pods' packets from
+/// other nodes arrive on: the one that holds the node's InternalIP (native mode), or the
+/// agent's vxlan device (tunnel mode: the packets as decapsulated). Attached once per run (a restarted agent swaps in its own build) and again
 /// whenever that device changes; taken off once when BPF host routing is off.
 #[derive(Default)]
 struct NetdevProgram {
@@ -125,6 +127,7 @@ impl NetdevProgram {
         &mut self,
         cfg: &RoutingConfig,
         local_ip: Option<std::net::Ipv4Addr>,
+        tunnel: Option<u32>,
     ) -> String {
         let shown = match (&cfg.bpf_host_routing, &cfg.bpf_pins) {
             (None, None) => "none".to_string(),
@@ -139,7 +142,7 @@ impl NetdevProgram {
                 }
                 "legacy".to_string()
             }
-            (Some(pins), _) => self.attach(pins, local_ip).await,
+            (Some(pins), _) => self.attach(pins, cfg.mode, local_ip, tunnel).await,
         };
         if shown != self.shown && shown.contains("send side only") && local_ip.is_some() {
             tracing::warn!(state = %shown, "BPF host routing: packets for this node's pods take the host stack");
@@ -151,13 +154,16 @@ impl NetdevProgram {
     async fn attach(
         &mut self,
         pins: &std::path::Path,
+        mode: RoutingMode,
         local_ip: Option<std::net::Ipv4Addr>,
+        tunnel: Option<u32>,
     ) -> String {
         let Some(ip) = local_ip else {
             return "bpf, send side only: this node has no InternalIP yet".into();
         };
-        let Some((name, ifindex)) = netlink::device_with_address(ip) else {
-            return format!("bpf, send side only: no device of this node holds {ip}");
+        let (name, ifindex) = match receiving_device(mode, ip, tunnel) {
+            Ok(d) => d,
+            Err(why) => return format!("bpf, send side only: {why}"),
         };
         if self.attached == Some(ifindex) {
             return format!("bpf ({name})");
@@ -176,6 +182,28 @@ impl NetdevProgram {
             Ok(Err(e)) => format!("bpf, send side only: {e}"),
             Err(e) => format!("bpf, send side only: {e}"),
         }
+    }
+}
+
+/// The device pods' packets from other nodes arrive on (see `NetdevProgram`).
+/// In tunnel mode, only this agent's own device as its route pass set it up (`tunnel`): a
+/// device of that name may belong to another agent.
+fn receiving_device(
+    mode: RoutingMode,
+    ip: std::net::Ipv4Addr,
+    tunnel: Option<u32>,
+) -> Result<(String, u32), String> {
+    match mode {
+        RoutingMode::Native => netlink::device_with_address(ip)
+            .ok_or_else(|| format!("no device of this node holds {ip}")),
+        RoutingMode::Tunnel => tunnel
+            .map(|i| (tunnel::VXLAN_DEVICE.to_string(), i))
+            .ok_or_else(|| {
+                format!(
+                    "no tunnel device {} of this agent yet",
+                    tunnel::VXLAN_DEVICE
+                )
+            }),
     }
 }
 

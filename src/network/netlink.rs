@@ -42,6 +42,8 @@ pub struct RouteApplier {
     forwarding_checked: bool,
     /// Tunnel mode: the mark (alias) of this agent's vxlan device, and its MTU.
     tunnel: Option<(String, u32)>,
+    /// Tunnel mode: the index of this agent's vxlan device as the last pass set it up.
+    tunnel_ifindex: Option<u32>,
 }
 
 impl RouteApplier {
@@ -49,6 +51,11 @@ impl RouteApplier {
     /// error: guessing would either leak routes or take another agent's.
     pub fn open(state_root: &Path) -> Result<RouteApplier, String> {
         Self::open_with(state_root, None)
+    }
+
+    /// Tunnel mode: this agent's own vxlan device, as the last `apply` found or made it.
+    pub fn tunnel_ifindex(&self) -> Option<u32> {
+        self.tunnel_ifindex
     }
 
     /// Like `open`, for tunnel mode when `tunnel` is `(device mark, device MTU)`.
@@ -75,6 +82,7 @@ impl RouteApplier {
             owned,
             forwarding_checked: false,
             tunnel,
+            tunnel_ifindex: None,
         })
     }
 
@@ -120,9 +128,13 @@ impl RouteApplier {
             }
             (Some((mark, mtu)), Some(local)) => match setup_tunnel(local, *mtu, mark.clone()) {
                 Ok(i) => Some(i),
-                Err(e) => return fail_all(format!("tunnel: {e}")),
+                Err(e) => {
+                    self.tunnel_ifindex = None;
+                    return fail_all(format!("tunnel: {e}"));
+                }
             },
         };
+        self.tunnel_ifindex = tunnel;
         let kernel = match list_own_protocol_oif() {
             Ok(k) => k,
             Err(e) => return fail_all(format!("list routes: {e}")),

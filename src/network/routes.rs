@@ -48,9 +48,10 @@ pub struct RoutingConfig {
     pub install: bool,
     /// `--enable-ipv4-masquerade`: pod traffic leaving the native routing CIDR is SNATed.
     pub masquerade: bool,
-    /// BPF host routing (native mode, eBPF datapath, unless `--enable-host-legacy-routing`):
-    /// where the pinned maps are, whose `host_routes` gets the installed routes' prefixes and
-    /// whose node device program is attached to the device holding the node's InternalIP.
+    /// BPF host routing (eBPF datapath, unless `--enable-host-legacy-routing`): where the
+    /// pinned maps are, whose `host_routes` gets the installed routes' prefixes and whose node
+    /// device program is attached to the device holding the node's InternalIP (native mode)
+    /// or to the agent's vxlan device (tunnel mode).
     pub bpf_host_routing: Option<std::path::PathBuf>,
     /// The eBPF datapath's pin root (`None` with the in-memory datapath): with BPF host routing
     /// off, a node device program an earlier run attached is taken off.
@@ -300,7 +301,7 @@ pub struct RoutingView {
     /// the kernel) or `error: ...`.
     pub masquerade: String,
     /// `bpf (<device>)`: BPF host routing both ways; `bpf, send side only: <why>`; `legacy`
-    /// (`--enable-host-legacy-routing`, or tunnel mode): the host stack forwards; `none`
+    /// (`--enable-host-legacy-routing`): the host stack forwards; `none`
     /// (in-memory datapath).
     pub host_routing: String,
     pub nodes: Vec<NodeRow>,
