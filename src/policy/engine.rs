@@ -942,6 +942,11 @@ impl PolicyEngine {
             }
         }
         let requires = Requirements::gather(&rules);
+        if peers.is_none() {
+            for (d, n) in self.peer_bound(&rules) {
+                out.map.reserve(d, n);
+            }
+        }
         let mut ids = Vec::new();
         for rule in &rules {
             push_once(&mut out.selected_by, &rule.policy);
@@ -973,6 +978,7 @@ impl PolicyEngine {
                 }
             }
         }
+        out.map.shrink_sparse();
         if out.dns.iter().all(|e| e.names.is_none()) {
             out.dns.clear();
         }
@@ -1320,6 +1326,27 @@ impl PolicyEngine {
         pass_denies
     }
 
+    /// An upper bound of the peer identities `rules` give entries, per direction: the sizes of
+    /// their selections, at most every identity there is.
+    fn peer_bound(&self, rules: &[Arc<Rule>]) -> [(Direction, usize); 2] {
+        let mut n = [0usize; 2];
+        for pr in rules.iter().flat_map(|r| &r.peer_rules) {
+            n[pr.origin.section.direction() as usize] += match &pr.peers {
+                Peers::Selectors(all) => all
+                    .iter()
+                    .filter_map(|s| self.selectors.selections(s))
+                    .map(|s| s.len())
+                    .sum(),
+                _ => 1,
+            };
+        }
+        let all = self.identities.len();
+        [
+            (Direction::Ingress, n[Direction::Ingress as usize].min(all)),
+            (Direction::Egress, n[Direction::Egress as usize].min(all)),
+        ]
+    }
+
     /// The identities a set of selectors selects, sorted and deduplicated.
     fn selected_by_any(&self, sels: &[SelectorRef]) -> Vec<NumericIdentity> {
         let mut ids = Vec::new();
@@ -1464,9 +1491,7 @@ impl PolicyEngine {
                     .map(|e| &e.rules);
                 cells.extend(pm.protocol.numbers().iter().map(|&p| (p, lo, hi, l7)));
             }
-            for &id in ids {
-                map.insert_ports(direction, id, &cells, deny, origin);
-            }
+            map.insert_ports(direction, ids, &cells, deny, origin);
             return;
         }
         for pm in list {

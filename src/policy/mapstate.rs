@@ -306,6 +306,27 @@ impl MapState {
         Arc::make_mut(self.dirs[slot(d)].get_or_insert_with(Default::default))
     }
 
+    /// Room for `n` more peer identities in direction `d`: a resolve that knows about how many
+    /// it will add sizes the table once (growing it was an eighth of a large resolve).
+    pub fn reserve(&mut self, d: Direction, n: usize) {
+        if n > 0 {
+            self.dir_mut(d).reserve(n);
+        }
+    }
+
+    /// Gives back what a [`reserve`](Self::reserve) overestimated: a direction filled to less
+    /// than a quarter of its table is shrunk, one left empty goes.
+    pub fn shrink_sparse(&mut self) {
+        for d in &mut self.dirs {
+            let Some(g) = d else { continue };
+            if g.is_empty() {
+                *d = None;
+            } else if g.len() * 4 < g.capacity() {
+                Arc::make_mut(g).shrink_to_fit();
+            }
+        }
+    }
+
     fn group(&self, d: Direction, identity: NumericIdentity) -> Option<&Slots> {
         self.dir(d).get(&identity)
     }
@@ -326,28 +347,32 @@ impl MapState {
         rules: Option<&Arc<L7PortRules>>,
     ) {
         let cell = (key.protocol, key.port_lo, key.port_hi, rules);
-        self.insert_ports(key.direction, key.identity, &[cell], deny, origin);
+        self.insert_ports(key.direction, &[key.identity], &[cell], deny, origin);
     }
 
     /// `insert_l7` of `(protocol, first port, last port, L7 rules)` for each of `ports`, in
-    /// order, for one identity: its group is looked up once, not once per entry.
+    /// order, for each of `identities` in turn: each identity's group is looked up once, not
+    /// once per entry, and the direction's table is made writable once.
     pub fn insert_ports(
         &mut self,
         direction: Direction,
-        identity: NumericIdentity,
+        identities: &[NumericIdentity],
         ports: &[PortCell<'_>],
         deny: bool,
         origin: &Arc<RuleOrigin>,
     ) {
-        let slots = self.dir_mut(direction).entry(identity).or_default();
+        let groups = self.dir_mut(direction);
         let mut added = 0;
-        for &(protocol, port_lo, port_hi, rules) in ports {
-            let ports = (protocol, port_lo, port_hi);
-            match slots.iter_mut().find(|s| s.at(ports)) {
-                Some(s) => s.entry.merge(deny, origin, rules),
-                None => {
-                    slots.push(Slot::new(ports, MapEntry::new(deny, origin, rules)));
-                    added += 1;
+        for &identity in identities {
+            let slots = groups.entry(identity).or_default();
+            for &(protocol, port_lo, port_hi, rules) in ports {
+                let ports = (protocol, port_lo, port_hi);
+                match slots.iter_mut().find(|s| s.at(ports)) {
+                    Some(s) => s.entry.merge(deny, origin, rules),
+                    None => {
+                        slots.push(Slot::new(ports, MapEntry::new(deny, origin, rules)));
+                        added += 1;
+                    }
                 }
             }
         }
