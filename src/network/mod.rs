@@ -110,8 +110,9 @@ pub async fn run_route_reconciler(
 
 /// BPF host routing's receive side: the node device's program, on the device pods' packets from
 /// other nodes arrive on: the one that holds the node's InternalIP (native mode), or the
-/// agent's vxlan device (tunnel mode: the packets as decapsulated). Attached once per run (a restarted agent swaps in its own build) and again
-/// whenever that device changes; taken off once when BPF host routing is off.
+/// agent's vxlan device (tunnel mode: the packets as decapsulated). Attached once per run (a
+/// restarted agent swaps in its own build) and again whenever that device changes; taken off
+/// once when BPF host routing is off.
 #[derive(Default)]
 struct NetdevProgram {
     /// The device this run attached the program to.
@@ -200,7 +201,7 @@ fn receiving_device(
             .map(|i| (tunnel::VXLAN_DEVICE.to_string(), i))
             .ok_or_else(|| {
                 format!(
-                    "no tunnel device {} of this agent yet",
+                    "no tunnel device {} of this agent (no other node yet, or its setup failed)",
                     tunnel::VXLAN_DEVICE
                 )
             }),

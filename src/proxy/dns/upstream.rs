@@ -7,10 +7,13 @@
 //! - **Ids.** A query goes out under an id of the proxy's, drawn at random among those not in
 //!   flight on its socket, and its answer gets the pod's id back. Pods choose their ids, so two
 //!   pods asking one server under one id stay apart.
-//! - **Ports.** A socket serves `ROTATE_AFTER` queries or `ROTATE_AGE`, then a new one (a new random port)
-//!   takes over while the old one drains: an off-path attacker must guess the port and the id
-//!   of a short-lived socket, as with one socket per query. The kernel only delivers datagrams
-//!   from the server's address and port to a connected socket.
+//! - **Ports.** A socket serves `ROTATE_AFTER` queries or `ROTATE_AGE`, then a new one (a new
+//!   random port) takes over while the old one drains: an off-path attacker must guess the
+//!   port and the id of a short-lived socket, as with one socket per query. The kernel only
+//!   delivers datagrams from the server's address and port to a connected socket.
+//! - **Errors.** A socket whose receive fails (an ICMP error from the server, say) is retired
+//!   and its waiting queries fail at once (the pods' resolvers retry); the next query opens a
+//!   new one.
 //! - **Bounds.** A pod chooses the server address: at most `MAX_SERVERS` servers have a socket;
 //!   past that, all are retired and made anew. A retired socket's reader ends once no query
 //!   waits on it; a query waits at most its timeout.
