@@ -24,7 +24,8 @@
 //!   median of a round).
 //! - The settings map is each object's own: allow events (a verdict event for every new allowed
 //!   connection) as each tree's agent sets them: on for today's, off for 91a4aeb's (which never
-//!   turned them on; `CILIATE_AB_BASELINE_ALLOW_EVENTS=1` turns them on).
+//!   turned them on; `CILIATE_AB_BASELINE_ALLOW_EVENTS=1` turns them on;
+//!   `CILIATE_AB_CANDIDATE_ALLOW_EVENTS=0` turns today's off, to see what they cost).
 //! - Each object's programs: the verifier's processed instructions (`verified_insns`) and the
 //!   translated size, deterministic figures beside the timed ones.
 
@@ -91,8 +92,12 @@ fn main() {
 
     // 91a4aeb's agent never turned allow events on; today's does (BpfDatapath::open).
     let base_events = std::env::var("CILIATE_AB_BASELINE_ALLOW_EVENTS").is_ok_and(|v| v == "1");
+    // `CILIATE_AB_CANDIDATE_ALLOW_EVENTS=0`: today's without them, to see what they cost.
+    let cand_events = std::env::var("CILIATE_AB_CANDIDATE_ALLOW_EVENTS")
+        .ok()
+        .map(|v| v != "0");
     let a = load(&base_obj, &shared, &root.join("a"), Some(base_events));
-    let b = load(&cand_obj, &shared, &root.join("b"), None);
+    let b = load(&cand_obj, &shared, &root.join("b"), cand_events);
     let events = MapHandle::from_pinned_path(shared.join("events")).unwrap();
     let mut rb = libbpf_rs::RingBufferBuilder::new();
     rb.add(&events, |_| 0).unwrap();
@@ -100,8 +105,14 @@ fn main() {
     let today = candidate.as_deref().unwrap_or("this tree");
     println!("baseline {baseline} (A) against {today} (B); ratios are B / A");
     println!(
-        "allow events: A {}, B on (CILIATE_AB_BASELINE_ALLOW_EVENTS=1 turns them on for A)\n",
-        if base_events { "on" } else { "off" }
+        "allow events: A {}, B {} (CILIATE_AB_BASELINE_ALLOW_EVENTS=1 turns them on for A, \
+         CILIATE_AB_CANDIDATE_ALLOW_EVENTS=0 off for B)\n",
+        if base_events { "on" } else { "off" },
+        if cand_events == Some(false) {
+            "off"
+        } else {
+            "on"
+        }
     );
     println!("program         A verified insns  B verified insns   A xlated bytes  B xlated bytes");
     for name in ["to_container", "from_container"] {
