@@ -62,16 +62,47 @@ impl Sizes {
             namespaces: get("CILIATE_BENCH_NAMESPACES", 1000),
             policies: get("CILIATE_BENCH_POLICIES", 1000),
         };
+        // Every node's pods fit hosts 1-200 of its /24 (`pod_ip`), the churn's 201-254.
+        let per_node = if s.nodes == 1 {
+            s.pods
+        } else {
+            s.pods
+                .div_ceil(s.nodes - 1)
+                .max(s.pods.div_ceil(s.namespaces))
+        };
         assert!(
-            s.policies <= s.namespaces && s.pods >= s.namespaces && s.pods <= 250 * 250 * 60,
-            "CILIATE_BENCH_*: need policies <= namespaces <= pods <= 3,750,000: {s:?}"
+            s.policies <= s.namespaces
+                && s.pods >= s.namespaces
+                && per_node <= 200
+                && (s.nodes == 1 || (CHURN_SECONDS * 50).div_ceil(s.nodes - 1) <= 54),
+            "CILIATE_BENCH_*: need policies <= namespaces <= pods, at most 200 pods per node \
+             and at least 11 nodes (or one): {s:?}"
         );
         s
     }
 }
 
-fn pod_ip(i: usize) -> String {
-    format!("10.{}.{}.{}", 64 + i / 62_500, (i / 250) % 250, i % 250 + 1)
+/// Address `host` (1-254) of node `k`'s pod CIDR (`node`).
+fn node_pod_ip(k: usize, host: usize) -> String {
+    assert!(
+        (1..=254).contains(&host),
+        "node {k}: pod address {host} outside its /24"
+    );
+    format!("10.{}.{}.{host}", 128 + k / 256, k % 256)
+}
+
+/// Pod `i`'s address, inside the pod CIDR of its node (`node_of`): an agent refuses another
+/// node's claim of an address outside that node's pod CIDRs, so an address elsewhere would
+/// leave the pod out of the ipcache (and the bench measuring nothing). Hosts 1-200 of each
+/// /24 hold the seeded pods, 201-254 the churn's (`churn_pod_ip`).
+fn pod_ip(s: &Sizes, i: usize) -> String {
+    if s.nodes == 1 {
+        node_pod_ip(0, 1 + i)
+    } else if i.is_multiple_of(s.namespaces) {
+        node_pod_ip(0, 1 + i / s.namespaces)
+    } else {
+        node_pod_ip(1 + i % (s.nodes - 1), 1 + i / (s.nodes - 1))
+    }
 }
 
 /// Node `k` (0 is this node): its pod CIDR and InternalIP.
@@ -153,7 +184,7 @@ fn pod_on(s: &Sizes, i: usize, node: &str, ip: Option<&str>) -> Value {
 }
 
 fn pod(s: &Sizes, i: usize) -> Value {
-    pod_on(s, i, &node_of(s, i), Some(&pod_ip(i)))
+    pod_on(s, i, &node_of(s, i), Some(&pod_ip(s, i)))
 }
 
 /// What the agents of the other nodes write: their pods' endpoint slices, with the agents' own
@@ -411,7 +442,7 @@ fn main() {
             "--name",
             &format!("ns-0/p-{i}"),
             "--ip",
-            &pod_ip(i),
+            &pod_ip(s, i),
         ]);
         ids.push(ep["id"].as_u64().expect("endpoint id"));
     }
@@ -593,8 +624,10 @@ fn main() {
         // A new remote pod as the scheduler and kubelet write it (scheduled, then running with
         // its address: two writes), and the deletion of an older remote one.
         let i = s.pods + step;
-        let node = format!("node-{}", 2 + i % (s.nodes.max(2) - 1));
-        let ip = format!("10.60.{}.{}", step / 250, step % 250 + 1);
+        let k = 1 + i % (s.nodes.max(2) - 1);
+        let node = format!("node-{}", k + 1);
+        // Inside the node's pod CIDR, above the seeded pods' hosts (`pod_ip`).
+        let ip = node_pod_ip(k, 201 + step / (s.nodes.max(2) - 1));
         server
             .apply_json(pod_on(s, i, &node, None))
             .expect("churn pod");
@@ -634,6 +667,19 @@ fn main() {
         bytes as f64 / (created + deleted) as f64,
         created + deleted,
         if watch_pods { "Pods" } else { "CiliateEndpointSlices" }
+    );
+    // Last, so its JSON does not weigh on the memory figures: the other nodes' pods are in the
+    // ipcache (an agent refuses a claim outside the claiming node's pod CIDRs; pods addressed
+    // elsewhere would leave every figure above measuring an empty cluster).
+    let ipcache = agent.json("/debug/ipcache");
+    let entries = ipcache.as_array().map_or(0, |a| a.len());
+    let remote = (0..s.pods)
+        .filter(|i| !i.is_multiple_of(s.namespaces) && s.nodes > 1)
+        .count();
+    println!("ipcache: {entries} entries for {remote} pods of other nodes (and the churn's)");
+    assert!(
+        watch_pods || entries >= remote,
+        "the other nodes' pods are missing from the ipcache: {entries} entries, {remote} pods"
     );
     let socket = agent.socket();
     drop(agent);
