@@ -616,6 +616,9 @@ fn main() {
     let bytes0: u64 = server.watch_bytes().values().sum();
     let mut created = 0usize;
     let mut deleted = 0usize;
+    // The last pod made and the last one deleted: checked in the ipcache at the end, so the
+    // CPU figure is that of changes the agent applied.
+    let (mut last_made, mut last_gone) = (String::new(), String::new());
     for step in 0..CHURN_SECONDS * 50 {
         let due = Duration::from_millis(20 * step as u64);
         if let Some(wait) = due.checked_sub(churn_start.elapsed()) {
@@ -639,12 +642,14 @@ fn main() {
             others.upsert(&running);
         }
         created += 1;
+        last_made = ip.clone();
         let victim = 1 + step * 7 % (s.pods - 1);
         if !victim.is_multiple_of(s.namespaces) {
             let ns = format!("ns-{}", victim % s.namespaces);
             let name = format!("p-{victim}");
             if server.delete_object("v1", "Pod", &ns, &name).is_ok() {
                 deleted += 1;
+                last_gone = pod_ip(s, victim);
                 if !watch_pods {
                     others.remove(&node_of(s, victim), &format!("{ns}/{name}"));
                 }
@@ -680,6 +685,17 @@ fn main() {
     assert!(
         watch_pods || entries >= remote,
         "the other nodes' pods are missing from the ipcache: {entries} entries, {remote} pods"
+    );
+    let has = |ip: &str| {
+        let prefix = format!("{ip}/32");
+        ipcache
+            .as_array()
+            .is_some_and(|a| a.iter().any(|e| e["prefix"] == prefix.as_str()))
+    };
+    assert!(
+        has(&last_made) && (last_gone.is_empty() || !has(&last_gone)),
+        "the churn was not applied: the last pod made ({last_made}) must be in the ipcache and \
+         the last deleted ({last_gone}) gone"
     );
     let socket = agent.socket();
     drop(agent);
