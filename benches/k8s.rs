@@ -94,7 +94,7 @@ fn node_pod_ip(k: usize, host: usize) -> String {
 /// Pod `i`'s address, inside the pod CIDR of its node (`node_of`): an agent refuses another
 /// node's claim of an address outside that node's pod CIDRs, so an address elsewhere would
 /// leave the pod out of the ipcache (and the bench measuring nothing). Hosts 1-200 of each
-/// /24 hold the seeded pods, 201-254 the churn's (`churn_pod_ip`).
+/// /24 hold the seeded pods, 201-254 the churn's (in `main`).
 fn pod_ip(s: &Sizes, i: usize) -> String {
     if s.nodes == 1 {
         node_pod_ip(0, 1 + i)
