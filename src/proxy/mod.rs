@@ -64,6 +64,12 @@ impl Ipcache {
     }
 }
 
+/// A mutex's guard, also after a panic elsewhere poisoned it: the proxies' state stays usable
+/// (each critical section leaves it consistent).
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// Adds (or removes) the rule and local routes that deliver packets marked `mark` to this
 /// host (the proxy's transparent sockets): `fwmark M lookup M`, with `local default dev lo`
 /// in table M, for both families.

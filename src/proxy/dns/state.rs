@@ -13,6 +13,7 @@ use serde::Serialize;
 
 use super::{EndpointRules, ProxyRules};
 use crate::policy::fqdn::FqdnCache;
+use crate::proxy::lock;
 
 /// The FQDN cache's file in the state directory.
 pub fn cache_path(state_dir: &Path) -> PathBuf {
@@ -53,10 +54,6 @@ impl Default for DnsState {
     fn default() -> Self {
         DnsState::new(Duration::from_secs(3600))
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl DnsState {

@@ -28,6 +28,8 @@ use std::time::{Duration, Instant};
 use tokio::net::UdpSocket;
 use tokio::sync::oneshot;
 
+use crate::proxy::lock;
+
 /// Queries one socket sends before a new one takes over.
 pub const ROTATE_AFTER: u32 = 1024;
 
@@ -39,10 +41,6 @@ pub const MAX_SERVERS: usize = 256;
 
 /// How often a retired socket's reader checks whether any query still waits on it.
 const DRAIN_CHECK: Duration = Duration::from_secs(1);
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// A query's waiter: its token (see `Waiter`) and where its answer goes.
 type Waiting = (u64, oneshot::Sender<Vec<u8>>);

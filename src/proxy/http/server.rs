@@ -57,6 +57,7 @@ use crate::policy::identity::{
     IDENTITY_WORLD, IDENTITY_WORLD_IPV4, IDENTITY_WORLD_IPV6, LOCAL_IDENTITY_FLAG,
 };
 use crate::policy::l7::http::{judge, server_name_allowed, Grant, HttpVerdict, RequestView};
+use crate::proxy::lock;
 use crate::proxy::Ipcache;
 
 #[derive(Debug, Clone)]
@@ -249,10 +250,6 @@ const TRIM_AFTER_PARKED: u64 = 64;
 /// Idle upstream connections kept per key, and for how long.
 const POOL_MAX_IDLE: usize = 64;
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 impl Proxy {
     fn index(&self) -> Arc<Index> {

@@ -8,6 +8,7 @@ use std::sync::Mutex;
 use serde::Serialize;
 
 use super::{EndpointTable, ProxyTable};
+use crate::proxy::lock;
 
 /// The proxy as the agent last heard from it.
 #[derive(Debug, Clone, Default, Serialize, serde::Deserialize)]
@@ -41,10 +42,6 @@ impl Default for HttpState {
             proxy: Mutex::new(ProxyView::default()),
         }
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl HttpState {
