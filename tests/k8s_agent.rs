@@ -837,6 +837,26 @@ fn agents_learn_other_nodes_pods_from_the_slices_their_agents_write() {
     );
     assert_eq!(identity_of(&b, "10.250.9.6"), None);
     assert!(identity_of(&b, "10.250.0.5").is_some());
+    // A value of the wrong type arrives in the same watch stream: reported by field, the
+    // stream goes on (the next good version is applied).
+    let mut wrong_type = good.clone();
+    wrong_type["spec"]["endpoints"][0]["ips"] = json!(["10.250.9.7", 7]);
+    server.apply_json(wrong_type).expect("ill-typed slice");
+    eventually("the ill-typed slice is reported by field", || {
+        b.log()
+            .contains("spec.endpoints[0].ips[1]: expected a string, found a number")
+    });
+    assert!(
+        identity_of(&b, "10.250.9.5").is_some(),
+        "last good version kept"
+    );
+    assert_eq!(identity_of(&b, "10.250.9.7"), None);
+    let mut fixed = good.clone();
+    fixed["spec"]["endpoints"][0]["ips"] = json!(["10.250.9.8"]);
+    server.apply_json(fixed).expect("fixed slice");
+    eventually("the watch goes on: the fixed slice is applied", || {
+        identity_of(&b, "10.250.9.8").is_some() && identity_of(&b, "10.250.9.5").is_none()
+    });
     // Its node's Node object gone and the slice with it (the API server's garbage collector
     // would delete it): z-0 goes.
     server
@@ -848,7 +868,7 @@ fn agents_learn_other_nodes_pods_from_the_slices_their_agents_write() {
         )
         .expect("delete slice");
     eventually("z-0 gone with its slice", || {
-        identity_of(&b, "10.250.9.5").is_none()
+        identity_of(&b, "10.250.9.8").is_none()
     });
 
     // A pod listed by two nodes' slices (a StatefulSet pod recreated on node-7 while node-8's

@@ -584,7 +584,7 @@ impl KubeWatcherActor {
             // This node's own: its pods come from the Pod watch.
             return Some(name);
         }
-        if let Err(e) = check_slice_node(&name, o.metadata.labels.as_ref(), &spec) {
+        if let Err(e) = check_slice_node(&name, o.metadata.labels.as_ref(), spec) {
             return self.bad_slice(name, e);
         }
         let next = self.slices.next_id;
@@ -595,7 +595,7 @@ impl KubeWatcherActor {
         // What this version says of each endpoint, against what the last one said: only the
         // endpoints that changed are converted and sent on.
         let hashes: Vec<u64> = (0..spec.endpoints.len())
-            .map(|i| endpoint_hash(&spec, i, &self.slices.hasher))
+            .map(|i| endpoint_hash(spec, i, &self.slices.hasher))
             .collect();
         let before: HashMap<&str, u64> = match self.slices.listed.get(&id) {
             Some((keys, h)) => keys
@@ -610,7 +610,7 @@ impl KubeWatcherActor {
         let local = &self.local_pods;
         let labels = &mut self.labels;
         let changed = slice_pods_where(
-            &spec,
+            spec,
             |l| labels.intern(l),
             |i, key| {
                 if local.contains(key) {

@@ -158,8 +158,8 @@ async fn list_own(
         .items
         .into_iter()
         .filter_map(|o| {
-            let spec = o.spec_of().unwrap_or_default();
-            Some((o.metadata.name?, spec))
+            let name = o.metadata.name.clone()?;
+            Some((name, o.into_spec().unwrap_or_default()))
         })
         .collect())
 }

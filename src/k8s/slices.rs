@@ -23,6 +23,7 @@ use kube::{CustomResource, CustomResourceExt};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use super::slice_read::SpecRead;
 use crate::objects::PodInfo;
 use crate::policy::engine::NamedPort;
 
@@ -129,24 +130,31 @@ pub struct PodSourceView {
     pub last_error: Option<String>,
 }
 
-/// A `CiliateEndpointSlice` as an agent reads others': its metadata and its spec left
-/// untyped, so that one malformed slice is reported by itself (`SliceObject::spec_of`)
-/// instead of failing the list it came in. (Not `DynamicObject`: its flattened fields make
-/// serde buffer every object twice, and slices are most of what an agent lists.)
-#[derive(Clone, Debug, Deserialize, Serialize)]
+/// A `CiliateEndpointSlice` as an agent reads others': its metadata and its spec read
+/// leniently (`k8s::slice_read`), so that one malformed slice is reported by itself
+/// (`SliceObject::spec_of`) instead of failing the list it came in. (Not `DynamicObject`: its
+/// flattened fields make serde buffer every object twice, and slices are most of what an
+/// agent lists.)
+#[derive(Clone, Debug, Deserialize)]
 pub struct SliceObject {
     pub metadata: kube::core::ObjectMeta,
     #[serde(default)]
-    pub spec: Option<serde_json::Value>,
+    pub spec: Option<SpecRead>,
 }
 
 impl SliceObject {
     /// The typed spec, or what is wrong with it (by field).
-    pub fn spec_of(&self) -> Result<CiliateEndpointSliceSpec, String> {
+    pub fn spec_of(&self) -> Result<&CiliateEndpointSliceSpec, String> {
         match &self.spec {
-            Some(spec) => {
-                CiliateEndpointSliceSpec::deserialize(spec).map_err(|e| format!("spec: {e}"))
-            }
+            Some(SpecRead(read)) => read.as_ref().map_err(Clone::clone),
+            None => Err("spec: required".into()),
+        }
+    }
+
+    /// The typed spec, taken out, or what is wrong with it.
+    pub fn into_spec(self) -> Result<CiliateEndpointSliceSpec, String> {
+        match self.spec {
+            Some(SpecRead(read)) => read,
             None => Err("spec: required".into()),
         }
     }
