@@ -13,6 +13,7 @@ pub mod config;
 pub mod datapath;
 pub mod demo;
 pub mod endpoint;
+pub mod hashing;
 pub mod introspect;
 pub mod ipam;
 pub mod k8s;

@@ -17,7 +17,7 @@
 //! Pure apart from `ServiceLb` (a shared service, not an actor): every call returns the messages
 //! to send, and [`ToRepo::send`] sends them.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
@@ -27,6 +27,7 @@ use super::policy_repo::{
     InitialSyncDone, NamespaceDelete, NamespaceUpsert, NodeDelete, NodeUpsert, PodDelete,
     PodUpsert, PodsUpsert, PolicyDelete, PolicyRejected, PolicyRepoActor, PolicyUpsert,
 };
+use crate::hashing::{HashMap as FastMap, RandomState};
 use crate::introspect::TracedAddr;
 use crate::objects::{EndpointSliceInfo, Kind, NamespaceInfo, NodeInfo, PodInfo, ServiceInfo};
 use crate::policy::rule::{PolicyKey, PolicyKind};
@@ -183,11 +184,11 @@ type Key = (Kind, String);
 
 pub struct WatchFeed {
     /// Hash of what was last sent, per object.
-    known: HashMap<Key, u64>,
+    known: FastMap<Key, u64>,
     /// With `hashed_pod_keys`: pods' entries of `known`, by a 64-bit hash of the pod's key
     /// (randomly keyed per process) instead of the key itself: 16 bytes and no allocation per
     /// pod, for agents that track pod relists themselves (endpoint-slice mode).
-    pod_hashes: Option<(std::collections::hash_map::RandomState, HashMap<u64, u64>)>,
+    pod_hashes: Option<(RandomState, FastMap<u64, u64>)>,
     /// Until the initial sync is complete: the latest state of each object.
     held: Option<BTreeMap<Key, (Item, Origin)>>,
     /// Services and their EndpointSlice backends, for `toServices`.
@@ -201,7 +202,7 @@ pub struct WatchFeed {
 impl WatchFeed {
     pub fn new(lb: Option<Arc<ServiceLb>>) -> Self {
         WatchFeed {
-            known: HashMap::new(),
+            known: FastMap::default(),
             pod_hashes: None,
             held: Some(BTreeMap::new()),
             tracker: ServiceTracker::default(),

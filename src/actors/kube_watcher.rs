@@ -33,6 +33,7 @@ use serde::de::DeserializeOwned;
 
 use super::feed::{Item, Origin, ToRepo, WatchFeed};
 use super::policy_repo::{NodeUpsert, PolicyRepoActor};
+use crate::hashing::{HashMap as FastMap, HashSet as FastSet, RandomState};
 use crate::introspect::{with_change, TracedAddr};
 use crate::k8s::node::{desired_annotations, needs_update};
 use crate::k8s::slice_writer::LocalPod;
@@ -137,17 +138,17 @@ impl RemotePods {
 #[derive(Default)]
 struct SliceReader {
     /// Slice name -> id.
-    ids: HashMap<String, u32>,
+    ids: FastMap<String, u32>,
     /// By id: the pods' keys the slice listed, `\n`-joined (one allocation per slice), and a
     /// hash of each one's entry (`slices::endpoint_hash`), in the same order.
-    listed: HashMap<u32, (Box<str>, Box<[u64]>)>,
+    listed: FastMap<u32, (Box<str>, Box<[u64]>)>,
     next_id: u32,
     /// Pod key (hashed with a per-process random key) -> the id of the slice it came from.
-    owner: HashMap<u64, u32>,
-    hasher: std::collections::hash_map::RandomState,
+    owner: FastMap<u64, u32>,
+    hasher: RandomState,
     /// Whether the slices have listed once, and the names a (re)list delivered so far.
     synced: bool,
-    relisting: Option<HashSet<String>>,
+    relisting: Option<FastSet<String>>,
     last_error: Option<String>,
 }
 
@@ -518,7 +519,7 @@ impl KubeWatcherActor {
     fn on_slice_change(&mut self, change: Change) {
         self.count_event("CiliateEndpointSlice", &change);
         match change {
-            Change::Init => self.slices.relisting = Some(HashSet::new()),
+            Change::Init => self.slices.relisting = Some(FastSet::default()),
             Change::InitApply(obj) => {
                 if let Some(name) = self.apply_slice(&obj) {
                     self.slices.relisting.get_or_insert_default().insert(name);
@@ -597,13 +598,13 @@ impl KubeWatcherActor {
         let hashes: Vec<u64> = (0..spec.endpoints.len())
             .map(|i| endpoint_hash(spec, i, &self.slices.hasher))
             .collect();
-        let before: HashMap<&str, u64> = match self.slices.listed.get(&id) {
+        let before: FastMap<&str, u64> = match self.slices.listed.get(&id) {
             Some((keys, h)) => keys
                 .split('\n')
                 .filter(|k| !k.is_empty())
                 .zip(h.iter().copied())
                 .collect(),
-            None => HashMap::new(),
+            None => FastMap::default(),
         };
         let mut listed = String::new();
         let mut listed_hashes = Vec::with_capacity(hashes.len());
@@ -628,7 +629,7 @@ impl KubeWatcherActor {
             Ok(pods) => pods,
             Err(e) => return self.bad_slice(name, e),
         };
-        let now: HashSet<&str> = listed.split('\n').collect();
+        let now: FastSet<&str> = listed.split('\n').collect();
         let gone: Vec<String> = before
             .keys()
             .filter(|k| !now.contains(*k))

@@ -15,7 +15,7 @@
 //! - Identities are reference-counted by the engine: every allocation here is released when
 //!   the pod goes or moves to another identity.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::sync::Arc;
 
@@ -23,6 +23,7 @@ use ipnet::IpNet;
 
 use super::addresses::{not_a_pod_address, AddressBook, Claim, Effect, Holder, Rank};
 use super::{NamespaceInfo, NodeInfo, PodInfo};
+use crate::hashing::{HashMap, HashSet};
 use crate::policy::engine::{NamedPort, PolicyEngine};
 use crate::policy::identity::{Allocation, NumericIdentity, IDENTITY_HOST, IDENTITY_REMOTE_NODE};
 use crate::policy::ipcache::IpcacheChange;

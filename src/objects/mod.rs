@@ -199,7 +199,7 @@ fn namespace_or(meta: &ObjectMeta, default: &str) -> String {
 /// Maps no pod uses any more are let go when the set has doubled since the last sweep.
 #[derive(Debug, Default)]
 pub struct LabelInterner {
-    maps: std::collections::HashSet<std::sync::Arc<BTreeMap<String, String>>>,
+    maps: crate::hashing::HashSet<std::sync::Arc<BTreeMap<String, String>>>,
     sweep_at: usize,
 }
 

@@ -1,6 +1,6 @@
 //! Security identities: reserved ones, one per distinct label set, and node-local CIDR identities.
 
-use std::collections::HashMap;
+use crate::hashing::HashMap;
 use std::fmt;
 use std::sync::Arc;
 
@@ -151,9 +151,9 @@ impl Default for IdentityAllocator {
 impl IdentityAllocator {
     pub fn new() -> Self {
         let mut a = IdentityAllocator {
-            by_id: HashMap::new(),
-            by_labels: HashMap::new(),
-            by_cidr: HashMap::new(),
+            by_id: HashMap::default(),
+            by_labels: HashMap::default(),
+            by_cidr: HashMap::default(),
             next_cluster: FIRST_CLUSTER_IDENTITY,
             next_local: 1,
             restored: None,
