@@ -277,7 +277,12 @@ impl StatusBook {
             })
             .map(|(k, e)| (k, e.last_write))
             .collect();
-        // Never-written first, then the longest waiting.
+        // Never-written first, then the longest waiting: only the first `limit` are put in
+        // order (this runs every tick, over every policy while writes are pending).
+        if due.len() > limit {
+            due.select_nth_unstable_by_key(limit, |(_, t)| *t);
+            due.truncate(limit);
+        }
         due.sort_by_key(|(_, t)| *t);
         due.into_iter()
             .take(limit)
@@ -577,6 +582,18 @@ mod tests {
             book.due(t0 + Duration::from_secs(1), &options, 10),
             vec![cnp("p0")]
         );
+        // Under the limit, the never-written come first, then the longest waiting.
+        for (i, at) in [(1, 3), (2, 1), (3, 4), (4, 2)] {
+            book.written(&cnp(&format!("p{i}")), t0 + Duration::from_secs(at));
+            book.apply(accepted(&format!("p{i}"), 20 + i));
+        }
+        book.apply(accepted("p5", 30));
+        let later = t0 + Duration::from_secs(10);
+        assert_eq!(
+            book.due(later, &options, 3),
+            vec![cnp("p5"), cnp("p0"), cnp("p2")]
+        );
+        assert_eq!(book.due(later, &options, 1), vec![cnp("p5")]);
     }
 
     #[test]
