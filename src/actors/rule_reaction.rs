@@ -6,8 +6,11 @@
 //!
 //! Coalescing. Endpoints always compute from the engine's newest revision, so one regeneration
 //! covers every change accepted before it starts. This actor exploits that twice:
-//! - a short quiet window (`QUIET`, at most `MAX_HOLD` after the first held change) gathers a
-//!   burst of changes into one fan-out;
+//! - a change that finds the endpoints idle (nothing held, no regeneration in flight, or none
+//!   sent for `QUIET`) goes out at once; the changes that follow while its fan-out runs are
+//!   held until none came for `QUIET` (at most `MAX_HOLD` after the first held one) and go out
+//!   as one fan-out. A lone change waits for nothing; a burst costs two rounds (its first
+//!   change, then the rest together);
 //! - at most one `Regenerate` is in flight per endpoint; a change that arrives while one is
 //!   running is re-sent when it reports back.
 //!
@@ -76,6 +79,8 @@ pub struct RuleReactionActor {
     /// Requests that arrived while that endpoint's regeneration was in flight.
     again: HashMap<EndpointId, Want>,
     window: Option<(SpawnHandle, Instant)>,
+    /// When the last fan-out went out (the leading edge's quiet spell is measured from it).
+    last_flush: Option<Instant>,
     /// Waiters (a DNS answer held by the proxy) told once every change up to theirs is in the
     /// datapath, ipcache included: (sequence, sender).
     waiters: Vec<(u64, tokio::sync::oneshot::Sender<()>)>,
@@ -93,6 +98,7 @@ impl RuleReactionActor {
             in_flight: HashSet::new(),
             again: HashMap::new(),
             window: None,
+            last_flush: None,
             waiters: Vec::new(),
         }
     }
@@ -163,6 +169,7 @@ impl RuleReactionActor {
     /// Ends the window: one message per endpoint.
     fn flush(&mut self) {
         self.window = None;
+        self.last_flush = Some(Instant::now());
         for (id, w) in std::mem::take(&mut self.want) {
             if self.in_flight.contains(&id) {
                 merge(&mut self.again, id, w);
@@ -175,6 +182,15 @@ impl RuleReactionActor {
                 with_change(change, || addr.do_send(BumpRevision { revision }, NAME));
             }
         }
+    }
+
+    fn endpoints_idle(&self) -> bool {
+        goes_out_at_once(
+            self.window.is_some(),
+            self.in_flight.len(),
+            self.last_flush,
+            Instant::now(),
+        )
     }
 
     fn arm(&mut self, ctx: &mut Context<Self>) {
@@ -190,6 +206,18 @@ impl RuleReactionActor {
         let handle = ctx.run_later(fire.saturating_duration_since(now), |act, _| act.flush());
         self.window = Some((handle, first));
     }
+}
+
+/// The leading edge: whether a change that arrives `now` goes out at once. It does when
+/// nothing is held and the endpoints are idle: no regeneration in flight, or none sent for
+/// `QUIET` (a long regeneration in flight does not hold later changes back).
+fn goes_out_at_once(
+    held: bool,
+    in_flight: usize,
+    last_flush: Option<Instant>,
+    now: Instant,
+) -> bool {
+    !held && (in_flight == 0 || last_flush.is_none_or(|t| now.duration_since(t) >= QUIET))
 }
 
 fn merge(map: &mut HashMap<EndpointId, Want>, id: EndpointId, w: Want) {
@@ -304,7 +332,7 @@ impl Handler<PolicyReaction> for RuleReactionActor {
             self.complete(seq);
         }
         self.release_waiters();
-        if msg.immediate {
+        if msg.immediate || self.endpoints_idle() {
             if let Some((handle, _)) = self.window.take() {
                 ctx.cancel_future(handle);
             }
@@ -357,5 +385,26 @@ impl Handler<EndpointGone> for RuleReactionActor {
             },
             ctx,
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_change_to_idle_endpoints_goes_out_at_once_and_a_burst_is_held() {
+        let t0 = Instant::now();
+        let ms = |n| t0 + Duration::from_millis(n);
+        // The first change: nothing held, nothing in flight.
+        assert!(goes_out_at_once(false, 0, None, t0));
+        // Back to back after the last one was realized (nothing in flight): at once too.
+        assert!(goes_out_at_once(false, 0, Some(t0), ms(1)));
+        // While its fan-out runs: held, and once held, later ones join the held window.
+        assert!(!goes_out_at_once(false, 1000, Some(t0), ms(1)));
+        assert!(!goes_out_at_once(true, 1000, Some(t0), ms(5)));
+        assert!(!goes_out_at_once(true, 0, Some(t0), ms(50)));
+        // A regeneration in flight for longer than QUIET does not hold a lone change back.
+        assert!(goes_out_at_once(false, 1000, Some(t0), t0 + QUIET));
     }
 }
