@@ -290,8 +290,24 @@ crate::traceable!(PolicyReaction, "PolicyReaction", |m| {
 impl Handler<PolicyReaction> for RuleReactionActor {
     type Result = ();
     fn handle(&mut self, msg: PolicyReaction, ctx: &mut Context<Self>) {
-        self.next_seq += 1;
-        let seq = self.next_seq;
+        let immediate = msg.immediate;
+        self.gather(&msg);
+        self.track(msg);
+        self.release_waiters();
+        if immediate || self.endpoints_idle() {
+            if let Some((handle, _)) = self.window.take() {
+                ctx.cancel_future(handle);
+            }
+            self.flush();
+        } else if !self.want.is_empty() || !self.bumps.is_empty() {
+            self.arm(ctx);
+        }
+    }
+}
+
+impl RuleReactionActor {
+    /// Adds a reaction's endpoints to what the next fan-out sends.
+    fn gather(&mut self, msg: &PolicyReaction) {
         for (id, addr) in &msg.to_regenerate {
             self.bumps.remove(id);
             let w = Want {
@@ -310,6 +326,12 @@ impl Handler<PolicyReaction> for RuleReactionActor {
                     .insert(*id, (addr.clone(), msg.revision, current_change()));
             }
         }
+    }
+
+    /// Records a reaction as pending until its endpoints realized it (at once when none must).
+    fn track(&mut self, msg: PolicyReaction) {
+        self.next_seq += 1;
+        let seq = self.next_seq;
         self.pending.insert(
             seq,
             Pending {
@@ -330,15 +352,6 @@ impl Handler<PolicyReaction> for RuleReactionActor {
         }
         if self.pending.get(&seq).is_some_and(|p| p.waiting.is_empty()) {
             self.complete(seq);
-        }
-        self.release_waiters();
-        if msg.immediate || self.endpoints_idle() {
-            if let Some((handle, _)) = self.window.take() {
-                ctx.cancel_future(handle);
-            }
-            self.flush();
-        } else if !self.want.is_empty() || !self.bumps.is_empty() {
-            self.arm(ctx);
         }
     }
 }
