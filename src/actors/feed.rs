@@ -27,7 +27,7 @@ use super::policy_repo::{
     InitialSyncDone, NamespaceDelete, NamespaceUpsert, NodeDelete, NodeUpsert, PodDelete,
     PodUpsert, PodsUpsert, PolicyDelete, PolicyRejected, PolicyRepoActor, PolicyUpsert,
 };
-use crate::hashing::{HashMap as FastMap, RandomState};
+use crate::hashing::HashMap as FastMap;
 use crate::introspect::TracedAddr;
 use crate::objects::{EndpointSliceInfo, Kind, NamespaceInfo, NodeInfo, PodInfo, ServiceInfo};
 use crate::policy::rule::{PolicyKey, PolicyKind};
@@ -188,7 +188,7 @@ pub struct WatchFeed {
     /// With `hashed_pod_keys`: pods' entries of `known`, by a 64-bit hash of the pod's key
     /// (randomly keyed per process) instead of the key itself: 16 bytes and no allocation per
     /// pod, for agents that track pod relists themselves (endpoint-slice mode).
-    pod_hashes: Option<(RandomState, FastMap<u64, u64>)>,
+    pod_hashes: Option<(std::collections::hash_map::RandomState, FastMap<u64, u64>)>,
     /// Until the initial sync is complete: the latest state of each object.
     held: Option<BTreeMap<Key, (Item, Origin)>>,
     /// Services and their EndpointSlice backends, for `toServices`.

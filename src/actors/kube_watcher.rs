@@ -33,7 +33,7 @@ use serde::de::DeserializeOwned;
 
 use super::feed::{Item, Origin, ToRepo, WatchFeed};
 use super::policy_repo::{NodeUpsert, PolicyRepoActor};
-use crate::hashing::{HashMap as FastMap, HashSet as FastSet, RandomState};
+use crate::hashing::{HashMap as FastMap, HashSet as FastSet};
 use crate::introspect::{with_change, TracedAddr};
 use crate::k8s::node::{desired_annotations, needs_update};
 use crate::k8s::slice_writer::LocalPod;
@@ -145,7 +145,9 @@ struct SliceReader {
     next_id: u32,
     /// Pod key (hashed with a per-process random key) -> the id of the slice it came from.
     owner: FastMap<u64, u32>,
-    hasher: RandomState,
+    /// For the hashes that stand for a value (a pod's key, an endpoint's entry): std's keyed
+    /// SipHash, whose collisions nobody can aim for (`crate::hashing`).
+    hasher: std::collections::hash_map::RandomState,
     /// Whether the slices have listed once, and the names a (re)list delivered so far.
     synced: bool,
     relisting: Option<FastSet<String>>,
