@@ -78,6 +78,11 @@ pub struct RuleReactionActor {
     in_flight: HashSet<EndpointId>,
     /// Requests that arrived while that endpoint's regeneration was in flight.
     again: HashMap<EndpointId, Want>,
+    /// Bumps that went out while that endpoint's regeneration was in flight (latest revision):
+    /// sent when it reports, unless a regeneration from `again` covers them. Sent at once, a
+    /// bump could land between that report and an `again` of an earlier revision and mark the
+    /// endpoint realized past a change it never computed.
+    again_bumps: HashMap<EndpointId, (TracedAddr<EndpointActor>, u64, Option<ChangeId>)>,
     window: Option<(SpawnHandle, Instant)>,
     /// When the last fan-out went out (the leading edge's quiet spell is measured from it).
     last_flush: Option<Instant>,
@@ -97,6 +102,7 @@ impl RuleReactionActor {
             bumps: HashMap::new(),
             in_flight: HashSet::new(),
             again: HashMap::new(),
+            again_bumps: HashMap::new(),
             window: None,
             last_flush: None,
             waiters: Vec::new(),
@@ -178,7 +184,12 @@ impl RuleReactionActor {
             }
         }
         for (id, (addr, revision, change)) in std::mem::take(&mut self.bumps) {
-            if !self.in_flight.contains(&id) {
+            if self.in_flight.contains(&id) {
+                let later = self.again_bumps.get(&id).is_none_or(|b| b.1 < revision);
+                if later {
+                    self.again_bumps.insert(id, (addr, revision, change));
+                }
+            } else {
                 with_change(change, || addr.do_send(BumpRevision { revision }, NAME));
             }
         }
@@ -320,11 +331,28 @@ impl RuleReactionActor {
             };
             merge(&mut self.want, *id, w);
         }
+        // A bump is kept beside a held regeneration of an earlier revision: the endpoint may
+        // have realized that revision already and answer the regeneration without computing,
+        // and only the bump then brings it to this revision. (Sent after the regeneration, it
+        // is ignored if the regeneration computes, which reads a newer revision anyway.)
         for (id, addr) in &msg.to_bump {
-            if !self.want.contains_key(id) {
-                self.bumps
-                    .insert(*id, (addr.clone(), msg.revision, current_change()));
+            self.bumps
+                .insert(*id, (addr.clone(), msg.revision, current_change()));
+        }
+    }
+
+    /// An endpoint reported: what arrived for it while it regenerated goes out now, a
+    /// regeneration (which reads the newest revision, so covers any bump) or else the bump.
+    fn resend(&mut self, msg: &EndpointRealized) {
+        let bump = self.again_bumps.remove(&msg.id);
+        if let Some(w) = self.again.remove(&msg.id) {
+            if w.force || w.revision > msg.revision {
+                self.send_regenerate(msg.id, w);
+                return;
             }
+        }
+        if let Some((addr, revision, change)) = bump.filter(|b| b.1 > msg.revision) {
+            with_change(change, || addr.do_send(BumpRevision { revision }, NAME));
         }
     }
 
@@ -360,11 +388,7 @@ impl Handler<EndpointRealized> for RuleReactionActor {
     type Result = ();
     fn handle(&mut self, msg: EndpointRealized, _: &mut Context<Self>) {
         self.in_flight.remove(&msg.id);
-        if let Some(w) = self.again.remove(&msg.id) {
-            if w.force || w.revision > msg.revision {
-                self.send_regenerate(msg.id, w);
-            }
-        }
+        self.resend(&msg);
         let done: Vec<u64> = self
             .pending
             .iter_mut()
@@ -390,6 +414,7 @@ impl Handler<EndpointGone> for RuleReactionActor {
         self.want.remove(&msg.id);
         self.bumps.remove(&msg.id);
         self.again.remove(&msg.id);
+        self.again_bumps.remove(&msg.id);
         self.handle(
             EndpointRealized {
                 id: msg.id,
