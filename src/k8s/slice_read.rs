@@ -196,11 +196,20 @@ impl Lenient for BTreeMap<String, String> {
                     out.insert(key, v);
                 }
                 Err(e) => {
-                    bad.get_or_insert_with(|| e.under(&format!("[{key:?}]")));
+                    bad.get_or_insert_with(|| e.under(&format!("[{:?}]", short(&key))));
                 }
             }
         }
         Ok(bad.map_or(Ok(out), Err))
+    }
+}
+
+/// A key as a message quotes it: another node's slice says what it is, so at most 64
+/// characters of it.
+fn short(key: &str) -> String {
+    match key.char_indices().nth(64) {
+        Some((at, _)) => format!("{}...", &key[..at]),
+        None => key.to_string(),
     }
 }
 
@@ -453,6 +462,10 @@ mod tests {
             (
                 json!({"node": "n", "profiles": [{"namespace": "a", "labels": {"app": {"x": 1}}}]}),
                 "spec.profiles[0].labels[\"app\"]: expected a string, found an object",
+            ),
+            (
+                json!({"node": "n", "profiles": [{"namespace": "a", "labels": {("k".repeat(5000)): 1}}]}),
+                "spec.profiles[0].labels[\"kkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkk...\"]: expected a string, found a number",
             ),
             (
                 json!({"node": "n", "profiles": [{"namespace": "a", "labels": null}]}),
