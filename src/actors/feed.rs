@@ -63,8 +63,14 @@ impl Item {
         }
     }
 
+    /// What the object says, hashed to tell a change from a repeat. std's SipHash with a key
+    /// drawn once per process (`DefaultHasher::new()`'s fixed key would let a user craft two
+    /// versions of an object that hash alike, so that the second is taken for a repeat).
     fn content_hash(&self) -> u64 {
-        let mut h = std::collections::hash_map::DefaultHasher::new();
+        use std::hash::BuildHasher;
+        static KEY: std::sync::OnceLock<std::collections::hash_map::RandomState> =
+            std::sync::OnceLock::new();
+        let mut h = KEY.get_or_init(Default::default).build_hasher();
         match self {
             Item::Policy(k, doc) => (k, doc).hash(&mut h),
             // The most frequent item: hashed field by field, not through its Debug text.
