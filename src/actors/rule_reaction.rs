@@ -9,8 +9,8 @@
 //! - a change that finds the endpoints idle (nothing held, no regeneration in flight, or none
 //!   sent for `QUIET`) goes out at once; the changes that follow while its fan-out runs are
 //!   held until none came for `QUIET` (at most `MAX_HOLD` after the first held one) and go out
-//!   as one fan-out. A lone change waits for nothing; a burst costs two rounds (its first
-//!   change, then the rest together);
+//!   as one fan-out. A lone change waits for nothing; a burst costs one round more than it
+//!   would with a window only (its first change goes out alone);
 //! - at most one `Regenerate` is in flight per endpoint; a change that arrives while one is
 //!   running is re-sent when it reports back.
 //!
