@@ -326,11 +326,12 @@ fn anp_to_nodes(
 }
 
 /// `nodes` peers (issue #28) on real packets: a pod on node 1 reaches its own node (the host
-/// identity) and node 2 (remote-node). A Deny of every node stops both; an Allow ahead of it
-/// follows the nodes' labels live: no node labelled, both denied; both labelled, both allowed;
-/// one relabelled away, the Allow selects some nodes only and allows none (node addresses share
-/// two identities: fail closed, as README says). Last, `networks: [0.0.0.0/0]` covers both
-/// node addresses.
+/// identity) and node 2 (remote-node, or its class's identity). A Deny of every node stops
+/// both; an Allow ahead of it follows the nodes' labels live: no node labelled, both denied;
+/// both labelled, both allowed; node 2 relabelled away, only node 1 is allowed, and node 1
+/// relabelled away instead, only node 2 (each node exactly, by its labels: node 2's addresses
+/// move to the identity of its class on node 1's agent, `policy::node_classes`). Last,
+/// `networks: [0.0.0.0/0]` covers both node addresses.
 #[test]
 fn nodes_peers_follow_the_nodes_labels_live() {
     let Some(mut c) = privileged().then(|| Cluster::start(2)) else {
@@ -368,10 +369,16 @@ fn nodes_peers_follow_the_nodes_labels_live() {
     });
     label(2, "green");
     eventually(
-        "one node blue: the Allow selects some nodes, allows none (fail closed)",
-        || !own() && !remote(),
+        "node 2 green: the Allow lets node 1 (host) through, the Deny stops node 2",
+        || own() && !remote(),
     );
     label(2, "blue");
+    label(1, "green");
+    eventually(
+        "node 1 green: node 2 (its class) allowed, the own node denied",
+        || !own() && remote(),
+    );
+    label(1, "blue");
     eventually("blue again: both allowed", || own() && remote());
     // `networks` cover node addresses too (the API: cluster-internal traffic is checked
     // against them): a Deny of 0.0.0.0/0 ahead of the Allow stops both (as `policy simulate`

@@ -25,7 +25,7 @@ use super::addresses::{not_a_pod_address, AddressBook, Claim, Effect, Holder, Ra
 use super::{NamespaceInfo, NodeInfo, PodInfo};
 use crate::hashing::{HashMap, HashSet};
 use crate::policy::engine::{NamedPort, PolicyEngine};
-use crate::policy::identity::{Allocation, NumericIdentity, IDENTITY_HOST, IDENTITY_REMOTE_NODE};
+use crate::policy::identity::{Allocation, NumericIdentity, IDENTITY_HOST};
 use crate::policy::ipcache::IpcacheChange;
 use crate::policy::labels::Labels;
 
@@ -493,19 +493,27 @@ impl ClusterIndex {
         change
     }
 
-    /// A node appeared or changed: its addresses map to `host` (`local`) or `remote-node`.
+    /// A node appeared or changed: its addresses map to `host` (`local`) or, elsewhere, to
+    /// `remote-node` or the identity of its class (`policy::node_classes`). Other nodes whose
+    /// identity the change moved follow.
     pub fn upsert_node(
         &mut self,
         engine: &mut PolicyEngine,
         node: NodeInfo,
         local: bool,
     ) -> IndexChange {
-        let identity = if local {
-            IDENTITY_HOST
-        } else {
-            IDENTITY_REMOTE_NODE
-        };
         let mut change = IndexChange::default();
+        let labels: Labels = node
+            .labels
+            .iter()
+            .map(|(k, v)| crate::policy::labels::Label::k8s(k, v))
+            .collect();
+        if local {
+            change.affected.extend(engine.set_local_node(&node.name));
+        }
+        change
+            .affected
+            .extend(engine.upsert_node_labels(&node.name, labels));
         let holder = Holder::Node(Arc::from(node.name.as_str()));
         if let Some(old) = self.nodes.get(&node.name) {
             for ip in old.ips.iter().filter(|ip| !node.ips.contains(ip)) {
@@ -513,24 +521,51 @@ impl ClusterIndex {
                 Self::effect(engine, *ip, &e, &mut change.ipcache);
             }
         }
-        for ip in &node.ips {
+        let identity = if local {
+            IDENTITY_HOST
+        } else {
+            engine.node_identity(&node.name)
+        };
+        self.claim_node(engine, &node.ips, holder, identity, &mut change.ipcache);
+        self.nodes.insert(node.name.clone(), node);
+        change.extend(self.follow_moved_nodes(engine));
+        change
+    }
+
+    fn claim_node(
+        &mut self,
+        engine: &mut PolicyEngine,
+        ips: &[IpAddr],
+        holder: Holder,
+        identity: NumericIdentity,
+        out: &mut Vec<IpcacheChange>,
+    ) {
+        for ip in ips {
             let claim = Claim {
                 rank: Rank::Node,
                 holder: holder.clone(),
                 identity,
             };
             let e = self.addresses.claim(*ip, claim);
-            Self::effect(engine, *ip, &e, &mut change.ipcache);
+            Self::effect(engine, *ip, &e, out);
         }
-        let labels: Labels = node
-            .labels
-            .iter()
-            .map(|(k, v)| crate::policy::labels::Label::k8s(k, v))
-            .collect();
-        change
-            .affected
-            .extend(engine.upsert_node_labels(&node.name, labels));
-        self.nodes.insert(node.name.clone(), node);
+    }
+
+    /// The addresses of nodes whose identity the engine moved (their class changed, or the
+    /// keys `nodes` peers name did) take their new identity. This node's stay `host`.
+    pub fn follow_moved_nodes(&mut self, engine: &mut PolicyEngine) -> IndexChange {
+        let mut change = IndexChange::default();
+        for name in engine.take_moved_nodes() {
+            if engine.local_node() == Some(name.as_str()) {
+                continue;
+            }
+            let Some(ips) = self.nodes.get(&name).map(|n| n.ips.clone()) else {
+                continue;
+            };
+            let identity = engine.node_identity(&name);
+            let holder = Holder::Node(Arc::from(name.as_str()));
+            self.claim_node(engine, &ips, holder, identity, &mut change.ipcache);
+        }
         change
     }
 
@@ -544,6 +579,7 @@ impl ClusterIndex {
             Self::effect(engine, *ip, &e, &mut change.ipcache);
         }
         change.affected.extend(engine.delete_node_labels(name));
+        change.extend(self.follow_moved_nodes(engine));
         Some(change)
     }
 }
@@ -551,6 +587,7 @@ impl ClusterIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::policy::identity::IDENTITY_REMOTE_NODE;
     use std::net::IpAddr;
 
     fn mk_pod(ns: &str, name: &str, app: &str, ip: &str) -> PodInfo {
@@ -745,6 +782,58 @@ mod tests {
         );
         assert!(ix.delete_node(&mut engine, "n2").is_none());
     }
+    /// A cluster tier's `nodes` peer naming `role` splits the other nodes into classes: their
+    /// addresses move to their class's identity (the own node's stay `host`), and follow a
+    /// relabelling; without the peer they are `remote-node` again.
+    #[test]
+    fn node_addresses_follow_their_class_when_nodes_peers_tell_nodes_apart() {
+        let (mut ix, mut engine) = (ClusterIndex::default(), PolicyEngine::new());
+        let node = |name: &str, ip: &str, role: &str| {
+            let mut n = mk_node(name, ip);
+            n.labels.insert("role".into(), role.into());
+            n
+        };
+        ix.upsert_node(&mut engine, node("n1", "172.20.0.11", "worker"), true);
+        ix.upsert_node(&mut engine, node("n2", "172.20.0.12", "worker"), false);
+        ix.upsert_node(&mut engine, node("n3", "172.20.0.13", "cp"), false);
+        let doc: serde_yaml::Value = serde_yaml::from_str("{apiVersion: policy.networking.k8s.io/v1alpha1, kind: AdminNetworkPolicy, metadata: {name: n}, spec: {priority: 1, subject: {namespaces: {}}, egress: [{action: Deny, to: [{nodes: {matchLabels: {role: cp}}}]}]}}").unwrap();
+        let key = engine
+            .upsert_policy(crate::policy::parse_policy(&doc, "default", "t").unwrap())
+            .revision;
+        assert!(key > 0);
+        let c = ix.follow_moved_nodes(&mut engine);
+        let (worker, cp) = (engine.node_identity("n2"), engine.node_identity("n3"));
+        assert!(worker != cp && ![IDENTITY_REMOTE_NODE, IDENTITY_HOST].contains(&worker));
+        let mut got = c.ipcache.clone();
+        got.sort_by_key(|c| format!("{c:?}"));
+        assert_eq!(
+            got,
+            vec![
+                IpcacheChange::Upsert("172.20.0.12/32".parse().unwrap(), worker),
+                IpcacheChange::Upsert("172.20.0.13/32".parse().unwrap(), cp),
+            ]
+        );
+        assert_eq!(identity_of(&engine, "172.20.0.11"), IDENTITY_HOST);
+        assert_eq!(identity_of(&engine, "172.20.0.13"), cp);
+        // n3 relabelled a worker: its address moves with the upsert itself.
+        let c = ix.upsert_node(&mut engine, node("n3", "172.20.0.13", "worker"), false);
+        assert!(c.ipcache.contains(&IpcacheChange::Upsert(
+            "172.20.0.13/32".parse().unwrap(),
+            worker
+        )));
+        assert_eq!(identity_of(&engine, "172.20.0.13"), worker);
+        // The policy goes: remote-node again.
+        engine.delete_policy(&crate::policy::PolicyKey::new(
+            crate::policy::PolicyKind::AdminNetworkPolicy,
+            None,
+            "n",
+        ));
+        let c = ix.follow_moved_nodes(&mut engine);
+        assert_eq!(c.ipcache.len(), 2, "{:?}", c.ipcache);
+        assert_eq!(identity_of(&engine, "172.20.0.12"), IDENTITY_REMOTE_NODE);
+        assert_eq!(identity_of(&engine, "172.20.0.11"), IDENTITY_HOST);
+    }
+
     fn on(mut p: PodInfo, node: &str) -> PodInfo {
         p.node = Some(node.into());
         p

@@ -13,7 +13,6 @@ use smallvec::SmallVec;
 
 use super::identity::{
     Allocation, IdentityAllocator, IdentityInfo, NumericIdentity, IDENTITY_ANY, IDENTITY_HOST,
-    IDENTITY_REMOTE_NODE,
 };
 use super::ipcache::IpCache;
 use super::l7::http::L7PortRules;
@@ -314,8 +313,9 @@ pub struct PolicyEngine {
     /// Rules of the cluster tiers with `networks` peers: their subjects' policy depends on
     /// which identities hold the cluster's addresses (`tier_networks`).
     networks_rules: Vec<Arc<Rule>>,
-    /// Node name -> its labels: what cluster tiers' `nodes` peers select.
-    node_labels: BTreeMap<String, Labels>,
+    /// The nodes, their labels and their identities elsewhere: what cluster tiers' `nodes`
+    /// peers select (`node_classes`).
+    nodes: super::node_classes::NodeClasses,
     /// Rules of the cluster tiers with `nodes` peers: their subjects' policy depends on the
     /// nodes and their labels.
     nodes_rules: Vec<Arc<Rule>>,
@@ -348,7 +348,7 @@ impl PolicyEngine {
             endpoint_ips: HashMap::new(),
             named_ports: HashMap::new(),
             networks_rules: Vec::new(),
-            node_labels: BTreeMap::new(),
+            nodes: Default::default(),
             nodes_rules: Vec::new(),
             tier_memo: Default::default(),
             peer_lists: Default::default(),
@@ -574,23 +574,103 @@ impl PolicyEngine {
 
     /// A node appeared or its labels changed (`labels`: its Kubernetes labels). Returns the
     /// endpoint identities to regenerate: the subjects of cluster tier rules with `nodes` peers,
-    /// whose cover of the node identities may have changed.
+    /// whose cover of the node identities may have changed, and the endpoints selecting a node
+    /// identity that came or went. Nodes whose identity changed wait for
+    /// [`Self::take_moved_nodes`].
     pub fn upsert_node_labels(&mut self, name: &str, labels: Labels) -> BTreeSet<NumericIdentity> {
-        if self.node_labels.get(name) == Some(&labels) {
+        if !self.nodes.set_node(name, labels) {
             return BTreeSet::new();
         }
-        self.node_labels.insert(name.to_string(), labels);
-        self.tier_inputs_generation += 1;
-        self.nodes_subjects()
+        self.nodes_changed()
     }
 
     /// A node went away: as [`Self::upsert_node_labels`].
     pub fn delete_node_labels(&mut self, name: &str) -> BTreeSet<NumericIdentity> {
-        if self.node_labels.remove(name).is_none() {
+        if !self.nodes.remove_node(name) {
             return BTreeSet::new();
         }
+        self.nodes_changed()
+    }
+
+    /// This agent's own node (its addresses are `host`): as [`Self::upsert_node_labels`].
+    pub fn set_local_node(&mut self, name: &str) -> BTreeSet<NumericIdentity> {
+        if !self.nodes.set_local(name) {
+            return BTreeSet::new();
+        }
+        self.nodes_changed()
+    }
+
+    /// The identity node `name`'s addresses have on other nodes (`remote-node`, or its class's
+    /// when cluster tiers' `nodes` peers tell it apart: `node_classes`).
+    pub fn node_identity(&self, name: &str) -> NumericIdentity {
+        self.nodes.identity(name)
+    }
+
+    /// This agent's own node, when known.
+    pub fn local_node(&self) -> Option<&str> {
+        self.nodes.local()
+    }
+
+    /// The nodes whose identity changed since the last call: their addresses move to it.
+    pub fn take_moved_nodes(&mut self) -> Vec<String> {
+        self.nodes.take_moved()
+    }
+
+    fn nodes_changed(&mut self) -> BTreeSet<NumericIdentity> {
         self.tier_inputs_generation += 1;
-        self.nodes_subjects()
+        let mut out = self.regroup_nodes();
+        out.extend(self.nodes_subjects());
+        out
+    }
+
+    /// Regroups the nodes into classes (after a change of the nodes or of the keys `nodes`
+    /// peers name). Returns the endpoints selecting a class identity that came or went.
+    fn regroup_nodes(&mut self) -> BTreeSet<NumericIdentity> {
+        let (identities, selectors) = (&mut self.identities, &mut self.selectors);
+        let mut gone = Vec::new();
+        let r = self.nodes.regroup(
+            |labels| {
+                let a = identities.allocate(labels);
+                if let Allocation::New(id) = a {
+                    if let Some(info) = identities.get(id).cloned() {
+                        selectors.add_identity(&info);
+                    }
+                }
+                a.id()
+            },
+            |id| gone.push(id),
+        );
+        let mut out = BTreeSet::new();
+        for id in r.new.iter().chain(&gone) {
+            out.extend(self.endpoints_affected_by_identity(*id));
+        }
+        for id in gone {
+            if self.identities.release(id).is_some() {
+                self.selectors.remove_identity(id);
+            }
+        }
+        if !r.new.is_empty() || !r.gone.is_empty() {
+            self.tier_inputs_generation += 1;
+        }
+        out
+    }
+
+    /// The keys cluster tiers' `nodes` peers name, after a policy change: when they changed,
+    /// the nodes regroup.
+    fn refresh_node_keys(&mut self, affected: &mut BTreeSet<NumericIdentity>) {
+        let sels: Vec<super::selector::LabelSelector> = self
+            .nodes_rules
+            .iter()
+            .flat_map(|r| r.selectors())
+            .filter_map(|s| match s.kind() {
+                SelectorKind::Nodes(l) => Some(l.clone()),
+                _ => None,
+            })
+            .collect();
+        if self.nodes.set_keys(&sels) {
+            self.tier_inputs_generation += 1;
+            affected.extend(self.regroup_nodes());
+        }
     }
 
     fn nodes_subjects(&self) -> BTreeSet<NumericIdentity> {
@@ -831,6 +911,7 @@ impl PolicyEngine {
         if let Some(old) = old {
             self.drop_rules(&old.rules, &mut change);
         }
+        self.refresh_node_keys(&mut change.affected);
         change
     }
 
@@ -842,6 +923,7 @@ impl PolicyEngine {
             ..Default::default()
         };
         self.drop_rules(&old.rules, &mut change);
+        self.refresh_node_keys(&mut change.affected);
         Some(change)
     }
 
@@ -1294,33 +1376,25 @@ impl PolicyEngine {
         if sels.is_empty() {
             return Vec::new();
         }
-        let selected = self
-            .node_labels
-            .values()
-            .filter(|l| sels.iter().any(|s| s.matches(l)))
-            .count();
-        let nodes = vec![IDENTITY_HOST, IDENTITY_REMOTE_NODE];
-        let cover = match selected {
-            0 => return Vec::new(),
-            n if n == self.node_labels.len() => super::tier_networks::Cover {
-                full: nodes,
-                partial: vec![],
-            },
-            _ => super::tier_networks::Cover {
-                full: vec![],
-                partial: nodes,
-            },
+        let Some(n) = self.nodes.cover(&sels) else {
+            return Vec::new();
         };
-        let pass_denies = add_cover(action, ids, &cover);
-        if !cover.partial.is_empty() {
+        let pass_denies = add_cover(action, ids, &n.cover);
+        if !n.cover.partial.is_empty() {
             let what = match action {
-                Action::Deny => "all nodes are denied",
-                Action::Allow => "no node is allowed by it",
-                Action::Pass => "all nodes are denied instead of passed",
+                Action::Deny => "denied",
+                Action::Allow => "not allowed by it",
+                Action::Pass => "denied instead of passed",
             };
+            let shared: Vec<String> = n.cover.partial.iter().map(|i| i.to_string()).collect();
             notes.push(format!(
-                "{} {}.nodes: selects {selected} of the {} nodes, whose addresses share the host and remote-node identities: {what} (fail closed)",
-                pr.origin.policy, pr.origin.path, self.node_labels.len()
+                "{} {}.nodes: selects {} of the {} nodes, but {}: identities {} are {what} (fail closed)",
+                pr.origin.policy,
+                pr.origin.path,
+                n.selected,
+                n.of,
+                self.nodes.mixed_reason(),
+                shared.join(", ")
             ));
         }
         pass_denies
@@ -1658,7 +1732,7 @@ fn tier_defaults(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::identity::IDENTITY_WORLD_IPV4;
+    use crate::policy::identity::{IDENTITY_REMOTE_NODE, IDENTITY_WORLD_IPV4};
     use crate::policy::labels::Label;
     use crate::policy::rule::{PROTO_TCP, PROTO_UDP};
     use crate::policy::translate::parse_policy;
@@ -1743,20 +1817,27 @@ mod tests {
             .is_empty());
     }
 
-    /// A cluster tier's `nodes` peer covers the node identities as the nodes and their labels
-    /// come and go: every node selected (both identities are peers), some (a Deny's peers, not
-    /// an Allow's, with a note), none; and node changes name the endpoints to redo.
+    /// A cluster tier's `nodes` peer covers the node identities exactly as the nodes and their
+    /// labels come and go: remote nodes fall into classes by the labels `nodes` peers name, each
+    /// with an identity of its own (`node_classes`), this node is `host`; node changes name the
+    /// endpoints to redo and the nodes whose addresses move.
     #[test]
     fn tier_nodes_cover_the_node_identities_as_nodes_come_and_go() {
         let mut e = PolicyEngine::new();
         let la = pod("x", "a");
         let a = e.allocate_identity(&la).id();
         let node = |role: &str| -> Labels { [Label::k8s("role", role)].into_iter().collect() };
+        e.set_local_node("w1");
         assert!(
             e.upsert_node_labels("w1", node("worker")).is_empty(),
             "no rule yet"
         );
+        assert_eq!(e.node_identity("w1"), IDENTITY_REMOTE_NODE);
         e.upsert_policy(policy("{apiVersion: policy.networking.k8s.io/v1alpha1, kind: AdminNetworkPolicy, metadata: {name: n}, spec: {priority: 1, subject: {pods: {namespaceSelector: {}, podSelector: {matchLabels: {app: a}}}}, egress: [{action: Allow, to: [{nodes: {matchLabels: {role: worker}}}], ports: [{portNumber: {protocol: TCP, port: 80}}]}, {action: Deny, to: [{nodes: {matchLabels: {role: worker}}}]}]}}"));
+        // The policy names `role`: the workers are a class of their own.
+        let worker = e.node_identity("w1");
+        assert_ne!(worker, IDENTITY_REMOTE_NODE);
+        assert_eq!(e.take_moved_nodes(), vec!["w1".to_string()]);
         let egress = |e: &PolicyEngine, peer, port| match e.resolve(&view(a, &la, &[])).map.lookup(
             Direction::Egress,
             peer,
@@ -1767,42 +1848,101 @@ mod tests {
             MapVerdict::Denied(_) => "denied",
             MapVerdict::NoMatch => "no match",
         };
-        // The only node is a worker: both node identities are exact peers.
-        for id in [IDENTITY_HOST, IDENTITY_REMOTE_NODE] {
+        // This node is a worker: host and the workers' class are exact peers; nodes without
+        // a role (remote-node) are not.
+        for id in [IDENTITY_HOST, worker] {
             assert_eq!(egress(&e, id, 80), "allowed");
             assert_eq!(egress(&e, id, 81), "denied");
         }
-        // A control-plane node joins: the rules now select some nodes.
-        assert_eq!(
-            e.upsert_node_labels("cp", node("control-plane")),
-            [a].into(),
-            "a's policy depends on the nodes"
-        );
+        assert_eq!(egress(&e, IDENTITY_REMOTE_NODE, 81), "allowed");
+        // A control-plane node and a second worker join: still exact, each by its class.
+        let affected = e.upsert_node_labels("cp", node("control-plane"));
+        assert!(affected.contains(&a), "a's policy depends on the nodes");
         assert!(
             e.upsert_node_labels("cp", node("control-plane")).is_empty(),
             "no change"
         );
-        for id in [IDENTITY_HOST, IDENTITY_REMOTE_NODE] {
-            assert_eq!(
-                egress(&e, id, 80),
-                "denied",
-                "the Allow allows no node, the Deny all"
-            );
-        }
-        let notes = e.resolve(&view(a, &la, &[])).tiers.unwrap().notes;
+        e.upsert_node_labels("w2", node("worker"));
+        let cp = e.node_identity("cp");
+        assert_eq!(e.node_identity("w2"), worker);
+        assert!(![IDENTITY_REMOTE_NODE, worker].contains(&cp));
         assert!(
-            notes.iter().any(|n| n.contains("selects 1 of the 2 nodes")),
+            e.take_moved_nodes().is_empty(),
+            "new nodes are claimed by whoever adds them"
+        );
+        assert_eq!(egress(&e, worker, 80), "allowed");
+        assert_eq!(egress(&e, worker, 81), "denied");
+        assert_eq!(
+            egress(&e, cp, 81),
+            "allowed",
+            "the control plane is no peer"
+        );
+        let notes = e.resolve(&view(a, &la, &[])).tiers.unwrap().notes;
+        assert!(!notes.iter().any(|n| n.contains(".nodes:")), "{notes:?}");
+        // The remote-node entity selects the class identities as it selects remote-node.
+        let lb = pod("x", "b");
+        let b = e.allocate_identity(&lb).id();
+        e.upsert_policy(policy("{apiVersion: cilium.io/v2, kind: CiliumNetworkPolicy, metadata: {name: rn, namespace: x}, spec: {endpointSelector: {matchLabels: {app: b}}, egress: [{toEntities: [remote-node]}]}}"));
+        let pb = e.resolve(&view(b, &lb, &[]));
+        for id in [IDENTITY_REMOTE_NODE, worker, cp] {
+            assert!(matches!(
+                pb.map.lookup(Direction::Egress, id, PROTO_TCP, 1),
+                MapVerdict::Allowed(_)
+            ));
+        }
+        assert!(matches!(
+            pb.map
+                .lookup(Direction::Egress, IDENTITY_HOST, PROTO_TCP, 1),
+            MapVerdict::NoMatch | MapVerdict::Denied(_)
+        ));
+        // cp relabelled a worker: its class goes, and b's policy (remote-node) is redone.
+        let affected = e.upsert_node_labels("cp", node("worker"));
+        assert!(
+            affected.contains(&b) && affected.contains(&a),
+            "{affected:?}"
+        );
+        assert_eq!(e.node_identity("cp"), worker);
+        assert!(
+            e.identities().get(cp).is_none(),
+            "the class identity is released"
+        );
+        // The policy goes: no key left, every node is remote-node again.
+        let change = e
+            .delete_policy(&PolicyKey::new(PolicyKind::AdminNetworkPolicy, None, "n"))
+            .unwrap();
+        assert!(change.affected.contains(&b), "{:?}", change.affected);
+        assert_eq!(e.node_identity("w2"), IDENTITY_REMOTE_NODE);
+        assert!(e.identities().get(worker).is_none());
+        assert!(e.upsert_node_labels("w1", node("gpu")).is_empty());
+    }
+
+    /// Without its own node the agent cannot tell whether `host` is selected: a Deny takes it,
+    /// an Allow does not, and the endpoint says so.
+    #[test]
+    fn tier_nodes_fail_closed_on_host_while_the_own_node_is_unknown() {
+        let mut e = PolicyEngine::new();
+        let la = pod("x", "a");
+        let a = e.allocate_identity(&la).id();
+        let node = |role: &str| -> Labels { [Label::k8s("role", role)].into_iter().collect() };
+        e.upsert_node_labels("w1", node("worker"));
+        e.upsert_node_labels("cp", node("control-plane"));
+        e.upsert_policy(policy("{apiVersion: policy.networking.k8s.io/v1alpha1, kind: AdminNetworkPolicy, metadata: {name: n}, spec: {priority: 1, subject: {pods: {namespaceSelector: {}, podSelector: {matchLabels: {app: a}}}}, egress: [{action: Deny, to: [{nodes: {matchLabels: {role: worker}}}]}]}}"));
+        let p = e.resolve(&view(a, &la, &[]));
+        let denied = |id| {
+            matches!(
+                p.map.lookup(Direction::Egress, id, PROTO_TCP, 80),
+                MapVerdict::Denied(_)
+            )
+        };
+        assert!(denied(IDENTITY_HOST) && denied(e.node_identity("w1")));
+        assert!(!denied(e.node_identity("cp")));
+        let notes = p.tiers.unwrap().notes;
+        assert!(
+            notes.iter().any(|n| n.contains("selects 1 of the 2 nodes")
+                && n.contains("own node")
+                && n.contains("fail closed")),
             "{notes:?}"
         );
-        // It leaves: exact again.
-        assert_eq!(e.delete_node_labels("cp"), [a].into());
-        assert_eq!(egress(&e, IDENTITY_REMOTE_NODE, 80), "allowed");
-        // Relabelled out of the selection: no node is a peer, the Deny no longer applies (the
-        // tiers allow what no rule matches).
-        assert_eq!(e.upsert_node_labels("w1", node("gpu")), [a].into());
-        assert_eq!(egress(&e, IDENTITY_REMOTE_NODE, 81), "allowed");
-        e.delete_policy(&PolicyKey::new(PolicyKind::AdminNetworkPolicy, None, "n"));
-        assert!(e.upsert_node_labels("w1", node("worker")).is_empty());
     }
 
     #[test]

@@ -20,6 +20,7 @@ pub mod ipcache;
 pub mod l7;
 pub mod labels;
 pub mod mapstate;
+pub mod node_classes;
 pub mod numbering;
 pub mod repository;
 pub mod rule;

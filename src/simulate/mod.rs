@@ -330,7 +330,11 @@ fn build(text: &str, sections: &yaml::Sections, out: &mut Simulation) -> Result<
             engine.upsert_endpoint_ip(ip, id);
         }
     }
+    if let Some(n) = nodes.get(local) {
+        engine.set_local_node(&n.name);
+    }
     if nodes.is_empty() {
+        engine.set_local_node("local");
         engine.upsert_node_labels("local", Labels::default());
         let labels: Labels = [Label::reserved("host")].into_iter().collect();
         nodes.push(Node {
@@ -433,6 +437,25 @@ fn build(text: &str, sections: &yaml::Sections, out: &mut Simulation) -> Result<
         }
         Ok(())
     })?;
+
+    // Cluster tiers' `nodes` peers may tell nodes apart: the other nodes' addresses take
+    // their class's identity (`policy::node_classes`).
+    let moved: HashMap<usize, NumericIdentity> = engine
+        .take_moved_nodes()
+        .iter()
+        .filter_map(|name| nodes.iter().position(|n| &n.name == name))
+        .filter(|i| *i != local)
+        .map(|i| (i, engine.node_identity(&nodes[i].name)))
+        .collect();
+    if !moved.is_empty() {
+        for p in party_by_ip.values() {
+            if let Party::Node(i, ip) = *p {
+                if let Some(id) = moved.get(&i) {
+                    engine.upsert_endpoint_ip(ip, *id);
+                }
+            }
+        }
+    }
 
     Ok(Sim {
         engine,
@@ -545,11 +568,14 @@ impl Sim {
     fn identity_seen_by(&self, viewer: Party, peer: Party) -> NumericIdentity {
         match peer {
             Party::Pod(i) => self.pods[i].identity,
+            // Seen from another node: `remote-node`, or its class's identity when `nodes`
+            // peers tell it apart. (Every node's `host` is judged by the policy the engine
+            // resolves for the world's local node: one engine holds one node's view.)
             Party::Node(n, _) => {
                 if self.node_of(viewer) == Some(n) {
                     IDENTITY_HOST
                 } else {
-                    IDENTITY_REMOTE_NODE
+                    self.engine.node_identity(&self.nodes[n].name)
                 }
             }
             Party::External(ip) => self.engine.identity_of_ip(ip),

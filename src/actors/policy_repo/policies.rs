@@ -38,16 +38,28 @@ impl Handler<PolicyUpsert> for PolicyRepoActor {
                 place,
             });
         self.statuses.enforced_from(&key, change.revision);
+        let ipcache = self.policy_ipcache(&change);
         self.react(
             Reaction::new(format!("policy {}", key.short()))
                 .at(accepted_at)
                 .affecting(change.affected.iter().copied())
-                .ipcache(ipcache_of(&change))
+                .ipcache(ipcache)
                 .policy_change()
                 .dropping(dropped)
                 .notify(if known { "updated" } else { "added" }, &key),
         );
         Ok(change.revision)
+    }
+}
+
+impl PolicyRepoActor {
+    /// A policy change's ipcache updates: its CIDR identities, and the addresses of the nodes
+    /// whose identity it moved (`nodes` peers naming other node labels:
+    /// `policy::node_classes`), released after the regenerations that know the new identities.
+    fn policy_ipcache(&mut self, change: &crate::policy::PolicyChange) -> Vec<IpcacheChange> {
+        let mut out = ipcache_of(change);
+        out.extend(self.indexed(|ix, e| ix.follow_moved_nodes(e)).ipcache);
+        out
     }
 }
 
@@ -115,11 +127,12 @@ impl Handler<PolicyDelete> for PolicyRepoActor {
         match change {
             Some(mut change) => {
                 self.follow_fqdn_selectors(generation, &mut change);
+                let ipcache = self.policy_ipcache(&change);
                 self.react(
                     Reaction::new(format!("policy {} deleted", msg.key.short()))
                         .at(accepted_at)
                         .affecting(change.affected.iter().copied())
-                        .ipcache(ipcache_of(&change))
+                        .ipcache(ipcache)
                         .policy_change()
                         .dropping(dropped)
                         .notify("deleted", &msg.key),

@@ -52,6 +52,11 @@ impl Handler<GetIdentities> for PolicyRepoActor {
                     "reserved"
                 } else if i.cidr.is_some() {
                     "cidr"
+                } else if i
+                    .labels
+                    .has_reserved(crate::policy::node_classes::CLASS_LABEL)
+                {
+                    "node"
                 } else {
                     "cluster"
                 },
