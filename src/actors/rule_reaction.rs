@@ -14,9 +14,12 @@
 //! - at most one `Regenerate` is in flight per endpoint; a change that arrives while one is
 //!   running is re-sent when it reports back.
 //!
-//! Messages and regenerations are thereby bounded by rounds, not by edits x endpoints.
+//! Messages and regenerations are thereby bounded by rounds, not by edits x endpoints. The
+//! bookkeeping of what each endpoint is sent is pure (`endpoint::fanout`, tested against the
+//! endpoints' own state machine); this actor adds the window, the pending changes and their
+//! ipcache updates.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -25,6 +28,7 @@ use actix::{Actor, AsyncContext, Context, Handler, Message, SpawnHandle};
 use super::endpoint::{BumpRevision, EndpointActor, EndpointGone, EndpointRealized, Regenerate};
 use super::loader::{Barrier, IpcacheChange, LoaderActor, UpdateIpcache};
 use crate::datapath::EndpointId;
+use crate::endpoint::fanout::{self, Fanout, Send};
 use crate::introspect::{current_change, with_change, ChangeId, TracedAddr};
 use crate::runtime::Shared;
 use crate::traced_actor;
@@ -53,36 +57,13 @@ struct Pending {
     release_memory: bool,
 }
 
-/// What an endpoint was asked for and not yet told.
-struct Want {
-    addr: TracedAddr<EndpointActor>,
-    revision: u64,
-    force: bool,
-    reason: String,
-    /// The (latest) change that asked: the Regenerate sent after the window belongs to it.
-    change: Option<ChangeId>,
-    /// Only these peer identities' selections changed (`None`: anything may have).
-    peers: Option<std::collections::BTreeSet<crate::policy::identity::NumericIdentity>>,
-}
-
 pub struct RuleReactionActor {
     shared: Shared,
     loader: TracedAddr<LoaderActor>,
     pending: BTreeMap<u64, Pending>,
     next_seq: u64,
-    /// Regenerations gathered in the current window.
-    want: HashMap<EndpointId, Want>,
-    /// Bumps gathered in the current window (latest revision).
-    bumps: HashMap<EndpointId, (TracedAddr<EndpointActor>, u64, Option<ChangeId>)>,
-    /// Endpoints with a `Regenerate` sent and no report yet.
-    in_flight: HashSet<EndpointId>,
-    /// Requests that arrived while that endpoint's regeneration was in flight.
-    again: HashMap<EndpointId, Want>,
-    /// Bumps that went out while that endpoint's regeneration was in flight (latest revision):
-    /// sent when it reports, unless a regeneration from `again` covers them. Sent at once, a
-    /// bump could land between that report and an `again` of an earlier revision and mark the
-    /// endpoint realized past a change it never computed.
-    again_bumps: HashMap<EndpointId, (TracedAddr<EndpointActor>, u64, Option<ChangeId>)>,
+    /// Regenerations and bumps gathered, in flight, and owed (`endpoint::fanout`).
+    fanout: Fanout<TracedAddr<EndpointActor>, ChangeId>,
     window: Option<(SpawnHandle, Instant)>,
     /// When the last fan-out went out (the leading edge's quiet spell is measured from it).
     last_flush: Option<Instant>,
@@ -98,11 +79,7 @@ impl RuleReactionActor {
             loader,
             pending: BTreeMap::new(),
             next_seq: 0,
-            want: HashMap::new(),
-            bumps: HashMap::new(),
-            in_flight: HashSet::new(),
-            again: HashMap::new(),
-            again_bumps: HashMap::new(),
+            fanout: Fanout::default(),
             window: None,
             last_flush: None,
             waiters: Vec::new(),
@@ -161,44 +138,40 @@ impl RuleReactionActor {
         }
     }
 
-    fn send_regenerate(&mut self, id: EndpointId, w: Want) {
-        let msg = Regenerate {
-            revision: w.revision,
-            reason: w.reason,
-            force: w.force,
-            peers: w.peers,
-        };
-        with_change(w.change, || w.addr.do_send(msg, NAME));
-        self.in_flight.insert(id);
+    /// Carries out one of the fan-out's messages.
+    fn send(&self, s: Send<TracedAddr<EndpointActor>, ChangeId>) {
+        match s {
+            Send::Regenerate(_, w) => {
+                let msg = Regenerate {
+                    revision: w.revision,
+                    reason: w.reason,
+                    force: w.force,
+                    peers: w.peers,
+                };
+                with_change(w.change, || w.addr.do_send(msg, NAME));
+            }
+            Send::Bump(_, b) => {
+                let msg = BumpRevision {
+                    revision: b.revision,
+                };
+                with_change(b.change, || b.addr.do_send(msg, NAME));
+            }
+        }
     }
 
     /// Ends the window: one message per endpoint.
     fn flush(&mut self) {
         self.window = None;
         self.last_flush = Some(Instant::now());
-        for (id, w) in std::mem::take(&mut self.want) {
-            if self.in_flight.contains(&id) {
-                merge(&mut self.again, id, w);
-            } else {
-                self.send_regenerate(id, w);
-            }
-        }
-        for (id, (addr, revision, change)) in std::mem::take(&mut self.bumps) {
-            if self.in_flight.contains(&id) {
-                let later = self.again_bumps.get(&id).is_none_or(|b| b.1 < revision);
-                if later {
-                    self.again_bumps.insert(id, (addr, revision, change));
-                }
-            } else {
-                with_change(change, || addr.do_send(BumpRevision { revision }, NAME));
-            }
+        for s in self.fanout.flush() {
+            self.send(s);
         }
     }
 
     fn endpoints_idle(&self) -> bool {
         goes_out_at_once(
             self.window.is_some(),
-            self.in_flight.len(),
+            self.fanout.in_flight(),
             self.last_flush,
             Instant::now(),
         )
@@ -229,27 +202,6 @@ fn goes_out_at_once(
     now: Instant,
 ) -> bool {
     !held && (in_flight == 0 || last_flush.is_none_or(|t| now.duration_since(t) >= QUIET))
-}
-
-fn merge(map: &mut HashMap<EndpointId, Want>, id: EndpointId, w: Want) {
-    match map.get_mut(&id) {
-        Some(e) => {
-            e.revision = e.revision.max(w.revision);
-            e.force |= w.force;
-            e.reason = w.reason;
-            e.change = w.change.or(e.change);
-            e.peers = match (e.peers.take(), w.peers) {
-                (Some(mut a), Some(b)) => {
-                    a.extend(b);
-                    Some(a)
-                }
-                _ => None,
-            };
-        }
-        None => {
-            map.insert(id, w);
-        }
-    }
 }
 
 impl Actor for RuleReactionActor {
@@ -310,7 +262,7 @@ impl Handler<PolicyReaction> for RuleReactionActor {
                 ctx.cancel_future(handle);
             }
             self.flush();
-        } else if !self.want.is_empty() || !self.bumps.is_empty() {
+        } else if self.fanout.holds() {
             self.arm(ctx);
         }
     }
@@ -319,41 +271,15 @@ impl Handler<PolicyReaction> for RuleReactionActor {
 impl RuleReactionActor {
     /// Adds a reaction's endpoints to what the next fan-out sends.
     fn gather(&mut self, msg: &PolicyReaction) {
-        for (id, addr) in &msg.to_regenerate {
-            self.bumps.remove(id);
-            let w = Want {
-                addr: addr.clone(),
-                revision: msg.revision,
-                force: msg.force,
-                reason: msg.reason.clone(),
-                change: current_change(),
-                peers: msg.peers.clone(),
-            };
-            merge(&mut self.want, *id, w);
-        }
-        // A bump is kept beside a held regeneration of an earlier revision: the endpoint may
-        // have realized that revision already and answer the regeneration without computing,
-        // and only the bump then brings it to this revision. (Sent after the regeneration, it
-        // is ignored if the regeneration computes, which reads a newer revision anyway.)
-        for (id, addr) in &msg.to_bump {
-            self.bumps
-                .insert(*id, (addr.clone(), msg.revision, current_change()));
-        }
-    }
-
-    /// An endpoint reported: what arrived for it while it regenerated goes out now, a
-    /// regeneration (which reads the newest revision, so covers any bump) or else the bump.
-    fn resend(&mut self, msg: &EndpointRealized) {
-        let bump = self.again_bumps.remove(&msg.id);
-        if let Some(w) = self.again.remove(&msg.id) {
-            if w.force || w.revision > msg.revision {
-                self.send_regenerate(msg.id, w);
-                return;
-            }
-        }
-        if let Some((addr, revision, change)) = bump.filter(|b| b.1 > msg.revision) {
-            with_change(change, || addr.do_send(BumpRevision { revision }, NAME));
-        }
+        self.fanout.gather(&fanout::Reaction {
+            revision: msg.revision,
+            force: msg.force,
+            reason: &msg.reason,
+            change: current_change(),
+            peers: &msg.peers,
+            to_regenerate: &msg.to_regenerate,
+            to_bump: &msg.to_bump,
+        });
     }
 
     /// Records a reaction as pending until its endpoints realized it (at once when none must).
@@ -387,8 +313,9 @@ impl RuleReactionActor {
 impl Handler<EndpointRealized> for RuleReactionActor {
     type Result = ();
     fn handle(&mut self, msg: EndpointRealized, _: &mut Context<Self>) {
-        self.in_flight.remove(&msg.id);
-        self.resend(&msg);
+        if let Some(s) = self.fanout.realized(msg.id, msg.revision) {
+            self.send(s);
+        }
         let done: Vec<u64> = self
             .pending
             .iter_mut()
@@ -411,10 +338,7 @@ impl Handler<EndpointRealized> for RuleReactionActor {
 impl Handler<EndpointGone> for RuleReactionActor {
     type Result = ();
     fn handle(&mut self, msg: EndpointGone, ctx: &mut Context<Self>) {
-        self.want.remove(&msg.id);
-        self.bumps.remove(&msg.id);
-        self.again.remove(&msg.id);
-        self.again_bumps.remove(&msg.id);
+        self.fanout.gone(msg.id);
         self.handle(
             EndpointRealized {
                 id: msg.id,

@@ -4,6 +4,7 @@
 //! journal of identity numbers (`numbering`).
 
 pub mod cni;
+pub mod fanout;
 pub mod numbering;
 pub mod regeneration;
 pub mod registry;
