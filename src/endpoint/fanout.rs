@@ -399,7 +399,7 @@ mod tests {
     #[test]
     fn no_endpoint_is_told_a_revision_it_did_not_compute_and_all_reach_the_last() {
         for seed in 1..=300u64 {
-            let mut w = World::new(seed * 0x9E37_79B9_7F4A_7C15, 4);
+            let mut w = World::new(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15), 4);
             for _ in 0..200 {
                 match w.rng.below(10) {
                     0 | 1 => w.change(),
