@@ -14,6 +14,9 @@
 //!   peers; TCP ports).
 //! - `selector_cache_new_identity`: a new identity against 2,000 selectors.
 //! - `mapstate_diff`: the delta between two 10,000-entry map states that differ in 1,000.
+//! - `entry_table_apply`: that delta applied to the datapath's mirror of a 10,000-entry policy
+//!   map (`datapath::abi::EntryTable`: the kernel map's entries and their changes, the loader's
+//!   part of every regeneration).
 //! - `ipcache_upsert`: 1,000 host entries into an ipcache of 10,000.
 //! - `pod_event`: the agent's per-event path for a pod: 100 pod updates into the cluster index
 //!   (new pods of existing label sets, then a label change of each).
@@ -37,12 +40,13 @@ use ciliate::policy::selector_cache::SelectorCache;
 mod engine;
 use engine::{add_policy, add_tier_policies, pod_labels};
 
-const CASES: [&str; 7] = [
+const CASES: [&str; 8] = [
     "resolve_no_match",
     "resolve_selected_by_200",
     "resolve_tiers",
     "selector_cache_new_identity",
     "mapstate_diff",
+    "entry_table_apply",
     "ipcache_upsert",
     "pod_event",
 ];
@@ -56,6 +60,7 @@ fn main() {
         "resolve_tiers" => resolve_tiers(),
         "selector_cache_new_identity" => selector_cache_new_identity(),
         "mapstate_diff" => mapstate_diff(),
+        "entry_table_apply" => entry_table_apply(),
         "ipcache_upsert" => ipcache_upsert(),
         "pod_event" => pod_event(),
         // `cargo bench` runs every bench binary with `--bench`: nothing to time here.
@@ -183,7 +188,8 @@ fn key(identity: u32, port: u16) -> MapKey {
     ciliate::policy::mapstate::ingress_key(identity, PROTO_TCP, port, port)
 }
 
-fn mapstate_diff() {
+/// `mapstate_diff`'s two map states: 10,000 entries, 1,000 of them on another port.
+fn two_map_states() -> (MapState, MapState) {
     let origin = Arc::new(RuleOrigin {
         policy: Arc::new(PolicyKey::new(
             PolicyKind::CiliumNetworkPolicy,
@@ -205,7 +211,30 @@ fn mapstate_diff() {
             &origin,
         );
     }
+    (wanted, realized)
+}
+
+fn mapstate_diff() {
+    let (wanted, realized) = two_map_states();
     icount_measured_diff(&wanted, &realized);
+}
+
+fn entry_table_apply() {
+    let (wanted, realized) = two_map_states();
+    let mut table = ciliate::datapath::abi::EntryTable::new();
+    table.apply(&realized.diff_from(&MapState::new()));
+    assert_eq!(table.len(), 10_000);
+    let delta = wanted.diff_from(&realized);
+    icount_measured_apply(&mut table, &delta);
+}
+
+#[inline(never)]
+fn icount_measured_apply(
+    table: &mut ciliate::datapath::abi::EntryTable,
+    delta: &ciliate::policy::mapstate::MapDelta,
+) {
+    let changes = black_box(table.apply(black_box(delta)));
+    assert_eq!(changes.len(), 2000);
 }
 
 #[inline(never)]

@@ -9,6 +9,8 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use smallvec::SmallVec;
+
 use crate::policy::attribution::Cookie;
 use crate::policy::identity::NumericIdentity;
 use crate::policy::mapstate::{MapDelta, MapKey};
@@ -76,17 +78,26 @@ pub fn port_range_to_prefixes(lo: u16, hi: u16) -> Vec<(u16, u8)> {
     out
 }
 
-/// The datapath entries one engine key stands for.
-pub fn expand_key(k: &MapKey) -> Vec<PolicyEntryKey> {
+/// The datapath entries one engine key stands for (usually one: kept inline).
+pub fn expand_key(k: &MapKey) -> SmallVec<[PolicyEntryKey; 2]> {
     let egress = k.direction == Direction::Egress;
     if k.protocol == 0 {
         // L3-only entries cover every protocol and port.
-        return vec![PolicyEntryKey {
+        return smallvec::smallvec![PolicyEntryKey {
             identity: k.identity,
             egress,
             protocol: 0,
             port: 0,
             port_prefix_len: 0,
+        }];
+    }
+    if k.port_lo == k.port_hi {
+        return smallvec::smallvec![PolicyEntryKey {
+            identity: k.identity,
+            egress,
+            protocol: k.protocol,
+            port: k.port_lo,
+            port_prefix_len: 16,
         }];
     }
     port_range_to_prefixes(k.port_lo, k.port_hi)
@@ -117,7 +128,8 @@ type Contribution = (bool, Cookie, bool);
 /// key) of those that decide it, so an entry several rules overlap on names one of them; an
 /// allow redirects if any of its allows does.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-struct Contributors(Vec<(MapKey, bool, Cookie, bool)>);
+/// Inline: an entry almost always has one contributor, and a table holds thousands of entries.
+struct Contributors(SmallVec<[(MapKey, bool, Cookie, bool); 1]>);
 
 impl Contributors {
     fn value(&self) -> Option<Contribution> {
@@ -210,7 +222,10 @@ impl EntryTable {
     /// [`apply`](Self::apply), each change with the entry's deny flag before it (`None`:
     /// absent).
     pub fn apply_tracked(&mut self, delta: &MapDelta) -> Vec<(EntryChange, Option<bool>)> {
-        let mut before: BTreeMap<PolicyEntryKey, Option<Contribution>> = BTreeMap::new();
+        // Each touched entry's value before the change, in key order (a sorted vector: the
+        // delta's keys come sorted, and most expand to one entry).
+        let mut before: Vec<(PolicyEntryKey, Option<Contribution>)> =
+            Vec::with_capacity(delta.upserts.len() + delta.deletes.len());
         for k in delta
             .upserts
             .iter()
@@ -218,11 +233,11 @@ impl EntryTable {
             .chain(delta.deletes.iter())
         {
             for e in expand_key(k) {
-                before
-                    .entry(e)
-                    .or_insert_with(|| self.entries.get(&e).and_then(Contributors::value));
+                before.push((e, self.entries.get(&e).and_then(Contributors::value)));
             }
         }
+        before.sort_unstable_by_key(|(e, _)| *e);
+        before.dedup_by_key(|(e, _)| *e);
         for k in &delta.deletes {
             if let Some(old) = self.engine_keys.remove(k) {
                 self.contribute(k, old, false);
