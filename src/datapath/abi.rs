@@ -7,7 +7,7 @@
 //! [`EntryTable`] counts the contributors of every entry, allow and deny separately. An entry
 //! goes away only with its last contributor, and it is a deny whenever any contributor is a deny.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 
 use smallvec::SmallVec;
 
@@ -147,7 +147,8 @@ impl Contributors {
 #[derive(Debug, Clone, Default)]
 pub struct EntryTable {
     engine_keys: HashMap<MapKey, Contribution>,
-    entries: BTreeMap<PolicyEntryKey, Contributors>,
+    /// Unordered (a hash map: most of a regeneration's lookups are here); the dumps sort.
+    entries: crate::hashing::HashMap<PolicyEntryKey, Contributors>,
 }
 
 impl EntryTable {
@@ -172,14 +173,15 @@ impl EntryTable {
             .map(|(d, _, _)| d)
     }
 
-    /// The datapath entries and their deny flag.
+    /// The datapath entries and their deny flag, in no particular order.
     pub fn entries(&self) -> impl Iterator<Item = (PolicyEntryKey, bool)> + '_ {
         self.entries
             .iter()
             .filter_map(|(k, c)| c.value().map(|(d, _, _)| (*k, d)))
     }
 
-    /// The datapath entries with their deny flag, cookie and redirect flag.
+    /// The datapath entries with their deny flag, cookie and redirect flag, in no particular
+    /// order.
     pub fn values(&self) -> impl Iterator<Item = (PolicyEntryKey, bool, Cookie, bool)> + '_ {
         self.entries
             .iter()
@@ -288,26 +290,20 @@ impl EntryTable {
         let mut allowed = false;
         for id in [identity, 0] {
             for proto in [protocol, 0] {
-                let lo = PolicyEntryKey {
-                    identity: id,
-                    egress,
-                    protocol: proto,
-                    port: 0,
-                    port_prefix_len: 0,
-                };
-                let hi = PolicyEntryKey {
-                    identity: id,
-                    egress,
-                    protocol: proto,
-                    port: u16::MAX,
-                    port_prefix_len: u8::MAX,
-                };
-                for (k, c) in self.entries.range(lo..=hi) {
-                    if k.covers_port(port) {
-                        if c.value().is_some_and(|(deny, _, _)| deny) {
-                            return Some(true);
-                        }
-                        allowed = true;
+                // Every prefix length, as the program probes them.
+                for len in 0..=16u8 {
+                    let mask = if len == 0 { 0 } else { u16::MAX << (16 - len) };
+                    let k = PolicyEntryKey {
+                        identity: id,
+                        egress,
+                        protocol: proto,
+                        port: port & mask,
+                        port_prefix_len: len,
+                    };
+                    match self.entries.get(&k).and_then(Contributors::value) {
+                        Some((true, _, _)) => return Some(true),
+                        Some(_) => allowed = true,
+                        None => {}
                     }
                 }
                 if id == 0 && proto == 0 {

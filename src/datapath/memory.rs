@@ -7,7 +7,9 @@ use std::net::IpAddr;
 
 use ipnet::IpNet;
 
-use super::abi::{EntryChange, EntryTable, IPCACHE_MAX_ENTRIES, POLICY_MAP_MAX_ENTRIES};
+use super::abi::{
+    EntryChange, EntryTable, PolicyEntryKey, IPCACHE_MAX_ENTRIES, POLICY_MAP_MAX_ENTRIES,
+};
 use super::{
     Datapath, DatapathError, EndpointAttachment, EndpointFlags, EndpointId, PolicyMapDump,
     PolicyMapEntry, SyncStats,
@@ -215,9 +217,10 @@ impl Datapath for MemoryDatapath {
             .endpoints
             .get(&id)
             .ok_or(DatapathError::UnknownEndpoint(id))?;
-        let entries = ep
-            .table
-            .entries()
+        let mut keys: Vec<(PolicyEntryKey, bool)> = ep.table.entries().collect();
+        keys.sort_unstable();
+        let entries = keys
+            .into_iter()
             .map(|(k, deny)| {
                 let (packets, bytes) = ep.counters.get(&k).copied().unwrap_or_default();
                 PolicyMapEntry::new(&k, deny, packets, bytes)
