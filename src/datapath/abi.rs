@@ -7,10 +7,9 @@
 //! [`EntryTable`] counts the contributors of every entry, allow and deny separately. An entry
 //! goes away only with its last contributor, and it is a deny whenever any contributor is a deny.
 
-use std::collections::HashMap;
-
 use smallvec::SmallVec;
 
+use crate::hashing::HashMap;
 use crate::policy::attribution::Cookie;
 use crate::policy::identity::NumericIdentity;
 use crate::policy::mapstate::{MapDelta, MapKey};
@@ -148,7 +147,7 @@ impl Contributors {
 pub struct EntryTable {
     engine_keys: HashMap<MapKey, Contribution>,
     /// Unordered (a hash map: most of a regeneration's lookups are here); the dumps sort.
-    entries: crate::hashing::HashMap<PolicyEntryKey, Contributors>,
+    entries: HashMap<PolicyEntryKey, Contributors>,
 }
 
 impl EntryTable {
