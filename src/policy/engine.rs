@@ -658,16 +658,15 @@ impl PolicyEngine {
     /// The keys cluster tiers' `nodes` peers name, after a policy change: when they changed,
     /// the nodes regroup.
     fn refresh_node_keys(&mut self, affected: &mut BTreeSet<NumericIdentity>) {
-        let sels: Vec<super::selector::LabelSelector> = self
+        let sels = self
             .nodes_rules
             .iter()
             .flat_map(|r| r.selectors())
             .filter_map(|s| match s.kind() {
-                SelectorKind::Nodes(l) => Some(l.clone()),
+                SelectorKind::Nodes(l) => Some(l),
                 _ => None,
-            })
-            .collect();
-        if self.nodes.set_keys(&sels) {
+            });
+        if self.nodes.set_keys(sels) {
             self.tier_inputs_generation += 1;
             affected.extend(self.regroup_nodes());
         }
