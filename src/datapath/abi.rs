@@ -125,9 +125,9 @@ type Contribution = (bool, Cookie, bool);
 /// The engine keys that expand to one datapath entry (usually one), with their deny flag,
 /// cookie and redirect flag. The entry denies if any does; its cookie is the first (smallest
 /// key) of those that decide it, so an entry several rules overlap on names one of them; an
-/// allow redirects if any of its allows does.
+/// allow redirects if any of its allows does. Inline: an entry almost always has one
+/// contributor, and a table holds thousands of entries.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-/// Inline: an entry almost always has one contributor, and a table holds thousands of entries.
 struct Contributors(SmallVec<[(MapKey, bool, Cookie, bool); 1]>);
 
 impl Contributors {
