@@ -155,6 +155,34 @@ struct Slot {
     entry: MapEntry,
 }
 
+/// One entry as a lookup reads it: its key's protocol (0: any), first and last port, and the
+/// entry.
+pub type EntryRef<'a> = (u8, u16, u16, &'a MapEntry);
+
+/// Decides a packet on `protocol`/`port` by `entries` (most specific identity first, as
+/// `MapState::entries_for` gives them): any matching deny wins, else the first matching allow
+/// (the most specific, for the explanation), else no match.
+pub fn decide<'a>(
+    entries: impl IntoIterator<Item = EntryRef<'a>>,
+    protocol: u8,
+    port: u16,
+) -> MapVerdict<'a> {
+    let mut allowed: Option<&MapEntry> = None;
+    for (p, lo, hi, entry) in entries {
+        if (p == 0 || p == protocol) && lo <= port && port <= hi {
+            if entry.deny {
+                return MapVerdict::Denied(entry);
+            }
+            if allowed.is_none() {
+                allowed = Some(entry);
+            }
+        }
+    }
+    allowed
+        .map(MapVerdict::Allowed)
+        .unwrap_or(MapVerdict::NoMatch)
+}
+
 /// One entry's protocol, first and last port, and the L7 rules it allows (`insert_ports`).
 pub type PortCell<'a> = (u8, u16, u16, Option<&'a Arc<L7PortRules>>);
 
@@ -171,6 +199,14 @@ impl Group {
         Group {
             identity,
             slots: Slots::new(),
+        }
+    }
+
+    /// A group with room for `n` entries.
+    pub fn with_capacity(identity: NumericIdentity, n: usize) -> Group {
+        Group {
+            identity,
+            slots: Slots::with_capacity(n),
         }
     }
 
@@ -409,34 +445,24 @@ impl MapState {
         protocol: u8,
         port: u16,
     ) -> MapVerdict<'_> {
-        let mut allowed: Option<&MapEntry> = None;
-        let ids: &[NumericIdentity] = if identity == IDENTITY_ANY {
-            &[IDENTITY_ANY]
-        } else {
-            &[identity, IDENTITY_ANY]
-        };
-        for id in ids {
-            let Some(slots) = self.group(direction, *id) else {
-                continue;
-            };
-            for s in slots {
-                if (s.protocol == 0 || s.protocol == protocol)
-                    && s.port_lo <= port
-                    && port <= s.port_hi
-                {
-                    if s.entry.deny {
-                        return MapVerdict::Denied(&s.entry);
-                    }
-                    // Prefer the most specific allow for the explanation.
-                    if allowed.is_none() {
-                        allowed = Some(&s.entry);
-                    }
-                }
-            }
-        }
-        allowed
-            .map(MapVerdict::Allowed)
-            .unwrap_or(MapVerdict::NoMatch)
+        decide(self.entries_for(direction, identity), protocol, port)
+    }
+
+    /// The entries a lookup of `identity` in direction `d` reads, in its order: the
+    /// identity's own, then those of any peer (each with its key's protocol and ports).
+    pub fn entries_for(
+        &self,
+        d: Direction,
+        identity: NumericIdentity,
+    ) -> impl Iterator<Item = EntryRef<'_>> + '_ {
+        let own = self.group(d, identity);
+        let any = (identity != IDENTITY_ANY)
+            .then(|| self.group(d, IDENTITY_ANY))
+            .flatten();
+        own.into_iter()
+            .chain(any)
+            .flatten()
+            .map(|s| (s.protocol, s.port_lo, s.port_hi, &s.entry))
     }
 
     /// Every allow entry matching a packet to/from `identity` on `protocol`/`port` (most

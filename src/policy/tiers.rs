@@ -35,7 +35,7 @@ use smallvec::SmallVec;
 type GroupList = SmallVec<[u32; 6]>;
 
 use super::identity::{NumericIdentity, IDENTITY_ANY};
-use super::mapstate::{Group, MapEntry, MapState, MapVerdict};
+use super::mapstate::{decide, EntryRef, Group, MapEntry, MapState, MapVerdict};
 use super::rule::{
     Action, Direction, RuleOrigin, Tier, PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP,
 };
@@ -234,14 +234,6 @@ enum State<'a> {
     Done(Verdict<'a>),
 }
 
-/// Inclusive port ranges of one protocol with their state, in order, covering 0..=65535.
-/// Inline for the usual few: most protocols of most identities are one or two ranges, and
-/// every identity of the cells gets a set per protocol.
-type Segments<'a> = SmallVec<[(u16, u16, State<'a>); 2]>;
-
-/// One protocol's verdicts of one identity (see `Segments`).
-type Verdicts<'a> = SmallVec<[(u16, u16, Verdict<'a>); 2]>;
-
 /// Sets the parts of `lo..=hi` in state `from` to `to` (the segments are sorted and cover
 /// 0..=65535: only those overlapping the range are looked at).
 fn paint<T: Copy + PartialEq>(segs: &mut Vec<(u16, u16, T)>, lo: u16, hi: u16, from: T, to: T) {
@@ -273,10 +265,39 @@ fn paint<T: Copy + PartialEq>(segs: &mut Vec<(u16, u16, T)>, lo: u16, hi: u16, f
 }
 
 /// One identity's verdicts: per protocol of the cells (`Cells::protocols`), and for every other
-/// protocol.
+/// protocol. Flat: one allocation per painting (there is one per named identity).
 struct Painted<'a> {
-    protocols: Vec<Verdicts<'a>>,
+    /// The protocols' verdict ranges, one protocol after the other.
+    ranges: Vec<(u16, u16, Verdict<'a>)>,
+    /// Where each protocol's ranges start in `ranges`, and their end.
+    starts: SmallVec<[u32; 8]>,
     other: Verdict<'a>,
+}
+
+impl<'a> Painted<'a> {
+    /// The ranges of protocol `k` (the index in `Cells::protocols`).
+    fn protocol(&self, k: usize) -> &[(u16, u16, Verdict<'a>)] {
+        &self.ranges[self.starts[k] as usize..self.starts[k + 1] as usize]
+    }
+}
+
+/// Appends a verdict range, joined to the last one of the same protocol (from `first` on) when
+/// it continues it with the same verdict.
+fn emit<'a>(
+    ranges: &mut Vec<(u16, u16, Verdict<'a>)>,
+    first: usize,
+    lo: u16,
+    hi: u16,
+    v: Verdict<'a>,
+) {
+    if ranges.len() > first {
+        let last = ranges.last_mut().expect("not empty");
+        if last.2 == v && last.1 as u32 + 1 == lo as u32 {
+            last.1 = hi;
+            return;
+        }
+    }
+    ranges.push((lo, hi, v));
 }
 
 /// No rule (in a first-match painting).
@@ -287,65 +308,88 @@ const NONE: u32 = u32::MAX;
 type FirstMatch = Vec<(u16, u16, u32)>;
 
 /// The first-match painting of one group of a tier's rules: per protocol of the cells, and the
-/// first rule that matches every protocol.
+/// first rule that matches every protocol. Flat, as `Painted`.
 #[derive(Clone)]
 struct GroupPaint {
-    protocols: Vec<FirstMatch>,
+    /// The protocols' ranges, one protocol after the other.
+    ranges: Vec<(u16, u16, u32)>,
+    /// Where each protocol's ranges start in `ranges`, and their end.
+    starts: SmallVec<[u32; 8]>,
     other: u32,
 }
 
 impl GroupPaint {
     fn new(rules: &[TierRule], members: &[usize], protocols: &[u8]) -> GroupPaint {
-        let mut g = GroupPaint {
-            protocols: vec![vec![(0, 65535, NONE)]; protocols.len()],
-            other: NONE,
-        };
+        let mut per: Vec<FirstMatch> = vec![vec![(0, 65535, NONE)]; protocols.len()];
+        let mut other = NONE;
         for &i in members {
             let to = i as u32;
             match &rules[i].ports {
                 None => {
-                    for s in &mut g.protocols {
+                    for s in &mut per {
                         paint(s, 0, 65535, NONE, to);
                     }
-                    if g.other == NONE {
-                        g.other = to;
+                    if other == NONE {
+                        other = to;
                     }
                 }
                 Some(list) => {
                     for &(p, lo, hi) in list {
                         if let Ok(k) = protocols.binary_search(&p) {
-                            paint(&mut g.protocols[k], lo, hi, NONE, to);
+                            paint(&mut per[k], lo, hi, NONE, to);
                         }
                     }
                 }
             }
         }
+        let mut g = GroupPaint {
+            ranges: Vec::with_capacity(per.iter().map(Vec::len).sum()),
+            starts: SmallVec::with_capacity(per.len() + 1),
+            other,
+        };
+        for s in per {
+            g.starts.push(g.ranges.len() as u32);
+            g.ranges.extend(s);
+        }
+        g.starts.push(g.ranges.len() as u32);
         g
+    }
+
+    /// The ranges of protocol `k` (the index in `Cells::protocols`).
+    fn protocol(&self, k: usize) -> &[(u16, u16, u32)] {
+        &self.ranges[self.starts[k] as usize..self.starts[k + 1] as usize]
     }
 
     /// Its ranges, over every protocol.
     fn size(&self) -> usize {
-        self.protocols.iter().map(Vec::len).sum()
+        self.ranges.len()
     }
 
-    /// Makes this the first match of both paintings, cell by cell (a protocol the other
-    /// painting has no rule for stays as it is).
-    fn merge_from(&mut self, o: &GroupPaint) {
-        for (a, b) in self.protocols.iter_mut().zip(&o.protocols) {
-            if matches!(b[..], [(_, _, NONE)]) {
+    /// The first match of this painting and `o`, cell by cell (a protocol `o` has no rule for
+    /// stays as it is), written into `out` (cleared first: a buffer reused across merges).
+    fn merge_into(&self, o: &GroupPaint, out: &mut GroupPaint) {
+        out.ranges.clear();
+        out.ranges.reserve(self.size() + o.size());
+        out.starts.clear();
+        for k in 0..self.starts.len() - 1 {
+            out.starts.push(out.ranges.len() as u32);
+            let (a, b) = (self.protocol(k), o.protocol(k));
+            if matches!(b, [(_, _, NONE)]) {
+                out.ranges.extend_from_slice(a);
                 continue;
             }
-            let mut out: FirstMatch = Vec::with_capacity(a.len() + b.len());
+            let first = out.ranges.len();
             for (lo, hi, x, j) in pieces(a, b) {
                 let v = (*x).min(b[j].2);
-                match out.last_mut() {
-                    Some(last) if last.2 == v => last.1 = hi,
-                    _ => out.push((lo, hi, v)),
+                let joins = out.ranges.len() > first;
+                match out.ranges.last_mut() {
+                    Some(last) if joins && last.2 == v => last.1 = hi,
+                    _ => out.ranges.push((lo, hi, v)),
                 }
             }
-            *a = out;
         }
-        self.other = self.other.min(o.other);
+        out.starts.push(out.ranges.len() as u32);
+        out.other = self.other.min(o.other);
     }
 }
 
@@ -463,15 +507,31 @@ fn same_list(a: &[NumericIdentity], b: &[NumericIdentity]) -> bool {
 
 /// The first match of a tier's group 0 and the groups `own` (indexes in `groups`).
 fn first_match(groups: &[GroupPaint], own: &[u32]) -> GroupPaint {
-    let mut order: Vec<&GroupPaint> = own.iter().map(|&g| &groups[g as usize]).collect();
+    let mut order: SmallVec<[&GroupPaint; 8]> = own.iter().map(|&g| &groups[g as usize]).collect();
     // Smallest first: a merge costs the size of both, and one group (a namespace's rules) is
     // often much larger than the rest.
     order.sort_by_key(|g| g.size());
+    let Some((last, rest)) = order.split_last() else {
+        return groups[0].clone();
+    };
+    // Two buffers, merged back and forth; the last merge writes the result at its size.
     let mut out = groups[0].clone();
-    for g in order {
-        out.merge_from(g);
+    let mut tmp = GroupPaint {
+        ranges: Vec::new(),
+        starts: SmallVec::new(),
+        other: NONE,
+    };
+    for g in rest {
+        out.merge_into(g, &mut tmp);
+        std::mem::swap(&mut out, &mut tmp);
     }
-    out
+    let mut result = GroupPaint {
+        ranges: Vec::with_capacity(out.size() + last.size()),
+        starts: SmallVec::new(),
+        other: NONE,
+    };
+    out.merge_into(last, &mut result);
+    result
 }
 
 /// Paints the tiers over every protocol and port of `id` (the evaluation of `evaluate`, by
@@ -512,19 +572,9 @@ fn paint_identity<'a>(
             }),
         }
     };
-    let admin = cells.first_match(id, 0);
-    let mut segs: Vec<Segments<'a>> = admin
-        .protocols
-        .iter()
-        .map(|s| {
-            s.iter()
-                .map(|&(a, b, i)| (a, b, state(Tier::Admin, i, State::Open)))
-                .collect()
-        })
-        .collect();
-    let mut other = state(Tier::Admin, admin.other, State::Open);
     // The NetworkPolicy tier, over what the Admin tier left or passed on.
-    let np_state = |p: u8, port: u16| match np.lookup(direction, id, p, port) {
+    let entries: SmallVec<[EntryRef<'a>; 16]> = np.entries_for(direction, id).collect();
+    let np_state = |p: u8, port: u16| match decide(entries.iter().copied(), p, port) {
         MapVerdict::Denied(e) => State::Done(Verdict {
             allow: false,
             by: By::Np(e),
@@ -539,29 +589,40 @@ fn paint_identity<'a>(
         }),
         MapVerdict::NoMatch => State::ToBaseline,
     };
-    let entries: Vec<(u8, u16, u16)> = [id, IDENTITY_ANY]
-        .iter()
-        .flat_map(|&i| np.slots(direction, i))
-        .collect();
-    let mut cuts: Vec<u32> = Vec::new();
-    for (k, s) in segs.iter_mut().enumerate() {
-        let p = cells.protocols[k];
-        if !s.iter().any(|x| matches!(x.2, State::Open | State::Passed)) {
-            continue;
-        }
-        let mut out: Segments<'a> = SmallVec::with_capacity(s.len());
-        for &(a, b, st) in s.iter() {
+    let done = |st: State<'a>| match st {
+        State::Done(v) => v,
+        _ => Verdict {
+            allow: true,
+            by: By::Default,
+        },
+    };
+    let (admin, baseline) = (cells.first_match(id, 0), cells.first_match(id, 1));
+    let mut out = Painted {
+        ranges: Vec::with_capacity(admin.size() + 2 * entries.len() + 4),
+        starts: SmallVec::with_capacity(cells.protocols.len() + 1),
+        other: done(State::Open),
+    };
+    // One pass per protocol: each range of the Admin tier's first matches, cut at the bounds of
+    // the NetworkPolicy tier's entries where the Admin tier did not decide, and cut again at
+    // the Baseline tier's ranges where the NetworkPolicy tier did not decide either.
+    let mut cuts: SmallVec<[u32; 16]> = SmallVec::new();
+    for (k, &p) in cells.protocols.iter().enumerate() {
+        let first = out.ranges.len();
+        out.starts.push(first as u32);
+        let b = baseline.protocol(k);
+        for &(a, z, i) in admin.protocol(k) {
+            let st = state(Tier::Admin, i, State::Open);
             if !matches!(st, State::Open | State::Passed) {
-                out.push((a, b, st));
+                emit(&mut out.ranges, first, a, z, done(st));
                 continue;
             }
             // Cut at the bounds of the entries of this protocol (or all protocols).
             cuts.clear();
-            cuts.extend([a as u32, b as u32 + 1]);
-            for &(q, lo, hi) in &entries {
+            cuts.extend([a as u32, z as u32 + 1]);
+            for &(q, lo, hi, _) in &entries {
                 if q == p || q == 0 {
                     for c in [lo as u32, hi as u32 + 1] {
-                        if c > a as u32 && c <= b as u32 {
+                        if c > a as u32 && c <= z as u32 {
                             cuts.push(c);
                         }
                     }
@@ -571,55 +632,31 @@ fn paint_identity<'a>(
             cuts.dedup();
             for w in cuts.windows(2) {
                 let (lo, hi) = (w[0] as u16, (w[1] - 1) as u16);
-                out.push((lo, hi, np_state(p, lo)));
+                let st = np_state(p, lo);
+                if st != State::ToBaseline {
+                    emit(&mut out.ranges, first, lo, hi, done(st));
+                    continue;
+                }
+                // The Baseline tier, over what nothing decided so far.
+                let mut j = b.partition_point(|&(_, e, _)| e < lo);
+                while j < b.len() && b[j].0 <= hi {
+                    let v = done(state(Tier::Baseline, b[j].2, st));
+                    emit(&mut out.ranges, first, b[j].0.max(lo), b[j].1.min(hi), v);
+                    j += 1;
+                }
             }
         }
-        *s = out;
     }
+    out.starts.push(out.ranges.len() as u32);
+    let mut other = state(Tier::Admin, admin.other, State::Open);
     if matches!(other, State::Open | State::Passed) {
         other = np_state(OTHER_PROTOCOL, 0);
-    }
-    // The Baseline tier, over what nothing decided so far.
-    let baseline = cells.first_match(id, 1);
-    for (s, b) in segs.iter_mut().zip(&baseline.protocols) {
-        if !s.iter().any(|x| x.2 == State::ToBaseline) {
-            continue;
-        }
-        *s = pieces(s, b)
-            .map(|(lo, hi, st, j)| match st {
-                State::ToBaseline => (lo, hi, state(Tier::Baseline, b[j].2, *st)),
-                _ => (lo, hi, *st),
-            })
-            .collect();
     }
     if other == State::ToBaseline {
         other = state(Tier::Baseline, baseline.other, other);
     }
-    let done = |st: State<'a>| match st {
-        State::Done(v) => v,
-        _ => Verdict {
-            allow: true,
-            by: By::Default,
-        },
-    };
-    let protocols = segs
-        .into_iter()
-        .map(|s| {
-            let mut out: Verdicts<'a> = SmallVec::with_capacity(s.len());
-            for (a, b, st) in s {
-                let v = done(st);
-                match out.last_mut() {
-                    Some(last) if last.2 == v && last.1 as u32 + 1 == a as u32 => last.1 = b,
-                    _ => out.push((a, b, v)),
-                }
-            }
-            out
-        })
-        .collect();
-    Painted {
-        protocols,
-        other: done(other),
-    }
+    out.other = done(other);
+    out
 }
 
 /// The pieces two identities' ranges cut one protocol into: (first, last, theirs, others').
@@ -723,22 +760,25 @@ pub fn compile(
             .iter()
             .map(|&(_, p)| p)
             .chain([&o])
-            .any(|p| !p.other.allow || p.protocols.iter().flatten().any(|c| !c.2.allow)),
+            .any(|p| !p.other.allow || p.ranges.iter().any(|c| !c.2.allow)),
         ..Default::default()
     };
     // Per protocol, the other identities' ranges some named identity is allowed in while they
     // are denied.
-    let mut named_allowed: Vec<Vec<bool>> =
-        o.protocols.iter().map(|s| vec![false; s.len()]).collect();
+    let mut named_allowed: Vec<Vec<bool>> = (0..cells.protocols.len())
+        .map(|k| vec![false; o.protocol(k).len()])
+        .collect();
     let mut denied_all_else_allowed_some = false;
-    for (_, x) in &named {
+    // Each painting once (identities of one class without entries of their own share one).
+    for x in &paintings {
         let mut any_allowed = false;
-        for (k, xs) in x.protocols.iter().enumerate() {
-            for (_, _, c, j) in pieces(xs, &o.protocols[k]) {
+        for (k, allowed) in named_allowed.iter_mut().enumerate() {
+            let os = o.protocol(k);
+            for (_, _, c, j) in pieces(x.protocol(k), os) {
                 if c.allow {
                     any_allowed = true;
-                    if !o.protocols[k][j].2.allow {
-                        named_allowed[k][j] = true;
+                    if !os[j].2.allow {
+                        allowed[j] = true;
                     }
                 }
             }
@@ -760,7 +800,7 @@ pub fn compile(
         put(&mut any, (0, 0, 65535), false, tiers, &o.other, fallback);
     }
     for (k, &proto) in cells.protocols.iter().enumerate() {
-        for (j, (lo, hi, c)) in o.protocols[k].iter().enumerate() {
+        for (j, (lo, hi, c)) in o.protocol(k).iter().enumerate() {
             let ports = (proto, *lo, *hi);
             if c.allow {
                 put(&mut any, ports, false, tiers, c, fallback);
@@ -773,7 +813,8 @@ pub fn compile(
     }
     out.map.insert_group(direction, any);
     for (id, x) in &named {
-        let mut g = Group::new(*id);
+        // Room for about one entry per range (a group's entries are written in a row).
+        let mut g = Group::with_capacity(*id, x.ranges.len() + 1);
         write_named(&mut g, x, &o, wild, &cells.protocols, tiers, fallback);
         out.map.insert_group(direction, g);
     }
@@ -802,8 +843,9 @@ fn write_named(
         return;
     }
     for (k, &proto) in protocols.iter().enumerate() {
-        for (lo, hi, c, j) in pieces(&x.protocols[k], &o.protocols[k]) {
-            let wider = &o.protocols[k][j].2;
+        let os = o.protocol(k);
+        for (lo, hi, c, j) in pieces(x.protocol(k), os) {
+            let wider = &os[j].2;
             let covered = wider.allow || wild || own_wild;
             if c.allow {
                 // The wider allow's own deciding rule covers it already, or the identity's
