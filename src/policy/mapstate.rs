@@ -202,14 +202,6 @@ impl Group {
         }
     }
 
-    /// A group with room for `n` entries.
-    pub fn with_capacity(identity: NumericIdentity, n: usize) -> Group {
-        Group {
-            identity,
-            slots: Slots::with_capacity(n),
-        }
-    }
-
     /// `MapState::insert_l7` of (protocol, ports) for this identity. The key is new to the
     /// group, or the one written last (every contribution to one key in a row): earlier keys
     /// are not searched.

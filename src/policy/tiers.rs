@@ -813,8 +813,7 @@ pub fn compile(
     }
     out.map.insert_group(direction, any);
     for (id, x) in &named {
-        // Room for about one entry per range (a group's entries are written in a row).
-        let mut g = Group::with_capacity(*id, x.ranges.len() + 1);
+        let mut g = Group::new(*id);
         write_named(&mut g, x, &o, wild, &cells.protocols, tiers, fallback);
         out.map.insert_group(direction, g);
     }
