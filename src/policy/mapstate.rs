@@ -202,6 +202,23 @@ impl Group {
         }
     }
 
+    /// Empties it (keeping its room) for the entries of `identity`.
+    pub fn reset(&mut self, identity: NumericIdentity) {
+        self.identity = identity;
+        self.slots.clear();
+    }
+
+    /// Its entries, moved into a group of their exact size (this one keeps its room: a scratch
+    /// group written again and again).
+    pub fn take_exact(&mut self) -> Group {
+        let mut slots = Slots::with_capacity(self.slots.len());
+        slots.extend(self.slots.drain(..));
+        Group {
+            identity: self.identity,
+            slots,
+        }
+    }
+
     /// `MapState::insert_l7` of (protocol, ports) for this identity. The key is new to the
     /// group, or the one written last (every contribution to one key in a row): earlier keys
     /// are not searched.

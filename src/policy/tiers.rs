@@ -365,6 +365,45 @@ impl GroupPaint {
         self.ranges.len()
     }
 
+    /// Makes `v` the first match of protocol `k` over `lo..=hi` where the first match is a
+    /// later rule or none (`merge_into` of a painting with that one range).
+    fn lower(&mut self, k: usize, lo: u16, hi: u16, v: u32) {
+        let (s0, s1) = (self.starts[k] as usize, self.starts[k + 1] as usize);
+        let start = s0 + self.ranges[s0..s1].partition_point(|&(_, b, _)| b < lo);
+        let mut end = start;
+        let mut any = false;
+        while end < s1 && self.ranges[end].0 <= hi {
+            any |= self.ranges[end].2 > v;
+            end += 1;
+        }
+        if !any {
+            return;
+        }
+        let mut repl: SmallVec<[(u16, u16, u32); 8]> = SmallVec::new();
+        let mut push = |r: (u16, u16, u32)| match repl.last_mut() {
+            Some(last) if last.2 == r.2 => last.1 = r.1,
+            _ => repl.push(r),
+        };
+        for &(a, b, x) in &self.ranges[start..end] {
+            if x <= v {
+                push((a, b, x));
+                continue;
+            }
+            if a < lo {
+                push((a, lo - 1, x));
+            }
+            push((a.max(lo), b.min(hi), v));
+            if hi < b {
+                push((hi + 1, b, x));
+            }
+        }
+        let (removed, added) = (end - start, repl.len());
+        self.ranges.splice(start..end, repl);
+        for s in &mut self.starts[k + 1..] {
+            *s = (*s as usize + added - removed) as u32;
+        }
+    }
+
     /// The first match of this painting and `o`, cell by cell (a protocol `o` has no rule for
     /// stays as it is), written into `out` (cleared first: a buffer reused across merges).
     fn merge_into(&self, o: &GroupPaint, out: &mut GroupPaint) {
@@ -508,31 +547,38 @@ fn same_list(a: &[NumericIdentity], b: &[NumericIdentity]) -> bool {
 /// The first match of a tier's group 0 and the groups `own` (indexes in `groups`).
 fn first_match(groups: &[GroupPaint], own: &[u32]) -> GroupPaint {
     let mut order: SmallVec<[&GroupPaint; 8]> = own.iter().map(|&g| &groups[g as usize]).collect();
-    // Smallest first: a merge costs the size of both, and one group (a namespace's rules) is
-    // often much larger than the rest.
+    order.push(&groups[0]);
+    // The largest (often a namespace's rules) is copied; the rest, mostly a rule or two each,
+    // lower its first matches where they match first (a merge of two paintings when one is
+    // large as well: each of its ranges would cost a splice).
     order.sort_by_key(|g| g.size());
-    let Some((last, rest)) = order.split_last() else {
-        return groups[0].clone();
-    };
-    // Two buffers, merged back and forth; the last merge writes the result at its size.
-    let mut out = groups[0].clone();
+    let (largest, rest) = order.split_last().expect("group 0 at least");
+    let mut out = (*largest).clone();
     let mut tmp = GroupPaint {
         ranges: Vec::new(),
         starts: SmallVec::new(),
         other: NONE,
     };
     for g in rest {
-        out.merge_into(g, &mut tmp);
-        std::mem::swap(&mut out, &mut tmp);
+        if g.size() > LOWER_AT_MOST {
+            out.merge_into(g, &mut tmp);
+            std::mem::swap(&mut out, &mut tmp);
+            continue;
+        }
+        for k in 0..g.starts.len() - 1 {
+            for &(lo, hi, v) in g.protocol(k) {
+                if v != NONE {
+                    out.lower(k, lo, hi, v);
+                }
+            }
+        }
+        out.other = out.other.min(g.other);
     }
-    let mut result = GroupPaint {
-        ranges: Vec::with_capacity(out.size() + last.size()),
-        starts: SmallVec::new(),
-        other: NONE,
-    };
-    out.merge_into(last, &mut result);
-    result
+    out
 }
+
+/// The most ranges a painting lowers another's by (`GroupPaint::lower`) rather than merging.
+const LOWER_AT_MOST: usize = 24;
 
 /// Paints the tiers over every protocol and port of `id` (the evaluation of `evaluate`, by
 /// ranges instead of by packet).
@@ -812,10 +858,13 @@ pub fn compile(
         }
     }
     out.map.insert_group(direction, any);
+    // Each identity's entries are written into one scratch group, then moved into a group of
+    // their exact size (no regrowth while writing, no spare room kept in the map).
+    let mut scratch = Group::new(IDENTITY_ANY);
     for (id, x) in &named {
-        let mut g = Group::new(*id);
-        write_named(&mut g, x, &o, wild, &cells.protocols, tiers, fallback);
-        out.map.insert_group(direction, g);
+        scratch.reset(*id);
+        write_named(&mut scratch, x, &o, wild, &cells.protocols, tiers, fallback);
+        out.map.insert_group(direction, scratch.take_exact());
     }
     out
 }
@@ -1089,6 +1138,55 @@ pub(crate) mod tests {
             }
             m
         })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(1000))]
+        /// A class's first matches, whether its groups lower the largest one range by range
+        /// or are merged with it (groups of more than `LOWER_AT_MOST` ranges): every port of
+        /// every protocol gets the first rule of all its groups (group 0 included) that
+        /// matches it, and the ranges cover each protocol in order.
+        #[test]
+        fn a_first_match_is_the_first_rule_of_all_its_groups(
+            ports in prop::collection::vec(arb_ports(), 1..60),
+            groups in prop::collection::vec(prop::collection::vec(0usize..60, 0..30), 1..6),
+        ) {
+            let rules: Vec<TierRule> = ports
+                .into_iter()
+                .map(|p| rule("r", Action::Deny, vec![1], p))
+                .collect();
+            let protocols = [PROTO_ICMP, PROTO_TCP, PROTO_UDP, 99]; // sorted, as the cells'
+            let members: Vec<Vec<usize>> = groups
+                .iter()
+                .map(|g| {
+                    let set: BTreeSet<usize> = g.iter().map(|&i| i % rules.len()).collect();
+                    set.into_iter().collect()
+                })
+                .collect();
+            let paints: Vec<GroupPaint> = members
+                .iter()
+                .map(|m| GroupPaint::new(&rules, m, &protocols))
+                .collect();
+            let own: Vec<u32> = (1..paints.len() as u32).collect();
+            let got = first_match(&paints, &own);
+            let all = || members.iter().flatten().copied();
+            for (k, &p) in protocols.iter().enumerate() {
+                let r = got.protocol(k);
+                prop_assert_eq!(r.first().map(|x| x.0), Some(0));
+                prop_assert_eq!(r.last().map(|x| x.1), Some(65535));
+                prop_assert!(r.windows(2).all(|w| w[0].1 as u32 + 1 == w[1].0 as u32));
+                for port in (0u16..14).chain([65535]) {
+                    let want = all()
+                        .filter(|&i| rules[i].matches(1, p, port))
+                        .min()
+                        .map_or(NONE, |i| i as u32);
+                    let at = r.iter().find(|x| x.0 <= port && port <= x.1).map(|x| x.2);
+                    prop_assert_eq!(at, Some(want), "protocol {} port {}", p, port);
+                }
+            }
+            let other = all().filter(|&i| rules[i].ports.is_none()).min();
+            prop_assert_eq!(got.other, other.map_or(NONE, |i| i as u32));
+        }
     }
 
     proptest! {
