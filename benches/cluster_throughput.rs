@@ -101,11 +101,21 @@ fn main() {
         nix::unistd::geteuid().is_root(),
         "the cluster throughput bench needs root"
     );
-    measure("native routing", &[]);
-    // The masquerade table turns on the kernel's connection tracking in the node's namespace.
-    measure(
-        "native routing, masquerading off",
-        &["--enable-ipv4-masquerade=false"],
-    );
-    measure("tunnel (vxlan)", &["--routing-mode", "tunnel"]);
+    // `CILIATE_BENCH_CLUSTER_MODE=native|native-nomasq|tunnel`: that mode alone.
+    let only = std::env::var("CILIATE_BENCH_CLUSTER_MODE").ok();
+    let run = |m: &str| only.as_deref().is_none_or(|o| o == m);
+    if run("native") {
+        measure("native routing", &[]);
+    }
+    if run("native-nomasq") {
+        // The masquerade table turns on the kernel's connection tracking in the node's
+        // namespace.
+        measure(
+            "native routing, masquerading off",
+            &["--enable-ipv4-masquerade=false"],
+        );
+    }
+    if run("tunnel") {
+        measure("tunnel (vxlan)", &["--routing-mode", "tunnel"]);
+    }
 }
