@@ -1202,7 +1202,7 @@ impl PolicyEngine {
     ) -> Vec<super::tiers::TierRule> {
         // Rules of many policies name the same selectors (a namespace): resolved once.
         // `None`: every peer, never the same as no selector at all (no peer).
-        let key: Option<Vec<*const super::selector::Selector>> = match &pr.peers {
+        let key: Option<SelectorPtrs> = match &pr.peers {
             Peers::Any => None,
             Peers::Selectors(s) => Some(s.iter().map(Arc::as_ptr).collect()),
         };
@@ -1682,12 +1682,16 @@ fn names_cluster_parts(pr: &PeerRule) -> bool {
     matches!(&pr.peers, Peers::Selectors(s) if s.iter().any(|s| matches!(s.kind(), SelectorKind::Cidr(_) | SelectorKind::Nodes(_))))
 }
 
+/// A peer rule's selectors by address (interned: the same selector, the same address); most
+/// rules name one or two.
+type SelectorPtrs = SmallVec<[*const super::selector::Selector; 2]>;
+
 /// What the resolution of one endpoint's tier rules computes once and reuses.
 #[derive(Default)]
 struct TierMemo {
     /// Peer identities by the peer selectors (pointers: selectors are interned; `None`: every
-    /// peer).
-    peers: HashMap<Option<Vec<*const super::selector::Selector>>, Arc<[NumericIdentity]>>,
+    /// peer). Fx: keyed by what only the agent makes (interned selectors' addresses).
+    peers: rustc_hash::FxHashMap<Option<SelectorPtrs>, Arc<[NumericIdentity]>>,
     covers: super::tier_networks::CoverMemo,
 }
 

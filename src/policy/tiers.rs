@@ -247,7 +247,7 @@ fn paint<T: Copy + PartialEq>(segs: &mut Vec<(u16, u16, T)>, lo: u16, hi: u16, f
     if !any {
         return;
     }
-    let mut repl: Vec<(u16, u16, T)> = Vec::with_capacity(end - start + 2);
+    let mut repl: SmallVec<[(u16, u16, T); 8]> = SmallVec::with_capacity(end - start + 2);
     for &(a, b, s) in &segs[start..end] {
         if s != from {
             repl.push((a, b, s));
@@ -320,36 +320,38 @@ struct GroupPaint {
 
 impl GroupPaint {
     fn new(rules: &[TierRule], members: &[usize], protocols: &[u8]) -> GroupPaint {
-        let mut per: Vec<FirstMatch> = vec![vec![(0, 65535, NONE)]; protocols.len()];
-        let mut other = NONE;
-        for &i in members {
-            let to = i as u32;
-            match &rules[i].ports {
-                None => {
-                    for s in &mut per {
-                        paint(s, 0, 65535, NONE, to);
-                    }
-                    if other == NONE {
-                        other = to;
-                    }
-                }
-                Some(list) => {
-                    for &(p, lo, hi) in list {
-                        if let Ok(k) = protocols.binary_search(&p) {
-                            paint(&mut per[k], lo, hi, NONE, to);
+        // Each painted range adds two ranges at most: room for all at once.
+        let most = protocols.len()
+            + members
+                .iter()
+                .map(|&i| 2 * rules[i].ports.as_ref().map_or(protocols.len(), Vec::len))
+                .sum::<usize>();
+        let mut g = GroupPaint {
+            ranges: Vec::with_capacity(most),
+            starts: SmallVec::with_capacity(protocols.len() + 1),
+            other: members
+                .iter()
+                .find(|&&i| rules[i].ports.is_none())
+                .map_or(NONE, |&i| i as u32),
+        };
+        // Protocol by protocol, painted in one scratch buffer and appended.
+        let mut s: FirstMatch = Vec::new();
+        for &proto in protocols {
+            s.clear();
+            s.push((0, 65535, NONE));
+            for &i in members {
+                let to = i as u32;
+                match &rules[i].ports {
+                    None => paint(&mut s, 0, 65535, NONE, to),
+                    Some(list) => {
+                        for &(_, lo, hi) in list.iter().filter(|x| x.0 == proto) {
+                            paint(&mut s, lo, hi, NONE, to);
                         }
                     }
                 }
             }
-        }
-        let mut g = GroupPaint {
-            ranges: Vec::with_capacity(per.iter().map(Vec::len).sum()),
-            starts: SmallVec::with_capacity(per.len() + 1),
-            other,
-        };
-        for s in per {
             g.starts.push(g.ranges.len() as u32);
-            g.ranges.extend(s);
+            g.ranges.extend_from_slice(&s);
         }
         g.starts.push(g.ranges.len() as u32);
         g
