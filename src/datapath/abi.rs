@@ -33,15 +33,6 @@ pub struct PolicyEntryKey {
 }
 
 impl PolicyEntryKey {
-    /// True when this entry covers `port`.
-    pub fn covers_port(&self, port: u16) -> bool {
-        if self.port_prefix_len == 0 {
-            return true;
-        }
-        let shift = 16 - self.port_prefix_len as u32;
-        (port >> shift) == (self.port >> shift)
-    }
-
     /// The inclusive port range this entry covers.
     pub fn port_range(&self) -> (u16, u16) {
         let size = 1u32 << (16 - self.port_prefix_len as u32);

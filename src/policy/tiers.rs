@@ -234,38 +234,53 @@ enum State<'a> {
     Done(Verdict<'a>),
 }
 
-/// Sets the parts of `lo..=hi` in state `from` to `to` (the segments are sorted and cover
-/// 0..=65535: only those overlapping the range are looked at).
-fn paint<T: Copy + PartialEq>(segs: &mut Vec<(u16, u16, T)>, lo: u16, hi: u16, from: T, to: T) {
-    let start = segs.partition_point(|&(_, b, _)| b < lo);
+/// Makes rule `v` the first match over `lo..=hi` in the ranges `segs[window]` (sorted, covering
+/// 0..=65535) wherever their first match is a later rule or none: a first match is the lowest
+/// rule index that matches, whatever order rules are painted in. Only the ranges overlapping
+/// `lo..=hi` are looked at. Returns the window's new end.
+fn lower(
+    segs: &mut Vec<(u16, u16, u32)>,
+    window: std::ops::Range<usize>,
+    lo: u16,
+    hi: u16,
+    v: u32,
+) -> usize {
+    let start = window.start + segs[window.clone()].partition_point(|&(_, b, _)| b < lo);
     let mut end = start;
     let mut any = false;
-    while end < segs.len() && segs[end].0 <= hi {
-        any |= segs[end].2 == from;
+    while end < window.end && segs[end].0 <= hi {
+        any |= segs[end].2 > v;
         end += 1;
     }
     if !any {
-        return;
+        return window.end;
     }
-    let mut repl: SmallVec<[(u16, u16, T); 8]> = SmallVec::with_capacity(end - start + 2);
-    for &(a, b, s) in &segs[start..end] {
-        if s != from {
-            repl.push((a, b, s));
+    let mut repl: SmallVec<[(u16, u16, u32); 8]> = SmallVec::new();
+    let mut push = |r: (u16, u16, u32)| match repl.last_mut() {
+        Some(last) if last.2 == r.2 => last.1 = r.1,
+        _ => repl.push(r),
+    };
+    for &(a, b, x) in &segs[start..end] {
+        if x <= v {
+            push((a, b, x));
             continue;
         }
         if a < lo {
-            repl.push((a, lo - 1, s));
+            push((a, lo - 1, x));
         }
-        repl.push((a.max(lo), b.min(hi), to));
+        push((a.max(lo), b.min(hi), v));
         if hi < b {
-            repl.push((hi + 1, b, s));
+            push((hi + 1, b, x));
         }
     }
+    let (removed, added) = (end - start, repl.len());
     segs.splice(start..end, repl);
+    window.end + added - removed
 }
 
 /// One identity's verdicts: per protocol of the cells (`Cells::protocols`), and for every other
-/// protocol. Flat: one allocation per painting (there is one per named identity).
+/// protocol. Flat: one allocation per painting (one per identity with NetworkPolicy-tier entries
+/// of its own, one per class for the rest).
 struct Painted<'a> {
     /// The protocols' verdict ranges, one protocol after the other.
     ranges: Vec<(u16, u16, Verdict<'a>)>,
@@ -339,15 +354,13 @@ impl GroupPaint {
         for &proto in protocols {
             s.clear();
             s.push((0, 65535, NONE));
+            // A rule of every port and protocol paints the whole of each.
+            let whole = [(proto, 0, 65535)];
             for &i in members {
-                let to = i as u32;
-                match &rules[i].ports {
-                    None => paint(&mut s, 0, 65535, NONE, to),
-                    Some(list) => {
-                        for &(_, lo, hi) in list.iter().filter(|x| x.0 == proto) {
-                            paint(&mut s, lo, hi, NONE, to);
-                        }
-                    }
+                let ports = rules[i].ports.as_deref().unwrap_or(&whole);
+                for &(_, lo, hi) in ports.iter().filter(|x| x.0 == proto) {
+                    let n = s.len();
+                    lower(&mut s, 0..n, lo, hi, i as u32);
                 }
             }
             g.starts.push(g.ranges.len() as u32);
@@ -371,38 +384,9 @@ impl GroupPaint {
     /// later rule or none (`merge_into` of a painting with that one range).
     fn lower(&mut self, k: usize, lo: u16, hi: u16, v: u32) {
         let (s0, s1) = (self.starts[k] as usize, self.starts[k + 1] as usize);
-        let start = s0 + self.ranges[s0..s1].partition_point(|&(_, b, _)| b < lo);
-        let mut end = start;
-        let mut any = false;
-        while end < s1 && self.ranges[end].0 <= hi {
-            any |= self.ranges[end].2 > v;
-            end += 1;
-        }
-        if !any {
-            return;
-        }
-        let mut repl: SmallVec<[(u16, u16, u32); 8]> = SmallVec::new();
-        let mut push = |r: (u16, u16, u32)| match repl.last_mut() {
-            Some(last) if last.2 == r.2 => last.1 = r.1,
-            _ => repl.push(r),
-        };
-        for &(a, b, x) in &self.ranges[start..end] {
-            if x <= v {
-                push((a, b, x));
-                continue;
-            }
-            if a < lo {
-                push((a, lo - 1, x));
-            }
-            push((a.max(lo), b.min(hi), v));
-            if hi < b {
-                push((hi + 1, b, x));
-            }
-        }
-        let (removed, added) = (end - start, repl.len());
-        self.ranges.splice(start..end, repl);
+        let end = lower(&mut self.ranges, s0..s1, lo, hi, v);
         for s in &mut self.starts[k + 1..] {
-            *s = (*s as usize + added - removed) as u32;
+            *s = (*s as usize + end - s1) as u32;
         }
     }
 
