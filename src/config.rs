@@ -37,6 +37,8 @@ pub struct Enforcement {
     pub mode: PolicyEnforcement,
     /// `--policy-audit-mode`: every endpoint audits instead of dropping.
     pub audit: bool,
+    /// `--enable-host-firewall`: the node is an endpoint too (`endpoint::host`).
+    pub host_firewall: bool,
 }
 
 impl Enforcement {
@@ -62,7 +64,11 @@ mod tests {
 
     #[test]
     fn enforcement_modes_as_cilium_has_them() {
-        let e = |mode, audit| Enforcement { mode, audit };
+        let e = |mode, audit| Enforcement {
+            mode,
+            audit,
+            host_firewall: false,
+        };
         let d = e(PolicyEnforcement::Default, false);
         assert_eq!(d.apply(true, false, false), (true, false, false));
         assert_eq!(

@@ -92,6 +92,7 @@ fn agent(args: AgentArgs) -> i32 {
         enforcement: ciliate::config::Enforcement {
             mode: args.enable_policy,
             audit: args.policy_audit_mode,
+            host_firewall: args.enable_host_firewall,
         },
         flow_buffer_capacity: args.flow_buffer_capacity,
         tofqdns_min_ttl: std::time::Duration::from_secs(args.tofqdns_min_ttl),

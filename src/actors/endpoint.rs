@@ -287,9 +287,11 @@ impl EndpointActor {
             return; // the machine only computes with an identity
         };
         let started = Instant::now();
-        // Incremental when only some peers' selections changed since the last full one.
-        let peers = (!replace && !self.full_needed && !self.pending_peers.is_empty())
-            .then(|| std::mem::take(&mut self.pending_peers));
+        // Incremental when only some peers' selections changed since the last full one (the
+        // host endpoint's few rules are always resolved whole).
+        let peers =
+            (!replace && !self.full_needed && !self.record.host && !self.pending_peers.is_empty())
+                .then(|| std::mem::take(&mut self.pending_peers));
         self.pending_peers.clear();
         self.full_needed = false;
         let (revision, policy) = {
@@ -301,7 +303,7 @@ impl EndpointActor {
                 identity,
                 labels: &self.labels,
                 named_ports: &self.named_ports,
-                host: false,
+                host: self.record.host,
             };
             (
                 engine.revision(),

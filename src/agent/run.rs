@@ -13,8 +13,8 @@ use super::listen::{ListenError, Listeners};
 use crate::actors::kube_watcher::{KubeWatcherActor, RemotePods};
 use crate::actors::loader::{GetIpcache, LoaderActor, SweepStrayEndpoints};
 use crate::actors::policy_repo::{
-    AddEndpoint, DeleteEndpoint, EndpointRequest, ExpireFqdn, ListPodlessEndpoints,
-    PolicyRepoActor, RestoreFqdn, RestoreNumbering, Shutdown,
+    AddEndpoint, AddHostEndpoint, DeleteEndpoint, EndpointRequest, ExpireFqdn,
+    ListPodlessEndpoints, PolicyRepoActor, RestoreFqdn, RestoreNumbering, Shutdown,
 };
 use crate::actors::rule_reaction::RuleReactionActor;
 use crate::actors::watcher::WatcherActor;
@@ -22,7 +22,7 @@ use crate::api::{debug_server, socket_server, AppState, DebugLimits};
 use crate::datapath::memory::MemoryDatapath;
 use crate::datapath::Datapath;
 use crate::endpoint::restore;
-use crate::endpoint::state::{StateDir, StateLock};
+use crate::endpoint::state::{EndpointRecord, StateDir, StateLock};
 use crate::introspect::{Registry, TracedAddr};
 use crate::limits::raise_fd_limit;
 use crate::runtime::Shared;
@@ -411,6 +411,18 @@ async fn run_async(
         ipam,
     };
     let (records, errors) = state_dir.load_all();
+    // The host endpoint is no pod: it is made again below (with its audit mode) or, with the
+    // host firewall off, its record goes and the sweep takes its pins.
+    let (host_records, records): (Vec<_>, Vec<_>) = records.into_iter().partition(|r| r.host);
+    let host_record = host_records.into_iter().next();
+    if let (Some(rec), false) = (&host_record, config.enforcement.host_firewall) {
+        match state_dir.remove(rec.id) {
+            Ok(()) => tracing::info!("host firewall off: the host endpoint is removed"),
+            Err(e) => {
+                tracing::error!(error = %e, "the host endpoint's record could not be removed")
+            }
+        }
+    }
     // An endpoint whose record cannot be read may own a marked veth: nothing is swept then.
     let all_readable = errors.is_empty();
     for e in errors {
@@ -492,9 +504,15 @@ async fn run_async(
             Err(e) => tracing::error!(endpoint = rec.id, error = %e, "endpoint not restored"),
         }
     }
+    if config.enforcement.host_firewall {
+        add_host_endpoint(&repo, host_record).await;
+    }
     // Pinned programs and policy maps of endpoints no record names (a stale record's, or a
     // crash's leftovers) go before anything is served.
-    let keep: Vec<_> = records.iter().map(|r| r.id).collect();
+    let mut keep: Vec<_> = records.iter().map(|r| r.id).collect();
+    if config.enforcement.host_firewall {
+        keep.push(crate::endpoint::host::HOST_ENDPOINT_ID);
+    }
     if let Ok(Ok(swept)) = loader.send(SweepStrayEndpoints { keep }, "restore").await {
         for id in swept {
             shared.metrics.restore_outcome(restore::Outcome::StrayPins);
@@ -821,5 +839,17 @@ async fn wait_for_signal() {
         _ => {
             let _ = tokio::signal::ctrl_c().await;
         }
+    }
+}
+
+/// `--enable-host-firewall`: the node's own endpoint, made before anything is served (its
+/// pinned policy map, if a previous run left one, keeps enforcing until it regenerates).
+async fn add_host_endpoint(repo: &TracedAddr<PolicyRepoActor>, restore: Option<EndpointRecord>) {
+    match repo.send(AddHostEndpoint { restore }, "restore").await {
+        Ok(Ok(m)) => {
+            tracing::info!(endpoint = m.id, labels = ?m.labels, "host firewall on: host endpoint")
+        }
+        Ok(Err(e)) => tracing::error!(error = %e, "host endpoint not created"),
+        Err(e) => tracing::error!(error = %e, "host endpoint not created"),
     }
 }

@@ -106,6 +106,10 @@ pub struct StatusModel {
     /// rules cover are dropped meanwhile), and how many endpoints have L7 rules.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub http_proxy: Option<HttpProxyStatus>,
+    /// `--enable-host-firewall`: `enforcing`, `audit` (the host endpoint's or every
+    /// endpoint's audit mode) or `off`.
+    #[serde(default)]
+    pub host_firewall: String,
 }
 
 /// `status`'s view of the HTTP proxy.
@@ -351,6 +355,27 @@ async fn bpf_ipcache(st: web::Data<AppState>) -> HttpResponse {
     }
 }
 
+/// `status`'s `host_firewall`: off without `--enable-host-firewall`, else the host endpoint's
+/// audit mode (its own, or the agent's `--policy-audit-mode` / `--enable-policy=never`).
+async fn host_firewall_mode(st: &AppState) -> &'static str {
+    let e = st.shared.enforcement;
+    if !e.host_firewall {
+        return crate::endpoint::host::firewall_mode(false, false);
+    }
+    let own = match st.repo.send(ListEndpoints, FROM).await {
+        Ok(Ok(handles)) => match handles
+            .into_iter()
+            .find(|(id, _)| *id == crate::endpoint::host::HOST_ENDPOINT_ID)
+        {
+            Some((_, addr)) => matches!(addr.send(GetEndpoint, FROM).await, Ok(Ok(m)) if m.audit),
+            None => false,
+        },
+        _ => false,
+    };
+    let (_, _, audit) = e.apply(false, false, own);
+    crate::endpoint::host::firewall_mode(true, audit)
+}
+
 async fn status(st: web::Data<AppState>) -> HttpResponse {
     let pol = match st.repo.send(GetPolicies, FROM).await {
         Ok(Ok(p)) => p,
@@ -368,6 +393,7 @@ async fn status(st: web::Data<AppState>) -> HttpResponse {
         )
     };
     let routing = routing_view(&st);
+    let host_firewall = host_firewall_mode(&st).await;
     HttpResponse::Ok().json(StatusModel {
         node_name: st.shared.node_name.clone(),
         mode: st.mode.into(),
@@ -418,6 +444,7 @@ async fn status(st: web::Data<AppState>) -> HttpResponse {
             proxy: st.shared.http.proxy(),
             endpoints_with_l7_rules: st.shared.http.endpoints(),
         }),
+        host_firewall: host_firewall.into(),
     })
 }
 

@@ -288,6 +288,10 @@ pub struct AgentArgs {
     /// Audit every endpoint: what policy would drop passes and is reported as `audit`.
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
     pub policy_audit_mode: bool,
+    /// The host firewall: the node is an endpoint (`reserved:host`, the Node's labels), and
+    /// CiliumClusterwideNetworkPolicies with a `nodeSelector` are enforced on its traffic.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
+    pub enable_host_firewall: bool,
     /// Recent flows kept for `ciliate monitor --since` (the oldest go first; 0 keeps none).
     #[arg(long, default_value_t = crate::datapath::flows::DEFAULT_CAPACITY)]
     pub flow_buffer_capacity: usize,

@@ -134,6 +134,7 @@ mod tests {
             netns: None,
             mac: None,
             audit: false,
+            host: false,
         }
     }
 

@@ -173,9 +173,11 @@ impl<H> Registry<H> {
     }
 }
 
-/// The first id after `after` (going round past the largest) that `taken` does not hold.
+/// The first id after `after` (going round past the largest) that `taken` does not hold. The
+/// host endpoint's id is never handed out.
 fn next_free_id(after: EndpointId, taken: impl Fn(EndpointId) -> bool) -> Option<EndpointId> {
-    let (after, max) = (u32::from(after), u32::from(EndpointId::MAX));
+    let max = u32::from(super::host::HOST_ENDPOINT_ID) - 1;
+    let after = u32::from(after).min(max);
     (after + 1..=max)
         .chain(1..=after)
         .filter_map(|id| EndpointId::try_from(id).ok())
@@ -199,6 +201,7 @@ mod tests {
             netns: None,
             mac: None,
             audit: false,
+            host: false,
         }
     }
 
@@ -236,6 +239,10 @@ mod tests {
         );
         assert_eq!(free(u16::MAX), Some(3), "wraps to the lowest free");
         assert_eq!(next_free_id(7, |_| true), None);
+        // The host endpoint's id is never handed out, even when it is the only one free.
+        let host = super::super::host::HOST_ENDPOINT_ID;
+        assert_eq!(next_free_id(host - 2, |id| id != host), None);
+        assert_eq!(next_free_id(host - 2, |id| id < host - 1), Some(host - 1));
     }
 
     #[test]

@@ -111,6 +111,7 @@ mod tests {
             netns: container.map(|_| format!("/run/netns/p{id}")),
             mac: None,
             audit: false,
+            host: false,
         }
     }
 

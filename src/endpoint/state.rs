@@ -51,6 +51,10 @@ pub struct EndpointRecord {
     /// `ciliate endpoint config ID PolicyAuditMode=Enabled`: this endpoint audits.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub audit: bool,
+    /// The node's own endpoint (`--enable-host-firewall`, `endpoint::host`): re-created by the
+    /// agent at start, never restored as a pod.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub host: bool,
 }
 
 /// A CNI ADD in progress, recorded before anything is created for the container and removed once
@@ -482,6 +486,7 @@ mod tests {
             netns: None,
             mac: None,
             audit: false,
+            host: false,
         }
     }
 

@@ -606,6 +606,11 @@ impl PolicyEngine {
         self.nodes.identity(name)
     }
 
+    /// Whether any rule selects host endpoints (`nodeSelector`).
+    pub fn has_host_rules(&self) -> bool {
+        !self.repo.host_rules().is_empty()
+    }
+
     /// This agent's own node, when known.
     pub fn local_node(&self) -> Option<&str> {
         self.nodes.local()

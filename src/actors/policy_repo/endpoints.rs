@@ -50,6 +50,12 @@ traceable!(DeleteEndpoint, "DeleteEndpoint", |m| format!(
 impl Handler<DeleteEndpoint> for PolicyRepoActor {
     type Result = Result<(), ApiError>;
     fn handle(&mut self, msg: DeleteEndpoint, _: &mut Context<Self>) -> Self::Result {
+        if self.endpoints.get(msg.id).is_some_and(|e| e.record.host) {
+            return Err(ApiError::Invalid(format!(
+                "endpoint {} is the host endpoint: it goes with --enable-host-firewall=false",
+                msg.id
+            )));
+        }
         self.delete_endpoint(msg.id, false)
     }
 }
@@ -115,7 +121,7 @@ impl Handler<ListPodlessEndpoints> for PolicyRepoActor {
         Ok(self
             .endpoints
             .iter()
-            .filter(|(_, e)| !self.index.has_pod(&e.record.name))
+            .filter(|(_, e)| !e.record.host && !self.index.has_pod(&e.record.name))
             .map(|(id, e)| (id, e.record.name.clone(), e.record.container_id.clone()))
             .collect())
     }
@@ -318,6 +324,7 @@ impl PolicyRepoActor {
             netns: req.netns.clone(),
             mac: req.mac.clone(),
             audit: restore.as_ref().is_some_and(|r| r.audit),
+            host: false,
         };
         let model = self.spawn_endpoint(record, labels, ports);
         let affected: BTreeSet<NumericIdentity> = identity

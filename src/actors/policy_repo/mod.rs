@@ -32,6 +32,7 @@ use crate::traced_actor;
 
 mod endpoints;
 mod fqdn;
+mod host;
 mod numbering;
 mod objects;
 mod policies;
@@ -42,6 +43,7 @@ pub use endpoints::{
     ListPodlessEndpoints, Shutdown,
 };
 pub use fqdn::{ExpireFqdn, LearnFqdn, RestoreFqdn};
+pub use host::AddHostEndpoint;
 pub use numbering::RestoreNumbering;
 pub use objects::{
     InitialSyncDone, NamespaceDelete, NamespaceUpsert, NodeDelete, NodeUpsert, PodDelete,
@@ -360,9 +362,14 @@ impl PolicyRepoActor {
         let (mut to_regenerate, mut to_bump): (Vec<EndpointHandle>, Vec<EndpointHandle>) =
             (vec![], vec![]);
         if self.initial_sync_done {
+            let host_hit = self.host_hit(
+                r.policy_change,
+                !r.affected.is_empty() || !r.ipcache.is_empty() || !r.extra.is_empty(),
+            );
             for (id, e) in self.endpoints.iter() {
                 let hit = e.record.identity.is_some_and(|i| r.affected.contains(&i))
-                    || r.extra.contains(&id);
+                    || r.extra.contains(&id)
+                    || (e.record.host && host_hit);
                 if hit {
                     to_regenerate.push((id, e.handle.clone()));
                 } else if r.policy_change && e.record.identity.is_some() {
@@ -462,5 +469,5 @@ impl Actor for PolicyRepoActor {
 traced_actor!(PolicyRepoActor:
     PolicyUpsert, PolicyRejected, PolicyDelete, ManifestStatus, PodUpsert, PodsUpsert, PodDelete, NamespaceUpsert,
     NamespaceDelete, NodeUpsert, NodeDelete, InitialSyncDone, AddEndpoint, DeleteEndpoint,
-    FindEndpoint, ConfigureEndpoint, ListEndpoints, ListPodlessEndpoints, Shutdown, GetPolicies, GetIdentities, GetIpcacheView, RegenerateAll,
+    FindEndpoint, ConfigureEndpoint, AddHostEndpoint, ListEndpoints, ListPodlessEndpoints, Shutdown, GetPolicies, GetIdentities, GetIpcacheView, RegenerateAll,
     LearnFqdn, ExpireFqdn, RestoreFqdn, RestoreNumbering);

@@ -171,11 +171,13 @@ impl Handler<NodeUpsert> for PolicyRepoActor {
         let local = msg.node.name == self.shared.node_name;
         let change = self.indexed(|ix, e| ix.upsert_node(e, msg.node, local));
         self.publish_nodes();
+        let host = local && self.refresh_host_endpoint();
         // `affected`: subjects of cluster tiers' `nodes` peers (the nodes or their labels
         // changed), regenerated at the same revision (`forced`).
         self.react(
             Reaction::new("node")
                 .affecting(change.affected.iter().copied())
+                .regenerating(host.then_some(crate::endpoint::host::HOST_ENDPOINT_ID))
                 .forced()
                 .ipcache(change.ipcache),
         );
