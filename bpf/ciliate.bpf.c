@@ -43,6 +43,7 @@ const volatile __u32 ENDPOINT_ID = 0;
 #include "lib/conntrack.h"
 #include "lib/hostroute.h"
 #include "lib/proxy.h"
+#include "lib/hostfw.h"
 
 /* Sends a packet of a connection the HTTP proxy handles on to the proxy: in place at a tc
  * ingress hook (the pod's egress, the node's device), back in through the device from
@@ -161,34 +162,17 @@ static __always_inline int decide(struct __sk_buff *skb, __u32 ep, int egress, i
 		return TC_ACT_UNSPEC;
 
 	__u32 identity = peer_identity(&p, egress);
-	__u32 reason;
-	void *pmap = bpf_map_lookup_elem(&policy_maps, &ep);
-	int verdict = POLICY_NONE;
-	__u32 cookie = 0;
-	__u8 redirect = 0;
-	if (pmap)
-		verdict = policy_lookup(pmap, identity, egress, &p, info, skb->len, &cookie,
-					&redirect);
-	if (verdict == POLICY_DENY) {
-		reason = CILIATE_DROP_POLICY_DENY;
-	} else if (verdict == POLICY_ALLOW) {
-		reason = CILIATE_ALLOW_POLICY;
-	} else {
-		__u32 isolated = egress ? (info->flags & CILIATE_EP_EGRESS_DEFAULT_DENY)
-					: (info->flags & CILIATE_EP_INGRESS_DEFAULT_DENY);
-		reason = isolated ? CILIATE_DROP_DEFAULT_DENY : CILIATE_ALLOW_NOT_ISOLATED;
-		cookie = isolated ? (egress ? info->egress_cookie : info->ingress_cookie) : 0;
-	}
-	if (info->flags & CILIATE_EP_AUDIT) {
-		/* Audit: the would-be drop passes (and is tracked like any allowed connection). */
-		if (reason == CILIATE_DROP_POLICY_DENY)
-			reason = CILIATE_AUDIT_POLICY_DENY;
-		else if (reason == CILIATE_DROP_DEFAULT_DENY)
-			reason = CILIATE_AUDIT_DEFAULT_DENY;
-	}
+	__u32 cookie;
+	__u8 redirect;
+	__u32 reason = judge(ep, info, identity, egress, &p, skb->len, &cookie, &redirect);
 	count(reason);
 	emit(&p, ep, identity, egress, reason, cookie);
-	if (reason == CILIATE_DROP_POLICY_DENY || reason == CILIATE_DROP_DEFAULT_DENY)
+	if (dropped(reason))
+		return TC_ACT_SHOT;
+	/* Between a local pod and this node the host firewall judges the connection too (the
+	 * HTTP proxy's own connections excepted: the pod's policy judged what they carry). */
+	if (identity == CILIATE_ID_HOST && origin == UPSTREAM_NONE &&
+	    host_drops(&p, info->identity, !egress, skb->len))
 		return TC_ACT_SHOT;
 
 	struct ct_value nv = {};
@@ -230,6 +214,10 @@ int from_container(struct __sk_buff *skb)
 		return verdict;
 	__u8 bypass;
 	verdict = decide(skb, ENDPOINT_ID, 1, 0, UPSTREAM_NONE, &bypass);
+	/* What the pod sends on (not what a proxy took: its mark routes it) is marked as the
+	 * pod's, for the host firewall at the node's device. */
+	if (verdict == TC_ACT_OK && !skb->mark)
+		skb->mark = CILIATE_MARK_FROM_POD;
 	if (verdict != TC_ACT_OK || !bypass)
 		return verdict;
 	return host_route(skb);
@@ -243,17 +231,26 @@ int to_container(struct __sk_buff *skb)
 }
 
 /* The node's device, tc ingress (one instance per agent, ENDPOINT_ID 0): packets for a local
- * pod meet its ingress policy here and are delivered into it (lib/hostroute.h). Everything
- * else goes on (TC_ACT_UNSPEC: the next TCX program, or the stack). */
+ * pod meet its ingress policy here and are delivered into it (lib/hostroute.h); packets for
+ * the node meet the host firewall (lib/hostfw.h). Everything else goes on (TC_ACT_UNSPEC: the
+ * next TCX program, or the stack). */
 SEC("tc")
 int from_netdev(struct __sk_buff *skb)
 {
 	struct local_endpoint le;
 	if (!local_endpoint_of(skb, &le))
-		return TC_ACT_UNSPEC;
+		return host_firewall(skb, 0);
 	__u8 bypass;
 	int verdict = decide(skb, le.endpoint_id, 0, 1, UPSTREAM_NONE, &bypass);
 	if (verdict != TC_ACT_OK)
 		return verdict;
 	return bypass ? local_deliver(skb, &le) : TC_ACT_UNSPEC;
+}
+
+/* The node's device, tc egress (attached with the host firewall): what the node itself sends
+ * meets the host endpoint's egress policy (lib/hostfw.h). */
+SEC("tc")
+int to_netdev(struct __sk_buff *skb)
+{
+	return host_firewall(skb, 1);
 }

@@ -14,8 +14,21 @@
 #define CILIATE_EVENTS_BYTES (1 << 20)
 
 /* Reserved identities the datapath needs (same numbers as the policy engine). */
+#define CILIATE_ID_HOST 1
+#define CILIATE_ID_WORLD 2
+#define CILIATE_ID_REMOTE_NODE 6
 #define CILIATE_ID_WORLD_IPV4 9
 #define CILIATE_ID_WORLD_IPV6 10
+
+/* The host endpoint (`--enable-host-firewall`; `endpoint::host`): its slot in the endpoint map
+ * and policy maps. While that slot holds no identity there is no host firewall. */
+#define CILIATE_HOST_ENDPOINT_ID 65535
+/* The bit from_container sets in skb->mark of what a pod sends on: at the node's device the
+ * host firewall tells the node's own packets from pods' ones, which may carry the node's
+ * address by then (masqueraded, or encapsulated for the tunnel). */
+#define CILIATE_MARK_FROM_POD 0x08000000
+/* The tunnel's UDP port (VXLAN, as Cilium's): exempt from the host firewall between nodes. */
+#define CILIATE_TUNNEL_PORT 8472
 
 /* Endpoint flags (struct endpoint_info.flags). */
 #define CILIATE_EP_INGRESS_DEFAULT_DENY 0x1

@@ -87,6 +87,7 @@ fn agent(args: AgentArgs) -> i32 {
             masquerade: args.enable_ipv4_masquerade,
             bpf_host_routing,
             bpf_pins,
+            host_firewall: args.enable_host_firewall,
         },
         cgroup_root: args.cgroup_root,
         enforcement: ciliate::config::Enforcement {

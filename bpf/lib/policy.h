@@ -100,4 +100,42 @@ static __always_inline int policy_lookup(void *pmap, __u32 identity, __u8 egress
 	return POLICY_NONE;
 }
 
+/* Endpoint `ep`'s verdict (a ciliate_reason) on a new connection with a peer of `identity`:
+ * the deny-wins lookup, then default deny where the endpoint is isolated, audit mode turning
+ * drops into audits. *cookie: what attributes the verdict; *redirect: an L7 rule covers it. */
+static __always_inline __u32 judge(__u32 ep, struct endpoint_info *info, __u32 identity, int egress,
+				   struct packet *p, __u64 len, __u32 *cookie, __u8 *redirect)
+{
+	void *pmap = bpf_map_lookup_elem(&policy_maps, &ep);
+	int verdict = POLICY_NONE;
+	__u32 reason;
+	*cookie = 0;
+	*redirect = 0;
+	if (pmap)
+		verdict = policy_lookup(pmap, identity, egress, p, info, len, cookie, redirect);
+	if (verdict == POLICY_DENY) {
+		reason = CILIATE_DROP_POLICY_DENY;
+	} else if (verdict == POLICY_ALLOW) {
+		reason = CILIATE_ALLOW_POLICY;
+	} else {
+		__u32 isolated = egress ? (info->flags & CILIATE_EP_EGRESS_DEFAULT_DENY)
+					: (info->flags & CILIATE_EP_INGRESS_DEFAULT_DENY);
+		reason = isolated ? CILIATE_DROP_DEFAULT_DENY : CILIATE_ALLOW_NOT_ISOLATED;
+		*cookie = isolated ? (egress ? info->egress_cookie : info->ingress_cookie) : 0;
+	}
+	if (info->flags & CILIATE_EP_AUDIT) {
+		/* Audit: the would-be drop passes (and is tracked like any allowed connection). */
+		if (reason == CILIATE_DROP_POLICY_DENY)
+			reason = CILIATE_AUDIT_POLICY_DENY;
+		else if (reason == CILIATE_DROP_DEFAULT_DENY)
+			reason = CILIATE_AUDIT_DEFAULT_DENY;
+	}
+	return reason;
+}
+
+static __always_inline int dropped(__u32 reason)
+{
+	return reason == CILIATE_DROP_POLICY_DENY || reason == CILIATE_DROP_DEFAULT_DENY;
+}
+
 #endif /* CILIATE_LIB_POLICY_H */

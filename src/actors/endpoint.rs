@@ -596,6 +596,8 @@ pub struct SetIdentity {
     pub identity: Option<NumericIdentity>,
     pub labels: Labels,
     pub named_ports: Vec<NamedPort>,
+    /// New addresses (the host endpoint follows its Node's); `None`: unchanged.
+    pub ips: Option<Vec<std::net::IpAddr>>,
 }
 
 crate::traceable!(SetIdentity, "SetIdentity", |m| {
@@ -612,6 +614,9 @@ impl Handler<SetIdentity> for EndpointActor {
         self.record.identity = msg.identity;
         self.labels = msg.labels;
         self.named_ports = msg.named_ports;
+        if let Some(ips) = msg.ips {
+            self.record.ips = ips;
+        }
         if changed {
             self.full_needed = true;
             let has_identity = msg.identity.is_some();

@@ -110,6 +110,9 @@ pub struct StatusModel {
     /// endpoint's audit mode) or `off`.
     #[serde(default)]
     pub host_firewall: String,
+    /// Where the host firewall's programs are: the device, `off`, or why not attached.
+    #[serde(default)]
+    pub host_firewall_device: String,
 }
 
 /// `status`'s view of the HTTP proxy.
@@ -445,6 +448,7 @@ async fn status(st: web::Data<AppState>) -> HttpResponse {
             endpoints_with_l7_rules: st.shared.http.endpoints(),
         }),
         host_firewall: host_firewall.into(),
+        host_firewall_device: routing.host_firewall_device,
     })
 }
 

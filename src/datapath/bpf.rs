@@ -115,8 +115,8 @@ pub fn load_program_for<'obj>(
     load_instance(storage, pin_root, Instance::Endpoint(endpoint_id), tcx)
 }
 
-/// Loads the node device's program (`from_netdev`, BPF host routing's receive side) on the
-/// pinned maps; only that program of the object is loaded.
+/// Loads the node device's programs (`from_netdev`: BPF host routing's receive side and the
+/// host firewall's ingress; `to_netdev`: the host firewall's egress) on the pinned maps.
 pub fn load_netdev_program<'obj>(
     storage: &'obj mut MaybeUninit<OpenObject>,
     pin_root: &Path,
@@ -160,6 +160,7 @@ fn load_instance<'obj>(
     open.progs.from_container.set_autoload(!netdev);
     open.progs.to_container.set_autoload(!netdev);
     open.progs.from_netdev.set_autoload(netdev);
+    open.progs.to_netdev.set_autoload(netdev);
     if tcx {
         unsafe {
             lsys::bpf_program__set_expected_attach_type(
@@ -173,6 +174,10 @@ fn load_instance<'obj>(
             lsys::bpf_program__set_expected_attach_type(
                 open.progs.from_netdev.as_libbpf_object().as_ptr(),
                 lsys::BPF_TCX_INGRESS,
+            );
+            lsys::bpf_program__set_expected_attach_type(
+                open.progs.to_netdev.as_libbpf_object().as_ptr(),
+                lsys::BPF_TCX_EGRESS,
             );
         }
     }
@@ -365,6 +370,7 @@ pub mod conntrack;
 pub mod datapath;
 mod encoding;
 pub mod host_delivery;
+pub mod host_firewall;
 pub mod host_routes;
 mod map_io;
 mod migrate;

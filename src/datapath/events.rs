@@ -112,6 +112,17 @@ fn flow() -> String {
 }
 
 impl VerdictEvent {
+    /// Whether the flow's destination (`dst`) or source is this node (`monitor --to host`,
+    /// `--from host`): the host endpoint's own flows, or a pod's flows with the node as peer.
+    pub fn host_side(&self, dst: bool) -> bool {
+        let ingress = self.direction == "ingress";
+        if u32::from(super::HOST_ENDPOINT_ID) == self.endpoint {
+            ingress == dst
+        } else {
+            self.peer_identity == crate::policy::identity::IDENTITY_HOST && ingress != dst
+        }
+    }
+
     /// One readable line, as `ciliate monitor` prints it.
     pub fn line(&self) -> String {
         if let Some(n) = self.lost {
@@ -371,12 +382,13 @@ impl FlowFilter {
         if e.lost.is_some() {
             return true; // a loss is always shown: it may hide what the filter wants
         }
-        let peer = |want: &Option<String>, addr: &str, pod: &Option<String>| {
-            want.as_deref()
-                .is_none_or(|w| w == addr || pod.as_deref() == Some(w))
+        let peer = |want: &Option<String>, addr: &str, pod: &Option<String>, dst: bool| {
+            want.as_deref().is_none_or(|w| {
+                w == addr || pod.as_deref() == Some(w) || (w == "host" && e.host_side(dst))
+            })
         };
-        peer(&self.from, &e.source, &e.source_pod)
-            && peer(&self.to, &e.destination, &e.destination_pod)
+        peer(&self.from, &e.source, &e.source_pod, false)
+            && peer(&self.to, &e.destination, &e.destination_pod, true)
             && self.port.is_none_or(|p| p == e.port)
             && self.verdict.as_deref().is_none_or(|v| v == e.verdict)
             && self.decided_by(&e.policies)

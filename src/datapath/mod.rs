@@ -22,6 +22,10 @@ use crate::policy::mapstate::MapDelta;
 /// Endpoint numbers, as Cilium's (1..=65535).
 pub type EndpointId = u16;
 
+/// The host endpoint's id (`endpoint::host`; `CILIATE_HOST_ENDPOINT_ID` in `bpf/ciliate.h`):
+/// the last one, never a pod's.
+pub const HOST_ENDPOINT_ID: EndpointId = EndpointId::MAX;
+
 /// What the datapath needs to enforce policy for an endpoint.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct EndpointAttachment {

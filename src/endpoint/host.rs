@@ -6,12 +6,11 @@
 //! it without a lookup of its own; identity `reserved:host`; and labels from this node's Node
 //! object, filtered as Cilium filters identity-relevant labels ([`host_labels`]). Pure.
 
-use crate::datapath::EndpointId;
 use crate::policy::labels::{Label, Labels};
 
 /// The host endpoint's id: the last one, which the registry never gives to a pod. The BPF
 /// programs know it as `CILIATE_HOST_ENDPOINT_ID` (`bpf/ciliate.h`).
-pub const HOST_ENDPOINT_ID: EndpointId = EndpointId::MAX;
+pub use crate::datapath::HOST_ENDPOINT_ID;
 
 /// Its name in `endpoint list` and `/debug/endpoints`.
 pub const HOST_ENDPOINT_NAME: &str = "host";

@@ -93,9 +93,11 @@ pub async fn run_route_reconciler(
         }
         let tunnel = applier.as_ref().and_then(|a| a.tunnel_ifindex());
         let host_routing = netdev.reconcile(&cfg, local_ip, tunnel).await;
+        let host_firewall = netdev.host_firewall(&cfg, local_ip).await;
         let masq = masquerade.reconcile(&local, &snapshot, &cfg).await;
         if let Ok(mut v) = view.lock() {
             v.host_routing = host_routing;
+            v.host_firewall_device = host_firewall;
             v.routes_installed = outcome.values().filter(|o| o.is_ok()).count();
             v.nodes = rows;
             v.masquerade = masq;
@@ -121,6 +123,11 @@ struct NetdevProgram {
     cleared: bool,
     /// What was shown last (a failure is logged once, not every pass).
     shown: String,
+    /// The host firewall's device and whether its ingress program is the host firewall's own
+    /// link (not host routing's).
+    firewall: Option<(u32, bool)>,
+    /// This run took a left-over host firewall off (`--enable-host-firewall=false`).
+    firewall_cleared: bool,
 }
 
 impl NetdevProgram {
@@ -182,6 +189,57 @@ impl NetdevProgram {
             }
             Ok(Err(e)) => format!("bpf, send side only: {e}"),
             Err(e) => format!("bpf, send side only: {e}"),
+        }
+    }
+}
+
+impl NetdevProgram {
+    /// The host firewall's programs on the device holding the node's InternalIP (its ingress
+    /// program only where host routing has not attached the same one); taken off once when
+    /// the host firewall is off. Returns the device, `off`, or why it is not attached.
+    async fn host_firewall(
+        &mut self,
+        cfg: &RoutingConfig,
+        local_ip: Option<std::net::Ipv4Addr>,
+    ) -> String {
+        let Some(pins) = cfg.bpf_pins.clone() else {
+            return "off".into();
+        };
+        if !cfg.host_firewall {
+            if !self.firewall_cleared {
+                let _ = actix_web::web::block(move || {
+                    crate::datapath::bpf::host_firewall::detach(&pins)
+                })
+                .await;
+                self.firewall_cleared = true;
+            }
+            return "off".into();
+        }
+        let Some(ip) = local_ip else {
+            return "not attached: this node has no InternalIP yet".into();
+        };
+        let Some((name, ifindex)) = netlink::device_with_address(ip) else {
+            return format!("not attached: no device of this node holds {ip}");
+        };
+        let ingress = self.attached != Some(ifindex);
+        if self.firewall == Some((ifindex, ingress)) {
+            return name;
+        }
+        let r = actix_web::web::block(move || {
+            crate::datapath::bpf::host_firewall::attach(&pins, ifindex, ingress)
+        })
+        .await;
+        match r {
+            Ok(Ok(())) => {
+                tracing::info!(device = %name, "host firewall attached");
+                self.firewall = Some((ifindex, ingress));
+                name
+            }
+            Ok(Err(e)) => {
+                tracing::error!(device = %name, error = %e, "host firewall not attached");
+                format!("not attached: {e}")
+            }
+            Err(e) => format!("not attached: {e}"),
         }
     }
 }

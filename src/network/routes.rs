@@ -56,6 +56,10 @@ pub struct RoutingConfig {
     /// The eBPF datapath's pin root (`None` with the in-memory datapath): with BPF host routing
     /// off, a node device program an earlier run attached is taken off.
     pub bpf_pins: Option<std::path::PathBuf>,
+    /// `--enable-host-firewall` (eBPF datapath): the host firewall's programs go on the device
+    /// holding the node's InternalIP (`datapath::bpf::host_firewall`); off, an earlier run's
+    /// are taken off.
+    pub host_firewall: bool,
 }
 
 impl Default for RoutingConfig {
@@ -69,6 +73,7 @@ impl Default for RoutingConfig {
             masquerade: true,
             bpf_host_routing: None,
             bpf_pins: None,
+            host_firewall: false,
         }
     }
 }
@@ -304,6 +309,8 @@ pub struct RoutingView {
     /// (`--enable-host-legacy-routing`): the host stack forwards; `none`
     /// (in-memory datapath).
     pub host_routing: String,
+    /// The host firewall's device: `<device>`, `off`, or why it is not attached.
+    pub host_firewall_device: String,
     pub nodes: Vec<NodeRow>,
 }
 

@@ -209,6 +209,7 @@ impl PolicyRepoActor {
                     identity: Some(new_id),
                     labels,
                     named_ports: ports,
+                    ips: None,
                 },
                 NAME,
             );

@@ -79,12 +79,13 @@ impl PolicyRepoActor {
         }
         e.labels = labels.clone();
         e.record.labels = labels.to_strings();
-        e.record.ips = ips;
+        e.record.ips = ips.clone();
         e.handle.do_send(
             SetIdentity {
                 identity: Some(IDENTITY_HOST),
                 labels,
                 named_ports: Vec::new(),
+                ips: Some(ips),
             },
             NAME,
         );

@@ -1,0 +1,147 @@
+// SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause)
+/*
+ * The host firewall (Cilium's, `--enable-host-firewall`): the node is an endpoint of its own
+ * (CILIATE_HOST_ENDPOINT_ID, identity host), whose policy map holds what the host policies
+ * (CiliumClusterwideNetworkPolicy `nodeSelector`) allow. It is judged
+ *
+ * - at the node's device (from_netdev, to_netdev): packets for one of the node's addresses,
+ *   and packets the node itself sends (host_firewall);
+ * - on a local pod's veth, for connections between that pod and the node (host_drops, called
+ *   by decide once the pod's own policy allowed the connection).
+ *
+ * Exemptions, as Cilium's: replies and established flows of allowed connections (the host
+ * endpoint's own conntrack entries); the node's loopback (no program sees it); what pods send
+ * that leaves with the node's address (masqueraded, or a tunnel's outer packet: the pod's
+ * policy judged it, and it is tracked so its replies come back in); the tunnel between nodes
+ * (UDP CILIATE_TUNNEL_PORT to and from node addresses); IPv6 neighbour discovery; TCP packets
+ * other than a connection's opening SYN that belong to no tracked connection (they cannot open
+ * one, and may belong to a connection made before the firewall was on).
+ *
+ * No host endpoint in the endpoint map: no host firewall, and every function here lets
+ * everything through.
+ */
+#ifndef CILIATE_LIB_HOSTFW_H
+#define CILIATE_LIB_HOSTFW_H
+
+/* The host endpoint's record, or 0 when the host firewall is off. */
+static __always_inline struct endpoint_info *host_endpoint(void)
+{
+	__u32 ep = CILIATE_HOST_ENDPOINT_ID;
+	struct endpoint_info *h = bpf_map_lookup_elem(&endpoints, &ep);
+	return h && h->identity ? h : 0;
+}
+
+/* The host endpoint's verdict on a new connection with a peer of `identity` (counted and
+ * reported as the host endpoint's). */
+static __always_inline __u32 host_judge(struct endpoint_info *h, struct packet *p, __u32 identity,
+					int egress, __u64 len)
+{
+	__u32 ep = CILIATE_HOST_ENDPOINT_ID, cookie = 0, reason;
+	__u8 redirect;
+	if (h->flags & CILIATE_EP_DROP_ALL)
+		reason = CILIATE_DROP_NOT_REALIZED;
+	else
+		reason = judge(ep, h, identity, egress, p, len, &cookie, &redirect);
+	count(reason);
+	emit(p, ep, identity, egress, reason, cookie);
+	return reason;
+}
+
+/* A new connection between a local pod (of identity pod_id) and this node, which the pod's
+ * policy allowed: whether the host endpoint's policy drops it (host_egress: the node opens
+ * it). */
+static __always_inline int host_drops(struct packet *p, __u32 pod_id, int host_egress, __u64 len)
+{
+	struct endpoint_info *h = host_endpoint();
+	if (!h)
+		return 0;
+	__u32 reason = host_judge(h, p, pod_id, host_egress, len);
+	return dropped(reason) || reason == CILIATE_DROP_NOT_REALIZED;
+}
+
+/* Whether the packet's source (src) or destination is one of this node's addresses. */
+static __always_inline int host_address(struct packet *p, int src)
+{
+	struct ipcache_host_key hk = {};
+	hk.family = p->family;
+	__builtin_memcpy(hk.addr, src ? p->saddr : p->daddr, 16);
+	struct ipcache_value *v = bpf_map_lookup_elem(&ipcache_hosts, &hk);
+	return v && v->identity == CILIATE_ID_HOST;
+}
+
+/* Tracks the packet's connection for the host endpoint (its replies pass). */
+static __always_inline void host_track(struct packet *p, int egress, __u64 now, __u8 closing)
+{
+	struct ct_value nv = {};
+	nv.last_seen_ns = now;
+	nv.packets = 1;
+	nv.egress = egress;
+	nv.closing = closing;
+	if (ct_create(p, CILIATE_HOST_ENDPOINT_ID, &nv))
+		count(CILIATE_CT_FULL);
+}
+
+/* A packet of a connection the host endpoint tracks: refreshed; 1 when found. */
+static __always_inline int host_tracked(struct packet *p, int egress, __u64 now, __u8 closing)
+{
+	struct ct_value *ct = ct_lookup(p, CILIATE_HOST_ENDPOINT_ID, 0);
+	int reply = 0;
+	if (!ct || ct->egress != egress) {
+		ct = ct_lookup(p, CILIATE_HOST_ENDPOINT_ID, 1);
+		if (!ct || ct->egress == egress)
+			return 0;
+		reply = 1;
+	}
+	ct->last_seen_ns = now;
+	if (reply && !ct->replied)
+		ct->replied = 1;
+	if (closing && !ct->closing)
+		ct->closing = 1;
+	__sync_fetch_and_add(&ct->packets, 1);
+	count(reply ? CILIATE_ALLOW_REPLY : CILIATE_ALLOW_ESTABLISHED);
+	return 1;
+}
+
+/* The host firewall at the node's device: TC_ACT_SHOT for what the host endpoint's policy
+ * drops, TC_ACT_UNSPEC (the next program, or the stack) for everything else. */
+static __always_inline int host_firewall(struct __sk_buff *skb, int egress)
+{
+	struct endpoint_info *h = host_endpoint();
+	if (!h)
+		return TC_ACT_UNSPEC;
+	/* Ingress: frames for this host's MAC only (a bridge floods unknown unicast). */
+	if (!egress && skb->pkt_type != 0 /* PACKET_HOST */)
+		return TC_ACT_UNSPEC;
+	struct packet p = {};
+	/* Not IP, or malformed: the stack's to handle (it judges nothing into a socket). */
+	if (parse(skb, &p) != 0)
+		return TC_ACT_UNSPEC;
+	if (p.protocol == IPPROTO_ICMPV6_ && !p.l4_missing &&
+	    ((p.policy_port >= 130 && p.policy_port <= 137) || p.policy_port == 143))
+		return TC_ACT_UNSPEC;
+	if (!host_address(&p, egress))
+		return TC_ACT_UNSPEC;
+	__u64 now = bpf_ktime_get_coarse_ns();
+	__u8 closing = p.protocol == IPPROTO_TCP && (p.tcp_flags & (TCP_FIN | TCP_RST));
+	__u8 opening = p.protocol == IPPROTO_TCP && !p.l4_missing &&
+		       (p.tcp_flags & (TCP_SYN | TCP_ACK)) == TCP_SYN;
+	if (!opening && host_tracked(&p, egress, now, closing))
+		return TC_ACT_UNSPEC;
+	if (egress && (skb->mark & CILIATE_MARK_FROM_POD)) {
+		host_track(&p, egress, now, closing);
+		return TC_ACT_UNSPEC;
+	}
+	if (p.protocol == IPPROTO_TCP && !opening)
+		return TC_ACT_UNSPEC;
+	__u32 identity = peer_identity(&p, egress);
+	if (p.protocol == IPPROTO_UDP && p.dport == CILIATE_TUNNEL_PORT &&
+	    (identity == CILIATE_ID_REMOTE_NODE || identity == CILIATE_ID_HOST))
+		return TC_ACT_UNSPEC;
+	__u32 reason = host_judge(h, &p, identity, egress, skb->len);
+	if (dropped(reason) || reason == CILIATE_DROP_NOT_REALIZED)
+		return TC_ACT_SHOT;
+	host_track(&p, egress, now, closing);
+	return TC_ACT_UNSPEC;
+}
+
+#endif /* CILIATE_LIB_HOSTFW_H */

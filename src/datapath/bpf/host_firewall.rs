@@ -1,0 +1,64 @@
+//! The host firewall at the node's device (`bpf/lib/hostfw.h`): `to_netdev` on the device's
+//! TCX egress, and `from_netdev` on its ingress unless BPF host routing put it there already
+//! (`host_delivery`: the same program judges both).
+//!
+//! Invariants:
+//! - the links are pinned under the agent's own pin root, like the endpoints' links: the
+//!   firewall keeps enforcing while the agent is down, and a restarted agent swaps its
+//!   programs in atomically;
+//! - the programs only ever judge packets to or from the node's own addresses while the host
+//!   endpoint is in the endpoint map (`CILIATE_HOST_ENDPOINT_ID`); everything else goes on to
+//!   the next program or the stack, so another agent's programs on the device still see it.
+
+use std::mem::MaybeUninit;
+use std::path::Path;
+
+use super::load_netdev_program;
+use super::tcx::{self, Hook};
+use crate::datapath::DatapathError;
+
+/// The pinned TCX link of `from_netdev` when the host firewall attached it.
+pub const LINK_INGRESS: &str = "link_hostfw_ingress";
+/// The pinned TCX link of `to_netdev`.
+pub const LINK_EGRESS: &str = "link_hostfw_egress";
+
+/// Attaches the programs to the device `ifindex`: `to_netdev` at its egress, and `from_netdev`
+/// at its ingress when `ingress` (else a link of an earlier run there is taken off).
+pub fn attach(pins: &Path, ifindex: u32, ingress: bool) -> Result<(), DatapathError> {
+    let mut storage = MaybeUninit::uninit();
+    let skel = load_netdev_program(&mut storage, pins, true)?;
+    let fail = |e: tcx::TcxError| DatapathError::System {
+        operation: format!("attach the host firewall to ifindex {ifindex}"),
+        message: e.to_string(),
+    };
+    tcx::attach(
+        &skel.progs.to_netdev,
+        ifindex as i32,
+        Hook::Egress,
+        &pins.join(LINK_EGRESS),
+    )
+    .map_err(fail)?;
+    if ingress {
+        tcx::attach(
+            &skel.progs.from_netdev,
+            ifindex as i32,
+            Hook::Ingress,
+            &pins.join(LINK_INGRESS),
+        )
+        .map_err(fail)?;
+    } else {
+        tcx::detach(&pins.join(LINK_INGRESS));
+    }
+    Ok(())
+}
+
+/// The device the egress program is attached to, if any.
+pub fn attached_ifindex(pins: &Path) -> Option<u32> {
+    tcx::pinned_link_info(&pins.join(LINK_EGRESS)).map(|(ifindex, _, _)| ifindex)
+}
+
+/// Takes both programs off (the host firewall turned off).
+pub fn detach(pins: &Path) {
+    tcx::detach(&pins.join(LINK_EGRESS));
+    tcx::detach(&pins.join(LINK_INGRESS));
+}

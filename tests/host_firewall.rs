@@ -1,0 +1,206 @@
+//! The host firewall (`--enable-host-firewall`, issue #29) on the cluster harness: a
+//! CiliumClusterwideNetworkPolicy with a `nodeSelector` judges real traffic to and from node 1
+//! (from outside, from the other node, from pods of both nodes, and what node 1 itself sends),
+//! in enforcing and in audit mode, across `kill -9` of the agent; masqueraded pod traffic keeps
+//! working under it. Privileged: with CI=true, not running as root is a failure.
+
+mod common;
+
+use std::net::IpAddr;
+
+use common::cluster::{node_ip, node_object, Cluster};
+use common::eventually;
+use common::netns::{privileged, seen_over_tcp, tcp_ok, tcp_server, who_am_i_servers};
+use serde_json::{json, Value};
+
+/// Node 1 takes SSH on 2222 from the outside's network only, 8000 from the other nodes and
+/// from pods labelled app=a, nothing else from anywhere; it may send to the cluster's network
+/// and to the cluster's endpoints only.
+fn lock_down() -> Value {
+    json!({
+        "apiVersion": "cilium.io/v2", "kind": "CiliumClusterwideNetworkPolicy",
+        "metadata": {"name": "lock-down"},
+        "spec": {
+            "nodeSelector": {"matchLabels": {"node-access": "ssh"}},
+            "ingress": [
+                {"fromCIDR": ["198.51.100.0/24"],
+                 "toPorts": [{"ports": [{"port": "2222", "protocol": "TCP"}]}]},
+                {"fromEntities": ["remote-node"],
+                 "toPorts": [{"ports": [{"port": "8000", "protocol": "TCP"}]}]},
+                {"fromEndpoints": [{"matchLabels": {"app": "a"}}],
+                 "toPorts": [{"ports": [{"port": "8000", "protocol": "TCP"}]}]}
+            ],
+            "egress": [
+                {"toCIDR": ["172.20.0.0/24"]},
+                {"toEntities": ["cluster"]}
+            ]
+        }
+    })
+}
+
+fn status(c: &Cluster, i: usize) -> Value {
+    c.nodes[i - 1].agent().cli_json(&["status"])
+}
+
+#[test]
+fn host_policies_judge_traffic_to_and_from_the_node_in_enforcing_and_audit_mode() {
+    let Some(mut c) = privileged().then(|| {
+        Cluster::start_with(
+            2,
+            &[
+                "--enable-host-firewall",
+                "true",
+                "--ipv4-native-routing-cidr",
+                "10.200.0.0/16",
+            ],
+        )
+    }) else {
+        return;
+    };
+    let (outside, outside_ip) = c.add_outside();
+    let a = c.add_pod(1, "a", "a");
+    let b = c.add_pod(2, "b", "b");
+    let n1 = c.nodes[0].netns.clone();
+    let n2 = c.nodes[1].netns.clone();
+    let host1 = IpAddr::V4(node_ip(1));
+    for port in [2222, 8000, 10250] {
+        tcp_server(&n1, host1, port);
+    }
+    tcp_server(&outside, IpAddr::V4(outside_ip), 8080);
+    who_am_i_servers(&outside, outside_ip);
+
+    // The host endpoint: listed with the Node's labels as Cilium keeps them.
+    let mut node = node_object(1);
+    node["metadata"]["labels"] = json!({"node-access": "ssh", "kubernetes.io/hostname": "node-1"});
+    c.api().apply_json(node).expect("node labels");
+    let agent1 = c.nodes[0].agent();
+    agent1.wait_until("the host endpoint has node 1's labels", || {
+        let list = agent1.cli_json(&["endpoint", "list"]);
+        list.as_array().into_iter().flatten().any(|e| {
+            e["name"] == "host"
+                && e["id"] == 65535
+                && e["identity"] == 1
+                && e["labels"] == json!(["reserved:host", "k8s:node-access=ssh"])
+                && e["ips"] == json!([node_ip(1).to_string()])
+        })
+    });
+    agent1.wait_until("the host firewall is attached to eth0", || {
+        let s = agent1.cli_json(&["status"]);
+        s["host_firewall"] == "enforcing" && s["host_firewall_device"] == "eth0"
+    });
+    assert_eq!(status(&c, 2)["host_firewall"], "enforcing");
+
+    // No host policy yet: everything reaches node 1, and node 1 reaches everything.
+    eventually("no host policy: everything reaches node 1", || {
+        tcp_ok(&outside, host1, 2222)
+            && tcp_ok(&n2, host1, 2222)
+            && tcp_ok(&a.netns, host1, 10250)
+            && tcp_ok(&b.netns, host1, 10250)
+            && tcp_ok(&n1, IpAddr::V4(outside_ip), 8080)
+    });
+
+    c.api().apply_json(lock_down()).expect("host policy");
+    let enforced = || {
+        tcp_ok(&outside, host1, 2222)
+            && !tcp_ok(&n2, host1, 2222)
+            && tcp_ok(&n2, host1, 8000)
+            && !tcp_ok(&outside, host1, 8000)
+            && tcp_ok(&a.netns, host1, 8000)
+            && !tcp_ok(&a.netns, host1, 10250)
+            && !tcp_ok(&b.netns, host1, 8000)
+            && !tcp_ok(&b.netns, host1, 10250)
+            && !tcp_ok(&n1, IpAddr::V4(outside_ip), 8080)
+    };
+    eventually("node 1 is locked down as its host policy says", || {
+        enforced()
+    });
+    // The node's own processes still reach its kubelet-like port (its loopback path), and the
+    // cluster's network (the API server among it).
+    assert!(tcp_ok(&n1, host1, 10250), "node 1 reaches its own port");
+    // Masqueraded pod traffic still leaves and its replies come back through node 1.
+    assert_eq!(
+        seen_over_tcp(&a.netns, outside_ip),
+        Some(node_ip(1).to_string()),
+        "a pod reaches the outside, masqueraded, under the host policy"
+    );
+
+    // The drops are the host endpoint's, attributed to the host policy.
+    // The drops are the host endpoint's, attributed to the host policy (`monitor --to host`).
+    let flow = |args: &[&str]| -> Value {
+        let mut all = vec!["monitor", "-o", "json", "--since", "5m", "--count", "1"];
+        all.extend_from_slice(args);
+        let (code, out, err) = c.nodes[0].agent().cli(&all);
+        assert_eq!(code, 0, "{err}");
+        serde_json::from_str(out.lines().next().unwrap_or("null")).expect("a flow")
+    };
+    let d = flow(&["--to", "host", "--port", "2222", "--verdict", "dropped"]);
+    assert_eq!(d["endpoint"], 65535, "{d}");
+    assert_eq!(d["direction"], "ingress", "{d}");
+    assert_eq!(d["match"], "default-deny", "{d}");
+    assert!(d["policies"].to_string().contains("lock-down"), "{d}");
+    let d = flow(&["--from", "host", "--port", "8080", "--verdict", "dropped"]);
+    assert_eq!(
+        (&d["endpoint"], &d["direction"]),
+        (&json!(65535), &json!("egress")),
+        "{d}"
+    );
+    // A local pod's connection to the node: dropped by the host endpoint, not the pod's.
+    let d = flow(&[
+        "--from",
+        "x/a",
+        "--to",
+        "host",
+        "--port",
+        "10250",
+        "--verdict",
+        "dropped",
+    ]);
+    assert_eq!(d["endpoint"], 65535, "{d}");
+
+    // Audit mode: the would-be drops pass and are reported as audit; enforcing again drops.
+    let (code, _, err) =
+        c.nodes[0]
+            .agent()
+            .cli(&["endpoint", "config", "65535", "PolicyAuditMode=Enabled"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(status(&c, 1)["host_firewall"], "audit");
+    eventually("audit mode lets node 2 in on 2222", || {
+        tcp_ok(&n2, host1, 2222) && tcp_ok(&b.netns, host1, 10250)
+    });
+    let d = flow(&["--to", "host", "--port", "2222", "--verdict", "audit"]);
+    assert_eq!(
+        d["endpoint"], 65535,
+        "the would-be drop is reported as audit: {d}"
+    );
+    let (code, _, err) =
+        c.nodes[0]
+            .agent()
+            .cli(&["endpoint", "config", "65535", "PolicyAuditMode=Disabled"]);
+    assert_eq!(code, 0, "{err}");
+    eventually("enforcing again", enforced);
+
+    // kill -9: the pinned programs and maps keep enforcing; a restarted agent takes over.
+    let kubeconfig = c.kubeconfig.clone();
+    c.node(1).kill9_agent();
+    assert!(enforced(), "enforced while the agent is down");
+    c.node(1).start_agent(&kubeconfig);
+    assert!(enforced(), "enforced after the restart");
+    let agent1 = c.nodes[0].agent();
+    agent1.wait_until("the restarted agent has the host firewall on eth0", || {
+        agent1.cli_json(&["status"])["host_firewall_device"] == "eth0"
+    });
+    assert!(enforced());
+
+    // The policy goes: node 1 is open again.
+    c.api()
+        .delete_object(
+            "cilium.io/v2",
+            "CiliumClusterwideNetworkPolicy",
+            "",
+            "lock-down",
+        )
+        .expect("delete the host policy");
+    eventually("no host policy: node 2 reaches 2222 again", || {
+        tcp_ok(&n2, host1, 2222) && tcp_ok(&n1, IpAddr::V4(outside_ip), 8080)
+    });
+}
