@@ -77,6 +77,11 @@ pub struct Shared {
     pub http: Arc<crate::proxy::http::state::HttpState>,
     /// Kubernetes mode: where other nodes' pods come from, and this node's endpoint slices.
     pub pod_source: Arc<Mutex<crate::k8s::slices::PodSourceView>>,
+    /// Kubernetes mode: the API server's address (a connection the host firewall warns
+    /// before cutting: `endpoint::host::Lifeline`).
+    pub api_server: Option<std::net::SocketAddr>,
+    /// What the host policies in force would cut of the node's own connections (`status`).
+    pub host_firewall_warnings: Arc<Mutex<Vec<String>>>,
 }
 
 impl Shared {
@@ -136,6 +141,8 @@ impl Shared {
             dns: Default::default(),
             http: Default::default(),
             pod_source: Default::default(),
+            api_server: None,
+            host_firewall_warnings: Default::default(),
         }
     }
 

@@ -172,6 +172,38 @@ fn host_policies_judge_traffic_to_and_from_the_node_in_enforcing_and_audit_mode(
         d["endpoint"], 65535,
         "the would-be drop is reported as audit: {d}"
     );
+    // A host policy that would cut the agent from its API server is named before it bites
+    // (tried in audit mode, where nothing is dropped).
+    assert!(status(&c, 1).get("host_firewall_warnings").is_none());
+    let cut = json!({
+        "apiVersion": "cilium.io/v2", "kind": "CiliumClusterwideNetworkPolicy",
+        "metadata": {"name": "cut-api"},
+        "spec": {"nodeSelector": {}, "egressDeny": [{"toCIDR": ["172.20.0.2/32"],
+                 "toPorts": [{"ports": [{"port": "6443", "protocol": "TCP"}]}]}]}
+    });
+    c.api().apply_json(cut).expect("cut-api");
+    let agent1 = c.nodes[0].agent();
+    agent1.wait_until("the warning names cut-api and the API server", || {
+        let w = agent1.cli_json(&["status"])["host_firewall_warnings"].to_string();
+        w.contains("cut-api") && w.contains("172.20.0.2:6443")
+    });
+    c.api()
+        .delete_object(
+            "cilium.io/v2",
+            "CiliumClusterwideNetworkPolicy",
+            "",
+            "cut-api",
+        )
+        .expect("delete cut-api");
+    agent1.wait_until("the warning is gone with the policy", || {
+        agent1
+            .cli_json(&["status"])
+            .get("host_firewall_warnings")
+            .is_none()
+    });
+    assert!(agent1
+        .log()
+        .contains("would cut the node from its API server"));
     let (code, _, err) =
         c.nodes[0]
             .agent()
@@ -203,4 +235,139 @@ fn host_policies_judge_traffic_to_and_from_the_node_in_enforcing_and_audit_mode(
     eventually("no host policy: node 2 reaches 2222 again", || {
         tcp_ok(&n2, host1, 2222) && tcp_ok(&n1, IpAddr::V4(outside_ip), 8080)
     });
+    c.api().apply_json(lock_down()).expect("host policy again");
+    eventually("the host policy is back in force", enforced);
+
+    // Restarted with the host firewall off: the host endpoint and the programs go, and the
+    // host policy, still in the cluster, no longer applies to node 1.
+    {
+        let node = c.node(1);
+        node.kill9_agent();
+        let at = node
+            .agent_args
+            .iter()
+            .position(|a| a == "--enable-host-firewall")
+            .expect("the flag");
+        node.agent_args[at + 1] = "false".into();
+        node.start_agent(&kubeconfig);
+    }
+    let agent1 = c.nodes[0].agent();
+    agent1.wait_until("the host firewall is off", || {
+        let s = agent1.cli_json(&["status"]);
+        s["host_firewall"] == "off" && s["host_firewall_device"] == "off"
+    });
+    let list = agent1.cli_json(&["endpoint", "list"]);
+    assert!(
+        list.as_array()
+            .into_iter()
+            .flatten()
+            .all(|e| e["name"] != "host"),
+        "{list}"
+    );
+    eventually(
+        "node 2 reaches 2222 with the policy still in force elsewhere",
+        || tcp_ok(&n2, host1, 2222) && tcp_ok(&n1, IpAddr::V4(outside_ip), 8080),
+    );
+}
+
+/// One of the connectivity suite's host policies, read where it lies (never copied).
+fn connectivity_manifest(name: &str) -> Value {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../shared/examples/real-policies/cilium-connectivity")
+        .join(name);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e} (the corpus must be beside the repo)",
+            path.display()
+        )
+    });
+    serde_yaml::from_str(&text).expect("manifest YAML")
+}
+
+/// Pod `x/name` on node `i`, labelled `name: <label>` as the connectivity suite's pods are.
+fn suite_pod(c: &mut Cluster, i: usize, name: &str, label: &str) -> common::cni::CniPod {
+    let api = c.api.take().expect("API server");
+    let pod = c.nodes[i - 1].add_pod_labelled(&api, name, json!({ "name": label }));
+    c.api = Some(api);
+    pod
+}
+
+/// Cilium's connectivity test `host-firewall-ingress` and `host-firewall-egress`, the two
+/// manifests unchanged, on every node: `client` pods (of either node) no longer reach a node,
+/// `client2` still does, and so do the other node and the world; a node no longer reaches
+/// `echo-other-node`, and still reaches `echo-same-node`, the other node and the world.
+#[test]
+fn the_connectivity_suites_host_policies_judge_as_cilium_expects() {
+    let Some(mut c) = privileged().then(|| {
+        Cluster::start_with(
+            2,
+            &[
+                "--enable-host-firewall",
+                "true",
+                "--ipv4-native-routing-cidr",
+                "10.200.0.0/16",
+            ],
+        )
+    }) else {
+        return;
+    };
+    let (outside, outside_ip) = c.add_outside();
+    let client = suite_pod(&mut c, 1, "client", "client");
+    let client2 = suite_pod(&mut c, 1, "client2", "client2");
+    let remote_client = suite_pod(&mut c, 2, "client-r", "client");
+    let echo_same = suite_pod(&mut c, 1, "echo-same", "echo-same-node");
+    let echo_other = suite_pod(&mut c, 2, "echo-other", "echo-other-node");
+    let n1 = c.nodes[0].netns.clone();
+    let n2 = c.nodes[1].netns.clone();
+    let host1 = IpAddr::V4(node_ip(1));
+    tcp_server(&n1, host1, 8080);
+    tcp_server(&n2, IpAddr::V4(node_ip(2)), 8080);
+    for e in [&echo_same, &echo_other] {
+        tcp_server(&e.netns, IpAddr::V4(e.addr), 8080);
+    }
+    tcp_server(&outside, IpAddr::V4(outside_ip), 8080);
+    let to = |ns: &str, ip: std::net::Ipv4Addr| tcp_ok(ns, IpAddr::V4(ip), 8080);
+    for i in 1..=2 {
+        let a = c.nodes[i - 1].agent();
+        a.wait_until("the host firewall is attached", || {
+            a.cli_json(&["status"])["host_firewall_device"] == "eth0"
+        });
+    }
+    eventually("no host policy: all of it flows", || {
+        to(&client.netns, node_ip(1))
+            && to(&remote_client.netns, node_ip(1))
+            && to(&n1, echo_other.addr)
+            && to(&n1, echo_same.addr)
+    });
+
+    c.api()
+        .apply_json(connectivity_manifest("host-firewall-ingress.yaml"))
+        .expect("host-firewall-ingress");
+    eventually("client pods no longer reach node 1", || {
+        !to(&client.netns, node_ip(1)) && !to(&remote_client.netns, node_ip(1))
+    });
+    assert!(to(&client2.netns, node_ip(1)), "client2 still does");
+    assert!(to(&n2, node_ip(1)), "the other node (remote-node) does");
+    assert!(to(&outside, node_ip(1)), "the world does");
+
+    c.api()
+        .apply_json(connectivity_manifest("host-firewall-egress.yaml"))
+        .expect("host-firewall-egress");
+    eventually("node 1 no longer reaches echo-other-node", || {
+        !to(&n1, echo_other.addr)
+    });
+    assert!(to(&n1, echo_same.addr), "it reaches echo-same-node");
+    assert!(to(&n1, node_ip(2)), "it reaches the other node");
+    assert!(to(&n2, node_ip(1)), "the other node still reaches node 1");
+    assert!(to(&n1, outside_ip), "node 1 reaches the world");
+    // Node 2 judges the same policies for itself: echo-other-node is its own pod there, and
+    // the node's connection to it (the host-to-local-pod path) is dropped.
+    assert!(
+        !to(&n2, echo_other.addr),
+        "node 2 no longer reaches its echo-other-node"
+    );
+    assert!(
+        to(&n2, echo_same.addr),
+        "node 2 reaches echo-same-node on node 1"
+    );
 }

@@ -281,6 +281,38 @@ impl EndpointActor {
         );
     }
 
+    /// The host endpoint: warns (once per change of the warnings) when its policy would cut
+    /// the node from what it depends on, naming the rule (`status` lists them meanwhile).
+    fn check_lifelines(
+        &self,
+        engine: &PolicyEngine,
+        policy: &crate::policy::engine::EndpointPolicy,
+    ) {
+        use crate::endpoint::host::{cut_lifelines, Lifeline};
+        let lifelines: Vec<Lifeline> = self
+            .shared
+            .api_server
+            .iter()
+            .map(|api| Lifeline {
+                what: format!("its API server {api}"),
+                direction: crate::policy::rule::Direction::Egress,
+                peer: engine.identity_of_ip(api.ip()),
+                protocol: 6,
+                port: api.port(),
+            })
+            .collect();
+        let warnings = cut_lifelines(policy, &lifelines);
+        let Ok(mut shown) = self.shared.host_firewall_warnings.lock() else {
+            return;
+        };
+        if *shown != warnings {
+            for w in &warnings {
+                tracing::warn!(warning = %w, "host firewall");
+            }
+            *shown = warnings;
+        }
+    }
+
     /// Computes the policy and sends it to the datapath; the answer comes back in `finish`.
     fn regenerate(&mut self, ctx: &mut Context<Self>, replace: bool) {
         let Some(identity) = self.record.identity else {
@@ -305,10 +337,11 @@ impl EndpointActor {
                 named_ports: &self.named_ports,
                 host: self.record.host,
             };
-            (
-                engine.revision(),
-                engine.resolve_peers(&view, peers.as_ref()),
-            )
+            let policy = engine.resolve_peers(&view, peers.as_ref());
+            if self.record.host {
+                self.check_lifelines(&engine, &policy);
+            }
+            (engine.revision(), policy)
         };
         // Cluster tiers resolve whole (`EndpointPolicy::tiered`): realized whole too.
         let peers = peers.filter(|_| !policy.tiered());

@@ -357,9 +357,10 @@ async fn run_async(
     // Kubernetes mode: the client first, so a bad kubeconfig fails the start at once.
     let feed = match source {
         Source::Kubernetes { kubeconfig } => {
-            let client = crate::k8s::client::make_client(kubeconfig.as_deref())
+            let (client, api_server) = crate::k8s::client::make_client(kubeconfig.as_deref())
                 .await
                 .map_err(|e| AgentError::Config(e.to_string()))?;
+            shared.api_server = api_server;
             let (sink, status_events) = crate::k8s::status::PolicyStatusSink::channel();
             shared.policy_status = Some(sink);
             Feed::Kubernetes(client, status_events)

@@ -113,6 +113,9 @@ pub struct StatusModel {
     /// Where the host firewall's programs are: the device, `off`, or why not attached.
     #[serde(default)]
     pub host_firewall_device: String,
+    /// Connections of the node's own the host policies in force would cut (its API server).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub host_firewall_warnings: Vec<String>,
 }
 
 /// `status`'s view of the HTTP proxy.
@@ -449,6 +452,12 @@ async fn status(st: web::Data<AppState>) -> HttpResponse {
         }),
         host_firewall: host_firewall.into(),
         host_firewall_device: routing.host_firewall_device,
+        host_firewall_warnings: st
+            .shared
+            .host_firewall_warnings
+            .lock()
+            .map(|w| w.clone())
+            .unwrap_or_default(),
     })
 }
 

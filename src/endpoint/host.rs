@@ -6,7 +6,10 @@
 //! it without a lookup of its own; identity `reserved:host`; and labels from this node's Node
 //! object, filtered as Cilium filters identity-relevant labels ([`host_labels`]). Pure.
 
+use crate::policy::engine::{Decision, EndpointPolicy};
+use crate::policy::identity::NumericIdentity;
 use crate::policy::labels::{Label, Labels};
+use crate::policy::rule::Direction;
 
 /// The host endpoint's id: the last one, which the registry never gives to a pod. The BPF
 /// programs know it as `CILIATE_HOST_ENDPOINT_ID` (`bpf/ciliate.h`).
@@ -60,10 +63,108 @@ pub fn firewall_mode(enabled: bool, audit: bool) -> &'static str {
     }
 }
 
+/// A connection the node itself depends on: before a host policy is enforced, the agent warns
+/// when it would cut one (Cilium lets an operator lock a node out without a word).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lifeline {
+    /// What it is, for the warning: `its API server 172.20.0.2:6443`.
+    pub what: String,
+    /// From the node's point of view.
+    pub direction: Direction,
+    /// The peer's identity as the node sees it now.
+    pub peer: NumericIdentity,
+    pub protocol: u8,
+    pub port: u16,
+}
+
+/// One warning per lifeline the host endpoint's resolved policy drops, naming what drops it.
+pub fn cut_lifelines(policy: &EndpointPolicy, lifelines: &[Lifeline]) -> Vec<String> {
+    lifelines
+        .iter()
+        .filter_map(|l| {
+            let why = match policy.decide(l.direction, l.peer, l.protocol, l.port) {
+                Decision::Denied(origin) => format!("denied by {}", origin.describe()),
+                Decision::DefaultDenied { isolated_by, .. } => {
+                    let by: Vec<String> = isolated_by.iter().map(|k| k.to_string()).collect();
+                    format!(
+                        "no rule allows it, and {} isolates the node's {}",
+                        by.join(", "),
+                        direction_name(l.direction)
+                    )
+                }
+                Decision::Allowed(_) | Decision::NotIsolated => return None,
+            };
+            Some(format!(
+                "the host policies would cut the node from {} ({}): {why}",
+                l.what,
+                direction_name(l.direction)
+            ))
+        })
+        .collect()
+}
+
+fn direction_name(d: Direction) -> &'static str {
+    match d {
+        Direction::Ingress => "ingress",
+        Direction::Egress => "egress",
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::policy::engine::{EndpointView, PolicyEngine};
     use std::collections::BTreeMap;
+
+    #[test]
+    fn a_host_policy_that_cuts_the_api_server_is_named_and_one_that_allows_it_is_not() {
+        let mut e = PolicyEngine::new();
+        let doc = |y: &str| {
+            let v: serde_yaml::Value = serde_yaml::from_str(y).unwrap();
+            crate::policy::translate::parse_policy(&v, "default", "test").unwrap()
+        };
+        let labels = host_labels(std::iter::empty());
+        let resolve = |e: &PolicyEngine| {
+            e.resolve(&EndpointView {
+                identity: crate::policy::identity::IDENTITY_HOST,
+                labels: &labels,
+                named_ports: &[],
+                host: true,
+            })
+        };
+        let api = "172.20.0.2".parse().unwrap();
+        let life = |e: &PolicyEngine| Lifeline {
+            what: "its API server 172.20.0.2:6443".into(),
+            direction: Direction::Egress,
+            peer: e.identity_of_ip(api),
+            protocol: 6,
+            port: 6443,
+        };
+        assert!(
+            cut_lifelines(&resolve(&e), &[life(&e)]).is_empty(),
+            "no policy"
+        );
+        e.upsert_policy(doc("{apiVersion: cilium.io/v2, kind: CiliumClusterwideNetworkPolicy, metadata: {name: lock}, spec: {nodeSelector: {}, egress: [{toCIDR: [10.0.0.0/8]}]}}"));
+        let w = cut_lifelines(&resolve(&e), &[life(&e)]);
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(
+            w[0].contains("172.20.0.2:6443")
+                && w[0].contains("CiliumClusterwideNetworkPolicy lock")
+                && w[0].contains("egress"),
+            "{w:?}"
+        );
+        e.upsert_policy(doc("{apiVersion: cilium.io/v2, kind: CiliumClusterwideNetworkPolicy, metadata: {name: deny}, spec: {nodeSelector: {}, egressDeny: [{toCIDR: [172.20.0.0/24]}]}}"));
+        let w = cut_lifelines(&resolve(&e), &[life(&e)]);
+        assert!(
+            w.len() == 1 && w[0].contains("denied by CiliumClusterwideNetworkPolicy deny"),
+            "{w:?}"
+        );
+        e.upsert_policy(doc("{apiVersion: cilium.io/v2, kind: CiliumClusterwideNetworkPolicy, metadata: {name: deny}, spec: {nodeSelector: {}, egress: [{toCIDR: [172.20.0.0/24], toPorts: [{ports: [{port: '6443', protocol: TCP}]}]}]}}"));
+        assert!(
+            cut_lifelines(&resolve(&e), &[life(&e)]).is_empty(),
+            "allowed now"
+        );
+    }
 
     #[test]
     fn node_labels_are_filtered_as_cilium_filters_identity_labels() {

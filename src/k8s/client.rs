@@ -23,8 +23,11 @@ pub fn in_cluster() -> bool {
     std::env::var_os("KUBERNETES_SERVICE_HOST").is_some()
 }
 
-/// Builds a client. Must run inside a tokio runtime.
-pub async fn make_client(kubeconfig: Option<&Path>) -> Result<kube::Client, ClientError> {
+/// Builds a client, with the API server's address when its URL names one (an address, or a
+/// name that resolves). Must run inside a tokio runtime.
+pub async fn make_client(
+    kubeconfig: Option<&Path>,
+) -> Result<(kube::Client, Option<std::net::SocketAddr>), ClientError> {
     let config = match kubeconfig {
         Some(path) => {
             let named = |message: String| ClientError::Kubeconfig {
@@ -38,7 +41,28 @@ pub async fn make_client(kubeconfig: Option<&Path>) -> Result<kube::Client, Clie
         }
         None => kube::Config::incluster().map_err(|e| ClientError::InCluster(e.to_string()))?,
     };
-    kube::Client::try_from(config).map_err(|e| ClientError::Client(e.to_string()))
+    let url = &config.cluster_url;
+    let port = url
+        .port_u16()
+        .unwrap_or(if url.scheme_str() == Some("http") {
+            80
+        } else {
+            443
+        });
+    let host = url
+        .host()
+        .unwrap_or_default()
+        .trim_matches(['[', ']'])
+        .to_string();
+    let addr = match host.parse::<std::net::IpAddr>() {
+        Ok(ip) => Some(std::net::SocketAddr::new(ip, port)),
+        Err(_) => tokio::net::lookup_host((host.as_str(), port))
+            .await
+            .ok()
+            .and_then(|mut a| a.next()),
+    };
+    let client = kube::Client::try_from(config).map_err(|e| ClientError::Client(e.to_string()))?;
+    Ok((client, addr))
 }
 
 #[cfg(test)]
@@ -69,7 +93,7 @@ users: [{{name: u, user: {{token: t}}}}]
             ),
         )
         .expect("write kubeconfig");
-        let client = make_client(Some(&path)).await.expect("an HTTPS client");
+        let (client, _) = make_client(Some(&path)).await.expect("an HTTPS client");
         let err = client
             .apiserver_version()
             .await
