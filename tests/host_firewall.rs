@@ -10,7 +10,9 @@ use std::net::IpAddr;
 
 use common::cluster::{node_ip, node_object, Cluster};
 use common::eventually;
-use common::netns::{privileged, seen_over_tcp, tcp_ok, tcp_server, who_am_i_servers};
+use common::netns::{
+    icmp_ok, nft, privileged, seen_over_tcp, tcp_ok, tcp_server, who_am_i_servers,
+};
 use serde_json::{json, Value};
 
 /// Node 1 takes SSH on 2222 from the outside's network only, 8000 from the other nodes and
@@ -27,6 +29,8 @@ fn lock_down() -> Value {
                  "toPorts": [{"ports": [{"port": "2222", "protocol": "TCP"}]}]},
                 {"fromEntities": ["remote-node"],
                  "toPorts": [{"ports": [{"port": "8000", "protocol": "TCP"}]}]},
+                {"fromEntities": ["remote-node"],
+                 "icmps": [{"fields": [{"type": 8, "family": "IPv4"}]}]},
                 {"fromEndpoints": [{"matchLabels": {"app": "a"}}],
                  "toPorts": [{"ports": [{"port": "8000", "protocol": "TCP"}]}]}
             ],
@@ -97,6 +101,7 @@ fn host_policies_judge_traffic_to_and_from_the_node_in_enforcing_and_audit_mode(
             && tcp_ok(&a.netns, host1, 10250)
             && tcp_ok(&b.netns, host1, 10250)
             && tcp_ok(&n1, IpAddr::V4(outside_ip), 8080)
+            && icmp_ok(&outside, node_ip(1))
     });
 
     c.api().apply_json(lock_down()).expect("host policy");
@@ -110,6 +115,8 @@ fn host_policies_judge_traffic_to_and_from_the_node_in_enforcing_and_audit_mode(
             && !tcp_ok(&b.netns, host1, 8000)
             && !tcp_ok(&b.netns, host1, 10250)
             && !tcp_ok(&n1, IpAddr::V4(outside_ip), 8080)
+            && icmp_ok(&n2, node_ip(1))
+            && !icmp_ok(&outside, node_ip(1))
     };
     eventually("node 1 is locked down as its host policy says", || {
         enforced()
@@ -369,5 +376,76 @@ fn the_connectivity_suites_host_policies_judge_as_cilium_expects() {
     assert!(
         to(&n2, echo_same.addr),
         "node 2 reaches echo-same-node on node 1"
+    );
+}
+
+/// Kube-proxy's NAT under a host policy: a NodePort-style DNAT of node 1 to a pod of node 1,
+/// reached from the outside on the port the host policy opens (judged before the DNAT, as
+/// Cilium's host firewall judges it), and not on another; a ClusterIP-style DNAT of the node's
+/// own connections to a pod of node 2, under the node's egress rules.
+#[test]
+fn kube_proxy_style_dnat_keeps_working_under_a_host_policy() {
+    let Some(mut c) = privileged().then(|| {
+        Cluster::start_with(
+            2,
+            &[
+                "--enable-host-firewall",
+                "true",
+                "--ipv4-native-routing-cidr",
+                "10.200.0.0/16",
+            ],
+        )
+    }) else {
+        return;
+    };
+    let (outside, _) = c.add_outside();
+    let a = c.add_pod(1, "a", "a");
+    let b = c.add_pod(2, "b", "b");
+    for p in [&a, &b] {
+        tcp_server(&p.netns, IpAddr::V4(p.addr), 8080);
+    }
+    let n1 = c.nodes[0].netns.clone();
+    nft(
+        &n1,
+        &format!(
+            "table ip kp {{
+  chain pre {{ type nat hook prerouting priority -100; tcp dport {{ 30080, 30081 }} dnat to {a}:8080; }}
+  chain out {{ type nat hook output priority -100; ip daddr 10.96.0.10 tcp dport 80 dnat to {b}:8080; }}
+}}
+",
+            a = a.addr,
+            b = b.addr
+        ),
+    );
+    let host1 = IpAddr::V4(node_ip(1));
+    let service = IpAddr::V4("10.96.0.10".parse().unwrap());
+    let agent1 = c.nodes[0].agent();
+    agent1.wait_until("the host firewall is attached", || {
+        agent1.cli_json(&["status"])["host_firewall_device"] == "eth0"
+    });
+    eventually("no host policy: both NATs work", || {
+        tcp_ok(&outside, host1, 30080) && tcp_ok(&outside, host1, 30081) && tcp_ok(&n1, service, 80)
+    });
+    let mut node = node_object(1);
+    node["metadata"]["labels"] = json!({"node-access": "ssh"});
+    c.api().apply_json(node).expect("node labels");
+    c.api()
+        .apply_json(json!({
+            "apiVersion": "cilium.io/v2", "kind": "CiliumClusterwideNetworkPolicy",
+            "metadata": {"name": "nodeport"},
+            "spec": {
+                "nodeSelector": {"matchLabels": {"node-access": "ssh"}},
+                "ingress": [{"fromEntities": ["world"],
+                             "toPorts": [{"ports": [{"port": "30080", "protocol": "TCP"}]}]}],
+                "egress": [{"toCIDR": ["172.20.0.0/24"]}, {"toEntities": ["cluster"]}]
+            }
+        }))
+        .expect("host policy");
+    eventually("the NodePort the policy opens works, the other not", || {
+        tcp_ok(&outside, host1, 30080) && !tcp_ok(&outside, host1, 30081)
+    });
+    assert!(
+        tcp_ok(&n1, service, 80),
+        "the node's ClusterIP connection to a pod of node 2 works under its egress rules"
     );
 }
