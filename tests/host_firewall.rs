@@ -449,3 +449,110 @@ fn kube_proxy_style_dnat_keeps_working_under_a_host_policy() {
         "the node's ClusterIP connection to a pod of node 2 works under its egress rules"
     );
 }
+
+/// Every host policy of the third-party corpus (each file with a `nodeSelector`), loaded
+/// unchanged by an agent with the host firewall on (manifest directory, memory datapath): the
+/// ones Cilium 1.16 accepts are accepted and realized on the host endpoint of a node they
+/// select; the two it refuses are refused with the field, the others unharmed.
+#[test]
+fn the_corpus_host_policies_load_unchanged_onto_the_host_endpoint() {
+    let corpus =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/examples/real-policies");
+    let mut files = Vec::new();
+    let mut stack = vec![corpus.clone()];
+    while let Some(dir) = stack.pop() {
+        for e in std::fs::read_dir(&dir)
+            .expect("the corpus beside the repo")
+            .flatten()
+        {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.extension().is_some_and(|x| x == "yaml" || x == "yml")
+                && std::fs::read_to_string(&p).is_ok_and(|t| t.contains("nodeSelector"))
+            {
+                files.push(p);
+            }
+        }
+    }
+    files.sort();
+    assert!(files.len() >= 10, "{files:?}");
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tmp.path().join("manifests");
+    std::fs::create_dir_all(&m).unwrap();
+    // A node every nodeSelector of the corpus but one (type: ingress-worker) selects.
+    std::fs::write(
+        m.join("node.yaml"),
+        "apiVersion: v1\nkind: Node\nmetadata: {name: node-1, labels: {type: worker, node-access: ssh}}\n\
+         status: {addresses: [{type: InternalIP, address: 172.31.0.1}]}\n",
+    )
+    .unwrap();
+    for (i, f) in files.iter().enumerate() {
+        std::fs::copy(
+            f,
+            m.join(format!(
+                "{i:02}-{}",
+                f.file_name().unwrap().to_string_lossy()
+            )),
+        )
+        .unwrap();
+    }
+    let agent = common::agent::Agent::start_with(
+        tmp.path(),
+        &["--datapath", "memory", "--enable-host-firewall", "true"],
+    );
+    agent.wait_until("ready", || agent.http_get("/readyz").0 == 200);
+    let pol = agent.json("/debug/policy");
+    let policies = pol["policies"].as_array().expect("policies").clone();
+    let status_of = |name: &str| -> String {
+        policies
+            .iter()
+            .find(|p| p["name"] == name)
+            .and_then(|p| p["status"].as_str())
+            .unwrap_or("missing")
+            .to_string()
+    };
+    let rejected: Vec<&Value> = policies
+        .iter()
+        .filter(|p| p["status"] != "accepted")
+        .collect();
+    let mut names: Vec<&str> = rejected.iter().filter_map(|p| p["name"].as_str()).collect();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "allow-extended-egress-worker-node",
+            "lock-down-ingress-worker-node"
+        ],
+        "{rejected:?}"
+    );
+    assert!(
+        status_of("lock-down-ingress-worker-node").contains("ports[5].port: unable to parse port"),
+        "{pol}"
+    );
+    assert!(
+        status_of("allow-extended-egress-worker-node").contains("port must be specified"),
+        "{pol}"
+    );
+    // Three variants of lock-down-dev-vms share the name: one policy of that name.
+    let mut all: Vec<&str> = policies.iter().filter_map(|p| p["name"].as_str()).collect();
+    all.sort();
+    all.dedup();
+    assert_eq!(all.len(), policies.len(), "{pol}");
+    assert!(
+        all.len() >= 8 && all.contains(&"lock-down-dev-vms"),
+        "{all:?}"
+    );
+    // The host endpoint carries what the accepted ones allow.
+    agent.wait_until("the host endpoint realized the host policies", || {
+        let e = agent.endpoint(65535);
+        e["state"] == "ready" && e["policy_entries"].as_u64().unwrap_or(0) > 10
+    });
+    let e = agent.endpoint(65535);
+    assert_eq!(
+        e["labels"],
+        json!(["reserved:host", "k8s:node-access=ssh", "k8s:type=worker"]),
+        "{e}"
+    );
+    assert_eq!(agent.cli_json(&["status"])["host_firewall"], "enforcing");
+}
