@@ -305,17 +305,25 @@ fn suite_pod(c: &mut Cluster, i: usize, name: &str, label: &str) -> common::cni:
 /// `echo-other-node`, and still reaches `echo-same-node`, the other node and the world.
 #[test]
 fn the_connectivity_suites_host_policies_judge_as_cilium_expects() {
-    let Some(mut c) = privileged().then(|| {
-        Cluster::start_with(
-            2,
-            &[
-                "--enable-host-firewall",
-                "true",
-                "--ipv4-native-routing-cidr",
-                "10.200.0.0/16",
-            ],
-        )
-    }) else {
+    connectivity_suite(&[]);
+}
+
+/// The same in tunnel mode: the node's traffic with the other node's pods goes through the
+/// tunnel device, where the host firewall sits too.
+#[test]
+fn the_connectivity_suites_host_policies_judge_as_cilium_expects_in_tunnel_mode() {
+    connectivity_suite(&["--routing-mode", "tunnel"]);
+}
+
+fn connectivity_suite(extra: &[&str]) {
+    let mut args = vec![
+        "--enable-host-firewall",
+        "true",
+        "--ipv4-native-routing-cidr",
+        "10.200.0.0/16",
+    ];
+    args.extend_from_slice(extra);
+    let Some(mut c) = privileged().then(|| Cluster::start_with(2, &args)) else {
         return;
     };
     let (outside, outside_ip) = c.add_outside();

@@ -93,7 +93,7 @@ pub async fn run_route_reconciler(
         }
         let tunnel = applier.as_ref().and_then(|a| a.tunnel_ifindex());
         let host_routing = netdev.reconcile(&cfg, local_ip, tunnel).await;
-        let host_firewall = netdev.host_firewall(&cfg, local_ip).await;
+        let host_firewall = netdev.host_firewall(&cfg, local_ip, tunnel).await;
         let masq = masquerade.reconcile(&local, &snapshot, &cfg).await;
         if let Ok(mut v) = view.lock() {
             v.host_routing = host_routing;
@@ -128,6 +128,9 @@ struct NetdevProgram {
     firewall: Option<(u32, bool)>,
     /// This run took a left-over host firewall off (`--enable-host-firewall=false`).
     firewall_cleared: bool,
+    /// Tunnel mode: the tunnel device the host firewall is on, and whether with its own
+    /// ingress program.
+    firewall_tunnel: Option<(u32, bool)>,
 }
 
 impl NetdevProgram {
@@ -201,6 +204,7 @@ impl NetdevProgram {
         &mut self,
         cfg: &RoutingConfig,
         local_ip: Option<std::net::Ipv4Addr>,
+        tunnel: Option<u32>,
     ) -> String {
         let Some(pins) = cfg.bpf_pins.clone() else {
             return "off".into();
@@ -222,17 +226,27 @@ impl NetdevProgram {
             return format!("not attached: no device of this node holds {ip}");
         };
         let ingress = self.attached != Some(ifindex);
-        if self.firewall == Some((ifindex, ingress)) {
+        let tunnel = tunnel
+            .filter(|_| cfg.mode == RoutingMode::Tunnel)
+            .map(|t| (t, self.attached != Some(t)));
+        if self.firewall == Some((ifindex, ingress)) && self.firewall_tunnel == tunnel {
             return name;
         }
         let r = actix_web::web::block(move || {
-            crate::datapath::bpf::host_firewall::attach(&pins, ifindex, ingress)
+            crate::datapath::bpf::host_firewall::attach(&pins, ifindex, ingress)?;
+            match tunnel {
+                Some((t, ingress)) => {
+                    crate::datapath::bpf::host_firewall::attach_tunnel(&pins, t, ingress)
+                }
+                None => Ok(()),
+            }
         })
         .await;
         match r {
             Ok(Ok(())) => {
-                tracing::info!(device = %name, "host firewall attached");
+                tracing::info!(device = %name, tunnel = ?tunnel, "host firewall attached");
                 self.firewall = Some((ifindex, ingress));
+                self.firewall_tunnel = tunnel;
                 name
             }
             Ok(Err(e)) => {

@@ -1,6 +1,7 @@
 //! The host firewall at the node's device (`bpf/lib/hostfw.h`): `to_netdev` on the device's
 //! TCX egress, and `from_netdev` on its ingress unless BPF host routing put it there already
-//! (`host_delivery`: the same program judges both).
+//! (`host_delivery`: the same program judges both); in tunnel mode the same on the agent's
+//! tunnel device, for the node's traffic with other nodes' pods (inside the tunnel).
 //!
 //! Invariants:
 //! - the links are pinned under the agent's own pin root, like the endpoints' links: the
@@ -52,6 +53,42 @@ pub fn attach(pins: &Path, ifindex: u32, ingress: bool) -> Result<(), DatapathEr
     Ok(())
 }
 
+/// The pinned TCX links on the agent's tunnel device (tunnel mode): what the node sends to
+/// other nodes' pods leaves through it before encapsulation, and what their pods send the node
+/// arrives on it after decapsulation.
+pub const LINK_TUNNEL_INGRESS: &str = "link_hostfw_tunnel_ingress";
+pub const LINK_TUNNEL_EGRESS: &str = "link_hostfw_tunnel_egress";
+
+/// Attaches the programs to the tunnel device `ifindex`: `to_netdev` at its egress, and
+/// `from_netdev` at its ingress when `ingress` (BPF host routing has not put it there).
+pub fn attach_tunnel(pins: &Path, ifindex: u32, ingress: bool) -> Result<(), DatapathError> {
+    let mut storage = MaybeUninit::uninit();
+    let skel = load_netdev_program(&mut storage, pins, true)?;
+    let fail = |e: tcx::TcxError| DatapathError::System {
+        operation: format!("attach the host firewall to the tunnel device {ifindex}"),
+        message: e.to_string(),
+    };
+    tcx::attach(
+        &skel.progs.to_netdev,
+        ifindex as i32,
+        Hook::Egress,
+        &pins.join(LINK_TUNNEL_EGRESS),
+    )
+    .map_err(fail)?;
+    if ingress {
+        tcx::attach(
+            &skel.progs.from_netdev,
+            ifindex as i32,
+            Hook::Ingress,
+            &pins.join(LINK_TUNNEL_INGRESS),
+        )
+        .map_err(fail)?;
+    } else {
+        tcx::detach(&pins.join(LINK_TUNNEL_INGRESS));
+    }
+    Ok(())
+}
+
 /// The device the egress program is attached to, if any.
 pub fn attached_ifindex(pins: &Path) -> Option<u32> {
     tcx::pinned_link_info(&pins.join(LINK_EGRESS)).map(|(ifindex, _, _)| ifindex)
@@ -59,6 +96,12 @@ pub fn attached_ifindex(pins: &Path) -> Option<u32> {
 
 /// Takes both programs off (the host firewall turned off).
 pub fn detach(pins: &Path) {
-    tcx::detach(&pins.join(LINK_EGRESS));
-    tcx::detach(&pins.join(LINK_INGRESS));
+    for link in [
+        LINK_EGRESS,
+        LINK_INGRESS,
+        LINK_TUNNEL_EGRESS,
+        LINK_TUNNEL_INGRESS,
+    ] {
+        tcx::detach(&pins.join(link));
+    }
 }
