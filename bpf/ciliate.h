@@ -15,7 +15,6 @@
 
 /* Reserved identities the datapath needs (same numbers as the policy engine). */
 #define CILIATE_ID_HOST 1
-#define CILIATE_ID_WORLD 2
 #define CILIATE_ID_REMOTE_NODE 6
 #define CILIATE_ID_WORLD_IPV4 9
 #define CILIATE_ID_WORLD_IPV6 10

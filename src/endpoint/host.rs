@@ -198,6 +198,26 @@ mod tests {
     }
 
     #[test]
+    fn the_datapath_knows_the_host_endpoint_by_the_same_numbers() {
+        let header = include_str!("../../bpf/ciliate.h");
+        for (define, value) in [
+            ("CILIATE_HOST_ENDPOINT_ID", u32::from(HOST_ENDPOINT_ID)),
+            ("CILIATE_ID_HOST", crate::policy::identity::IDENTITY_HOST),
+            (
+                "CILIATE_ID_REMOTE_NODE",
+                crate::policy::identity::IDENTITY_REMOTE_NODE,
+            ),
+            (
+                "CILIATE_TUNNEL_PORT",
+                u32::from(crate::network::tunnel::VXLAN_PORT),
+            ),
+        ] {
+            let line = format!("#define {define} {value}\n");
+            assert!(header.contains(&line), "bpf/ciliate.h lacks {line:?}");
+        }
+    }
+
+    #[test]
     fn the_mode_names_what_status_shows() {
         assert_eq!(firewall_mode(false, true), "off");
         assert_eq!(firewall_mode(true, true), "audit");
