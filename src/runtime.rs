@@ -80,6 +80,9 @@ pub struct Shared {
     /// Kubernetes mode: the API server's address (a connection the host firewall warns
     /// before cutting: `endpoint::host::Lifeline`).
     pub api_server: Option<std::net::SocketAddr>,
+    /// The port this node's kubelet reports in its Node object (0: none): the API server's
+    /// connections to it (logs, exec, port-forward) are the host firewall's second lifeline.
+    pub kubelet_port: Arc<std::sync::atomic::AtomicU32>,
     /// What the host policies in force would cut of the node's own connections (`status`).
     pub host_firewall_warnings: Arc<Mutex<Vec<String>>>,
 }
@@ -142,6 +145,7 @@ impl Shared {
             http: Default::default(),
             pod_source: Default::default(),
             api_server: None,
+            kubelet_port: Default::default(),
             host_firewall_warnings: Default::default(),
         }
     }

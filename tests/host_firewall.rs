@@ -76,6 +76,7 @@ fn host_policies_judge_traffic_to_and_from_the_node_in_enforcing_and_audit_mode(
     // The host endpoint: listed with the Node's labels as Cilium keeps them.
     let mut node = node_object(1);
     node["metadata"]["labels"] = json!({"node-access": "ssh", "kubernetes.io/hostname": "node-1"});
+    node["status"]["daemonEndpoints"] = json!({"kubeletEndpoint": {"Port": 10250}});
     c.api().apply_json(node).expect("node labels");
     let agent1 = c.nodes[0].agent();
     agent1.wait_until("the host endpoint has node 1's labels", || {
@@ -120,6 +121,12 @@ fn host_policies_judge_traffic_to_and_from_the_node_in_enforcing_and_audit_mode(
     };
     eventually("node 1 is locked down as its host policy says", || {
         enforced()
+    });
+    // The policy lets the API server no longer reach the kubelet's port: named.
+    let agent1 = c.nodes[0].agent();
+    agent1.wait_until("the kubelet lifeline warning names lock-down", || {
+        let w = agent1.cli_json(&["status"])["host_firewall_warnings"].to_string();
+        w.contains("kubelet's port 10250") && w.contains("lock-down") && !w.contains(":6443")
     });
     // The node's own processes still reach its kubelet-like port (its loopback path), and the
     // cluster's network (the API server among it).
@@ -181,7 +188,9 @@ fn host_policies_judge_traffic_to_and_from_the_node_in_enforcing_and_audit_mode(
     );
     // A host policy that would cut the agent from its API server is named before it bites
     // (tried in audit mode, where nothing is dropped).
-    assert!(status(&c, 1).get("host_firewall_warnings").is_none());
+    assert!(!status(&c, 1)["host_firewall_warnings"]
+        .to_string()
+        .contains(":6443"));
     let cut = json!({
         "apiVersion": "cilium.io/v2", "kind": "CiliumClusterwideNetworkPolicy",
         "metadata": {"name": "cut-api"},
@@ -203,10 +212,9 @@ fn host_policies_judge_traffic_to_and_from_the_node_in_enforcing_and_audit_mode(
         )
         .expect("delete cut-api");
     agent1.wait_until("the warning is gone with the policy", || {
-        agent1
-            .cli_json(&["status"])
-            .get("host_firewall_warnings")
-            .is_none()
+        !agent1.cli_json(&["status"])["host_firewall_warnings"]
+            .to_string()
+            .contains("cut-api")
     });
     assert!(agent1
         .log()

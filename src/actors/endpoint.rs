@@ -289,18 +289,34 @@ impl EndpointActor {
         policy: &crate::policy::engine::EndpointPolicy,
     ) {
         use crate::endpoint::host::{cut_lifelines, Lifeline};
-        let lifelines: Vec<Lifeline> = self
+        use crate::policy::rule::Direction;
+        let kubelet = self
             .shared
-            .api_server
-            .iter()
-            .map(|api| Lifeline {
+            .kubelet_port
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let mut lifelines = Vec::new();
+        if let Some(api) = self.shared.api_server {
+            let peer = engine.identity_of_ip(api.ip());
+            lifelines.push(Lifeline {
                 what: format!("its API server {api}"),
-                direction: crate::policy::rule::Direction::Egress,
-                peer: engine.identity_of_ip(api.ip()),
+                direction: Direction::Egress,
+                peer,
                 protocol: 6,
                 port: api.port(),
-            })
-            .collect();
+            });
+            if let Ok(port @ 1..) = u16::try_from(kubelet) {
+                lifelines.push(Lifeline {
+                    what: format!(
+                        "its kubelet's port {port}, which the API server {} reaches for logs, exec and port-forward",
+                        api.ip()
+                    ),
+                    direction: Direction::Ingress,
+                    peer,
+                    protocol: 6,
+                    port,
+                });
+            }
+        }
         let warnings = cut_lifelines(policy, &lifelines);
         let Ok(mut shown) = self.shared.host_firewall_warnings.lock() else {
             return;

@@ -91,6 +91,7 @@ mod tests {
             annotations: Default::default(),
             ips: vec!["fd00::2".parse().unwrap(), "172.18.0.2".parse().unwrap()],
             pod_cidrs: vec![],
+            kubelet_port: None,
         };
         let want = desired_annotations(&node, Some("10.244.1.0/24".parse().unwrap()));
         assert_eq!(want[POD_CIDR_ANNOTATION], "10.244.1.0/24");

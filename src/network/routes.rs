@@ -325,6 +325,7 @@ mod tests {
             annotations: Default::default(),
             ips: ips.iter().map(|i| i.parse().unwrap()).collect(),
             pod_cidrs: cidrs.iter().map(|c| c.to_string()).collect(),
+            kubelet_port: None,
         }
     }
 

@@ -616,6 +616,7 @@ mod tests {
             annotations: Default::default(),
             ips: vec![ip.parse().unwrap()],
             pod_cidrs: vec![],
+            kubelet_port: None,
         }
     }
 

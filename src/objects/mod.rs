@@ -55,6 +55,8 @@ pub struct NodeInfo {
     pub annotations: BTreeMap<String, String>,
     pub ips: Vec<IpAddr>,
     pub pod_cidrs: Vec<String>,
+    /// `status.daemonEndpoints.kubeletEndpoint.Port`, when the kubelet reports it.
+    pub kubelet_port: Option<u16>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -323,6 +325,13 @@ pub fn node_info(node: &Node) -> Result<NodeInfo, String> {
         annotations: node.metadata.annotations.clone().unwrap_or_default(),
         ips,
         pod_cidrs,
+        kubelet_port: node
+            .status
+            .as_ref()
+            .and_then(|s| s.daemon_endpoints.as_ref())
+            .and_then(|d| d.kubelet_endpoint.as_ref())
+            .and_then(|k| u16::try_from(k.port).ok())
+            .filter(|p| *p != 0),
     })
 }
 

@@ -167,6 +167,10 @@ impl Handler<NodeUpsert> for PolicyRepoActor {
     fn handle(&mut self, msg: NodeUpsert, _: &mut Context<Self>) {
         if msg.node.name == self.shared.node_name {
             self.adopt_node_pod_cidr(&msg.node);
+            let port = msg.node.kubelet_port.map_or(0, u32::from);
+            self.shared
+                .kubelet_port
+                .store(port, std::sync::atomic::Ordering::Relaxed);
         }
         let local = msg.node.name == self.shared.node_name;
         let change = self.indexed(|ix, e| ix.upsert_node(e, msg.node, local));
