@@ -11,6 +11,10 @@
 //! timed by the kernel itself (`BPF_PROG_TEST_RUN` duration, ns per run); and the wall time of
 //! applying a 10,000-entry policy delta through `BpfDatapath::sync_policy`.
 //!
+//! The host firewall (issue #29: on the node's device, a new connection <= 250 ns warm, an
+//! established packet <= 100 ns): the host endpoint's policy judging a SYN for the node and one
+//! the node sends, their established packets, and a packet for neither (forwarded traffic).
+//!
 //! Cluster tiers (issue #28: a packet still costs one policy lookup, within 10 ns): two
 //! endpoints resolved by the engine over 200 peer identities, one selected by 1,000
 //! CiliumNetworkPolicies, the other by the same plus 100 ClusterNetworkPolicies of 25 rules
@@ -237,6 +241,7 @@ fn main() {
     );
 
     tiered_map_ab(&mut dp, &pins);
+    host_firewall(&mut dp, &pins);
 
     // The same established packet timed one run per call, as the new connections are: what a
     // single-run measurement adds by itself.
@@ -536,4 +541,131 @@ fn tiered_map_ab(dp: &mut BpfDatapath, pins: &std::path::Path) {
     for ep in [21u16, 22] {
         dp.detach_endpoint(ep).unwrap();
     }
+}
+
+/// The host firewall's paths on the node's device (`from_netdev`, `to_netdev`), with the host
+/// endpoint's policy allowing TCP 22 in from one peer and TCP 443 out to another, everything
+/// else isolated both ways; interleaved over 7 rounds like the endpoint's figures.
+fn host_firewall(dp: &mut BpfDatapath, pins: &std::path::Path) {
+    use ciliate::policy::mapstate::{ingress_key, MapKey};
+    let egress_key = |identity, protocol, port_lo, port_hi| MapKey {
+        direction: ciliate::policy::rule::Direction::Egress,
+        identity,
+        protocol,
+        port_lo,
+        port_hi,
+    };
+    let host = [10, 98, 0, 1];
+    dp.upsert_ipcache("10.98.0.1/32".parse().unwrap(), 1)
+        .unwrap();
+    let id = ciliate::datapath::HOST_ENDPOINT_ID;
+    dp.attach_endpoint(&EndpointAttachment {
+        id,
+        interface: None,
+        ips: vec![],
+        identity: 1,
+        mac: None,
+    })
+    .unwrap();
+    let flags = EndpointFlags {
+        ingress_default_deny: true,
+        egress_default_deny: true,
+        ..Default::default()
+    };
+    // addr(2) has identity 1002, addr(3) 1003 (fill_ipcache).
+    let delta = MapDelta {
+        upserts: vec![
+            (ingress_key(1002, 6, 22, 22), false),
+            (egress_key(1003, 6, 443, 443), false),
+        ],
+        deletes: vec![],
+        ..Default::default()
+    };
+    dp.sync_policy(id, flags, &delta, true).unwrap();
+    let mut storage = MaybeUninit::uninit();
+    let nd = ciliate::datapath::bpf::load_netdev_program(&mut storage, pins, false).unwrap();
+    const UNSPEC: u32 = u32::MAX; // TC_ACT_UNSPEC (-1): allowed, on to the stack
+    let in_syn = packet(addr(2), host, 5555, 22, SYN);
+    let in_est = packet(addr(2), host, 5556, 22, ACK);
+    let out_syn = packet(host, addr(3), 6666, 443, SYN);
+    let out_est = packet(host, addr(3), 6667, 443, ACK);
+    let in_denied = packet(addr(4), host, 5557, 23, SYN);
+    let neither = packet(addr(4), addr(5), 5558, 80, SYN);
+    // The established ones' connections, opened once.
+    assert_eq!(
+        run(
+            &nd.progs.from_netdev,
+            &packet(addr(2), host, 5556, 22, SYN),
+            1
+        )
+        .0,
+        UNSPEC
+    );
+    assert_eq!(
+        run(
+            &nd.progs.to_netdev,
+            &packet(host, addr(3), 6667, 443, SYN),
+            1
+        )
+        .0,
+        UNSPEC
+    );
+    const ROUNDS: usize = 7;
+    const RUNS: u32 = 100_000;
+    let cases = [
+        (
+            "node's device, ingress: new connection to the node (SYN), warm",
+            &nd.progs.from_netdev,
+            &in_syn,
+            UNSPEC,
+        ),
+        (
+            "node's device, ingress: established packet to the node",
+            &nd.progs.from_netdev,
+            &in_est,
+            UNSPEC,
+        ),
+        (
+            "node's device, ingress: denied (default deny, with its event)",
+            &nd.progs.from_netdev,
+            &in_denied,
+            2,
+        ),
+        (
+            "node's device, ingress: a packet for neither the node nor a pod",
+            &nd.progs.from_netdev,
+            &neither,
+            UNSPEC,
+        ),
+        (
+            "node's device, egress: new connection from the node (SYN), warm",
+            &nd.progs.to_netdev,
+            &out_syn,
+            UNSPEC,
+        ),
+        (
+            "node's device, egress: established packet from the node",
+            &nd.progs.to_netdev,
+            &out_est,
+            UNSPEC,
+        ),
+    ];
+    let mut rounds: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
+    for _ in 0..ROUNDS {
+        for (i, (_, prog, pkt, verdict)) in cases.iter().enumerate() {
+            let (rc, ns) = run(prog, pkt, RUNS);
+            assert_eq!(rc, *verdict, "{}", cases[i].0);
+            rounds[i].push(ns);
+        }
+    }
+    for ((what, ..), v) in cases.iter().zip(rounds.iter_mut()) {
+        v.sort_by(|a, b| a.total_cmp(b));
+        println!(
+            "host firewall, {what}: {:.0} ns per packet (median of {ROUNDS} rounds of {RUNS} runs; range {:.0}-{:.0})",
+            v[v.len() / 2],
+            v[0],
+            v[v.len() - 1]
+        );
+    }
+    dp.detach_endpoint(id).unwrap();
 }
