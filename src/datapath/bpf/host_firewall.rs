@@ -26,6 +26,31 @@ pub const LINK_EGRESS: &str = "link_hostfw_egress";
 /// Attaches the programs to the device `ifindex`: `to_netdev` at its egress, and `from_netdev`
 /// at its ingress when `ingress` (else a link of an earlier run there is taken off).
 pub fn attach(pins: &Path, ifindex: u32, ingress: bool) -> Result<(), DatapathError> {
+    attach_at(pins, ifindex, ingress, (LINK_EGRESS, LINK_INGRESS))
+}
+
+/// The pinned TCX links on the agent's tunnel device (tunnel mode): what the node sends to
+/// other nodes' pods leaves through it before encapsulation, and what their pods send the node
+/// arrives on it after decapsulation.
+pub const LINK_TUNNEL_INGRESS: &str = "link_hostfw_tunnel_ingress";
+pub const LINK_TUNNEL_EGRESS: &str = "link_hostfw_tunnel_egress";
+
+/// As [`attach`], on the tunnel device `ifindex` (its own links).
+pub fn attach_tunnel(pins: &Path, ifindex: u32, ingress: bool) -> Result<(), DatapathError> {
+    attach_at(
+        pins,
+        ifindex,
+        ingress,
+        (LINK_TUNNEL_EGRESS, LINK_TUNNEL_INGRESS),
+    )
+}
+
+fn attach_at(
+    pins: &Path,
+    ifindex: u32,
+    ingress: bool,
+    (egress_link, ingress_link): (&str, &str),
+) -> Result<(), DatapathError> {
     let mut storage = MaybeUninit::uninit();
     let skel = load_netdev_program(&mut storage, pins, true)?;
     let fail = |e: tcx::TcxError| DatapathError::System {
@@ -36,7 +61,7 @@ pub fn attach(pins: &Path, ifindex: u32, ingress: bool) -> Result<(), DatapathEr
         &skel.progs.to_netdev,
         ifindex as i32,
         Hook::Egress,
-        &pins.join(LINK_EGRESS),
+        &pins.join(egress_link),
     )
     .map_err(fail)?;
     if ingress {
@@ -44,57 +69,16 @@ pub fn attach(pins: &Path, ifindex: u32, ingress: bool) -> Result<(), DatapathEr
             &skel.progs.from_netdev,
             ifindex as i32,
             Hook::Ingress,
-            &pins.join(LINK_INGRESS),
+            &pins.join(ingress_link),
         )
         .map_err(fail)?;
     } else {
-        tcx::detach(&pins.join(LINK_INGRESS));
+        tcx::detach(&pins.join(ingress_link));
     }
     Ok(())
 }
 
-/// The pinned TCX links on the agent's tunnel device (tunnel mode): what the node sends to
-/// other nodes' pods leaves through it before encapsulation, and what their pods send the node
-/// arrives on it after decapsulation.
-pub const LINK_TUNNEL_INGRESS: &str = "link_hostfw_tunnel_ingress";
-pub const LINK_TUNNEL_EGRESS: &str = "link_hostfw_tunnel_egress";
-
-/// Attaches the programs to the tunnel device `ifindex`: `to_netdev` at its egress, and
-/// `from_netdev` at its ingress when `ingress` (BPF host routing has not put it there).
-pub fn attach_tunnel(pins: &Path, ifindex: u32, ingress: bool) -> Result<(), DatapathError> {
-    let mut storage = MaybeUninit::uninit();
-    let skel = load_netdev_program(&mut storage, pins, true)?;
-    let fail = |e: tcx::TcxError| DatapathError::System {
-        operation: format!("attach the host firewall to the tunnel device {ifindex}"),
-        message: e.to_string(),
-    };
-    tcx::attach(
-        &skel.progs.to_netdev,
-        ifindex as i32,
-        Hook::Egress,
-        &pins.join(LINK_TUNNEL_EGRESS),
-    )
-    .map_err(fail)?;
-    if ingress {
-        tcx::attach(
-            &skel.progs.from_netdev,
-            ifindex as i32,
-            Hook::Ingress,
-            &pins.join(LINK_TUNNEL_INGRESS),
-        )
-        .map_err(fail)?;
-    } else {
-        tcx::detach(&pins.join(LINK_TUNNEL_INGRESS));
-    }
-    Ok(())
-}
-
-/// The device the egress program is attached to, if any.
-pub fn attached_ifindex(pins: &Path) -> Option<u32> {
-    tcx::pinned_link_info(&pins.join(LINK_EGRESS)).map(|(ifindex, _, _)| ifindex)
-}
-
-/// Takes both programs off (the host firewall turned off).
+/// Takes every host firewall program off (the host firewall turned off).
 pub fn detach(pins: &Path) {
     for link in [
         LINK_EGRESS,
