@@ -42,23 +42,26 @@ fn lock_down() -> Value {
     })
 }
 
+/// Two nodes with the host firewall on and masquerading to the outside (`extra`: more agent
+/// flags); none when not privileged.
+fn firewall_cluster(extra: &[&str]) -> Option<Cluster> {
+    let mut args = vec![
+        "--enable-host-firewall",
+        "true",
+        "--ipv4-native-routing-cidr",
+        "10.200.0.0/16",
+    ];
+    args.extend_from_slice(extra);
+    privileged().then(|| Cluster::start_with(2, &args))
+}
+
 fn status(c: &Cluster, i: usize) -> Value {
     c.nodes[i - 1].agent().cli_json(&["status"])
 }
 
 #[test]
 fn host_policies_judge_traffic_to_and_from_the_node_in_enforcing_and_audit_mode() {
-    let Some(mut c) = privileged().then(|| {
-        Cluster::start_with(
-            2,
-            &[
-                "--enable-host-firewall",
-                "true",
-                "--ipv4-native-routing-cidr",
-                "10.200.0.0/16",
-            ],
-        )
-    }) else {
+    let Some(mut c) = firewall_cluster(&[]) else {
         return;
     };
     let (outside, outside_ip) = c.add_outside();
@@ -324,14 +327,7 @@ fn the_connectivity_suites_host_policies_judge_as_cilium_expects_in_tunnel_mode(
 }
 
 fn connectivity_suite(extra: &[&str]) {
-    let mut args = vec![
-        "--enable-host-firewall",
-        "true",
-        "--ipv4-native-routing-cidr",
-        "10.200.0.0/16",
-    ];
-    args.extend_from_slice(extra);
-    let Some(mut c) = privileged().then(|| Cluster::start_with(2, &args)) else {
+    let Some(mut c) = firewall_cluster(extra) else {
         return;
     };
     let (outside, outside_ip) = c.add_outside();
@@ -401,17 +397,7 @@ fn connectivity_suite(extra: &[&str]) {
 /// own connections to a pod of node 2, under the node's egress rules.
 #[test]
 fn kube_proxy_style_dnat_keeps_working_under_a_host_policy() {
-    let Some(mut c) = privileged().then(|| {
-        Cluster::start_with(
-            2,
-            &[
-                "--enable-host-firewall",
-                "true",
-                "--ipv4-native-routing-cidr",
-                "10.200.0.0/16",
-            ],
-        )
-    }) else {
+    let Some(mut c) = firewall_cluster(&[]) else {
         return;
     };
     let (outside, _) = c.add_outside();
