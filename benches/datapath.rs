@@ -13,7 +13,8 @@
 //!
 //! The host firewall (issue #29: on the node's device, a new connection <= 250 ns warm, an
 //! established packet <= 100 ns): the host endpoint's policy judging a SYN for the node and one
-//! the node sends, their established packets, and a packet for neither (forwarded traffic).
+//! the node sends, their established packets and replies, and a packet for neither (forwarded
+//! traffic).
 //!
 //! Cluster tiers (issue #28: a packet still costs one policy lookup, within 10 ns): two
 //! endpoints resolved by the engine over 200 peer identities, one selected by 1,000
@@ -591,6 +592,8 @@ fn host_firewall(dp: &mut BpfDatapath, pins: &std::path::Path) {
     let out_est = packet(host, addr(3), 6667, 443, ACK);
     let in_denied = packet(addr(4), host, 5557, 23, SYN);
     let neither = packet(addr(4), addr(5), 5558, 80, SYN);
+    let in_reply = packet(addr(3), host, 443, 6667, ACK);
+    let out_reply = packet(host, addr(2), 22, 5556, ACK);
     // The established ones' connections, opened once.
     assert_eq!(
         run(
@@ -647,6 +650,18 @@ fn host_firewall(dp: &mut BpfDatapath, pins: &std::path::Path) {
             "node's device, egress: established packet from the node",
             &nd.progs.to_netdev,
             &out_est,
+            UNSPEC,
+        ),
+        (
+            "node's device, ingress: reply to a connection the node opened",
+            &nd.progs.from_netdev,
+            &in_reply,
+            UNSPEC,
+        ),
+        (
+            "node's device, egress: reply of a connection to the node",
+            &nd.progs.to_netdev,
+            &out_reply,
             UNSPEC,
         ),
     ];

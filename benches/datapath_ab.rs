@@ -28,6 +28,12 @@
 //!   `CILIATE_AB_CANDIDATE_ALLOW_EVENTS=0` turns today's off, to see what they cost).
 //! - Each object's programs: the verifier's processed instructions (`verified_insns`) and the
 //!   translated size, deterministic figures beside the timed ones.
+//! - The node device's programs, when both objects have them (`from_netdev`, `to_netdev`):
+//!   a packet of an established flow and a new connection delivered into a local pod (BPF
+//!   host routing; TTL 255 and 200 runs a round, since each run forwards the same packet
+//!   again), and, with a host endpoint whose policy allows TCP 22 in and TCP 443 out, the
+//!   host firewall's new connections and established packets both ways and a packet for
+//!   neither the node nor a pod.
 
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
@@ -96,6 +102,7 @@ fn main() {
     let cand_events = std::env::var("CILIATE_AB_CANDIDATE_ALLOW_EVENTS")
         .ok()
         .map(|v| v != "0");
+    fill_node_device(&mut dp, &shared);
     let a = load(&base_obj, &shared, &root.join("a"), Some(base_events));
     let b = load(&cand_obj, &shared, &root.join("b"), cand_events);
     let events = MapHandle::from_pinned_path(shared.join("events")).unwrap();
@@ -115,7 +122,13 @@ fn main() {
         }
     );
     println!("program         A verified insns  B verified insns   A xlated bytes  B xlated bytes");
-    for name in ["to_container", "from_container"] {
+    let node_device = [&a, &b].iter().all(|o| has_prog(&o.obj, "to_netdev"));
+    let names: &[&str] = if node_device {
+        &["to_container", "from_container", "from_netdev", "to_netdev"]
+    } else {
+        &["to_container", "from_container"]
+    };
+    for name in names {
         let (ia, xa) = prog_figures(&a.obj, name);
         let (ib, xb) = prog_figures(&b.obj, name);
         println!("{name:<15} {ia:>16}  {ib:>16}   {xa:>14}  {xb:>14}");
@@ -128,8 +141,11 @@ fn main() {
     let opening = packet(addr(1), dst, 1025, 80, SYN);
     for o in [&a, &b] {
         assert_eq!(run(&o.obj, "to_container", &opening, 1).0, 0, "open");
+        if node_device {
+            open_node_device_flows(&o.obj);
+        }
     }
-    let cases: Vec<Case> = vec![
+    let mut cases: Vec<Case> = vec![
         Case::repeated(
             "established flow through conntrack",
             "to_container",
@@ -161,8 +177,12 @@ fn main() {
                 .map(|i| packet(addr(i % 16_384), dst, 1024 + (i % 60_000) as u16, 80, SYN))
                 .collect(),
             verdict: 0,
+            repeat: 1,
         },
     ];
+    if node_device {
+        cases.extend(node_device_cases(dst));
+    }
     let mut ratios: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
     let mut ns: Vec<[Vec<f64>; 2]> = vec![Default::default(); cases.len()];
     let mut rounds = 0;
@@ -211,6 +231,8 @@ struct Case {
     prog: &'static str,
     packets: Vec<Vec<u8>>,
     verdict: i32,
+    /// Runs of the one packet per timed run.
+    repeat: u32,
 }
 
 impl Case {
@@ -220,6 +242,7 @@ impl Case {
             prog,
             packets: vec![pkt],
             verdict,
+            repeat: RUNS,
         }
     }
 
@@ -228,7 +251,7 @@ impl Case {
     /// buffer: `RUNS` and `DRAIN_EVERY` events fit in it.
     fn time(&self, obj: &Object, drain: &libbpf_rs::RingBuffer) -> f64 {
         if let [pkt] = self.packets.as_slice() {
-            let (rc, ns) = run(obj, self.prog, pkt, RUNS);
+            let (rc, ns) = run(obj, self.prog, pkt, self.repeat);
             assert_eq!(rc, self.verdict, "{}", self.what);
             drain.consume().unwrap();
             return ns;
@@ -494,4 +517,129 @@ fn fill(dp: &mut BpfDatapath) {
         ..Default::default()
     };
     dp.sync_policy(EP as u16, flags, &delta, true).unwrap();
+}
+
+/// The host endpoint's address, and the TC verdicts of the node device's programs.
+const NODE: [u8; 4] = [10, 98, 0, 1];
+const TC_ACT_UNSPEC: i32 = -1;
+const TC_ACT_REDIRECT: i32 = 7;
+/// Runs a round of a packet BPF host routing forwards (one TTL each, from 255).
+const FORWARDED_RUNS: u32 = 200;
+
+fn has_prog(obj: &Object, name: &str) -> bool {
+    obj.progs().any(|p| p.name() == name)
+}
+
+/// The node device's state: endpoint `EP` (10.99.0.1) delivered to by `from_netdev`, and the
+/// host endpoint (10.98.0.1, identity host) allowing TCP 22 in from `addr(2)` and TCP 443 out
+/// to `addr(3)`, default deny both ways.
+fn fill_node_device(dp: &mut BpfDatapath, shared: &Path) {
+    use ciliate::datapath::bpf::{types, Pod};
+    use ciliate::policy::mapstate::{ingress_key, MapKey};
+    use ciliate::policy::rule::Direction;
+    let local = MapHandle::from_pinned_path(shared.join("local_endpoints")).unwrap();
+    let le = types::local_endpoint {
+        endpoint_id: EP,
+        ifindex: 1,
+        mac: [2, 0, 0, 0, 0, 7],
+        node_mac: [2, 0, 0, 0, 0, 1],
+    };
+    local
+        .update(&[10, 99, 0, 1], le.as_bytes(), MapFlags::ANY)
+        .unwrap();
+    dp.upsert_ipcache("10.98.0.1/32".parse().unwrap(), 1)
+        .unwrap();
+    let id = ciliate::datapath::HOST_ENDPOINT_ID;
+    dp.attach_endpoint(&EndpointAttachment {
+        id,
+        interface: None,
+        ips: vec![],
+        identity: 1,
+        mac: None,
+    })
+    .unwrap();
+    let flags = EndpointFlags {
+        ingress_default_deny: true,
+        egress_default_deny: true,
+        ..Default::default()
+    };
+    let out = MapKey {
+        direction: Direction::Egress,
+        identity: 1003,
+        protocol: 6,
+        port_lo: 443,
+        port_hi: 443,
+    };
+    let delta = MapDelta {
+        upserts: vec![(ingress_key(1002, 6, 22, 22), false), (out, false)],
+        ..Default::default()
+    };
+    dp.sync_policy(id, flags, &delta, true).unwrap();
+}
+
+/// A packet with TTL 255 (forwarded again on every run).
+fn ttl255(mut p: Vec<u8>) -> Vec<u8> {
+    p[22] = 255;
+    p
+}
+
+/// The node device's cases (their flows opened by `open_node_device_flows`).
+fn node_device_cases(dst: [u8; 4]) -> Vec<Case> {
+    let forwarded = |what, pkt| Case {
+        what,
+        prog: "from_netdev",
+        packets: vec![ttl255(pkt)],
+        verdict: TC_ACT_REDIRECT,
+        repeat: FORWARDED_RUNS,
+    };
+    vec![
+        forwarded(
+            "node device: established packet into a local pod",
+            packet(addr(1), dst, 1025, 80, ACK),
+        ),
+        forwarded(
+            "node device: new connection into a local pod (SYN), warm",
+            packet(addr(6), dst, 4445, 80, SYN),
+        ),
+        Case::repeated(
+            "host firewall: new connection to the node (SYN), warm",
+            "from_netdev",
+            packet(addr(2), NODE, 5555, 22, SYN),
+            TC_ACT_UNSPEC,
+        ),
+        Case::repeated(
+            "host firewall: established packet to the node",
+            "from_netdev",
+            packet(addr(2), NODE, 5556, 22, ACK),
+            TC_ACT_UNSPEC,
+        ),
+        Case::repeated(
+            "host firewall: new connection from the node (SYN), warm",
+            "to_netdev",
+            packet(NODE, addr(3), 6666, 443, SYN),
+            TC_ACT_UNSPEC,
+        ),
+        Case::repeated(
+            "host firewall: established packet from the node",
+            "to_netdev",
+            packet(NODE, addr(3), 6667, 443, ACK),
+            TC_ACT_UNSPEC,
+        ),
+        Case::repeated(
+            "host firewall: a packet for neither the node nor a pod",
+            "from_netdev",
+            packet(addr(4), addr(5), 5558, 80, ACK),
+            TC_ACT_UNSPEC,
+        ),
+    ]
+}
+
+/// Opens the host firewall's established flows on `obj` (their SYNs, once).
+fn open_node_device_flows(obj: &Object) {
+    for (prog, pkt) in [
+        ("from_netdev", packet(addr(2), NODE, 5556, 22, SYN)),
+        ("to_netdev", packet(NODE, addr(3), 6667, 443, SYN)),
+    ] {
+        assert_eq!(run(obj, prog, &pkt, 1).0, TC_ACT_UNSPEC, "open {prog}");
+    }
 }

@@ -64,6 +64,10 @@ fn bpf_programs_keep_their_verified_instruction_counts() {
             "from_netdev".to_string(),
             verified(dev.progs.from_netdev.as_fd()),
         );
+        measured.insert(
+            "to_netdev".to_string(),
+            verified(dev.progs.to_netdev.as_fd()),
+        );
     }
     let _ = std::fs::remove_dir_all(&root);
     check("bpf_insns.json", &measured);
