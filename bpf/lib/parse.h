@@ -34,7 +34,18 @@ static __always_inline int parse_l4(struct __sk_buff *skb, __u32 off, struct pac
 	if (p->l4_missing)
 		return 0;
 	switch (p->protocol) {
-	case IPPROTO_TCP:
+	case IPPROTO_TCP: {
+		/* Ports and the flags byte (offset 13) under one bounds check: a TCP header too
+		 * short to hold its flags is malformed. */
+		__u8 *tcp = data + off;
+		if ((void *)(tcp + 14) > end)
+			return -1;
+		p->sport = ((__u16)tcp[0] << 8) | tcp[1];
+		p->dport = ((__u16)tcp[2] << 8) | tcp[3];
+		p->policy_port = p->dport;
+		p->tcp_flags = tcp[13];
+		return 0;
+	}
 	case IPPROTO_UDP:
 	case IPPROTO_SCTP_: {
 		__u16 *ports = data + off;
@@ -43,11 +54,6 @@ static __always_inline int parse_l4(struct __sk_buff *skb, __u32 off, struct pac
 		p->sport = bpf_ntohs(ports[0]);
 		p->dport = bpf_ntohs(ports[1]);
 		p->policy_port = p->dport;
-		/* The flags byte through a helper: clang merges a second direct bounds check with
-		 * the one above in a way the verifier cannot follow. A header too short for flags
-		 * leaves them 0 (decided without them). */
-		if (p->protocol == IPPROTO_TCP)
-			bpf_skb_load_bytes(skb, off + 13, &p->tcp_flags, 1);
 		return 0;
 	}
 	case IPPROTO_ICMP:

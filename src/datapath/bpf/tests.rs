@@ -501,7 +501,7 @@ fn port_ranges_wildcards_and_fail_closed_states() {
     arp[13] = 0x06;
     // Policy is about IP: ARP passes even on a drop-all endpoint (neighbour resolution).
     assert_eq!(l.run(false, &arp), TC_ACT_OK);
-    let l2 = load(11);
+    let mut l2 = load(11);
     l2.endpoint(11, 300, 0, 0);
     assert_eq!(l2.run(false, &arp), TC_ACT_OK);
     // A valid IPv4 header followed by two bytes of TCP: malformed, dropped. (The kernel's
@@ -510,6 +510,12 @@ fn port_ranges_wildcards_and_fail_closed_states() {
         l2.run(false, &packet(6, "10.0.0.2", "10.0.0.1", 7, 80)[..36]),
         TC_ACT_SHOT
     );
+    // Ports but no flags byte (13 bytes of TCP): malformed too, on an endpoint whose policy
+    // would allow the port; 14 bytes hold the flags and are judged by policy.
+    l2.tcp_80_from_400(11);
+    let syn = packet(6, "10.0.0.2", "10.0.0.1", 8, 80);
+    assert_eq!(l2.run(false, &syn[..14 + 20 + 13]), TC_ACT_SHOT);
+    assert_eq!(l2.run(false, &syn[..14 + 20 + 14]), TC_ACT_OK);
 }
 
 /// Ethernet + IPv6 + an 8-byte ICMPv6 header of the given type.
