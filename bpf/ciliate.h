@@ -91,6 +91,18 @@ struct ipcache_value {
 	__u32 pad;
 };
 
+/* This node's own IPv4 addresses (the ipcache's host entries of identity host), mirrored by
+ * the agent into one record so that "is this packet for the node?" costs a few compares on
+ * the node device's paths instead of a hash lookup. Each slot holds an address in network
+ * order or 0; the agent changes one slot per update. With more addresses than slots,
+ * `overflow` is set and the programs ask the ipcache's host table instead. */
+#define CILIATE_HOST_ADDRS4_MAX 8
+struct host_addrs4 {
+	__u32 addr[CILIATE_HOST_ADDRS4_MAX];
+	__u32 overflow;
+	__u32 pad;
+};
+
 /* The endpoint map: an array indexed by the (16-bit) endpoint id -> what the program needs to
  * know about it. A slot with identity 0 holds no endpoint. */
 struct endpoint_info {

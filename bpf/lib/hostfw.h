@@ -62,6 +62,11 @@ static __always_inline int host_drops(struct packet *p, __u32 pod_id, int host_e
 /* Whether the packet's source (src) or destination is one of this node's addresses. */
 static __always_inline int host_address(struct packet *p, int src)
 {
+	if (p->family == 4) {
+		__u32 a;
+		__builtin_memcpy(&a, src ? p->saddr : p->daddr, 4);
+		return node_address4(a);
+	}
 	struct ipcache_host_key hk = {};
 	hk.family = p->family;
 	__builtin_memcpy(hk.addr, src ? p->saddr : p->daddr, 16);
@@ -81,17 +86,42 @@ static __always_inline void host_track(struct packet *p, int egress, __u64 now, 
 		count(CILIATE_CT_FULL);
 }
 
-/* A packet of a connection the host endpoint tracks: refreshed; 1 when found. */
+/* The host endpoint's entry of the packet's tuple (reverse = 0: the packet travels the way its
+ * connection opened) or of its reply's (reverse = 1: it travels the other way), or 0. */
+static __always_inline struct ct_value *host_ct(struct packet *p, int egress, int reverse)
+{
+	struct ct_value *ct = ct_lookup(p, CILIATE_HOST_ENDPOINT_ID, reverse);
+	return ct && (ct->egress != egress) == reverse ? ct : 0;
+}
+
+/* A packet of a connection the host endpoint tracks: refreshed; 1 when found. Its entry is
+ * the packet's own tuple (the direction that opened it) or the reversed one (a reply); the
+ * reversed is tried first for a packet from a lower port to a higher one, the way a server
+ * answers a client's ephemeral port, so that most packets of either direction cost one
+ * lookup. Only the order depends on the ports: either finds the entry. */
 static __always_inline int host_tracked(struct packet *p, int egress, __u64 now, __u8 closing)
 {
-	struct ct_value *ct = ct_lookup(p, CILIATE_HOST_ENDPOINT_ID, 0);
-	int reply = 0;
-	if (!ct || ct->egress != egress) {
-		ct = ct_lookup(p, CILIATE_HOST_ENDPOINT_ID, 1);
-		if (!ct || ct->egress == egress)
-			return 0;
+	/* Each lookup with a constant direction: a variable one would put a branch in every
+	 * field of the key, and the verifier would follow each. */
+	struct ct_value *ct;
+	int reply;
+	if (p->sport < p->dport) {
 		reply = 1;
+		ct = host_ct(p, egress, 1);
+		if (!ct) {
+			reply = 0;
+			ct = host_ct(p, egress, 0);
+		}
+	} else {
+		reply = 0;
+		ct = host_ct(p, egress, 0);
+		if (!ct) {
+			reply = 1;
+			ct = host_ct(p, egress, 1);
+		}
 	}
+	if (!ct)
+		return 0;
 	ct->last_seen_ns = now;
 	if (reply && !ct->replied)
 		ct->replied = 1;

@@ -94,6 +94,10 @@ static __always_inline int local_endpoint_of(struct __sk_buff *skb, struct local
 	if (!ip)
 		return 0;
 	__u32 daddr = ip->daddr;
+	/* The node's own address is no pod's (and spares the lookup on the host firewall's
+	 * paths). */
+	if (node_address4(daddr))
+		return 0;
 	struct local_endpoint *le = bpf_map_lookup_elem(&local_endpoints, &daddr);
 	if (!le || !le->endpoint_id || !le->ifindex)
 		return 0;

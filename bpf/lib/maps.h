@@ -20,6 +20,7 @@ struct verdict_event4 _abi_verdict_event4 = {};
 struct local_endpoint _abi_local_endpoint = {};
 struct l7_proxy_config _abi_l7_proxy_config = {};
 struct ct_value _abi_ct_value = {};
+struct host_addrs4 _abi_host_addrs4 = {};
 
 /* Endpoint ids are 16-bit, so both per-endpoint tables are arrays indexed by the id: the
  * verifier inlines their lookups (no hashing), which a new connection's two lookups feel. */
@@ -34,6 +35,9 @@ struct {
 PINNED_MAP(BPF_MAP_TYPE_LPM_TRIE, CILIATE_IPCACHE_MAX, struct ipcache_key, struct ipcache_value, BPF_F_NO_PREALLOC) ipcache SEC(".maps");
 
 PINNED_MAP(BPF_MAP_TYPE_HASH, CILIATE_IPCACHE_MAX, struct ipcache_host_key, struct ipcache_value, BPF_F_NO_PREALLOC) ipcache_hosts SEC(".maps");
+
+/* The node's own IPv4 addresses (struct host_addrs4; lib/ipcache.h). */
+PINNED_MAP(BPF_MAP_TYPE_ARRAY, 1, __u32, struct host_addrs4, 0) host_addrs4 SEC(".maps");
 
 /* A slot whose identity is 0 holds no endpoint. User space rewrites a record in place, so the
  * program may read a mix of an old and a new record's fields: the writer orders its updates

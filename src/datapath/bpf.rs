@@ -363,12 +363,14 @@ pod_types!(
     datapath_config,
     dns_proxy_config,
     l7_proxy_config,
-    local_endpoint
+    local_endpoint,
+    host_addrs4
 );
 
 pub mod conntrack;
 pub mod datapath;
 mod encoding;
+pub mod host_addrs;
 pub mod host_delivery;
 pub mod host_firewall;
 pub mod host_routes;

@@ -26,7 +26,7 @@ use crate::datapath::{
     Datapath, DatapathError, EndpointAttachment, EndpointFlags, EndpointId, PolicyMapDump,
     PolicyMapEntry, SyncStats,
 };
-use crate::policy::identity::NumericIdentity;
+use crate::policy::identity::{NumericIdentity, IDENTITY_HOST};
 use crate::policy::mapstate::MapDelta;
 
 mod attach;
@@ -77,6 +77,8 @@ pub struct BpfDatapath {
     policy_maps: MapHandle,
     /// This node's pods by address, for the node device's program (`host_delivery`).
     local_endpoints: MapHandle,
+    /// This node's own IPv4 addresses, mirrored from the host table (`host_addrs`).
+    host_addrs: super::host_addrs::HostAddrs,
     endpoints: BTreeMap<EndpointId, Endpoint>,
 }
 
@@ -118,6 +120,11 @@ impl BpfDatapath {
             endpoint_map: open("endpoints")?,
             policy_maps: open("policy_maps")?,
             local_endpoints: open(super::host_delivery::MAP)?,
+            host_addrs: {
+                let hosts = open("ipcache_hosts")?;
+                super::migrate::migrate_host_prefixes(&open("ipcache")?, &hosts);
+                super::host_addrs::HostAddrs::open(&pins, &hosts)?
+            },
             endpoints: BTreeMap::new(),
             pins,
             use_tcx: mode == AttachMode::Auto,
@@ -131,7 +138,6 @@ impl BpfDatapath {
             .iter()
             .filter_map(|m| m.info().ok().map(|i| i.info.id))
             .collect();
-        super::migrate::migrate_host_prefixes(&dp.ipcache, &dp.ipcache_hosts);
         if let Some(a) = super::conntrack::adopt_legacy(&dp.pins) {
             tracing::info!(
                 moved = a.moved,
@@ -583,7 +589,14 @@ impl Datapath for BpfDatapath {
                     message: e.to_string(),
                 }
             }
-        })
+        })?;
+        // The node's own IPv4 addresses, after the host table has them.
+        match prefix {
+            IpNet::V4(n) if n.prefix_len() == 32 => {
+                self.host_addrs.set(n.addr(), identity == IDENTITY_HOST)
+            }
+            _ => Ok(()),
+        }
     }
 
     fn remove_ipcache(&mut self, prefix: IpNet) -> Result<(), DatapathError> {
@@ -591,7 +604,10 @@ impl Datapath for BpfDatapath {
             let _ = self.ipcache_hosts.delete(hk.as_bytes());
         }
         let _ = self.ipcache.delete(ipcache_key(&prefix).as_bytes());
-        Ok(())
+        match prefix {
+            IpNet::V4(n) if n.prefix_len() == 32 => self.host_addrs.set(n.addr(), false),
+            _ => Ok(()),
+        }
     }
 
     fn dump_policy(&self, id: EndpointId) -> Result<PolicyMapDump, DatapathError> {

@@ -66,6 +66,12 @@ fn abi_layout_is_pinned() {
     assert_eq!(offset_of!(types::verdict_event4, endpoint_id), 22);
     assert_eq!(offset_of!(types::verdict_event4, saddr), 24);
     assert_eq!(size_of::<types::datapath_config>(), 8);
+    assert_eq!(size_of::<types::host_addrs4>(), 40);
+    assert_eq!(offset_of!(types::host_addrs4, overflow), 32);
+    assert_eq!(
+        super::host_addrs::SLOTS,
+        types::host_addrs4::default().addr.len()
+    );
     assert_eq!(offset_of!(types::ct_value, dns_proxy), 20);
     assert_eq!(offset_of!(types::ct_value, l7), 21);
     assert_eq!(offset_of!(types::ct_value, proxy_upstream), 22);
@@ -1212,4 +1218,112 @@ fn verdict_events_leave_in_batches_and_none_is_held_back() {
         records.iter().any(|r| r.len() > 1),
         "several events share a record: {records:?}"
     );
+}
+
+/// The node's own IPv4 addresses reach the programs through `host_addrs4`, mirrored by
+/// `BpfDatapath` from the ipcache's identity-host entries: the host firewall judges a packet
+/// for an address while it has identity host and not after; with more addresses than the
+/// record's slots the programs ask the host table, so none is missed; and a record lost or
+/// emptied (an upgrade that brings the map) is rebuilt from the host table when the agent opens
+/// the datapath.
+#[test]
+fn the_nodes_addresses_reach_the_host_firewall_through_their_record() {
+    if !privileged() {
+        return;
+    }
+    use crate::datapath::{Datapath, EndpointAttachment, EndpointFlags, HOST_ENDPOINT_ID};
+    let root = std::path::PathBuf::from(format!(
+        "/sys/fs/bpf/ciliate-unit-hostaddrs-{}",
+        std::process::id()
+    ));
+    struct Cleanup(std::path::PathBuf);
+    impl Drop for Cleanup {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let _cleanup = Cleanup(root.clone());
+    let pins = root.join("ciliate");
+    let mut dp = super::datapath::BpfDatapath::open(&root).unwrap();
+    dp.attach_endpoint(&EndpointAttachment {
+        id: HOST_ENDPOINT_ID,
+        interface: None,
+        ips: vec![],
+        identity: 1,
+        mac: None,
+    })
+    .unwrap();
+    let isolated = EndpointFlags {
+        ingress_default_deny: true,
+        ..Default::default()
+    };
+    dp.sync_policy(HOST_ENDPOINT_ID, isolated, &Default::default(), true)
+        .unwrap();
+    let storage = Box::leak(Box::new(MaybeUninit::uninit()));
+    let nd = load_netdev_program(storage, &pins, false).unwrap();
+    const UNSPEC: i32 = -1;
+    const SHOT: i32 = 2;
+    let to = |addr: &str| -> i32 {
+        let pkt = packet(6, "10.0.0.2", addr, 40000, 22);
+        let input = ProgramInput {
+            data_in: Some(&pkt),
+            ..Default::default()
+        };
+        nd.progs.from_netdev.test_run(input).unwrap().return_value as i32
+    };
+    let node = |i: u8| format!("10.98.0.{i}");
+    let host = |dp: &mut super::datapath::BpfDatapath, i: u8, identity: u32| {
+        dp.upsert_ipcache(format!("10.98.0.{i}/32").parse().unwrap(), identity)
+            .unwrap()
+    };
+    let record = || {
+        let m = MapHandle::from_pinned_path(pins.join(super::host_addrs::MAP)).unwrap();
+        let v = m
+            .lookup(&0u32.to_ne_bytes(), MapFlags::ANY)
+            .unwrap()
+            .unwrap();
+        types::host_addrs4::from_bytes(&v).unwrap()
+    };
+
+    assert_eq!(to(&node(1)), UNSPEC, "no address of the node yet");
+    host(&mut dp, 1, 1);
+    assert_eq!(to(&node(1)), SHOT, "the node's address: judged (isolated)");
+    host(&mut dp, 1, 1234);
+    assert_eq!(to(&node(1)), UNSPEC, "another identity now: not the node's");
+    assert_eq!(record().addr, [0; super::host_addrs::SLOTS]);
+
+    // Nine addresses, one more than the slots: every one is judged.
+    for i in 1..=9 {
+        host(&mut dp, i, 1);
+    }
+    assert_eq!(record().overflow, 1);
+    for i in 1..=9 {
+        assert_eq!(
+            to(&node(i)),
+            SHOT,
+            "{} with the record overflowing",
+            node(i)
+        );
+    }
+    dp.remove_ipcache(format!("{}/32", node(4)).parse().unwrap())
+        .unwrap();
+    assert_eq!(record().overflow, 0, "the ninth took the freed slot");
+    assert_eq!(to(&node(4)), UNSPEC, "removed");
+    assert_eq!(to(&node(9)), SHOT, "the ninth, from its slot");
+
+    // An emptied record (as a new map after an upgrade) is rebuilt on open.
+    let m = MapHandle::from_pinned_path(pins.join(super::host_addrs::MAP)).unwrap();
+    m.update(
+        &0u32.to_ne_bytes(),
+        types::host_addrs4::default().as_bytes(),
+        MapFlags::ANY,
+    )
+    .unwrap();
+    assert_eq!(to(&node(1)), UNSPEC, "emptied");
+    drop(dp);
+    let _dp = super::datapath::BpfDatapath::open(&root).unwrap();
+    for i in (1..=9).filter(|i| *i != 4) {
+        assert_eq!(to(&node(i)), SHOT, "{} after the rebuild", node(i));
+    }
+    assert_eq!(to(&node(4)), UNSPEC);
 }
