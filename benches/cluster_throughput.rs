@@ -9,14 +9,22 @@
 //! node 1 -> node 2 (the nodes' own addresses, no program on the path) and a -> b (veths, both
 //! endpoints' programs, a route via node 2, the same bridge), interleaved so both see the same
 //! machine state. Reported per mode: each round's Gbit/s, the medians and pod/node.
+//!
+//! Host firewall mode (issue #29: node-to-node and cross-node pod-to-pod throughput with the
+//! host firewall on >= 0.95 of the same with it off, in one run): two such clusters at once,
+//! the same but for `--enable-host-firewall`; on the first, a host policy on every node admits
+//! TCP 5201 from `remote-node` only (checked: another port is refused). Each round times, on
+//! each cluster in turn (which goes first alternates), node 1 -> node 2 and a -> b; reported:
+//! every figure, the medians, and on/off per path (of the medians and the median per-round
+//! ratio).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 
 use common::cluster::Cluster;
-use common::netns::stream_gbits;
+use common::netns::{stream_gbits, tcp_ok, tcp_server};
 use serde_json::json;
 
 const SECONDS: f64 = 2.0;
@@ -33,50 +41,72 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// A two-node cluster with pod a on node 1, pod b on node 2, and a policy that isolates b and
+/// admits a on `PORT`, enforced.
+struct Setup {
+    c: Cluster,
+    a: common::cni::CniPod,
+    b: common::cni::CniPod,
+}
+
+impl Setup {
+    fn start(args: &[&str]) -> Setup {
+        let mut c = Cluster::start_with(2, args);
+        let a = c.add_pod(1, "a", "a");
+        let b = c.add_pod(2, "b", "b");
+        c.api()
+            .apply_json(json!({
+                "apiVersion": "cilium.io/v2", "kind": "CiliumNetworkPolicy",
+                "metadata": {"name": "b-from-a", "namespace": "x"},
+                "spec": {
+                    "endpointSelector": {"matchLabels": {"app": "b"}},
+                    "ingress": [{"fromEndpoints": [{"matchLabels": {"app": "a"}}],
+                                 "toPorts": [{"ports": [{"port": PORT.to_string(), "protocol": "TCP"}]}]}]
+                }
+            }))
+            .expect("policy");
+        let node2 = c.nodes[1].agent();
+        node2.wait_until("b enforces its ingress", || {
+            node2
+                .cli_json(&["endpoint", "list"])
+                .as_array()
+                .is_some_and(|e| {
+                    e.iter()
+                        .any(|e| e["name"] == "x/b" && e["ingress_enforced"] == true)
+                })
+        });
+        Setup { c, a, b }
+    }
+
+    /// node 1 -> node 2 (Gbit/s).
+    fn node(&self) -> f64 {
+        let (n1, n2) = (&self.c.nodes[0], &self.c.nodes[1]);
+        stream(&n1.netns, &n2.netns, n2.ip)
+    }
+
+    /// a -> b (Gbit/s).
+    fn pod(&self) -> f64 {
+        stream(&self.a.netns, &self.b.netns, self.b.addr)
+    }
+}
+
+fn fmt(v: &[f64]) -> String {
+    v.iter()
+        .map(|g| format!("{g:.2}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 fn measure(mode: &str, args: &[&str]) {
-    let mut c = Cluster::start_with(2, args);
-    let a = c.add_pod(1, "a", "a");
-    let b = c.add_pod(2, "b", "b");
-    c.api()
-        .apply_json(json!({
-            "apiVersion": "cilium.io/v2", "kind": "CiliumNetworkPolicy",
-            "metadata": {"name": "b-from-a", "namespace": "x"},
-            "spec": {
-                "endpointSelector": {"matchLabels": {"app": "b"}},
-                "ingress": [{"fromEndpoints": [{"matchLabels": {"app": "a"}}],
-                             "toPorts": [{"ports": [{"port": PORT.to_string(), "protocol": "TCP"}]}]}]
-            }
-        }))
-        .expect("policy");
-    let node2 = c.nodes[1].agent();
-    node2.wait_until("b enforces its ingress", || {
-        node2
-            .cli_json(&["endpoint", "list"])
-            .as_array()
-            .is_some_and(|e| {
-                e.iter()
-                    .any(|e| e["name"] == "x/b" && e["ingress_enforced"] == true)
-            })
-    });
-    let (n1, n2, n2_ip) = (
-        c.nodes[0].netns.clone(),
-        c.nodes[1].netns.clone(),
-        c.nodes[1].ip,
-    );
+    let s = Setup::start(args);
     // A first stream of each warms the path (routes, ARP, conntrack).
-    stream(&a.netns, &b.netns, b.addr);
-    stream(&n1, &n2, n2_ip);
+    s.pod();
+    s.node();
     let (mut node, mut pod) = (Vec::new(), Vec::new());
     for _ in 0..ROUNDS {
-        node.push(stream(&n1, &n2, n2_ip));
-        pod.push(stream(&a.netns, &b.netns, b.addr));
+        node.push(s.node());
+        pod.push(s.pod());
     }
-    let fmt = |v: &[f64]| {
-        v.iter()
-            .map(|g| format!("{g:.2}"))
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
     let ratios: Vec<f64> = pod.iter().zip(&node).map(|(p, n)| p / n).collect();
     println!("{mode}:");
     println!("  node 1 -> node 2 (Gbit/s): {}", fmt(&node));
@@ -90,6 +120,77 @@ fn measure(mode: &str, args: &[&str]) {
     );
 }
 
+/// A host policy on every node: TCP `PORT` from the other nodes, nothing else in.
+fn host_policy() -> serde_json::Value {
+    json!({
+        "apiVersion": "cilium.io/v2", "kind": "CiliumClusterwideNetworkPolicy",
+        "metadata": {"name": "bench-host"},
+        "spec": {
+            "nodeSelector": {},
+            "ingress": [{"fromEntities": ["remote-node"],
+                         "toPorts": [{"ports": [{"port": PORT.to_string(), "protocol": "TCP"}]}]}]
+        }
+    })
+}
+
+/// The host firewall on against off, interleaved (see the module's documentation).
+fn measure_host_firewall(mode: &str, args: &[&str]) {
+    let off = Setup::start(args);
+    let on_args: Vec<&str> = args
+        .iter()
+        .copied()
+        .chain(["--enable-host-firewall", "true"])
+        .collect();
+    let on = Setup::start(&on_args);
+    on.c.api().apply_json(host_policy()).expect("host policy");
+    for n in &on.c.nodes {
+        let agent = n.agent();
+        agent.wait_until("the host endpoint enforces the host policy", || {
+            let e = agent.endpoint(65535);
+            e["state"] == "ready" && e["ingress_enforced"] == true
+        });
+    }
+    let (n1, n2) = (&on.c.nodes[0], &on.c.nodes[1]);
+    tcp_server(&n2.netns, IpAddr::V4(n2.ip), PORT + 1);
+    assert!(
+        !tcp_ok(&n1.netns, IpAddr::V4(n2.ip), PORT + 1),
+        "the host firewall refuses a port its policy does not open"
+    );
+    let warm = |s: &Setup| {
+        s.pod();
+        s.node();
+    };
+    warm(&off);
+    warm(&on);
+    // [off, on] x [node, pod]
+    let mut g: [[Vec<f64>; 2]; 2] = Default::default();
+    for round in 0..ROUNDS {
+        let order = if round % 2 == 0 { [0, 1] } else { [1, 0] };
+        for i in order {
+            let s = if i == 0 { &off } else { &on };
+            g[i][0].push(s.node());
+            g[i][1].push(s.pod());
+        }
+    }
+    println!("{mode}, host firewall on against off:");
+    for (k, what) in ["node 1 -> node 2", "pod a -> pod b, policy enforced"]
+        .iter()
+        .enumerate()
+    {
+        let (off, on) = (&g[0][k], &g[1][k]);
+        let ratios: Vec<f64> = on.iter().zip(off).map(|(a, b)| a / b).collect();
+        println!("  {what}, off (Gbit/s): {}", fmt(off));
+        println!("  {what}, on (Gbit/s): {}", fmt(on));
+        println!(
+            "  {what}: medians off {:.2}, on {:.2}; on/off {:.3} (per-round ratios: median {:.3})",
+            median(off.clone()),
+            median(on.clone()),
+            median(on.clone()) / median(off.clone()),
+            median(ratios)
+        );
+    }
+}
+
 fn main() {
     if !std::env::args().any(|a| a == "--bench") {
         println!(
@@ -101,7 +202,8 @@ fn main() {
         nix::unistd::geteuid().is_root(),
         "the cluster throughput bench needs root"
     );
-    // `CILIATE_BENCH_CLUSTER_MODE=native|native-nomasq|tunnel`: that mode alone.
+    // `CILIATE_BENCH_CLUSTER_MODE=native|native-nomasq|tunnel|host-firewall|host-firewall-tunnel`:
+    // that mode alone.
     let only = std::env::var("CILIATE_BENCH_CLUSTER_MODE").ok();
     let run = |m: &str| only.as_deref().is_none_or(|o| o == m);
     if run("native") {
@@ -117,5 +219,11 @@ fn main() {
     }
     if run("tunnel") {
         measure("tunnel (vxlan)", &["--routing-mode", "tunnel"]);
+    }
+    if run("host-firewall") {
+        measure_host_firewall("native routing", &[]);
+    }
+    if run("host-firewall-tunnel") {
+        measure_host_firewall("tunnel (vxlan)", &["--routing-mode", "tunnel"]);
     }
 }
