@@ -28,6 +28,8 @@
 #define CILIATE_MARK_FROM_POD 0x08000000
 /* The tunnel's UDP port (VXLAN, as Cilium's): exempt from the host firewall between nodes. */
 #define CILIATE_TUNNEL_PORT 8472
+/* The most nodes the tunnel's exemption knows (tunnel_peers). */
+#define CILIATE_TUNNEL_PEERS_MAX 16384
 
 /* Endpoint flags (struct endpoint_info.flags). */
 #define CILIATE_EP_INGRESS_DEFAULT_DENY 0x1

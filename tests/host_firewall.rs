@@ -352,6 +352,21 @@ fn connectivity_suite(extra: &[&str]) {
             a.cli_json(&["status"])["host_firewall_device"] == "eth0"
         });
     }
+    // The tunnel's exemption knows the other node as a tunnel peer (tunnel mode only), so its
+    // tunnel packets pass whatever identity its address has.
+    let tunnel = extra.contains(&"tunnel");
+    for i in 1..=2 {
+        let pins = c.node(i).bpffs.join("ciliate");
+        let want: std::collections::BTreeSet<std::net::Ipv4Addr> = if tunnel {
+            [node_ip(3 - i)].into_iter().collect()
+        } else {
+            Default::default()
+        };
+        eventually(
+            "the host firewall's tunnel peers are the other node",
+            || ciliate::datapath::bpf::host_firewall::tunnel_peers(&pins) == want,
+        );
+    }
     eventually("no host policy: all of it flows", || {
         to(&client.netns, node_ip(1))
             && to(&remote_client.netns, node_ip(1))

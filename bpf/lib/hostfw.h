@@ -13,7 +13,8 @@
  * endpoint's own conntrack entries); the node's loopback (no program sees it); what pods send
  * that leaves with the node's address (masqueraded, or a tunnel's outer packet: the pod's
  * policy judged it, and it is tracked so its replies come back in); the tunnel between nodes
- * (UDP CILIATE_TUNNEL_PORT to and from node addresses); IPv6 neighbour discovery; TCP packets
+ * (UDP CILIATE_TUNNEL_PORT to and from node addresses: remote-node, or a tunnel peer of
+ * any identity); IPv6 neighbour discovery; TCP packets
  * other than a connection's opening SYN that belong to no tracked connection (they cannot open
  * one, and may belong to a connection made before the firewall was on).
  *
@@ -22,6 +23,26 @@
  */
 #ifndef CILIATE_LIB_HOSTFW_H
 #define CILIATE_LIB_HOSTFW_H
+
+/* Tunnel mode: the IPv4 addresses of the nodes this node tunnels to (the FDB of its vxlan
+ * device), written by the agent's route pass. Their tunnel packets are exempt whatever their
+ * identity: a node of a class (cluster tiers' `nodes` peers) is no `remote-node`. */
+PINNED_MAP(BPF_MAP_TYPE_HASH, CILIATE_TUNNEL_PEERS_MAX, __u32, __u8, BPF_F_NO_PREALLOC) tunnel_peers SEC(".maps");
+
+/* Whether `addr` (IPv4, network order) is a tunnel peer. A global function: the verifier
+ * checks it once, not along every path of the program through its call. */
+__attribute__((noinline)) int ciliate_tunnel_peer4(__u32 addr)
+{
+	return bpf_map_lookup_elem(&tunnel_peers, &addr) != 0;
+}
+
+/* Whether the packet's peer (egress: its destination) is a tunnel peer. */
+static __always_inline int tunnel_peer(struct packet *p, int egress)
+{
+	__u32 peer;
+	__builtin_memcpy(&peer, egress ? p->daddr : p->saddr, 4);
+	return p->family == 4 && ciliate_tunnel_peer4(peer);
+}
 
 /* The host endpoint's record, or 0 when the host firewall is off. */
 static __always_inline struct endpoint_info *host_endpoint(void)
@@ -165,7 +186,8 @@ static __always_inline int host_firewall(struct __sk_buff *skb, int egress)
 		return TC_ACT_UNSPEC;
 	__u32 identity = peer_identity(&p, egress);
 	if (p.protocol == IPPROTO_UDP && p.dport == CILIATE_TUNNEL_PORT &&
-	    (identity == CILIATE_ID_REMOTE_NODE || identity == CILIATE_ID_HOST))
+	    (identity == CILIATE_ID_REMOTE_NODE || identity == CILIATE_ID_HOST ||
+	     tunnel_peer(&p, egress)))
 		return TC_ACT_UNSPEC;
 	__u32 reason = host_judge(h, &p, identity, egress, skb->len);
 	if (dropped(reason) || reason == CILIATE_DROP_NOT_REALIZED)

@@ -94,6 +94,9 @@ pub async fn run_route_reconciler(
         let tunnel = applier.as_ref().and_then(|a| a.tunnel_ifindex());
         let host_routing = netdev.reconcile(&cfg, local_ip, tunnel).await;
         let host_firewall = netdev.host_firewall(&cfg, local_ip, tunnel).await;
+        if cfg.host_firewall {
+            sync_tunnel_peers(&cfg, &outcome);
+        }
         let masq = masquerade.reconcile(&local, &snapshot, &cfg).await;
         if let Ok(mut v) = view.lock() {
             v.host_routing = host_routing;
@@ -259,6 +262,21 @@ impl NetdevProgram {
 }
 
 /// The device pods' packets from other nodes arrive on (see `NetdevProgram`).
+/// The host firewall's tunnel exemption: in tunnel mode, the nodes this node's routes go
+/// through (their FDB entries are written with the routes); none in native mode.
+fn sync_tunnel_peers(cfg: &RoutingConfig, outcome: &netlink::Outcome) {
+    let Some(pins) = &cfg.bpf_pins else {
+        return;
+    };
+    let peers: std::collections::BTreeSet<std::net::Ipv4Addr> = match cfg.mode {
+        RoutingMode::Tunnel => outcome.keys().map(|r| r.via).collect(),
+        RoutingMode::Native => Default::default(),
+    };
+    if let Err(e) = crate::datapath::bpf::host_firewall::sync_tunnel_peers(pins, &peers) {
+        tracing::warn!(error = %e, "the host firewall's tunnel peers not updated: tunnel packets of nodes that are no remote-node meet the host policy");
+    }
+}
+
 /// In tunnel mode, only this agent's own device as its route pass set it up (`tunnel`): a
 /// device of that name may belong to another agent.
 fn receiving_device(

@@ -11,12 +11,62 @@
 //!   endpoint is in the endpoint map (`CILIATE_HOST_ENDPOINT_ID`); everything else goes on to
 //!   the next program or the stack, so another agent's programs on the device still see it.
 
+use std::collections::BTreeSet;
 use std::mem::MaybeUninit;
+use std::net::Ipv4Addr;
 use std::path::Path;
+
+use libbpf_rs::{MapCore, MapFlags, MapHandle};
 
 use super::load_netdev_program;
 use super::tcx::{self, Hook};
 use crate::datapath::DatapathError;
+
+/// The pinned map of the nodes this node tunnels to (tunnel mode; `tunnel_peers` in
+/// `bpf/lib/hostfw.h`): their tunnel packets are exempt whatever the identity of their
+/// address, as those of `remote-node` addresses are.
+pub const TUNNEL_PEERS: &str = "tunnel_peers";
+
+/// Makes the tunnel peers exactly `want` (new ones first). `false` when the map does not
+/// exist yet (no host firewall program loaded under `pins`).
+pub fn sync_tunnel_peers(pins: &Path, want: &BTreeSet<Ipv4Addr>) -> Result<bool, DatapathError> {
+    let path = pins.join(TUNNEL_PEERS);
+    if !path.exists() {
+        return Ok(false);
+    }
+    let err = |what: String| {
+        move |e: libbpf_rs::Error| DatapathError::System {
+            operation: what,
+            message: e.to_string(),
+        }
+    };
+    let map =
+        MapHandle::from_pinned_path(&path).map_err(err(format!("open {}", path.display())))?;
+    let have = tunnel_peers_of(&map);
+    for add in want.difference(&have) {
+        map.update(&add.octets(), &[1], MapFlags::ANY)
+            .map_err(err(format!("add tunnel peer {add}")))?;
+    }
+    for gone in have.difference(want) {
+        map.delete(&gone.octets())
+            .map_err(err(format!("remove tunnel peer {gone}")))?;
+    }
+    Ok(true)
+}
+
+/// The tunnel peers the programs know under `pins`.
+pub fn tunnel_peers(pins: &Path) -> BTreeSet<Ipv4Addr> {
+    MapHandle::from_pinned_path(pins.join(TUNNEL_PEERS))
+        .map(|m| tunnel_peers_of(&m))
+        .unwrap_or_default()
+}
+
+fn tunnel_peers_of(map: &MapHandle) -> BTreeSet<Ipv4Addr> {
+    map.keys()
+        .filter_map(|k| <[u8; 4]>::try_from(k.as_slice()).ok())
+        .map(Ipv4Addr::from)
+        .collect()
+}
 
 /// The pinned TCX link of `from_netdev` when the host firewall attached it.
 pub const LINK_INGRESS: &str = "link_hostfw_ingress";

@@ -1226,51 +1226,77 @@ fn verdict_events_leave_in_batches_and_none_is_held_back() {
 /// record's slots the programs ask the host table, so none is missed; and a record lost or
 /// emptied (an upgrade that brings the map) is rebuilt from the host table when the agent opens
 /// the datapath.
+/// An agent's datapath under its own pin root (removed on drop) with the host endpoint
+/// isolated both ways and no rule, and the node device's programs.
+struct HostFirewall {
+    dp: super::datapath::BpfDatapath,
+    nd: super::skel::CiliateSkel<'static>,
+    pins: std::path::PathBuf,
+    root: std::path::PathBuf,
+}
+
+impl Drop for HostFirewall {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.root);
+    }
+}
+
+impl HostFirewall {
+    fn new(name: &str) -> HostFirewall {
+        use crate::datapath::{Datapath, EndpointAttachment, EndpointFlags, HOST_ENDPOINT_ID};
+        let root = std::path::PathBuf::from(format!(
+            "/sys/fs/bpf/ciliate-unit-{name}-{}",
+            std::process::id()
+        ));
+        let pins = root.join("ciliate");
+        let mut dp = super::datapath::BpfDatapath::open(&root).unwrap();
+        dp.attach_endpoint(&EndpointAttachment {
+            id: HOST_ENDPOINT_ID,
+            interface: None,
+            ips: vec![],
+            identity: 1,
+            mac: None,
+        })
+        .unwrap();
+        let isolated = EndpointFlags {
+            ingress_default_deny: true,
+            egress_default_deny: true,
+            ..Default::default()
+        };
+        dp.sync_policy(HOST_ENDPOINT_ID, isolated, &Default::default(), true)
+            .unwrap();
+        let storage = Box::leak(Box::new(MaybeUninit::uninit()));
+        let nd = load_netdev_program(storage, &pins, false).unwrap();
+        HostFirewall { dp, nd, pins, root }
+    }
+}
+
+/// The verdict of `from_netdev` (egress false) or `to_netdev` on `pkt`.
+fn netdev_verdict(nd: &super::skel::CiliateSkel<'static>, egress: bool, pkt: &[u8]) -> i32 {
+    let input = ProgramInput {
+        data_in: Some(pkt),
+        ..Default::default()
+    };
+    let p = if egress {
+        &nd.progs.to_netdev
+    } else {
+        &nd.progs.from_netdev
+    };
+    p.test_run(input).unwrap().return_value as i32
+}
+
 #[test]
 fn the_nodes_addresses_reach_the_host_firewall_through_their_record() {
     if !privileged() {
         return;
     }
-    use crate::datapath::{Datapath, EndpointAttachment, EndpointFlags, HOST_ENDPOINT_ID};
-    let root = std::path::PathBuf::from(format!(
-        "/sys/fs/bpf/ciliate-unit-hostaddrs-{}",
-        std::process::id()
-    ));
-    struct Cleanup(std::path::PathBuf);
-    impl Drop for Cleanup {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-    let _cleanup = Cleanup(root.clone());
-    let pins = root.join("ciliate");
-    let mut dp = super::datapath::BpfDatapath::open(&root).unwrap();
-    dp.attach_endpoint(&EndpointAttachment {
-        id: HOST_ENDPOINT_ID,
-        interface: None,
-        ips: vec![],
-        identity: 1,
-        mac: None,
-    })
-    .unwrap();
-    let isolated = EndpointFlags {
-        ingress_default_deny: true,
-        ..Default::default()
-    };
-    dp.sync_policy(HOST_ENDPOINT_ID, isolated, &Default::default(), true)
-        .unwrap();
-    let storage = Box::leak(Box::new(MaybeUninit::uninit()));
-    let nd = load_netdev_program(storage, &pins, false).unwrap();
+    use crate::datapath::Datapath;
+    let mut f = HostFirewall::new("hostaddrs");
+    let (pins, root) = (f.pins.clone(), f.root.clone());
+    let (dp, nd) = (&mut f.dp, &f.nd);
     const UNSPEC: i32 = -1;
     const SHOT: i32 = 2;
-    let to = |addr: &str| -> i32 {
-        let pkt = packet(6, "10.0.0.2", addr, 40000, 22);
-        let input = ProgramInput {
-            data_in: Some(&pkt),
-            ..Default::default()
-        };
-        nd.progs.from_netdev.test_run(input).unwrap().return_value as i32
-    };
+    let to = |addr: &str| netdev_verdict(nd, false, &packet(6, "10.0.0.2", addr, 40000, 22));
     let node = |i: u8| format!("10.98.0.{i}");
     let host = |dp: &mut super::datapath::BpfDatapath, i: u8, identity: u32| {
         dp.upsert_ipcache(format!("10.98.0.{i}/32").parse().unwrap(), identity)
@@ -1286,15 +1312,15 @@ fn the_nodes_addresses_reach_the_host_firewall_through_their_record() {
     };
 
     assert_eq!(to(&node(1)), UNSPEC, "no address of the node yet");
-    host(&mut dp, 1, 1);
+    host(dp, 1, 1);
     assert_eq!(to(&node(1)), SHOT, "the node's address: judged (isolated)");
-    host(&mut dp, 1, 1234);
+    host(dp, 1, 1234);
     assert_eq!(to(&node(1)), UNSPEC, "another identity now: not the node's");
     assert_eq!(record().addr, [0; super::host_addrs::SLOTS]);
 
     // Nine addresses, one more than the slots: every one is judged.
     for i in 1..=9 {
-        host(&mut dp, i, 1);
+        host(dp, i, 1);
     }
     assert_eq!(record().overflow, 1);
     for i in 1..=9 {
@@ -1320,10 +1346,78 @@ fn the_nodes_addresses_reach_the_host_firewall_through_their_record() {
     )
     .unwrap();
     assert_eq!(to(&node(1)), UNSPEC, "emptied");
-    drop(dp);
-    let _dp = super::datapath::BpfDatapath::open(&root).unwrap();
+    *dp = super::datapath::BpfDatapath::open(&root).unwrap();
     for i in (1..=9).filter(|i| *i != 4) {
         assert_eq!(to(&node(i)), SHOT, "{} after the rebuild", node(i));
     }
     assert_eq!(to(&node(4)), UNSPEC);
+}
+
+/// UDP to the tunnel port between this node and another (`from`, `to`).
+fn tunnel_packet(from: &str, to: &str) -> Vec<u8> {
+    packet(17, from, to, 40000, crate::network::tunnel::VXLAN_PORT)
+}
+
+/// The tunnel between nodes is exempt from host policy for `remote-node` addresses and for
+/// the tunnel's peers whatever their identity (a node of a class of cluster tiers' `nodes`
+/// peers is no `remote-node`), in both directions; anyone else's packets to the tunnel port
+/// meet the host policy.
+#[test]
+fn the_tunnel_between_nodes_is_exempt_for_its_peers_whatever_their_identity() {
+    if !privileged() {
+        return;
+    }
+    use crate::datapath::Datapath;
+    use crate::policy::identity::IDENTITY_REMOTE_NODE;
+    let mut f = HostFirewall::new("tunnelpeers");
+    for (ip, identity) in [
+        ("10.98.0.1", 1),
+        ("10.98.0.2", 300), // a node of a class
+        ("10.98.0.3", IDENTITY_REMOTE_NODE),
+        ("10.98.0.4", 2), // world
+    ] {
+        f.dp.upsert_ipcache(format!("{ip}/32").parse().unwrap(), identity)
+            .unwrap();
+    }
+    const UNSPEC: i32 = -1;
+    const SHOT: i32 = 2;
+    let (me, class, remote, stranger) = ("10.98.0.1", "10.98.0.2", "10.98.0.3", "10.98.0.4");
+    let verdicts = |f: &HostFirewall| {
+        [
+            netdev_verdict(&f.nd, false, &tunnel_packet(class, me)),
+            netdev_verdict(&f.nd, true, &tunnel_packet(me, class)),
+        ]
+    };
+    assert_eq!(
+        netdev_verdict(&f.nd, false, &tunnel_packet(remote, me)),
+        UNSPEC
+    );
+    assert_eq!(
+        netdev_verdict(&f.nd, true, &tunnel_packet(me, remote)),
+        UNSPEC
+    );
+    assert_eq!(verdicts(&f), [SHOT, SHOT], "no peer yet: the host policy");
+    let peers = [class.parse().unwrap()].into_iter().collect();
+    assert!(super::host_firewall::sync_tunnel_peers(&f.pins, &peers).unwrap());
+    assert_eq!(super::host_firewall::tunnel_peers(&f.pins), peers);
+    assert_eq!(verdicts(&f), [UNSPEC, UNSPEC], "a peer: exempt both ways");
+    assert_eq!(
+        netdev_verdict(&f.nd, false, &tunnel_packet(stranger, me)),
+        SHOT,
+        "no peer, no node: the host policy"
+    );
+    let mut other = packet(17, class, me, 40000, 53);
+    assert_eq!(
+        netdev_verdict(&f.nd, false, &other),
+        SHOT,
+        "only the tunnel port"
+    );
+    // A TCP SYN to the tunnel port is no tunnel packet either.
+    other[23] = 6;
+    other[36..38].copy_from_slice(&crate::network::tunnel::VXLAN_PORT.to_be_bytes());
+    other[46] = 0x50;
+    other[47] = 0x02;
+    assert_eq!(netdev_verdict(&f.nd, false, &other), SHOT);
+    assert!(super::host_firewall::sync_tunnel_peers(&f.pins, &Default::default()).unwrap());
+    assert_eq!(verdicts(&f), [SHOT, SHOT], "no longer a peer");
 }
