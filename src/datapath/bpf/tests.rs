@@ -1421,3 +1421,86 @@ fn the_tunnel_between_nodes_is_exempt_for_its_peers_whatever_their_identity() {
     assert!(super::host_firewall::sync_tunnel_peers(&f.pins, &Default::default()).unwrap());
     assert_eq!(verdicts(&f), [SHOT, SHOT], "no longer a peer");
 }
+
+/// An IPv4 ICMP error of `icmp_type` from `from` to `to`, quoting the first bytes of a packet
+/// `quoted` (IP header and ports) as the error rules say.
+fn icmp_error(from: &str, to: &str, icmp_type: u8, quoted: &[u8]) -> Vec<u8> {
+    let mut p = packet(1, from, to, 0, 0);
+    p.truncate(14 + 20);
+    p[16..18].copy_from_slice(&((20 + 8 + 28) as u16).to_be_bytes());
+    p.extend_from_slice(&[icmp_type, 4, 0, 0, 0, 0, 0x05, 0xdc]);
+    p.extend_from_slice(&quoted[14..14 + 28]);
+    p
+}
+
+/// ICMP errors about a connection the host endpoint tracks pass (path MTU discovery for the
+/// node's own connections, the node's port unreachable for an allowed inbound datagram), as
+/// Cilium's related traffic; errors quoting anything else, and other ICMP, meet the host
+/// policy.
+#[test]
+fn icmp_errors_about_the_nodes_tracked_connections_pass_the_host_firewall() {
+    if !privileged() {
+        return;
+    }
+    use crate::datapath::{Datapath, EndpointFlags, HOST_ENDPOINT_ID};
+    use crate::policy::mapstate::{ingress_key, MapDelta, MapKey};
+    let mut f = HostFirewall::new("relatedicmp");
+    for (ip, identity) in [("10.98.0.1", 1), ("10.98.0.5", 2000), ("10.98.0.9", 2)] {
+        f.dp.upsert_ipcache(format!("{ip}/32").parse().unwrap(), identity)
+            .unwrap();
+    }
+    let out = MapKey {
+        direction: crate::policy::rule::Direction::Egress,
+        identity: 2000,
+        protocol: 6,
+        port_lo: 443,
+        port_hi: 443,
+    };
+    let delta = MapDelta {
+        upserts: vec![(out, false), (ingress_key(2000, 17, 53, 53), false)],
+        ..Default::default()
+    };
+    let isolated = EndpointFlags {
+        ingress_default_deny: true,
+        egress_default_deny: true,
+        ..Default::default()
+    };
+    f.dp.sync_policy(HOST_ENDPOINT_ID, isolated, &delta, false)
+        .unwrap();
+    const UNSPEC: i32 = -1;
+    const SHOT: i32 = 2;
+    let (me, server, router) = ("10.98.0.1", "10.98.0.5", "10.98.0.9");
+    let nd = &f.nd;
+
+    // The node's connection out, then a router's "fragmentation needed" about it.
+    let syn = packet(6, me, server, 40000, 443);
+    assert_eq!(netdev_verdict(nd, true, &syn), UNSPEC, "allowed out");
+    let frag_needed = icmp_error(router, me, 3, &syn);
+    assert_eq!(netdev_verdict(nd, false, &frag_needed), UNSPEC, "related");
+    let exceeded = icmp_error(router, me, 11, &syn);
+    assert_eq!(
+        netdev_verdict(nd, false, &exceeded),
+        UNSPEC,
+        "time exceeded too"
+    );
+    let other = packet(6, me, server, 40001, 443);
+    assert_eq!(
+        netdev_verdict(nd, false, &icmp_error(router, me, 3, &other)),
+        SHOT,
+        "about no tracked connection"
+    );
+    let mut echo = icmp_error(router, me, 8, &syn);
+    echo.truncate(14 + 20 + 8);
+    assert_eq!(netdev_verdict(nd, false, &echo), SHOT, "not an error");
+
+    // An allowed datagram in; the node's port unreachable about it goes out.
+    let query = packet(17, server, me, 5000, 53);
+    assert_eq!(netdev_verdict(nd, false, &query), UNSPEC, "allowed in");
+    let unreachable = icmp_error(me, server, 3, &query);
+    assert_eq!(netdev_verdict(nd, true, &unreachable), UNSPEC, "related");
+    let stray = packet(17, server, me, 5001, 54);
+    assert_eq!(
+        netdev_verdict(nd, true, &icmp_error(me, server, 3, &stray)),
+        SHOT
+    );
+}
