@@ -548,41 +548,8 @@ fn tiered_map_ab(dp: &mut BpfDatapath, pins: &std::path::Path) {
 /// endpoint's policy allowing TCP 22 in from one peer and TCP 443 out to another, everything
 /// else isolated both ways; interleaved over 7 rounds like the endpoint's figures.
 fn host_firewall(dp: &mut BpfDatapath, pins: &std::path::Path) {
-    use ciliate::policy::mapstate::{ingress_key, MapKey};
-    let egress_key = |identity, protocol, port_lo, port_hi| MapKey {
-        direction: ciliate::policy::rule::Direction::Egress,
-        identity,
-        protocol,
-        port_lo,
-        port_hi,
-    };
-    let host = [10, 98, 0, 1];
-    dp.upsert_ipcache("10.98.0.1/32".parse().unwrap(), 1)
-        .unwrap();
-    let id = ciliate::datapath::HOST_ENDPOINT_ID;
-    dp.attach_endpoint(&EndpointAttachment {
-        id,
-        interface: None,
-        ips: vec![],
-        identity: 1,
-        mac: None,
-    })
-    .unwrap();
-    let flags = EndpointFlags {
-        ingress_default_deny: true,
-        egress_default_deny: true,
-        ..Default::default()
-    };
-    // addr(2) has identity 1002, addr(3) 1003 (fill_ipcache).
-    let delta = MapDelta {
-        upserts: vec![
-            (ingress_key(1002, 6, 22, 22), false),
-            (egress_key(1003, 6, 443, 443), false),
-        ],
-        deletes: vec![],
-        ..Default::default()
-    };
-    dp.sync_policy(id, flags, &delta, true).unwrap();
+    packets::host_endpoint(dp);
+    let (host, id) = (packets::NODE, ciliate::datapath::HOST_ENDPOINT_ID);
     let mut storage = MaybeUninit::uninit();
     let nd = ciliate::datapath::bpf::load_netdev_program(&mut storage, pins, false).unwrap();
     const UNSPEC: u32 = u32::MAX; // TC_ACT_UNSPEC (-1): allowed, on to the stack

@@ -44,12 +44,11 @@ use libbpf_rs::{AsRawLibbpf, MapCore, MapFlags, MapHandle, MapType, Object, Obje
 
 use ciliate::datapath::bpf::datapath::BpfDatapath;
 use ciliate::datapath::bpf::ensure_bpffs;
-use ciliate::datapath::{Datapath, EndpointAttachment, EndpointFlags};
-use ciliate::policy::mapstate::MapDelta;
+use ciliate::datapath::EndpointFlags;
 
 #[path = "shared/packets.rs"]
 mod packets;
-use packets::{addr, allow_16k, fill_ipcache, packet, ACK, SYN};
+use packets::{addr, allow_16k, fill_ipcache, packet, ACK, NODE, SYN};
 
 const EP: u32 = 7;
 /// Repeats of one packet per timed run (their events fit in the 1 MiB ring buffer).
@@ -500,27 +499,14 @@ fn load(path: &Path, shared: &Path, private: &Path, allow_events: Option<bool>) 
 /// 1000..17383 on TCP/80 at ingress, default deny.
 fn fill(dp: &mut BpfDatapath) {
     fill_ipcache(dp);
-    dp.attach_endpoint(&EndpointAttachment {
-        id: EP as u16,
-        interface: None,
-        ips: vec![],
-        identity: 1,
-        mac: None,
-    })
-    .unwrap();
     let flags = EndpointFlags {
         ingress_default_deny: true,
         ..Default::default()
     };
-    let delta = MapDelta {
-        upserts: allow_16k(),
-        ..Default::default()
-    };
-    dp.sync_policy(EP as u16, flags, &delta, true).unwrap();
+    packets::endpoint_with(dp, EP as u16, flags, allow_16k());
 }
 
-/// The host endpoint's address, and the TC verdicts of the node device's programs.
-const NODE: [u8; 4] = [10, 98, 0, 1];
+/// The TC verdicts of the node device's programs.
 const TC_ACT_UNSPEC: i32 = -1;
 const TC_ACT_REDIRECT: i32 = 7;
 /// Runs a round of a packet BPF host routing forwards (one TTL each, from 255).
@@ -535,8 +521,6 @@ fn has_prog(obj: &Object, name: &str) -> bool {
 /// to `addr(3)`, default deny both ways.
 fn fill_node_device(dp: &mut BpfDatapath, shared: &Path) {
     use ciliate::datapath::bpf::{types, Pod};
-    use ciliate::policy::mapstate::{ingress_key, MapKey};
-    use ciliate::policy::rule::Direction;
     let local = MapHandle::from_pinned_path(shared.join("local_endpoints")).unwrap();
     let le = types::local_endpoint {
         endpoint_id: EP,
@@ -547,34 +531,7 @@ fn fill_node_device(dp: &mut BpfDatapath, shared: &Path) {
     local
         .update(&[10, 99, 0, 1], le.as_bytes(), MapFlags::ANY)
         .unwrap();
-    dp.upsert_ipcache("10.98.0.1/32".parse().unwrap(), 1)
-        .unwrap();
-    let id = ciliate::datapath::HOST_ENDPOINT_ID;
-    dp.attach_endpoint(&EndpointAttachment {
-        id,
-        interface: None,
-        ips: vec![],
-        identity: 1,
-        mac: None,
-    })
-    .unwrap();
-    let flags = EndpointFlags {
-        ingress_default_deny: true,
-        egress_default_deny: true,
-        ..Default::default()
-    };
-    let out = MapKey {
-        direction: Direction::Egress,
-        identity: 1003,
-        protocol: 6,
-        port_lo: 443,
-        port_hi: 443,
-    };
-    let delta = MapDelta {
-        upserts: vec![(ingress_key(1002, 6, 22, 22), false), (out, false)],
-        ..Default::default()
-    };
-    dp.sync_policy(id, flags, &delta, true).unwrap();
+    packets::host_endpoint(dp);
 }
 
 /// A packet with TTL 255 (forwarded again on every run).

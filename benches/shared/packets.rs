@@ -5,9 +5,9 @@
 use libbpf_rs::ProgramInput;
 
 use ciliate::datapath::bpf::datapath::BpfDatapath;
-use ciliate::datapath::Datapath;
-use ciliate::policy::mapstate::MapKey;
-use ciliate::policy::rule::PROTO_TCP;
+use ciliate::datapath::{Datapath, EndpointAttachment, EndpointFlags};
+use ciliate::policy::mapstate::{MapDelta, MapKey};
+use ciliate::policy::rule::{Direction, PROTO_TCP};
 
 pub const SYN: u8 = 0x02;
 pub const ACK: u8 = 0x10;
@@ -68,4 +68,58 @@ pub fn timed_run(prog: &libbpf_rs::ProgramMut<'_>, pkt: &[u8], repeat: u32) -> (
         })
         .unwrap();
     (out.return_value, out.duration.as_nanos() as f64)
+}
+
+/// An endpoint without interface, identity 1 (the benches' endpoints), with `flags` and the
+/// policy entries `upserts`.
+pub fn endpoint_with(
+    dp: &mut BpfDatapath,
+    id: u16,
+    flags: EndpointFlags,
+    upserts: Vec<(MapKey, bool)>,
+) {
+    dp.attach_endpoint(&EndpointAttachment {
+        id,
+        interface: None,
+        ips: vec![],
+        identity: 1,
+        mac: None,
+    })
+    .unwrap();
+    let delta = MapDelta {
+        upserts,
+        ..Default::default()
+    };
+    dp.sync_policy(id, flags, &delta, true).unwrap();
+}
+
+/// The node's address in the host firewall's benches (identity host).
+pub const NODE: [u8; 4] = [10, 98, 0, 1];
+
+/// The host endpoint as the benches use it: the node at `NODE`, default deny both ways, TCP
+/// 22 in from `addr(2)` (identity 1002) and TCP 443 out to `addr(3)` (1003), after
+/// `fill_ipcache`.
+pub fn host_endpoint(dp: &mut BpfDatapath) {
+    dp.upsert_ipcache("10.98.0.1/32".parse().unwrap(), 1)
+        .unwrap();
+    let flags = EndpointFlags {
+        ingress_default_deny: true,
+        egress_default_deny: true,
+        ..Default::default()
+    };
+    let out = MapKey {
+        direction: Direction::Egress,
+        identity: 1003,
+        protocol: 6,
+        port_lo: 443,
+        port_hi: 443,
+    };
+    let upserts = vec![
+        (
+            ciliate::policy::mapstate::ingress_key(1002, 6, 22, 22),
+            false,
+        ),
+        (out, false),
+    ];
+    endpoint_with(dp, ciliate::datapath::HOST_ENDPOINT_ID, flags, upserts);
 }

@@ -14,9 +14,9 @@
  * that leaves with the node's address (masqueraded, or a tunnel's outer packet: the pod's
  * policy judged it, and it is tracked so its replies come back in); the tunnel between nodes
  * (UDP CILIATE_TUNNEL_PORT to and from node addresses: remote-node, or a tunnel peer of
- * any identity); IPv4 ICMP errors about a tracked connection; IPv6 neighbour discovery; TCP packets
- * other than a connection's opening SYN that belong to no tracked connection (they cannot open
- * one, and may belong to a connection made before the firewall was on).
+ * any identity); IPv4 ICMP errors about a tracked connection; IPv6 neighbour discovery; TCP
+ * packets other than a connection's opening SYN that belong to no tracked connection (they
+ * cannot open one, and may belong to a connection made before the firewall was on).
  *
  * No host endpoint in the endpoint map: no host firewall, and every function here lets
  * everything through.
@@ -156,8 +156,8 @@ static __always_inline int host_tracked(struct packet *p, int egress, __u64 now,
 /* Whether an IPv4 ICMP error (destination unreachable, time exceeded, parameter problem)
  * is about a connection the host endpoint tracks: the packet it quotes, as it was sent or
  * the other way round, is one of its entries (Cilium's related traffic: a "fragmentation
- * needed" for the node's own connection is path MTU discovery, not a new flow). A global
- * function: verified once, on its own. */
+ * needed" for the node's own connection is path MTU discovery, not a new flow). Headers
+ * with IP options are not looked into. A global function: verified once, on its own. */
 __attribute__((noinline)) int ciliate_host_related_icmp4(struct __sk_buff *skb)
 {
 	void *data = (void *)(long)skb->data;

@@ -16,7 +16,7 @@ use std::mem::MaybeUninit;
 use std::net::Ipv4Addr;
 use std::path::Path;
 
-use libbpf_rs::{MapCore, MapFlags, MapHandle};
+use libbpf_rs::{MapCore, MapHandle};
 
 use super::load_netdev_program;
 use super::tcx::{self, Hook};
@@ -30,28 +30,14 @@ pub const TUNNEL_PEERS: &str = "tunnel_peers";
 /// Makes the tunnel peers exactly `want` (new ones first). `false` when the map does not
 /// exist yet (no host firewall program loaded under `pins`).
 pub fn sync_tunnel_peers(pins: &Path, want: &BTreeSet<Ipv4Addr>) -> Result<bool, DatapathError> {
-    let path = pins.join(TUNNEL_PEERS);
-    if !path.exists() {
-        return Ok(false);
-    }
-    let err = |what: String| {
-        move |e: libbpf_rs::Error| DatapathError::System {
-            operation: what,
-            message: e.to_string(),
-        }
-    };
-    let map =
-        MapHandle::from_pinned_path(&path).map_err(err(format!("open {}", path.display())))?;
-    let have = tunnel_peers_of(&map);
-    for add in want.difference(&have) {
-        map.update(&add.octets(), &[1], MapFlags::ANY)
-            .map_err(err(format!("add tunnel peer {add}")))?;
-    }
-    for gone in have.difference(want) {
-        map.delete(&gone.octets())
-            .map_err(err(format!("remove tunnel peer {gone}")))?;
-    }
-    Ok(true)
+    let keys = want.iter().map(|a| a.octets().to_vec()).collect();
+    super::map_io::sync_keys(&pins.join(TUNNEL_PEERS), &keys, &[1], |k| {
+        let a = <[u8; 4]>::try_from(k).map(Ipv4Addr::from);
+        format!(
+            "tunnel peer {}",
+            a.map_or_else(|_| format!("{k:?}"), |a| a.to_string())
+        )
+    })
 }
 
 /// The tunnel peers the programs know under `pins`.

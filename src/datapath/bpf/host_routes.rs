@@ -32,28 +32,13 @@ fn decode(k: &[u8]) -> Option<Ipv4Net> {
 
 /// Makes the map hold exactly `want`. `Ok(false)`: the datapath has not created the map (yet).
 pub fn sync(pins: &Path, want: &BTreeSet<Ipv4Net>) -> Result<bool, DatapathError> {
-    let path = pins.join(MAP);
-    if !path.exists() {
-        return Ok(false);
-    }
-    let err = |what: String| {
-        move |e: libbpf_rs::Error| DatapathError::System {
-            operation: what,
-            message: e.to_string(),
-        }
-    };
-    let map =
-        MapHandle::from_pinned_path(&path).map_err(err(format!("open {}", path.display())))?;
-    let have: BTreeSet<Ipv4Net> = map.keys().filter_map(|k| decode(&k)).collect();
-    for gone in have.difference(want) {
-        map.delete(&key(*gone))
-            .map_err(err(format!("remove host route {gone}")))?;
-    }
-    for add in want.difference(&have) {
-        map.update(&key(*add), &1u32.to_ne_bytes(), MapFlags::ANY)
-            .map_err(err(format!("add host route {add}")))?;
-    }
-    Ok(true)
+    let keys = want.iter().map(|n| key(*n).to_vec()).collect();
+    super::map_io::sync_keys(&pins.join(MAP), &keys, &1u32.to_ne_bytes(), |k| {
+        format!(
+            "host route {}",
+            decode(k).map_or_else(|| format!("{k:?}"), |n| n.to_string())
+        )
+    })
 }
 
 /// Packets sent by host routing so far (all CPUs).

@@ -77,3 +77,34 @@ pub(super) fn typed_entries<K: Pod, V: Pod>(map: &MapHandle) -> Vec<(K, V)> {
         })
         .collect()
 }
+
+/// Makes the keys of the pinned map at `path` exactly `want`, each new one with `value` (the
+/// missing ones added first, then the others removed); `name` says what a key is in errors.
+/// `Ok(false)`: there is no such map (yet).
+pub(super) fn sync_keys(
+    path: &std::path::Path,
+    want: &std::collections::BTreeSet<Vec<u8>>,
+    value: &[u8],
+    name: impl Fn(&[u8]) -> String,
+) -> Result<bool, crate::datapath::DatapathError> {
+    if !path.exists() {
+        return Ok(false);
+    }
+    let err = |operation: String| {
+        move |e: libbpf_rs::Error| crate::datapath::DatapathError::System {
+            operation,
+            message: e.to_string(),
+        }
+    };
+    let map = MapHandle::from_pinned_path(path).map_err(err(format!("open {}", path.display())))?;
+    let have: std::collections::BTreeSet<Vec<u8>> = map.keys().collect();
+    for add in want.difference(&have) {
+        map.update(add, value, MapFlags::ANY)
+            .map_err(err(format!("add {}", name(add))))?;
+    }
+    for gone in have.difference(want) {
+        map.delete(gone)
+            .map_err(err(format!("remove {}", name(gone))))?;
+    }
+    Ok(true)
+}
