@@ -1353,9 +1353,13 @@ fn the_nodes_addresses_reach_the_host_firewall_through_their_record() {
     assert_eq!(to(&node(4)), UNSPEC);
 }
 
+/// The tunnel's port: `CILIATE_TUNNEL_PORT` (pinned against the tunnel device's
+/// `VXLAN_PORT` by `endpoint::host`'s test; `datapath` does not depend on `network`).
+const TUNNEL_PORT: u16 = 8472;
+
 /// UDP to the tunnel port between this node and another (`from`, `to`).
 fn tunnel_packet(from: &str, to: &str) -> Vec<u8> {
-    packet(17, from, to, 40000, crate::network::tunnel::VXLAN_PORT)
+    packet(17, from, to, 40000, TUNNEL_PORT)
 }
 
 /// The tunnel between nodes is exempt from host policy for `remote-node` addresses and for
@@ -1414,7 +1418,7 @@ fn the_tunnel_between_nodes_is_exempt_for_its_peers_whatever_their_identity() {
     );
     // A TCP SYN to the tunnel port is no tunnel packet either.
     other[23] = 6;
-    other[36..38].copy_from_slice(&crate::network::tunnel::VXLAN_PORT.to_be_bytes());
+    other[36..38].copy_from_slice(&TUNNEL_PORT.to_be_bytes());
     other[46] = 0x50;
     other[47] = 0x02;
     assert_eq!(netdev_verdict(&f.nd, false, &other), SHOT);
