@@ -160,6 +160,12 @@ static __always_inline int decide(struct __sk_buff *skb, __u32 ep, int egress, i
 	 * takes the stack, and to_container judges it there. */
 	if (from_device && !opening)
 		return TC_ACT_UNSPEC;
+	/* An ICMP error about a tracked connection belongs to it (Cilium's related traffic):
+	 * path MTU discovery works under default deny. */
+	if (p.protocol == IPPROTO_ICMP && ciliate_related_icmp4(skb, ep)) {
+		count(CILIATE_ALLOW_REPLY);
+		return TC_ACT_OK;
+	}
 
 	__u32 identity = peer_identity(&p, egress);
 	__u32 cookie;

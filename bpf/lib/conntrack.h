@@ -54,4 +54,41 @@ static __always_inline long ct_create(struct packet *p, __u32 ep, struct ct_valu
 	return bpf_map_update_elem(&conntrack6, &k, v, BPF_ANY);
 }
 
+/* Whether an IPv4 ICMP error (destination unreachable, time exceeded, parameter problem)
+ * is about a connection endpoint `ep` tracks: the packet it quotes, as it was sent or the
+ * other way round, is one of its entries (Cilium's related traffic: a "fragmentation needed"
+ * for a connection is path MTU discovery, not a new flow). Headers with IP options are not
+ * looked into. A global function: verified once, on its own. */
+__attribute__((noinline)) int ciliate_related_icmp4(struct __sk_buff *skb, __u32 ep)
+{
+	void *data = (void *)(long)skb->data;
+	void *end = (void *)(long)skb->data_end;
+	struct ethhdr *eth = data;
+	if ((void *)(eth + 1) > end || eth->h_proto != bpf_htons(ETH_P_IP))
+		return 0;
+	struct iphdr *ip = (void *)(eth + 1);
+	if ((void *)(ip + 1) > end || ip->protocol != IPPROTO_ICMP || ip->ihl != 5)
+		return 0;
+	__u8 *icmp = (void *)(ip + 1);
+	if ((void *)(icmp + 8) > end || (icmp[0] != 3 && icmp[0] != 11 && icmp[0] != 12))
+		return 0;
+	struct iphdr *in = (void *)(icmp + 8);
+	if ((void *)(in + 1) > end || in->ihl != 5)
+		return 0;
+	__u8 proto = in->protocol;
+	if (proto != IPPROTO_TCP && proto != IPPROTO_UDP && proto != IPPROTO_SCTP_)
+		return 0;
+	__u16 *ports = (void *)(in + 1);
+	if ((void *)(ports + 2) > end)
+		return 0;
+	struct packet q = {};
+	q.family = 4;
+	q.protocol = proto;
+	__builtin_memcpy(q.saddr, &in->saddr, 4);
+	__builtin_memcpy(q.daddr, &in->daddr, 4);
+	q.sport = bpf_ntohs(ports[0]);
+	q.dport = bpf_ntohs(ports[1]);
+	return ct_lookup(&q, ep, 0) || ct_lookup(&q, ep, 1);
+}
+
 #endif /* CILIATE_LIB_CONNTRACK_H */

@@ -1508,3 +1508,32 @@ fn icmp_errors_about_the_nodes_tracked_connections_pass_the_host_firewall() {
         SHOT
     );
 }
+
+/// A pod isolated at ingress still gets the ICMP errors about its own connections (path MTU
+/// discovery: a router's "fragmentation needed"), as Cilium's related traffic; errors about
+/// no connection of the pod, and other ICMP, meet its policy.
+#[test]
+fn icmp_errors_about_a_pods_tracked_connections_pass_its_policy() {
+    if !privileged() {
+        return;
+    }
+    let mut l = load(7);
+    l.tcp_80_from_400(7);
+    let (pod, server, router) = ("10.0.0.1", "10.0.0.9", "10.0.0.254");
+    let syn = packet(6, pod, server, 40000, 443);
+    assert_eq!(l.run(true, &syn), TC_ACT_OK, "egress is not isolated");
+    assert_eq!(
+        l.run(false, &icmp_error(router, pod, 3, &syn)),
+        TC_ACT_OK,
+        "fragmentation needed about the pod's connection"
+    );
+    let other = packet(6, pod, server, 40001, 443);
+    assert_eq!(
+        l.run(false, &icmp_error(router, pod, 3, &other)),
+        TC_ACT_SHOT,
+        "about no connection of the pod"
+    );
+    let mut echo = icmp_error(router, pod, 8, &syn);
+    echo.truncate(14 + 20 + 8);
+    assert_eq!(l.run(false, &echo), TC_ACT_SHOT, "not an error");
+}
