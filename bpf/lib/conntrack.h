@@ -61,13 +61,9 @@ static __always_inline long ct_create(struct packet *p, __u32 ep, struct ct_valu
  * looked into. A global function: verified once, on its own. */
 __attribute__((noinline)) int ciliate_related_icmp4(struct __sk_buff *skb, __u32 ep)
 {
-	void *data = (void *)(long)skb->data;
 	void *end = (void *)(long)skb->data_end;
-	struct ethhdr *eth = data;
-	if ((void *)(eth + 1) > end || eth->h_proto != bpf_htons(ETH_P_IP))
-		return 0;
-	struct iphdr *ip = (void *)(eth + 1);
-	if ((void *)(ip + 1) > end || ip->protocol != IPPROTO_ICMP || ip->ihl != 5)
+	struct iphdr *ip = ipv4_header(skb);
+	if (!ip || ip->protocol != IPPROTO_ICMP || ip->ihl != 5)
 		return 0;
 	__u8 *icmp = (void *)(ip + 1);
 	if ((void *)(icmp + 8) > end || (icmp[0] != 3 && icmp[0] != 11 && icmp[0] != 12))

@@ -69,13 +69,8 @@ static __always_inline int ttl_decrement(struct __sk_buff *skb, __u8 ttl)
 /* The IPv4 header of a packet the stack would forward (TTL above 1), or 0. */
 static __always_inline struct iphdr *forwardable_ipv4(struct __sk_buff *skb)
 {
-	void *data = (void *)(long)skb->data;
-	void *end = (void *)(long)skb->data_end;
-	struct ethhdr *eth = data;
-	if ((void *)(eth + 1) > end || eth->h_proto != bpf_htons(ETH_P_IP))
-		return 0;
-	struct iphdr *ip = (void *)(eth + 1);
-	if ((void *)(ip + 1) > end)
+	struct iphdr *ip = ipv4_header(skb);
+	if (!ip)
 		return 0;
 	/* A packet about to expire is the stack's to answer (ICMP time exceeded). */
 	if (ip->ttl <= 1)

@@ -85,6 +85,20 @@ static __always_inline int parse_l4(struct __sk_buff *skb, __u32 off, struct pac
 	}
 }
 
+/* The IPv4 header after the Ethernet header, or 0 (not IPv4, or cut short). */
+static __always_inline struct iphdr *ipv4_header(struct __sk_buff *skb)
+{
+	void *data = (void *)(long)skb->data;
+	void *end = (void *)(long)skb->data_end;
+	struct ethhdr *eth = data;
+	if ((void *)(eth + 1) > end || eth->h_proto != bpf_htons(ETH_P_IP))
+		return 0;
+	struct iphdr *ip = (void *)(eth + 1);
+	if ((void *)(ip + 1) > end)
+		return 0;
+	return ip;
+}
+
 /* Returns 0 for IP packets it parsed, 1 for packets that are not IP, -1 for malformed ones. */
 static __always_inline int parse(struct __sk_buff *skb, struct packet *p)
 {
