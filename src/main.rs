@@ -60,6 +60,13 @@ fn agent(args: AgentArgs) -> i32 {
         .then(|| args.bpf_root.join("ciliate"));
     let bpf_pins = (args.datapath == ciliate::config::DatapathKind::Bpf)
         .then(|| args.bpf_root.join("ciliate"));
+    let devices = match ciliate::network::devices::DeviceSelector::parse(&args.devices) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 2;
+        }
+    };
     let config = AgentConfig {
         mode,
         manifests: args.manifests,
@@ -88,6 +95,7 @@ fn agent(args: AgentArgs) -> i32 {
             bpf_host_routing,
             bpf_pins,
             host_firewall: args.enable_host_firewall,
+            devices,
         },
         cgroup_root: args.cgroup_root,
         enforcement: ciliate::config::Enforcement {

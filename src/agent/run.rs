@@ -13,7 +13,7 @@ use super::listen::{ListenError, Listeners};
 use crate::actors::kube_watcher::{KubeWatcherActor, RemotePods};
 use crate::actors::loader::{GetIpcache, LoaderActor, SweepStrayEndpoints};
 use crate::actors::policy_repo::{
-    AddEndpoint, AddHostEndpoint, DeleteEndpoint, EndpointRequest, ExpireFqdn,
+    AddEndpoint, AddHostEndpoint, DeleteEndpoint, DeviceAddresses, EndpointRequest, ExpireFqdn,
     ListPodlessEndpoints, PolicyRepoActor, RestoreFqdn, RestoreNumbering, Shutdown,
 };
 use crate::actors::rule_reaction::RuleReactionActor;
@@ -209,6 +209,37 @@ pub fn run(config: AgentConfig) -> Result<(), AgentError> {
             early,
         },
     ))
+}
+
+/// The addresses of the node's native devices (`--devices`, eBPF datapath) told to the
+/// repository now, and a channel through which the route reconciler tells it of changes.
+async fn initial_device_addresses(
+    routing: &crate::network::RoutingConfig,
+    repo: &TracedAddr<PolicyRepoActor>,
+) -> tokio::sync::watch::Sender<std::collections::BTreeSet<std::net::IpAddr>> {
+    use crate::network::devices;
+    let now = match (&routing.bpf_pins, devices::read()) {
+        (None, _) => Default::default(),
+        (Some(_), Ok(all)) => devices::host_addresses(&devices::select(&all, &routing.devices)),
+        (Some(_), Err(e)) => {
+            tracing::error!(error = %e, "the node's devices not read: only the Node's addresses are host until they are");
+            Default::default()
+        }
+    };
+    let (tx, mut rx) = tokio::sync::watch::channel(now);
+    let addrs = rx.borrow_and_update().clone();
+    if !addrs.is_empty() {
+        let _ = repo.send(DeviceAddresses { addrs }, "devices").await;
+    }
+    let repo = repo.clone();
+    actix_rt::spawn(async move {
+        while rx.changed().await.is_ok() {
+            let addrs = rx.borrow_and_update().clone();
+            tracing::info!(addresses = ?addrs, "the node's device addresses changed");
+            let _ = repo.send(DeviceAddresses { addrs }, "devices").await;
+        }
+    });
+    tx
 }
 
 /// The route applier of this agent (its record read from the state directory), or none when
@@ -508,6 +539,8 @@ async fn run_async(
     if config.enforcement.host_firewall {
         add_host_endpoint(&repo, host_record).await;
     }
+    // The node's own addresses are `host` before any endpoint's policy is realized.
+    let device_addresses = initial_device_addresses(&config.routing, &repo).await;
     // Pinned programs and policy maps of endpoints no record names (a stale record's, or a
     // crash's leftovers) go before anything is served.
     let mut keep: Vec<_> = records.iter().map(|r| r.id).collect();
@@ -665,9 +698,12 @@ async fn run_async(
         config.routing.clone(),
         route_applier,
         crate::network::Masquerader::new(&config.state_dir, shared.ipam.clone()),
-        shared.nodes.subscribe(),
-        shared.ready.clone(),
-        shared.routing.clone(),
+        crate::network::ReconcilerIo {
+            nodes: shared.nodes.subscribe(),
+            ready: shared.ready.clone(),
+            view: shared.routing.clone(),
+            device_addresses,
+        },
     ));
 
     let (socket_handle, debug_handle) = (socket_server.handle(), debug_server.handle());

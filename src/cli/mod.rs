@@ -292,6 +292,11 @@ pub struct AgentArgs {
     /// CiliumClusterwideNetworkPolicies with a `nodeSelector` are enforced on its traffic.
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
     pub enable_host_firewall: bool,
+    /// The node's native devices (Cilium's flag; once per device or comma-separated; `eth+`
+    /// is a prefix): the host firewall's programs go on each, and their addresses are the
+    /// node's (`host`). Default: every device with a global address.
+    #[arg(long, value_name = "NAME")]
+    pub devices: Vec<String>,
     /// Recent flows kept for `ciliate monitor --since` (the oldest go first; 0 keeps none).
     #[arg(long, default_value_t = crate::datapath::flows::DEFAULT_CAPACITY)]
     pub flow_buffer_capacity: usize,

@@ -3,15 +3,17 @@
 //! by hand. The reconciler used to notice only at its next periodic pass (10 s), so a 5 s link
 //! flap cut cross-node traffic for up to 15 s. With these events it resyncs at once.
 //!
-//! A thread reads rtnetlink's multicast groups (links, IPv4 addresses, IPv4 routes) in the
+//! A thread reads rtnetlink's multicast groups (links, addresses, IPv4 routes) in the
 //! agent's own network namespace and wakes the reconciler for what matters: a link other than
-//! a pod's veth changing, an IPv4 address coming or going, a route of ciliate's protocol
+//! a pod's veth changing, an address coming or going (the native devices' addresses are the
+//! node's), a route of ciliate's protocol
 //! deleted, a connected (kernel) route appearing (the link's subnet is back, so routes via a
 //! gateway on it can be added again). Pod veths come and go with every pod: they wake nothing.
 
 use std::sync::Arc;
 
 use rtnetlink::packet_core::{NetlinkMessage, NetlinkPayload};
+use rtnetlink::packet_route::address::AddressScope;
 use rtnetlink::packet_route::link::LinkAttribute;
 use rtnetlink::packet_route::route::RouteProtocol;
 use rtnetlink::packet_route::{AddressFamily, RouteNetlinkMessage};
@@ -23,6 +25,7 @@ use super::netlink::RTPROT_CILIATE;
 const RTMGRP_LINK: u32 = 0x1;
 const RTMGRP_IPV4_IFADDR: u32 = 0x10;
 const RTMGRP_IPV4_ROUTE: u32 = 0x40;
+const RTMGRP_IPV6_IFADDR: u32 = 0x100;
 
 /// The host side of a pod's veth (`datapath::netdev`): its events are no route's business.
 const POD_VETH_PREFIX: &str = "lxc";
@@ -34,8 +37,10 @@ pub fn matters(m: &RouteNetlinkMessage) -> bool {
             .attributes
             .iter()
             .any(|a| matches!(a, LinkAttribute::IfName(n) if n.starts_with(POD_VETH_PREFIX))),
+        // Both families: a native device's addresses are the node's (`devices`). Not IPv6
+        // link-local ones: every pod's veth gets one as it comes up.
         RouteNetlinkMessage::NewAddress(a) | RouteNetlinkMessage::DelAddress(a) => {
-            a.header.family == AddressFamily::Inet
+            a.header.family == AddressFamily::Inet || a.header.scope != AddressScope::Link
         }
         RouteNetlinkMessage::DelRoute(r) => {
             r.header.protocol == RouteProtocol::Other(RTPROT_CILIATE)
@@ -75,7 +80,7 @@ pub fn watch(kick: Arc<tokio::sync::Notify>) -> std::io::Result<()> {
     let mut socket = Socket::new(NETLINK_ROUTE)?;
     socket.bind(&SocketAddr::new(
         0,
-        RTMGRP_LINK | RTMGRP_IPV4_IFADDR | RTMGRP_IPV4_ROUTE,
+        RTMGRP_LINK | RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR | RTMGRP_IPV4_ROUTE,
     ))?;
     std::thread::Builder::new()
         .name("route-events".into())
@@ -129,6 +134,8 @@ mod tests {
         a.header.family = AddressFamily::Inet;
         assert!(matters(&RouteNetlinkMessage::NewAddress(a.clone())));
         a.header.family = AddressFamily::Inet6;
+        assert!(matters(&RouteNetlinkMessage::DelAddress(a.clone())));
+        a.header.scope = AddressScope::Link;
         assert!(!matters(&RouteNetlinkMessage::NewAddress(a)));
         assert!(matters(&route(RouteProtocol::Other(RTPROT_CILIATE), false)));
         assert!(!matters(&route(RouteProtocol::Static, false)));

@@ -4,12 +4,13 @@
 //! `run_route_reconciler` the task that ties them to the Node objects the agent sees, and to
 //! the kernel's link and route events (`events.rs`).
 
+pub mod devices;
 pub mod events;
 pub mod netlink;
 pub mod routes;
 pub mod tunnel;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -27,6 +28,18 @@ const EVENT_SETTLE: Duration = Duration::from_millis(50);
 /// The Node objects the agent knows, published by `PolicyRepoActor` on every change.
 pub type NodeSet = BTreeMap<String, NodeInfo>;
 
+/// What the route reconciler reads and publishes.
+pub struct ReconcilerIo {
+    /// The Node objects (`PolicyRepoActor` publishes them).
+    pub nodes: tokio::sync::watch::Receiver<NodeSet>,
+    /// Set once the initial sync is done.
+    pub ready: Arc<AtomicBool>,
+    /// Routing as realized (`node list`, `status`).
+    pub view: Arc<Mutex<RoutingView>>,
+    /// The addresses of the node's native devices (eBPF datapath), for the ipcache (`host`).
+    pub device_addresses: tokio::sync::watch::Sender<BTreeSet<std::net::IpAddr>>,
+}
+
 /// Recomputes and applies the routes whenever the node set changes. Nothing is applied before
 /// `ready` (the initial sync): an empty node set at start must not remove the routes a
 /// previous run installed.
@@ -35,16 +48,20 @@ pub async fn run_route_reconciler(
     cfg: RoutingConfig,
     mut applier: Option<netlink::RouteApplier>,
     mut masquerade: Masquerader,
-    mut nodes: tokio::sync::watch::Receiver<NodeSet>,
-    ready: Arc<AtomicBool>,
-    view: Arc<Mutex<RoutingView>>,
+    io: ReconcilerIo,
 ) {
+    let ReconcilerIo {
+        mut nodes,
+        ready,
+        view,
+        device_addresses,
+    } = io;
     while !ready.load(Ordering::SeqCst) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let mut netdev = NetdevProgram::default();
     let kick = Arc::new(tokio::sync::Notify::new());
-    if applier.is_some() {
+    if applier.is_some() || cfg.bpf_pins.is_some() {
         if let Err(e) = events::watch(kick.clone()) {
             tracing::warn!(error = %e, "no route events; routes resync every 10 s");
         }
@@ -93,7 +110,16 @@ pub async fn run_route_reconciler(
         }
         let tunnel = applier.as_ref().and_then(|a| a.tunnel_ifindex());
         let host_routing = netdev.reconcile(&cfg, local_ip, tunnel).await;
-        let host_firewall = netdev.host_firewall(&cfg, local_ip, tunnel).await;
+        let native = native_devices(&cfg);
+        if let Some(devs) = &native {
+            let addrs = devices::host_addresses(devs);
+            device_addresses.send_if_modified(|old| {
+                let changed = *old != addrs;
+                *old = addrs;
+                changed
+            });
+        }
+        let host_firewall = netdev.host_firewall(&cfg, native.as_deref(), tunnel).await;
         if cfg.host_firewall {
             sync_tunnel_peers(&cfg, &outcome);
         }
@@ -126,9 +152,14 @@ struct NetdevProgram {
     cleared: bool,
     /// What was shown last (a failure is logged once, not every pass).
     shown: String,
-    /// The host firewall's device and whether its ingress program is the host firewall's own
-    /// link (not host routing's).
-    firewall: Option<(u32, bool)>,
+    /// The native devices this run attached the host firewall to.
+    firewall: FirewallDevices,
+    /// What the last attach pass could not do (shown in `status`).
+    firewall_errors: Vec<String>,
+    /// The devices last logged as attached.
+    firewall_logged: FirewallDevices,
+    /// Set once a pass attached everything and swept what an earlier run left.
+    firewall_swept: bool,
     /// This run took a left-over host firewall off (`--enable-host-firewall=false`).
     firewall_cleared: bool,
     /// Tunnel mode: the tunnel device the host firewall is on, and whether with its own
@@ -199,14 +230,28 @@ impl NetdevProgram {
     }
 }
 
+/// The node's native devices as `--devices` selects them, read from the kernel; `None` with
+/// the in-memory datapath (no kernel state is the agent's) or when they cannot be read.
+fn native_devices(cfg: &RoutingConfig) -> Option<Vec<devices::Device>> {
+    cfg.bpf_pins.as_ref()?;
+    match devices::read() {
+        Ok(all) => Some(devices::select(&all, &cfg.devices)),
+        Err(e) => {
+            tracing::warn!(error = %e, "the node's devices not read; the last ones stay");
+            None
+        }
+    }
+}
+
 impl NetdevProgram {
-    /// The host firewall's programs on the device holding the node's InternalIP (its ingress
-    /// program only where host routing has not attached the same one); taken off once when
-    /// the host firewall is off. Returns the device, `off`, or why it is not attached.
+    /// The host firewall's programs on every native device (its ingress program only where
+    /// host routing has not attached the same one) and, in tunnel mode, on the tunnel device;
+    /// taken off once when the host firewall is off. Returns the devices (comma-separated),
+    /// `off`, or why not attached.
     async fn host_firewall(
         &mut self,
         cfg: &RoutingConfig,
-        local_ip: Option<std::net::Ipv4Addr>,
+        native: Option<&[devices::Device]>,
         tunnel: Option<u32>,
     ) -> String {
         let Some(pins) = cfg.bpf_pins.clone() else {
@@ -222,46 +267,124 @@ impl NetdevProgram {
             }
             return "off".into();
         }
-        let Some(ip) = local_ip else {
-            return "not attached: this node has no InternalIP yet".into();
+        let want: FirewallDevices = match native {
+            Some(devs) => devs
+                .iter()
+                .map(|d| {
+                    (
+                        d.name.clone(),
+                        (d.ifindex, self.attached != Some(d.ifindex)),
+                    )
+                })
+                .collect(),
+            None => self.firewall.clone(),
         };
-        let Some((name, ifindex)) = netlink::device_with_address(ip) else {
-            return format!("not attached: no device of this node holds {ip}");
-        };
-        let ingress = self.attached != Some(ifindex);
         let tunnel = tunnel
             .filter(|_| cfg.mode == RoutingMode::Tunnel)
             .map(|t| (t, self.attached != Some(t)));
-        if self.firewall == Some((ifindex, ingress)) && self.firewall_tunnel == tunnel {
-            return name;
+        let missing = native.map_or_else(Vec::new, |d| cfg.devices.missing(d));
+        if self.firewall != want || self.firewall_tunnel != tunnel || !self.firewall_swept {
+            self.apply_firewall(pins, want, tunnel).await;
         }
+        self.firewall_shown(&missing)
+    }
+
+    /// Attaches to the devices of `want` that differ from what this run attached, then takes
+    /// the programs off the devices that are no longer native (and, once, an earlier run's).
+    async fn apply_firewall(
+        &mut self,
+        pins: std::path::PathBuf,
+        want: FirewallDevices,
+        tunnel: Option<(u32, bool)>,
+    ) {
+        let before = std::mem::take(&mut self.firewall);
+        let (retune, tunnel_changed) = (before.clone(), self.firewall_tunnel != tunnel);
+        let wanted = want.clone();
         let r = actix_web::web::block(move || {
-            crate::datapath::bpf::host_firewall::attach(&pins, ifindex, ingress)?;
-            match tunnel {
-                Some((t, ingress)) => {
-                    crate::datapath::bpf::host_firewall::attach_tunnel(&pins, t, ingress)
-                }
-                None => Ok(()),
-            }
+            attach_firewall(&pins, &wanted, &retune, tunnel, tunnel_changed)
         })
         .await;
-        match r {
-            Ok(Ok(())) => {
-                tracing::info!(device = %name, tunnel = ?tunnel, "host firewall attached");
-                self.firewall = Some((ifindex, ingress));
-                self.firewall_tunnel = tunnel;
-                name
-            }
-            Ok(Err(e)) => {
-                tracing::error!(device = %name, error = %e, "host firewall not attached");
-                format!("not attached: {e}")
-            }
-            Err(e) => format!("not attached: {e}"),
+        let (attached, tunnel_ok, errors) = match r {
+            Ok(r) => r,
+            Err(e) => (before, false, vec![format!("{e}")]),
+        };
+        for e in &errors {
+            tracing::error!(error = %e, "host firewall not attached");
         }
+        if attached != self.firewall_logged {
+            tracing::info!(devices = ?attached.keys().collect::<Vec<_>>(), tunnel = ?tunnel, "host firewall attached");
+            self.firewall_logged = attached.clone();
+        }
+        self.firewall_errors = errors;
+        self.firewall_swept = self.firewall_errors.is_empty();
+        self.firewall = attached;
+        // A tunnel device that failed is tried again on the next pass.
+        self.firewall_tunnel = if tunnel_ok { tunnel } else { None };
+    }
+
+    /// `status`'s `host_firewall_device`: the devices, and what is wrong.
+    fn firewall_shown(&self, missing: &[String]) -> String {
+        let mut shown: Vec<String> = self.firewall.keys().cloned().collect();
+        if shown.is_empty() {
+            shown.push("not attached: no native device (--devices)".into());
+        }
+        for m in missing {
+            shown.push(format!("{m}: no such device (--devices)"));
+        }
+        shown.extend(
+            self.firewall_errors
+                .iter()
+                .map(|e| format!("not attached: {e}")),
+        );
+        shown.join(",")
     }
 }
 
-/// The device pods' packets from other nodes arrive on (see `NetdevProgram`).
+/// The host firewall's native devices: name -> (ifindex, whether its ingress program is the
+/// host firewall's own link, not host routing's).
+type FirewallDevices = BTreeMap<String, (u32, bool)>;
+
+/// Blocking: attaches to the devices of `want` that are not as `before` (and to the tunnel
+/// device when `tunnel_changed`), then sweeps the links of devices not in `want`. Returns the
+/// devices attached now, whether the tunnel device is as wanted, and the failures.
+fn attach_firewall(
+    pins: &std::path::Path,
+    want: &FirewallDevices,
+    before: &FirewallDevices,
+    tunnel: Option<(u32, bool)>,
+    tunnel_changed: bool,
+) -> (FirewallDevices, bool, Vec<String>) {
+    use crate::datapath::bpf::host_firewall as fw;
+    let (mut attached, mut errors) = (FirewallDevices::new(), Vec::new());
+    let mut tunnel_ok = true;
+    for (name, &(ifindex, ingress)) in want {
+        let same = before.get(name) == Some(&(ifindex, ingress));
+        let r = if same {
+            Ok(())
+        } else {
+            fw::attach(pins, name, ifindex, ingress)
+        };
+        match r {
+            Ok(()) => {
+                attached.insert(name.clone(), (ifindex, ingress));
+            }
+            Err(e) => errors.push(format!("{name}: {e}")),
+        }
+    }
+    if let (Some((t, ingress)), true) = (tunnel, tunnel_changed) {
+        if let Err(e) = fw::attach_tunnel(pins, t, ingress) {
+            errors.push(format!("{}: {e}", tunnel::VXLAN_DEVICE));
+            tunnel_ok = false;
+        }
+    }
+    // A device that failed keeps an earlier run's links: better its old program than none.
+    let keep: BTreeSet<String> = want.keys().cloned().collect();
+    for name in fw::sweep_devices(pins, &keep) {
+        tracing::info!(device = %name, "host firewall taken off a device that is no native device now");
+    }
+    (attached, tunnel_ok, errors)
+}
+
 /// The host firewall's tunnel exemption: in tunnel mode, the nodes this node's routes go
 /// through (their FDB entries are written with the routes); none in native mode.
 fn sync_tunnel_peers(cfg: &RoutingConfig, outcome: &netlink::Outcome) {
@@ -277,6 +400,7 @@ fn sync_tunnel_peers(cfg: &RoutingConfig, outcome: &netlink::Outcome) {
     }
 }
 
+/// The device pods' packets from other nodes arrive on (see `NetdevProgram`).
 /// In tunnel mode, only this agent's own device as its route pass set it up (`tunnel`): a
 /// device of that name may belong to another agent.
 fn receiving_device(

@@ -60,6 +60,8 @@ pub struct RoutingConfig {
     /// holding the node's InternalIP (`datapath::bpf::host_firewall`); off, an earlier run's
     /// are taken off.
     pub host_firewall: bool,
+    /// `--devices`: the node's native devices (`devices`).
+    pub devices: super::devices::DeviceSelector,
 }
 
 impl Default for RoutingConfig {
@@ -74,6 +76,7 @@ impl Default for RoutingConfig {
             bpf_host_routing: None,
             bpf_pins: None,
             host_firewall: false,
+            devices: Default::default(),
         }
     }
 }

@@ -75,6 +75,8 @@ pub enum Holder {
     Endpoint(Arc<str>),
     /// A node, by name.
     Node(Arc<str>),
+    /// This node's native devices, as the kernel lists their addresses (`network::devices`).
+    Devices,
 }
 
 impl Holder {
@@ -82,7 +84,7 @@ impl Holder {
     pub fn pod(&self) -> Option<&str> {
         match self {
             Holder::Pod(k) | Holder::Endpoint(k) => Some(k),
-            Holder::Node(_) => None,
+            Holder::Node(_) | Holder::Devices => None,
         }
     }
 }
@@ -93,6 +95,7 @@ impl std::fmt::Display for Holder {
             Holder::Pod(k) => write!(f, "pod {k}"),
             Holder::Endpoint(k) => write!(f, "endpoint of pod {k}"),
             Holder::Node(n) => write!(f, "node {n}"),
+            Holder::Devices => write!(f, "this node's devices"),
         }
     }
 }

@@ -167,6 +167,8 @@ pub struct ClusterIndex {
     /// This node's name: its pods outrank other nodes' (`None`: every pod with a node is
     /// another node's; pods without one are local, as in standalone mode).
     local_node: Option<String>,
+    /// The addresses of this node's native devices (`set_device_addresses`).
+    device_addresses: BTreeSet<IpAddr>,
 }
 
 impl ClusterIndex {
@@ -569,6 +571,31 @@ impl ClusterIndex {
         change
     }
 
+    /// The addresses of this node's native devices are now `addrs`: each is `host`, as the
+    /// Node's own (Cilium gives every local address identity host), whether or not the Node
+    /// object lists it. Only the kernel of this node says so; no object can.
+    pub fn set_device_addresses(
+        &mut self,
+        engine: &mut PolicyEngine,
+        addrs: BTreeSet<IpAddr>,
+    ) -> IndexChange {
+        let mut change = IndexChange::default();
+        for ip in self.device_addresses.difference(&addrs) {
+            let e = self.addresses.release(*ip, &Holder::Devices);
+            Self::effect(engine, *ip, &e, &mut change.ipcache);
+        }
+        let new: Vec<IpAddr> = addrs.difference(&self.device_addresses).copied().collect();
+        self.claim_node(
+            engine,
+            &new,
+            Holder::Devices,
+            IDENTITY_HOST,
+            &mut change.ipcache,
+        );
+        self.device_addresses = addrs;
+        change
+    }
+
     /// A node went away: its addresses leave the ipcache. `None` when it was not known.
     pub fn delete_node(&mut self, engine: &mut PolicyEngine, name: &str) -> Option<IndexChange> {
         let old = self.nodes.remove(name)?;
@@ -832,6 +859,44 @@ mod tests {
         let c = ix.follow_moved_nodes(&mut engine);
         assert_eq!(c.ipcache.len(), 2, "{:?}", c.ipcache);
         assert_eq!(identity_of(&engine, "172.20.0.12"), IDENTITY_REMOTE_NODE);
+        assert_eq!(identity_of(&engine, "172.20.0.11"), IDENTITY_HOST);
+    }
+
+    /// The addresses of this node's devices are `host` whether the Node lists them or not, and
+    /// no pod another node publishes takes one; they leave with the device's address, and one
+    /// the Node also lists stays `host` while the Node holds it.
+    #[test]
+    fn device_addresses_are_host_and_no_other_node_takes_them() {
+        let (mut ix, mut engine) = (ClusterIndex::for_node("n1"), PolicyEngine::new());
+        ix.upsert_node(&mut engine, mk_node("n1", "172.20.0.11"), true);
+        let addrs = |v: &[&str]| v.iter().map(|a| a.parse().unwrap()).collect();
+        let c = ix.set_device_addresses(&mut engine, addrs(&["172.20.0.11", "10.99.0.1"]));
+        assert!(c.ipcache.contains(&IpcacheChange::Upsert(
+            "10.99.0.1/32".parse().unwrap(),
+            IDENTITY_HOST
+        )));
+        assert_eq!(identity_of(&engine, "172.20.0.11"), IDENTITY_HOST);
+        let c = ix.apply_pod(
+            &mut engine,
+            "x/evil",
+            Some(on(mk_pod("x", "evil", "admin", "10.99.0.1"), "n2")),
+        );
+        assert!(c.ipcache.is_empty(), "{c:?}");
+        assert_eq!(identity_of(&engine, "10.99.0.1"), IDENTITY_HOST);
+        // The second address goes from the device; the Node's stays host without the device.
+        let c = ix.set_device_addresses(&mut engine, addrs(&["172.20.0.11"]));
+        assert_eq!(
+            identity_of(&engine, "10.99.0.1"),
+            ix.pod("x/evil").unwrap().identity
+        );
+        assert_eq!(c.ipcache.len(), 1, "{c:?}");
+        let c = ix.set_device_addresses(&mut engine, addrs(&[]));
+        assert!(
+            c.ipcache
+                .iter()
+                .all(|c| matches!(c, IpcacheChange::Upsert(_, IDENTITY_HOST))),
+            "{c:?}"
+        );
         assert_eq!(identity_of(&engine, "172.20.0.11"), IDENTITY_HOST);
     }
 

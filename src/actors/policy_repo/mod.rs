@@ -46,8 +46,8 @@ pub use fqdn::{ExpireFqdn, LearnFqdn, RestoreFqdn};
 pub use host::AddHostEndpoint;
 pub use numbering::RestoreNumbering;
 pub use objects::{
-    InitialSyncDone, NamespaceDelete, NamespaceUpsert, NodeDelete, NodeUpsert, PodDelete,
-    PodUpsert, PodsUpsert,
+    DeviceAddresses, InitialSyncDone, NamespaceDelete, NamespaceUpsert, NodeDelete, NodeUpsert,
+    PodDelete, PodUpsert, PodsUpsert,
 };
 pub use policies::{ManifestStatus, PolicyDelete, PolicyRejected, PolicyUpsert};
 pub use views::{GetIdentities, GetIpcacheView, GetPolicies, RegenerateAll};
@@ -470,4 +470,4 @@ traced_actor!(PolicyRepoActor:
     PolicyUpsert, PolicyRejected, PolicyDelete, ManifestStatus, PodUpsert, PodsUpsert, PodDelete, NamespaceUpsert,
     NamespaceDelete, NodeUpsert, NodeDelete, InitialSyncDone, AddEndpoint, DeleteEndpoint,
     FindEndpoint, ConfigureEndpoint, AddHostEndpoint, ListEndpoints, ListPodlessEndpoints, Shutdown, GetPolicies, GetIdentities, GetIpcacheView, RegenerateAll,
-    LearnFqdn, ExpireFqdn, RestoreFqdn, RestoreNumbering);
+    LearnFqdn, ExpireFqdn, RestoreFqdn, RestoreNumbering, DeviceAddresses);

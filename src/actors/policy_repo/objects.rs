@@ -188,6 +188,29 @@ impl Handler<NodeUpsert> for PolicyRepoActor {
     }
 }
 
+/// The addresses of this node's native devices (`network::devices`), from the route
+/// reconciler: each is `host`.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct DeviceAddresses {
+    pub addrs: std::collections::BTreeSet<std::net::IpAddr>,
+}
+traceable!(DeviceAddresses, "DeviceAddresses", |m| format!(
+    "{} addresses",
+    m.addrs.len()
+));
+
+impl Handler<DeviceAddresses> for PolicyRepoActor {
+    type Result = ();
+    fn handle(&mut self, msg: DeviceAddresses, _: &mut Context<Self>) {
+        let change = self.indexed(|ix, e| ix.set_device_addresses(e, msg.addrs));
+        if change.ipcache.is_empty() {
+            return;
+        }
+        self.react(Reaction::new("device addresses").ipcache(change.ipcache));
+    }
+}
+
 /// A node went away.
 #[derive(Debug, Message)]
 #[rtype(result = "()")]

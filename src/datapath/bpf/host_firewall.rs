@@ -1,7 +1,9 @@
-//! The host firewall at the node's device (`bpf/lib/hostfw.h`): `to_netdev` on the device's
-//! TCX egress, and `from_netdev` on its ingress unless BPF host routing put it there already
-//! (`host_delivery`: the same program judges both); in tunnel mode the same on the agent's
-//! tunnel device, for the node's traffic with other nodes' pods (inside the tunnel).
+//! The host firewall at the node's native devices (`bpf/lib/hostfw.h`, `network::devices`):
+//! `to_netdev` on each device's TCX egress, and `from_netdev` on its ingress unless BPF host
+//! routing put it there already (`host_delivery`: the same program judges both); in tunnel
+//! mode the same on the agent's tunnel device, for the node's traffic with other nodes' pods
+//! (inside the tunnel). The links are pinned per device (`link_hostfw_egress_<device>`), so
+//! that a device that is no longer native loses them, also across a restart.
 //!
 //! Invariants:
 //! - the links are pinned under the agent's own pin root, like the endpoints' links: the
@@ -54,15 +56,60 @@ fn tunnel_peers_of(map: &MapHandle) -> BTreeSet<Ipv4Addr> {
         .collect()
 }
 
-/// The pinned TCX link of `from_netdev` when the host firewall attached it.
-pub const LINK_INGRESS: &str = "link_hostfw_ingress";
-/// The pinned TCX link of `to_netdev`.
-pub const LINK_EGRESS: &str = "link_hostfw_egress";
+/// The pinned TCX links of an earlier release, which attached to one device only: taken off
+/// by [`sweep_devices`].
+const OLD_LINK_INGRESS: &str = "link_hostfw_ingress";
+const OLD_LINK_EGRESS: &str = "link_hostfw_egress";
 
-/// Attaches the programs to the device `ifindex`: `to_netdev` at its egress, and `from_netdev`
-/// at its ingress when `ingress` (else a link of an earlier run there is taken off).
-pub fn attach(pins: &Path, ifindex: u32, ingress: bool) -> Result<(), DatapathError> {
-    attach_at(pins, ifindex, ingress, (LINK_EGRESS, LINK_INGRESS))
+/// The pinned TCX links on the native device `name`: `from_netdev` (when the host firewall
+/// attached it) and `to_netdev`.
+fn device_links(name: &str) -> (String, String) {
+    (
+        format!("{OLD_LINK_EGRESS}_{name}"),
+        format!("{OLD_LINK_INGRESS}_{name}"),
+    )
+}
+
+/// Attaches the programs to the native device `name` (`ifindex`): `to_netdev` at its egress,
+/// and `from_netdev` at its ingress when `ingress` (else a link of an earlier run there is
+/// taken off).
+pub fn attach(pins: &Path, name: &str, ifindex: u32, ingress: bool) -> Result<(), DatapathError> {
+    let (egress_link, ingress_link) = device_links(name);
+    attach_at(pins, ifindex, ingress, (&egress_link, &ingress_link))
+}
+
+/// Takes the programs off the native device `name`.
+pub fn detach_device(pins: &Path, name: &str) {
+    let (egress_link, ingress_link) = device_links(name);
+    tcx::detach(&pins.join(egress_link));
+    tcx::detach(&pins.join(ingress_link));
+}
+
+/// The native devices the pinned links under `pins` are on (whichever run attached them).
+pub fn pinned_devices(pins: &Path) -> BTreeSet<String> {
+    let Ok(dir) = std::fs::read_dir(pins) else {
+        return BTreeSet::new();
+    };
+    dir.flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter_map(|n| {
+            n.strip_prefix(&format!("{OLD_LINK_EGRESS}_"))
+                .or_else(|| n.strip_prefix(&format!("{OLD_LINK_INGRESS}_")))
+                .map(String::from)
+        })
+        .collect()
+}
+
+/// Takes the programs off every native device but those in `keep`, and the links of the
+/// one-device release: what an earlier run left on devices that are no native device now.
+pub fn sweep_devices(pins: &Path, keep: &BTreeSet<String>) -> Vec<String> {
+    tcx::detach(&pins.join(OLD_LINK_EGRESS));
+    tcx::detach(&pins.join(OLD_LINK_INGRESS));
+    let stale: Vec<String> = pinned_devices(pins).difference(keep).cloned().collect();
+    for name in &stale {
+        detach_device(pins, name);
+    }
+    stale
 }
 
 /// The pinned TCX links on the agent's tunnel device (tunnel mode): what the node sends to
@@ -116,12 +163,8 @@ fn attach_at(
 
 /// Takes every host firewall program off (the host firewall turned off).
 pub fn detach(pins: &Path) {
-    for link in [
-        LINK_EGRESS,
-        LINK_INGRESS,
-        LINK_TUNNEL_EGRESS,
-        LINK_TUNNEL_INGRESS,
-    ] {
+    sweep_devices(pins, &BTreeSet::new());
+    for link in [LINK_TUNNEL_EGRESS, LINK_TUNNEL_INGRESS] {
         tcx::detach(&pins.join(link));
     }
 }
