@@ -288,6 +288,149 @@ fn host_policies_judge_traffic_to_and_from_the_node_in_enforcing_and_audit_mode(
     );
 }
 
+/// A node with a second native device (a management network its Node object does not list):
+/// the host firewall sits on that device too, and the device's address is the node's
+/// (`host`), so the host policy judges what comes in through it, what the node sends through
+/// it, and what local pods send to its address; across `kill -9`; and a device that goes
+/// loses its programs.
+#[test]
+fn a_second_native_device_is_guarded_and_its_address_is_the_nodes() {
+    let Some(mut c) = firewall_cluster(&[]) else {
+        return;
+    };
+    let (mgmt, at_node, at_mgmt) = c.add_second_device(1);
+    let a = c.add_pod(1, "a", "a");
+    let n1 = c.nodes[0].netns.clone();
+    let (second, mgmt_ip) = (IpAddr::V4(at_node), IpAddr::V4(at_mgmt));
+    for port in [2222, 8000, 10250] {
+        tcp_server(&n1, second, port);
+    }
+    tcp_server(&mgmt, mgmt_ip, 8080);
+    let mut node = node_object(1);
+    node["metadata"]["labels"] = json!({"node-access": "ssh"});
+    c.api().apply_json(node).expect("node labels");
+    let agent1 = c.nodes[0].agent();
+    agent1.wait_until("the host firewall is on both devices", || {
+        agent1.cli_json(&["status"])["host_firewall_device"] == "eth0,eth1"
+    });
+    eventually(
+        "no host policy: the second device is open both ways",
+        || {
+            tcp_ok(&mgmt, second, 8000)
+                && tcp_ok(&n1, mgmt_ip, 8080)
+                && tcp_ok(&a.netns, second, 10250)
+        },
+    );
+    // The second device's address is host in the kernel's ipcache, though no Node lists it.
+    assert_eq!(kernel_identity(&c, "10.99.0.1/32"), Some(1));
+
+    c.api().apply_json(lock_down()).expect("host policy");
+    let enforced = || {
+        !tcp_ok(&mgmt, second, 8000)
+            && !tcp_ok(&mgmt, second, 2222)
+            && !tcp_ok(&n1, mgmt_ip, 8080)
+            && tcp_ok(&a.netns, second, 8000)
+            && !tcp_ok(&a.netns, second, 10250)
+    };
+    eventually("the host policy judges the second device", enforced);
+    let (code, out, err) = c.nodes[0].agent().cli(&[
+        "monitor",
+        "-o",
+        "json",
+        "--since",
+        "5m",
+        "--count",
+        "1",
+        "--to",
+        "host",
+        "--port",
+        "2222",
+        "--verdict",
+        "dropped",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let d: Value = serde_json::from_str(out.lines().next().unwrap_or("null")).expect("a flow");
+    assert_eq!(d["endpoint"], 65535, "{d}");
+
+    // kill -9: the second device's pinned links keep enforcing.
+    let kubeconfig = c.kubeconfig.clone();
+    c.node(1).kill9_agent();
+    assert!(enforced(), "enforced while the agent is down");
+    c.node(1).start_agent(&kubeconfig);
+    assert!(enforced(), "enforced after the restart");
+
+    // `--devices eth0`: the operator leaves eth1 out; its programs and its address's
+    // identity go (so the policy no longer judges it), eth0's stay.
+    let restart_with = |c: &mut Cluster, devices: &[&str]| {
+        let node = c.node(1);
+        node.kill9_agent();
+        node.agent_args
+            .retain(|a| a != "--devices" && !a.starts_with("eth"));
+        for d in devices {
+            node.agent_args
+                .extend(["--devices".to_string(), d.to_string()]);
+        }
+        node.start_agent(&kubeconfig);
+    };
+    restart_with(&mut c, &["eth0"]);
+    let left_out = |c: &Cluster| {
+        let agent1 = c.nodes[0].agent();
+        agent1.wait_until("the host firewall is on eth0 only", || {
+            agent1.cli_json(&["status"])["host_firewall_device"] == "eth0"
+        });
+        let pins: Vec<String> = walk(&c.nodes[0].bpffs)
+            .into_iter()
+            .filter(|n| n.starts_with("link_hostfw_"))
+            .collect();
+        assert!(pins.iter().all(|n| !n.ends_with("eth1")), "{pins:?}");
+        assert!(
+            pins.iter().any(|n| n == "link_hostfw_egress_eth0"),
+            "{pins:?}"
+        );
+        agent1.wait_until("eth1's address is no longer host", || {
+            kernel_identity(c, "10.99.0.1/32").is_none()
+        });
+    };
+    left_out(&c);
+    eventually("eth1 is not judged", || {
+        tcp_ok(&mgmt, second, 8000) && tcp_ok(&n1, mgmt_ip, 8080)
+    });
+    // A prefix takes it back.
+    restart_with(&mut c, &["eth+"]);
+    let agent1 = c.nodes[0].agent();
+    agent1.wait_until("the host firewall is on both devices again", || {
+        agent1.cli_json(&["status"])["host_firewall_device"] == "eth0,eth1"
+    });
+    eventually("judged again", enforced);
+
+    // The device goes: its programs go with it, pins included; the first device stays.
+    common::netns::ip(&["-n", &n1, "link", "del", "eth1"]);
+    left_out(&c);
+}
+
+/// The identity node 1's kernel ipcache gives `prefix`.
+fn kernel_identity(c: &Cluster, prefix: &str) -> Option<u64> {
+    let all = c.nodes[0].agent().cli_json(&["bpf", "ipcache", "list"]);
+    all.as_array()?
+        .iter()
+        .find(|e| e["prefix"] == prefix)
+        .and_then(|e| e["identity"].as_u64())
+}
+
+/// The file names under `dir`, at any depth.
+fn walk(dir: &std::path::Path) -> Vec<String> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(e.file_name().to_string_lossy().into_owned());
+        }
+    }
+    out
+}
+
 /// One of the connectivity suite's host policies, read where it lies (never copied).
 fn connectivity_manifest(name: &str) -> Value {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))

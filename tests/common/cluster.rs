@@ -415,6 +415,25 @@ impl Cluster {
         (outside, OUTSIDE_IP)
     }
 
+    /// A second native device on node `i`: `eth1` with `10.99.0.1/24`, whose peer (`eth0`,
+    /// `10.99.0.2/24`) is in a namespace of its own (returned), as a management network the
+    /// Node object does not know of.
+    pub fn add_second_device(&mut self, i: usize) -> (String, Ipv4Addr, Ipv4Addr) {
+        let (node, peer) = (self.nodes[i - 1].netns.clone(), format!("cm-{}", self.tag));
+        let (at_node, at_peer) = (Ipv4Addr::new(10, 99, 0, 1), Ipv4Addr::new(10, 99, 0, 2));
+        self.netns_add(&peer);
+        ip(&[
+            "-n", &node, "link", "add", "eth1", "type", "veth", "peer", "name", "eth0", "netns",
+            &peer,
+        ]);
+        for (ns, addr) in [(&node, at_node), (&peer, at_peer)] {
+            let dev = if ns == &node { "eth1" } else { "eth0" };
+            ip(&["-n", ns, "addr", "add", &format!("{addr}/24"), "dev", dev]);
+            ip(&["-n", ns, "link", "set", dev, "up"]);
+        }
+        (peer, at_node, at_peer)
+    }
+
     fn netns_add(&mut self, name: &str) {
         ip(&["netns", "add", name]);
         self.made_netns.push(name.to_string());
