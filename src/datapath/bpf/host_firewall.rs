@@ -168,3 +168,52 @@ pub fn detach(pins: &Path) {
         tcx::detach(&pins.join(link));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The links are named per device; a sweep takes off those of devices that are no longer
+    /// native and the one-device release's, never the tunnel device's or a kept device's.
+    #[test]
+    fn a_sweep_takes_off_the_links_of_devices_no_longer_native_and_of_the_old_release() {
+        let dir = tempfile::tempdir().unwrap();
+        let names = [
+            "link_hostfw_egress_eth0",
+            "link_hostfw_ingress_eth0",
+            "link_hostfw_egress_eth1",
+            "link_hostfw_ingress_eth1",
+            "link_hostfw_egress",
+            "link_hostfw_ingress",
+            "link_hostfw_tunnel_egress",
+            "link_7_egress",
+        ];
+        for n in names {
+            std::fs::write(dir.path().join(n), b"").unwrap();
+        }
+        assert_eq!(
+            pinned_devices(dir.path()),
+            BTreeSet::from(["eth0".to_string(), "eth1".to_string()])
+        );
+        let keep = BTreeSet::from(["eth0".to_string()]);
+        assert_eq!(sweep_devices(dir.path(), &keep), ["eth1"]);
+        let mut left: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(
+            left,
+            [
+                "link_7_egress",
+                "link_hostfw_egress_eth0",
+                "link_hostfw_ingress_eth0",
+                "link_hostfw_tunnel_egress"
+            ]
+        );
+        detach(dir.path());
+        let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().flatten().collect();
+        assert_eq!(left.len(), 1, "only the endpoint's link stays");
+    }
+}
