@@ -110,7 +110,8 @@ pub struct StatusModel {
     /// endpoint's audit mode) or `off`.
     #[serde(default)]
     pub host_firewall: String,
-    /// Where the host firewall's programs are: the device, `off`, or why not attached.
+    /// Where the host firewall's programs are: the native devices, comma-separated, `off`, or
+    /// what is wrong.
     #[serde(default)]
     pub host_firewall_device: String,
     /// Connections of the node's own the host policies in force would cut (its API server).

@@ -298,10 +298,9 @@ impl NetdevProgram {
         tunnel: Option<(u32, bool)>,
     ) {
         let before = std::mem::take(&mut self.firewall);
-        let (retune, tunnel_changed) = (before.clone(), self.firewall_tunnel != tunnel);
-        let wanted = want.clone();
+        let (was, tunnel_changed) = (before.clone(), self.firewall_tunnel != tunnel);
         let r = actix_web::web::block(move || {
-            attach_firewall(&pins, &wanted, &retune, tunnel, tunnel_changed)
+            attach_firewall(&pins, &want, &was, tunnel, tunnel_changed)
         })
         .await;
         let (attached, tunnel_ok, errors) = match r {
@@ -325,7 +324,7 @@ impl NetdevProgram {
     /// `status`'s `host_firewall_device`: the devices, and what is wrong.
     fn firewall_shown(&self, missing: &[String]) -> String {
         let mut shown: Vec<String> = self.firewall.keys().cloned().collect();
-        if shown.is_empty() {
+        if shown.is_empty() && self.firewall_errors.is_empty() {
             shown.push("not attached: no native device (--devices)".into());
         }
         for m in missing {

@@ -56,9 +56,9 @@ pub struct RoutingConfig {
     /// The eBPF datapath's pin root (`None` with the in-memory datapath): with BPF host routing
     /// off, a node device program an earlier run attached is taken off.
     pub bpf_pins: Option<std::path::PathBuf>,
-    /// `--enable-host-firewall` (eBPF datapath): the host firewall's programs go on the device
-    /// holding the node's InternalIP (`datapath::bpf::host_firewall`); off, an earlier run's
-    /// are taken off.
+    /// `--enable-host-firewall` (eBPF datapath): the host firewall's programs go on the native
+    /// devices (`devices`, `datapath::bpf::host_firewall`); off, an earlier run's are taken
+    /// off.
     pub host_firewall: bool,
     /// `--devices`: the node's native devices (`devices`).
     pub devices: super::devices::DeviceSelector,
@@ -312,7 +312,7 @@ pub struct RoutingView {
     /// (`--enable-host-legacy-routing`): the host stack forwards; `none`
     /// (in-memory datapath).
     pub host_routing: String,
-    /// The host firewall's device: `<device>`, `off`, or why it is not attached.
+    /// The host firewall's devices, comma-separated (`eth0,eth1`), `off`, or what is wrong.
     pub host_firewall_device: String,
     pub nodes: Vec<NodeRow>,
 }
