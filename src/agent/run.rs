@@ -217,20 +217,14 @@ async fn initial_device_addresses(
     routing: &crate::network::RoutingConfig,
     repo: &TracedAddr<PolicyRepoActor>,
 ) -> tokio::sync::watch::Sender<std::collections::BTreeSet<std::net::IpAddr>> {
-    use crate::network::devices;
-    let now = match (&routing.bpf_pins, devices::read()) {
-        (None, _) => Default::default(),
-        (Some(_), Ok(all)) => devices::host_addresses(&devices::select(&all, &routing.devices)),
-        (Some(_), Err(e)) => {
-            tracing::error!(error = %e, "the node's devices not read: only the Node's addresses are host until they are");
-            Default::default()
-        }
-    };
-    let (tx, mut rx) = tokio::sync::watch::channel(now);
-    let addrs = rx.borrow_and_update().clone();
-    if !addrs.is_empty() {
+    let now = crate::network::native_devices(routing)
+        .map(|d| crate::network::devices::host_addresses(&d))
+        .unwrap_or_default();
+    if !now.is_empty() {
+        let addrs = now.clone();
         let _ = repo.send(DeviceAddresses { addrs }, "devices").await;
     }
+    let (tx, mut rx) = tokio::sync::watch::channel(now);
     let repo = repo.clone();
     actix_rt::spawn(async move {
         while rx.changed().await.is_ok() {

@@ -232,12 +232,12 @@ impl NetdevProgram {
 
 /// The node's native devices as `--devices` selects them, read from the kernel; `None` with
 /// the in-memory datapath (no kernel state is the agent's) or when they cannot be read.
-fn native_devices(cfg: &RoutingConfig) -> Option<Vec<devices::Device>> {
+pub fn native_devices(cfg: &RoutingConfig) -> Option<Vec<devices::Device>> {
     cfg.bpf_pins.as_ref()?;
     match devices::read() {
         Ok(all) => Some(devices::select(&all, &cfg.devices)),
         Err(e) => {
-            tracing::warn!(error = %e, "the node's devices not read; the last ones stay");
+            tracing::warn!(error = %e, "the node's devices not read: the addresses last read stay host (none at start)");
             None
         }
     }

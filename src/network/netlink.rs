@@ -377,22 +377,9 @@ fn run_changes(
 
 /// The device (name, ifindex) that holds `ip` in this network namespace; loopback never counts.
 pub fn device_with_address(ip: Ipv4Addr) -> Option<(String, u32)> {
-    let addrs = nix::ifaddrs::getifaddrs().ok()?;
-    for a in addrs {
-        if a.flags
-            .contains(nix::net::if_::InterfaceFlags::IFF_LOOPBACK)
-        {
-            continue;
-        }
-        let held = a
-            .address
-            .as_ref()
-            .and_then(|s| s.as_sockaddr_in())
-            .is_some_and(|s| s.ip() == ip);
-        if held {
-            let index = nix::net::if_::if_nametoindex(a.interface_name.as_str()).ok()?;
-            return Some((a.interface_name, index));
-        }
-    }
-    None
+    super::devices::read()
+        .ok()?
+        .into_iter()
+        .find(|d| !d.loopback && d.addrs.contains(&std::net::IpAddr::V4(ip)))
+        .map(|d| (d.name, d.ifindex))
 }

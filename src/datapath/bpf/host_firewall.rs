@@ -56,17 +56,18 @@ fn tunnel_peers_of(map: &MapHandle) -> BTreeSet<Ipv4Addr> {
         .collect()
 }
 
-/// The pinned TCX links of an earlier release, which attached to one device only: taken off
-/// by [`sweep_devices`].
-const OLD_LINK_INGRESS: &str = "link_hostfw_ingress";
-const OLD_LINK_EGRESS: &str = "link_hostfw_egress";
+/// The pinned TCX links: `<LINK_EGRESS>_<device>` and `<LINK_INGRESS>_<device>`. An earlier
+/// release, which attached to one device only, pinned them under these names alone; those are
+/// taken off by [`sweep_devices`].
+const LINK_INGRESS: &str = "link_hostfw_ingress";
+const LINK_EGRESS: &str = "link_hostfw_egress";
 
 /// The pinned TCX links on the native device `name`: `from_netdev` (when the host firewall
 /// attached it) and `to_netdev`.
 fn device_links(name: &str) -> (String, String) {
     (
-        format!("{OLD_LINK_EGRESS}_{name}"),
-        format!("{OLD_LINK_INGRESS}_{name}"),
+        format!("{LINK_EGRESS}_{name}"),
+        format!("{LINK_INGRESS}_{name}"),
     )
 }
 
@@ -90,11 +91,12 @@ pub fn pinned_devices(pins: &Path) -> BTreeSet<String> {
     let Ok(dir) = std::fs::read_dir(pins) else {
         return BTreeSet::new();
     };
+    let (egress, ingress) = device_links("");
     dir.flatten()
         .filter_map(|e| e.file_name().into_string().ok())
         .filter_map(|n| {
-            n.strip_prefix(&format!("{OLD_LINK_EGRESS}_"))
-                .or_else(|| n.strip_prefix(&format!("{OLD_LINK_INGRESS}_")))
+            n.strip_prefix(&egress)
+                .or_else(|| n.strip_prefix(&ingress))
                 .map(String::from)
         })
         .collect()
@@ -103,8 +105,8 @@ pub fn pinned_devices(pins: &Path) -> BTreeSet<String> {
 /// Takes the programs off every native device but those in `keep`, and the links of the
 /// one-device release: what an earlier run left on devices that are no native device now.
 pub fn sweep_devices(pins: &Path, keep: &BTreeSet<String>) -> Vec<String> {
-    tcx::detach(&pins.join(OLD_LINK_EGRESS));
-    tcx::detach(&pins.join(OLD_LINK_INGRESS));
+    tcx::detach(&pins.join(LINK_EGRESS));
+    tcx::detach(&pins.join(LINK_INGRESS));
     let stale: Vec<String> = pinned_devices(pins).difference(keep).cloned().collect();
     for name in &stale {
         detach_device(pins, name);
