@@ -3,6 +3,7 @@
 //! `bpf/services.bpf.c` (socket-level service translation) into `$OUT_DIR/services.skel.rs`.
 //! `bpf/ciliate.h` and `bpf/services.h` are the single source of truth for the structures user
 //! space shares with the programs; Rust uses the skeletons' generated types.
+//! Also generates Hubble's gRPC API (`proto/`) for `src/hubble`.
 
 use std::env;
 use std::ffi::OsString;
@@ -50,4 +51,23 @@ fn main() {
     // The tc program's parts by concern (parse, maps, ipcache, policy, events, conntrack).
     println!("cargo:rerun-if-changed=bpf/lib");
     println!("cargo:rerun-if-changed=build.rs");
+    hubble_protos();
+}
+
+/// Hubble's API (`proto/`, the packages `flow`, `observer`, `peer`, `relay`) into
+/// `$OUT_DIR/<package>.rs`: messages (prost) and both sides of the services (tonic). protox
+/// parses the protos in Rust (it carries Google's well-known types), so no protoc is needed.
+fn hubble_protos() {
+    const PROTOS: [&str; 4] = [
+        "proto/flow/flow.proto",
+        "proto/relay/relay.proto",
+        "proto/peer/peer.proto",
+        "proto/observer/observer.proto",
+    ];
+    let fds = protox::compile(PROTOS, ["proto"])
+        .unwrap_or_else(|e| panic!("cannot parse Hubble's protos in proto/: {e}"));
+    tonic_prost_build::configure()
+        .compile_fds(fds)
+        .unwrap_or_else(|e| panic!("cannot generate Hubble's API from proto/: {e}"));
+    println!("cargo:rerun-if-changed=proto");
 }

@@ -14,6 +14,7 @@ pub mod datapath;
 pub mod demo;
 pub mod endpoint;
 pub mod hashing;
+pub mod hubble;
 pub mod introspect;
 pub mod ipam;
 pub mod k8s;

@@ -115,6 +115,16 @@ fn agent(args: AgentArgs) -> i32 {
         dns_proxy_max_qps_per_pod: args.dns_proxy_max_qps_per_pod,
         http_proxy: args.http_proxy,
         watch_pods: args.watch_pods,
+        hubble: ciliate::hubble::server::HubbleConfig {
+            listen: args.hubble_listen_address,
+            tls: args
+                .hubble_tls_cert_file
+                .map(|cert| ciliate::hubble::server::TlsFiles {
+                    cert,
+                    key: args.hubble_tls_key_file.unwrap_or_default(),
+                    client_cas: args.hubble_tls_client_ca_files,
+                }),
+        },
     };
     match run(config) {
         Ok(()) => 0,

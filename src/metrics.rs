@@ -34,6 +34,30 @@ pub struct VerdictLabels {
     pub r#match: String,
 }
 
+/// `hubble_flows_processed_total` labels, Hubble's names (bounded: 4 types x 3 subtypes x 3
+/// verdicts).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct HubbleFlowLabels {
+    pub r#type: &'static str,
+    pub subtype: &'static str,
+    pub verdict: &'static str,
+}
+
+/// `hubble_drop_total` labels (bounded: 6 reasons x 5 protocols).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct HubbleDropLabels {
+    pub reason: &'static str,
+    pub protocol: String,
+}
+
+/// `hubble_policy_verdicts_total` labels (bounded: 2 directions x 8 matches x 3 actions).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct HubblePolicyLabels {
+    pub direction: String,
+    pub r#match: String,
+    pub action: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ScopeLabels {
     pub scope: String,
@@ -74,6 +98,10 @@ pub struct Metrics {
     pub endpoint_restore: Family<OutcomeLabels, Counter>,
     /// Policy verdicts the datapath reported (drops, audits, new allowed connections).
     pub policy_verdicts: Family<VerdictLabels, Counter>,
+    /// Hubble's flow metrics, with Hubble's names and labels (Cilium's Grafana dashboards).
+    pub hubble_flows_processed: Family<HubbleFlowLabels, Counter>,
+    pub hubble_drops: Family<HubbleDropLabels, Counter>,
+    pub hubble_policy_verdicts: Family<HubblePolicyLabels, Counter>,
     /// Verdict events the datapath's ring buffer had no room for.
     pub events_lost: Counter,
     /// Start-up phases: seconds each took (Cilium's `agent_bootstrap_seconds`).
@@ -145,6 +173,9 @@ impl Metrics {
             debug_connections_refused: Counter::default(),
             endpoint_restore: Family::default(),
             policy_verdicts: Family::default(),
+            hubble_flows_processed: Family::default(),
+            hubble_drops: Family::default(),
+            hubble_policy_verdicts: Family::default(),
             events_lost: Counter::default(),
             bootstrap: Family::default(),
             // 10us .. ~5s
@@ -217,6 +248,21 @@ impl Metrics {
             "ciliate_policy_verdicts",
             "Policy verdicts reported by the datapath (every drop and audit, the first packet of every new allowed connection), by direction, verdict and match",
             m.policy_verdicts.clone(),
+        );
+        r.register(
+            "hubble_flows_processed",
+            "Flows processed, by Cilium's event type, subtype and verdict (Hubble's metric)",
+            m.hubble_flows_processed.clone(),
+        );
+        r.register(
+            "hubble_drop",
+            "Dropped flows, by drop reason and protocol (Hubble's metric)",
+            m.hubble_drops.clone(),
+        );
+        r.register(
+            "hubble_policy_verdicts",
+            "Policy verdicts, by direction, match and action (Hubble's metric)",
+            m.hubble_policy_verdicts.clone(),
         );
         r.register(
             "ciliate_k8s_watch_events",

@@ -191,6 +191,36 @@ pub struct FlowSink {
 }
 
 impl FlowSink {
+    /// Hubble's flow metrics of one record (its loss reports are not flows).
+    fn hubble_metrics(&self, ev: &crate::datapath::events::VerdictEvent) {
+        use crate::hubble::convert;
+        if ev.lost.is_some() {
+            return;
+        }
+        let m = &self.metrics;
+        let (r#type, subtype, verdict) = convert::processed_labels(ev);
+        let labels = crate::metrics::HubbleFlowLabels {
+            r#type,
+            subtype,
+            verdict,
+        };
+        m.hubble_flows_processed.get_or_create(&labels).inc();
+        if ev.verdict == "dropped" {
+            let reason = convert::drop_reason(ev).as_str_name();
+            let protocol = ev.protocol.clone();
+            let labels = crate::metrics::HubbleDropLabels { reason, protocol };
+            m.hubble_drops.get_or_create(&labels).inc();
+        }
+        if convert::event_type(ev).0 == convert::EVENT_POLICY_VERDICT {
+            let labels = crate::metrics::HubblePolicyLabels {
+                direction: ev.direction.clone(),
+                r#match: ev.match_kind.clone().unwrap_or_default(),
+                action: ev.verdict.clone(),
+            };
+            m.hubble_policy_verdicts.get_or_create(&labels).inc();
+        }
+    }
+
     pub fn consume(&self, mut ev: crate::datapath::events::VerdictEvent) {
         ev.attribute(&self.cookies);
         ev.name_pods(|ip| self.pod_names.get(&ip).map(|n| n.clone()));
@@ -202,6 +232,7 @@ impl FlowSink {
             self.metrics.events_lost.inc_by(n);
         }
         self.policy_hits.record(&ev.policies, &ev.verdict);
+        self.hubble_metrics(&ev);
         if let Some(m) = &ev.match_kind {
             self.metrics
                 .policy_verdicts

@@ -69,6 +69,8 @@ pub struct AgentConfig {
     pub http_proxy: crate::config::DnsProxyMode,
     /// `--watch-pods`: other nodes' pods from every Pod, not from CiliateEndpointSlices.
     pub watch_pods: bool,
+    /// Hubble's API: `--hubble-listen-address`, `--hubble-tls-*`.
+    pub hubble: crate::hubble::server::HubbleConfig,
 }
 
 /// How long a debug-server connection may sit idle: the debug page polls every two seconds.
@@ -181,6 +183,8 @@ pub fn run(config: AgentConfig) -> Result<(), AgentError> {
     // Bound before anything runs: a taken port or an unusable socket path ends the start here,
     // with nothing to tear down. Connections wait in the kernel's queue until served.
     let listeners = Listeners::bind(&config.api_socket, &config.state_dir, config.debug_addr)?;
+    let hubble = crate::hubble::server::bind(&config.state_dir, &config.hubble)
+        .map_err(AgentError::Config)?;
     let maps_started = std::time::Instant::now();
     let route_applier = open_route_applier(&config)?;
     let datapath: Box<dyn Datapath> = match config.datapath {
@@ -207,6 +211,7 @@ pub fn run(config: AgentConfig) -> Result<(), AgentError> {
             route_applier,
             services,
             early,
+            hubble,
         },
     ))
 }
@@ -311,6 +316,8 @@ struct Network {
     services: std::sync::Arc<crate::services::ServiceLb>,
     /// Start-up phases timed before the runtime started (`init`, `maps`).
     early: Vec<(&'static str, std::time::Duration)>,
+    /// Hubble's listeners, bound with the others.
+    hubble: crate::hubble::server::Listeners,
 }
 
 /// The actors every mode shares, wired together.
@@ -347,6 +354,31 @@ pub fn spawn_core(shared: &Shared, datapath: Box<dyn Datapath>) -> Core {
     }
 }
 
+/// What Hubble's services read of the agent.
+fn hubble_sources(
+    config: &AgentConfig,
+    shared: &Shared,
+    listeners: &crate::hubble::server::Listeners,
+) -> crate::hubble::server::Sources {
+    let listen = config.hubble.listen;
+    // Where this node's Observer is reached when no Node object says: the named address, else
+    // the socket.
+    let local_address = match listen {
+        Some(a) if !a.ip().is_unspecified() => a.to_string(),
+        _ => format!("unix://{}", listeners.socket.display()),
+    };
+    crate::hubble::server::Sources {
+        node: shared.node_name.clone(),
+        flows: shared.flows.clone(),
+        lookup: std::sync::Arc::new(crate::hubble::server::EngineLookup(shared.engine.clone())),
+        nodes: shared.nodes.subscribe(),
+        started: std::time::Instant::now(),
+        port: listen.map_or(crate::hubble::DEFAULT_PORT, |a| a.port()),
+        local_address,
+        tls: listeners.tls.is_some(),
+    }
+}
+
 async fn run_async(
     config: AgentConfig,
     source: Source,
@@ -360,6 +392,7 @@ async fn run_async(
         route_applier,
         services,
         early,
+        hubble,
     } = network;
     let mut shared = Shared::new(&config.node_name, state_dir.clone());
     shared.services = services;
@@ -617,12 +650,20 @@ async fn run_async(
     let sweep_state = data.clone();
     let servers = socket_server(api, data.clone())
         .and_then(|api| debug_server(debug, data, limits).map(|debug| (api, debug)));
+    let servers = servers.and_then(|s| {
+        let sources = hubble_sources(&config, &shared, &hubble);
+        crate::hubble::server::spawn(crate::hubble::server::Hubble::new(sources), hubble)
+            .map(|()| s)
+    });
     let (socket_server, debug_server) = match servers {
         Ok(s) => s,
         Err(e) => {
             let _ = repo.send(Shutdown, "start-up failure").await;
             return Err(AgentError::Io {
-                what: format!("serve on {}", socket.path().display()),
+                what: format!(
+                    "serve on {} (or the debug or Hubble listeners)",
+                    socket.path().display()
+                ),
                 source: e,
             });
         }

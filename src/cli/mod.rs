@@ -300,6 +300,24 @@ pub struct AgentArgs {
     /// Recent flows kept for `ciliate monitor --since` (the oldest go first; 0 keeps none).
     #[arg(long, default_value_t = crate::datapath::flows::DEFAULT_CAPACITY)]
     pub flow_buffer_capacity: usize,
+    /// Hubble's Observer and Peer services on TCP too (Cilium's flag): `HOST:PORT`, or `:PORT`
+    /// for every address. They are always served on `STATE_DIR/hubble.sock`.
+    #[arg(long, value_name = "ADDR", value_parser = crate::hubble::server::parse_listen_address)]
+    pub hubble_listen_address: Option<std::net::SocketAddr>,
+    /// The TLS certificate of `--hubble-listen-address` (PEM); without it, plain text.
+    #[arg(long, value_name = "FILE", requires_all = ["hubble_tls_key_file", "hubble_listen_address"])]
+    pub hubble_tls_cert_file: Option<PathBuf>,
+    /// The certificate's private key (PEM).
+    #[arg(long, value_name = "FILE", requires = "hubble_tls_cert_file")]
+    pub hubble_tls_key_file: Option<PathBuf>,
+    /// CAs whose client certificates are required (mutual TLS; comma-separated or repeated).
+    #[arg(
+        long,
+        value_name = "FILE",
+        value_delimiter = ',',
+        requires = "hubble_tls_cert_file"
+    )]
+    pub hubble_tls_client_ca_files: Vec<PathBuf>,
     /// Addresses learned from DNS answers stay selected by toFQDNs at least this long (and
     /// while a connection through them is tracked).
     #[arg(long, default_value_t = 3600)]

@@ -17,6 +17,8 @@ pub const DEFAULT_CAPACITY: usize = 16_384;
 pub struct FlowRing {
     ring: Mutex<Ring>,
     live: broadcast::Sender<VerdictEvent>,
+    /// Events published since the ring was made (Hubble's `seen_flows`).
+    seen: std::sync::atomic::AtomicU64,
 }
 
 struct Ring {
@@ -42,6 +44,7 @@ impl FlowRing {
                 flows: VecDeque::with_capacity(capacity.min(4096)),
             }),
             live: broadcast::channel(live_buffer.max(1)).0,
+            seen: Default::default(),
         }
     }
 
@@ -59,6 +62,7 @@ impl FlowRing {
         ev.time = chrono::DateTime::from_timestamp_millis(at_ms as i64)
             .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true));
         let mut ring = self.lock();
+        self.seen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if ring.capacity > 0 {
             if ring.flows.len() == ring.capacity {
                 ring.flows.pop_front();
@@ -94,6 +98,42 @@ impl FlowRing {
         let ring = self.lock();
         let rx = self.live.subscribe();
         (Self::select(&ring, since_ms, filter), rx)
+    }
+
+    /// Every kept event received at or after `since_ms`, oldest first, and a subscription to
+    /// every event published after them (Hubble's `GetFlows`, which filters on its own terms).
+    pub fn follow_all(
+        &self,
+        since_ms: u64,
+    ) -> (Vec<VerdictEvent>, broadcast::Receiver<VerdictEvent>) {
+        let ring = self.lock();
+        let rx = self.live.subscribe();
+        let first = ring.flows.partition_point(|(t, _)| *t < since_ms);
+        (
+            ring.flows.range(first..).map(|(_, e)| e.clone()).collect(),
+            rx,
+        )
+    }
+
+    /// How many events the ring keeps at most.
+    pub fn capacity(&self) -> usize {
+        self.lock().capacity
+    }
+
+    /// Events published since the ring was made, kept or not.
+    pub fn seen(&self) -> u64 {
+        self.seen.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The namespaces of the pods the kept flows name.
+    pub fn namespaces(&self) -> std::collections::BTreeSet<String> {
+        let ring = self.lock();
+        let pods = ring
+            .flows
+            .iter()
+            .flat_map(|(_, e)| [&e.source_pod, &e.destination_pod]);
+        pods.filter_map(|p| Some(p.as_deref()?.split_once('/')?.0.to_string()))
+            .collect()
     }
 
     /// A subscription to the live events only.

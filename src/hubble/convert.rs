@@ -1,0 +1,541 @@
+//! A flow record as Hubble's `flow.Flow`. The record is the agent's one flow type
+//! (`VerdictEvent`, what `ciliate monitor` prints), so the Observer and `monitor` always agree;
+//! what the record does not carry (the identities' labels, the DNS names of an address) is asked
+//! of the agent at conversion time through `Lookup`.
+//!
+//! How ciliate's records map onto Cilium's event types:
+//! - a verdict a policy decided (a new connection, allowed, denied or audited; `match` set) is a
+//!   policy verdict (type 5), as Cilium reports it;
+//! - any other drop (not realized, malformed) is a drop (type 1) with its drop reason as subtype;
+//! - any other forwarded packet (established, reply, unmanaged) is a trace (type 4) from or to
+//!   the endpoint;
+//! - an HTTP request the proxy judged is an access log (type 129, L7).
+//!
+//! ciliate's datapath events do not carry the source port or TCP flags (they would cost every
+//! event bytes), so `l4` gives the destination port only.
+
+use std::hash::{Hash, Hasher};
+use std::net::IpAddr;
+
+use crate::datapath::events::VerdictEvent;
+use crate::policy::attribution::PolicyRef;
+
+use super::proto::flow as pb;
+
+/// Cilium's monitor message types (`pkg/monitor/api`).
+pub const EVENT_DROP: i32 = 1;
+pub const EVENT_TRACE: i32 = 4;
+pub const EVENT_POLICY_VERDICT: i32 = 5;
+pub const EVENT_ACCESS_LOG: i32 = 129;
+
+/// Cilium's trace subtypes (observation points) for a packet to and from an endpoint.
+const TRACE_TO_LXC: i32 = 0;
+const TRACE_FROM_LXC: i32 = 5;
+
+/// What the agent knows now of an address and an identity.
+pub trait Lookup {
+    /// The security identity of an address (the ipcache's answer; 0 when unknown).
+    fn identity_of(&self, ip: IpAddr) -> u32;
+    /// An identity's labels, `source:key=value` (`k8s:app=web`).
+    fn labels_of(&self, identity: u32) -> Vec<String>;
+    /// The DNS names the agent learned the address under.
+    fn names_of(&self, ip: IpAddr) -> Vec<String>;
+}
+
+/// A lookup that knows nothing (tests, and flows converted without an agent).
+pub struct NoLookup;
+
+impl Lookup for NoLookup {
+    fn identity_of(&self, _: IpAddr) -> u32 {
+        0
+    }
+    fn labels_of(&self, _: u32) -> Vec<String> {
+        Vec::new()
+    }
+    fn names_of(&self, _: IpAddr) -> Vec<String> {
+        Vec::new()
+    }
+}
+
+/// The record's verdict in Hubble's enum.
+pub fn verdict(ev: &VerdictEvent) -> pb::Verdict {
+    match ev.verdict.as_str() {
+        "forwarded" => pb::Verdict::Forwarded,
+        "dropped" => pb::Verdict::Dropped,
+        "audit" => pb::Verdict::Audit,
+        _ => pb::Verdict::Unknown,
+    }
+}
+
+/// Why a dropped record was dropped, in Cilium's numbers (unknown for anything not dropped).
+pub fn drop_reason(ev: &VerdictEvent) -> pb::DropReason {
+    if ev.verdict != "dropped" {
+        return pb::DropReason::Unknown;
+    }
+    match ev.reason.as_str() {
+        "policy-deny" => pb::DropReason::PolicyDeny,
+        "default-deny" | "l7-deny" => pb::DropReason::PolicyDenied,
+        "not-realized" => pb::DropReason::NoConfigurationAvailableToPerformPolicyDecision,
+        "malformed" => pb::DropReason::InvalidPacketDropped,
+        "not-ip" => pb::DropReason::UnsupportedL3Protocol,
+        _ => pb::DropReason::Unknown,
+    }
+}
+
+/// Cilium's event type and subtype of the record (see the module's words).
+pub fn event_type(ev: &VerdictEvent) -> (i32, i32) {
+    if ev.kind == "l7" {
+        (EVENT_ACCESS_LOG, 0)
+    } else if ev.match_kind.is_some() {
+        (EVENT_POLICY_VERDICT, 0)
+    } else if ev.verdict == "dropped" {
+        (EVENT_DROP, drop_reason(ev) as i32)
+    } else if ev.direction == "egress" {
+        (EVENT_TRACE, TRACE_FROM_LXC)
+    } else {
+        (EVENT_TRACE, TRACE_TO_LXC)
+    }
+}
+
+/// The labels `hubble_flows_processed_total` counts the record under: Cilium's message type
+/// name and subtype (`Trace` / `to-endpoint`, `L7` / `HTTP`, `PolicyVerdict`, `Drop`), and the
+/// verdict (`FORWARDED`).
+pub fn processed_labels(ev: &VerdictEvent) -> (&'static str, &'static str, &'static str) {
+    let (ty, sub) = event_type(ev);
+    let (ty, sub) = match ty {
+        EVENT_ACCESS_LOG => ("L7", "HTTP"),
+        EVENT_POLICY_VERDICT => ("PolicyVerdict", ""),
+        EVENT_DROP => ("Drop", ""),
+        _ if sub == TRACE_FROM_LXC => ("Trace", "from-endpoint"),
+        _ => ("Trace", "to-endpoint"),
+    };
+    (ty, sub, verdict(ev).as_str_name())
+}
+
+/// Whether the record is of a reply (`None`: not known).
+fn is_reply(ev: &VerdictEvent) -> Option<bool> {
+    match ev.reason.as_str() {
+        "reply" => Some(true),
+        "unmanaged" | "not-ip" | "ring-buffer-full" => None,
+        _ => Some(false),
+    }
+}
+
+/// Cilium's policy match types.
+fn match_type(m: Option<&str>) -> u32 {
+    match m {
+        Some("l3-only") => 1,
+        Some("l3-l4") => 2,
+        Some("l4-only") => 3,
+        Some("all") => 4,
+        _ => 0,
+    }
+}
+
+/// A deciding policy as Hubble's `Policy`, with the labels Cilium gives a policy's rules.
+pub fn policy(p: &PolicyRef, revision: Option<u64>) -> pb::Policy {
+    let mut labels = vec![
+        format!("k8s:io.cilium.k8s.policy.derived-from={}", p.kind),
+        format!("k8s:io.cilium.k8s.policy.name={}", p.name),
+    ];
+    if let Some(ns) = &p.namespace {
+        labels.push(format!("k8s:io.cilium.k8s.policy.namespace={ns}"));
+    }
+    pb::Policy {
+        name: p.name.clone(),
+        namespace: p.namespace.clone().unwrap_or_default(),
+        labels,
+        revision: revision.unwrap_or(0),
+        kind: p.kind.clone(),
+    }
+}
+
+/// One side of the flow: the endpoint `id` (0 for a peer the node does not host), its
+/// identity, pod and labels.
+fn side(
+    addr: &str,
+    pod: Option<&str>,
+    id: u32,
+    identity: Option<u32>,
+    lookup: &dyn Lookup,
+) -> (pb::Endpoint, Vec<String>) {
+    let ip: Option<IpAddr> = addr.parse().ok();
+    let identity = identity.unwrap_or_else(|| ip.map_or(0, |ip| lookup.identity_of(ip)));
+    let (namespace, pod_name) = match pod.and_then(|p| p.split_once('/')) {
+        Some((ns, name)) => (ns.to_string(), name.to_string()),
+        None => (String::new(), String::new()),
+    };
+    let names = ip.map(|ip| lookup.names_of(ip)).unwrap_or_default();
+    let ep = pb::Endpoint {
+        id,
+        identity,
+        namespace,
+        labels: lookup.labels_of(identity),
+        pod_name,
+        workloads: Vec::new(),
+    };
+    (ep, names)
+}
+
+/// A stable id of the record (the same flow has the same id in every call), as a UUID (version
+/// 8: derived by the agent, not random).
+fn uuid(ev: &VerdictEvent, node: &str) -> String {
+    let half = |salt: u8| {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (
+            salt,
+            node,
+            ev.timestamp_ns,
+            ev.endpoint,
+            &ev.kind,
+            &ev.direction,
+        )
+            .hash(&mut h);
+        (&ev.source, &ev.destination, ev.port, &ev.reason, ev.cookie).hash(&mut h);
+        h.finish()
+    };
+    let (a, b) = (half(0), half(1));
+    let a = (a & !0xf000) | 0x8000;
+    let b = (b & !(0xc000 << 48)) | (0x8000 << 48);
+    format!(
+        "{:08x}-{:04x}-{:04x}-{:04x}-{:012x}",
+        a >> 32,
+        (a >> 16) & 0xffff,
+        a & 0xffff,
+        b >> 48,
+        b & 0xffff_ffff_ffff
+    )
+}
+
+/// When the agent received the record (its `time`), as a protobuf timestamp.
+pub fn received(ev: &VerdictEvent) -> Option<prost_types::Timestamp> {
+    let t = chrono::DateTime::parse_from_rfc3339(ev.time.as_deref()?).ok()?;
+    Some(prost_types::Timestamp {
+        seconds: t.timestamp(),
+        nanos: t.timestamp_subsec_nanos() as i32,
+    })
+}
+
+fn layer4(ev: &VerdictEvent) -> Option<pb::Layer4> {
+    use pb::layer4::Protocol;
+    let port = u32::from(ev.port);
+    let p = match ev.protocol.as_str() {
+        "TCP" => Protocol::Tcp(pb::Tcp {
+            source_port: 0,
+            destination_port: port,
+            flags: None,
+        }),
+        "UDP" => Protocol::Udp(pb::Udp {
+            source_port: 0,
+            destination_port: port,
+        }),
+        "SCTP" => Protocol::Sctp(pb::Sctp {
+            source_port: 0,
+            destination_port: port,
+        }),
+        "ICMP" => Protocol::IcmPv4(pb::IcmPv4 {
+            r#type: port,
+            code: 0,
+        }),
+        "ICMPv6" => Protocol::IcmPv6(pb::IcmPv6 {
+            r#type: port,
+            code: 0,
+        }),
+        _ => return None,
+    };
+    Some(pb::Layer4 { protocol: Some(p) })
+}
+
+fn layer7(ev: &VerdictEvent) -> Option<pb::Layer7> {
+    let http = ev.http.as_ref()?;
+    Some(pb::Layer7 {
+        r#type: if http.code != 0 {
+            pb::L7FlowType::Response
+        } else {
+            pb::L7FlowType::Request
+        } as i32,
+        latency_ns: ev.latency_ns.unwrap_or(0),
+        record: Some(pb::layer7::Record::Http(pb::Http {
+            code: u32::from(http.code),
+            method: http.method.clone(),
+            url: http.url.clone(),
+            protocol: http.protocol.clone(),
+            headers: Vec::new(),
+        })),
+    })
+}
+
+fn ip(ev: &VerdictEvent) -> Option<pb::Ip> {
+    let version = match ev.source.parse::<IpAddr>().ok()? {
+        IpAddr::V4(_) => pb::IpVersion::IPv4,
+        IpAddr::V6(_) => pb::IpVersion::IPv6,
+    };
+    Some(pb::Ip {
+        source: ev.source.clone(),
+        destination: ev.destination.clone(),
+        ip_version: version as i32,
+        encrypted: false,
+    })
+}
+
+/// The record as Hubble's flow, observed on `node`.
+pub fn to_flow(ev: &VerdictEvent, node: &str, lookup: &dyn Lookup) -> pb::Flow {
+    let egress = ev.direction == "egress";
+    // The endpoint the record is about is the source of its egress and the destination of its
+    // ingress; the peer's identity is the one the datapath judged.
+    let (src_id, dst_id) = if egress {
+        (ev.endpoint, 0)
+    } else {
+        (0, ev.endpoint)
+    };
+    let (src_identity, dst_identity) = if egress {
+        (None, Some(ev.peer_identity))
+    } else {
+        (Some(ev.peer_identity), None)
+    };
+    let (source, source_names) = side(
+        &ev.source,
+        ev.source_pod.as_deref(),
+        src_id,
+        src_identity,
+        lookup,
+    );
+    let (destination, destination_names) = side(
+        &ev.destination,
+        ev.destination_pod.as_deref(),
+        dst_id,
+        dst_identity,
+        lookup,
+    );
+    let (ty, sub) = event_type(ev);
+    let reason = drop_reason(ev);
+    let policies: Vec<pb::Policy> = ev.policies.iter().map(|p| policy(p, ev.revision)).collect();
+    let (allowed, denied) = match ev.verdict.as_str() {
+        "forwarded" => (policies, Vec::new()),
+        _ => (Vec::new(), policies),
+    };
+    let reply = is_reply(ev);
+    let mut flow = pb::Flow {
+        time: received(ev),
+        uuid: uuid(ev, node),
+        verdict: verdict(ev) as i32,
+        drop_reason: reason as u32,
+        ip: ip(ev),
+        l4: layer4(ev),
+        source: Some(source),
+        destination: Some(destination),
+        r#type: if ev.kind == "l7" {
+            pb::FlowType::L7
+        } else {
+            pb::FlowType::L3L4
+        } as i32,
+        node_name: node.to_string(),
+        source_names,
+        destination_names,
+        l7: layer7(ev),
+        reply: reply == Some(true),
+        event_type: Some(pb::CiliumEventType {
+            r#type: ty,
+            sub_type: sub,
+        }),
+        source_service: None,
+        destination_service: None,
+        traffic_direction: if egress {
+            pb::TrafficDirection::Egress
+        } else {
+            pb::TrafficDirection::Ingress
+        } as i32,
+        policy_match_type: match_type(ev.match_kind.as_deref()),
+        trace_observation_point: match (ty, egress) {
+            (EVENT_TRACE, true) => pb::TraceObservationPoint::FromEndpoint,
+            (EVENT_TRACE, false) => pb::TraceObservationPoint::ToEndpoint,
+            _ => pb::TraceObservationPoint::UnknownPoint,
+        } as i32,
+        drop_reason_desc: reason as i32,
+        is_reply: reply,
+        summary: summary(ev),
+        ..Default::default()
+    };
+    if egress {
+        (flow.egress_allowed_by, flow.egress_denied_by) = (allowed, denied);
+    } else {
+        (flow.ingress_allowed_by, flow.ingress_denied_by) = (allowed, denied);
+    }
+    flow
+}
+
+/// Hubble's one-line summary: the protocol and, where a policy decided, which one and how
+/// (`TCP allowed by CiliumNetworkPolicy x/b[0] (l3-l4)`).
+fn summary(ev: &VerdictEvent) -> String {
+    if let Some(h) = &ev.http {
+        return format!("{} {} {} {}", h.protocol, h.method, h.url, h.code);
+    }
+    match ev.why() {
+        Some(why) => format!("{} {why}", ev.protocol),
+        None => format!("{} {}", ev.protocol, ev.reason),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::datapath::events::verdict_event;
+
+    struct Known;
+    impl Lookup for Known {
+        fn identity_of(&self, ip: IpAddr) -> u32 {
+            if ip.to_string() == "10.0.0.1" {
+                4001
+            } else {
+                0
+            }
+        }
+        fn labels_of(&self, id: u32) -> Vec<String> {
+            match id {
+                4001 => vec!["k8s:app=client".into()],
+                4002 => vec!["k8s:app=server".into()],
+                _ => vec![],
+            }
+        }
+        fn names_of(&self, ip: IpAddr) -> Vec<String> {
+            if ip.to_string() == "10.0.0.2" {
+                vec!["server.example.com".into()]
+            } else {
+                vec![]
+            }
+        }
+    }
+
+    fn addr(a: [u8; 4]) -> [u8; 16] {
+        let mut x = [0; 16];
+        x[..4].copy_from_slice(&a);
+        x
+    }
+
+    fn allowed_egress() -> VerdictEvent {
+        let mut ev = verdict_event(
+            5,
+            7,
+            4002,
+            true,
+            6,
+            8080,
+            "allow-policy",
+            4,
+            addr([10, 0, 0, 1]),
+            addr([10, 0, 0, 2]),
+            0,
+        );
+        ev.time = Some("2026-11-28T16:00:00.250Z".into());
+        ev.source_pod = Some("x/client".into());
+        ev.destination_pod = Some("y/server".into());
+        ev.match_kind = Some("l3-l4".into());
+        ev.revision = Some(9);
+        ev.policies = vec![PolicyRef {
+            kind: "CiliumNetworkPolicy".into(),
+            namespace: Some("x".into()),
+            name: "client-out".into(),
+            rule: Some(0),
+            http: None,
+            tier: Default::default(),
+        }];
+        ev
+    }
+
+    #[test]
+    fn an_allowed_egress_is_a_policy_verdict_naming_its_policy_and_both_sides() {
+        let f = to_flow(&allowed_egress(), "node-1", &Known);
+        assert_eq!(f.verdict, pb::Verdict::Forwarded as i32);
+        assert_eq!(f.event_type.as_ref().map(|e| e.r#type), Some(5));
+        assert_eq!(f.traffic_direction, pb::TrafficDirection::Egress as i32);
+        assert_eq!(f.policy_match_type, 2);
+        assert_eq!(f.is_reply, Some(false));
+        let t = f.time.unwrap();
+        assert_eq!((t.seconds % 60, t.nanos), (0, 250_000_000));
+        let src = f.source.unwrap();
+        assert_eq!((src.id, src.identity), (7, 4001), "the local endpoint");
+        assert_eq!(
+            (src.namespace.as_str(), src.pod_name.as_str()),
+            ("x", "client")
+        );
+        assert_eq!(src.labels, ["k8s:app=client"]);
+        let dst = f.destination.unwrap();
+        assert_eq!((dst.id, dst.identity), (0, 4002), "the peer as judged");
+        assert_eq!(dst.labels, ["k8s:app=server"]);
+        assert_eq!(f.destination_names, ["server.example.com"]);
+        assert_eq!(f.egress_allowed_by.len(), 1);
+        let p = &f.egress_allowed_by[0];
+        assert_eq!(
+            (p.kind.as_str(), p.namespace.as_str(), p.name.as_str()),
+            ("CiliumNetworkPolicy", "x", "client-out")
+        );
+        assert_eq!(p.revision, 9);
+        assert!(f.ingress_allowed_by.is_empty() && f.egress_denied_by.is_empty());
+        match f.l4.unwrap().protocol.unwrap() {
+            pb::layer4::Protocol::Tcp(t) => assert_eq!(t.destination_port, 8080),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(f.ip.unwrap().ip_version, pb::IpVersion::IPv4 as i32);
+        assert!(
+            f.summary
+                .contains("allowed by CiliumNetworkPolicy x/client-out[0]"),
+            "{}",
+            f.summary
+        );
+    }
+
+    #[test]
+    fn drops_name_their_reason_and_their_deniers() {
+        let mut ev = allowed_egress();
+        ev.direction = "ingress".into();
+        ev.verdict = "dropped".into();
+        ev.reason = "policy-deny".into();
+        ev.match_kind = Some("deny-rule".into());
+        let f = to_flow(&ev, "n", &Known);
+        assert_eq!(f.drop_reason_desc, pb::DropReason::PolicyDeny as i32);
+        assert_eq!(f.ingress_denied_by.len(), 1);
+        assert!(f.ingress_allowed_by.is_empty());
+        // Ingress: the peer is the source, the endpoint the destination.
+        assert_eq!(f.source.unwrap().identity, 4002);
+        assert_eq!(f.destination.unwrap().id, 7);
+
+        // A drop no policy decided is a drop event with its reason as subtype.
+        ev.match_kind = None;
+        ev.policies.clear();
+        ev.reason = "not-realized".into();
+        let f = to_flow(&ev, "n", &Known);
+        assert_eq!(f.event_type.unwrap().r#type, EVENT_DROP);
+        assert_eq!(f.drop_reason_desc, 165);
+    }
+
+    #[test]
+    fn replies_and_established_packets_are_traces() {
+        let mut ev = allowed_egress();
+        ev.match_kind = None;
+        ev.policies.clear();
+        ev.reason = "reply".into();
+        let f = to_flow(&ev, "n", &NoLookup);
+        assert_eq!(f.is_reply, Some(true));
+        assert!(f.reply);
+        assert_eq!(
+            (f.event_type.unwrap().r#type, f.trace_observation_point),
+            (EVENT_TRACE, pb::TraceObservationPoint::FromEndpoint as i32)
+        );
+        assert_eq!(
+            processed_labels(&ev),
+            ("Trace", "from-endpoint", "FORWARDED")
+        );
+    }
+
+    #[test]
+    fn the_id_is_stable_and_tells_flows_apart() {
+        let a = allowed_egress();
+        let mut b = allowed_egress();
+        b.timestamp_ns += 1;
+        let (ua, ub) = (uuid(&a, "n"), uuid(&b, "n"));
+        assert_eq!(ua, uuid(&a, "n"));
+        assert_ne!(ua, ub);
+        assert_eq!(ua.len(), 36);
+        assert_eq!(&ua[14..15], "8", "version 8: {ua}");
+    }
+}
