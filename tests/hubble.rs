@@ -1,0 +1,680 @@
+//! Hubble's API on a real agent (interfaces.md section 15): a client generated from the
+//! project's protos calls every service of an agent with the BPF datapath while pods in network
+//! namespaces make real connections, over the unix socket and over TCP (plain, and TLS with a
+//! certificate the test makes). It checks the flows' fields (verdict, drop reason, pods,
+//! labels, identities, the deciding policies), Hubble's filters, `number`/`first`/`since`,
+//! a follow stream, the status calls, the Peer service, Hubble's metrics, and that the
+//! Observer and `ciliate monitor` report the same flows.
+//! Privileged: with CI=true these tests must run.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use ciliate::hubble::proto::{flow as fpb, observer as opb, peer as ppb};
+use common::agent::{free_port, Agent};
+use common::netns::{privileged, tcp_ok, tcp_server, world};
+use opb::observer_client::ObserverClient;
+use tonic::transport::{Channel, Endpoint};
+
+const KNP: &str = "apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: b-from-a, namespace: x}
+spec:
+  podSelector: {matchLabels: {app: b}}
+  policyTypes: [Ingress]
+  ingress:
+    - from: [{podSelector: {matchLabels: {app: a}}}]
+      ports: [{port: 8080, protocol: TCP}]
+";
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+async fn over_unix(path: PathBuf) -> Channel {
+    Endpoint::from_static("http://hubble.local")
+        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+            let path = path.clone();
+            async move {
+                let s = tokio::net::UnixStream::connect(path).await?;
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(s))
+            }
+        }))
+        .await
+        .expect("connect to hubble.sock")
+}
+
+/// Every flow `req` returns (the stream ends without follow).
+async fn flows(c: &mut ObserverClient<Channel>, req: opb::GetFlowsRequest) -> Vec<fpb::Flow> {
+    let mut s = c.get_flows(req).await.expect("GetFlows").into_inner();
+    let mut out = Vec::new();
+    while let Some(r) = s.message().await.expect("a response") {
+        if let Some(opb::get_flows_response::ResponseTypes::Flow(f)) = r.response_types {
+            assert_eq!(r.node_name, "node-1");
+            out.push(f);
+        }
+    }
+    out
+}
+
+fn req(whitelist: Vec<fpb::FlowFilter>, blacklist: Vec<fpb::FlowFilter>) -> opb::GetFlowsRequest {
+    opb::GetFlowsRequest {
+        number: 1000,
+        whitelist,
+        blacklist,
+        ..Default::default()
+    }
+}
+
+fn port_of(f: &fpb::Flow) -> u32 {
+    match f.l4.as_ref().and_then(|l| l.protocol.as_ref()) {
+        Some(fpb::layer4::Protocol::Tcp(t)) => t.destination_port,
+        _ => 0,
+    }
+}
+
+fn pod(e: &Option<fpb::Endpoint>) -> String {
+    e.as_ref()
+        .map(|e| format!("{}/{}", e.namespace, e.pod_name))
+        .unwrap_or_default()
+}
+
+fn policies(p: &[fpb::Policy]) -> Vec<String> {
+    p.iter()
+        .map(|p| format!("{} {}/{}", p.kind, p.namespace, p.name))
+        .collect()
+}
+
+/// Three pods a, b, c in namespace x (servers on b's 8080 and 9090), the policy above, and an
+/// agent with the BPF datapath serving Hubble on `extra`'s flags.
+fn scene(extra: &[&str]) -> (common::netns::World, tempfile::TempDir, Agent) {
+    let w = world(3);
+    for port in [8080, 9090] {
+        tcp_server(&w.pods[1].netns, w.pods[1].addr, port);
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tmp.path().join("manifests");
+    std::fs::create_dir_all(&m).unwrap();
+    let [a, b, c] = [0, 1, 2].map(|i| w.pods[i].addr.to_string());
+    let cluster = common::namespace_x_with_pods(&[("a", &a), ("b", &b), ("c", &c)]);
+    std::fs::write(m.join("cluster.yaml"), cluster).unwrap();
+    std::fs::write(m.join("knp.yaml"), KNP).unwrap();
+    let pins = w.pins.to_string_lossy().to_string();
+    let mut args = vec!["--datapath", "bpf", "--bpf-root", pins.as_str()];
+    args.extend(extra);
+    let agent = Agent::start_with(tmp.path(), &args);
+    for (i, name) in ["x/a", "x/b", "x/c"].iter().enumerate() {
+        agent.add_endpoint(name, w.pods[i].addr, &w.pods[i].host_if);
+    }
+    agent.wait_realized(agent.revision());
+    (w, tmp, agent)
+}
+
+fn hubble_socket(tmp: &Path) -> PathBuf {
+    tmp.join("state").join("hubble.sock")
+}
+
+#[test]
+fn the_observer_serves_the_agents_flows_as_hubble_does() {
+    if !privileged() {
+        return;
+    }
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let (w, tmp, agent) = scene(&["--hubble-listen-address", &listen]);
+    let (a, b, c) = (&w.pods[0], &w.pods[1], &w.pods[2]);
+    let sock = hubble_socket(tmp.path());
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&sock).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600, "the socket is the agent user's alone");
+
+    assert!(tcp_ok(&a.netns, b.addr, 8080), "a -> b:8080 is allowed");
+    assert!(
+        !tcp_ok(&a.netns, b.addr, 9090),
+        "a -> b:9090 is denied by default"
+    );
+    assert!(
+        !tcp_ok(&c.netns, b.addr, 8080),
+        "c -> b:8080 is denied by default"
+    );
+
+    let rt = rt();
+    rt.block_on(async {
+        let mut unix = ObserverClient::new(over_unix(sock.clone()).await);
+        let mut tcp = ObserverClient::connect(format!("http://{listen}"))
+            .await
+            .unwrap();
+        let dropped = fpb::FlowFilter {
+            verdict: vec![fpb::Verdict::Dropped as i32],
+            destination_port: vec!["9090".into()],
+            ..Default::default()
+        };
+        // The drop arrives through the datapath's event batching (a millisecond) and the ring.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let denied = loop {
+            let got = flows(&mut unix, req(vec![dropped.clone()], vec![])).await;
+            if let Some(f) = got.into_iter().find(|f| pod(&f.source) == "x/a") {
+                break f;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no drop of a -> b:9090 in GetFlows"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        assert_eq!(pod(&denied.destination), "x/b");
+        assert_eq!(
+            denied.traffic_direction,
+            fpb::TrafficDirection::Ingress as i32
+        );
+        assert_eq!(
+            denied.drop_reason_desc,
+            fpb::DropReason::PolicyDenied as i32
+        );
+        assert_eq!(
+            denied.event_type.as_ref().unwrap().r#type,
+            5,
+            "a policy verdict"
+        );
+        assert_eq!(denied.r#type, fpb::FlowType::L3L4 as i32);
+        assert_eq!(denied.node_name, "node-1");
+        assert_eq!(denied.is_reply, Some(false));
+        assert_eq!(denied.ip.as_ref().unwrap().source, a.addr.to_string());
+        let (src, dst) = (
+            denied.source.as_ref().unwrap(),
+            denied.destination.as_ref().unwrap(),
+        );
+        assert!(src.labels.contains(&"k8s:app=a".to_string()), "{src:?}");
+        assert!(dst.labels.contains(&"k8s:app=b".to_string()), "{dst:?}");
+        assert!(
+            src.identity >= 256 && dst.identity >= 256,
+            "{src:?} {dst:?}"
+        );
+        assert_ne!(dst.id, 0, "the endpoint that judged it");
+        assert_eq!(
+            policies(&denied.ingress_denied_by),
+            ["NetworkPolicy x/b-from-a"],
+            "a default deny names the policy that isolates b"
+        );
+        assert!(
+            denied.summary.contains("default deny"),
+            "{}",
+            denied.summary
+        );
+
+        // The allowed connection names its policy and how it matched.
+        let allowed = fpb::FlowFilter {
+            verdict: vec![fpb::Verdict::Forwarded as i32],
+            source_pod: vec!["x/a".into()],
+            destination_port: vec!["8080".into()],
+            event_type: vec![fpb::EventTypeFilter {
+                r#type: 5,
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let ok = flows(&mut tcp, req(vec![allowed], vec![])).await;
+        let ingress: Vec<_> = ok
+            .iter()
+            .filter(|f| f.traffic_direction == fpb::TrafficDirection::Ingress as i32)
+            .collect();
+        assert_eq!(ingress.len(), 1, "{ok:#?}");
+        assert_eq!(
+            policies(&ingress[0].ingress_allowed_by),
+            ["NetworkPolicy x/b-from-a"]
+        );
+        assert_eq!(ingress[0].policy_match_type, 2, "L3 and L4");
+
+        // Labels as selectors, identities, IPs, the blacklist, event types.
+        let from_c = fpb::FlowFilter {
+            source_label: vec!["k8s:app=c".into()],
+            ..Default::default()
+        };
+        let got = flows(&mut tcp, req(vec![from_c], vec![])).await;
+        assert!(!got.is_empty());
+        assert!(got.iter().all(|f| pod(&f.source) == "x/c"), "{got:#?}");
+        let b_identity = dst.identity;
+        let to_b = fpb::FlowFilter {
+            destination_identity: vec![b_identity],
+            destination_ip: vec![format!("{}/32", b.addr)],
+            ..Default::default()
+        };
+        let not_dropped = fpb::FlowFilter {
+            verdict: vec![fpb::Verdict::Dropped as i32],
+            ..Default::default()
+        };
+        let got = flows(&mut tcp, req(vec![to_b.clone()], vec![not_dropped])).await;
+        assert!(!got.is_empty());
+        assert!(got
+            .iter()
+            .all(|f| f.verdict == fpb::Verdict::Forwarded as i32 && pod(&f.destination) == "x/b"));
+        let drops_of_b = fpb::FlowFilter {
+            event_type: vec![fpb::EventTypeFilter {
+                r#type: 1,
+                ..Default::default()
+            }],
+            ..to_b
+        };
+        let got = flows(&mut tcp, req(vec![drops_of_b], vec![])).await;
+        let ports: std::collections::BTreeSet<_> = got.iter().map(port_of).collect();
+        assert_eq!(
+            ports,
+            [8080, 9090].into(),
+            "both drops count as drops: {got:#?}"
+        );
+
+        // number / first / since / until.
+        // (Taken again until no flow came in between.)
+        let (all, last2, first1) = loop {
+            let all = flows(&mut tcp, req(vec![], vec![])).await;
+            let last = opb::GetFlowsRequest {
+                number: 2,
+                ..Default::default()
+            };
+            let last2 = flows(&mut tcp, last).await;
+            let first = opb::GetFlowsRequest {
+                number: 1,
+                first: true,
+                ..Default::default()
+            };
+            let first1 = flows(&mut tcp, first).await;
+            if flows(&mut tcp, req(vec![], vec![])).await == all {
+                break (all, last2, first1);
+            }
+        };
+        assert!(all.len() >= 4, "{all:#?}");
+        assert_eq!(
+            last2,
+            all[all.len() - 2..].to_vec(),
+            "the last two, oldest first"
+        );
+        assert_eq!(first1, all[..1].to_vec());
+        let future = prost_types::Timestamp {
+            seconds: all.last().unwrap().time.unwrap().seconds + 3600,
+            nanos: 0,
+        };
+        let later = flows(
+            &mut tcp,
+            opb::GetFlowsRequest {
+                since: Some(future),
+                ..Default::default()
+            },
+        )
+        .await;
+        assert!(later.is_empty());
+        let before = flows(
+            &mut tcp,
+            opb::GetFlowsRequest {
+                until: Some(all[0].time.unwrap()),
+                ..Default::default()
+            },
+        )
+        .await;
+        assert!(!before.is_empty() && before.len() < all.len());
+
+        // A bad filter is refused, naming the field.
+        let bad = fpb::FlowFilter {
+            source_ip: vec!["10.0.0.300".into()],
+            ..Default::default()
+        };
+        let err = tcp.get_flows(req(vec![bad], vec![])).await.unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument);
+        assert!(err.message().contains("whitelist[0].source_ip"), "{err}");
+
+        // A follow stream gets the next matching flow as it happens.
+        let follow = opb::GetFlowsRequest {
+            follow: true,
+            whitelist: vec![fpb::FlowFilter {
+                source_pod: vec!["x/c".into()],
+                destination_port: vec!["9090".into()],
+                // (c's own egress is forwarded: no policy selects c.)
+                traffic_direction: vec![fpb::TrafficDirection::Ingress as i32],
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let mut stream = tcp.get_flows(follow).await.unwrap().into_inner();
+        let c_ns = c.netns.clone();
+        let b_addr = b.addr;
+        let probe = tokio::task::spawn_blocking(move || tcp_ok(&c_ns, b_addr, 9090));
+        let next = tokio::time::timeout(Duration::from_secs(10), stream.message())
+            .await
+            .expect("a followed flow within 10 s")
+            .unwrap()
+            .unwrap();
+        assert!(!probe.await.unwrap());
+        match next.response_types {
+            Some(opb::get_flows_response::ResponseTypes::Flow(f)) => {
+                assert_eq!((pod(&f.source), port_of(&f)), ("x/c".into(), 9090));
+                assert_eq!(f.verdict, fpb::Verdict::Dropped as i32);
+            }
+            other => panic!("{other:?}"),
+        }
+        std::mem::drop(stream);
+
+        // Status, nodes, namespaces.
+        let st = tcp
+            .server_status(opb::ServerStatusRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(
+            st.num_flows >= all.len() as u64 && st.seen_flows >= st.num_flows,
+            "{st:?}"
+        );
+        assert_eq!(st.max_flows, 16_384);
+        assert_eq!(st.num_connected_nodes, Some(1));
+        assert!(st.uptime_ns > 0 && !st.version.is_empty());
+        let nodes = tcp
+            .get_nodes(opb::GetNodesRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(nodes.nodes.len(), 1);
+        assert_eq!(nodes.nodes[0].name, "node-1");
+        assert_eq!(nodes.nodes[0].state, 1, "connected");
+        let ns = tcp
+            .get_namespaces(opb::GetNamespacesRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        let names: Vec<_> = ns.namespaces.iter().map(|n| n.namespace.as_str()).collect();
+        assert_eq!(names, ["x"]);
+
+        // The Peer service lists this node.
+        let mut peer = ppb::peer_client::PeerClient::new(over_unix(sock.clone()).await);
+        let mut changes = peer
+            .notify(ppb::NotifyRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        let first = tokio::time::timeout(Duration::from_secs(5), changes.message())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(first.name, "node-1");
+        assert_eq!(first.r#type, ppb::ChangeNotificationType::PeerAdded as i32);
+        assert_eq!(first.address, listen, "the named address");
+
+        // The Observer and `ciliate monitor` report the same flows: the same records.
+        let ours: std::collections::BTreeSet<(String, String, u32, i32)> = all
+            .iter()
+            .map(|f| {
+                let ip = f.ip.clone().unwrap();
+                (ip.source, ip.destination, port_of(f), f.verdict)
+            })
+            .collect();
+        let (code, out, err) = agent.cli(&[
+            "monitor",
+            "-o",
+            "json",
+            "--since",
+            "1h",
+            "--count",
+            &all.len().to_string(),
+        ]);
+        assert_eq!(code, 0, "{err}");
+        let theirs: std::collections::BTreeSet<(String, String, u32, i32)> = out
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| v["type"] == "flow")
+            .map(|v| {
+                let verdict = match v["verdict"].as_str() {
+                    Some("forwarded") => fpb::Verdict::Forwarded,
+                    Some("dropped") => fpb::Verdict::Dropped,
+                    _ => fpb::Verdict::Audit,
+                } as i32;
+                (
+                    v["source"].as_str().unwrap().to_string(),
+                    v["destination"].as_str().unwrap().to_string(),
+                    v["port"].as_u64().unwrap() as u32,
+                    verdict,
+                )
+            })
+            .collect();
+        assert_eq!(ours, theirs);
+    });
+
+    // Hubble's metrics, with Hubble's names and labels.
+    let (_, metrics) = agent.http_get("/metrics");
+    for line in [
+        "hubble_flows_processed_total{type=\"PolicyVerdict\",subtype=\"\",verdict=\"DROPPED\"}",
+        "hubble_drop_total{reason=\"POLICY_DENIED\",protocol=\"TCP\"}",
+        "hubble_policy_verdicts_total{direction=\"ingress\",match=\"l3-l4\",action=\"forwarded\"}",
+    ] {
+        assert!(metrics.contains(line), "{line} in:\n{metrics}");
+    }
+}
+
+fn openssl(dir: &Path, args: &[&str]) {
+    let out = std::process::Command::new("openssl")
+        .current_dir(dir)
+        .args(args)
+        .output()
+        .expect("openssl");
+    assert!(
+        out.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A CA, and a certificate it signed for `name` (key `NAME.key`, certificate `NAME.crt`).
+fn certificates(dir: &Path, names: &[&str]) {
+    openssl(
+        dir,
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.crt",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=test-ca",
+        ],
+    );
+    for name in names {
+        let (key, csr, crt) = (
+            format!("{name}.key"),
+            format!("{name}.csr"),
+            format!("{name}.crt"),
+        );
+        openssl(
+            dir,
+            &[
+                "req",
+                "-newkey",
+                "ec",
+                "-pkeyopt",
+                "ec_paramgen_curve:P-256",
+                "-nodes",
+                "-keyout",
+                &key,
+                "-out",
+                &csr,
+                "-subj",
+                &format!("/CN={name}"),
+            ],
+        );
+        let ext = dir.join(format!("{name}.ext"));
+        std::fs::write(&ext, format!("subjectAltName=DNS:{name}\n")).unwrap();
+        openssl(
+            dir,
+            &[
+                "x509",
+                "-req",
+                "-in",
+                &csr,
+                "-CA",
+                "ca.crt",
+                "-CAkey",
+                "ca.key",
+                "-CAcreateserial",
+                "-out",
+                &crt,
+                "-days",
+                "1",
+                "-extfile",
+                ext.to_str().unwrap(),
+            ],
+        );
+    }
+}
+
+/// With certificate files the TCP listener speaks TLS only, and with client CAs it requires a
+/// client certificate they signed; the Peer service then says TLS and the server name.
+#[test]
+fn tls_from_certificate_files_and_client_certificates() {
+    if !privileged() {
+        return;
+    }
+    let certs = tempfile::tempdir().unwrap();
+    let server = "node-1.default.hubble-grpc.cilium.io";
+    certificates(certs.path(), &[server, "client"]);
+    let file = |n: &str| certs.path().join(n).to_string_lossy().to_string();
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let (cert, key, ca) = (
+        file(&format!("{server}.crt")),
+        file(&format!("{server}.key")),
+        file("ca.crt"),
+    );
+    let (_w, tmp, _agent) = scene(&[
+        "--hubble-listen-address",
+        &listen,
+        "--hubble-tls-cert-file",
+        &cert,
+        "--hubble-tls-key-file",
+        &key,
+        "--hubble-tls-client-ca-files",
+        &ca,
+    ]);
+    rt().block_on(async {
+        use tonic::transport::{Certificate, ClientTlsConfig, Identity};
+        let ca = Certificate::from_pem(std::fs::read(file("ca.crt")).unwrap());
+        let tls = |with_client: bool| {
+            let t = ClientTlsConfig::new()
+                .ca_certificate(ca.clone())
+                .domain_name(server);
+            if with_client {
+                let id = Identity::from_pem(
+                    std::fs::read(file("client.crt")).unwrap(),
+                    std::fs::read(file("client.key")).unwrap(),
+                );
+                t.identity(id)
+            } else {
+                t
+            }
+        };
+        let url = format!("https://{listen}");
+        let ch = Endpoint::from_shared(url.clone())
+            .unwrap()
+            .tls_config(tls(true))
+            .unwrap();
+        let mut c = ObserverClient::new(ch.connect().await.expect("a TLS connection"));
+        let st = c
+            .server_status(opb::ServerStatusRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(st.max_flows, 16_384);
+        let nodes = c
+            .get_nodes(opb::GetNodesRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        let t = nodes.nodes[0].tls.clone().unwrap();
+        assert!(t.enabled);
+        assert_eq!(t.server_name, server);
+
+        // Without a client certificate: refused.
+        let ch = Endpoint::from_shared(url)
+            .unwrap()
+            .tls_config(tls(false))
+            .unwrap();
+        let refused = match ch.connect().await {
+            Err(_) => true,
+            Ok(ch) => ObserverClient::new(ch)
+                .server_status(opb::ServerStatusRequest {})
+                .await
+                .is_err(),
+        };
+        assert!(refused, "a client without a certificate is refused");
+        // Plain text: refused.
+        let plain = match Endpoint::from_shared(format!("http://{listen}"))
+            .unwrap()
+            .connect()
+            .await
+        {
+            Err(_) => true,
+            Ok(ch) => ObserverClient::new(ch)
+                .server_status(opb::ServerStatusRequest {})
+                .await
+                .is_err(),
+        };
+        assert!(plain, "plain text is refused on a TLS listener");
+        // The socket stays plain (the agent user's alone).
+        let mut unix = ObserverClient::new(over_unix(hubble_socket(tmp.path())).await);
+        assert!(unix
+            .server_status(opb::ServerStatusRequest {})
+            .await
+            .is_ok());
+    });
+}
+
+/// A bad Hubble flag stops the start with the flag named (exit 1 for a file that cannot be
+/// read, 2 for a malformed address).
+#[test]
+fn bad_hubble_flags_are_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(tmp.path().join("manifests")).unwrap();
+    let run = |args: &[&str]| {
+        let socket = tmp.path().join("ciliate.sock");
+        let debug = format!("127.0.0.1:{}", free_port());
+        let m = tmp.path().join("manifests");
+        let mut all = vec![
+            "--mode",
+            "standalone",
+            "--datapath",
+            "memory",
+            "--manifests",
+            m.to_str().unwrap(),
+        ];
+        all.extend(args);
+        Agent::command(tmp.path(), &socket, &debug, &all)
+            .output()
+            .unwrap()
+    };
+    let out = run(&["--hubble-listen-address", "4244"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--hubble-listen-address"));
+    let listen = format!("127.0.0.1:{}", free_port());
+    let out = run(&[
+        "--hubble-listen-address",
+        &listen,
+        "--hubble-tls-cert-file",
+        "/nonexistent/cert.pem",
+        "--hubble-tls-key-file",
+        "/nonexistent/key.pem",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--hubble-tls-cert-file /nonexistent/cert.pem"),
+        "{err}"
+    );
+}
