@@ -253,6 +253,22 @@ fn dns_proxy(args: ciliate::cli::DnsProxyArgs) -> i32 {
     }
 }
 
+/// `ciliate relay`: serves until stopped.
+fn relay(args: ciliate::cli::RelayArgs) -> i32 {
+    init_logging(args.log_format);
+    let cfg = ciliate::hubble::relay::RelayConfig {
+        peer_service: args.peer_service,
+        listen: args.listen_address,
+    };
+    match ciliate::hubble::relay::run(cfg) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("error: {e}");
+            1
+        }
+    }
+}
+
 /// `ciliate http-proxy`: serves until SIGTERM or a successor, or until its state directory or
 /// maps vanish.
 fn http_proxy(args: ciliate::cli::HttpProxyArgs) -> i32 {
@@ -337,6 +353,7 @@ fn main() {
             client: c,
         } => client(&c, ClientCall::FqdnCacheList),
         Command::DnsProxy(args) => dns_proxy(args),
+        Command::Relay(args) => relay(args),
         Command::HttpProxy(args) => http_proxy(args),
         Command::Monitor {
             count,

@@ -678,3 +678,270 @@ fn bad_hubble_flags_are_named() {
         "{err}"
     );
 }
+
+/// `ciliate relay` in the cluster harness's API namespace, on the bridge with the nodes.
+struct RelayProcess(std::process::Child);
+
+impl RelayProcess {
+    fn start(c: &common::cluster::Cluster, listen: &str) -> RelayProcess {
+        use std::os::unix::process::CommandExt;
+        let ns = std::fs::File::open(format!("/run/netns/{}", c.api_ns)).expect("netns");
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&ns);
+        let peer = format!("{}:4244", common::cluster::node_ip(1));
+        let log = std::fs::File::create(c.dir.path().join("relay.log")).unwrap();
+        let mut cmd = std::process::Command::new(common::agent::BIN);
+        cmd.args(["relay", "--peer-service", &peer, "--listen-address", listen])
+            .env("RUST_LOG", "info")
+            .stdout(std::process::Stdio::null())
+            .stderr(log);
+        // SAFETY: setns is async-signal-safe; the descriptor outlives the spawn.
+        unsafe {
+            cmd.pre_exec(move || {
+                if nix::libc::setns(fd, nix::libc::CLONE_NEWNET) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let child = cmd.spawn().expect("ciliate relay");
+        drop(ns);
+        RelayProcess(child)
+    }
+}
+
+impl Drop for RelayProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The node status events and flows of a response stream, as they come.
+fn status_of(r: &opb::GetFlowsResponse) -> Option<(i32, Vec<String>)> {
+    match &r.response_types {
+        Some(opb::get_flows_response::ResponseTypes::NodeStatus(s)) => {
+            Some((s.state_change, s.node_names.clone()))
+        }
+        _ => None,
+    }
+}
+
+/// Waits on a followed stream for a response `pred` accepts (10 s at most).
+async fn next_matching(
+    s: &mut tonic::Streaming<opb::GetFlowsResponse>,
+    what: &str,
+    pred: impl Fn(&opb::GetFlowsResponse) -> bool,
+) -> opb::GetFlowsResponse {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let r = tokio::time::timeout_at(deadline, s.message())
+            .await
+            .unwrap_or_else(|_| panic!("nothing for {what} within 15 s"))
+            .expect("the stream stays up")
+            .expect("the stream goes on");
+        if pred(&r) {
+            return r;
+        }
+    }
+}
+
+/// The relay over a two-node cluster: it learns the nodes from one agent's Peer service, serves
+/// both nodes' flows in time order with their node names and policies, reports each node's
+/// state, and a following stream survives `kill -9` of an agent: the node is reported
+/// unavailable, then connected again, and its flows come through the same stream afterwards.
+#[test]
+fn the_relay_serves_the_clusters_flows_and_survives_an_agent_going_away() {
+    use common::cluster::Cluster;
+    if !privileged() {
+        return;
+    }
+    let mut c = Cluster::start_with(2, &["--hubble-listen-address", ":4244"]);
+    let a = c.add_pod(1, "a", "a");
+    let b = c.add_pod(2, "b", "b");
+    let b_addr = std::net::IpAddr::V4(b.addr);
+    for port in [8080, 9090] {
+        tcp_server(&b.netns, b_addr, port);
+    }
+    let policy: serde_json::Value = serde_yaml::from_str(KNP).unwrap();
+    c.api().apply_json(policy).expect("the NetworkPolicy");
+    common::eventually("a reaches b:8080 across nodes", || {
+        tcp_ok(&a.netns, b_addr, 8080)
+    });
+    common::eventually("a -> b:9090 is dropped", || !tcp_ok(&a.netns, b_addr, 9090));
+
+    let _relay = RelayProcess::start(&c, "127.0.0.1:4245");
+    let kubeconfig = c.kubeconfig.clone();
+    let (a_ns, api_ns) = (a.netns.clone(), c.api_ns.clone());
+    // The client runs beside the relay, in the API namespace.
+    let (to_main, from_client) = std::sync::mpsc::channel::<&'static str>();
+    let (to_client, from_main) = std::sync::mpsc::channel::<()>();
+    let client = common::netns::in_netns(&api_ns, move || {
+        rt().block_on(async move {
+            let connect = || async {
+                let ep = Endpoint::from_static("http://127.0.0.1:4245");
+                for _ in 0..100 {
+                    if let Ok(ch) = ep.connect().await {
+                        return ObserverClient::new(ch);
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                panic!("the relay does not listen");
+            };
+            let mut relay = connect().await;
+            // Both nodes, once the Peer service has named them.
+            let deadline = Instant::now() + Duration::from_secs(20);
+            let nodes = loop {
+                let n = relay
+                    .get_nodes(opb::GetNodesRequest {})
+                    .await
+                    .unwrap()
+                    .into_inner();
+                if n.nodes.len() == 2 && n.nodes.iter().all(|n| n.state == 1) {
+                    break n.nodes;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "the relay knows both nodes: {n:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            };
+            let names: Vec<_> = nodes.iter().map(|n| n.name.as_str()).collect();
+            assert_eq!(names, ["node-1", "node-2"]);
+            assert_eq!(nodes[1].address, "172.20.0.12:4244");
+            assert!(nodes.iter().all(|n| n.max_flows == 16_384));
+
+            // History: both nodes' flows, in time order, each named by its node.
+            let mut s = relay
+                .get_flows(req(vec![], vec![]))
+                .await
+                .unwrap()
+                .into_inner();
+            let (mut statuses, mut got) = (Vec::new(), Vec::new());
+            while let Some(r) = s.message().await.unwrap() {
+                match status_of(&r) {
+                    Some(st) => statuses.push(st),
+                    None => got.push(r),
+                }
+            }
+            assert_eq!(
+                statuses,
+                [(1, vec!["node-1".to_string(), "node-2".to_string()])]
+            );
+            let times: Vec<_> = got
+                .iter()
+                .map(|r| r.time.map(|t| (t.seconds, t.nanos)))
+                .collect();
+            let mut sorted = times.clone();
+            sorted.sort();
+            assert_eq!(times, sorted, "in time order");
+            let flows: Vec<(String, fpb::Flow)> = got
+                .into_iter()
+                .filter_map(|r| match r.response_types {
+                    Some(opb::get_flows_response::ResponseTypes::Flow(f)) => Some((r.node_name, f)),
+                    _ => None,
+                })
+                .collect();
+            let from = |node: &str| {
+                flows
+                    .iter()
+                    .filter(|(n, f)| n == node && f.node_name == node)
+                    .count()
+            };
+            assert!(from("node-1") > 0 && from("node-2") > 0, "{flows:#?}");
+            let denied = flows
+                .iter()
+                .find(|(n, f)| {
+                    n == "node-2" && port_of(f) == 9090 && f.verdict == fpb::Verdict::Dropped as i32
+                })
+                .expect("node-2's drop of a -> b:9090");
+            assert_eq!(
+                policies(&denied.1.ingress_denied_by),
+                ["NetworkPolicy x/b-from-a"]
+            );
+            let st = relay
+                .server_status(opb::ServerStatusRequest {})
+                .await
+                .unwrap()
+                .into_inner();
+            assert_eq!(
+                (st.num_connected_nodes, st.num_unavailable_nodes),
+                (Some(2), Some(0))
+            );
+            assert_eq!(st.max_flows, 2 * 16_384);
+
+            // A following stream across kill -9 and restart of node-2's agent.
+            let follow = opb::GetFlowsRequest {
+                follow: true,
+                whitelist: vec![fpb::FlowFilter {
+                    destination_port: vec!["9090".into()],
+                    verdict: vec![fpb::Verdict::Dropped as i32],
+                    ..Default::default()
+                }],
+                ..Default::default()
+            };
+            let mut s = relay.get_flows(follow).await.unwrap().into_inner();
+            let mut connected = std::collections::BTreeSet::new();
+            while connected.len() < 2 {
+                let r = next_matching(&mut s, "both nodes connected", |r| {
+                    status_of(r).is_some_and(|(state, _)| state == 1)
+                })
+                .await;
+                connected.extend(status_of(&r).unwrap().1);
+            }
+            to_main.send("kill").unwrap();
+            from_main.recv().unwrap();
+            next_matching(&mut s, "node-2 unavailable", |r| {
+                status_of(r) == Some((2, vec!["node-2".to_string()]))
+            })
+            .await;
+            let n = relay
+                .get_nodes(opb::GetNodesRequest {})
+                .await
+                .unwrap()
+                .into_inner();
+            assert_eq!(n.nodes.iter().map(|n| n.state).collect::<Vec<_>>(), [1, 2]);
+            let st = relay
+                .server_status(opb::ServerStatusRequest {})
+                .await
+                .unwrap()
+                .into_inner();
+            assert_eq!(st.unavailable_nodes, ["node-2"]);
+            to_main.send("restart").unwrap();
+            from_main.recv().unwrap();
+            next_matching(&mut s, "node-2 connected again", |r| {
+                status_of(r) == Some((1, vec!["node-2".to_string()]))
+            })
+            .await;
+            to_main.send("probe").unwrap();
+            from_main.recv().unwrap();
+            let r = next_matching(&mut s, "node-2's drop after its return", |r| {
+                r.node_name == "node-2"
+            })
+            .await;
+            match r.response_types {
+                Some(opb::get_flows_response::ResponseTypes::Flow(f)) => {
+                    assert_eq!(
+                        (port_of(&f), f.verdict),
+                        (9090, fpb::Verdict::Dropped as i32)
+                    )
+                }
+                other => panic!("{other:?}"),
+            }
+            to_main.send("done").unwrap();
+        })
+    });
+    loop {
+        match from_client.recv_timeout(Duration::from_secs(120)) {
+            Ok("kill") => c.node(2).kill9_agent(),
+            Ok("restart") => c.node(2).start_agent(&kubeconfig),
+            Ok("probe") => assert!(!tcp_ok(&a_ns, b_addr, 9090)),
+            Ok(_) => break,
+            Err(e) => {
+                let _ = client.join();
+                panic!("the client stopped: {e}");
+            }
+        }
+        to_client.send(()).unwrap();
+    }
+    client.join().expect("the client's checks");
+}

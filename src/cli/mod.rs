@@ -145,6 +145,9 @@ pub enum Command {
     /// when none runs; in a DaemonSet it may run as a container of its own). It keeps serving
     /// while the agent is stopped.
     DnsProxy(DnsProxyArgs),
+    /// Hubble's Observer API for the whole cluster (Hubble Relay's role and flag names): the
+    /// agents come from one agent's Peer service; every call asks all of them.
+    Relay(RelayArgs),
     /// The HTTP proxy of an agent's state directory: L7 HTTP rules and TLS server names
     /// (`ciliate agent` starts one when none runs). It keeps serving while the agent is
     /// stopped; a new one takes over a running one's sockets without a failed request.
@@ -502,4 +505,18 @@ pub fn run_simulate(path: &std::path::Path, out: &mut dyn Write, err: &mut dyn W
     } else {
         EXIT_REJECTED
     }
+}
+
+/// `ciliate relay`'s flags (Hubble Relay's names).
+#[derive(Debug, clap::Args)]
+pub struct RelayArgs {
+    /// An agent's Peer service: `HOST:PORT` or `unix:///path` (its `hubble.sock`).
+    #[arg(long, default_value = "unix:///var/run/ciliate/hubble.sock")]
+    pub peer_service: String,
+    /// Where the relay serves the Observer API: `HOST:PORT`, or `:PORT` for every address.
+    #[arg(long, default_value = ":4245", value_parser = crate::hubble::server::parse_listen_address)]
+    pub listen_address: std::net::SocketAddr,
+    /// `text` or `json` logs.
+    #[arg(long, value_enum, default_value = "text")]
+    pub log_format: LogFormat,
 }

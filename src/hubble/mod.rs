@@ -9,6 +9,8 @@
 //!   Hubble's metrics label it with.
 //! - `filter`: Hubble's flow filters (`whitelist`, `blacklist`), compiled once per request.
 //! - `server`: the services over the agent's flow ring, its identities and its Node objects.
+//! - `relay`: `ciliate relay`, the Observer API for the whole cluster, from every agent the
+//!   Peer service names.
 //!
 //! Trust: the Observer shows every flow of the node, with pod names and labels. The unix socket
 //! (`STATE_DIR/hubble.sock`) is the agent user's alone (0600); the TCP listener exists only when
@@ -18,6 +20,7 @@
 
 pub mod convert;
 pub mod filter;
+pub mod relay;
 pub mod server;
 
 /// The generated code of each package.

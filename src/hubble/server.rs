@@ -41,14 +41,15 @@ pub struct TlsFiles {
     pub client_cas: Vec<PathBuf>,
 }
 
-/// `--hubble-listen-address`: `HOST:PORT`, or `:PORT` for every address (Cilium's form).
+/// `--hubble-listen-address` (and the relay's `--listen-address`): `HOST:PORT`, or `:PORT` for
+/// every address (Cilium's form).
 pub fn parse_listen_address(s: &str) -> Result<SocketAddr, String> {
     let full = match s.strip_prefix(':') {
         Some(port) => format!("0.0.0.0:{port}"),
         None => s.to_string(),
     };
     full.parse()
-        .map_err(|_| format!("--hubble-listen-address {s:?}: not HOST:PORT or :PORT"))
+        .map_err(|_| format!("{s:?} is not HOST:PORT or :PORT"))
 }
 
 /// What the services read.
@@ -679,6 +680,6 @@ mod tests {
         );
         assert!(parse_listen_address("4244")
             .unwrap_err()
-            .contains("--hubble-listen-address"));
+            .contains("HOST:PORT"));
     }
 }

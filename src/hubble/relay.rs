@@ -1,0 +1,540 @@
+//! `ciliate relay` (Hubble Relay's role): the Observer API for the whole cluster. It learns the
+//! agents from one agent's Peer service (`--peer-service`), keeps a connection to each, and
+//! answers every Observer call by asking all of them:
+//! - `GetFlows`: every node's flows, ordered by time (history: sorted whole; following: sorted
+//!   within each 100 ms window), preceded by node status events (`NODE_CONNECTED`,
+//!   `NODE_UNAVAILABLE`). A following stream survives an agent that goes away: it is reported
+//!   unavailable, retried every second, and on its return followed again from the last flow
+//!   received from it, so the flows it kept meanwhile are not lost;
+//! - `ServerStatus`: the sums over the connected nodes, and which ones are unavailable;
+//! - `GetNodes`: every known node with its state; `GetNamespaces`: the union.
+//!
+//! Trust: the relay believes the Peer service about which nodes exist and where their Observers
+//! listen; it forwards what each Observer says, naming the node it came from. It holds no state
+//! a client can grow: each request's streams end with the request.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Request, Response, Status};
+
+use super::proto::{observer as opb, peer as ppb, relay as rpb};
+
+/// How long one node may take to answer a unary call or to start a stream.
+const CALL_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long a lost peer or Peer service waits before it is tried again.
+const RETRY: Duration = Duration::from_secs(1);
+/// Followed flows are sorted by time within windows of this length.
+const WINDOW: Duration = Duration::from_millis(100);
+
+/// `ciliate relay`'s settings (Hubble Relay's flag names).
+#[derive(Debug, Clone)]
+pub struct RelayConfig {
+    /// `--peer-service`: `HOST:PORT` or `unix:///path`.
+    pub peer_service: String,
+    /// `--listen-address`.
+    pub listen: SocketAddr,
+}
+
+/// A channel to an Observer or Peer service at `HOST:PORT` or `unix:///path`, connected when
+/// first used and reconnected by tonic after a failure.
+pub fn channel(address: &str) -> Result<Channel, String> {
+    if let Some(path) = address.strip_prefix("unix://") {
+        let path = std::path::PathBuf::from(path);
+        let ep = Endpoint::from_static("http://hubble.local").connect_timeout(CALL_TIMEOUT);
+        return Ok(ep.connect_with_connector_lazy(tower::service_fn(
+            move |_: tonic::transport::Uri| {
+                let path = path.clone();
+                async move {
+                    let s = tokio::net::UnixStream::connect(path).await?;
+                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(s))
+                }
+            },
+        )));
+    }
+    let ep = Endpoint::from_shared(format!("http://{address}"))
+        .map_err(|e| format!("{address:?}: {e}"))?;
+    Ok(ep.connect_timeout(CALL_TIMEOUT).connect_lazy())
+}
+
+#[derive(Clone)]
+struct Peer {
+    address: String,
+    channel: Channel,
+}
+
+/// The relay's view of the cluster: the peers the Peer service named.
+#[derive(Clone)]
+pub struct Relay {
+    peers: Arc<Mutex<BTreeMap<String, Peer>>>,
+    /// Bumped whenever the peer set changes (following streams start or stop followers).
+    changed: watch::Sender<u64>,
+    started: Instant,
+}
+
+impl Default for Relay {
+    fn default() -> Self {
+        Relay {
+            peers: Default::default(),
+            changed: watch::channel(0).0,
+            started: Instant::now(),
+        }
+    }
+}
+
+impl Relay {
+    fn snapshot(&self) -> Vec<(String, Peer)> {
+        let peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+        peers.iter().map(|(n, p)| (n.clone(), p.clone())).collect()
+    }
+
+    /// One Peer service notification applied.
+    pub fn apply(&self, n: ppb::ChangeNotification) {
+        use ppb::ChangeNotificationType as T;
+        let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+        match T::try_from(n.r#type) {
+            Ok(T::PeerDeleted) => {
+                peers.remove(&n.name);
+            }
+            Ok(T::PeerAdded | T::PeerUpdated) => {
+                if peers.get(&n.name).is_some_and(|p| p.address == n.address) {
+                    return;
+                }
+                match channel(&n.address) {
+                    Ok(channel) => {
+                        let address = n.address;
+                        peers.insert(n.name, Peer { address, channel });
+                    }
+                    Err(e) => tracing::warn!(peer = %n.name, error = %e, "unusable peer address"),
+                }
+            }
+            _ => return,
+        }
+        drop(peers);
+        self.changed.send_modify(|g| *g += 1);
+    }
+
+    /// The names of the peers known now.
+    pub fn peer_names(&self) -> Vec<String> {
+        self.snapshot().into_iter().map(|(n, _)| n).collect()
+    }
+}
+
+/// Follows the Peer service for as long as the relay runs, reconnecting after a failure.
+pub async fn discover(relay: Relay, peer_service: String) {
+    loop {
+        match notify(&peer_service).await {
+            Ok(mut s) => loop {
+                match s.message().await {
+                    Ok(Some(n)) => relay.apply(n),
+                    Ok(None) => break,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "the Peer service's stream failed");
+                        break;
+                    }
+                }
+            },
+            Err(e) => tracing::warn!(peer_service = %peer_service, error = %e, "no Peer service"),
+        }
+        tokio::time::sleep(RETRY).await;
+    }
+}
+
+async fn notify(address: &str) -> Result<tonic::Streaming<ppb::ChangeNotification>, String> {
+    let mut c = ppb::peer_client::PeerClient::new(channel(address)?);
+    let s = tokio::time::timeout(CALL_TIMEOUT, c.notify(ppb::NotifyRequest {}))
+        .await
+        .map_err(|_| "timed out".to_string())?
+        .map_err(|e| e.to_string())?;
+    Ok(s.into_inner())
+}
+
+fn observer(p: &Peer) -> opb::observer_client::ObserverClient<Channel> {
+    opb::observer_client::ObserverClient::new(p.channel.clone())
+}
+
+fn node_status(state: rpb::NodeState, names: Vec<String>) -> opb::GetFlowsResponse {
+    opb::GetFlowsResponse {
+        response_types: Some(opb::get_flows_response::ResponseTypes::NodeStatus(
+            rpb::NodeStatusEvent {
+                state_change: state as i32,
+                node_names: names,
+                message: String::new(),
+            },
+        )),
+        node_name: String::new(),
+        time: None,
+    }
+}
+
+fn time_key(r: &opb::GetFlowsResponse) -> (i64, i32) {
+    r.time.map_or((0, 0), |t| (t.seconds, t.nanos))
+}
+
+/// Every response one node gives to a request that does not follow.
+async fn collect(p: Peer, req: opb::GetFlowsRequest) -> Result<Vec<opb::GetFlowsResponse>, Status> {
+    let call = async {
+        let mut s = observer(&p).get_flows(req).await?.into_inner();
+        let mut out = Vec::new();
+        while let Some(r) = s.message().await? {
+            out.push(r);
+        }
+        Ok(out)
+    };
+    tokio::time::timeout(CALL_TIMEOUT * 4, call)
+        .await
+        .map_err(|_| Status::deadline_exceeded("the node did not answer in time"))?
+}
+
+/// The history of every node, merged by time and cut to `number`.
+async fn history(
+    relay: Relay,
+    req: opb::GetFlowsRequest,
+    tx: mpsc::Sender<Result<opb::GetFlowsResponse, Status>>,
+) {
+    let peers = relay.snapshot();
+    let calls = peers.iter().map(|(_, p)| collect(p.clone(), req.clone()));
+    let results = futures_util::future::join_all(calls).await;
+    let (mut ok, mut gone, mut flows) = (Vec::new(), Vec::new(), Vec::new());
+    for ((name, _), r) in peers.into_iter().zip(results) {
+        match r {
+            Ok(v) => {
+                ok.push(name);
+                flows.extend(v);
+            }
+            Err(_) => gone.push(name),
+        }
+    }
+    flows.sort_by_key(time_key);
+    if req.number > 0 {
+        let n = (req.number as usize).min(flows.len());
+        flows = if req.first {
+            flows.into_iter().take(n).collect()
+        } else {
+            flows.split_off(flows.len() - n)
+        };
+    }
+    let mut out = vec![node_status(rpb::NodeState::NodeConnected, ok)];
+    if !gone.is_empty() {
+        out.push(node_status(rpb::NodeState::NodeUnavailable, gone));
+    }
+    for r in out.into_iter().chain(flows) {
+        if tx.send(Ok(r)).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Follows one node: forwards its responses, reports it unavailable when its stream fails and
+/// connected when it is back, and resumes after the last flow it sent.
+async fn follow_peer(
+    name: String,
+    p: Peer,
+    mut req: opb::GetFlowsRequest,
+    out: mpsc::Sender<opb::GetFlowsResponse>,
+) {
+    let mut up = None;
+    loop {
+        let stream = tokio::time::timeout(CALL_TIMEOUT, observer(&p).get_flows(req.clone())).await;
+        if let Ok(Ok(s)) = stream {
+            if up != Some(true) {
+                up = Some(true);
+                let ev = node_status(rpb::NodeState::NodeConnected, vec![name.clone()]);
+                if out.send(ev).await.is_err() {
+                    return;
+                }
+            }
+            let mut s = s.into_inner();
+            while let Ok(Some(r)) = s.message().await {
+                if let Some(t) = r.time {
+                    // Resume after this flow: from its time on, with a fresh history count.
+                    req.since = Some(after(t));
+                    req.number = 0;
+                }
+                if out.send(r).await.is_err() {
+                    return;
+                }
+            }
+        }
+        if up != Some(false) {
+            up = Some(false);
+            let ev = node_status(rpb::NodeState::NodeUnavailable, vec![name.clone()]);
+            if out.send(ev).await.is_err() {
+                return;
+            }
+        }
+        if req.since.is_none() {
+            // Never heard from: from now on.
+            req.since = Some(now());
+            req.number = 0;
+        }
+        tokio::time::sleep(RETRY).await;
+    }
+}
+
+/// The next nanosecond after `t`.
+fn after(t: prost_types::Timestamp) -> prost_types::Timestamp {
+    if t.nanos >= 999_999_999 {
+        prost_types::Timestamp {
+            seconds: t.seconds + 1,
+            nanos: 0,
+        }
+    } else {
+        prost_types::Timestamp {
+            nanos: t.nanos + 1,
+            ..t
+        }
+    }
+}
+
+fn now() -> prost_types::Timestamp {
+    let d = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    prost_types::Timestamp {
+        seconds: d.as_secs() as i64,
+        nanos: d.subsec_nanos() as i32,
+    }
+}
+
+/// Starts a follower for every peer that has none, and stops those of peers gone.
+fn sync_followers(
+    relay: &Relay,
+    req: &opb::GetFlowsRequest,
+    running: &mut BTreeMap<String, tokio::task::JoinHandle<()>>,
+    merged: &mpsc::Sender<opb::GetFlowsResponse>,
+) {
+    let peers = relay.snapshot();
+    running.retain(|name, h| {
+        let keep = peers.iter().any(|(n, _)| n == name);
+        if !keep {
+            h.abort();
+        }
+        keep
+    });
+    for (name, p) in peers {
+        running
+            .entry(name.clone())
+            .or_insert_with(|| tokio::spawn(follow_peer(name, p, req.clone(), merged.clone())));
+    }
+}
+
+/// Every node's flows as they come, sorted within each window, while the client listens.
+async fn follow(
+    relay: Relay,
+    req: opb::GetFlowsRequest,
+    tx: mpsc::Sender<Result<opb::GetFlowsResponse, Status>>,
+) {
+    let (merged, mut rx) = mpsc::channel(1024);
+    let mut changed = relay.changed.subscribe();
+    let mut running = BTreeMap::new();
+    sync_followers(&relay, &req, &mut running, &merged);
+    let mut buf = Vec::new();
+    let mut tick = tokio::time::interval(WINDOW);
+    let stop = |running: BTreeMap<String, tokio::task::JoinHandle<()>>| {
+        running.values().for_each(|h| h.abort())
+    };
+    loop {
+        tokio::select! {
+            Some(r) = rx.recv() => buf.push(r),
+            _ = changed.changed() => sync_followers(&relay, &req, &mut running, &merged),
+            _ = tick.tick() => {
+                buf.sort_by_key(time_key);
+                for r in buf.drain(..) {
+                    if tx.send(Ok(r)).await.is_err() {
+                        return stop(running);
+                    }
+                }
+            }
+            _ = tx.closed() => return stop(running),
+        }
+    }
+}
+
+/// Each known node's status, or why it could not be asked.
+async fn statuses(relay: &Relay) -> Vec<(String, Peer, Option<opb::ServerStatusResponse>)> {
+    let peers = relay.snapshot();
+    let calls = peers.iter().map(|(_, p)| async move {
+        let mut client = observer(p);
+        let call = client.server_status(opb::ServerStatusRequest {});
+        match tokio::time::timeout(CALL_TIMEOUT, call).await {
+            Ok(Ok(r)) => Some(r.into_inner()),
+            _ => None,
+        }
+    });
+    let results = futures_util::future::join_all(calls).await;
+    peers
+        .into_iter()
+        .zip(results)
+        .map(|((n, p), r)| (n, p, r))
+        .collect()
+}
+
+type Stream<T> = std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<T, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl opb::observer_server::Observer for Relay {
+    type GetFlowsStream = Stream<opb::GetFlowsResponse>;
+
+    async fn get_flows(
+        &self,
+        req: Request<opb::GetFlowsRequest>,
+    ) -> Result<Response<Self::GetFlowsStream>, Status> {
+        let req = req.into_inner();
+        // Filters are checked by every node; the relay refuses what none could answer.
+        super::server::Plan::new(&req).map_err(Status::invalid_argument)?;
+        let (tx, rx) = mpsc::channel(256);
+        if req.follow {
+            tokio::spawn(follow(self.clone(), req, tx));
+        } else {
+            tokio::spawn(history(self.clone(), req, tx));
+        }
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn get_nodes(
+        &self,
+        _: Request<opb::GetNodesRequest>,
+    ) -> Result<Response<opb::GetNodesResponse>, Status> {
+        let nodes = statuses(self).await.into_iter().map(|(name, p, st)| {
+            let state = match st {
+                Some(_) => rpb::NodeState::NodeConnected,
+                None => rpb::NodeState::NodeUnavailable,
+            };
+            let st = st.unwrap_or_default();
+            opb::Node {
+                name,
+                version: st.version,
+                address: p.address,
+                state: state as i32,
+                tls: Some(opb::Tls::default()),
+                uptime_ns: st.uptime_ns,
+                num_flows: st.num_flows,
+                max_flows: st.max_flows,
+                seen_flows: st.seen_flows,
+            }
+        });
+        Ok(Response::new(opb::GetNodesResponse {
+            nodes: nodes.collect(),
+        }))
+    }
+
+    async fn get_namespaces(
+        &self,
+        _: Request<opb::GetNamespacesRequest>,
+    ) -> Result<Response<opb::GetNamespacesResponse>, Status> {
+        let calls = self.snapshot().into_iter().map(|(_, p)| async move {
+            let mut client = observer(&p);
+            let call = client.get_namespaces(opb::GetNamespacesRequest {});
+            match tokio::time::timeout(CALL_TIMEOUT, call).await {
+                Ok(Ok(r)) => r.into_inner().namespaces,
+                _ => Vec::new(),
+            }
+        });
+        let all = futures_util::future::join_all(calls)
+            .await
+            .into_iter()
+            .flatten();
+        let set: std::collections::BTreeSet<(String, String)> =
+            all.map(|n| (n.cluster, n.namespace)).collect();
+        Ok(Response::new(opb::GetNamespacesResponse {
+            namespaces: set
+                .into_iter()
+                .map(|(cluster, namespace)| opb::Namespace { cluster, namespace })
+                .collect(),
+        }))
+    }
+
+    async fn server_status(
+        &self,
+        _: Request<opb::ServerStatusRequest>,
+    ) -> Result<Response<opb::ServerStatusResponse>, Status> {
+        let mut out = opb::ServerStatusResponse {
+            version: env!("CARGO_PKG_VERSION").into(),
+            uptime_ns: self.started.elapsed().as_nanos() as u64,
+            ..Default::default()
+        };
+        let (mut up, mut down) = (0u32, 0u32);
+        for (name, _, st) in statuses(self).await {
+            match st {
+                Some(st) => {
+                    up += 1;
+                    out.num_flows += st.num_flows;
+                    out.max_flows += st.max_flows;
+                    out.seen_flows += st.seen_flows;
+                }
+                None => {
+                    down += 1;
+                    out.unavailable_nodes.push(name);
+                }
+            }
+        }
+        out.num_connected_nodes = Some(up);
+        out.num_unavailable_nodes = Some(down);
+        Ok(Response::new(out))
+    }
+}
+
+/// Runs the relay until the process is stopped.
+pub fn run(cfg: RelayConfig) -> Result<(), String> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("no runtime: {e}"))?;
+    rt.block_on(async {
+        channel(&cfg.peer_service).map_err(|e| format!("--peer-service {e}"))?;
+        let listener = tokio::net::TcpListener::bind(cfg.listen)
+            .await
+            .map_err(|e| format!("--listen-address {}: {e}", cfg.listen))?;
+        let relay = Relay::default();
+        tokio::spawn(discover(relay.clone(), cfg.peer_service.clone()));
+        tracing::info!(listen = %cfg.listen, peer_service = %cfg.peer_service, "relay serving");
+        tonic::transport::Server::builder()
+            .max_concurrent_streams(Some(128))
+            .add_service(opb::observer_server::ObserverServer::new(relay))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+            .await
+            .map_err(|e| format!("--listen-address {}: {e}", cfg.listen))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn note(name: &str, address: &str, t: ppb::ChangeNotificationType) -> ppb::ChangeNotification {
+        ppb::ChangeNotification {
+            name: name.into(),
+            address: address.into(),
+            r#type: t as i32,
+            tls: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn peers_follow_the_peer_services_notifications() {
+        use ppb::ChangeNotificationType as T;
+        let r = Relay::default();
+        let mut changed = r.changed.subscribe();
+        r.apply(note("n1", "10.0.0.1:4244", T::PeerAdded));
+        r.apply(note("n2", "unix:///run/x/hubble.sock", T::PeerAdded));
+        assert_eq!(r.peer_names(), ["n1", "n2"]);
+        assert!(changed.has_changed().unwrap());
+        changed.borrow_and_update();
+        // The same address again: nothing changes.
+        r.apply(note("n1", "10.0.0.1:4244", T::PeerAdded));
+        assert!(!changed.has_changed().unwrap());
+        r.apply(note("n1", "10.0.0.9:4244", T::PeerUpdated));
+        assert_eq!(r.snapshot()[0].1.address, "10.0.0.9:4244");
+        r.apply(note("n2", "", T::PeerDeleted));
+        assert_eq!(r.peer_names(), ["n1"]);
+        // A name without a usable address is not a peer.
+        r.apply(note("n3", "not an address", T::PeerAdded));
+        assert_eq!(r.peer_names(), ["n1"]);
+    }
+}
