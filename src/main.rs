@@ -259,6 +259,12 @@ fn relay(args: ciliate::cli::RelayArgs) -> i32 {
     let cfg = ciliate::hubble::relay::RelayConfig {
         peer_service: args.peer_service,
         listen: args.listen_address,
+        tls: (!args.tls_hubble_server_ca_files.is_empty()).then(|| {
+            ciliate::hubble::relay::PeerTls {
+                server_cas: args.tls_hubble_server_ca_files,
+                client: args.tls_client_cert_file.zip(args.tls_client_key_file),
+            }
+        }),
     };
     match ciliate::hubble::relay::run(cfg) {
         Ok(()) => 0,

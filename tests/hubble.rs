@@ -55,7 +55,7 @@ async fn flows(c: &mut ObserverClient<Channel>, req: opb::GetFlowsRequest) -> Ve
     let mut out = Vec::new();
     while let Some(r) = s.message().await.expect("a response") {
         if let Some(opb::get_flows_response::ResponseTypes::Flow(f)) = r.response_types {
-            assert_eq!(r.node_name, "node-1");
+            assert_eq!(r.node_name, f.node_name, "the response names the flow's node");
             out.push(f);
         }
     }
@@ -465,73 +465,31 @@ fn openssl(dir: &Path, args: &[&str]) {
     );
 }
 
-/// A CA, and a certificate it signed for `name` (key `NAME.key`, certificate `NAME.crt`).
+/// A CA, and a certificate it signed for each name (key `NAME.key`, certificate `NAME.crt`,
+/// subject alternative name `DNS:NAME`).
 fn certificates(dir: &Path, names: &[&str]) {
-    openssl(
-        dir,
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:P-256",
-            "-nodes",
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.crt",
-            "-days",
-            "1",
-            "-subj",
-            "/CN=test-ca",
-        ],
-    );
-    for name in names {
-        let (key, csr, crt) = (
-            format!("{name}.key"),
-            format!("{name}.csr"),
-            format!("{name}.crt"),
-        );
-        openssl(
-            dir,
-            &[
-                "req",
-                "-newkey",
-                "ec",
-                "-pkeyopt",
-                "ec_paramgen_curve:P-256",
-                "-nodes",
-                "-keyout",
-                &key,
-                "-out",
-                &csr,
-                "-subj",
-                &format!("/CN={name}"),
-            ],
-        );
+    let named: Vec<(&str, String)> = names.iter().map(|n| (*n, format!("DNS:{n}"))).collect();
+    certificates_with(dir, &named);
+}
+
+/// A CA, and a certificate it signed for each (file name, subject alternative names).
+fn certificates_with(dir: &Path, names: &[(&str, String)]) {
+    let run = |cmd: String| openssl(dir, &cmd.split_whitespace().collect::<Vec<_>>());
+    let ec = "-newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes";
+    run(format!(
+        "req -x509 {ec} -keyout ca.key -out ca.crt -days 1 -subj /CN=test-ca"
+    ));
+    for (name, sans) in names {
+        run(format!(
+            "req {ec} -keyout {name}.key -out {name}.csr -subj /CN={name}"
+        ));
         let ext = dir.join(format!("{name}.ext"));
-        std::fs::write(&ext, format!("subjectAltName=DNS:{name}\n")).unwrap();
-        openssl(
-            dir,
-            &[
-                "x509",
-                "-req",
-                "-in",
-                &csr,
-                "-CA",
-                "ca.crt",
-                "-CAkey",
-                "ca.key",
-                "-CAcreateserial",
-                "-out",
-                &crt,
-                "-days",
-                "1",
-                "-extfile",
-                ext.to_str().unwrap(),
-            ],
-        );
+        std::fs::write(&ext, format!("subjectAltName={sans}\n")).unwrap();
+        run(format!(
+            "x509 -req -in {name}.csr -CA ca.crt -CAkey ca.key -CAcreateserial -out {name}.crt \
+             -days 1 -extfile {}",
+            ext.display()
+        ));
     }
 }
 
@@ -683,14 +641,16 @@ fn bad_hubble_flags_are_named() {
 struct RelayProcess(std::process::Child);
 
 impl RelayProcess {
-    fn start(c: &common::cluster::Cluster, listen: &str) -> RelayProcess {
+    fn start(c: &common::cluster::Cluster, listen: &str, extra: &[&str]) -> RelayProcess {
         use std::os::unix::process::CommandExt;
         let ns = std::fs::File::open(format!("/run/netns/{}", c.api_ns)).expect("netns");
         let fd = std::os::fd::AsRawFd::as_raw_fd(&ns);
         let peer = format!("{}:4244", common::cluster::node_ip(1));
-        let log = std::fs::File::create(c.dir.path().join("relay.log")).unwrap();
+        let log =
+            std::fs::File::create(c.dir.path().join(format!("relay-{}.log", free_port()))).unwrap();
         let mut cmd = std::process::Command::new(common::agent::BIN);
         cmd.args(["relay", "--peer-service", &peer, "--listen-address", listen])
+            .args(extra)
             .env("RUST_LOG", "info")
             .stdout(std::process::Stdio::null())
             .stderr(log);
@@ -769,7 +729,7 @@ fn the_relay_serves_the_clusters_flows_and_survives_an_agent_going_away() {
     });
     common::eventually("a -> b:9090 is dropped", || !tcp_ok(&a.netns, b_addr, 9090));
 
-    let _relay = RelayProcess::start(&c, "127.0.0.1:4245");
+    let _relay = RelayProcess::start(&c, "127.0.0.1:4245", &[]);
     let kubeconfig = c.kubeconfig.clone();
     let (a_ns, api_ns) = (a.netns.clone(), c.api_ns.clone());
     // The client runs beside the relay, in the API namespace.
@@ -944,4 +904,101 @@ fn the_relay_serves_the_clusters_flows_and_survives_an_agent_going_away() {
         to_client.send(()).unwrap();
     }
     client.join().expect("the client's checks");
+}
+
+/// The relay toward agents that serve TLS and require client certificates: with the agents' CA
+/// and its client certificate it reaches both nodes (the Peer service checked against the
+/// address it dials, each agent against the server name its Peer entry gives); without the
+/// client certificate the agents refuse it, and it names no node connected.
+#[test]
+fn the_relay_dials_tls_agents_with_its_client_certificate() {
+    use common::cluster::{node_ip, Cluster};
+    if !privileged() {
+        return;
+    }
+    let certs = tempfile::tempdir().unwrap();
+    let sans = format!(
+        "DNS:node-1.default.hubble-grpc.cilium.io,DNS:node-2.default.hubble-grpc.cilium.io,IP:{}",
+        node_ip(1)
+    );
+    let relay_san = "DNS:hubble-relay".to_string();
+    certificates_with(certs.path(), &[("agent", sans), ("relay", relay_san)]);
+    let file = |n: &str| certs.path().join(n).to_string_lossy().to_string();
+    let (cert, key, ca) = (file("agent.crt"), file("agent.key"), file("ca.crt"));
+    let mut c = Cluster::start_with(
+        2,
+        &[
+            "--hubble-listen-address",
+            ":4244",
+            "--hubble-tls-cert-file",
+            &cert,
+            "--hubble-tls-key-file",
+            &key,
+            "--hubble-tls-client-ca-files",
+            &ca,
+        ],
+    );
+    let a = c.add_pod(1, "a", "a");
+    let b = c.add_pod(2, "b", "b");
+    let b_addr = std::net::IpAddr::V4(b.addr);
+    tcp_server(&b.netns, b_addr, 8080);
+    common::eventually("a reaches b:8080 across nodes", || {
+        tcp_ok(&a.netns, b_addr, 8080)
+    });
+
+    let (rcert, rkey) = (file("relay.crt"), file("relay.key"));
+    let tls = ["--tls-hubble-server-ca-files", ca.as_str()];
+    let client = [
+        "--tls-client-cert-file",
+        &rcert,
+        "--tls-client-key-file",
+        &rkey,
+    ];
+    let _good = RelayProcess::start(&c, "127.0.0.1:4245", &[&tls[..], &client[..]].concat());
+    let _without = RelayProcess::start(&c, "127.0.0.1:4246", &tls);
+    let api_ns = c.api_ns.clone();
+    common::netns::in_netns(&api_ns, move || {
+        rt().block_on(async move {
+            let connect = |port: u16| async move {
+                let ep = Endpoint::from_shared(format!("http://127.0.0.1:{port}")).unwrap();
+                for _ in 0..100 {
+                    if let Ok(ch) = ep.connect().await {
+                        return ObserverClient::new(ch);
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                panic!("the relay on {port} does not listen");
+            };
+            // Both nodes connected, once the Peer service has named them.
+            let mut good = connect(4245).await;
+            let deadline = Instant::now() + Duration::from_secs(20);
+            loop {
+                let n = good.get_nodes(opb::GetNodesRequest {}).await.unwrap();
+                let states: Vec<i32> = n.into_inner().nodes.iter().map(|n| n.state).collect();
+                if states == [1, 1] {
+                    break;
+                }
+                assert!(Instant::now() < deadline, "both nodes over TLS: {states:?}");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            let got = flows(&mut good, req(vec![], vec![])).await;
+            assert!(got.iter().any(|f| f.node_name == "node-1"), "{got:#?}");
+            assert!(got.iter().any(|f| f.node_name == "node-2"), "{got:#?}");
+
+            // Without a client certificate the agents (the Peer service among them) refuse it.
+            let mut without = connect(4246).await;
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            let n = without.get_nodes(opb::GetNodesRequest {}).await.unwrap();
+            let n = n.into_inner();
+            assert!(n.nodes.iter().all(|n| n.state != 1), "{n:?}");
+            let st = without
+                .server_status(opb::ServerStatusRequest {})
+                .await
+                .unwrap()
+                .into_inner();
+            assert_eq!(st.num_connected_nodes, Some(0), "{st:?}");
+        })
+    })
+    .join()
+    .expect("the client's checks");
 }

@@ -516,6 +516,15 @@ pub struct RelayArgs {
     /// Where the relay serves the Observer API: `HOST:PORT`, or `:PORT` for every address.
     #[arg(long, default_value = ":4245", value_parser = crate::hubble::server::parse_listen_address)]
     pub listen_address: std::net::SocketAddr,
+    /// CAs of the agents' Hubble certificates: with them the relay dials the Peer service and
+    /// every agent that announces TLS with TLS (and refuses those that do not).
+    #[arg(long, value_name = "FILE", value_delimiter = ',')]
+    pub tls_hubble_server_ca_files: Vec<PathBuf>,
+    /// The relay's client certificate, for agents that require one (PEM).
+    #[arg(long, value_name = "FILE", requires_all = ["tls_client_key_file", "tls_hubble_server_ca_files"])]
+    pub tls_client_cert_file: Option<PathBuf>,
+    #[arg(long, value_name = "FILE", requires = "tls_client_cert_file")]
+    pub tls_client_key_file: Option<PathBuf>,
     /// `text` or `json` logs.
     #[arg(long, value_enum, default_value = "text")]
     pub log_format: LogFormat,

@@ -39,11 +39,73 @@ pub struct RelayConfig {
     pub peer_service: String,
     /// `--listen-address`.
     pub listen: SocketAddr,
+    /// TLS toward the agents (Hubble Relay's `--tls-hubble-server-ca-files`,
+    /// `--tls-client-cert-file`, `--tls-client-key-file`); none: plain text.
+    pub tls: Option<PeerTls>,
+}
+
+/// The CAs the agents' certificates must chain to, and the relay's client certificate (for
+/// agents that require one).
+#[derive(Debug, Clone)]
+pub struct PeerTls {
+    pub server_cas: Vec<std::path::PathBuf>,
+    pub client: Option<(std::path::PathBuf, std::path::PathBuf)>,
+}
+
+/// `PeerTls` read from its files: a TLS configuration per server name.
+#[derive(Clone)]
+pub struct ClientTls {
+    ca: tonic::transport::Certificate,
+    identity: Option<tonic::transport::Identity>,
+}
+
+impl ClientTls {
+    pub fn load(t: &PeerTls) -> Result<ClientTls, String> {
+        let read = |flag: &str, p: &std::path::Path| {
+            std::fs::read(p).map_err(|e| format!("{flag} {}: {e}", p.display()))
+        };
+        let mut pem = Vec::new();
+        for ca in &t.server_cas {
+            pem.extend(read("--tls-hubble-server-ca-files", ca)?);
+            pem.push(b'\n');
+        }
+        let identity = match &t.client {
+            Some((cert, key)) => Some(tonic::transport::Identity::from_pem(
+                read("--tls-client-cert-file", cert)?,
+                read("--tls-client-key-file", key)?,
+            )),
+            None => None,
+        };
+        Ok(ClientTls {
+            ca: tonic::transport::Certificate::from_pem(pem),
+            identity,
+        })
+    }
+
+    fn config(&self, server_name: &str) -> tonic::transport::ClientTlsConfig {
+        let c = tonic::transport::ClientTlsConfig::new()
+            .ca_certificate(self.ca.clone())
+            .domain_name(server_name);
+        match &self.identity {
+            Some(id) => c.identity(id.clone()),
+            None => c,
+        }
+    }
+}
+
+/// The host of `HOST:PORT` (`[v6]:PORT`), the name the peer service's certificate is checked
+/// against.
+fn host_of(address: &str) -> &str {
+    let host = address.rsplit_once(':').map_or(address, |(h, _)| h);
+    host.trim_start_matches('[').trim_end_matches(']')
 }
 
 /// A channel to an Observer or Peer service at `HOST:PORT` or `unix:///path`, connected when
 /// first used and reconnected by tonic after a failure.
-pub fn channel(address: &str) -> Result<Channel, String> {
+pub fn channel(
+    address: &str,
+    tls: Option<tonic::transport::ClientTlsConfig>,
+) -> Result<Channel, String> {
     if let Some(path) = address.strip_prefix("unix://") {
         let path = std::path::PathBuf::from(path);
         let ep = Endpoint::from_static("http://hubble.local").connect_timeout(CALL_TIMEOUT);
@@ -57,8 +119,14 @@ pub fn channel(address: &str) -> Result<Channel, String> {
             },
         )));
     }
-    let ep = Endpoint::from_shared(format!("http://{address}"))
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let mut ep = Endpoint::from_shared(format!("{scheme}://{address}"))
         .map_err(|e| format!("{address:?}: {e}"))?;
+    if let Some(tls) = tls {
+        ep = ep
+            .tls_config(tls)
+            .map_err(|e| format!("{address:?}: {e}"))?;
+    }
     Ok(ep.connect_timeout(CALL_TIMEOUT).connect_lazy())
 }
 
@@ -75,14 +143,31 @@ pub struct Relay {
     /// Bumped whenever the peer set changes (following streams start or stop followers).
     changed: watch::Sender<u64>,
     started: Instant,
+    tls: Option<ClientTls>,
 }
 
-impl Default for Relay {
-    fn default() -> Self {
+impl Relay {
+    /// A relay with no peers yet, dialing them with `tls` (none: plain text).
+    pub fn new(tls: Option<ClientTls>) -> Relay {
         Relay {
             peers: Default::default(),
             changed: watch::channel(0).0,
             started: Instant::now(),
+            tls,
+        }
+    }
+
+    /// How to dial a peer that announces `tls`: TLS exactly when both sides have it; a peer
+    /// that differs from the relay is refused, never dialed in plain text instead.
+    fn peer_tls(
+        &self,
+        tls: Option<&ppb::Tls>,
+    ) -> Result<Option<tonic::transport::ClientTlsConfig>, String> {
+        match (&self.tls, tls) {
+            (Some(c), Some(t)) => Ok(Some(c.config(&t.server_name))),
+            (None, None) => Ok(None),
+            (Some(_), None) => Err("it serves plain text and the relay speaks TLS".into()),
+            (None, Some(_)) => Err("it serves TLS and the relay has no CA for it".into()),
         }
     }
 }
@@ -105,12 +190,15 @@ impl Relay {
                 if peers.get(&n.name).is_some_and(|p| p.address == n.address) {
                     return;
                 }
-                match channel(&n.address) {
+                match self
+                    .peer_tls(n.tls.as_ref())
+                    .and_then(|tls| channel(&n.address, tls))
+                {
                     Ok(channel) => {
                         let address = n.address;
                         peers.insert(n.name, Peer { address, channel });
                     }
-                    Err(e) => tracing::warn!(peer = %n.name, error = %e, "unusable peer address"),
+                    Err(e) => tracing::warn!(peer = %n.name, error = %e, "peer not dialed"),
                 }
             }
             _ => return,
@@ -127,8 +215,9 @@ impl Relay {
 
 /// Follows the Peer service for as long as the relay runs, reconnecting after a failure.
 pub async fn discover(relay: Relay, peer_service: String) {
+    let tls = relay.tls.as_ref().map(|t| t.config(host_of(&peer_service)));
     loop {
-        match notify(&peer_service).await {
+        match notify(&peer_service, tls.clone()).await {
             Ok(mut s) => loop {
                 match s.message().await {
                     Ok(Some(n)) => relay.apply(n),
@@ -145,8 +234,11 @@ pub async fn discover(relay: Relay, peer_service: String) {
     }
 }
 
-async fn notify(address: &str) -> Result<tonic::Streaming<ppb::ChangeNotification>, String> {
-    let mut c = ppb::peer_client::PeerClient::new(channel(address)?);
+async fn notify(
+    address: &str,
+    tls: Option<tonic::transport::ClientTlsConfig>,
+) -> Result<tonic::Streaming<ppb::ChangeNotification>, String> {
+    let mut c = ppb::peer_client::PeerClient::new(channel(address, tls)?);
     let s = tokio::time::timeout(CALL_TIMEOUT, c.notify(ppb::NotifyRequest {}))
         .await
         .map_err(|_| "timed out".to_string())?
@@ -487,11 +579,12 @@ pub fn run(cfg: RelayConfig) -> Result<(), String> {
         .build()
         .map_err(|e| format!("no runtime: {e}"))?;
     rt.block_on(async {
-        channel(&cfg.peer_service).map_err(|e| format!("--peer-service {e}"))?;
+        let tls = cfg.tls.as_ref().map(ClientTls::load).transpose()?;
+        channel(&cfg.peer_service, None).map_err(|e| format!("--peer-service {e}"))?;
         let listener = tokio::net::TcpListener::bind(cfg.listen)
             .await
             .map_err(|e| format!("--listen-address {}: {e}", cfg.listen))?;
-        let relay = Relay::default();
+        let relay = Relay::new(tls);
         tokio::spawn(discover(relay.clone(), cfg.peer_service.clone()));
         tracing::info!(listen = %cfg.listen, peer_service = %cfg.peer_service, "relay serving");
         tonic::transport::Server::builder()
@@ -519,7 +612,7 @@ mod tests {
     #[tokio::test]
     async fn peers_follow_the_peer_services_notifications() {
         use ppb::ChangeNotificationType as T;
-        let r = Relay::default();
+        let r = Relay::new(None);
         let mut changed = r.changed.subscribe();
         r.apply(note("n1", "10.0.0.1:4244", T::PeerAdded));
         r.apply(note("n2", "unix:///run/x/hubble.sock", T::PeerAdded));
@@ -536,5 +629,17 @@ mod tests {
         // A name without a usable address is not a peer.
         r.apply(note("n3", "not an address", T::PeerAdded));
         assert_eq!(r.peer_names(), ["n1"]);
+        // A peer that speaks TLS, to a relay without TLS: refused, not dialed in plain text.
+        let mut tls = note("n4", "10.0.0.4:4244", T::PeerAdded);
+        tls.tls = Some(ppb::Tls {
+            server_name: "n4.default.hubble-grpc.cilium.io".into(),
+        });
+        r.apply(tls);
+        assert_eq!(r.peer_names(), ["n1"]);
+        assert_eq!(
+            host_of("hubble-peer.kube-system.svc:4244"),
+            "hubble-peer.kube-system.svc"
+        );
+        assert_eq!(host_of("[fd00::1]:4244"), "fd00::1");
     }
 }
