@@ -42,6 +42,8 @@ enum Object {
     ClusterRoleBinding(Box<ClusterRoleBinding>),
     ConfigMap(Box<ConfigMap>),
     DaemonSet(Box<DaemonSet>),
+    Deployment(Box<k8s_openapi::api::apps::v1::Deployment>),
+    Service(Box<k8s_openapi::api::core::v1::Service>),
     AdmissionPolicy(Box<ValidatingAdmissionPolicy>),
     AdmissionPolicyBinding(Box<ValidatingAdmissionPolicyBinding>),
 }
@@ -151,6 +153,8 @@ fn load_dir(dir: &Path) -> Result<Vec<(String, Object)>, Vec<String>> {
                 "ClusterRoleBinding" => typed(doc, &at).map(Object::ClusterRoleBinding),
                 "ConfigMap" => typed(doc, &at).map(Object::ConfigMap),
                 "DaemonSet" => typed(doc, &at).map(Object::DaemonSet),
+                "Deployment" => typed(doc, &at).map(Object::Deployment),
+                "Service" => typed(doc, &at).map(Object::Service),
                 "ValidatingAdmissionPolicy" => typed(doc, &at).map(Object::AdmissionPolicy),
                 "ValidatingAdmissionPolicyBinding" => {
                     typed(doc, &at).map(Object::AdmissionPolicyBinding)
@@ -239,6 +243,8 @@ fn every_document_is_a_valid_object_of_its_kind() {
             Object::ClusterRoleBinding(_) => "ClusterRoleBinding",
             Object::ConfigMap(_) => "ConfigMap",
             Object::DaemonSet(_) => "DaemonSet",
+            Object::Deployment(_) => "Deployment",
+            Object::Service(_) => "Service",
             Object::AdmissionPolicy(_) => "ValidatingAdmissionPolicy",
             Object::AdmissionPolicyBinding(_) => "ValidatingAdmissionPolicyBinding",
         };
@@ -252,6 +258,8 @@ fn every_document_is_a_valid_object_of_its_kind() {
             ("ConfigMap", 1),
             ("CustomResourceDefinition", 6),
             ("DaemonSet", 1),
+            ("Deployment", 1),
+            ("Service", 2),
             ("ServiceAccount", 1),
             ("ValidatingAdmissionPolicy", 1),
             ("ValidatingAdmissionPolicyBinding", 1),
@@ -1051,4 +1059,141 @@ fn rbac_covers_every_kind_of_the_registry() {
             info.name
         );
     }
+}
+
+/// The path a container mounts the Secret `secret` at.
+fn secret_mount(pod: &PodSpec, c: &Container, secret: &str) -> String {
+    let volume = pod
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.secret.as_ref().and_then(|s| s.secret_name.as_deref()) == Some(secret))
+        .unwrap_or_else(|| panic!("a volume of the Secret {secret}"));
+    c.volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| m.name == volume.name)
+        .unwrap_or_else(|| panic!("{} mounts {secret}", c.name))
+        .mount_path
+        .clone()
+}
+
+/// Hubble in a cluster: every agent serves Hubble on its node's port 4244 with TLS from the
+/// Secret hubble-server-certs, requiring client certificates; the hubble-peer Service reaches
+/// the agents' named port; the relay dials it and the agents with the CA and client certificate
+/// of the Secret hubble-relay-client-certs, and its command line is one `ciliate relay`
+/// accepts.
+#[test]
+fn hubble_and_its_relay_are_wired_with_tls() {
+    use clap::Parser;
+    let line = agent_command_line();
+    let Ok(ciliate::cli::Cli {
+        command: ciliate::cli::Command::Agent(args),
+        ..
+    }) = ciliate::cli::Cli::try_parse_from(&line)
+    else {
+        panic!("the agent refuses {line:?}");
+    };
+    let listen = args.hubble_listen_address.expect("--hubble-listen-address");
+    let agent = agent_container();
+    let port = agent
+        .ports
+        .iter()
+        .flatten()
+        .find(|p| p.name.as_deref() == Some("hubble-grpc"))
+        .expect("the agent's hubble-grpc port");
+    assert_eq!(i32::from(listen.port()), port.container_port);
+    let dir = secret_mount(&pod_spec(), &agent, "hubble-server-certs");
+    let under = |p: &Option<std::path::PathBuf>| p.as_ref().is_some_and(|p| p.starts_with(&dir));
+    assert!(
+        under(&args.hubble_tls_cert_file) && under(&args.hubble_tls_key_file),
+        "{line:?}"
+    );
+    assert!(
+        !args.hubble_tls_client_ca_files.is_empty()
+            && args
+                .hubble_tls_client_ca_files
+                .iter()
+                .all(|p| p.starts_with(&dir)),
+        "client certificates are required: {line:?}"
+    );
+
+    let objects = load_all();
+    let services: Vec<_> = objects
+        .iter()
+        .filter_map(|(_, o)| match o {
+            Object::Service(s) => Some(s),
+            _ => None,
+        })
+        .collect();
+    let peer = services
+        .iter()
+        .find(|s| s.metadata.name.as_deref() == Some("hubble-peer"))
+        .expect("the hubble-peer Service");
+    let spec = peer.spec.as_ref().unwrap();
+    let labels = daemonset()
+        .spec
+        .unwrap()
+        .template
+        .metadata
+        .unwrap()
+        .labels
+        .unwrap();
+    for (k, v) in spec.selector.as_ref().expect("a selector") {
+        assert_eq!(labels.get(k), Some(v), "hubble-peer selects the agents");
+    }
+    let sp = &spec.ports.as_ref().unwrap()[0];
+    assert_eq!(
+        sp.target_port,
+        Some(
+            k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String("hubble-grpc".into())
+        )
+    );
+
+    let relay = only!(objects, Deployment);
+    let pod = relay.spec.clone().unwrap().template.spec.unwrap();
+    let c = container(&pod.containers, "relay");
+    let line: Vec<String> = c
+        .command
+        .iter()
+        .chain(c.args.iter())
+        .flatten()
+        .cloned()
+        .collect();
+    let Ok(ciliate::cli::Cli {
+        command: ciliate::cli::Command::Relay(r),
+        ..
+    }) = ciliate::cli::Cli::try_parse_from(&line)
+    else {
+        panic!("ciliate relay refuses {line:?}");
+    };
+    let ns = peer.metadata.namespace.as_deref().unwrap();
+    assert_eq!(r.peer_service, format!("hubble-peer.{ns}.svc:{}", sp.port));
+    let dir = secret_mount(&pod, c, "hubble-relay-client-certs");
+    assert!(!r.tls_hubble_server_ca_files.is_empty());
+    for p in r
+        .tls_hubble_server_ca_files
+        .iter()
+        .chain(&r.tls_client_cert_file)
+        .chain(&r.tls_client_key_file)
+    {
+        assert!(p.starts_with(&dir), "{} under {dir}", p.display());
+    }
+    assert!(r.tls_client_cert_file.is_some() && r.tls_client_key_file.is_some());
+    let relay_service = services
+        .iter()
+        .find(|s| s.metadata.name.as_deref() == Some("hubble-relay"))
+        .expect("the hubble-relay Service");
+    let port = &relay_service.spec.as_ref().unwrap().ports.as_ref().unwrap()[0];
+    let served = c
+        .ports
+        .iter()
+        .flatten()
+        .find(|p| p.name.as_deref() == Some("grpc"))
+        .unwrap();
+    assert_eq!(i32::from(r.listen_address.port()), served.container_port);
+    assert_eq!(
+        port.target_port,
+        Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String("grpc".into()))
+    );
 }
