@@ -708,8 +708,8 @@ async fn next_matching(
     }
 }
 
-/// The relay over a two-node cluster: it learns the nodes from one agent's Peer service, serves
-/// both nodes' flows in time order with their node names and policies, reports each node's
+/// The relay over a three-node cluster: it learns the nodes from one agent's Peer service, serves
+/// every node's flows in time order with their node names and policies, reports each node's
 /// state, and a following stream survives `kill -9` of an agent: the node is reported
 /// unavailable, then connected again, and its flows come through the same stream afterwards.
 #[test]
@@ -718,19 +718,31 @@ fn the_relay_serves_the_clusters_flows_and_survives_an_agent_going_away() {
     if !privileged() {
         return;
     }
-    let mut c = Cluster::start_with(2, &["--hubble-listen-address", ":4244"]);
+    let mut c = Cluster::start_with(3, &["--hubble-listen-address", ":4244"]);
     let a = c.add_pod(1, "a", "a");
     let b = c.add_pod(2, "b", "b");
-    let b_addr = std::net::IpAddr::V4(b.addr);
+    let d = c.add_pod(3, "d", "d");
+    let (b_addr, d_addr) = (std::net::IpAddr::V4(b.addr), std::net::IpAddr::V4(d.addr));
     for port in [8080, 9090] {
         tcp_server(&b.netns, b_addr, port);
+        tcp_server(&d.netns, d_addr, port);
     }
+    // b (node-2) and d (node-3) admit a on 8080 only.
     let policy: serde_json::Value = serde_yaml::from_str(KNP).unwrap();
     c.api().apply_json(policy).expect("the NetworkPolicy");
-    common::eventually("a reaches b:8080 across nodes", || {
-        tcp_ok(&a.netns, b_addr, 8080)
-    });
-    common::eventually("a -> b:9090 is dropped", || !tcp_ok(&a.netns, b_addr, 9090));
+    let d_policy = KNP
+        .replace("b-from-a", "d-from-a")
+        .replace("app: b", "app: d");
+    let d_policy: serde_json::Value = serde_yaml::from_str(&d_policy).unwrap();
+    c.api()
+        .apply_json(d_policy)
+        .expect("the NetworkPolicy of d");
+    for addr in [b_addr, d_addr] {
+        common::eventually("a reaches 8080 across nodes", || {
+            tcp_ok(&a.netns, addr, 8080)
+        });
+        common::eventually("a -> 9090 is dropped", || !tcp_ok(&a.netns, addr, 9090));
+    }
 
     let _relay = RelayProcess::start(&c, "127.0.0.1:4245", &[]);
     let kubeconfig = c.kubeconfig.clone();
@@ -751,7 +763,7 @@ fn the_relay_serves_the_clusters_flows_and_survives_an_agent_going_away() {
                 panic!("the relay does not listen");
             };
             let mut relay = connect().await;
-            // Both nodes, once the Peer service has named them.
+            // Every node, once the Peer service has named them.
             let deadline = Instant::now() + Duration::from_secs(20);
             let nodes = loop {
                 let n = relay
@@ -759,21 +771,21 @@ fn the_relay_serves_the_clusters_flows_and_survives_an_agent_going_away() {
                     .await
                     .unwrap()
                     .into_inner();
-                if n.nodes.len() == 2 && n.nodes.iter().all(|n| n.state == 1) {
+                if n.nodes.len() == 3 && n.nodes.iter().all(|n| n.state == 1) {
                     break n.nodes;
                 }
                 assert!(
                     Instant::now() < deadline,
-                    "the relay knows both nodes: {n:?}"
+                    "the relay knows every node: {n:?}"
                 );
                 tokio::time::sleep(Duration::from_millis(200)).await;
             };
             let names: Vec<_> = nodes.iter().map(|n| n.name.as_str()).collect();
-            assert_eq!(names, ["node-1", "node-2"]);
+            assert_eq!(names, ["node-1", "node-2", "node-3"]);
             assert_eq!(nodes[1].address, "172.20.0.12:4244");
             assert!(nodes.iter().all(|n| n.max_flows == 16_384));
 
-            // History: both nodes' flows, in time order, each named by its node.
+            // History: every node's flows, in time order, each named by its node.
             let mut s = relay
                 .get_flows(req(vec![], vec![]))
                 .await
@@ -786,10 +798,8 @@ fn the_relay_serves_the_clusters_flows_and_survives_an_agent_going_away() {
                     None => got.push(r),
                 }
             }
-            assert_eq!(
-                statuses,
-                [(1, vec!["node-1".to_string(), "node-2".to_string()])]
-            );
+            let every = ["node-1", "node-2", "node-3"].map(String::from).to_vec();
+            assert_eq!(statuses, [(1, every)]);
             let times: Vec<_> = got
                 .iter()
                 .map(|r| r.time.map(|t| (t.seconds, t.nanos)))
@@ -810,7 +820,10 @@ fn the_relay_serves_the_clusters_flows_and_survives_an_agent_going_away() {
                     .filter(|(n, f)| n == node && f.node_name == node)
                     .count()
             };
-            assert!(from("node-1") > 0 && from("node-2") > 0, "{flows:#?}");
+            assert!(
+                (1..=3).all(|i| from(&format!("node-{i}")) > 0),
+                "{flows:#?}"
+            );
             let denied = flows
                 .iter()
                 .find(|(n, f)| {
@@ -828,9 +841,9 @@ fn the_relay_serves_the_clusters_flows_and_survives_an_agent_going_away() {
                 .into_inner();
             assert_eq!(
                 (st.num_connected_nodes, st.num_unavailable_nodes),
-                (Some(2), Some(0))
+                (Some(3), Some(0))
             );
-            assert_eq!(st.max_flows, 2 * 16_384);
+            assert_eq!(st.max_flows, 3 * 16_384);
 
             // A following stream across kill -9 and restart of node-2's agent.
             let follow = opb::GetFlowsRequest {
@@ -844,8 +857,8 @@ fn the_relay_serves_the_clusters_flows_and_survives_an_agent_going_away() {
             };
             let mut s = relay.get_flows(follow).await.unwrap().into_inner();
             let mut connected = std::collections::BTreeSet::new();
-            while connected.len() < 2 {
-                let r = next_matching(&mut s, "both nodes connected", |r| {
+            while connected.len() < 3 {
+                let r = next_matching(&mut s, "every node connected", |r| {
                     status_of(r).is_some_and(|(state, _)| state == 1)
                 })
                 .await;
@@ -862,13 +875,23 @@ fn the_relay_serves_the_clusters_flows_and_survives_an_agent_going_away() {
                 .await
                 .unwrap()
                 .into_inner();
-            assert_eq!(n.nodes.iter().map(|n| n.state).collect::<Vec<_>>(), [1, 2]);
+            assert_eq!(
+                n.nodes.iter().map(|n| n.state).collect::<Vec<_>>(),
+                [1, 2, 1]
+            );
             let st = relay
                 .server_status(opb::ServerStatusRequest {})
                 .await
                 .unwrap()
                 .into_inner();
             assert_eq!(st.unavailable_nodes, ["node-2"]);
+            // The stream goes on with the other nodes meanwhile.
+            to_main.send("probe-d").unwrap();
+            from_main.recv().unwrap();
+            next_matching(&mut s, "node-3's drop while node-2 is away", |r| {
+                r.node_name == "node-3"
+            })
+            .await;
             to_main.send("restart").unwrap();
             from_main.recv().unwrap();
             next_matching(&mut s, "node-2 connected again", |r| {
@@ -898,6 +921,7 @@ fn the_relay_serves_the_clusters_flows_and_survives_an_agent_going_away() {
             Ok("kill") => c.node(2).kill9_agent(),
             Ok("restart") => c.node(2).start_agent(&kubeconfig),
             Ok("probe") => assert!(!tcp_ok(&a_ns, b_addr, 9090)),
+            Ok("probe-d") => assert!(!tcp_ok(&a_ns, d_addr, 9090)),
             Ok(_) => break,
             Err(e) => {
                 let _ = client.join();
