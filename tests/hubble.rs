@@ -1028,3 +1028,326 @@ fn the_relay_dials_tls_agents_with_its_client_certificate() {
     .join()
     .expect("the client's checks");
 }
+
+/// Cilium's `api/v1` field numbers and types of every field `proto/` declares (transcribed from
+/// Cilium's flow, observer, peer and relay protos): `message field number type`. A field of
+/// ours missing here, or numbered or typed otherwise, breaks wire compatibility with Hubble's
+/// clients.
+const CILIUM_FIELDS: &str = "
+flow.Flow time 1 .google.protobuf.Timestamp
+flow.Flow uuid 34 string
+flow.Flow verdict 2 .flow.Verdict
+flow.Flow drop_reason 3 uint32
+flow.Flow IP 5 .flow.IP
+flow.Flow l4 6 .flow.Layer4
+flow.Flow source 8 .flow.Endpoint
+flow.Flow destination 9 .flow.Endpoint
+flow.Flow Type 10 .flow.FlowType
+flow.Flow node_name 11 string
+flow.Flow source_names 13 string
+flow.Flow destination_names 14 string
+flow.Flow l7 15 .flow.Layer7
+flow.Flow reply 16 bool
+flow.Flow event_type 19 .flow.CiliumEventType
+flow.Flow source_service 20 .flow.Service
+flow.Flow destination_service 21 .flow.Service
+flow.Flow traffic_direction 22 .flow.TrafficDirection
+flow.Flow policy_match_type 23 uint32
+flow.Flow trace_observation_point 24 .flow.TraceObservationPoint
+flow.Flow drop_reason_desc 25 .flow.DropReason
+flow.Flow is_reply 26 .google.protobuf.BoolValue
+flow.Flow egress_allowed_by 21001 .flow.Policy
+flow.Flow ingress_allowed_by 21002 .flow.Policy
+flow.Flow egress_denied_by 21004 .flow.Policy
+flow.Flow ingress_denied_by 21005 .flow.Policy
+flow.Flow Summary 100000 string
+flow.Layer4 TCP 1 .flow.TCP
+flow.Layer4 UDP 2 .flow.UDP
+flow.Layer4 ICMPv4 3 .flow.ICMPv4
+flow.Layer4 ICMPv6 4 .flow.ICMPv6
+flow.Layer4 SCTP 5 .flow.SCTP
+flow.Layer7 type 1 .flow.L7FlowType
+flow.Layer7 latency_ns 2 uint64
+flow.Layer7 dns 100 .flow.DNS
+flow.Layer7 http 101 .flow.HTTP
+flow.Endpoint ID 1 uint32
+flow.Endpoint identity 2 uint32
+flow.Endpoint namespace 3 string
+flow.Endpoint labels 4 string
+flow.Endpoint pod_name 5 string
+flow.Endpoint workloads 6 .flow.Workload
+flow.Workload name 1 string
+flow.Workload kind 2 string
+flow.TCP source_port 1 uint32
+flow.TCP destination_port 2 uint32
+flow.TCP flags 3 .flow.TCPFlags
+flow.IP source 1 string
+flow.IP destination 2 string
+flow.IP ipVersion 3 .flow.IPVersion
+flow.IP encrypted 4 bool
+flow.TCPFlags FIN 1 bool
+flow.TCPFlags SYN 2 bool
+flow.TCPFlags RST 3 bool
+flow.TCPFlags PSH 4 bool
+flow.TCPFlags ACK 5 bool
+flow.TCPFlags URG 6 bool
+flow.TCPFlags ECE 7 bool
+flow.TCPFlags CWR 8 bool
+flow.TCPFlags NS 9 bool
+flow.UDP source_port 1 uint32
+flow.UDP destination_port 2 uint32
+flow.SCTP source_port 1 uint32
+flow.SCTP destination_port 2 uint32
+flow.ICMPv4 type 1 uint32
+flow.ICMPv4 code 2 uint32
+flow.ICMPv6 type 1 uint32
+flow.ICMPv6 code 2 uint32
+flow.EventTypeFilter type 1 int32
+flow.EventTypeFilter match_sub_type 2 bool
+flow.EventTypeFilter sub_type 3 int32
+flow.CiliumEventType type 1 int32
+flow.CiliumEventType sub_type 2 int32
+flow.FlowFilter uuid 29 string
+flow.FlowFilter source_ip 1 string
+flow.FlowFilter source_pod 2 string
+flow.FlowFilter source_fqdn 7 string
+flow.FlowFilter source_label 10 string
+flow.FlowFilter source_service 16 string
+flow.FlowFilter source_workload 26 .flow.Workload
+flow.FlowFilter destination_ip 3 string
+flow.FlowFilter destination_pod 4 string
+flow.FlowFilter destination_fqdn 8 string
+flow.FlowFilter destination_label 11 string
+flow.FlowFilter destination_service 17 string
+flow.FlowFilter destination_workload 27 .flow.Workload
+flow.FlowFilter traffic_direction 30 .flow.TrafficDirection
+flow.FlowFilter verdict 5 .flow.Verdict
+flow.FlowFilter event_type 6 .flow.EventTypeFilter
+flow.FlowFilter http_status_code 9 string
+flow.FlowFilter protocol 12 string
+flow.FlowFilter source_port 13 string
+flow.FlowFilter destination_port 14 string
+flow.FlowFilter reply 15 bool
+flow.FlowFilter dns_query 18 string
+flow.FlowFilter source_identity 19 uint32
+flow.FlowFilter destination_identity 20 uint32
+flow.FlowFilter http_method 21 string
+flow.FlowFilter http_path 22 string
+flow.FlowFilter tcp_flags 23 .flow.TCPFlags
+flow.FlowFilter node_name 24 string
+flow.FlowFilter ip_version 25 .flow.IPVersion
+flow.FlowFilter trace_id 28 string
+flow.DNS query 1 string
+flow.DNS ips 2 string
+flow.DNS ttl 3 uint32
+flow.DNS cnames 4 string
+flow.DNS observation_source 5 string
+flow.DNS rcode 6 uint32
+flow.DNS qtypes 7 string
+flow.DNS rrtypes 8 string
+flow.HTTPHeader key 1 string
+flow.HTTPHeader value 2 string
+flow.HTTP code 1 uint32
+flow.HTTP method 2 string
+flow.HTTP url 3 string
+flow.HTTP protocol 4 string
+flow.HTTP headers 5 .flow.HTTPHeader
+flow.Service name 1 string
+flow.Service namespace 2 string
+flow.LostEvent source 1 .flow.LostEventSource
+flow.LostEvent num_events_lost 2 uint64
+flow.LostEvent cpu 3 .google.protobuf.Int32Value
+flow.Policy name 1 string
+flow.Policy namespace 2 string
+flow.Policy labels 3 string
+flow.Policy revision 4 uint64
+flow.Policy kind 5 string
+relay.NodeStatusEvent state_change 1 .relay.NodeState
+relay.NodeStatusEvent node_names 2 string
+relay.NodeStatusEvent message 3 string
+peer.ChangeNotification name 1 string
+peer.ChangeNotification address 2 string
+peer.ChangeNotification type 3 .peer.ChangeNotificationType
+peer.ChangeNotification tls 4 .peer.TLS
+peer.TLS server_name 1 string
+observer.ServerStatusResponse num_flows 1 uint64
+observer.ServerStatusResponse max_flows 2 uint64
+observer.ServerStatusResponse seen_flows 3 uint64
+observer.ServerStatusResponse uptime_ns 4 uint64
+observer.ServerStatusResponse num_connected_nodes 5 .google.protobuf.UInt32Value
+observer.ServerStatusResponse num_unavailable_nodes 6 .google.protobuf.UInt32Value
+observer.ServerStatusResponse unavailable_nodes 7 string
+observer.ServerStatusResponse version 8 string
+observer.GetFlowsRequest number 1 uint64
+observer.GetFlowsRequest first 9 bool
+observer.GetFlowsRequest follow 3 bool
+observer.GetFlowsRequest blacklist 5 .flow.FlowFilter
+observer.GetFlowsRequest whitelist 6 .flow.FlowFilter
+observer.GetFlowsRequest since 7 .google.protobuf.Timestamp
+observer.GetFlowsRequest until 8 .google.protobuf.Timestamp
+observer.GetFlowsResponse flow 1 .flow.Flow
+observer.GetFlowsResponse node_status 2 .relay.NodeStatusEvent
+observer.GetFlowsResponse lost_events 3 .flow.LostEvent
+observer.GetFlowsResponse node_name 1000 string
+observer.GetFlowsResponse time 1001 .google.protobuf.Timestamp
+observer.GetNodesResponse nodes 1 .observer.Node
+observer.Node name 1 string
+observer.Node version 2 string
+observer.Node address 3 string
+observer.Node state 4 .relay.NodeState
+observer.Node tls 5 .observer.TLS
+observer.Node uptime_ns 6 uint64
+observer.Node num_flows 7 uint64
+observer.Node max_flows 8 uint64
+observer.Node seen_flows 9 uint64
+observer.TLS enabled 1 bool
+observer.TLS server_name 2 string
+observer.GetNamespacesResponse namespaces 1 .observer.Namespace
+observer.Namespace cluster 1 string
+observer.Namespace namespace 2 string
+";
+
+/// Cilium's enum values of every enum `proto/` declares: `enum name number`.
+const CILIUM_ENUMS: &str = "
+flow.FlowType UNKNOWN_TYPE 0
+flow.FlowType L3_L4 1
+flow.FlowType L7 2
+flow.FlowType SOCK 3
+flow.TraceObservationPoint UNKNOWN_POINT 0
+flow.TraceObservationPoint TO_PROXY 1
+flow.TraceObservationPoint TO_HOST 2
+flow.TraceObservationPoint TO_STACK 3
+flow.TraceObservationPoint TO_OVERLAY 4
+flow.TraceObservationPoint TO_ENDPOINT 101
+flow.TraceObservationPoint FROM_ENDPOINT 5
+flow.TraceObservationPoint FROM_PROXY 6
+flow.TraceObservationPoint FROM_HOST 7
+flow.TraceObservationPoint FROM_STACK 8
+flow.TraceObservationPoint FROM_OVERLAY 9
+flow.TraceObservationPoint FROM_NETWORK 10
+flow.TraceObservationPoint TO_NETWORK 11
+flow.L7FlowType UNKNOWN_L7_TYPE 0
+flow.L7FlowType REQUEST 1
+flow.L7FlowType RESPONSE 2
+flow.L7FlowType SAMPLE 3
+flow.IPVersion IP_NOT_USED 0
+flow.IPVersion IPv4 1
+flow.IPVersion IPv6 2
+flow.Verdict VERDICT_UNKNOWN 0
+flow.Verdict FORWARDED 1
+flow.Verdict DROPPED 2
+flow.Verdict ERROR 3
+flow.Verdict AUDIT 4
+flow.Verdict REDIRECTED 5
+flow.Verdict TRACED 6
+flow.Verdict TRANSLATED 7
+flow.DropReason DROP_REASON_UNKNOWN 0
+flow.DropReason POLICY_DENIED 133
+flow.DropReason INVALID_PACKET_DROPPED 134
+flow.DropReason UNSUPPORTED_L3_PROTOCOL 139
+flow.DropReason NO_CONFIGURATION_AVAILABLE_TO_PERFORM_POLICY_DECISION 165
+flow.DropReason POLICY_DENY 181
+flow.TrafficDirection TRAFFIC_DIRECTION_UNKNOWN 0
+flow.TrafficDirection INGRESS 1
+flow.TrafficDirection EGRESS 2
+flow.LostEventSource UNKNOWN_LOST_EVENT_SOURCE 0
+flow.LostEventSource PERF_EVENT_RING_BUFFER 1
+flow.LostEventSource OBSERVER_EVENTS_QUEUE 2
+flow.LostEventSource HUBBLE_RING_BUFFER 3
+relay.NodeState UNKNOWN_NODE_STATE 0
+relay.NodeState NODE_CONNECTED 1
+relay.NodeState NODE_UNAVAILABLE 2
+relay.NodeState NODE_GONE 3
+relay.NodeState NODE_ERROR 4
+peer.ChangeNotificationType UNKNOWN 0
+peer.ChangeNotificationType PEER_ADDED 1
+peer.ChangeNotificationType PEER_DELETED 2
+peer.ChangeNotificationType PEER_UPDATED 3
+";
+
+/// `proto/` keeps Cilium's wire format: every field and enum value it declares has Cilium's
+/// number and type, and the services have Cilium's names, methods and streaming.
+#[test]
+fn the_protos_keep_ciliums_field_numbers() {
+    use prost_types::field_descriptor_proto::Type;
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("proto");
+    let files = [
+        "flow/flow.proto",
+        "relay/relay.proto",
+        "peer/peer.proto",
+        "observer/observer.proto",
+    ];
+    let set = protox::compile(files.map(|f| root.join(f)), [&root]).expect("proto/ parses");
+    let pinned: std::collections::BTreeSet<String> = CILIUM_FIELDS
+        .lines()
+        .filter(|l| !l.is_empty())
+        .map(String::from)
+        .collect();
+    let pinned_enums: std::collections::BTreeSet<String> = CILIUM_ENUMS
+        .lines()
+        .filter(|l| !l.is_empty())
+        .map(String::from)
+        .collect();
+    let (mut ours, mut our_enums, mut services) = (
+        std::collections::BTreeSet::new(),
+        std::collections::BTreeSet::new(),
+        Vec::new(),
+    );
+    for file in set.file.iter().filter(|f| files.contains(&f.name())) {
+        let pkg = file.package();
+        for m in &file.message_type {
+            for f in &m.field {
+                let ty = match f.r#type() {
+                    Type::Message | Type::Enum => f.type_name().to_string(),
+                    Type::String => "string".into(),
+                    Type::Bool => "bool".into(),
+                    Type::Uint32 => "uint32".into(),
+                    Type::Uint64 => "uint64".into(),
+                    Type::Int32 => "int32".into(),
+                    other => format!("{other:?}"),
+                };
+                ours.insert(format!(
+                    "{pkg}.{} {} {} {ty}",
+                    m.name(),
+                    f.name(),
+                    f.number()
+                ));
+            }
+        }
+        for e in &file.enum_type {
+            for v in &e.value {
+                our_enums.insert(format!("{pkg}.{} {} {}", e.name(), v.name(), v.number()));
+            }
+        }
+        for s in &file.service {
+            for m in &s.method {
+                services.push(format!(
+                    "{pkg}.{}/{} {} -> {}{}",
+                    s.name(),
+                    m.name(),
+                    m.input_type(),
+                    if m.server_streaming() { "stream " } else { "" },
+                    m.output_type()
+                ));
+            }
+        }
+    }
+    let not_ciliums: Vec<_> = ours.difference(&pinned).collect();
+    assert!(
+        not_ciliums.is_empty(),
+        "fields unlike Cilium's: {not_ciliums:#?}"
+    );
+    assert_eq!(ours, pinned, "the table pins every field of proto/");
+    assert_eq!(our_enums, pinned_enums);
+    services.sort();
+    assert_eq!(
+        services,
+        [
+            "observer.Observer/GetFlows .observer.GetFlowsRequest -> stream .observer.GetFlowsResponse",
+            "observer.Observer/GetNamespaces .observer.GetNamespacesRequest -> .observer.GetNamespacesResponse",
+            "observer.Observer/GetNodes .observer.GetNodesRequest -> .observer.GetNodesResponse",
+            "observer.Observer/ServerStatus .observer.ServerStatusRequest -> .observer.ServerStatusResponse",
+            "peer.Peer/Notify .peer.NotifyRequest -> stream .peer.ChangeNotification",
+        ]
+    );
+}
