@@ -67,6 +67,9 @@ fn hubble_protos() {
     let fds = protox::compile(PROTOS, ["proto"])
         .unwrap_or_else(|e| panic!("cannot parse Hubble's protos in proto/: {e}"));
     tonic_prost_build::configure()
+        // A response carries a flow of some hundred bytes: boxed, so that a response moves
+        // through the server's channel and buffers as a pointer.
+        .boxed(".observer.GetFlowsResponse.response_types.flow")
         .compile_fds(fds)
         .unwrap_or_else(|e| panic!("cannot generate Hubble's API from proto/: {e}"));
     println!("cargo:rerun-if-changed=proto");

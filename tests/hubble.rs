@@ -59,7 +59,7 @@ async fn flows(c: &mut ObserverClient<Channel>, req: opb::GetFlowsRequest) -> Ve
                 r.node_name, f.node_name,
                 "the response names the flow's node"
             );
-            out.push(f);
+            out.push(*f);
         }
     }
     out
@@ -810,7 +810,7 @@ fn the_relay_serves_the_clusters_flows_and_survives_an_agent_going_away() {
             let flows: Vec<(String, fpb::Flow)> = got
                 .into_iter()
                 .filter_map(|r| match r.response_types {
-                    Some(opb::get_flows_response::ResponseTypes::Flow(f)) => Some((r.node_name, f)),
+                    Some(opb::get_flows_response::ResponseTypes::Flow(f)) => Some((r.node_name, *f)),
                     _ => None,
                 })
                 .collect();

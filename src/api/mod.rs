@@ -237,7 +237,7 @@ async fn debug_flows(st: web::Data<AppState>, q: web::Query<MonitorQuery>) -> Ht
 #[derive(Serialize)]
 struct FlowView {
     #[serde(flatten)]
-    flow: crate::datapath::events::VerdictEvent,
+    flow: crate::datapath::flows::Flow,
     why: Option<String>,
 }
 

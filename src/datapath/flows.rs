@@ -2,21 +2,25 @@
 //! ring (the oldest go first, as Hubble's ring does), and the live broadcast `ciliate monitor`
 //! follows. `ciliate monitor --since 5m` reads the ring, then follows the broadcast, with no
 //! event shown twice and none missed between the two: publishing and subscribing take the same
-//! lock.
+//! lock. Each event is kept once, behind an `Arc`: the ring, the broadcast and every reader
+//! share it, so a reader copies pointers under the lock, never events.
 
 use std::collections::VecDeque;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use tokio::sync::broadcast;
 
 use super::events::{FlowFilter, VerdictEvent};
+
+/// A kept event, shared by the ring, the broadcast and the readers.
+pub type Flow = Arc<VerdictEvent>;
 
 /// Flows kept when `--flow-buffer-capacity` is not given.
 pub const DEFAULT_CAPACITY: usize = 16_384;
 
 pub struct FlowRing {
     ring: Mutex<Ring>,
-    live: broadcast::Sender<VerdictEvent>,
+    live: broadcast::Sender<Flow>,
     /// Events published since the ring was made (Hubble's `seen_flows`).
     seen: std::sync::atomic::AtomicU64,
 }
@@ -24,7 +28,7 @@ pub struct FlowRing {
 struct Ring {
     capacity: usize,
     /// (received at, unix milliseconds; the event), oldest first: times never go down.
-    flows: VecDeque<(u64, VerdictEvent)>,
+    flows: VecDeque<(u64, Flow)>,
 }
 
 fn now_ms() -> u64 {
@@ -61,6 +65,7 @@ impl FlowRing {
     fn publish_at(&self, at_ms: u64, mut ev: VerdictEvent) {
         ev.time = chrono::DateTime::from_timestamp_millis(at_ms as i64)
             .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true));
+        let ev = Arc::new(ev);
         let mut ring = self.lock();
         self.seen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if ring.capacity > 0 {
@@ -75,12 +80,12 @@ impl FlowRing {
 
     /// The kept flows received at or after `since_ms` (unix milliseconds) that `filter`
     /// accepts, oldest first.
-    pub fn query(&self, since_ms: u64, filter: &FlowFilter) -> Vec<VerdictEvent> {
+    pub fn query(&self, since_ms: u64, filter: &FlowFilter) -> Vec<Flow> {
         let ring = self.lock();
         Self::select(&ring, since_ms, filter)
     }
 
-    fn select(ring: &Ring, since_ms: u64, filter: &FlowFilter) -> Vec<VerdictEvent> {
+    fn select(ring: &Ring, since_ms: u64, filter: &FlowFilter) -> Vec<Flow> {
         let first = ring.flows.partition_point(|(t, _)| *t < since_ms);
         ring.flows
             .range(first..)
@@ -94,7 +99,7 @@ impl FlowRing {
         &self,
         since_ms: u64,
         filter: &FlowFilter,
-    ) -> (Vec<VerdictEvent>, broadcast::Receiver<VerdictEvent>) {
+    ) -> (Vec<Flow>, broadcast::Receiver<Flow>) {
         let ring = self.lock();
         let rx = self.live.subscribe();
         (Self::select(&ring, since_ms, filter), rx)
@@ -102,10 +107,7 @@ impl FlowRing {
 
     /// Every kept event received at or after `since_ms`, oldest first, and a subscription to
     /// every event published after them (Hubble's `GetFlows`, which filters on its own terms).
-    pub fn follow_all(
-        &self,
-        since_ms: u64,
-    ) -> (Vec<VerdictEvent>, broadcast::Receiver<VerdictEvent>) {
+    pub fn follow_all(&self, since_ms: u64) -> (Vec<Flow>, broadcast::Receiver<Flow>) {
         let ring = self.lock();
         let rx = self.live.subscribe();
         let first = ring.flows.partition_point(|(t, _)| *t < since_ms);
@@ -137,7 +139,7 @@ impl FlowRing {
     }
 
     /// A subscription to the live events only.
-    pub fn subscribe(&self) -> broadcast::Receiver<VerdictEvent> {
+    pub fn subscribe(&self) -> broadcast::Receiver<Flow> {
         self.live.subscribe()
     }
 
@@ -198,7 +200,7 @@ mod tests {
             ring.publish_at(t, flow(port, "dropped"));
         }
         assert_eq!(ring.len(), 3, "the oldest went");
-        let ports = |v: Vec<VerdictEvent>| v.iter().map(|e| e.port).collect::<Vec<_>>();
+        let ports = |v: Vec<Flow>| v.iter().map(|e| e.port).collect::<Vec<_>>();
         assert_eq!(ports(ring.query(0, &FlowFilter::default())), [2, 3, 4]);
         assert_eq!(ports(ring.query(3_000, &FlowFilter::default())), [3, 4]);
         let port4 = FlowFilter {

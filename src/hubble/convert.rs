@@ -181,7 +181,10 @@ fn side(
 /// 8: derived by the agent, not random).
 fn uuid(ev: &VerdictEvent, node: &str) -> String {
     let half = |salt: u8| {
-        let mut h = std::collections::hash_map::DefaultHasher::new();
+        // A fixed seed: the same flow has the same id in every process and every call.
+        let mut h = std::hash::BuildHasher::build_hasher(&foldhash::fast::FixedState::with_seed(
+            0x0c11_1a7e,
+        ));
         (
             salt,
             node,

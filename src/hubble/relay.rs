@@ -29,6 +29,9 @@ use super::proto::{observer as opb, peer as ppb, relay as rpb};
 const CALL_TIMEOUT: Duration = Duration::from_secs(3);
 /// How long a lost peer or Peer service waits before it is tried again.
 const RETRY: Duration = Duration::from_secs(1);
+/// The HTTP/2 receive window the relay gives each stream and connection to an agent: a node's
+/// history (thousands of flows) flows without waiting on window updates every 64 KiB.
+pub const WINDOW_BYTES: u32 = 4 << 20;
 /// Followed flows are sorted by time within windows of this length.
 const WINDOW: Duration = Duration::from_millis(100);
 
@@ -108,7 +111,8 @@ pub fn channel(
 ) -> Result<Channel, String> {
     if let Some(path) = address.strip_prefix("unix://") {
         let path = std::path::PathBuf::from(path);
-        let ep = Endpoint::from_static("http://hubble.local").connect_timeout(CALL_TIMEOUT);
+        let ep =
+            windows(Endpoint::from_static("http://hubble.local")).connect_timeout(CALL_TIMEOUT);
         return Ok(ep.connect_with_connector_lazy(tower::service_fn(
             move |_: tonic::transport::Uri| {
                 let path = path.clone();
@@ -120,14 +124,21 @@ pub fn channel(
         )));
     }
     let scheme = if tls.is_some() { "https" } else { "http" };
-    let mut ep = Endpoint::from_shared(format!("{scheme}://{address}"))
-        .map_err(|e| format!("{address:?}: {e}"))?;
+    let mut ep = windows(
+        Endpoint::from_shared(format!("{scheme}://{address}"))
+            .map_err(|e| format!("{address:?}: {e}"))?,
+    );
     if let Some(tls) = tls {
         ep = ep
             .tls_config(tls)
             .map_err(|e| format!("{address:?}: {e}"))?;
     }
     Ok(ep.connect_timeout(CALL_TIMEOUT).connect_lazy())
+}
+
+fn windows(ep: Endpoint) -> Endpoint {
+    ep.initial_stream_window_size(Some(WINDOW_BYTES))
+        .initial_connection_window_size(Some(WINDOW_BYTES))
 }
 
 #[derive(Clone)]
