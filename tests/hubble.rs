@@ -360,6 +360,43 @@ fn the_observer_serves_the_agents_flows_as_hubble_does() {
         }
         std::mem::drop(stream);
 
+        // A client holds at most MAX_STREAMS streams of the agent; a place frees when its
+        // stream's client goes.
+        let max = ciliate::hubble::server::MAX_STREAMS;
+        let follow_all = || opb::GetFlowsRequest {
+            follow: true,
+            ..Default::default()
+        };
+        let mut held = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while held.len() < max {
+            match tcp.get_flows(follow_all()).await {
+                Ok(s) => held.push(s.into_inner()),
+                // The place of the stream dropped above may not be free yet.
+                Err(e) if Instant::now() < deadline => {
+                    assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => panic!("stream {} of {max}: {e}", held.len() + 1),
+            }
+        }
+        let err = tcp.get_flows(follow_all()).await.unwrap_err();
+        assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err}");
+        held.pop();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let again = loop {
+            match tcp.get_flows(follow_all()).await {
+                Ok(s) => break s,
+                Err(_) if Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(50)).await
+                }
+                Err(e) => panic!("a freed place is not taken again: {e}"),
+            }
+        };
+        std::mem::drop((held, again));
+        // (Their places free as the agent sees the streams reset.)
+        tokio::time::sleep(Duration::from_millis(300)).await;
+
         // Status, nodes, namespaces.
         let st = tcp
             .server_status(opb::ServerStatusRequest {})
@@ -810,7 +847,9 @@ fn the_relay_serves_the_clusters_flows_and_survives_an_agent_going_away() {
             let flows: Vec<(String, fpb::Flow)> = got
                 .into_iter()
                 .filter_map(|r| match r.response_types {
-                    Some(opb::get_flows_response::ResponseTypes::Flow(f)) => Some((r.node_name, *f)),
+                    Some(opb::get_flows_response::ResponseTypes::Flow(f)) => {
+                        Some((r.node_name, *f))
+                    }
                     _ => None,
                 })
                 .collect();

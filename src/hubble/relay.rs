@@ -155,6 +155,8 @@ pub struct Relay {
     changed: watch::Sender<u64>,
     started: Instant,
     tls: Option<ClientTls>,
+    /// Places of the streams served at once (`server::MAX_STREAMS`).
+    streams: Arc<tokio::sync::Semaphore>,
 }
 
 impl Relay {
@@ -165,6 +167,7 @@ impl Relay {
             changed: watch::channel(0).0,
             started: Instant::now(),
             tls,
+            streams: Arc::new(tokio::sync::Semaphore::new(super::server::MAX_STREAMS)),
         }
     }
 
@@ -491,12 +494,20 @@ impl opb::observer_server::Observer for Relay {
         let req = req.into_inner();
         // Filters are checked by every node; the relay refuses what none could answer.
         super::server::Plan::new(&req).map_err(Status::invalid_argument)?;
+        let place = self.streams.clone().try_acquire_owned().map_err(|_| {
+            let max = super::server::MAX_STREAMS;
+            Status::resource_exhausted(format!("at most {max} streams at once"))
+        })?;
         let (tx, rx) = mpsc::channel(256);
-        if req.follow {
-            tokio::spawn(follow(self.clone(), req, tx));
-        } else {
-            tokio::spawn(history(self.clone(), req, tx));
-        }
+        let relay = self.clone();
+        tokio::spawn(async move {
+            if req.follow {
+                follow(relay, req, tx).await;
+            } else {
+                history(relay, req, tx).await;
+            }
+            drop(place);
+        });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 

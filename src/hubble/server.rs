@@ -147,15 +147,30 @@ impl Plan {
     }
 }
 
-/// The Observer and Peer services.
+/// Streams (`GetFlows`, `Notify`) one agent serves at once; one more is refused with
+/// RESOURCE_EXHAUSTED. Each holds at most 256 responses and a place in the live broadcast, so
+/// this bounds what clients can make the agent hold.
+pub const MAX_STREAMS: usize = 64;
+
+/// The Observer and Peer services, and the places of the streams they serve.
 #[derive(Clone)]
-pub struct Hubble(Arc<Sources>);
+pub struct Hubble(Arc<Sources>, Arc<tokio::sync::Semaphore>);
 
 type Stream<T> = Pin<Box<dyn tokio_stream::Stream<Item = Result<T, Status>> + Send>>;
 
 impl Hubble {
     pub fn new(sources: Sources) -> Hubble {
-        Hubble(Arc::new(sources))
+        Hubble(
+            Arc::new(sources),
+            Arc::new(tokio::sync::Semaphore::new(MAX_STREAMS)),
+        )
+    }
+
+    /// A place for one more stream, held until the stream ends.
+    fn stream_place(&self) -> Result<tokio::sync::OwnedSemaphorePermit, Status> {
+        self.1.clone().try_acquire_owned().map_err(|_| {
+            Status::resource_exhausted(format!("at most {MAX_STREAMS} streams at once"))
+        })
     }
 
     fn response(&self, ev: &VerdictEvent) -> opb::GetFlowsResponse {
@@ -242,7 +257,12 @@ async fn stream_flows(
         return;
     }
     loop {
-        let r = match live.recv().await {
+        let next = tokio::select! {
+            next = live.recv() => next,
+            // A client that went away frees its place now, not at the next flow.
+            _ = tx.closed() => return,
+        };
+        let r = match next {
             Ok(ev) => match hubble.wanted(&plan, &ev) {
                 Some(r) => r,
                 None if past(&plan, &ev) => return,
@@ -287,9 +307,14 @@ impl opb::observer_server::Observer for Hubble {
         req: Request<opb::GetFlowsRequest>,
     ) -> Result<Response<Self::GetFlowsStream>, Status> {
         let plan = Plan::new(req.get_ref()).map_err(Status::invalid_argument)?;
+        let place = self.stream_place()?;
         let (kept, live) = self.0.flows.follow_all(plan.since_ms.unwrap_or(0));
         let (tx, rx) = mpsc::channel(256);
-        tokio::spawn(stream_flows(self.clone(), plan, kept, live, tx));
+        let hubble = self.clone();
+        tokio::spawn(async move {
+            stream_flows(hubble, plan, kept, live, tx).await;
+            drop(place);
+        });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
@@ -422,8 +447,13 @@ impl ppb::peer_server::Peer for Hubble {
         &self,
         _: Request<ppb::NotifyRequest>,
     ) -> Result<Response<Self::NotifyStream>, Status> {
+        let place = self.stream_place()?;
         let (tx, rx) = mpsc::channel(64);
-        tokio::spawn(notify_peers(self.clone(), self.0.nodes.clone(), tx));
+        let (hubble, nodes) = (self.clone(), self.0.nodes.clone());
+        tokio::spawn(async move {
+            notify_peers(hubble, nodes, tx).await;
+            drop(place);
+        });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 }
