@@ -156,7 +156,7 @@ pub struct Relay {
     started: Instant,
     tls: Option<ClientTls>,
     /// Places of the streams served at once (`server::MAX_STREAMS`).
-    streams: Arc<tokio::sync::Semaphore>,
+    streams: super::server::StreamPlaces,
 }
 
 impl Relay {
@@ -167,7 +167,7 @@ impl Relay {
             changed: watch::channel(0).0,
             started: Instant::now(),
             tls,
-            streams: Arc::new(tokio::sync::Semaphore::new(super::server::MAX_STREAMS)),
+            streams: Default::default(),
         }
     }
 
@@ -494,10 +494,7 @@ impl opb::observer_server::Observer for Relay {
         let req = req.into_inner();
         // Filters are checked by every node; the relay refuses what none could answer.
         super::server::Plan::new(&req).map_err(Status::invalid_argument)?;
-        let place = self.streams.clone().try_acquire_owned().map_err(|_| {
-            let max = super::server::MAX_STREAMS;
-            Status::resource_exhausted(format!("at most {max} streams at once"))
-        })?;
+        let place = self.streams.take()?;
         let (tx, rx) = mpsc::channel(256);
         let relay = self.clone();
         tokio::spawn(async move {

@@ -152,25 +152,34 @@ impl Plan {
 /// this bounds what clients can make the agent hold.
 pub const MAX_STREAMS: usize = 64;
 
+/// The places of the streams one server (an agent, the relay) serves at once.
+#[derive(Clone)]
+pub struct StreamPlaces(Arc<tokio::sync::Semaphore>);
+
+impl Default for StreamPlaces {
+    fn default() -> Self {
+        StreamPlaces(Arc::new(tokio::sync::Semaphore::new(MAX_STREAMS)))
+    }
+}
+
+impl StreamPlaces {
+    /// A place for one more stream, held until the stream ends.
+    pub fn take(&self) -> Result<tokio::sync::OwnedSemaphorePermit, Status> {
+        self.0.clone().try_acquire_owned().map_err(|_| {
+            Status::resource_exhausted(format!("at most {MAX_STREAMS} streams at once"))
+        })
+    }
+}
+
 /// The Observer and Peer services, and the places of the streams they serve.
 #[derive(Clone)]
-pub struct Hubble(Arc<Sources>, Arc<tokio::sync::Semaphore>);
+pub struct Hubble(Arc<Sources>, StreamPlaces);
 
 type Stream<T> = Pin<Box<dyn tokio_stream::Stream<Item = Result<T, Status>> + Send>>;
 
 impl Hubble {
     pub fn new(sources: Sources) -> Hubble {
-        Hubble(
-            Arc::new(sources),
-            Arc::new(tokio::sync::Semaphore::new(MAX_STREAMS)),
-        )
-    }
-
-    /// A place for one more stream, held until the stream ends.
-    fn stream_place(&self) -> Result<tokio::sync::OwnedSemaphorePermit, Status> {
-        self.1.clone().try_acquire_owned().map_err(|_| {
-            Status::resource_exhausted(format!("at most {MAX_STREAMS} streams at once"))
-        })
+        Hubble(Arc::new(sources), StreamPlaces::default())
     }
 
     fn response(&self, ev: &VerdictEvent) -> opb::GetFlowsResponse {
@@ -307,7 +316,7 @@ impl opb::observer_server::Observer for Hubble {
         req: Request<opb::GetFlowsRequest>,
     ) -> Result<Response<Self::GetFlowsStream>, Status> {
         let plan = Plan::new(req.get_ref()).map_err(Status::invalid_argument)?;
-        let place = self.stream_place()?;
+        let place = self.1.take()?;
         let (kept, live) = self.0.flows.follow_all(plan.since_ms.unwrap_or(0));
         let (tx, rx) = mpsc::channel(256);
         let hubble = self.clone();
@@ -447,7 +456,7 @@ impl ppb::peer_server::Peer for Hubble {
         &self,
         _: Request<ppb::NotifyRequest>,
     ) -> Result<Response<Self::NotifyStream>, Status> {
-        let place = self.stream_place()?;
+        let place = self.1.take()?;
         let (tx, rx) = mpsc::channel(64);
         let (hubble, nodes) = (self.clone(), self.0.nodes.clone());
         tokio::spawn(async move {
