@@ -152,24 +152,45 @@ impl VerdictEvent {
     /// ...`, `default deny: selected by ... (none allows the peer)`, `no policy selects the
     /// endpoint`.
     pub fn why(&self) -> Option<String> {
-        let names = || {
-            self.policies
-                .iter()
-                .map(|p| p.named())
-                .collect::<Vec<_>>()
-                .join(", ")
+        let mut out = String::new();
+        self.write_why(&mut out).then_some(out)
+    }
+
+    /// `why` appended to `out` (false, and nothing appended, when there is nothing to say).
+    pub fn write_why(&self, out: &mut String) -> bool {
+        let names = |out: &mut String| {
+            for (i, p) in self.policies.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                p.write_named(out);
+            }
         };
-        match self.match_kind.as_deref()? {
-            "no-policy" => Some("no policy selects the endpoint".into()),
-            "default-deny" if self.policies.is_empty() => Some("default deny".into()),
-            "default-deny" => Some(format!(
-                "default deny: selected by {} (none allows the peer)",
-                names()
-            )),
-            "deny-rule" => Some(format!("denied by {}", names())),
-            _ if self.policies.is_empty() => None,
-            m => Some(format!("allowed by {} ({m})", names())),
+        let Some(m) = self.match_kind.as_deref() else {
+            return false;
+        };
+        match m {
+            "no-policy" => out.push_str("no policy selects the endpoint"),
+            "default-deny" if self.policies.is_empty() => out.push_str("default deny"),
+            "default-deny" => {
+                out.push_str("default deny: selected by ");
+                names(out);
+                out.push_str(" (none allows the peer)");
+            }
+            "deny-rule" => {
+                out.push_str("denied by ");
+                names(out);
+            }
+            _ if self.policies.is_empty() => return false,
+            m => {
+                out.push_str("allowed by ");
+                names(out);
+                out.push_str(" (");
+                out.push_str(m);
+                out.push(')');
+            }
         }
+        true
     }
 
     /// Names the pods behind the source and destination addresses.

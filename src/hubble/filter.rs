@@ -52,6 +52,17 @@ impl Filters {
         })
     }
 
+    /// Whether a flow of this verdict can pass at all (false: every whitelist filter asks
+    /// for other verdicts), known before the flow is converted: what `hubble observe
+    /// --verdict DROPPED` skips without converting the rest.
+    pub fn may_accept_verdict(&self, verdict: i32) -> bool {
+        self.allow.is_empty()
+            || self
+                .allow
+                .iter()
+                .any(|c| !c.never && (c.verdicts.is_empty() || c.verdicts.contains(&verdict)))
+    }
+
     pub fn accepts(&self, f: &pb::Flow) -> bool {
         (self.allow.is_empty() || self.allow.iter().any(|c| c.matches(f)))
             && !self.deny.iter().any(|c| c.matches(f))
@@ -581,6 +592,38 @@ mod tests {
 
     fn accepts(w: pb::FlowFilter) -> bool {
         Filters::new(&[w], &[]).unwrap().accepts(&flow())
+    }
+
+    #[test]
+    fn the_verdict_precheck_refuses_only_what_the_filters_refuse() {
+        let (dropped, forwarded) = (pb::Verdict::Dropped as i32, pb::Verdict::Forwarded as i32);
+        let by = |verdicts: Vec<i32>| pb::FlowFilter {
+            verdict: verdicts,
+            ..Default::default()
+        };
+        let cases = [
+            (vec![], vec![], true),
+            (vec![by(vec![dropped])], vec![], true),
+            (vec![by(vec![forwarded])], vec![], false),
+            (vec![by(vec![forwarded]), by(vec![])], vec![], true),
+            (vec![by(vec![forwarded, dropped])], vec![], true),
+            // A blacklist is checked on the converted flow; it never skips conversion.
+            (vec![], vec![by(vec![dropped])], true),
+        ];
+        for (white, black, may) in cases {
+            let filters = Filters::new(&white, &black).unwrap();
+            assert_eq!(
+                filters.may_accept_verdict(dropped),
+                may,
+                "{white:?} {black:?}"
+            );
+            if !may {
+                assert!(
+                    !filters.accepts(&flow()),
+                    "refused before and after conversion"
+                );
+            }
+        }
     }
 
     #[test]

@@ -182,7 +182,7 @@ impl Hubble {
         Hubble(Arc::new(sources), StreamPlaces::default())
     }
 
-    fn response(&self, ev: &VerdictEvent) -> opb::GetFlowsResponse {
+    fn response(&self, ev: &VerdictEvent, lookup: &dyn Lookup) -> opb::GetFlowsResponse {
         let s = &self.0;
         let (kind, time) = match ev.lost {
             Some(n) => (
@@ -194,7 +194,7 @@ impl Hubble {
                 convert::received(ev),
             ),
             None => {
-                let flow = convert::to_flow(ev, &s.node, s.lookup.as_ref());
+                let flow = convert::to_flow(ev, &s.node, lookup);
                 let time = flow.time;
                 (
                     opb::get_flows_response::ResponseTypes::Flow(Box::new(flow)),
@@ -210,8 +210,16 @@ impl Hubble {
     }
 
     /// The response for `ev` if the plan wants it (a loss report always passes).
-    fn wanted(&self, plan: &Plan, ev: &VerdictEvent) -> Option<opb::GetFlowsResponse> {
-        let r = self.response(ev);
+    fn wanted(
+        &self,
+        plan: &Plan,
+        ev: &VerdictEvent,
+        lookup: &dyn Lookup,
+    ) -> Option<opb::GetFlowsResponse> {
+        if ev.lost.is_none() && !plan.filters.may_accept_verdict(convert::verdict(ev) as i32) {
+            return None;
+        }
+        let r = self.response(ev, lookup);
         match &r.response_types {
             Some(opb::get_flows_response::ResponseTypes::Flow(f)) => {
                 (plan.in_time(f.time.as_ref()) && plan.filters.accepts(f)).then_some(r)
@@ -248,23 +256,20 @@ pub fn server_name(node: &str) -> String {
     format!("{node}.default.hubble-grpc.cilium.io")
 }
 
-/// Sends the picked history, then (following) every new flow that passes, until the client
-/// goes or `until` is passed.
-async fn stream_flows(
+/// The picked history's responses, converted with the agent's state read once per identity and
+/// address.
+fn history(hubble: &Hubble, plan: &Plan, kept: &[Flow]) -> Vec<opb::GetFlowsResponse> {
+    let memo = convert::Memo::new(hubble.0.lookup.as_ref());
+    plan.pick(kept, |e| hubble.wanted(plan, e, &memo))
+}
+
+/// Sends every new flow that passes, until the client goes or `until` is passed.
+async fn follow_flows(
     hubble: Hubble,
     plan: Plan,
-    kept: Vec<Flow>,
     mut live: broadcast::Receiver<Flow>,
     tx: mpsc::Sender<Result<opb::GetFlowsResponse, Status>>,
 ) {
-    for r in plan.pick(&kept, |e| hubble.wanted(&plan, e)) {
-        if tx.send(Ok(r)).await.is_err() {
-            return;
-        }
-    }
-    if !plan.follow {
-        return;
-    }
     loop {
         let next = tokio::select! {
             next = live.recv() => next,
@@ -272,7 +277,7 @@ async fn stream_flows(
             _ = tx.closed() => return,
         };
         let r = match next {
-            Ok(ev) => match hubble.wanted(&plan, &ev) {
+            Ok(ev) => match hubble.wanted(&plan, &ev, hubble.0.lookup.as_ref()) {
                 Some(r) => r,
                 None if past(&plan, &ev) => return,
                 None => continue,
@@ -318,13 +323,25 @@ impl opb::observer_server::Observer for Hubble {
         let plan = Plan::new(req.get_ref()).map_err(Status::invalid_argument)?;
         let place = self.1.take()?;
         let (kept, live) = self.0.flows.follow_all(plan.since_ms.unwrap_or(0));
+        // The history goes out as a stream of its own (no task, no channel per response).
+        let history = tokio_stream::iter(history(self, &plan, &kept).into_iter().map(Ok));
+        drop(kept);
+        if !plan.follow {
+            // The place is held until the client has the history or goes.
+            let held = tokio_stream::StreamExt::map(history, move |r| {
+                let _ = &place;
+                r
+            });
+            return Ok(Response::new(Box::pin(held)));
+        }
         let (tx, rx) = mpsc::channel(256);
         let hubble = self.clone();
         tokio::spawn(async move {
-            stream_flows(hubble, plan, kept, live, tx).await;
+            follow_flows(hubble, plan, live, tx).await;
             drop(place);
         });
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        let flows = tokio_stream::StreamExt::chain(history, ReceiverStream::new(rx));
+        Ok(Response::new(Box::pin(flows)))
     }
 
     async fn get_nodes(

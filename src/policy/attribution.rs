@@ -158,15 +158,26 @@ impl PolicyRef {
     /// `Kind ns/name[rule]`, as verdicts name rules everywhere (`RuleOrigin::describe`), with
     /// ` http[i]` in L7 flows.
     pub fn named(&self) -> String {
-        let rule = crate::policy::rule::rule_name(
-            &self.kind,
-            self.namespace.as_deref(),
-            &self.name,
-            self.rule,
-        );
-        match self.http {
-            Some(h) => format!("{rule} http[{h}]"),
-            None => rule,
+        let mut out = String::new();
+        self.write_named(&mut out);
+        out
+    }
+
+    /// `named` appended to `out`.
+    pub fn write_named(&self, out: &mut String) {
+        use std::fmt::Write;
+        out.push_str(&self.kind);
+        out.push(' ');
+        if let Some(ns) = &self.namespace {
+            out.push_str(ns);
+            out.push('/');
+        }
+        out.push_str(&self.name);
+        if let Some(r) = self.rule {
+            let _ = write!(out, "[{r}]");
+        }
+        if let Some(h) = self.http {
+            let _ = write!(out, " http[{h}]");
         }
     }
 
