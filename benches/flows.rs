@@ -18,71 +18,22 @@
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-use std::net::IpAddr;
 use std::sync::Arc;
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
 
-use ciliate::datapath::events::{verdict_event, FlowFilter, VerdictEvent};
-use ciliate::datapath::flows::FlowRing;
+use ciliate::datapath::events::FlowFilter;
 use ciliate::hubble::proto::{flow as fpb, observer as opb};
-use ciliate::policy::attribution::{isolation_cookie, CookieJar, MatchKind, PolicyHits};
-use ciliate::policy::rule::{PolicyKey, PolicyKind};
-use ciliate::runtime::FlowSink;
 use opb::observer_client::ObserverClient;
+
+#[path = "shared/flows.rs"]
+mod shared;
+use shared::{event, new_sink, observer, serve_hubble};
 
 const RING: usize = 100_000;
 
-fn addr(i: u32) -> [u8; 16] {
-    let mut a = [0u8; 16];
-    a[..4].copy_from_slice(&[10, 1, (i >> 8) as u8, i as u8]);
-    a
-}
-
-/// The i-th of a varied stream: 250 sources, 250 destinations, ports, 1 in 4 dropped.
-fn event(i: u32, cookie: u32) -> VerdictEvent {
-    let reason = if i.is_multiple_of(4) {
-        "drop-default-deny"
-    } else {
-        "allow-policy"
-    };
-    verdict_event(
-        u64::from(i),
-        1 + i % 50,
-        256 + i % 100,
-        i.is_multiple_of(2),
-        6,
-        8000 + (i % 20) as u16,
-        reason,
-        4,
-        addr(i % 250),
-        addr(1000 + i % 250),
-        cookie,
-    )
-}
-
-fn new_sink() -> (FlowSink, u32) {
-    let cookies = Arc::new(CookieJar::default());
-    let p = Arc::new(PolicyKey::new(PolicyKind::NetworkPolicy, Some("x"), "deny"));
-    let (cookie, refs) = isolation_cookie(&[p]);
-    cookies.register(cookie, MatchKind::DefaultDeny, refs, 7);
-    let pod_names = Arc::new(dashmap::DashMap::new());
-    for i in 0..250u32 {
-        let a = addr(i);
-        pod_names.insert(IpAddr::from([a[0], a[1], a[2], a[3]]), format!("x/pod-{i}"));
-    }
-    let sink = FlowSink {
-        cookies,
-        pod_names,
-        policy_hits: Arc::new(PolicyHits::default()),
-        metrics: Arc::new(ciliate::metrics::Metrics::new()),
-        flows: Arc::new(FlowRing::new(RING, 4096)),
-    };
-    (sink, cookie)
-}
-
 fn bench_flows(c: &mut Criterion) {
-    let (sink, cookie) = new_sink();
+    let (sink, cookie) = new_sink(RING);
     // A live subscriber, as a running `ciliate monitor` would be (drained as it goes).
     let mut live = sink.flows.subscribe();
     let mut i = 0u32;
@@ -94,7 +45,7 @@ fn bench_flows(c: &mut Criterion) {
         })
     });
 
-    let (sink, cookie) = new_sink();
+    let (sink, cookie) = new_sink(RING);
     for i in 0..RING as u32 {
         sink.consume(event(i, cookie));
     }
@@ -110,50 +61,6 @@ fn bench_flows(c: &mut Criterion) {
     c.bench_function("flow_query_100k", |b| {
         b.iter(|| black_box(sink.flows.query(black_box(0), &filter)))
     });
-}
-
-/// The client's HTTP/2 receive window (the relay's; grpc-go's clients, the hubble CLI among
-/// them, grow theirs to the bandwidth-delay product).
-const WINDOW: u32 = ciliate::hubble::relay::WINDOW_BYTES;
-
-/// The agent's Hubble server over `flows`, on a socket in `dir`, and a client of it.
-fn hubble(
-    rt: &tokio::runtime::Runtime,
-    dir: &std::path::Path,
-    flows: Arc<FlowRing>,
-) -> ObserverClient<tonic::transport::Channel> {
-    use ciliate::hubble::server as hs;
-    let engine = Arc::new(std::sync::RwLock::new(
-        ciliate::policy::engine::PolicyEngine::new(),
-    ));
-    let sources = hs::Sources {
-        node: "node-1".into(),
-        flows,
-        lookup: Arc::new(hs::EngineLookup(engine)),
-        nodes: tokio::sync::watch::channel(Default::default()).1,
-        started: std::time::Instant::now(),
-        port: 4244,
-        local_address: String::new(),
-        tls: false,
-    };
-    let listeners = hs::bind(dir, &hs::HubbleConfig::default()).expect("hubble.sock");
-    let socket = listeners.socket.clone();
-    hs::spawn(hs::Hubble::new(sources), listeners).expect("the Hubble thread");
-    rt.block_on(async move {
-        let ch = tonic::transport::Endpoint::from_static("http://hubble.local")
-            .initial_stream_window_size(Some(WINDOW))
-            .initial_connection_window_size(Some(WINDOW))
-            .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
-                let socket = socket.clone();
-                async move {
-                    let s = tokio::net::UnixStream::connect(socket).await?;
-                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(s))
-                }
-            }))
-            .await
-            .expect("connect to hubble.sock");
-        ObserverClient::new(ch)
-    })
 }
 
 /// Flows of one `GetFlows` that does not follow.
@@ -181,11 +88,12 @@ fn bench_hubble(c: &mut Criterion) {
         .build()
         .unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let (sink, cookie) = new_sink();
+    let (sink, cookie) = new_sink(RING);
     for i in 0..RING as u32 {
         sink.consume(event(i, cookie));
     }
-    let mut client = hubble(&rt, dir.path(), sink.flows.clone());
+    let socket = serve_hubble(dir.path(), "node-1", sink.flows.clone());
+    let mut client = rt.block_on(async { observer(&format!("unix://{}", socket.display())) });
     let last_10k = opb::GetFlowsRequest {
         number: 10_000,
         whitelist: vec![fpb::FlowFilter {
