@@ -91,10 +91,10 @@ impl Seen {
                 self.per_node[node.expect("a node's name")] += 1;
             }
             Some(ResponseTypes::LostEvents(l)) => self.lost += l.num_events_lost,
-            Some(ResponseTypes::NodeStatus(s)) => {
-                if s.state_change == rpb::NodeState::NodeConnected as i32 {
-                    self.connected.extend(s.node_names);
-                }
+            Some(ResponseTypes::NodeStatus(s))
+                if s.state_change == rpb::NodeState::NodeConnected as i32 =>
+            {
+                self.connected.extend(s.node_names);
             }
             _ => {}
         }
