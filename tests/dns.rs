@@ -460,6 +460,7 @@ fn to_fqdns_selects_what_allowed_answers_resolved_and_dns_rules_refuse_the_rest(
         .as_str()
         .unwrap_or("")
         .contains("client-egress"));
+    hubble_shows_the_dns_records(&s, api);
 
     // Bytes after the question (here a second question and garbage) are not forwarded: the
     // server gets the query as the proxy read and judged it.
@@ -529,6 +530,95 @@ fn to_fqdns_selects_what_allowed_answers_resolved_and_dns_rules_refuse_the_rest(
         ok(&[api]),
         "DNS itself still allowed"
     );
+}
+
+/// The same two verdicts through Hubble's `GetFlows` on the agent's socket: L7 DNS records
+/// (Hubble's access-log type 129) from the pod to the server it asked.
+fn hubble_shows_the_dns_records(s: &Setup, api: IpAddr) {
+    use ciliate::hubble::proto::{flow as fpb, observer as opb};
+    let socket = s.tmp.path().join("state/hubble.sock");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let get = |filter: fpb::FlowFilter| -> Vec<fpb::Flow> {
+        rt.block_on(async {
+            let address = format!("unix://{}", socket.display());
+            let ch = ciliate::hubble::relay::channel(&address, None).unwrap();
+            let mut c = opb::observer_client::ObserverClient::new(ch);
+            let req = opb::GetFlowsRequest {
+                whitelist: vec![filter],
+                ..Default::default()
+            };
+            let mut st = c.get_flows(req).await.expect("GetFlows").into_inner();
+            let mut out = Vec::new();
+            while let Some(r) = st.message().await.expect("a response") {
+                if let Some(opb::get_flows_response::ResponseTypes::Flow(f)) = r.response_types {
+                    out.push(*f);
+                }
+            }
+            out
+        })
+    };
+    let dns = get(fpb::FlowFilter {
+        protocol: vec!["dns".into()],
+        ..Default::default()
+    });
+    let record = |f: &fpb::Flow| match f.l7.as_ref().and_then(|l| l.record.clone()) {
+        Some(fpb::layer7::Record::Dns(d)) => d,
+        other => panic!("not a DNS record: {other:?} in {f:?}"),
+    };
+    let queries: Vec<(String, i32, u32)> = dns
+        .iter()
+        .map(|f| (record(f).query, f.verdict, record(f).rcode))
+        .collect();
+    assert_eq!(
+        queries,
+        [
+            ("api.example.com.".into(), fpb::Verdict::Forwarded as i32, 0),
+            ("evil.test.".into(), fpb::Verdict::Dropped as i32, 5),
+        ],
+        "{dns:#?}"
+    );
+    let fwd = &dns[0];
+    assert_eq!(record(fwd).ips, [api.to_string()]);
+    assert_eq!(record(fwd).qtypes, ["A"]);
+    assert_eq!(record(fwd).observation_source, "proxy");
+    assert_eq!(fwd.r#type, fpb::FlowType::L7 as i32);
+    assert_eq!(fwd.event_type.as_ref().map(|e| e.r#type), Some(129));
+    assert_eq!(fwd.traffic_direction, fpb::TrafficDirection::Egress as i32);
+    let src = fwd.source.as_ref().unwrap();
+    assert_eq!(
+        (src.namespace.as_str(), src.pod_name.as_str()),
+        ("x", "client")
+    );
+    let ip = fwd.ip.as_ref().unwrap();
+    assert_eq!(
+        (ip.source.clone(), ip.destination.clone()),
+        (s.w.pods[0].addr.to_string(), s.dns().to_string())
+    );
+    assert!(
+        matches!(
+            fwd.l4.as_ref().and_then(|l| l.protocol),
+            Some(fpb::layer4::Protocol::Udp(fpb::Udp {
+                destination_port: 53,
+                ..
+            }))
+        ),
+        "{fwd:?}"
+    );
+    assert!(fwd.summary.starts_with("DNS Answer"), "{}", fwd.summary);
+    // Hubble's DNS query filter (a regex over the query).
+    let evil = get(fpb::FlowFilter {
+        dns_query: vec!["^evil\\.".into()],
+        ..Default::default()
+    });
+    assert_eq!(evil.len(), 1, "{evil:#?}");
+    assert_eq!(evil[0].summary, "DNS Query evil.test. A");
+    // `monitor` and the debug page show them as `dns` events only, never as flows.
+    let flows = s.agent.json("/debug/flows");
+    assert!(flows.as_array().is_some_and(|f| !f.is_empty()), "{flows}");
+    assert!(!flows.to_string().contains("evil.test"), "{flows}");
 }
 
 fn common_now() -> u64 {

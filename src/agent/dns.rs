@@ -8,7 +8,8 @@
 //! - Each learning (an allowed answer's addresses) goes to `PolicyRepoActor` as `LearnFqdn`;
 //!   the proxy is told `Ack` once every selecting endpoint's policy map and the ipcache hold
 //!   them, and only then releases the answer to the pod.
-//! - Verdicts become metrics and `dns` notifications for `ciliate monitor`.
+//! - Verdicts become metrics, `dns` notifications for `ciliate monitor`, and L7 DNS flows in
+//!   the flow ring (Hubble's `GetFlows`; `monitor` shows them as its `dns` events only).
 //!
 //! Before the agent is ready, and while it is down, the proxy serves by the rules it kept and
 //! queues its learnings; they reach the agent when the link is up.
@@ -22,9 +23,9 @@ use tokio::sync::mpsc;
 
 use crate::actors::policy_repo::{LearnFqdn, PolicyRepoActor};
 use crate::config::DnsProxyMode;
-use crate::datapath::events::Notification;
+use crate::datapath::events::{Notification, VerdictEvent};
 use crate::introspect::TracedAddr;
-use crate::proxy::dns::{socket_path, DnsVerdict, FromProxy, Learned, ToProxy};
+use crate::proxy::dns::{socket_path, DnsConn, DnsVerdict, FromProxy, Learned, ToProxy};
 use crate::runtime::Shared;
 
 const NAME: &str = "dns-proxy-link";
@@ -230,7 +231,45 @@ fn verdict(shared: &Shared, v: DnsVerdict) {
         .metrics
         .dns_proxy_processing
         .observe(v.processing_seconds);
+    if let Some(conn) = v.conn {
+        let server = shared
+            .engine
+            .read()
+            .map_or(0, |e| e.identity_of_ip(conn.server.ip()));
+        shared.flow_sink().consume(flow_of(&v, conn, server));
+    }
     let _ = shared
         .notifications
         .send(Notification::dns(v.endpoint as u32, v.fields));
+}
+
+/// A DNS verdict as an L7 flow (`type: l7` with `dns`): egress from the pod to the server it
+/// asked, `forwarded` with the answer's addresses, or `dropped` (refused); `server_identity` is
+/// the server's identity.
+pub fn flow_of(v: &DnsVerdict, conn: DnsConn, server_identity: u32) -> VerdictEvent {
+    let refused = v.fields.verdict == "refused";
+    VerdictEvent {
+        kind: "l7".into(),
+        timestamp_ns: crate::datapath::bpf::conntrack::monotonic_ns(),
+        time: None,
+        endpoint: v.endpoint as u32,
+        peer_identity: server_identity,
+        direction: "egress".into(),
+        protocol: if conn.protocol == 6 { "TCP" } else { "UDP" }.into(),
+        port: conn.server.port(),
+        verdict: if refused { "dropped" } else { "forwarded" }.into(),
+        reason: if refused { "l7-deny" } else { "l7" }.into(),
+        source: conn.client.ip().to_string(),
+        destination: conn.server.ip().to_string(),
+        source_pod: Some(v.fields.pod.clone()),
+        destination_pod: None,
+        match_kind: None,
+        policies: Vec::new(),
+        revision: None,
+        cookie: 0,
+        lost: None,
+        http: None,
+        latency_ns: Some((v.processing_seconds * 1e9) as u64),
+        dns: Some(v.fields.clone()),
+    }
 }

@@ -226,6 +226,7 @@ pub fn flow_of(r: L7Record) -> VerdictEvent {
         lost: None,
         http: Some(r.http),
         latency_ns: Some(r.latency_ns),
+        dns: None,
     }
 }
 

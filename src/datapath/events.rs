@@ -59,6 +59,11 @@ pub struct VerdictEvent {
     /// `type: l7`: the time the proxy added, without the server's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub latency_ns: Option<u64>,
+    /// `type: l7` from the DNS proxy: the query and its answer (Hubble's DNS record). These
+    /// flows reach `ciliate monitor` as its `dns` events (interfaces.md section 9), never as
+    /// flows: `FlowFilter` skips them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dns: Option<DnsFields>,
 }
 
 /// Hubble's HTTP fields of an `l7` flow.
@@ -96,6 +101,7 @@ pub fn lost_event(n: u64) -> VerdictEvent {
         lost: Some(n),
         http: None,
         latency_ns: None,
+        dns: None,
     }
 }
 
@@ -397,7 +403,8 @@ impl FlowFilter {
     }
 
     pub fn accepts(&self, e: &VerdictEvent) -> bool {
-        if self.kind.as_deref().is_some_and(|k| k != e.kind) {
+        // The DNS proxy's records are the monitor's `dns` events, shown as such.
+        if e.dns.is_some() || self.kind.as_deref().is_some_and(|k| k != e.kind) {
             return false;
         }
         if e.lost.is_some() {
@@ -544,6 +551,7 @@ pub fn verdict_event(
         lost: None,
         http: None,
         latency_ns: None,
+        dns: None,
     }
 }
 

@@ -9,7 +9,8 @@
 //! - any other drop (not realized, malformed) is a drop (type 1) with its drop reason as subtype;
 //! - any other forwarded packet (established, reply, unmanaged) is a trace (type 4) from or to
 //!   the endpoint;
-//! - an HTTP request the proxy judged is an access log (type 129, L7).
+//! - an HTTP request or DNS query a proxy judged is an access log (type 129, L7): a forwarded
+//!   query as its answer (`DNS Answer ...`), a refused one as the request the proxy refused.
 //!
 //! ciliate's datapath events do not carry the source port or TCP flags (they would cost every
 //! event bytes), so `l4` gives the destination port only.
@@ -150,6 +151,7 @@ pub fn event_type(ev: &VerdictEvent) -> (i32, i32) {
 pub fn processed_labels(ev: &VerdictEvent) -> (&'static str, &'static str, &'static str) {
     let (ty, sub) = event_type(ev);
     let (ty, sub) = match ty {
+        EVENT_ACCESS_LOG if ev.dns.is_some() => ("L7", "DNS"),
         EVENT_ACCESS_LOG => ("L7", "HTTP"),
         EVENT_POLICY_VERDICT => ("PolicyVerdict", ""),
         EVENT_DROP => ("Drop", ""),
@@ -312,7 +314,39 @@ fn layer4(ev: &VerdictEvent) -> Option<pb::Layer4> {
     Some(pb::Layer4 { protocol: Some(p) })
 }
 
+/// DNS's response code for REFUSED.
+const RCODE_REFUSED: u32 = 5;
+
+fn dns_layer7(ev: &VerdictEvent, d: &crate::datapath::events::DnsFields) -> pb::Layer7 {
+    let refused = d.verdict == "refused";
+    let rrtype = |ip: &String| match ip.parse::<IpAddr>() {
+        Ok(IpAddr::V6(_)) => "AAAA".to_string(),
+        _ => "A".to_string(),
+    };
+    pb::Layer7 {
+        r#type: if refused {
+            pb::L7FlowType::Request
+        } else {
+            pb::L7FlowType::Response
+        } as i32,
+        latency_ns: ev.latency_ns.unwrap_or(0),
+        record: Some(pb::layer7::Record::Dns(pb::Dns {
+            query: d.query.clone(),
+            ips: d.answers.clone(),
+            ttl: 0,
+            cnames: Vec::new(),
+            observation_source: "proxy".into(),
+            rcode: if refused { RCODE_REFUSED } else { 0 },
+            qtypes: vec![d.qtype.clone()],
+            rrtypes: d.answers.iter().map(rrtype).collect(),
+        })),
+    }
+}
+
 fn layer7(ev: &VerdictEvent) -> Option<pb::Layer7> {
+    if let Some(d) = &ev.dns {
+        return Some(dns_layer7(ev, d));
+    }
     let http = ev.http.as_ref()?;
     Some(pb::Layer7 {
         r#type: if http.code != 0 {
@@ -436,6 +470,18 @@ pub fn to_flow(ev: &VerdictEvent, node: &str, lookup: &dyn Lookup) -> pb::Flow {
 fn summary(ev: &VerdictEvent) -> String {
     if let Some(h) = &ev.http {
         return format!("{} {} {} {}", h.protocol, h.method, h.url, h.code);
+    }
+    if let Some(d) = &ev.dns {
+        // Hubble's words for a DNS record.
+        return match d.verdict.as_str() {
+            "refused" => format!("DNS Query {} {}", d.query, d.qtype),
+            _ => format!(
+                "DNS Answer \"{}\" TTL: 0 (Proxy {} {})",
+                d.answers.join(","),
+                d.query,
+                d.qtype
+            ),
+        };
     }
     let mut out = String::with_capacity(96);
     out.push_str(&ev.protocol);
@@ -595,6 +641,42 @@ mod tests {
             processed_labels(&ev),
             ("Trace", "from-endpoint", "FORWARDED")
         );
+    }
+
+    #[test]
+    fn a_dns_verdict_is_an_l7_dns_record() {
+        let mut ev = allowed_egress();
+        ev.kind = "l7".into();
+        ev.match_kind = None;
+        ev.policies.clear();
+        ev.dns = Some(crate::datapath::events::DnsFields {
+            pod: "x/client".into(),
+            query: "api.example.com.".into(),
+            qtype: "AAAA".into(),
+            answers: vec!["fd00::1".into(), "fd00::2".into()],
+            verdict: "forwarded".into(),
+            policies: vec![],
+        });
+        let f = to_flow(&ev, "node-1", &Known);
+        assert_eq!(f.r#type, pb::FlowType::L7 as i32);
+        assert_eq!(f.event_type.as_ref().unwrap().r#type, EVENT_ACCESS_LOG);
+        let Some(pb::layer7::Record::Dns(d)) = f.l7.as_ref().unwrap().record.clone() else {
+            panic!("{f:?}")
+        };
+        assert_eq!(
+            (d.rcode, d.rrtypes),
+            (0, vec!["AAAA".into(), "AAAA".into()])
+        );
+        assert_eq!(
+            f.summary,
+            "DNS Answer \"fd00::1,fd00::2\" TTL: 0 (Proxy api.example.com. AAAA)"
+        );
+        assert_eq!(processed_labels(&ev), ("L7", "DNS", "FORWARDED"));
+        ev.dns.as_mut().unwrap().verdict = "refused".into();
+        ev.verdict = "dropped".into();
+        let f = to_flow(&ev, "node-1", &Known);
+        assert_eq!(f.summary, "DNS Query api.example.com. AAAA");
+        assert_eq!(f.l7.unwrap().r#type, pb::L7FlowType::Request as i32);
     }
 
     #[test]

@@ -91,6 +91,19 @@ pub struct DnsVerdict {
     pub fields: crate::datapath::events::DnsFields,
     /// Time spent in the proxy, without the upstream server's.
     pub processing_seconds: f64,
+    /// The query's connection: the pod's address, the server's, and the protocol (17, 6).
+    /// Absent from a proxy older than the agent: the verdict is then a `dns` event only, not
+    /// a flow.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conn: Option<DnsConn>,
+}
+
+/// The pod's and the server's sockets of one query, and its protocol.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DnsConn {
+    pub client: std::net::SocketAddr,
+    pub server: std::net::SocketAddr,
+    pub protocol: u8,
 }
 
 /// Proxy -> agent.

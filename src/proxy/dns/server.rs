@@ -27,7 +27,9 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream, UdpSocket, UnixListener, UnixStream};
 use tokio::sync::{mpsc, oneshot};
 
-use super::{wire, Decision, DnsVerdict, FromProxy, Learned, ProxyRules, RuleIndex, ToProxy};
+use super::{
+    wire, Decision, DnsConn, DnsVerdict, FromProxy, Learned, ProxyRules, RuleIndex, ToProxy,
+};
 use crate::proxy::{ipv6_transparent, Ipcache};
 
 /// The mark and routing table of a proxy whose UDP port is `port`.
@@ -309,16 +311,11 @@ impl Proxy {
     }
 
     /// Decides a query; returns the answer to send now (REFUSED, FORMERR), or `None` to forward.
-    fn judge(
-        &self,
-        query: &[u8],
-        src: IpAddr,
-        dst: SocketAddr,
-        protocol: u8,
-    ) -> (Option<Vec<u8>>, Option<Forward>) {
+    fn judge(&self, query: &[u8], conn: DnsConn) -> (Option<Vec<u8>>, Option<Forward>) {
         let Some(q) = wire::question(query) else {
             return (wire::formerr(query), None);
         };
+        let (src, dst, protocol) = (conn.client.ip(), conn.server, conn.protocol);
         match self.decide(src, dst, protocol, &q.name) {
             Decision::Refuse {
                 endpoint,
@@ -329,6 +326,7 @@ impl Proxy {
                 let answer = wire::refused(query);
                 self.report(
                     &q,
+                    conn,
                     endpoint,
                     &pod,
                     vec![],
@@ -350,6 +348,7 @@ impl Proxy {
     fn report(
         &self,
         q: &wire::Question,
+        conn: DnsConn,
         endpoint: u64,
         pod: &str,
         answers: Vec<IpAddr>,
@@ -368,13 +367,16 @@ impl Proxy {
                 policies,
             },
             processing_seconds: spent.as_secs_f64(),
+            conn: Some(conn),
         }));
     }
 
     /// After the upstream answered a forwarded query: learn, then report.
+    #[allow(clippy::too_many_arguments)]
     async fn answered(
         &self,
         q: &wire::Question,
+        conn: DnsConn,
         endpoint: u64,
         pod: &str,
         policies: Vec<String>,
@@ -385,7 +387,7 @@ impl Proxy {
         let (ips, ttl) = wire::addresses(answer, q).unwrap_or_default();
         self.learn(endpoint, &q.name, ips.clone(), ttl).await;
         spent += started.elapsed();
-        self.report(q, endpoint, pod, ips, "forwarded", policies, spent);
+        self.report(q, conn, endpoint, pod, ips, "forwarded", policies, spent);
     }
 }
 
@@ -538,7 +540,12 @@ async fn serve_udp(proxy: Arc<Proxy>, sock: Arc<UdpSocket>) {
         tokio::spawn(async move {
             let (_permit, _share) = (permit, share);
             let started = Instant::now();
-            let (now, forward) = proxy.judge(&query, src.ip(), dst, 17);
+            let conn = DnsConn {
+                client: src,
+                server: dst,
+                protocol: 17,
+            };
+            let (now, forward) = proxy.judge(&query, conn);
             if let Some(answer) = now {
                 let _ = proxy.reply(dst, src, &answer);
                 return;
@@ -550,7 +557,7 @@ async fn serve_udp(proxy: Arc<Proxy>, sock: Arc<UdpSocket>) {
             match upstream_udp(&proxy.upstreams, dst, &q).await {
                 Ok(answer) => {
                     proxy
-                        .answered(&q, endpoint, &pod, policies, &answer, spent)
+                        .answered(&q, conn, endpoint, &pod, policies, &answer, spent)
                         .await;
                     if let Err(e) = proxy.reply(dst, src, &answer) {
                         tracing::warn!(error = %e, %dst, %src, "DNS proxy: cannot answer the pod");
@@ -586,7 +593,12 @@ async fn serve_tcp_conn(proxy: Arc<Proxy>, mut pod: TcpStream, src: SocketAddr) 
             .await
             .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "idle"))??;
         let started = Instant::now();
-        let (now, forward) = proxy.judge(&query, src.ip(), dst, 6);
+        let conn = DnsConn {
+            client: src,
+            server: dst,
+            protocol: 6,
+        };
+        let (now, forward) = proxy.judge(&query, conn);
         if let Some(answer) = now {
             write_frame(&mut pod, &answer).await?;
             continue;
@@ -606,7 +618,7 @@ async fn serve_tcp_conn(proxy: Arc<Proxy>, mut pod: TcpStream, src: SocketAddr) 
                 io::Error::new(io::ErrorKind::TimedOut, "the DNS server did not answer")
             })??;
         proxy
-            .answered(&q, endpoint, &pod_name, policies, &answer, spent)
+            .answered(&q, conn, endpoint, &pod_name, policies, &answer, spent)
             .await;
         write_frame(&mut pod, &answer).await?;
     }
