@@ -212,19 +212,23 @@ struct verdict_event {
 	__u16 port;
 	__u8 reason;
 	__u8 family;
-	__u8 pad[2];
+	/* The source port (TCP, UDP, SCTP; 0 otherwise), host order; 0 from an older program. */
+	__u16 sport;
 	__u8 saddr[16];
 	__u8 daddr[16];
 	/* The deciding entry's cookie (allow, deny rule), or the endpoint's isolation cookie
 	 * (default deny); 0 when nothing attributes it. */
 	__u32 cookie;
-	__u32 pad2;
+	/* The packet's TCP flags byte (FIN 0x01, SYN 0x02, RST 0x04, PSH 0x08, ACK 0x10, ...). */
+	__u8 tcp_flags;
+	__u8 pad2[3];
 };
 
-/* An IPv4 verdict event as a batch carries it: the fields of struct verdict_event in half the
- * bytes (copying events into the ring buffer's memory is most of what an event costs).
+/* An IPv4 verdict event as a batch carries it: the fields of struct verdict_event in 40 bytes
+ * instead of 64 (copying events into the ring buffer's memory is most of what an event costs).
  * `family` (4) sits at the same offset as in struct verdict_event, which is how a reader tells
- * the two apart; endpoint ids are 16-bit (CILIATE_ENDPOINTS_MAX). */
+ * the two apart; endpoint ids are 16-bit (CILIATE_ENDPOINTS_MAX). Batches of the first form
+ * (CILIATE_EVENT_RECORD_MARK_V1) carried its first 32 bytes only. */
 struct verdict_event4 {
 	__u64 timestamp_ns;
 	__u32 peer_identity;
@@ -237,6 +241,9 @@ struct verdict_event4 {
 	__u16 endpoint_id;
 	__u8 saddr[4];
 	__u8 daddr[4];
+	__u16 sport;
+	__u8 tcp_flags;
+	__u8 pad[5];
 };
 
 /* Verdict events wait per CPU in a batch and go to the ring buffer as one record: this marker
@@ -245,7 +252,11 @@ struct verdict_event4 {
  * struct verdict_event alone (a CPU beyond the batch array, or an older program). A batch
  * leaves when the next event might not fit, or CILIATE_EVENT_FLUSH_NS after its first event
  * (a timer on that CPU). */
-#define CILIATE_EVENT_RECORD_MARK 0xC11A7EBA7C000001ULL
+#define CILIATE_EVENT_RECORD_MARK 0xC11A7EBA7C000002ULL
+/* The mark of an older program's batches, whose IPv4 events end after `daddr` (32 bytes). */
+#define CILIATE_EVENT_RECORD_MARK_V1 0xC11A7EBA7C000001ULL
+/* The form of this program's batches (the mark's last byte). */
+#define CILIATE_EVENT_FORM 2
 #define CILIATE_EVENT_BATCH_BYTES 2048
 #define CILIATE_EVENT_FLUSH_NS 1000000
 /* Slots of the batch array when the loader does not size it to the possible CPUs. */

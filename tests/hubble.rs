@@ -185,6 +185,41 @@ fn the_observer_serves_the_agents_flows_as_hubble_does() {
             "a policy verdict"
         );
         assert_eq!(denied.r#type, fpb::FlowType::L3L4 as i32);
+        // The packet judged: from the client's ephemeral port, a SYN.
+        let Some(fpb::layer4::Protocol::Tcp(t)) = denied.l4.as_ref().and_then(|l| l.protocol)
+        else {
+            panic!("not TCP: {denied:?}")
+        };
+        assert!(t.source_port >= 1024, "{t:?}");
+        let flags = t.flags.expect("TCP flags");
+        assert!(flags.syn && !flags.ack, "{flags:?}");
+        // Hubble's TCP flags filter: every flag asked for is set.
+        let syn = |f: fpb::TcpFlags| fpb::FlowFilter {
+            tcp_flags: vec![f],
+            ..dropped.clone()
+        };
+        let with_syn = syn(fpb::TcpFlags {
+            syn: true,
+            ..Default::default()
+        });
+        let with_ack = syn(fpb::TcpFlags {
+            syn: true,
+            ack: true,
+            ..Default::default()
+        });
+        assert!(!flows(&mut unix, req(vec![with_syn], vec![]))
+            .await
+            .is_empty());
+        assert!(flows(&mut unix, req(vec![with_ack], vec![]))
+            .await
+            .is_empty());
+        // And the source port, as Hubble's `--from-port`.
+        let from_port = fpb::FlowFilter {
+            source_port: vec![t.source_port.to_string()],
+            ..dropped.clone()
+        };
+        let same = flows(&mut unix, req(vec![from_port], vec![])).await;
+        assert!(same.iter().any(|f| f.uuid == denied.uuid), "{same:?}");
         assert_eq!(denied.node_name, "node-1");
         assert_eq!(denied.is_reply, Some(false));
         assert_eq!(denied.ip.as_ref().unwrap().source, a.addr.to_string());

@@ -43,12 +43,14 @@ static __always_inline void fill_event(struct verdict_event *e, __u64 now, struc
 	e->port = p->policy_port;
 	e->reason = reason;
 	e->family = p->family;
-	e->pad[0] = 0;
-	e->pad[1] = 0;
+	e->sport = p->sport;
 	__builtin_memcpy(e->saddr, p->saddr, 16);
 	__builtin_memcpy(e->daddr, p->daddr, 16);
 	e->cookie = cookie;
-	e->pad2 = 0;
+	e->tcp_flags = p->tcp_flags;
+	e->pad2[0] = 0;
+	e->pad2[1] = 0;
+	e->pad2[2] = 0;
 }
 
 static __always_inline void fill_event4(struct verdict_event4 *e, __u64 now, struct packet *p,
@@ -66,6 +68,8 @@ static __always_inline void fill_event4(struct verdict_event4 *e, __u64 now, str
 	e->endpoint_id = ep;
 	__builtin_memcpy(e->saddr, p->saddr, 4);
 	__builtin_memcpy(e->daddr, p->daddr, 4);
+	e->sport = p->sport;
+	e->tcp_flags = p->tcp_flags;
 }
 
 /* Sends the CPU's waiting events to the ring buffer as one record. */
@@ -129,6 +133,7 @@ __noinline int emit_event(struct packet *p, __u32 ep, __u32 identity, __u32 egre
 		}
 		if (off == 0) {
 			*(__u64 *)b->buf = CILIATE_EVENT_RECORD_MARK;
+			b->form = CILIATE_EVENT_FORM;
 			b->first_ns = bpf_ktime_get_coarse_ns();
 			off = 8;
 		}

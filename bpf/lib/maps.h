@@ -73,6 +73,12 @@ struct event_batch {
 	__u16 count;	/* events waiting */
 	__u8 timer_ready; /* bpf_timer_init done */
 	__u8 armed;	/* the flush timer is started */
+	/* The form of the events in buf (CILIATE_EVENT_FORM, set as a batch starts). The field
+	 * also makes this struct larger than the first form's, so that the loader never lets
+	 * programs of two forms share batches: an upgrade sets the old map aside (work in
+	 * flight, datapath/bpf/migrate.rs) and the old programs' batches leave as they were. */
+	__u32 form;
+	__u32 pad;
 	/* Room past CILIATE_EVENT_BATCH_BYTES for one more event at any offset below it. */
 	__u8 buf[CILIATE_EVENT_BATCH_BYTES + sizeof(struct verdict_event)];
 };

@@ -257,6 +257,8 @@ pub fn flow_of(v: &DnsVerdict, conn: DnsConn, server_identity: u32) -> VerdictEv
         direction: "egress".into(),
         protocol: if conn.protocol == 6 { "TCP" } else { "UDP" }.into(),
         port: conn.server.port(),
+        source_port: conn.client.port(),
+        tcp_flags: 0,
         verdict: if refused { "dropped" } else { "forwarded" }.into(),
         reason: if refused { "l7-deny" } else { "l7" }.into(),
         source: conn.client.ip().to_string(),

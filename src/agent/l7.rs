@@ -209,6 +209,13 @@ pub fn flow_of(r: L7Record) -> VerdictEvent {
         direction: r.direction.into_owned(),
         protocol: "TCP".into(),
         port: r.port,
+        // `address:port`: the client's port.
+        source_port: r
+            .source
+            .rsplit_once(':')
+            .and_then(|(_, p)| p.parse().ok())
+            .unwrap_or(0),
+        tcp_flags: 0,
         reason: if r.verdict == "dropped" {
             "l7-deny".into()
         } else {

@@ -201,14 +201,25 @@ fn load_instance<'obj>(
 
 /// The verdict events of one ring-buffer record (`bpf/ciliate.h`): a batch (the record mark,
 /// then IPv4 events in their short form and IPv6 events in full, back to back), or one event
-/// alone, which an older program wrote shorter (the fields it lacks read as 0). A batch cut
-/// short ends at its last whole event.
+/// alone, which an older program wrote shorter (the fields it lacks read as 0). A batch of an
+/// older program (`EVENT_RECORD_MARK_V1`) has shorter IPv4 events, whose source port and TCP
+/// flags read as 0. A batch cut short ends at its last whole event.
 pub(crate) fn record_events(data: &[u8]) -> Vec<types::verdict_event> {
     const FULL: usize = std::mem::size_of::<types::verdict_event>();
     const SHORT: usize = std::mem::size_of::<types::verdict_event4>();
+    /// The IPv4 events of a `EVENT_RECORD_MARK_V1` batch: the fields up to `daddr`.
+    const SHORT_V1: usize = std::mem::offset_of!(types::verdict_event4, sport);
     const FAMILY: usize = std::mem::offset_of!(types::verdict_event, family);
-    let mark = (EVENT_RECORD_MARK).to_ne_bytes();
-    let Some(mut rest) = data.strip_prefix(&mark[..]) else {
+    let (v2, v1) = (
+        EVENT_RECORD_MARK.to_ne_bytes(),
+        EVENT_RECORD_MARK_V1.to_ne_bytes(),
+    );
+    let batch = match (data.strip_prefix(&v2[..]), data.strip_prefix(&v1[..])) {
+        (Some(rest), _) => Some((rest, SHORT)),
+        (None, Some(rest)) => Some((rest, SHORT_V1)),
+        (None, None) => None,
+    };
+    let Some((mut rest, short)) = batch else {
         let mut buf = [0u8; FULL];
         let n = data.len().min(FULL);
         buf[..n].copy_from_slice(&data[..n]);
@@ -220,10 +231,13 @@ pub(crate) fn record_events(data: &[u8]) -> Vec<types::verdict_event> {
     };
     let mut out = Vec::with_capacity(rest.len() / SHORT);
     while rest.len() > FAMILY {
-        let size = if rest[FAMILY] == 4 { SHORT } else { FULL };
+        let ipv4 = rest[FAMILY] == 4;
+        let size = if ipv4 { short } else { FULL };
         let Some(bytes) = rest.get(..size) else { break };
-        if size == SHORT {
-            if let Some(e) = types::verdict_event4::from_bytes(bytes) {
+        if ipv4 {
+            let mut buf = [0u8; SHORT];
+            buf[..size].copy_from_slice(bytes);
+            if let Some(e) = types::verdict_event4::from_bytes(&buf) {
                 out.push(types::verdict_event::from(e));
             }
         } else if let Some(e) = types::verdict_event::from_bytes(bytes) {
@@ -235,7 +249,9 @@ pub(crate) fn record_events(data: &[u8]) -> Vec<types::verdict_event> {
 }
 
 /// `CILIATE_EVENT_RECORD_MARK`: the first bytes of a batch record.
-pub const EVENT_RECORD_MARK: u64 = 0xC11A_7EBA_7C00_0001;
+pub const EVENT_RECORD_MARK: u64 = 0xC11A_7EBA_7C00_0002;
+/// `CILIATE_EVENT_RECORD_MARK_V1`: an older program's batches (32-byte IPv4 events).
+pub const EVENT_RECORD_MARK_V1: u64 = 0xC11A_7EBA_7C00_0001;
 
 impl From<types::verdict_event4> for types::verdict_event {
     fn from(e: types::verdict_event4) -> Self {
@@ -252,9 +268,11 @@ impl From<types::verdict_event4> for types::verdict_event {
             port: e.port,
             reason: e.reason,
             family: e.family,
+            sport: e.sport,
             saddr,
             daddr,
             cookie: e.cookie,
+            tcp_flags: e.tcp_flags,
             ..Default::default()
         }
     }

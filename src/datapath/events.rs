@@ -25,6 +25,13 @@ pub struct VerdictEvent {
     pub protocol: String,
     /// Destination port, or the ICMP type.
     pub port: u16,
+    /// Source port (TCP, UDP, SCTP; absent when 0: other protocols, older programs).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub source_port: u16,
+    /// The TCP flags byte of the packet judged (FIN 0x01, SYN 0x02, RST 0x04, PSH 0x08, ACK
+    /// 0x10, URG 0x20, ECE 0x40, CWR 0x80; absent when 0).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub tcp_flags: u8,
     /// Hubble's words: `forwarded`, `dropped` (or `audit`).
     pub verdict: String,
     /// Why: `policy-deny`, `default-deny`, `not-realized`, `malformed`, `policy`, ...
@@ -88,6 +95,8 @@ pub fn lost_event(n: u64) -> VerdictEvent {
         direction: String::new(),
         protocol: String::new(),
         port: 0,
+        source_port: 0,
+        tcp_flags: 0,
         verdict: "lost".into(),
         reason: "ring-buffer-full".into(),
         source: String::new(),
@@ -501,6 +510,10 @@ fn policy_pattern(s: &str) -> Result<String, String> {
     PolicyPattern::parse(s).map(|_| s.to_string())
 }
 
+fn is_zero<T: Default + PartialEq>(v: &T) -> bool {
+    *v == T::default()
+}
+
 /// Builds an event from the datapath's raw fields.
 #[allow(clippy::too_many_arguments)]
 pub fn verdict_event(
@@ -538,6 +551,8 @@ pub fn verdict_event(
         direction: if egress { "egress" } else { "ingress" }.into(),
         protocol: protocol_name(protocol),
         port,
+        source_port: 0,
+        tcp_flags: 0,
         verdict: verdict.into(),
         reason,
         source: addr(saddr),

@@ -12,8 +12,8 @@
 //! - an HTTP request or DNS query a proxy judged is an access log (type 129, L7): a forwarded
 //!   query as its answer (`DNS Answer ...`), a refused one as the request the proxy refused.
 //!
-//! ciliate's datapath events do not carry the source port or TCP flags (they would cost every
-//! event bytes), so `l4` gives the destination port only.
+//! `l4` carries both ports and, for TCP, the flags of the packet the datapath judged (a new
+//! connection's SYN, a dropped packet's flags); records of an older program lack them (0).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -248,6 +248,7 @@ fn uuid(ev: &VerdictEvent, node: &str) -> String {
         )
             .hash(&mut h);
         (&ev.source, &ev.destination, ev.port, &ev.reason, ev.cookie).hash(&mut h);
+        (ev.source_port, ev.tcp_flags).hash(&mut h);
         h.finish()
     };
     let (a, b) = (half(0), half(1));
@@ -284,21 +285,38 @@ pub fn received(ev: &VerdictEvent) -> Option<prost_types::Timestamp> {
     })
 }
 
+/// The TCP flags byte as Hubble's `TCPFlags`.
+fn tcp_flags(b: u8) -> pb::TcpFlags {
+    let bit = |m: u8| b & m != 0;
+    pb::TcpFlags {
+        fin: bit(0x01),
+        syn: bit(0x02),
+        rst: bit(0x04),
+        psh: bit(0x08),
+        ack: bit(0x10),
+        urg: bit(0x20),
+        ece: bit(0x40),
+        cwr: bit(0x80),
+        ns: false,
+    }
+}
+
 fn layer4(ev: &VerdictEvent) -> Option<pb::Layer4> {
     use pb::layer4::Protocol;
     let port = u32::from(ev.port);
+    let source_port = u32::from(ev.source_port);
     let p = match ev.protocol.as_str() {
         "TCP" => Protocol::Tcp(pb::Tcp {
-            source_port: 0,
+            source_port,
             destination_port: port,
-            flags: None,
+            flags: (ev.tcp_flags != 0).then(|| tcp_flags(ev.tcp_flags)),
         }),
         "UDP" => Protocol::Udp(pb::Udp {
-            source_port: 0,
+            source_port,
             destination_port: port,
         }),
         "SCTP" => Protocol::Sctp(pb::Sctp {
-            source_port: 0,
+            source_port,
             destination_port: port,
         }),
         "ICMP" => Protocol::IcmPv4(pb::IcmPv4 {
@@ -641,6 +659,29 @@ mod tests {
             processed_labels(&ev),
             ("Trace", "from-endpoint", "FORWARDED")
         );
+    }
+
+    #[test]
+    fn l4_carries_both_ports_and_the_tcp_flags() {
+        let mut ev = allowed_egress();
+        (ev.source_port, ev.tcp_flags) = (41_000, 0x12);
+        let f = to_flow(&ev, "node-1", &Known);
+        let Some(pb::layer4::Protocol::Tcp(t)) = f.l4.and_then(|l| l.protocol) else {
+            panic!("{f:?}")
+        };
+        assert_eq!((t.source_port, t.destination_port), (41_000, 8080));
+        let flags = t.flags.expect("flags");
+        assert!(
+            flags.syn && flags.ack && !flags.fin && !flags.rst,
+            "{flags:?}"
+        );
+        // An older program's record: no flags rather than all false.
+        ev.tcp_flags = 0;
+        let f = to_flow(&ev, "node-1", &Known);
+        let Some(pb::layer4::Protocol::Tcp(t)) = f.l4.and_then(|l| l.protocol) else {
+            panic!("{f:?}")
+        };
+        assert_eq!(t.flags, None);
     }
 
     #[test]

@@ -203,9 +203,10 @@ impl BpfDatapath {
                 let added = builder.add(&map, move |data: &[u8]| {
                     for e in super::record_events(data) {
                         let reason = super::REASONS.get(e.reason as usize).copied().unwrap_or("drop-unknown");
-                        let ev = crate::datapath::events::verdict_event(
+                        let mut ev = crate::datapath::events::verdict_event(
                             e.timestamp_ns, e.endpoint_id, e.peer_identity, e.egress != 0, e.protocol, e.port, reason, e.family, e.saddr, e.daddr, e.cookie,
                         );
+                        (ev.source_port, ev.tcp_flags) = (e.sport, e.tcp_flags);
                         if !(sink_cb.borrow_mut())(ev) {
                             keep_cb.set(false);
                         }
