@@ -208,11 +208,12 @@ impl VerdictEvent {
         true
     }
 
-    /// Names the pods behind the source and destination addresses.
+    /// Names the pods behind the source and destination addresses (a name the record came
+    /// with, as the DNS proxy's, stays when the address is not a pod's the agent knows).
     pub fn name_pods(&mut self, pod_of: impl Fn(IpAddr) -> Option<String>) {
         let name = |a: &str| a.parse().ok().and_then(&pod_of);
-        self.source_pod = name(&self.source);
-        self.destination_pod = name(&self.destination);
+        self.source_pod = name(&self.source).or(self.source_pod.take());
+        self.destination_pod = name(&self.destination).or(self.destination_pod.take());
     }
 
     /// Fills in the deciding policies from the agent's cookie jar.
