@@ -60,18 +60,42 @@ impl Lookup for NoLookup {
     }
 }
 
+impl<T: Lookup + ?Sized> Lookup for &T {
+    fn identity_of(&self, ip: IpAddr) -> u32 {
+        (**self).identity_of(ip)
+    }
+    fn labels_of(&self, identity: u32) -> Vec<String> {
+        (**self).labels_of(identity)
+    }
+    fn names_of(&self, ip: IpAddr) -> Vec<String> {
+        (**self).names_of(ip)
+    }
+}
+
+impl<T: Lookup + ?Sized> Lookup for std::sync::Arc<T> {
+    fn identity_of(&self, ip: IpAddr) -> u32 {
+        (**self).identity_of(ip)
+    }
+    fn labels_of(&self, identity: u32) -> Vec<String> {
+        (**self).labels_of(identity)
+    }
+    fn names_of(&self, ip: IpAddr) -> Vec<String> {
+        (**self).names_of(ip)
+    }
+}
+
 /// A lookup that asks `inner` once per identity and address and remembers the answers: for
 /// one call's worth of flows (a `GetFlows` history), where the same few peers recur thousands of
 /// times and the agent's state is read once.
-pub struct Memo<'a> {
-    inner: &'a dyn Lookup,
+pub struct Memo<L> {
+    inner: L,
     identities: RefCell<HashMap<IpAddr, u32>>,
     labels: RefCell<HashMap<u32, Vec<String>>>,
     names: RefCell<HashMap<IpAddr, Vec<String>>>,
 }
 
-impl<'a> Memo<'a> {
-    pub fn new(inner: &'a dyn Lookup) -> Memo<'a> {
+impl<L: Lookup> Memo<L> {
+    pub fn new(inner: L) -> Memo<L> {
         Memo {
             inner,
             identities: Default::default(),
@@ -81,7 +105,7 @@ impl<'a> Memo<'a> {
     }
 }
 
-impl Lookup for Memo<'_> {
+impl<L: Lookup> Lookup for Memo<L> {
     fn identity_of(&self, ip: IpAddr) -> u32 {
         *self
             .identities
@@ -204,30 +228,74 @@ pub fn policy(p: &PolicyRef, revision: Option<u64>) -> pb::Policy {
     }
 }
 
-/// One side of the flow: the endpoint `id` (0 for a peer the node does not host), its
-/// identity, pod and labels.
-fn side(
-    ip: Option<IpAddr>,
-    pod: Option<&str>,
-    id: u32,
-    identity: Option<u32>,
-    lookup: &dyn Lookup,
-) -> (pb::Endpoint, Vec<String>) {
-    let identity = identity.unwrap_or_else(|| ip.map_or(0, |ip| lookup.identity_of(ip)));
-    let (namespace, pod_name) = match pod.and_then(|p| p.split_once('/')) {
+/// One side of a flow as the record names it: its address, its pod (`namespace/name`), the
+/// endpoint id (0 for a peer the node does not host) and, for the peer, the identity the
+/// datapath judged (`None`: the agent's answer for the address).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Side<'a> {
+    pub ip: Option<IpAddr>,
+    pub pod: Option<&'a str>,
+    pub id: u32,
+    pub identity: Option<u32>,
+}
+
+/// The record's source and destination: the endpoint the record is about is the source of its
+/// egress and the destination of its ingress; the peer's identity is the one the datapath judged.
+pub fn sides(ev: &VerdictEvent) -> (Side<'_>, Side<'_>) {
+    let egress = ev.direction == "egress";
+    let source = Side {
+        ip: ev.source.parse().ok(),
+        pod: ev.source_pod.as_deref(),
+        id: if egress { ev.endpoint } else { 0 },
+        identity: (!egress).then_some(ev.peer_identity),
+    };
+    let destination = Side {
+        ip: ev.destination.parse().ok(),
+        pod: ev.destination_pod.as_deref(),
+        id: if egress { 0 } else { ev.endpoint },
+        identity: egress.then_some(ev.peer_identity),
+    };
+    (source, destination)
+}
+
+/// One side as Hubble's endpoint: its identity, pod and labels.
+pub fn endpoint(side: &Side<'_>, lookup: &dyn Lookup) -> pb::Endpoint {
+    let identity = side
+        .identity
+        .unwrap_or_else(|| side.ip.map_or(0, |ip| lookup.identity_of(ip)));
+    let (namespace, pod_name) = match side.pod.and_then(|p| p.split_once('/')) {
         Some((ns, name)) => (ns.to_string(), name.to_string()),
         None => (String::new(), String::new()),
     };
-    let names = ip.map(|ip| lookup.names_of(ip)).unwrap_or_default();
-    let ep = pb::Endpoint {
-        id,
+    pb::Endpoint {
+        id: side.id,
         identity,
         namespace,
         labels: lookup.labels_of(identity),
         pod_name,
         workloads: Vec::new(),
-    };
-    (ep, names)
+    }
+}
+
+/// The DNS names of one side's address.
+pub fn names(side: &Side<'_>, lookup: &dyn Lookup) -> Vec<String> {
+    side.ip.map(|ip| lookup.names_of(ip)).unwrap_or_default()
+}
+
+/// The flow's lists of deciding policies (`Flow`'s field numbers).
+pub const EGRESS_ALLOWED_BY: u32 = 21001;
+pub const INGRESS_ALLOWED_BY: u32 = 21002;
+pub const EGRESS_DENIED_BY: u32 = 21004;
+pub const INGRESS_DENIED_BY: u32 = 21005;
+
+/// Which list the record's deciding policies go in: allowed or denied by, in its direction.
+pub fn policy_list(ev: &VerdictEvent) -> u32 {
+    match (ev.verdict == "forwarded", ev.direction == "egress") {
+        (true, true) => EGRESS_ALLOWED_BY,
+        (true, false) => INGRESS_ALLOWED_BY,
+        (false, true) => EGRESS_DENIED_BY,
+        (false, false) => INGRESS_DENIED_BY,
+    }
 }
 
 /// A stable id of the record (the same flow has the same id in every call), as a UUID (version
@@ -383,8 +451,8 @@ fn layer7(ev: &VerdictEvent) -> Option<pb::Layer7> {
     })
 }
 
-fn ip(ev: &VerdictEvent, source: Option<IpAddr>) -> Option<pb::Ip> {
-    let version = match source? {
+fn ip(ev: &VerdictEvent) -> Option<pb::Ip> {
+    let version = match ev.source.parse::<IpAddr>().ok()? {
         IpAddr::V4(_) => pb::IpVersion::IPv4,
         IpAddr::V6(_) => pb::IpVersion::IPv6,
     };
@@ -398,67 +466,49 @@ fn ip(ev: &VerdictEvent, source: Option<IpAddr>) -> Option<pb::Ip> {
 
 /// The record as Hubble's flow, observed on `node`.
 pub fn to_flow(ev: &VerdictEvent, node: &str, lookup: &dyn Lookup) -> pb::Flow {
+    let mut flow = bare_flow(ev, node, received(ev));
+    let (source, destination) = sides(ev);
+    flow.source = Some(endpoint(&source, lookup));
+    flow.destination = Some(endpoint(&destination, lookup));
+    flow.source_names = names(&source, lookup);
+    flow.destination_names = names(&destination, lookup);
+    let policies = ev.policies.iter().map(|p| policy(p, ev.revision)).collect();
+    *match policy_list(ev) {
+        EGRESS_ALLOWED_BY => &mut flow.egress_allowed_by,
+        INGRESS_ALLOWED_BY => &mut flow.ingress_allowed_by,
+        EGRESS_DENIED_BY => &mut flow.egress_denied_by,
+        _ => &mut flow.ingress_denied_by,
+    } = policies;
+    flow
+}
+
+/// The flow received at `time` without what recurs across flows: both endpoints, their names
+/// and the deciding policies (`to_flow` adds them; `wire` writes them once per call and copies
+/// them).
+pub fn bare_flow(ev: &VerdictEvent, node: &str, time: Option<prost_types::Timestamp>) -> pb::Flow {
     let egress = ev.direction == "egress";
-    // The endpoint the record is about is the source of its egress and the destination of its
-    // ingress; the peer's identity is the one the datapath judged.
-    let (src_id, dst_id) = if egress {
-        (ev.endpoint, 0)
-    } else {
-        (0, ev.endpoint)
-    };
-    let (src_identity, dst_identity) = if egress {
-        (None, Some(ev.peer_identity))
-    } else {
-        (Some(ev.peer_identity), None)
-    };
-    let (src_ip, dst_ip) = (ev.source.parse().ok(), ev.destination.parse().ok());
-    let (source, source_names) = side(
-        src_ip,
-        ev.source_pod.as_deref(),
-        src_id,
-        src_identity,
-        lookup,
-    );
-    let (destination, destination_names) = side(
-        dst_ip,
-        ev.destination_pod.as_deref(),
-        dst_id,
-        dst_identity,
-        lookup,
-    );
     let (ty, sub) = event_type(ev);
     let reason = drop_reason(ev);
-    let policies: Vec<pb::Policy> = ev.policies.iter().map(|p| policy(p, ev.revision)).collect();
-    let (allowed, denied) = match ev.verdict.as_str() {
-        "forwarded" => (policies, Vec::new()),
-        _ => (Vec::new(), policies),
-    };
     let reply = is_reply(ev);
-    let mut flow = pb::Flow {
-        time: received(ev),
+    pb::Flow {
+        time,
         uuid: uuid(ev, node),
         verdict: verdict(ev) as i32,
         drop_reason: reason as u32,
-        ip: ip(ev, src_ip),
+        ip: ip(ev),
         l4: layer4(ev),
-        source: Some(source),
-        destination: Some(destination),
         r#type: if ev.kind == "l7" {
             pb::FlowType::L7
         } else {
             pb::FlowType::L3L4
         } as i32,
         node_name: node.to_string(),
-        source_names,
-        destination_names,
         l7: layer7(ev),
         reply: reply == Some(true),
         event_type: Some(pb::CiliumEventType {
             r#type: ty,
             sub_type: sub,
         }),
-        source_service: None,
-        destination_service: None,
         traffic_direction: if egress {
             pb::TrafficDirection::Egress
         } else {
@@ -474,13 +524,7 @@ pub fn to_flow(ev: &VerdictEvent, node: &str, lookup: &dyn Lookup) -> pb::Flow {
         is_reply: reply,
         summary: summary(ev),
         ..Default::default()
-    };
-    if egress {
-        (flow.egress_allowed_by, flow.egress_denied_by) = (allowed, denied);
-    } else {
-        (flow.ingress_allowed_by, flow.ingress_denied_by) = (allowed, denied);
     }
-    flow
 }
 
 /// Hubble's one-line summary: the protocol and, where a policy decided, which one and how
@@ -511,11 +555,12 @@ fn summary(ev: &VerdictEvent) -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::datapath::events::verdict_event;
 
-    struct Known;
+    /// Two identities with labels, and a DNS name of the server's address.
+    pub struct Known;
     impl Lookup for Known {
         fn identity_of(&self, ip: IpAddr) -> u32 {
             if ip.to_string() == "10.0.0.1" {
@@ -546,7 +591,8 @@ mod tests {
         x
     }
 
-    fn allowed_egress() -> VerdictEvent {
+    /// x/client (10.0.0.1) to y/server (10.0.0.2):8080, allowed by a policy.
+    pub fn allowed_egress() -> VerdictEvent {
         let mut ev = verdict_event(
             5,
             7,

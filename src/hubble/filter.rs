@@ -27,10 +27,23 @@ pub const MAX_VALUES: usize = 256;
 const REGEX_SIZE: usize = 1 << 20;
 
 /// A request's filters, ready to match.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Filters {
     allow: Vec<Compiled>,
     deny: Vec<Compiled>,
+    /// Every filter asks for verdicts alone (or there is none): a flow's verdict decides.
+    verdicts_alone: bool,
+}
+
+impl Default for Filters {
+    /// No filter: every flow passes.
+    fn default() -> Self {
+        Filters {
+            allow: Vec::new(),
+            deny: Vec::new(),
+            verdicts_alone: true,
+        }
+    }
 }
 
 impl Filters {
@@ -46,9 +59,27 @@ impl Filters {
                 .map(|(i, f)| Compiled::new(f).map_err(|e| format!("{name}[{i}].{e}")))
                 .collect()
         };
+        let verdicts_alone = whitelist.iter().chain(blacklist).all(|f| {
+            let rest = pb::FlowFilter {
+                verdict: Vec::new(),
+                ..f.clone()
+            };
+            rest == pb::FlowFilter::default()
+        });
         Ok(Filters {
             allow: compile(whitelist, "whitelist")?,
             deny: compile(blacklist, "blacklist")?,
+            verdicts_alone,
+        })
+    }
+
+    /// Whether a flow of this verdict passes, when the verdict alone decides (`None`: the
+    /// filters ask for more than verdicts, so only the whole flow can tell).
+    pub fn accepts_verdict(&self, verdict: i32) -> Option<bool> {
+        let matches = |c: &Compiled| c.verdicts.is_empty() || c.verdicts.contains(&verdict);
+        self.verdicts_alone.then(|| {
+            (self.allow.is_empty() || self.allow.iter().any(matches))
+                && !self.deny.iter().any(matches)
         })
     }
 
@@ -592,6 +623,45 @@ mod tests {
 
     fn accepts(w: pb::FlowFilter) -> bool {
         Filters::new(&[w], &[]).unwrap().accepts(&flow())
+    }
+
+    #[test]
+    fn verdict_filters_alone_decide_without_the_flow_as_they_do_with_it() {
+        let (dropped, forwarded) = (pb::Verdict::Dropped as i32, pb::Verdict::Forwarded as i32);
+        let by = |verdicts: Vec<i32>| pb::FlowFilter {
+            verdict: verdicts,
+            ..Default::default()
+        };
+        let lists = [
+            (vec![], vec![]),
+            (vec![by(vec![dropped])], vec![]),
+            (vec![by(vec![forwarded])], vec![]),
+            (vec![by(vec![forwarded]), by(vec![])], vec![]),
+            (vec![], vec![by(vec![dropped])]),
+            (vec![by(vec![])], vec![by(vec![forwarded, dropped])]),
+        ];
+        for (white, black) in lists {
+            let filters = Filters::new(&white, &black).unwrap();
+            for verdict in [dropped, forwarded] {
+                let f = pb::Flow { verdict, ..flow() };
+                assert_eq!(
+                    filters.accepts_verdict(verdict),
+                    Some(filters.accepts(&f)),
+                    "{white:?} {black:?} {verdict}"
+                );
+            }
+        }
+        assert_eq!(Filters::default().accepts_verdict(dropped), Some(true));
+        // Any other field: only the whole flow can tell.
+        let pod = pb::FlowFilter {
+            source_pod: vec!["x/".into()],
+            verdict: vec![dropped],
+            ..Default::default()
+        };
+        for (white, black) in [(vec![pod.clone()], vec![]), (vec![], vec![pod])] {
+            let filters = Filters::new(&white, &black).unwrap();
+            assert_eq!(filters.accepts_verdict(dropped), None);
+        }
     }
 
     #[test]

@@ -8,6 +8,8 @@
 //!   monitor` shows too, so the two never disagree) as Hubble's `flow.Flow`, and the names
 //!   Hubble's metrics label it with.
 //! - `filter`: Hubble's flow filters (`whitelist`, `blacklist`), compiled once per request.
+//! - `wire`: a flow's `GetFlowsResponse` as protobuf bytes, with what recurs across a call's
+//!   flows (endpoints, names, policies) encoded once per call.
 //! - `server`: the services over the agent's flow ring, its identities and its Node objects.
 //! - `relay`: `ciliate relay`, the Observer API for the whole cluster, from every agent the
 //!   Peer service names.
@@ -22,6 +24,7 @@ pub mod convert;
 pub mod filter;
 pub mod relay;
 pub mod server;
+pub mod wire;
 
 /// The generated code of each package.
 pub mod proto {

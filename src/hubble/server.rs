@@ -21,9 +21,13 @@ use crate::datapath::flows::{Flow, FlowRing};
 use crate::network::NodeSet;
 use crate::policy::engine::PolicyEngine;
 
+use bytes::Bytes;
+use prost::Message;
+
 use super::convert::{self, Lookup};
 use super::filter::Filters;
 use super::proto::{flow as fpb, observer as opb, peer as ppb, relay as rpb};
+use super::wire::{self, Writer};
 
 /// `--hubble-listen-address` and the `--hubble-tls-*` files.
 #[derive(Debug, Clone, Default)]
@@ -182,50 +186,64 @@ impl Hubble {
         Hubble(Arc::new(sources), StreamPlaces::default())
     }
 
-    fn response(&self, ev: &VerdictEvent, lookup: &dyn Lookup) -> opb::GetFlowsResponse {
-        let s = &self.0;
-        let (kind, time) = match ev.lost {
-            Some(n) => (
-                opb::get_flows_response::ResponseTypes::LostEvents(fpb::LostEvent {
-                    source: fpb::LostEventSource::PerfEventRingBuffer as i32,
-                    num_events_lost: n,
-                    cpu: None,
-                }),
-                convert::received(ev),
-            ),
-            None => {
-                let flow = convert::to_flow(ev, &s.node, lookup);
-                let time = flow.time;
-                (
-                    opb::get_flows_response::ResponseTypes::Flow(Box::new(flow)),
-                    time,
-                )
-            }
+    /// Whether the plan wants `ev` (a loss report always passes), with the time it was
+    /// received.
+    fn wanted(&self, plan: &Plan, ev: &Flow, lookup: &dyn Lookup) -> Option<Picked> {
+        let time = convert::received(ev);
+        if ev.lost.is_some() {
+            return Some((ev.clone(), time));
+        }
+        let verdict = convert::verdict(ev) as i32;
+        if !plan.filters.may_accept_verdict(verdict) || !plan.in_time(time.as_ref()) {
+            return None;
+        }
+        let accepted = match plan.filters.accepts_verdict(verdict) {
+            Some(yes) => yes,
+            None => plan
+                .filters
+                .accepts(&convert::to_flow(ev, &self.0.node, lookup)),
         };
-        opb::GetFlowsResponse {
-            response_types: Some(kind),
-            node_name: s.node.clone(),
-            time,
+        accepted.then(|| (ev.clone(), time))
+    }
+
+    /// A picked flow's response, encoded.
+    fn encode(&self, w: &mut Writer, (ev, time): Picked) -> Bytes {
+        match ev.lost {
+            Some(n) => wire::encode(&loss(
+                &self.0.node,
+                fpb::LostEventSource::PerfEventRingBuffer,
+                n,
+                time,
+            )),
+            None => w.response(&ev, time),
         }
     }
 
-    /// The response for `ev` if the plan wants it (a loss report always passes).
-    fn wanted(
-        &self,
-        plan: &Plan,
-        ev: &VerdictEvent,
-        lookup: &dyn Lookup,
-    ) -> Option<opb::GetFlowsResponse> {
-        if ev.lost.is_none() && !plan.filters.may_accept_verdict(convert::verdict(ev) as i32) {
-            return None;
+    /// The encoded responses of one `GetFlows`: the history, then (following) each new flow.
+    fn flows(&self, req: &opb::GetFlowsRequest) -> Result<Stream<Bytes>, Status> {
+        let plan = Plan::new(req).map_err(Status::invalid_argument)?;
+        let place = self.1.take()?;
+        let (kept, live) = self.0.flows.follow_all(plan.since_ms.unwrap_or(0));
+        let history = history(self, &plan, &kept);
+        drop(kept);
+        if !plan.follow {
+            // The place is held until the client has the history or goes.
+            let held = tokio_stream::StreamExt::map(history, move |r| {
+                let _ = &place;
+                r
+            });
+            return Ok(Box::pin(held));
         }
-        let r = self.response(ev, lookup);
-        match &r.response_types {
-            Some(opb::get_flows_response::ResponseTypes::Flow(f)) => {
-                (plan.in_time(f.time.as_ref()) && plan.filters.accepts(f)).then_some(r)
-            }
-            _ => Some(r),
-        }
+        let (tx, rx) = mpsc::channel(256);
+        let hubble = self.clone();
+        tokio::spawn(async move {
+            follow_flows(hubble, plan, live, tx).await;
+            drop(place);
+        });
+        Ok(Box::pin(tokio_stream::StreamExt::chain(
+            history,
+            ReceiverStream::new(rx),
+        )))
     }
 
     fn node(&self) -> opb::Node {
@@ -256,11 +274,26 @@ pub fn server_name(node: &str) -> String {
     format!("{node}.default.hubble-grpc.cilium.io")
 }
 
-/// The picked history's responses, converted with the agent's state read once per identity and
-/// address.
-fn history(hubble: &Hubble, plan: &Plan, kept: &[Flow]) -> Vec<opb::GetFlowsResponse> {
-    let memo = convert::Memo::new(hubble.0.lookup.as_ref());
-    plan.pick(kept, |e| hubble.wanted(plan, e, &memo))
+/// A flow picked for a response, with the time it was received.
+type Picked = (Flow, Option<prost_types::Timestamp>);
+
+/// The history's responses, as a stream of its own (no task, no channel per response): the
+/// flows are picked now, and each is encoded as the stream is read, so the client decodes the
+/// first while the agent encodes the next. One writer for the call reads the agent's state once
+/// per identity and address.
+fn history(
+    hubble: &Hubble,
+    plan: &Plan,
+    kept: &[Flow],
+) -> impl tokio_stream::Stream<Item = Result<Bytes, Status>> + Send + 'static {
+    let mut w = Writer::new(&hubble.0.node, hubble.0.lookup.clone());
+    let picked = plan.pick(kept, |e| hubble.wanted(plan, e, w.lookup()));
+    let hubble = hubble.clone();
+    tokio_stream::iter(
+        picked
+            .into_iter()
+            .map(move |p| Ok(hubble.encode(&mut w, p))),
+    )
 }
 
 /// Sends every new flow that passes, until the client goes or `until` is passed.
@@ -268,7 +301,7 @@ async fn follow_flows(
     hubble: Hubble,
     plan: Plan,
     mut live: broadcast::Receiver<Flow>,
-    tx: mpsc::Sender<Result<opb::GetFlowsResponse, Status>>,
+    tx: mpsc::Sender<Result<Bytes, Status>>,
 ) {
     loop {
         let next = tokio::select! {
@@ -277,12 +310,21 @@ async fn follow_flows(
             _ = tx.closed() => return,
         };
         let r = match next {
-            Ok(ev) => match hubble.wanted(&plan, &ev, hubble.0.lookup.as_ref()) {
-                Some(r) => r,
-                None if past(&plan, &ev) => return,
-                None => continue,
-            },
-            Err(broadcast::error::RecvError::Lagged(n)) => lost_in_queue(&hubble.0.node, n),
+            Ok(ev) => {
+                // Each followed flow reads the agent's state as it is now.
+                let mut w = Writer::new(&hubble.0.node, hubble.0.lookup.clone());
+                match hubble.wanted(&plan, &ev, w.lookup()) {
+                    Some(p) => hubble.encode(&mut w, p),
+                    None if past(&plan, &ev) => return,
+                    None => continue,
+                }
+            }
+            Err(broadcast::error::RecvError::Lagged(n)) => wire::encode(&loss(
+                &hubble.0.node,
+                fpb::LostEventSource::ObserverEventsQueue,
+                n,
+                None,
+            )),
             Err(broadcast::error::RecvError::Closed) => return,
         };
         if tx.send(Ok(r)).await.is_err() {
@@ -298,17 +340,23 @@ fn past(plan: &Plan, ev: &VerdictEvent) -> bool {
         .is_some_and(|u| at.as_ref().is_some_and(|t| ms(t) > u))
 }
 
-fn lost_in_queue(node: &str, n: u64) -> opb::GetFlowsResponse {
+/// A report of `n` flows lost at `source`.
+fn loss(
+    node: &str,
+    source: fpb::LostEventSource,
+    n: u64,
+    time: Option<prost_types::Timestamp>,
+) -> opb::GetFlowsResponse {
     opb::GetFlowsResponse {
         response_types: Some(opb::get_flows_response::ResponseTypes::LostEvents(
             fpb::LostEvent {
-                source: fpb::LostEventSource::ObserverEventsQueue as i32,
+                source: source as i32,
                 num_events_lost: n,
                 cpu: None,
             },
         )),
         node_name: node.to_string(),
-        time: None,
+        time,
     }
 }
 
@@ -316,32 +364,19 @@ fn lost_in_queue(node: &str, n: u64) -> opb::GetFlowsResponse {
 impl opb::observer_server::Observer for Hubble {
     type GetFlowsStream = Stream<opb::GetFlowsResponse>;
 
+    /// A direct call (the agent's server answers `GetFlows` through `ObserverService`): the
+    /// same responses, decoded.
     async fn get_flows(
         &self,
         req: Request<opb::GetFlowsRequest>,
     ) -> Result<Response<Self::GetFlowsStream>, Status> {
-        let plan = Plan::new(req.get_ref()).map_err(Status::invalid_argument)?;
-        let place = self.1.take()?;
-        let (kept, live) = self.0.flows.follow_all(plan.since_ms.unwrap_or(0));
-        // The history goes out as a stream of its own (no task, no channel per response).
-        let history = tokio_stream::iter(history(self, &plan, &kept).into_iter().map(Ok));
-        drop(kept);
-        if !plan.follow {
-            // The place is held until the client has the history or goes.
-            let held = tokio_stream::StreamExt::map(history, move |r| {
-                let _ = &place;
-                r
-            });
-            return Ok(Response::new(Box::pin(held)));
-        }
-        let (tx, rx) = mpsc::channel(256);
-        let hubble = self.clone();
-        tokio::spawn(async move {
-            follow_flows(hubble, plan, live, tx).await;
-            drop(place);
+        let flows = self.flows(req.get_ref())?;
+        let decoded = tokio_stream::StreamExt::map(flows, |r| {
+            r.and_then(|b| {
+                opb::GetFlowsResponse::decode(b).map_err(|e| Status::internal(e.to_string()))
+            })
         });
-        let flows = tokio_stream::StreamExt::chain(history, ReceiverStream::new(rx));
-        Ok(Response::new(Box::pin(flows)))
+        Ok(Response::new(Box::pin(decoded)))
     }
 
     async fn get_nodes(
@@ -572,6 +607,66 @@ pub fn spawn(hubble: Hubble, listeners: Listeners) -> std::io::Result<()> {
         .map(|_| ())
 }
 
+/// The Observer service as the agent serves it: `GetFlows` from the responses `wire` encodes
+/// (`Hubble::flows`), every other call by the generated server.
+#[derive(Clone)]
+struct ObserverService {
+    hubble: Hubble,
+    generated: opb::observer_server::ObserverServer<Hubble>,
+}
+
+impl ObserverService {
+    fn new(hubble: Hubble) -> Self {
+        let generated = opb::observer_server::ObserverServer::new(hubble.clone());
+        ObserverService { hubble, generated }
+    }
+}
+
+impl tonic::server::NamedService for ObserverService {
+    const NAME: &'static str = opb::observer_server::SERVICE_NAME;
+}
+
+/// `GetFlows` answered with encoded responses.
+struct EncodedFlows(Hubble);
+
+impl tonic::server::ServerStreamingService<opb::GetFlowsRequest> for EncodedFlows {
+    type Response = Bytes;
+    type ResponseStream = Stream<Bytes>;
+    type Future = std::future::Ready<Result<Response<Stream<Bytes>>, Status>>;
+
+    fn call(&mut self, req: Request<opb::GetFlowsRequest>) -> Self::Future {
+        std::future::ready(self.0.flows(req.get_ref()).map(Response::new))
+    }
+}
+
+impl<B> tower::Service<http::Request<B>> for ObserverService
+where
+    B: tonic::codegen::Body + Send + 'static,
+    B::Error: Into<tonic::codegen::StdError> + Send + 'static,
+{
+    type Response = http::Response<tonic::body::Body>;
+    type Error = std::convert::Infallible;
+    type Future = tonic::codegen::BoxFuture<Self::Response, Self::Error>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        tower::Service::<http::Request<B>>::poll_ready(&mut self.generated, cx)
+    }
+
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        if req.uri().path() != "/observer.Observer/GetFlows" {
+            return self.generated.call(req);
+        }
+        let flows = EncodedFlows(self.hubble.clone());
+        Box::pin(async move {
+            let mut grpc = tonic::server::Grpc::new(wire::Codec);
+            Ok(grpc.server_streaming(flows, req).await)
+        })
+    }
+}
+
 fn router(
     hubble: &Hubble,
     tls: Option<tonic::transport::ServerTlsConfig>,
@@ -580,10 +675,8 @@ fn router(
     if let Some(tls) = tls {
         b = b.tls_config(tls)?;
     }
-    Ok(
-        b.add_service(opb::observer_server::ObserverServer::new(hubble.clone()))
-            .add_service(ppb::peer_server::PeerServer::new(hubble.clone())),
-    )
+    Ok(b.add_service(ObserverService::new(hubble.clone()))
+        .add_service(ppb::peer_server::PeerServer::new(hubble.clone())))
 }
 
 async fn serve(hubble: Hubble, l: Listeners) {
