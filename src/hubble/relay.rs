@@ -4,8 +4,9 @@
 //! - `GetFlows`: every node's flows, ordered by time (history: sorted whole; following: sorted
 //!   within each 100 ms window), preceded by node status events (`NODE_CONNECTED`,
 //!   `NODE_UNAVAILABLE`). A following stream survives an agent that goes away: it is reported
-//!   unavailable, retried every second, and on its return followed again from the last flow
-//!   received from it, so the flows it kept meanwhile are not lost;
+//!   unavailable, retried every second, and on its return followed again from the millisecond
+//!   of the last flow received from it (the flows of that millisecond already forwarded are
+//!   not forwarded again), so the flows it kept meanwhile are neither lost nor repeated;
 //! - `ServerStatus`: the sums over the connected nodes, and which ones are unavailable;
 //! - `GetNodes`: every known node with its state; `GetNamespaces`: the union.
 //!
@@ -345,6 +346,7 @@ async fn follow_peer(
     out: mpsc::Sender<opb::GetFlowsResponse>,
 ) {
     let mut up = None;
+    let mut resume = Resume::default();
     loop {
         let stream = tokio::time::timeout(CALL_TIMEOUT, observer(&p).get_flows(req.clone())).await;
         if let Ok(Ok(s)) = stream {
@@ -357,9 +359,12 @@ async fn follow_peer(
             }
             let mut s = s.into_inner();
             while let Ok(Some(r)) = s.message().await {
-                if let Some(t) = r.time {
-                    // Resume after this flow: from its time on, with a fresh history count.
-                    req.since = Some(after(t));
+                if !resume.first_time(&r) {
+                    continue;
+                }
+                if let Some(since) = resume.since() {
+                    // Resume from this flow's millisecond, with a fresh history count.
+                    req.since = Some(since);
                     req.number = 0;
                 }
                 if out.send(r).await.is_err() {
@@ -383,18 +388,45 @@ async fn follow_peer(
     }
 }
 
-/// The next nanosecond after `t`.
-fn after(t: prost_types::Timestamp) -> prost_types::Timestamp {
-    if t.nanos >= 999_999_999 {
-        prost_types::Timestamp {
-            seconds: t.seconds + 1,
-            nanos: 0,
+/// Where a node's follow stream resumes. Flow times are kept to the millisecond and an agent's
+/// `since` counts whole milliseconds, so a resumed stream starts with the last millisecond
+/// already forwarded: its flows (by uuid, stable across calls) are not forwarded twice, and
+/// none of that millisecond is skipped.
+#[derive(Debug, Default)]
+struct Resume {
+    /// The last millisecond forwarded, in milliseconds since the epoch.
+    ms: Option<i64>,
+    /// The flows of that millisecond already forwarded.
+    uuids: std::collections::HashSet<String>,
+}
+
+impl Resume {
+    /// Whether `r` is forwarded for the first time (responses that are no flow always are).
+    fn first_time(&mut self, r: &opb::GetFlowsResponse) -> bool {
+        let (Some(opb::get_flows_response::ResponseTypes::Flow(f)), Some(t)) =
+            (&r.response_types, &r.time)
+        else {
+            return true;
+        };
+        let ms = t.seconds * 1000 + i64::from(t.nanos) / 1_000_000;
+        match self.ms {
+            // Earlier than the last (the agent's clock stepped back): new, and no resume point.
+            Some(last) if ms < last => return true,
+            Some(last) if ms == last => return self.uuids.insert(f.uuid.clone()),
+            _ => {}
         }
-    } else {
-        prost_types::Timestamp {
-            nanos: t.nanos + 1,
-            ..t
-        }
+        self.ms = Some(ms);
+        self.uuids.clear();
+        self.uuids.insert(f.uuid.clone());
+        true
+    }
+
+    /// The `since` a resumed stream asks for (`None`: no flow forwarded yet).
+    fn since(&self) -> Option<prost_types::Timestamp> {
+        self.ms.map(|ms| prost_types::Timestamp {
+            seconds: ms.div_euclid(1000),
+            nanos: (ms.rem_euclid(1000) * 1_000_000) as i32,
+        })
     }
 }
 
@@ -626,6 +658,54 @@ mod tests {
             r#type: t as i32,
             tls: None,
         }
+    }
+
+    fn flow_at(ms: i64, uuid: &str) -> opb::GetFlowsResponse {
+        let t = prost_types::Timestamp {
+            seconds: ms / 1000,
+            nanos: (ms % 1000 * 1_000_000) as i32,
+        };
+        opb::GetFlowsResponse {
+            response_types: Some(opb::get_flows_response::ResponseTypes::Flow(Box::new(
+                crate::hubble::proto::flow::Flow {
+                    uuid: uuid.into(),
+                    time: Some(t),
+                    ..Default::default()
+                },
+            ))),
+            node_name: "n1".into(),
+            time: Some(t),
+        }
+    }
+
+    #[test]
+    fn a_resumed_stream_forwards_each_flow_of_its_last_millisecond_once() {
+        let mut r = Resume::default();
+        assert_eq!(r.since(), None);
+        for (ms, uuid) in [(1_000, "a"), (1_001, "b"), (1_001, "c")] {
+            assert!(r.first_time(&flow_at(ms, uuid)));
+        }
+        // The stream resumes from 1.001 s: b and c again, then d of that millisecond, e later.
+        assert_eq!(
+            r.since(),
+            Some(prost_types::Timestamp {
+                seconds: 1,
+                nanos: 1_000_000
+            })
+        );
+        let again: Vec<bool> = [(1_001, "b"), (1_001, "c"), (1_001, "d"), (1_002, "e")]
+            .iter()
+            .map(|(ms, uuid)| r.first_time(&flow_at(*ms, uuid)))
+            .collect();
+        assert_eq!(again, [false, false, true, true]);
+        // Earlier than the last (a clock stepped back): forwarded, the resume point kept.
+        assert!(r.first_time(&flow_at(1_000, "z")));
+        assert_eq!(r.since().map(|t| t.nanos), Some(2_000_000));
+        // Status events always pass.
+        assert!(r.first_time(&node_status(
+            rpb::NodeState::NodeConnected,
+            vec!["n1".into()]
+        )));
     }
 
     #[tokio::test]
