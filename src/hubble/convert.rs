@@ -60,18 +60,6 @@ impl Lookup for NoLookup {
     }
 }
 
-impl<T: Lookup + ?Sized> Lookup for &T {
-    fn identity_of(&self, ip: IpAddr) -> u32 {
-        (**self).identity_of(ip)
-    }
-    fn labels_of(&self, identity: u32) -> Vec<String> {
-        (**self).labels_of(identity)
-    }
-    fn names_of(&self, ip: IpAddr) -> Vec<String> {
-        (**self).names_of(ip)
-    }
-}
-
 impl<T: Lookup + ?Sized> Lookup for std::sync::Arc<T> {
     fn identity_of(&self, ip: IpAddr) -> u32 {
         (**self).identity_of(ip)
@@ -105,27 +93,24 @@ impl<L: Lookup> Memo<L> {
     }
 }
 
+/// The answer remembered for `key`, asked with `ask` the first time.
+fn remember<K: Hash + Eq, V: Clone>(
+    answers: &RefCell<HashMap<K, V>>,
+    key: K,
+    ask: impl FnOnce() -> V,
+) -> V {
+    answers.borrow_mut().entry(key).or_insert_with(ask).clone()
+}
+
 impl<L: Lookup> Lookup for Memo<L> {
     fn identity_of(&self, ip: IpAddr) -> u32 {
-        *self
-            .identities
-            .borrow_mut()
-            .entry(ip)
-            .or_insert_with(|| self.inner.identity_of(ip))
+        remember(&self.identities, ip, || self.inner.identity_of(ip))
     }
     fn labels_of(&self, identity: u32) -> Vec<String> {
-        self.labels
-            .borrow_mut()
-            .entry(identity)
-            .or_insert_with(|| self.inner.labels_of(identity))
-            .clone()
+        remember(&self.labels, identity, || self.inner.labels_of(identity))
     }
     fn names_of(&self, ip: IpAddr) -> Vec<String> {
-        self.names
-            .borrow_mut()
-            .entry(ip)
-            .or_insert_with(|| self.inner.names_of(ip))
-            .clone()
+        remember(&self.names, ip, || self.inner.names_of(ip))
     }
 }
 

@@ -625,13 +625,17 @@ mod tests {
         Filters::new(&[w], &[]).unwrap().accepts(&flow())
     }
 
+    /// A filter asking for these verdicts alone.
+    fn by(verdicts: Vec<i32>) -> pb::FlowFilter {
+        pb::FlowFilter {
+            verdict: verdicts,
+            ..Default::default()
+        }
+    }
+
     #[test]
     fn verdict_filters_alone_decide_without_the_flow_as_they_do_with_it() {
         let (dropped, forwarded) = (pb::Verdict::Dropped as i32, pb::Verdict::Forwarded as i32);
-        let by = |verdicts: Vec<i32>| pb::FlowFilter {
-            verdict: verdicts,
-            ..Default::default()
-        };
         let lists = [
             (vec![], vec![]),
             (vec![by(vec![dropped])], vec![]),
@@ -667,10 +671,6 @@ mod tests {
     #[test]
     fn the_verdict_precheck_refuses_only_what_the_filters_refuse() {
         let (dropped, forwarded) = (pb::Verdict::Dropped as i32, pb::Verdict::Forwarded as i32);
-        let by = |verdicts: Vec<i32>| pb::FlowFilter {
-            verdict: verdicts,
-            ..Default::default()
-        };
         let cases = [
             (vec![], vec![], true),
             (vec![by(vec![dropped])], vec![], true),
