@@ -783,6 +783,65 @@ mod tests {
         );
     }
 
+    #[tokio::test]
+    async fn get_flows_sends_the_picked_flows_as_to_flow_builds_them() {
+        use opb::observer_server::Observer;
+        use tokio_stream::StreamExt;
+        let s = sources(NodeSet::new());
+        for i in 0..6u8 {
+            let reason = if i % 3 == 0 {
+                "drop-default-deny"
+            } else {
+                "allow-policy"
+            };
+            let mut a = [0u8; 16];
+            a[..4].copy_from_slice(&[10, 0, 0, i]);
+            let ev = crate::datapath::events::verdict_event(
+                u64::from(i),
+                1,
+                256,
+                i % 2 == 0,
+                6,
+                8080,
+                reason,
+                4,
+                a,
+                a,
+                0,
+            );
+            s.flows.publish(ev);
+        }
+        let (kept, _) = s.flows.follow_all(0);
+        let h = Hubble::new(s);
+        // The last two forwarded flows: the fifth and sixth kept are forwarded, so 4 and 5.
+        let req = opb::GetFlowsRequest {
+            number: 2,
+            whitelist: vec![fpb::FlowFilter {
+                verdict: vec![fpb::Verdict::Forwarded as i32],
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let got: Vec<opb::GetFlowsResponse> = Observer::get_flows(&h, Request::new(req))
+            .await
+            .unwrap()
+            .into_inner()
+            .map(Result::unwrap)
+            .collect()
+            .await;
+        let want: Vec<opb::GetFlowsResponse> = kept[4..]
+            .iter()
+            .map(|ev| opb::GetFlowsResponse {
+                response_types: Some(opb::get_flows_response::ResponseTypes::Flow(Box::new(
+                    convert::to_flow(ev, "n1", &convert::NoLookup),
+                ))),
+                node_name: "n1".into(),
+                time: convert::received(ev),
+            })
+            .collect();
+        assert_eq!(got, want);
+    }
+
     #[test]
     fn a_plan_picks_the_last_or_first_number() {
         let plan = |number, first, follow, since: bool| {
