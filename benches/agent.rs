@@ -59,6 +59,7 @@ fn local_pod(i: usize) -> PodInfo {
         node: Some("node-1".into()),
         service_account: "default".into(),
         named_ports: vec![],
+        workload: None,
     }
 }
 
@@ -72,6 +73,7 @@ fn remote_pod(i: usize) -> PodInfo {
         node: Some("node-2".into()),
         service_account: "default".into(),
         named_ports: vec![],
+        workload: None,
     }
 }
 

@@ -274,6 +274,7 @@ fn pod(i: u32, app: &Arc<BTreeMap<String, String>>) -> PodInfo {
         node: Some("node-1".into()),
         service_account: "default".into(),
         named_ports: vec![],
+        workload: None,
     }
 }
 

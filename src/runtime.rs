@@ -51,6 +51,9 @@ pub struct Shared {
     pub bootstrap: Arc<Bootstrap>,
     /// Pods by address (`namespace/name`), for flows (`source_pod`, `destination_pod`).
     pub pod_names: Arc<dashmap::DashMap<std::net::IpAddr, String>>,
+    /// Workloads by pod (`namespace/name`), of the pods the agent reads Pod objects of (not
+    /// those it knows from endpoint slices alone): Hubble's `Endpoint.workloads`.
+    pub workloads: Arc<dashmap::DashMap<String, crate::objects::Workload>>,
     /// Policy and endpoint notifications for `ciliate monitor`.
     pub notifications: tokio::sync::broadcast::Sender<crate::datapath::events::Notification>,
     /// Verdict events: the recent ones (`monitor --since`) and the live broadcast.
@@ -131,6 +134,7 @@ impl Shared {
             policy_hits: Default::default(),
             bootstrap: Default::default(),
             pod_names: Default::default(),
+            workloads: Default::default(),
             sync_waiting: Arc::new(Mutex::new(Vec::new())),
             kinds_not_served: Default::default(),
             policy_status: None,

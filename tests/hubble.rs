@@ -105,6 +105,15 @@ fn scene(extra: &[&str]) -> (common::netns::World, tempfile::TempDir, Agent) {
     std::fs::create_dir_all(&m).unwrap();
     let [a, b, c] = [0, 1, 2].map(|i| w.pods[i].addr.to_string());
     let cluster = common::namespace_x_with_pods(&[("a", &a), ("b", &b), ("c", &c)]);
+    // b is a Deployment's pod: its ReplicaSet is named after the pod template's hash.
+    let b_meta = "metadata: {name: b, namespace: x, labels: {app: b}}";
+    assert_eq!(cluster.matches(b_meta).count(), 1);
+    let cluster = cluster.replace(
+        b_meta,
+        "metadata: {name: b, namespace: x, labels: {app: b, pod-template-hash: 7c5d9f},
+  ownerReferences: [{apiVersion: apps/v1, kind: ReplicaSet, name: b-7c5d9f, uid: u-b,
+    controller: true}]}",
+    );
     std::fs::write(m.join("cluster.yaml"), cluster).unwrap();
     std::fs::write(m.join("knp.yaml"), KNP).unwrap();
     let pins = w.pins.to_string_lossy().to_string();
@@ -171,6 +180,33 @@ fn the_observer_serves_the_agents_flows_as_hubble_does() {
             tokio::time::sleep(Duration::from_millis(200)).await;
         };
         assert_eq!(pod(&denied.destination), "x/b");
+        // Workloads from the pods' controllers: b's Deployment; a has no controller.
+        let b_deployment = fpb::Workload {
+            name: "b".into(),
+            kind: "Deployment".into(),
+        };
+        assert_eq!(
+            denied.destination.as_ref().unwrap().workloads,
+            [b_deployment.clone()]
+        );
+        assert!(denied.source.as_ref().unwrap().workloads.is_empty());
+        let to_deployment = |kind: &str| fpb::FlowFilter {
+            destination_workload: vec![fpb::Workload {
+                kind: kind.into(),
+                ..b_deployment.clone()
+            }],
+            ..dropped.clone()
+        };
+        assert!(
+            !flows(&mut unix, req(vec![to_deployment("Deployment")], vec![]))
+                .await
+                .is_empty()
+        );
+        assert!(
+            flows(&mut unix, req(vec![to_deployment("StatefulSet")], vec![]))
+                .await
+                .is_empty()
+        );
         assert_eq!(
             denied.traffic_direction,
             fpb::TrafficDirection::Ingress as i32

@@ -73,7 +73,10 @@ pub fn serve_hubble(dir: &Path, node: &str, flows: Arc<FlowRing>) -> PathBuf {
     let sources = hs::Sources {
         node: node.into(),
         flows,
-        lookup: Arc::new(hs::EngineLookup(engine)),
+        lookup: Arc::new(hs::EngineLookup {
+            engine,
+            workloads: Default::default(),
+        }),
         nodes: tokio::sync::watch::channel(Default::default()).1,
         started: std::time::Instant::now(),
         port: 4244,

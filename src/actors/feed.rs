@@ -533,6 +533,7 @@ mod tests {
                 node: Some("n2".into()),
                 service_account: "default".into(),
                 named_ports: vec![],
+                workload: None,
             })
         };
         for hashed in [false, true] {

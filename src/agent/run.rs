@@ -370,7 +370,10 @@ fn hubble_sources(
     crate::hubble::server::Sources {
         node: shared.node_name.clone(),
         flows: shared.flows.clone(),
-        lookup: std::sync::Arc::new(crate::hubble::server::EngineLookup(shared.engine.clone())),
+        lookup: std::sync::Arc::new(crate::hubble::server::EngineLookup {
+            engine: shared.engine.clone(),
+            workloads: shared.workloads.clone(),
+        }),
         nodes: shared.nodes.subscribe(),
         started: std::time::Instant::now(),
         port: listen.map_or(crate::hubble::DEFAULT_PORT, |a| a.port()),

@@ -21,6 +21,7 @@ use std::hash::{Hash, Hasher};
 use std::net::IpAddr;
 
 use crate::datapath::events::VerdictEvent;
+use crate::objects::Workload;
 use crate::policy::attribution::PolicyRef;
 
 use super::proto::flow as pb;
@@ -43,6 +44,8 @@ pub trait Lookup {
     fn labels_of(&self, identity: u32) -> Vec<String>;
     /// The DNS names the agent learned the address under.
     fn names_of(&self, ip: IpAddr) -> Vec<String>;
+    /// The workload of a pod (`namespace/name`) whose Pod object the agent reads.
+    fn workload_of(&self, pod: &str) -> Option<Workload>;
 }
 
 /// A lookup that knows nothing (tests, and flows converted without an agent).
@@ -58,6 +61,9 @@ impl Lookup for NoLookup {
     fn names_of(&self, _: IpAddr) -> Vec<String> {
         Vec::new()
     }
+    fn workload_of(&self, _: &str) -> Option<Workload> {
+        None
+    }
 }
 
 impl<T: Lookup + ?Sized> Lookup for std::sync::Arc<T> {
@@ -69,6 +75,9 @@ impl<T: Lookup + ?Sized> Lookup for std::sync::Arc<T> {
     }
     fn names_of(&self, ip: IpAddr) -> Vec<String> {
         (**self).names_of(ip)
+    }
+    fn workload_of(&self, pod: &str) -> Option<Workload> {
+        (**self).workload_of(pod)
     }
 }
 
@@ -111,6 +120,10 @@ impl<L: Lookup> Lookup for Memo<L> {
     }
     fn names_of(&self, ip: IpAddr) -> Vec<String> {
         remember(&self.names, ip, || self.inner.names_of(ip))
+    }
+    fn workload_of(&self, pod: &str) -> Option<Workload> {
+        // Asked once per side a writer encodes (`wire` keeps the endpoint), so not kept here.
+        self.inner.workload_of(pod)
     }
 }
 
@@ -252,13 +265,20 @@ pub fn endpoint(side: &Side<'_>, lookup: &dyn Lookup) -> pb::Endpoint {
         Some((ns, name)) => (ns.to_string(), name.to_string()),
         None => (String::new(), String::new()),
     };
+    let workloads = side.pod.and_then(|p| lookup.workload_of(p));
     pb::Endpoint {
         id: side.id,
         identity,
         namespace,
         labels: lookup.labels_of(identity),
         pod_name,
-        workloads: Vec::new(),
+        workloads: workloads
+            .map(|w| pb::Workload {
+                name: w.name,
+                kind: w.kind,
+            })
+            .into_iter()
+            .collect(),
     }
 }
 
@@ -568,6 +588,12 @@ pub(super) mod tests {
                 vec![]
             }
         }
+        fn workload_of(&self, pod: &str) -> Option<Workload> {
+            (pod == "y/server").then(|| Workload {
+                name: "server".into(),
+                kind: "Deployment".into(),
+            })
+        }
     }
 
     fn addr(a: [u8; 4]) -> [u8; 16] {
@@ -624,9 +650,17 @@ pub(super) mod tests {
             ("x", "client")
         );
         assert_eq!(src.labels, ["k8s:app=client"]);
+        assert!(src.workloads.is_empty(), "no controller known");
         let dst = f.destination.unwrap();
         assert_eq!((dst.id, dst.identity), (0, 4002), "the peer as judged");
         assert_eq!(dst.labels, ["k8s:app=server"]);
+        assert_eq!(
+            dst.workloads,
+            [pb::Workload {
+                name: "server".into(),
+                kind: "Deployment".into()
+            }]
+        );
         assert_eq!(f.destination_names, ["server.example.com"]);
         assert_eq!(f.egress_allowed_by.len(), 1);
         let p = &f.egress_allowed_by[0];

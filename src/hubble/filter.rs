@@ -9,7 +9,8 @@
 //! labels as Kubernetes label selectors over `source:key=value` labels (a key without source
 //! matches any source); FQDNs and node names with `*` wildcards; ports and identities exact;
 //! HTTP status codes exact or as prefixes (`4+`); HTTP paths and DNS queries as regular
-//! expressions. A field ciliate's flows never carry (services, workloads, trace ids) matches
+//! expressions; workloads by kind and name (either empty: any). A field ciliate's flows never
+//! carry (services, trace ids) matches
 //! no flow when given. A filter that cannot be parsed is refused with the field named.
 
 use std::net::IpAddr;
@@ -109,7 +110,9 @@ struct SideFilter {
     labels: Vec<Selector>,
     identities: Vec<u32>,
     ports: Vec<u16>,
-    /// Services or workloads asked for: ciliate's flows name neither, so nothing matches.
+    /// Workloads, by kind and name (either empty: any).
+    workloads: Vec<pb::Workload>,
+    /// Services asked for: ciliate's flows name none, so nothing matches.
     never: bool,
 }
 
@@ -186,9 +189,10 @@ fn side(
     [ips, pods, fqdns, labels, services]: [&[String]; 5],
     identities: &[u32],
     ports: &[String],
-    workloads: usize,
+    workloads: &[pb::Workload],
 ) -> Result<SideFilter, String> {
     bounded(&format!("{which}_identity"), identities)?;
+    bounded(&format!("{which}_workload"), workloads)?;
     Ok(SideFilter {
         ips: each(&format!("{which}_ip"), ips, |s| ip_or_cidr(s))?,
         pods: each(&format!("{which}_pod"), pods, |s| pod(s))?,
@@ -196,7 +200,8 @@ fn side(
         labels: each(&format!("{which}_label"), labels, |s| Selector::parse(s))?,
         identities: identities.to_vec(),
         ports: each(&format!("{which}_port"), ports, |s| port(s))?,
-        never: !services.is_empty() || workloads > 0,
+        workloads: workloads.to_vec(),
+        never: !services.is_empty(),
     })
 }
 
@@ -213,7 +218,7 @@ impl Compiled {
             ],
             &f.source_identity,
             &f.source_port,
-            f.source_workload.len(),
+            &f.source_workload,
         )?;
         let destination = side(
             "destination",
@@ -226,7 +231,7 @@ impl Compiled {
             ],
             &f.destination_identity,
             &f.destination_port,
-            f.destination_workload.len(),
+            &f.destination_workload,
         )?;
         for (name, n) in [
             ("uuid", f.uuid.len()),
@@ -328,6 +333,15 @@ impl SideFilter {
             && any(&self.labels, |s| ep.is_some_and(|e| s.matches(&e.labels)))
             && any(&self.identities, |id| ep.is_some_and(|e| e.identity == *id))
             && any(&self.ports, |p| port == Some(*p))
+            && any(&self.workloads, |w| {
+                // Hubble's rule: a kind or name left empty matches any.
+                ep.is_some_and(|e| {
+                    e.workloads.iter().any(|have| {
+                        (w.name.is_empty() || w.name == have.name)
+                            && (w.kind.is_empty() || w.kind == have.kind)
+                    })
+                })
+            })
     }
 }
 
@@ -600,6 +614,10 @@ mod tests {
                 pod_name: "client-7d9f".into(),
                 labels: vec!["k8s:app=client".into(), "k8s:tier=front".into()],
                 identity: 4001,
+                workloads: vec![pb::Workload {
+                    name: "client".into(),
+                    kind: "Deployment".into(),
+                }],
                 ..Default::default()
             }),
             destination: Some(pb::Endpoint {
@@ -694,6 +712,41 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn workloads_match_by_kind_and_name_either_left_empty() {
+        let w = |name: &str, kind: &str| pb::Workload {
+            name: name.into(),
+            kind: kind.into(),
+        };
+        let source = |ws: Vec<pb::Workload>| pb::FlowFilter {
+            source_workload: ws,
+            ..Default::default()
+        };
+        for yes in [
+            w("client", "Deployment"),
+            w("client", ""),
+            w("", "Deployment"),
+            w("", ""),
+        ] {
+            assert!(accepts(source(vec![yes.clone()])), "{yes:?}");
+        }
+        for no in [w("client", "StatefulSet"), w("server", "")] {
+            assert!(!accepts(source(vec![no.clone()])), "{no:?}");
+        }
+        assert!(
+            accepts(source(vec![w("server", ""), w("client", "")])),
+            "any value"
+        );
+        // The destination names no workload: nothing matches it.
+        assert!(!accepts(pb::FlowFilter {
+            destination_workload: vec![w("", "")],
+            ..Default::default()
+        }));
+        let many = source(vec![w("a", ""); MAX_VALUES + 1]);
+        let err = Filters::new(&[many], &[]).unwrap_err();
+        assert!(err.contains("source_workload"), "{err}");
     }
 
     #[test]

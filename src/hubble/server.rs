@@ -19,6 +19,7 @@ use tonic::{Request, Response, Status};
 use crate::datapath::events::VerdictEvent;
 use crate::datapath::flows::{Flow, FlowRing};
 use crate::network::NodeSet;
+use crate::objects::Workload;
 use crate::policy::engine::PolicyEngine;
 
 use bytes::Bytes;
@@ -71,15 +72,23 @@ pub struct Sources {
     pub tls: bool,
 }
 
-/// The engine's identities, ipcache and DNS names, read as each flow is converted.
-pub struct EngineLookup(pub Arc<RwLock<PolicyEngine>>);
+/// The engine's identities, ipcache and DNS names, and the pods' workloads, read as each flow
+/// is converted.
+pub struct EngineLookup {
+    pub engine: Arc<RwLock<PolicyEngine>>,
+    /// `runtime::Shared::workloads`.
+    pub workloads: Arc<dashmap::DashMap<String, Workload>>,
+}
 
 impl Lookup for EngineLookup {
     fn identity_of(&self, ip: IpAddr) -> u32 {
-        self.0.read().map_or(0, |e| e.identity_of_ip(ip))
+        self.engine.read().map_or(0, |e| e.identity_of_ip(ip))
+    }
+    fn workload_of(&self, pod: &str) -> Option<Workload> {
+        self.workloads.get(pod).map(|w| w.clone())
     }
     fn labels_of(&self, identity: u32) -> Vec<String> {
-        let Ok(e) = self.0.read() else {
+        let Ok(e) = self.engine.read() else {
             return Vec::new();
         };
         e.identity(identity)
@@ -87,7 +96,7 @@ impl Lookup for EngineLookup {
             .unwrap_or_default()
     }
     fn names_of(&self, ip: IpAddr) -> Vec<String> {
-        let Ok(e) = self.0.read() else {
+        let Ok(e) = self.engine.read() else {
             return Vec::new();
         };
         e.fqdn_names_of(ip)

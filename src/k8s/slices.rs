@@ -398,6 +398,9 @@ pub fn slice_pods_where(
                 node: Some(spec.node.clone()),
                 service_account: source.service_account.clone(),
                 named_ports: p.named_ports.clone(),
+                // Slices carry no owners: Hubble names workloads of local pods only, as
+                // Cilium does.
+                workload: None,
             },
         ));
     }
@@ -694,6 +697,7 @@ mod tests {
                 protocol: crate::policy::rule::PROTO_TCP,
                 port: 8080,
             }],
+            workload: None,
         }
     }
 

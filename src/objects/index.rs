@@ -46,7 +46,8 @@ pub struct PodRecord {
 }
 
 impl PodRecord {
-    /// The pod as a `PodInfo` again (`key`: its `namespace/name`).
+    /// The pod as a `PodInfo` again (`key`: its `namespace/name`), without its workload (which
+    /// the index does not keep; `runtime::Shared::workloads` does).
     pub fn info(&self, key: &str) -> PodInfo {
         let name = key.split_once('/').map_or(key, |(_, n)| n);
         PodInfo {
@@ -57,6 +58,7 @@ impl PodRecord {
             node: self.node.as_deref().map(str::to_string),
             service_account: self.service_account.to_string(),
             named_ports: self.named_ports.to_vec(),
+            workload: None,
         }
     }
 
@@ -626,6 +628,7 @@ mod tests {
             node: None,
             service_account: "default".into(),
             named_ports: vec![],
+            workload: None,
         }
     }
 

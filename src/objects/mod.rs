@@ -34,6 +34,67 @@ pub struct PodInfo {
     pub service_account: String,
     #[serde(skip)]
     pub named_ports: Vec<NamedPort>,
+    /// The workload that controls the pod (`workload_of`); none for a pod no controller owns.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workload: Option<Workload>,
+}
+
+/// The workload a pod belongs to, as Hubble names it: `Deployment`/`web`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize)]
+pub struct Workload {
+    pub name: String,
+    pub kind: String,
+}
+
+/// The workload of a pod, from its controller's owner reference, as Cilium derives it: a
+/// ReplicaSet named `<name>-<the pod's pod-template-hash>` is Deployment `<name>`; a
+/// ReplicationController of a pod labelled `deploymentconfig` is that DeploymentConfig; a Job
+/// named `<name>-<8 to 10 digits>` is CronJob `<name>`; any other controller is itself. A pod
+/// no controller owns has none.
+pub fn workload_of(meta: &ObjectMeta) -> Option<Workload> {
+    let owner = meta
+        .owner_references
+        .iter()
+        .flatten()
+        .find(|o| o.controller == Some(true))?;
+    let label = |k: &str| {
+        meta.labels
+            .as_ref()
+            .and_then(|l| l.get(k))
+            .filter(|v| !v.is_empty())
+    };
+    let named = |name: &str, kind: &str| {
+        Some(Workload {
+            name: name.to_string(),
+            kind: kind.to_string(),
+        })
+    };
+    match owner.kind.as_str() {
+        "ReplicaSet" => {
+            if let Some(name) = label("pod-template-hash")
+                .and_then(|h| owner.name.strip_suffix(h.as_str()))
+                .and_then(|n| n.strip_suffix('-'))
+            {
+                return named(name, "Deployment");
+            }
+        }
+        "ReplicationController" => {
+            if let Some(dc) = label("deploymentconfig") {
+                return named(dc, "DeploymentConfig");
+            }
+        }
+        "Job" => {
+            if let Some((name, stamp)) = owner.name.rsplit_once('-') {
+                let digits =
+                    (8..=10).contains(&stamp.len()) && stamp.bytes().all(|b| b.is_ascii_digit());
+                if digits && !name.is_empty() {
+                    return named(name, "CronJob");
+                }
+            }
+        }
+        _ => {}
+    }
+    named(&owner.name, &owner.kind)
 }
 
 impl PodInfo {
@@ -284,6 +345,7 @@ pub fn pod_info(pod: &Pod, default_namespace: &str) -> Result<PodInfo, String> {
             })
             .unwrap_or_else(|| "default".into()),
         named_ports,
+        workload: workload_of(&pod.metadata),
     })
 }
 
@@ -391,6 +453,82 @@ pub fn service_info(svc: &Service, default_namespace: &str) -> Result<ServiceInf
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pods_workload_is_its_controller_as_cilium_names_it() {
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+        let meta = |kind: &str, name: &str, controller: bool, labels: &[(&str, &str)]| ObjectMeta {
+            owner_references: Some(vec![OwnerReference {
+                api_version: "apps/v1".into(),
+                kind: kind.into(),
+                name: name.into(),
+                uid: "u".into(),
+                controller: Some(controller),
+                block_owner_deletion: None,
+            }]),
+            labels: Some(
+                labels
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+            ),
+            ..Default::default()
+        };
+        let named = |name: &str, kind: &str| {
+            Some(Workload {
+                name: name.into(),
+                kind: kind.into(),
+            })
+        };
+        let hash = [("pod-template-hash", "5d9c8b7f4")];
+        let cases = [
+            (
+                meta("ReplicaSet", "web-5d9c8b7f4", true, &hash),
+                named("web", "Deployment"),
+            ),
+            // A ReplicaSet not named after the pod's template hash is itself.
+            (
+                meta("ReplicaSet", "web-abc", true, &hash),
+                named("web-abc", "ReplicaSet"),
+            ),
+            (
+                meta("ReplicaSet", "web-5d9c8b7f4", true, &[]),
+                named("web-5d9c8b7f4", "ReplicaSet"),
+            ),
+            (
+                meta("StatefulSet", "db", true, &[]),
+                named("db", "StatefulSet"),
+            ),
+            (
+                meta("DaemonSet", "agent", true, &[]),
+                named("agent", "DaemonSet"),
+            ),
+            (
+                meta("Job", "backup-28375920", true, &[]),
+                named("backup", "CronJob"),
+            ),
+            (
+                meta("Job", "backup-1234567", true, &[]),
+                named("backup-1234567", "Job"),
+            ),
+            (meta("Job", "migrate", true, &[]), named("migrate", "Job")),
+            (
+                meta(
+                    "ReplicationController",
+                    "app-1",
+                    true,
+                    &[("deploymentconfig", "app")],
+                ),
+                named("app", "DeploymentConfig"),
+            ),
+            // An owner that is not the controller, or none: no workload.
+            (meta("ReplicaSet", "web-5d9c8b7f4", false, &hash), None),
+            (ObjectMeta::default(), None),
+        ];
+        for (m, want) in cases {
+            assert_eq!(workload_of(&m), want, "{:?}", m.owner_references);
+        }
+    }
 
     #[test]
     fn interned_label_maps_are_shared_and_let_go_when_unused() {

@@ -18,6 +18,7 @@ impl Handler<PodUpsert> for PolicyRepoActor {
     type Result = ();
     fn handle(&mut self, msg: PodUpsert, _: &mut Context<Self>) {
         let key = msg.pod.key();
+        self.note_workload(&key, msg.pod.workload.as_ref());
         let change = self.indexed(|ix, e| ix.apply_pod(e, &key, Some(msg.pod)));
         self.index_changed(format!("pod {key}"), change);
     }
@@ -38,6 +39,9 @@ impl Handler<PodsUpsert> for PolicyRepoActor {
     type Result = ();
     fn handle(&mut self, msg: PodsUpsert, _: &mut Context<Self>) {
         let n = msg.pods.len();
+        for pod in &msg.pods {
+            self.note_workload(&pod.key(), pod.workload.as_ref());
+        }
         let change = self.indexed(|ix, e| {
             let mut all = IndexChange::default();
             for pod in msg.pods {
@@ -62,6 +66,7 @@ traceable!(PodDelete, "PodDelete", |m| format!("pod {}", m.key));
 impl Handler<PodDelete> for PolicyRepoActor {
     type Result = ();
     fn handle(&mut self, msg: PodDelete, _: &mut Context<Self>) {
+        self.note_workload(&msg.key, None);
         let change = self.indexed(|ix, e| ix.apply_pod(e, &msg.key, None));
         self.index_changed(format!("pod {} deleted", msg.key), change);
     }
@@ -118,6 +123,18 @@ traceable!(NodeUpsert, "NodeUpsert", |m| format!(
 ));
 
 impl PolicyRepoActor {
+    /// Hubble's workloads follow the pods' controllers (one entry per pod a controller owns).
+    fn note_workload(&self, key: &str, workload: Option<&crate::objects::Workload>) {
+        match workload {
+            Some(w) => {
+                self.shared.workloads.insert(key.to_string(), w.clone());
+            }
+            None => {
+                self.shared.workloads.remove(key);
+            }
+        }
+    }
+
     /// This node's Node object names its pod CIDR (`ParseNode`: `spec.podCIDRs`, else the
     /// annotation): IPAM serves that range from now on, with every endpoint's address
     /// reserved. A range already handing out addresses is never swapped under its pods.
