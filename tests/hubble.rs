@@ -187,7 +187,7 @@ fn the_observer_serves_the_agents_flows_as_hubble_does() {
         };
         assert_eq!(
             denied.destination.as_ref().unwrap().workloads,
-            [b_deployment.clone()]
+            std::slice::from_ref(&b_deployment)
         );
         assert!(denied.source.as_ref().unwrap().workloads.is_empty());
         let to_deployment = |kind: &str| fpb::FlowFilter {
