@@ -143,6 +143,11 @@ impl PolicyRef {
         }
     }
 
+    /// Whether this names the policy `p`.
+    pub fn names(&self, p: &PolicyKey) -> bool {
+        self.kind == p.kind.as_str() && self.namespace == p.namespace && self.name == p.name
+    }
+
     /// The policy and rule an origin names.
     pub fn of_rule(o: &crate::policy::rule::RuleOrigin) -> PolicyRef {
         PolicyRef {

@@ -124,6 +124,19 @@ pub struct EndpointPolicy {
     pub tiers: Option<Box<TierState>>,
 }
 
+/// An endpoint's policy with the staged policies enforced (`PolicyEngine::resolve_staged`).
+#[derive(Debug)]
+pub struct StagedPolicy {
+    pub policy: EndpointPolicy,
+    /// The staged policies that select the endpoint.
+    pub staged: Vec<Arc<PolicyKey>>,
+    /// What `judge` reports, made once: for a default deny per direction, and per deciding
+    /// entry of `policy.map` (by its address: the map is never changed, so no address is
+    /// reused while this lives).
+    pub(super) default_deny: [std::sync::OnceLock<super::staged::Deciders>; 2],
+    pub(super) by_entry: std::sync::Mutex<rustc_hash::FxHashMap<usize, super::staged::Deciders>>,
+}
+
 /// What the cluster tiers left on a tiered endpoint's policy.
 #[derive(Debug, Clone, Default)]
 pub struct TierState {
@@ -330,6 +343,8 @@ pub struct PolicyEngine {
     /// Changes with everything resolving tier rules reads besides selections and the rules:
     /// endpoint addresses (`networks`), named ports, node labels (`nodes`).
     tier_inputs_generation: u64,
+    /// Stored policies that are staged (`Rule::staged`): none, and no resolution looks for them.
+    staged_policies: usize,
 }
 
 impl Default for PolicyEngine {
@@ -354,6 +369,7 @@ impl PolicyEngine {
             peer_lists: Default::default(),
             resolved_tiers: Default::default(),
             tier_inputs_generation: 0,
+            staged_policies: 0,
             allow_localhost: Arc::new(RuleOrigin {
                 policy: Arc::new(PolicyKey::new(PolicyKind::Builtin, None, "allow-localhost")),
                 section: Section::Ingress,
@@ -905,6 +921,7 @@ impl PolicyEngine {
             let more = self.endpoints_affected_by_identity(*id);
             change.affected.extend(more);
         }
+        let staged = rules.iter().any(|r| r.staged);
         let stored = StoredPolicy {
             key: policy.key,
             rules,
@@ -912,7 +929,9 @@ impl PolicyEngine {
         };
         let (rev, old) = self.repo.upsert(stored);
         change.revision = rev;
+        self.staged_policies += staged as usize;
         if let Some(old) = old {
+            self.staged_policies -= old.rules.iter().any(|r| r.staged) as usize;
             self.drop_rules(&old.rules, &mut change);
         }
         self.refresh_node_keys(&mut change.affected);
@@ -926,6 +945,7 @@ impl PolicyEngine {
             revision: rev,
             ..Default::default()
         };
+        self.staged_policies -= old.rules.iter().any(|r| r.staged) as usize;
         self.drop_rules(&old.rules, &mut change);
         self.refresh_node_keys(&mut change.affected);
         Some(change)
@@ -967,8 +987,23 @@ impl PolicyEngine {
 
     // ------------------------------------------------------------------ resolution
 
-    /// The rules that apply to an endpoint, in a stable order (policy, then rule path).
+    /// The rules that apply to an endpoint, in a stable order (policy, then rule path); staged
+    /// rules never apply.
     pub fn rules_for(&self, ep: &EndpointView) -> Vec<Arc<Rule>> {
+        let mut rules = self.rules_selecting(ep);
+        if self.staged_policies > 0 {
+            rules.retain(|r| !r.staged);
+        }
+        rules
+    }
+
+    /// Whether any stored policy is staged.
+    pub fn has_staged(&self) -> bool {
+        self.staged_policies > 0
+    }
+
+    /// The rules whose subject selects the endpoint, staged ones included, in a stable order.
+    fn rules_selecting(&self, ep: &EndpointView) -> Vec<Arc<Rule>> {
         let mut rules: Vec<Arc<Rule>> = if ep.host {
             self.repo
                 .host_rules()
@@ -1006,7 +1041,7 @@ impl PolicyEngine {
         ep: &EndpointView,
         peers: Option<&BTreeSet<NumericIdentity>>,
     ) -> EndpointPolicy {
-        let mut out = EndpointPolicy {
+        let out = EndpointPolicy {
             revision: self.repo.revision(),
             ..Default::default()
         };
@@ -1014,10 +1049,50 @@ impl PolicyEngine {
         if !ep.host && self.selectors.selecting(ep.identity).next().is_none() {
             return out;
         }
-        let (tiered, rules): (Vec<Arc<Rule>>, Vec<Arc<Rule>>) = self
-            .rules_for(ep)
-            .into_iter()
-            .partition(|r| r.tier.is_some());
+        self.resolve_rules(ep, peers, self.rules_for(ep), out)
+    }
+
+    /// The endpoint's policy as it would be with the staged policies enforced, and those of
+    /// them that select it; `None` when no staged policy selects it (its policy is the one in
+    /// force). Always resolved whole.
+    pub fn resolve_staged(&self, ep: &EndpointView) -> Option<StagedPolicy> {
+        if self.staged_policies == 0
+            || (!ep.host && self.selectors.selecting(ep.identity).next().is_none())
+        {
+            return None;
+        }
+        let rules = self.rules_selecting(ep);
+        let mut staged: Vec<Arc<PolicyKey>> = Vec::new();
+        for r in rules.iter().filter(|r| r.staged) {
+            if staged.last().is_none_or(|l| !Arc::ptr_eq(l, &r.policy)) {
+                staged.push(r.policy.clone());
+            }
+        }
+        if staged.is_empty() {
+            return None;
+        }
+        let out = EndpointPolicy {
+            revision: self.repo.revision(),
+            ..Default::default()
+        };
+        Some(StagedPolicy {
+            policy: self.resolve_rules(ep, None, rules, out),
+            staged,
+            default_deny: Default::default(),
+            by_entry: Default::default(),
+        })
+    }
+
+    /// Resolves `rules` (those selecting the endpoint, in order) into `out`.
+    fn resolve_rules(
+        &self,
+        ep: &EndpointView,
+        peers: Option<&BTreeSet<NumericIdentity>>,
+        rules: Vec<Arc<Rule>>,
+        mut out: EndpointPolicy,
+    ) -> EndpointPolicy {
+        let (tiered, rules): (Vec<Arc<Rule>>, Vec<Arc<Rule>>) =
+            rules.into_iter().partition(|r| r.tier.is_some());
         // Tiers need the whole picture: an incremental resolution becomes a full one.
         let peers = peers.filter(|_| tiered.is_empty());
         // Rules arrive grouped by policy, and all rules of one policy share one key `Arc`, so
@@ -2062,6 +2137,85 @@ mod tests {
             ruling(&e, "api.example.com."),
             DnsRuling::Forward(_)
         ));
+    }
+
+    /// A staged policy (`policy.ciliate.io/mode: audit`) is resolved only for the staged
+    /// verdict: the policy in force ignores it, `resolve_staged` enforces it with the rest, and
+    /// `judge` reports the verdicts it would change with the policies that would decide them.
+    /// Staged again as enforced, and deleted, it leaves nothing staged behind.
+    #[test]
+    fn a_staged_policy_is_resolved_for_the_staged_verdict_only() {
+        let mut e = PolicyEngine::new();
+        let (la, lb, lc) = (pod("x", "a"), pod("x", "b"), pod("x", "c"));
+        let a = e.allocate_identity(&la).id();
+        let b = e.allocate_identity(&lb).id();
+        let c = e.allocate_identity(&lc).id();
+        let cnp = |mode: &str| {
+            policy(&format!("{{apiVersion: cilium.io/v2, kind: CiliumNetworkPolicy, metadata: {{name: b-from-a, namespace: x{mode}}}, spec: {{endpointSelector: {{matchLabels: {{app: b}}}}, ingress: [{{fromEndpoints: [{{matchLabels: {{app: a}}}}], toPorts: [{{ports: [{{port: '80', protocol: TCP}}]}}]}}]}}}}"))
+        };
+        // An enforced deny that isolates nothing: b's staged view keeps what is in force too.
+        e.upsert_policy(policy("{apiVersion: cilium.io/v2, kind: CiliumNetworkPolicy, metadata: {name: deny-c, namespace: x}, spec: {endpointSelector: {matchLabels: {app: b}}, enableDefaultDeny: {ingress: false}, ingressDeny: [{fromEndpoints: [{matchLabels: {app: c}}], toPorts: [{ports: [{port: '443', protocol: TCP}]}]}]}}"));
+        assert!(!e.has_staged());
+        assert!(e.resolve_staged(&view(b, &lb, &[])).is_none());
+        let change = e.upsert_policy(cnp(", annotations: {policy.ciliate.io/mode: audit}"));
+        assert_eq!(change.affected, [b].into(), "b's staged view changes");
+        assert!(e.has_staged());
+        let in_force = e.resolve(&view(b, &lb, &[]));
+        assert!(
+            in_force.ingress.isolated_by.is_empty()
+                && in_force
+                    .decide(Direction::Ingress, c, PROTO_TCP, 80)
+                    .is_allowed(),
+            "the staged policy isolates nothing"
+        );
+        assert!(!in_force
+            .decide(Direction::Ingress, c, PROTO_TCP, 443)
+            .is_allowed());
+        // a is selected by no staged policy: no staged view.
+        assert!(e.resolve_staged(&view(a, &la, &[])).is_none());
+        let staged = e
+            .resolve_staged(&view(b, &lb, &[]))
+            .expect("b's staged view");
+        let key = PolicyKey::new(PolicyKind::CiliumNetworkPolicy, Some("x"), "b-from-a");
+        assert_eq!(staged.staged.len(), 1);
+        assert_eq!(*staged.staged[0], key);
+        // c on 80: allowed now, dropped staged (default deny by the staged policy).
+        let ch = staged
+            .judge(Direction::Ingress, c, PROTO_TCP, 80, true)
+            .expect("the staged drop");
+        assert_eq!(ch.verdict.verdict, "dropped");
+        assert_eq!(ch.verdict.policies.len(), 1);
+        assert!(ch.verdict.policies[0].names(&key));
+        assert_eq!(ch.responsible.len(), 1);
+        // a on 80: allowed both ways; c on 443: denied both ways (by the enforced deny).
+        assert!(staged
+            .judge(Direction::Ingress, a, PROTO_TCP, 80, true)
+            .is_none());
+        assert!(staged
+            .judge(Direction::Ingress, c, PROTO_TCP, 443, false)
+            .is_none());
+        // A flow dropped now that the staged policies would let through is reported too.
+        let ch = staged
+            .judge(Direction::Ingress, a, PROTO_TCP, 80, false)
+            .expect("the staged allow");
+        assert_eq!(ch.verdict.verdict, "forwarded");
+        assert_eq!(ch.verdict.policies[0].rule, Some(0));
+        // Enforced as staged: the same verdicts, now in force, and nothing staged.
+        e.upsert_policy(cnp(", annotations: {policy.ciliate.io/mode: enforce}"));
+        assert!(!e.has_staged());
+        assert!(e.resolve_staged(&view(b, &lb, &[])).is_none());
+        let enforced = e.resolve(&view(b, &lb, &[]));
+        assert!(!enforced
+            .decide(Direction::Ingress, c, PROTO_TCP, 80)
+            .is_allowed());
+        assert!(enforced
+            .decide(Direction::Ingress, a, PROTO_TCP, 80)
+            .is_allowed());
+        // Staged again, then deleted: nothing staged.
+        e.upsert_policy(cnp(", annotations: {policy.ciliate.io/mode: audit}"));
+        assert!(e.has_staged());
+        e.delete_policy(&key).unwrap();
+        assert!(!e.has_staged());
     }
 
     #[test]

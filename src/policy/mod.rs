@@ -27,6 +27,7 @@ pub mod rule;
 pub mod selector;
 pub mod selector_cache;
 pub mod services;
+pub mod staged;
 pub mod status;
 pub mod tier_memo;
 pub mod tier_networks;

@@ -167,6 +167,7 @@ mod tests {
                 peer_rules: vec![],
                 requires: vec![],
                 tier: None,
+                staged: false,
             })],
             notes: vec![],
         }

@@ -277,6 +277,14 @@ pub fn protocol_name(n: u8) -> String {
     }
 }
 
+/// The protocol number `protocol_name` named (`None` for `ANY`, which names no packet's).
+pub fn protocol_number(name: &str) -> Option<u8> {
+    [PROTO_TCP, PROTO_UDP, PROTO_SCTP, PROTO_ICMP, PROTO_ICMPV6]
+        .into_iter()
+        .find(|n| Protocol::from_number(*n).is_some_and(|p| p.as_str() == name))
+        .or_else(|| name.parse().ok().filter(|n| *n != 0))
+}
+
 /// A destination port, numeric range or container-port name.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum PortSpec {
@@ -457,6 +465,9 @@ pub struct Rule {
     /// A rule of a cluster tier (AdminNetworkPolicy, ...): its peer rules are evaluated in
     /// order around the NetworkPolicy tier (`policy::tiers`), never merged into it.
     pub tier: Option<TierPlace>,
+    /// The policy is staged (`policy.ciliate.io/mode: audit`): resolved, never enforced; only
+    /// the staged verdict of a flow (`PolicyEngine::resolve_staged`) counts it.
+    pub staged: bool,
 }
 
 impl Rule {

@@ -283,6 +283,7 @@ fn translate_rule(ctx: &mut Ctx, r: &api::Rule, path: &str) -> Result<Rule, Poli
         peer_rules,
         requires,
         tier: None,
+        staged: false,
     })
 }
 

@@ -89,6 +89,7 @@ pub fn translate(ctx: &mut Ctx, np: &api::NetworkPolicy) -> Result<Vec<Rule>, Po
         peer_rules,
         requires: vec![],
         tier: None,
+        staged: false,
     }])
 }
 

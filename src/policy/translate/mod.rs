@@ -34,6 +34,34 @@ pub struct ParsedPolicy {
     pub notes: Vec<String>,
     /// The policy has `toServices`: translate it again when services or their backends change.
     pub uses_services: bool,
+    /// Staged (`policy.ciliate.io/mode: audit`): loaded and resolved, not enforced.
+    pub staged: bool,
+}
+
+/// The annotation that stages a policy (interfaces section 16).
+pub const MODE_ANNOTATION: &str = "policy.ciliate.io/mode";
+
+/// Whether the policy is staged: `audit` stages it, `enforce` (or no annotation) enforces it;
+/// any other value is refused, naming the annotation (a mistyped mode must not enforce or
+/// stage silently what its author did not mean).
+fn staged_mode(doc: &Value, ctx: &Ctx) -> Result<bool, PolicyError> {
+    let field = format!("metadata.annotations[\"{MODE_ANNOTATION}\"]");
+    let Some(v) = doc
+        .get("metadata")
+        .and_then(|m| m.get("annotations"))
+        .and_then(|a| a.get(MODE_ANNOTATION))
+    else {
+        return Ok(false);
+    };
+    match v.as_str() {
+        Some("audit") => Ok(true),
+        Some("enforce") => Ok(false),
+        Some(other) => Err(ctx.err(
+            &field,
+            format!("unknown mode {other:?} (expected \"audit\" or \"enforce\")"),
+        )),
+        None => Err(ctx.err(&field, "must be a string: \"audit\" or \"enforce\"")),
+    }
 }
 
 /// Why a policy was rejected: which policy, which field, what is wrong.
@@ -248,8 +276,9 @@ pub fn parse_policy_with_services(
             ))
         }
     }
+    let staged = staged_mode(doc, &ctx)?;
     let policy_name = key.to_string();
-    let rules = match family {
+    let mut rules = match family {
         Family::Kubernetes => {
             let np = deserialize(doc, &policy_name, &mut ctx.warnings)?;
             knp::translate(&mut ctx, &np)?
@@ -267,12 +296,16 @@ pub fn parse_policy_with_services(
             cilium::translate(&mut ctx, &cp)?
         }
     };
+    for r in &mut rules {
+        r.staged = staged;
+    }
     Ok(ParsedPolicy {
         key,
         rules,
         warnings: ctx.warnings,
         notes: ctx.notes,
         uses_services: ctx.uses_services,
+        staged,
     })
 }
 

@@ -180,6 +180,7 @@ fn translate<V: api::Version>(
         peer_rules,
         requires: vec![],
         tier: Some(place),
+        staged: false,
     }])
 }
 

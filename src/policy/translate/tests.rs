@@ -335,3 +335,49 @@ fn fields_only_allow_rules_have_are_unknown_in_deny_rules() {
         ]
     );
 }
+
+/// `policy.ciliate.io/mode: audit` stages every rule of any kind; `enforce` and no annotation
+/// enforce; another value, or one that is not a string, is refused naming the annotation.
+#[test]
+fn the_mode_annotation_stages_a_policy_or_is_refused_by_name() {
+    let doc = |kind: &str, meta: &str, spec: &str| {
+        parse(&format!(
+            "{{apiVersion: {kind}, metadata: {{name: p, namespace: x{meta}}}, spec: {spec}}}"
+        ))
+    };
+    let cnp = "cilium.io/v2, kind: CiliumNetworkPolicy";
+    let cnp_spec = "{endpointSelector: {}, ingress: [{}], egress: [{}]}";
+    let knp = "networking.k8s.io/v1, kind: NetworkPolicy";
+    let knp_spec = "{podSelector: {}, policyTypes: [Ingress]}";
+    let audit = ", annotations: {policy.ciliate.io/mode: audit}";
+    for (kind, spec) in [(cnp, cnp_spec), (knp, knp_spec)] {
+        let p = doc(kind, audit, spec).unwrap();
+        assert!(p.staged && !p.rules.is_empty() && p.rules.iter().all(|r| r.staged));
+        for meta in [
+            "",
+            ", annotations: {policy.ciliate.io/mode: enforce}",
+            ", annotations: {other: x}",
+        ] {
+            let p = doc(kind, meta, spec).unwrap();
+            assert!(!p.staged && p.rules.iter().all(|r| !r.staged), "{meta}");
+        }
+    }
+    let anp = parse("{apiVersion: policy.networking.k8s.io/v1alpha1, kind: AdminNetworkPolicy, metadata: {name: a, annotations: {policy.ciliate.io/mode: audit}}, spec: {priority: 1, subject: {namespaces: {}}, ingress: [{action: Deny, from: [{namespaces: {}}]}]}}").unwrap();
+    assert!(anp.staged && anp.rules.iter().all(|r| r.staged));
+    let e = doc(
+        cnp,
+        ", annotations: {policy.ciliate.io/mode: Audit}",
+        cnp_spec,
+    )
+    .unwrap_err();
+    assert_eq!(e.field, "metadata.annotations[\"policy.ciliate.io/mode\"]");
+    assert!(e.message.contains("\"Audit\""), "{e}");
+    assert_eq!(e.policy, "CiliumNetworkPolicy x/p");
+    let e = doc(
+        cnp,
+        ", annotations: {policy.ciliate.io/mode: true}",
+        cnp_spec,
+    )
+    .unwrap_err();
+    assert_eq!(e.field, "metadata.annotations[\"policy.ciliate.io/mode\"]");
+}
