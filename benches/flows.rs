@@ -9,6 +9,8 @@
 //!   full ring of 100,000, through the agent's Hubble server on a unix socket, with a client
 //!   generated from `proto/` (target <= 50 ms, issue #30; 46.6-50.7 ms against 65.0-67.1 ms for
 //!   96624db, run one after the other on the 2-core VM, 2026-11-28);
+//! - `flow_consume_staged`: `flow_consume` for endpoints selected by staged policies (10 of
+//!   1,000 loaded), each flow judged again with them enforced (target: <= 5 us, issue #32);
 //! - `flow_consume_hubble_follow`: `flow_consume` with a Hubble follow stream attached and drained
 //!   (target: <= 2 us more than `flow_consume`, issue #30).
 //!
@@ -45,6 +47,35 @@ fn bench_flows(c: &mut Criterion) {
         })
     });
 
+    // The same with staged policies (issue #32: <= 5 us per new flow with 1,000 policies
+    // loaded, 10 staged): every event's endpoint is selected by them, so each is judged again.
+    let (sink, cookie) = new_sink(RING);
+    let staged = staged_view();
+    for ep in 1..=50 {
+        sink.staged.insert(ep, staged.clone());
+    }
+    let mut live = sink.flows.subscribe();
+    let mut changed = 0u32;
+    for i in 0..1000 {
+        sink.consume(event(i, cookie));
+    }
+    while let Ok(f) = live.try_recv() {
+        changed += f.staged.is_some() as u32;
+    }
+    println!("flow_consume_staged: {changed} of 1000 flows carry a staged verdict");
+    assert!(
+        changed > 0 && changed < 1000,
+        "the staged policies change some verdicts"
+    );
+    let mut i = 0u32;
+    c.bench_function("flow_consume_staged", |b| {
+        b.iter(|| {
+            i = i.wrapping_add(1);
+            sink.consume(black_box(event(i, cookie)));
+            while live.try_recv().is_ok() {}
+        })
+    });
+
     let (sink, cookie) = new_sink(RING);
     for i in 0..RING as u32 {
         sink.consume(event(i, cookie));
@@ -61,6 +92,58 @@ fn bench_flows(c: &mut Criterion) {
     c.bench_function("flow_query_100k", |b| {
         b.iter(|| black_box(sink.flows.query(black_box(0), &filter)))
     });
+}
+
+/// An endpoint's policy with staged policies enforced, among 1,000 policies: 990 enforced
+/// CiliumNetworkPolicies selecting every pod (egress to 5 apps each) and 10 staged ones (ingress
+/// from 5 apps each on the events' ports: they isolate the endpoint's ingress), over the 100
+/// identities the bench's events name (256-355).
+fn staged_view() -> Arc<ciliate::policy::engine::StagedPolicy> {
+    use ciliate::policy::engine::{EndpointView, PolicyEngine};
+    use ciliate::policy::labels::Labels;
+    use ciliate::policy::translate::parse_policy;
+    let mut engine = PolicyEngine::new();
+    let labels = |i: usize| {
+        let l: std::collections::BTreeMap<String, String> =
+            [("app".to_string(), format!("app-{i}"))].into();
+        Labels::for_pod("x", &l, &std::collections::BTreeMap::new(), None)
+    };
+    for i in 0..100 {
+        assert_eq!(engine.allocate_identity(&labels(i)).id(), 256 + i as u32);
+    }
+    for r in 0..1000 {
+        let apps: Vec<String> = (0..5)
+            .map(|k| format!("app-{}", (r + k * 20) % 100))
+            .collect();
+        let (direction, peer, mode) = if r % 100 == 0 {
+            (
+                "ingress",
+                "fromEndpoints",
+                ", annotations: {policy.ciliate.io/mode: audit}",
+            )
+        } else {
+            ("egress", "toEndpoints", "")
+        };
+        let yaml = format!(
+            "{{apiVersion: cilium.io/v2, kind: CiliumNetworkPolicy, metadata: {{name: r{r}, namespace: x{mode}}}, spec: {{endpointSelector: {{}}, {direction}: [{{{peer}: [{{matchExpressions: [{{key: app, operator: In, values: [{}]}}]}}], toPorts: [{{ports: [{{port: \"{}\", protocol: TCP}}]}}]}}]}}}}",
+            apps.join(", "),
+            8000 + r % 20
+        );
+        let doc: serde_yaml::Value = serde_yaml::from_str(&yaml).unwrap();
+        engine.upsert_policy(parse_policy(&doc, "x", "bench").unwrap());
+    }
+    let l = labels(0);
+    let view = EndpointView {
+        identity: 256,
+        labels: &l,
+        named_ports: &[],
+        host: false,
+    };
+    let staged = engine
+        .resolve_staged(&view)
+        .expect("staged policies select the endpoint");
+    assert_eq!(staged.staged.len(), 10);
+    Arc::new(staged)
 }
 
 /// Flows of one `GetFlows` that does not follow.

@@ -50,6 +50,15 @@ pub struct HubbleDropLabels {
     pub protocol: String,
 }
 
+/// `ciliate_policy_staged_verdicts_total` labels: a staged policy (`Kind ns/name`; as many as
+/// staged policies, which only the cluster's administrators write) and the verdict it would give
+/// (`dropped`, `forwarded`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StagedLabels {
+    pub policy: String,
+    pub verdict: String,
+}
+
 /// `hubble_policy_verdicts_total` labels (bounded: 2 directions x 8 matches x 3 actions).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct HubblePolicyLabels {
@@ -98,6 +107,9 @@ pub struct Metrics {
     pub endpoint_restore: Family<OutcomeLabels, Counter>,
     /// Policy verdicts the datapath reported (drops, audits, new allowed connections).
     pub policy_verdicts: Family<VerdictLabels, Counter>,
+    /// New connections whose verdict a staged policy would change, by policy and the verdict
+    /// it would give.
+    pub staged_verdicts: Family<StagedLabels, Counter>,
     /// Hubble's flow metrics, with Hubble's names and labels (Cilium's Grafana dashboards).
     pub hubble_flows_processed: Family<HubbleFlowLabels, Counter>,
     pub hubble_drops: Family<HubbleDropLabels, Counter>,
@@ -173,6 +185,7 @@ impl Metrics {
             debug_connections_refused: Counter::default(),
             endpoint_restore: Family::default(),
             policy_verdicts: Family::default(),
+            staged_verdicts: Family::default(),
             hubble_flows_processed: Family::default(),
             hubble_drops: Family::default(),
             hubble_policy_verdicts: Family::default(),
@@ -248,6 +261,11 @@ impl Metrics {
             "ciliate_policy_verdicts",
             "Policy verdicts reported by the datapath (every drop and audit, the first packet of every new allowed connection), by direction, verdict and match",
             m.policy_verdicts.clone(),
+        );
+        r.register(
+            "ciliate_policy_staged_verdicts",
+            "New connections whose verdict staged policies (policy.ciliate.io/mode: audit) would change, by staged policy and the verdict it would give",
+            m.staged_verdicts.clone(),
         );
         r.register(
             "hubble_flows_processed",

@@ -58,6 +58,10 @@ pub struct Shared {
     pub notifications: tokio::sync::broadcast::Sender<crate::datapath::events::Notification>,
     /// Verdict events: the recent ones (`monitor --since`) and the live broadcast.
     pub flows: Arc<crate::datapath::flows::FlowRing>,
+    /// Endpoints selected by staged policies: their policy with those enforced, by endpoint
+    /// id (written by each `EndpointActor`, read for every new flow: `FlowSink`).
+    pub staged: StagedViews,
+    pub staged_counters: StagedCounters,
     /// What the initial sync still waits for (e.g. `CiliumNetworkPolicy: not listed yet (last
     /// error: ...)`), shown by `/readyz` while not ready.
     pub sync_waiting: Arc<Mutex<Vec<String>>>,
@@ -99,6 +103,8 @@ impl Shared {
             policy_hits: self.policy_hits.clone(),
             metrics: self.metrics.clone(),
             flows: self.flows.clone(),
+            staged: self.staged.clone(),
+            staged_counters: self.staged_counters.clone(),
         }
     }
 
@@ -129,6 +135,8 @@ impl Shared {
                 4096,
             )),
             notifications: tokio::sync::broadcast::channel(1024).0,
+            staged: Default::default(),
+            staged_counters: Default::default(),
             cookies: Default::default(),
             enforcement: Default::default(),
             policy_hits: Default::default(),
@@ -192,7 +200,57 @@ pub struct FlowSink {
     pub policy_hits: Arc<crate::policy::attribution::PolicyHits>,
     pub metrics: Arc<crate::metrics::Metrics>,
     pub flows: Arc<crate::datapath::flows::FlowRing>,
+    pub staged: StagedViews,
+    pub staged_counters: StagedCounters,
 }
+
+/// `ciliate_policy_staged_verdicts_total`'s counters by staged policy (the `Arc` of its current
+/// version) and verdict, so that a flow counts without formatting labels. Bounded: emptied
+/// when it reaches `STAGED_COUNTERS_MAX` (policy versions come and go; the counters live on in
+/// the metric family).
+#[derive(Clone, Default)]
+pub struct StagedCounters(
+    Arc<
+        Mutex<
+            std::collections::HashMap<(usize, bool), prometheus_client::metrics::counter::Counter>,
+        >,
+    >,
+);
+
+const STAGED_COUNTERS_MAX: usize = 4096;
+
+impl StagedCounters {
+    fn inc(
+        &self,
+        metrics: &crate::metrics::Metrics,
+        policy: &Arc<crate::policy::rule::PolicyKey>,
+        dropped: bool,
+    ) {
+        let Ok(mut m) = self.0.lock() else {
+            return;
+        };
+        let key = (Arc::as_ptr(policy) as usize, dropped);
+        if !m.contains_key(&key) {
+            if m.len() >= STAGED_COUNTERS_MAX {
+                m.clear();
+            }
+            let labels = crate::metrics::StagedLabels {
+                policy: policy.to_string(),
+                verdict: if dropped { "dropped" } else { "forwarded" }.into(),
+            };
+            let c = metrics.staged_verdicts.get_or_create(&labels).clone();
+            m.insert(key, c);
+        }
+        if let Some(c) = m.get(&key) {
+            c.inc();
+        }
+    }
+}
+
+/// Endpoints' policies with the staged policies enforced (`Shared::staged`).
+pub type StagedViews = Arc<
+    dashmap::DashMap<u32, Arc<crate::policy::engine::StagedPolicy>, crate::hashing::RandomState>,
+>;
 
 impl FlowSink {
     /// Hubble's flow metrics of one record (its loss reports are not flows).
@@ -225,6 +283,30 @@ impl FlowSink {
         }
     }
 
+    /// A new connection's verdict with the staged policies that select its endpoint enforced,
+    /// when it differs (`VerdictEvent::staged`), counted per staged policy.
+    fn judge_staged(&self, ev: &mut crate::datapath::events::VerdictEvent) {
+        if ev.match_kind.is_none() || self.staged.is_empty() {
+            return;
+        }
+        let Some(view) = self.staged.get(&ev.endpoint).map(|v| v.clone()) else {
+            return;
+        };
+        let Some((direction, protocol)) = ev.decision_inputs() else {
+            return;
+        };
+        let allowed_now = ev.verdict == "forwarded";
+        let Some(change) = view.judge(direction, ev.peer_identity, protocol, ev.port, allowed_now)
+        else {
+            return;
+        };
+        let dropped = change.verdict.verdict == "dropped";
+        for p in change.responsible.iter() {
+            self.staged_counters.inc(&self.metrics, p, dropped);
+        }
+        ev.staged = Some(change.verdict);
+    }
+
     pub fn consume(&self, mut ev: crate::datapath::events::VerdictEvent) {
         ev.attribute(&self.cookies);
         ev.name_pods(|ip| self.pod_names.get(&ip).map(|n| n.clone()));
@@ -236,6 +318,7 @@ impl FlowSink {
             self.metrics.events_lost.inc_by(n);
         }
         self.policy_hits.record(&ev.policies, &ev.verdict);
+        self.judge_staged(&mut ev);
         self.hubble_metrics(&ev);
         if let Some(m) = &ev.match_kind {
             self.metrics

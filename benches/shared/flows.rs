@@ -59,6 +59,8 @@ pub fn new_sink(ring: usize) -> (FlowSink, u32) {
         policy_hits: Arc::new(PolicyHits::default()),
         metrics: Arc::new(ciliate::metrics::Metrics::new()),
         flows: Arc::new(FlowRing::new(ring, 4096)),
+        staged: Default::default(),
+        staged_counters: Default::default(),
     };
     (sink, cookie)
 }

@@ -234,6 +234,23 @@ impl EndpointActor {
         self.shared.http.set_table(id, Some(table));
     }
 
+    /// What the staged policies selecting this endpoint would make of its new connections
+    /// (`Shared::staged`, read by the flow sink); gone when none selects it.
+    fn publish_staged(&self, staged: Option<crate::policy::engine::StagedPolicy>) {
+        match staged {
+            Some(s) => {
+                self.shared
+                    .staged
+                    .insert(self.record.id as u32, Arc::new(s));
+            }
+            None => {
+                if !self.shared.staged.is_empty() {
+                    self.shared.staged.remove(&(self.record.id as u32));
+                }
+            }
+        }
+    }
+
     fn persist(&mut self) {
         // Only what a restore needs is written: it changes with the identity, not with every
         // regeneration (the recorded policy revision is informational).
@@ -357,6 +374,7 @@ impl EndpointActor {
             if self.record.host {
                 self.check_lifelines(&engine, &policy);
             }
+            self.publish_staged(engine.resolve_staged(&view));
             (engine.revision(), policy)
         };
         // Cluster tiers resolve whole (`EndpointPolicy::tiered`): realized whole too.
@@ -729,6 +747,7 @@ impl Handler<Delete> for EndpointActor {
     type Result = Result<(), String>;
     fn handle(&mut self, msg: Delete, ctx: &mut Context<Self>) -> Self::Result {
         self.step(ctx, Event::Disconnect);
+        self.publish_staged(None);
         if !msg.keep_datapath {
             self.shared.dns.set_rules(self.record.id as u64, None);
             self.shared.http.set_table(self.record.id as u64, None);

@@ -790,6 +790,19 @@ fn policy_document(resource: Watched, obj: &DynamicObject) -> serde_yaml::Value 
             serde_json::to_value(labels).unwrap_or_default(),
         );
     }
+    // ciliate's own annotations (the policy's mode) and no other: kubectl's last-applied copy
+    // changes with every apply.
+    let ours: serde_json::Map<String, serde_json::Value> = obj
+        .metadata
+        .annotations
+        .iter()
+        .flatten()
+        .filter(|(k, _)| k.starts_with("policy.ciliate.io/"))
+        .map(|(k, v)| (k.clone(), v.clone().into()))
+        .collect();
+    if !ours.is_empty() {
+        meta.insert("annotations".into(), ours.into());
+    }
     let mut doc = serde_json::Map::new();
     doc.insert("apiVersion".into(), api_version(resource).into());
     doc.insert("kind".into(), resource.name().into());

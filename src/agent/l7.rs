@@ -234,6 +234,7 @@ pub fn flow_of(r: L7Record) -> VerdictEvent {
         http: Some(r.http),
         latency_ns: Some(r.latency_ns),
         dns: None,
+        staged: None,
     }
 }
 

@@ -71,6 +71,10 @@ pub struct VerdictEvent {
     /// flows: `FlowFilter` skips them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dns: Option<DnsFields>,
+    /// The verdict with the staged policies enforced, when it differs from `verdict`
+    /// (interfaces section 16; new connections only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub staged: Option<crate::policy::staged::StagedVerdict>,
 }
 
 /// Hubble's HTTP fields of an `l7` flow.
@@ -111,6 +115,7 @@ pub fn lost_event(n: u64) -> VerdictEvent {
         http: None,
         latency_ns: None,
         dns: None,
+        staged: None,
     }
 }
 
@@ -127,6 +132,18 @@ fn flow() -> String {
 }
 
 impl VerdictEvent {
+    /// The direction and protocol number a policy decided this flow on (`None` for records
+    /// that name neither: losses, L7 records).
+    pub fn decision_inputs(&self) -> Option<(crate::policy::rule::Direction, u8)> {
+        use crate::policy::rule::Direction;
+        let d = match self.direction.as_str() {
+            "ingress" => Direction::Ingress,
+            "egress" => Direction::Egress,
+            _ => return None,
+        };
+        Some((d, crate::policy::rule::protocol_number(&self.protocol)?))
+    }
+
     /// Whether the flow's destination (`dst`) or source is this node (`monitor --to host`,
     /// `--from host`): the host endpoint's own flows, or a pod's flows with the node as peer.
     pub fn host_side(&self, dst: bool) -> bool {
@@ -568,6 +585,7 @@ pub fn verdict_event(
         http: None,
         latency_ns: None,
         dns: None,
+        staged: None,
     }
 }
 
