@@ -34,7 +34,7 @@ const PAGE: &str = r##"<!doctype html>
 </div></div>
 <h2>Flows <span class="muted">recent verdicts and the policies that decided them</span></h2>
 <div>namespace <input id="flowns" size="12" placeholder="any"> verdict <select id="flowverdict"><option value="">any</option><option>forwarded</option><option>dropped</option><option>audit</option></select> <span id="flowcount" class="muted"></span></div>
-<table id="flows"><thead><tr><th>time</th><th>source</th><th>destination</th><th>port</th><th>verdict</th><th>why</th></tr></thead><tbody></tbody></table>
+<table id="flows"><thead><tr><th>time</th><th>source</th><th>destination</th><th>port</th><th>verdict</th><th>why</th><th>staged</th></tr></thead><tbody></tbody></table>
 <h2>Changes <span class="muted">one change through the actors: mailbox wait (grey) and handling (blue), to the map write</span></h2>
 <div><select id="changesel"></select> <span id="changeinfo" class="muted"></span></div>
 <table id="waterfall"><thead><tr><th>actor</th><th>message</th><th>summary</th><th>wait µs</th><th>took µs</th><th>timeline</th></tr></thead><tbody></tbody></table>
@@ -54,7 +54,7 @@ async function flows(){
  const inNs = f => !ns || [f.source_pod, f.destination_pod].some(p => p && p.startsWith(ns + "/"));
  const shown = all.filter(f => f.type !== "lost" && inNs(f)).slice(-100).reverse();
  document.getElementById("flowcount").textContent = `${shown.length} shown of ${all.length} kept`;
- fill("flows", shown.map(f => `<tr><td>${esc((f.time || "").slice(11, 23))}</td><td>${pod(f.source, f.source_pod)}</td><td>${pod(f.destination, f.destination_pod)}</td><td>${esc(f.protocol)}/${f.port}</td><td class="${f.verdict === 'forwarded' ? 'fwd' : f.verdict === 'audit' ? 'audit' : 'drop'}">${esc(f.verdict)}</td><td class="why">${esc(f.why || f.reason)}</td></tr>`));
+ fill("flows", shown.map(f => `<tr><td>${esc((f.time || "").slice(11, 23))}</td><td>${pod(f.source, f.source_pod)}</td><td>${pod(f.destination, f.destination_pod)}</td><td>${esc(f.protocol)}/${f.port}</td><td class="${f.verdict === 'forwarded' ? 'fwd' : f.verdict === 'audit' ? 'audit' : 'drop'}">${esc(f.verdict)}</td><td class="why">${esc(f.why || f.reason)}</td><td>${f.staged ? `<span class="${f.staged.verdict === 'forwarded' ? 'fwd' : 'drop'}">${esc(f.staged.verdict)}</span> ${(f.staged.policies || []).map(p => esc((p.namespace ? p.namespace + "/" : "") + p.name + (p.rule != null ? `[${p.rule}]` : ""))).join(", ")}` : ""}</td></tr>`));
 }
 async function changes(){
  const list = await get("/debug/changes").catch(() => []);

@@ -299,6 +299,11 @@ pub fn parse_policy_with_services(
     for r in &mut rules {
         r.staged = staged;
     }
+    if staged {
+        ctx.notes.push(format!(
+            "staged ({MODE_ANNOTATION}: audit): resolved, not enforced; flows it would change carry its verdict as `staged`"
+        ));
+    }
     Ok(ParsedPolicy {
         key,
         rules,

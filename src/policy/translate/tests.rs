@@ -353,6 +353,11 @@ fn the_mode_annotation_stages_a_policy_or_is_refused_by_name() {
     for (kind, spec) in [(cnp, cnp_spec), (knp, knp_spec)] {
         let p = doc(kind, audit, spec).unwrap();
         assert!(p.staged && !p.rules.is_empty() && p.rules.iter().all(|r| r.staged));
+        assert!(
+            p.notes.iter().any(|n| n.starts_with("staged")),
+            "status says it is not enforced: {:?}",
+            p.notes
+        );
         for meta in [
             "",
             ", annotations: {policy.ciliate.io/mode: enforce}",
@@ -360,6 +365,7 @@ fn the_mode_annotation_stages_a_policy_or_is_refused_by_name() {
         ] {
             let p = doc(kind, meta, spec).unwrap();
             assert!(!p.staged && p.rules.iter().all(|r| !r.staged), "{meta}");
+            assert!(!p.notes.iter().any(|n| n.starts_with("staged")), "{meta}");
         }
     }
     let anp = parse("{apiVersion: policy.networking.k8s.io/v1alpha1, kind: AdminNetworkPolicy, metadata: {name: a, annotations: {policy.ciliate.io/mode: audit}}, spec: {priority: 1, subject: {namespaces: {}}, ingress: [{action: Deny, from: [{namespaces: {}}]}]}}").unwrap();
