@@ -204,17 +204,17 @@ pub struct FlowSink {
     pub staged_counters: StagedCounters,
 }
 
-/// `ciliate_policy_staged_verdicts_total`'s counters by staged policy (the `Arc` of its current
-/// version) and verdict, so that a flow counts without formatting labels. Bounded: emptied
-/// when it reaches `STAGED_COUNTERS_MAX` (policy versions come and go; the counters live on in
-/// the metric family).
+/// `ciliate_policy_staged_verdicts_total`'s counters by staged policy (the address of its
+/// current version's `Arc`, which the entry holds, so that no other policy's key can be
+/// allocated there while it is cached) and verdict, so that a flow counts without formatting
+/// labels. Bounded: emptied when it reaches `STAGED_COUNTERS_MAX` (policy versions come and
+/// go; the counters live on in the metric family).
 #[derive(Clone, Default)]
-pub struct StagedCounters(
-    Arc<
-        Mutex<
-            std::collections::HashMap<(usize, bool), prometheus_client::metrics::counter::Counter>,
-        >,
-    >,
+pub struct StagedCounters(Arc<Mutex<std::collections::HashMap<(usize, bool), StagedCounter>>>);
+
+type StagedCounter = (
+    Arc<crate::policy::rule::PolicyKey>,
+    prometheus_client::metrics::counter::Counter,
 );
 
 const STAGED_COUNTERS_MAX: usize = 4096;
@@ -239,9 +239,9 @@ impl StagedCounters {
                 verdict: if dropped { "dropped" } else { "forwarded" }.into(),
             };
             let c = metrics.staged_verdicts.get_or_create(&labels).clone();
-            m.insert(key, c);
+            m.insert(key, (policy.clone(), c));
         }
-        if let Some(c) = m.get(&key) {
+        if let Some((_, c)) = m.get(&key) {
             c.inc();
         }
     }
