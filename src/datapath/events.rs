@@ -177,6 +177,14 @@ impl VerdictEvent {
             line.push_str(": ");
             line.push_str(&why);
         }
+        if let Some(s) = &self.staged {
+            line.push_str("; staged: would be ");
+            line.push_str(&s.verdict.to_uppercase());
+            for (i, p) in s.policies.iter().enumerate() {
+                line.push_str(if i == 0 { " by " } else { ", " });
+                p.write_named(&mut line);
+            }
+        }
         line
     }
 
@@ -593,6 +601,16 @@ pub fn verdict_event(
 mod tests {
     use super::*;
 
+    /// The `PolicyRef`s of a NetworkPolicy `x/name` isolating an endpoint.
+    fn refs_of(name: &str) -> Vec<crate::policy::attribution::PolicyRef> {
+        let p = std::sync::Arc::new(crate::policy::rule::PolicyKey::new(
+            crate::policy::rule::PolicyKind::NetworkPolicy,
+            Some("x"),
+            name,
+        ));
+        crate::policy::attribution::isolation_cookie(&[p]).1
+    }
+
     #[test]
     fn events_render_as_one_line() {
         let mut s = [0u8; 16];
@@ -627,6 +645,24 @@ mod tests {
         assert_eq!(json["type"], "flow");
         assert_eq!(json["policies"][0]["name"], "deny-all");
         assert_eq!(json["match"], "default-deny");
+        assert!(json.get("staged").is_none());
+        // A staged policy would let it through: the line and the JSON say so.
+        let staged = crate::policy::staged::StagedVerdict {
+            verdict: "forwarded".into(),
+            policies: refs_of("allow-b").into(),
+        };
+        e.staged = Some(staged);
+        assert!(
+            e.line().ends_with(
+                "(none allows the peer); staged: would be FORWARDED by NetworkPolicy x/allow-b"
+            ),
+            "{}",
+            e.line()
+        );
+        let json = serde_json::to_value(&e).unwrap();
+        assert_eq!(json["staged"]["verdict"], "forwarded");
+        assert_eq!(json["staged"]["policies"][0]["name"], "allow-b");
+        e.staged = None;
         // The monitor's filters.
         let f = |args: &[&str]| {
             use clap::Parser;
