@@ -8,11 +8,9 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::{IpAddr, TcpStream};
-use std::time::Duration;
+use std::net::IpAddr;
 
-use common::agent::http_reply;
+use common::agent::http_get_at;
 use common::cluster::Cluster;
 use common::eventually;
 use common::netns::{in_netns, privileged, tcp_ok, tcp_server};
@@ -41,21 +39,9 @@ fn b_from_a(staged: bool) -> Value {
 /// GET on node 2's debug listener, which listens in the node's network namespace.
 fn node2_get(c: &Cluster, path: &str) -> (u16, String) {
     let (addr, path) = (c.nodes[1].agent().debug.clone(), path.to_string());
-    in_netns(&c.nodes[1].netns, move || {
-        let Ok(mut s) = TcpStream::connect(&addr) else {
-            return (0, String::new());
-        };
-        let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
-        let _ = write!(
-            s,
-            "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-        );
-        let mut raw = String::new();
-        let _ = s.read_to_string(&mut raw);
-        http_reply(&raw)
-    })
-    .join()
-    .unwrap()
+    in_netns(&c.nodes[1].netns, move || http_get_at(&addr, &path))
+        .join()
+        .unwrap()
 }
 
 /// Node 2's kept flows into b on 8080 from the pod `from` (`x/a`, `x/c`), as `/debug/flows`

@@ -244,9 +244,7 @@ impl EndpointActor {
                     .insert(self.record.id as u32, Arc::new(s));
             }
             None => {
-                if !self.shared.staged.is_empty() {
-                    self.shared.staged.remove(&(self.record.id as u32));
-                }
+                self.shared.staged.remove(&(self.record.id as u32));
             }
         }
     }

@@ -143,17 +143,7 @@ impl Agent {
 
     /// GET on the debug HTTP server: (status, body).
     pub fn http_get(&self, path: &str) -> (u16, String) {
-        let Ok(mut s) = TcpStream::connect(&self.debug) else {
-            return (0, String::new());
-        };
-        let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
-        let _ = write!(
-            s,
-            "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-        );
-        let mut raw = String::new();
-        let _ = s.read_to_string(&mut raw);
-        http_reply(&raw)
+        http_get_at(&self.debug, path)
     }
 
     pub fn json(&self, path: &str) -> Value {
@@ -306,6 +296,22 @@ impl Agent {
 }
 
 /// (status code, body) of a raw HTTP/1.1 response (0 when it has no status line).
+/// GET on the HTTP server at `addr` (run it inside a node's namespace to reach that node's
+/// agent): (status, body).
+pub fn http_get_at(addr: &str, path: &str) -> (u16, String) {
+    let Ok(mut s) = TcpStream::connect(addr) else {
+        return (0, String::new());
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
+    let _ = write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    );
+    let mut raw = String::new();
+    let _ = s.read_to_string(&mut raw);
+    http_reply(&raw)
+}
+
 pub fn http_reply(raw: &str) -> (u16, String) {
     let code = raw
         .split_whitespace()
