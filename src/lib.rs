@@ -30,3 +30,4 @@ pub mod proxy;
 pub mod runtime;
 pub mod services;
 pub mod simulate;
+pub mod traffic;

@@ -274,5 +274,6 @@ pub fn flow_of(v: &DnsVerdict, conn: DnsConn, server_identity: u32) -> VerdictEv
         latency_ns: Some((v.processing_seconds * 1e9) as u64),
         dns: Some(v.fields.clone()),
         staged: None,
+        labels: None,
     }
 }

@@ -235,6 +235,7 @@ pub fn flow_of(r: L7Record) -> VerdictEvent {
         latency_ns: Some(r.latency_ns),
         dns: None,
         staged: None,
+        labels: None,
     }
 }
 

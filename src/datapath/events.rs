@@ -75,6 +75,23 @@ pub struct VerdictEvent {
     /// (interfaces section 16; new connections only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub staged: Option<crate::policy::staged::StagedVerdict>,
+    /// Both ends' identity labels and learned DNS names: added as `ciliate monitor` serves a
+    /// flow (never kept in the ring), read back by `policy diff|recommend --flows FILE`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub labels: Option<Box<FlowLabels>>,
+}
+
+/// A flow's ends as the agent knows them when it serves the flow.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct FlowLabels {
+    #[serde(default)]
+    pub source: Vec<String>,
+    #[serde(default)]
+    pub destination: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub source_names: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub destination_names: Vec<String>,
 }
 
 /// Hubble's HTTP fields of an `l7` flow.
@@ -116,6 +133,7 @@ pub fn lost_event(n: u64) -> VerdictEvent {
         latency_ns: None,
         dns: None,
         staged: None,
+        labels: None,
     }
 }
 
@@ -594,6 +612,7 @@ pub fn verdict_event(
         latency_ns: None,
         dns: None,
         staged: None,
+        labels: None,
     }
 }
 

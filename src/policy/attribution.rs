@@ -70,7 +70,7 @@ impl MatchKind {
 }
 
 /// One policy a verdict names (`policies` of a flow).
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, serde::Deserialize)]
 pub struct PolicyRef {
     pub kind: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
