@@ -104,6 +104,10 @@ fn agent(args: AgentArgs) -> i32 {
             host_firewall: args.enable_host_firewall,
         },
         flow_buffer_capacity: args.flow_buffer_capacity,
+        flow_history: ciliate::agent::history::HistoryConfig {
+            keep: args.flow_history,
+            max: args.flow_history_max.max(1),
+        },
         tofqdns_min_ttl: std::time::Duration::from_secs(args.tofqdns_min_ttl),
         tofqdns_limits: ciliate::policy::fqdn_bounds::CacheLimits {
             max_ips_per_name: args.tofqdns_endpoint_max_ip_per_hostname.max(1),
@@ -339,6 +343,20 @@ fn main() {
         Command::Policy {
             command: PolicyCommand::Get { client: c },
         } => client(&c, ClientCall::PolicyGet),
+        Command::Policy {
+            command: PolicyCommand::Diff(a),
+        } => ciliate::cli::traffic::run_diff(
+            &a,
+            &mut std::io::stdout().lock(),
+            &mut std::io::stderr().lock(),
+        ),
+        Command::Policy {
+            command: PolicyCommand::Recommend(a),
+        } => ciliate::cli::traffic::run_recommend(
+            &a,
+            &mut std::io::stdout().lock(),
+            &mut std::io::stderr().lock(),
+        ),
         Command::Status { client: c } => client(&c, ClientCall::Status),
         Command::Endpoint { command, client: c } => client(&c, ClientCall::Endpoint(&command)),
         Command::Identity { command, client: c } => client(&c, ClientCall::Identity(&command)),

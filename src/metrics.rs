@@ -139,6 +139,12 @@ pub struct Metrics {
     pub l7_proxy_latency: Histogram,
     /// Records of requests the HTTP proxy could not hand the agent (as it last said).
     pub l7_records_dropped: Gauge,
+    /// Distinct connections in the flow history (`--flow-history`).
+    pub flow_history_connections: Gauge,
+    /// Flows the history did not record: its reader fell behind the flow broadcast.
+    pub flow_history_missed: Counter,
+    /// Connections the history forgot before `--flow-history` to stay within its bound.
+    pub flow_history_evicted: Counter,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -195,6 +201,9 @@ impl Metrics {
             dns_proxy_requests: Family::default(),
             dns_proxy_processing: Histogram::new(exponential_buckets(0.00001, 2.0, 20)),
             fqdn_cache_entries: Gauge::default(),
+            flow_history_connections: Gauge::default(),
+            flow_history_missed: Counter::default(),
+            flow_history_evicted: Counter::default(),
             address_conflicts: Counter::default(),
             fqdn_cache_evictions: Family::default(),
             identity_journal_errors: Counter::default(),
@@ -251,6 +260,21 @@ impl Metrics {
             "ciliate_agent_bootstrap_seconds",
             "Seconds each start-up phase took (init, maps, restore, ipam, api, sync, regeneration)",
             m.bootstrap.clone(),
+        );
+        r.register(
+            "ciliate_flow_history_connections",
+            "Distinct connections kept in the flow history (policy diff, policy recommend)",
+            m.flow_history_connections.clone(),
+        );
+        r.register(
+            "ciliate_flow_history_missed",
+            "Flows the flow history did not record because its reader fell behind",
+            m.flow_history_missed.clone(),
+        );
+        r.register(
+            "ciliate_flow_history_evicted",
+            "Connections the flow history forgot before --flow-history to stay within its bound",
+            m.flow_history_evicted.clone(),
         );
         r.register(
             "ciliate_datapath_events_lost",

@@ -62,6 +62,8 @@ pub struct Shared {
     /// id (written by each `EndpointActor`, read for every new flow: `FlowSink`).
     pub staged: StagedViews,
     pub staged_counters: StagedCounters,
+    /// The distinct connections observed (`--flow-history`; `agent::history` records them).
+    pub flow_history: crate::traffic::observe::SharedHistory,
     /// What the initial sync still waits for (e.g. `CiliumNetworkPolicy: not listed yet (last
     /// error: ...)`), shown by `/readyz` while not ready.
     pub sync_waiting: Arc<Mutex<Vec<String>>>,
@@ -137,6 +139,7 @@ impl Shared {
             notifications: tokio::sync::broadcast::channel(1024).0,
             staged: Default::default(),
             staged_counters: Default::default(),
+            flow_history: Default::default(),
             cookies: Default::default(),
             enforcement: Default::default(),
             policy_hits: Default::default(),

@@ -4,6 +4,7 @@
 //! endpoint state and restore in `crate::endpoint`.
 
 pub mod dns;
+pub mod history;
 pub mod l7;
 pub mod listen;
 pub mod proxies;

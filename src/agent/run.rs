@@ -55,6 +55,8 @@ pub struct AgentConfig {
     pub enforcement: crate::config::Enforcement,
     /// `--flow-buffer-capacity`: recent flows kept for `monitor --since`.
     pub flow_buffer_capacity: usize,
+    /// `--flow-history`, `--flow-history-max`: the distinct connections kept.
+    pub flow_history: crate::agent::history::HistoryConfig,
     pub cgroup_root: Option<PathBuf>,
     /// `--tofqdns-min-ttl`: addresses learned from DNS stay selected at least this long.
     pub tofqdns_min_ttl: std::time::Duration,
@@ -407,6 +409,10 @@ async fn run_async(
         config.flow_buffer_capacity,
         4096,
     ));
+    shared.flow_history = crate::traffic::observe::SharedHistory::new(crate::agent::history::load(
+        state_dir.root(),
+        config.flow_history,
+    ));
     for (scope, took) in early {
         shared.bootstrap.record(scope, took, &shared.metrics);
     }
@@ -415,6 +421,8 @@ async fn run_async(
     dns.limits = config.tofqdns_limits;
     shared.dns = std::sync::Arc::new(dns);
     shared.dns.start_saver(state_dir.root().to_path_buf());
+    let history =
+        crate::agent::history::start(&shared, shared.flow_history.clone(), config.flow_history);
     // Kubernetes mode: the client first, so a bad kubeconfig fails the start at once.
     let feed = match source {
         Source::Kubernetes { kubeconfig } => {
@@ -779,6 +787,9 @@ async fn run_async(
     wait_for_signal().await;
     tracing::info!("shutting down; enforcement stays in place");
     let _ = repo.send(Shutdown, "signal").await;
+    if let Some(h) = &history {
+        h.save_now();
+    }
     socket_handle.stop(true).await;
     debug_handle.stop(true).await;
     drop(socket);

@@ -4,6 +4,7 @@
 
 mod cni;
 mod page;
+mod traffic;
 
 pub(crate) use cni::remove_container;
 
@@ -676,9 +677,18 @@ async fn monitor(st: web::Data<AppState>, q: web::Query<MonitorQuery>) -> HttpRe
         None => (Vec::new(), st.shared.flows.subscribe()),
     };
     use futures_util::StreamExt;
-    let kept = futures_util::stream::iter(history.into_iter().map(|e| Ok(json_line(&e))));
-    let live = json_lines(live, move |e| filter.accepts(e));
-    let notices = json_lines(st.shared.notifications.subscribe(), |_| true);
+    let engine = st.shared.engine.clone();
+    let labeled = move |e: &crate::datapath::flows::Flow| match engine.read() {
+        Ok(eng) => json_line(&crate::traffic::observe::with_labels(&eng, e)),
+        Err(_) => json_line(e),
+    };
+    let kept = history
+        .into_iter()
+        .map(|e| Ok(labeled(&e)))
+        .collect::<Vec<_>>();
+    let kept = futures_util::stream::iter(kept);
+    let live = json_lines(live, move |e| filter.accepts(e), labeled);
+    let notices = json_lines(st.shared.notifications.subscribe(), |_| true, json_line);
     HttpResponse::Ok()
         .content_type("application/x-ndjson")
         .streaming(kept.chain(futures_util::stream::select(live, notices)))
@@ -708,16 +718,18 @@ fn json_line<T: Serialize>(v: &T) -> actix_web::web::Bytes {
 fn json_lines<T: Serialize + Clone + Send + 'static>(
     rx: tokio::sync::broadcast::Receiver<T>,
     keep: impl Fn(&T) -> bool + 'static,
+    render: impl Fn(&T) -> actix_web::web::Bytes + 'static,
 ) -> impl futures_util::Stream<Item = Result<actix_web::web::Bytes, actix_web::Error>> {
     use tokio::sync::broadcast::error::RecvError;
     let keep = std::rc::Rc::new(keep);
+    let render = std::rc::Rc::new(render);
     futures_util::stream::unfold(rx, move |mut rx| {
-        let keep = keep.clone();
+        let (keep, render) = (keep.clone(), render.clone());
         async move {
             let line = loop {
                 match rx.recv().await {
                     Ok(ev) if !keep(&ev) => continue,
-                    Ok(ev) => break json_line(&ev),
+                    Ok(ev) => break render(&ev),
                     // A slow reader missed events: say how many, and go on.
                     Err(RecvError::Lagged(n)) => {
                         break actix_web::web::Bytes::from(
@@ -892,6 +904,17 @@ pub fn socket_routes(cfg: &mut web::ServiceConfig) {
         .route("/v1/bpf/policy/{id}", web::get().to(bpf_policy))
         .route("/v1/bpf/ipcache", web::get().to(bpf_ipcache))
         .route("/v1/monitor", web::get().to(monitor))
+        .route("/v1/flows/history", web::get().to(traffic::history))
+        .service(
+            // A proposal may hold many policies: up to 32 MiB of them.
+            web::resource("/v1/policy/diff")
+                .app_data(web::JsonConfig::default().limit(32 << 20))
+                .route(web::post().to(traffic::policy_diff)),
+        )
+        .route(
+            "/v1/policy/recommend",
+            web::get().to(traffic::policy_recommend),
+        )
         .route("/v1/cni/add", web::post().to(cni::add))
         .route("/v1/cni/del", web::post().to(cni::del))
         .route("/v1/cni/check", web::post().to(cni::check));

@@ -16,6 +16,7 @@ pub const EXIT_UNUSABLE: i32 = 2;
 pub const EXIT_REJECTED: i32 = 3;
 
 pub mod commands;
+pub mod traffic;
 
 pub use commands::run_client;
 
@@ -303,6 +304,14 @@ pub struct AgentArgs {
     /// Recent flows kept for `ciliate monitor --since` (the oldest go first; 0 keeps none).
     #[arg(long, default_value_t = crate::datapath::flows::DEFAULT_CAPACITY)]
     pub flow_buffer_capacity: usize,
+    /// How long the distinct connections observed are kept for `policy diff` and `policy
+    /// recommend` (`30m`, `24h`, `7d`; `0` keeps none). Saved across restarts.
+    #[arg(long, default_value = "24h", value_name = "DURATION",
+          value_parser = |s: &str| crate::traffic::parse_duration("--flow-history", s))]
+    pub flow_history: u64,
+    /// At most this many distinct connections are kept (the least recently seen go first).
+    #[arg(long, default_value_t = 1_000_000)]
+    pub flow_history_max: usize,
     /// Hubble's Observer and Peer services on TCP too (Cilium's flag): `HOST:PORT`, or `:PORT`
     /// for every address. They are always served on `STATE_DIR/hubble.sock`.
     #[arg(long, value_name = "ADDR", value_parser = crate::hubble::server::parse_listen_address)]
@@ -391,6 +400,13 @@ pub enum PolicyCommand {
         #[command(flatten)]
         client: ClientOpts,
     },
+    /// What would this change break? Replays the observed connections against the policies
+    /// in force and against them with the change; prints every connection whose verdict would
+    /// flip (newly dropped first), with counts, last seen and the deciding policies.
+    Diff(traffic::DiffArgs),
+    /// Least-privilege policies for a namespace's workloads from the connections observed
+    /// (YAML on stdout).
+    Recommend(traffic::RecommendArgs),
 }
 
 #[derive(Debug, Subcommand)]

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeSet;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::history::{verdict_word, FlowHistory};
 use super::replay::Replay;
@@ -50,6 +50,57 @@ pub fn key_text(k: &PolicyKey) -> String {
     }
 }
 
+/// The proposal from policy documents (each with where it came from, for errors) and
+/// `--delete` arguments. A document that is not a policy kind is left out (a directory of
+/// manifests holds Deployments too); a policy that does not validate is an error naming the
+/// document and its field: a diff of half a proposal would mislead.
+pub fn proposal(
+    docs: &[(String, serde_yaml::Value)],
+    deletes: &[String],
+) -> Result<Proposal, String> {
+    let mut p = Proposal {
+        upserts: policies(docs)?,
+        deletes: vec![],
+    };
+    for d in deletes {
+        p.deletes.push(parse_delete(d)?);
+    }
+    if p.upserts.is_empty() && p.deletes.is_empty() {
+        return Err("nothing proposed: no policy document and no --delete".into());
+    }
+    Ok(p)
+}
+
+/// The policy documents among `docs`, validated (other kinds left out; a policy twice, or
+/// one that does not validate, is an error naming the document).
+pub fn policies(docs: &[(String, serde_yaml::Value)]) -> Result<Vec<ParsedPolicy>, String> {
+    let mut out: Vec<ParsedPolicy> = Vec::new();
+    for (location, doc) in docs {
+        let kind = doc.get("kind").and_then(|k| k.as_str()).unwrap_or_default();
+        if PolicyKind::from_kind(kind).is_none() {
+            continue;
+        }
+        let parsed = crate::policy::translate::parse_policy(doc, "default", location)
+            .map_err(|e| format!("{location}: {e}"))?;
+        if out.iter().any(|q| q.key == parsed.key) {
+            return Err(format!(
+                "{location}: {kind} {} is given twice",
+                parsed.key.short()
+            ));
+        }
+        out.push(parsed);
+    }
+    Ok(out)
+}
+
+/// `--since DUR` as unix seconds (none: everything kept).
+pub fn since_secs(since: Option<&str>, now: u64) -> Result<u64, String> {
+    match since {
+        None => Ok(0),
+        Some(s) => Ok(now.saturating_sub(super::parse_duration("--since", s)?)),
+    }
+}
+
 /// The policies in force with the proposal applied. Deleting a policy that is not in force is
 /// an error (a mistyped name must not read as "nothing changes").
 pub fn apply(in_force: &[ParsedPolicy], p: &Proposal) -> Result<Vec<ParsedPolicy>, String> {
@@ -72,20 +123,20 @@ pub fn apply(in_force: &[ParsedPolicy], p: &Proposal) -> Result<Vec<ParsedPolicy
 }
 
 /// One connection whose verdict the change flips.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Flip {
     /// The connection as observed (its verdict: the last one seen).
     #[serde(flatten)]
     pub connection: Connection,
     /// Replayed against the policies in force, and with the change.
-    pub before: &'static str,
-    pub after: &'static str,
+    pub before: String,
+    pub after: String,
     /// The policies that decide it after the change (empty: no policy selects either end).
     pub by: Vec<PolicyRef>,
 }
 
 /// What `policy diff` prints.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DiffReport {
     /// Connections replayed (observed since `since`).
     pub connections: usize,
@@ -137,8 +188,8 @@ pub fn diff(
         }
         report.flips.push(Flip {
             connection: v.to_connection(),
-            before: verdict_word(b),
-            after: verdict_word(a),
+            before: verdict_word(b).into(),
+            after: verdict_word(a).into(),
             by: judged.policies(),
         });
     }

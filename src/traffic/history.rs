@@ -132,6 +132,7 @@ pub fn verdict_word(dropped: bool) -> &'static str {
 }
 
 /// The table.
+#[derive(Clone)]
 pub struct FlowHistory {
     peers: Vec<Peer>,
     peer_index: crate::hashing::HashMap<Peer, u32>,

@@ -9,6 +9,7 @@
 pub mod diff;
 pub mod flowfile;
 pub mod history;
+pub mod observe;
 pub mod recommend;
 pub mod replay;
 

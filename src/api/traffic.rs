@@ -1,0 +1,111 @@
+//! Traffic analysis on the unix socket (interfaces section 16): the flow history, and `policy
+//! diff` / `policy recommend` run by the agent against it (the same functions the CLI runs on a
+//! `--flows FILE`). The history is copied out of its lock before any replay, so the recorder
+//! never waits on one; the replay runs on a blocking thread.
+
+use actix_web::http::StatusCode;
+use actix_web::{web, HttpResponse};
+use serde::Deserialize;
+
+use super::{error, AppState};
+use crate::traffic::diff::{self, since_secs};
+use crate::traffic::recommend::{self, Kind};
+
+fn now() -> u64 {
+    crate::datapath::flows::unix_now_ms() / 1000
+}
+
+#[derive(Deserialize)]
+pub struct HistoryQuery {
+    since: Option<String>,
+}
+
+/// `GET /v1/flows/history?since=DUR`: the connections, as JSON.
+pub async fn history(st: web::Data<AppState>, q: web::Query<HistoryQuery>) -> HttpResponse {
+    let since = match since_secs(q.since.as_deref(), now()) {
+        Ok(s) => s,
+        Err(e) => return error(StatusCode::BAD_REQUEST, e),
+    };
+    let conns = st.shared.flow_history.lock().connections(since);
+    HttpResponse::Ok().json(conns)
+}
+
+/// `POST /v1/policy/diff`'s body.
+#[derive(Deserialize)]
+pub struct DiffRequest {
+    /// Policy documents, each with where it came from (`file.yaml[0]`).
+    #[serde(default)]
+    documents: Vec<(String, serde_json::Value)>,
+    #[serde(default)]
+    delete: Vec<String>,
+    since: Option<String>,
+}
+
+/// `POST /v1/policy/diff`: the observed connections the proposal would flip.
+pub async fn policy_diff(st: web::Data<AppState>, body: web::Json<DiffRequest>) -> HttpResponse {
+    let body = body.into_inner();
+    let shared = st.shared.clone();
+    let run = move || -> Result<diff::DiffReport, String> {
+        let since = since_secs(body.since.as_deref(), now())?;
+        let docs = body
+            .documents
+            .into_iter()
+            .map(|(at, v)| {
+                serde_yaml::to_value(v)
+                    .map(|y| (at.clone(), y))
+                    .map_err(|e| format!("{at}: {e}"))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let proposal = diff::proposal(&docs, &body.delete)?;
+        let in_force = {
+            let e = shared
+                .engine
+                .read()
+                .map_err(|_| "the policy engine is unusable")?;
+            crate::traffic::replay::policies_of(&e)
+        };
+        let history = shared.flow_history.lock().clone();
+        diff::diff(&history, since, in_force, &proposal)
+    };
+    match web::block(run).await {
+        Ok(Ok(r)) => HttpResponse::Ok().json(r),
+        Ok(Err(e)) => error(StatusCode::BAD_REQUEST, e),
+        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    }
+}
+
+#[derive(Deserialize)]
+pub struct RecommendQuery {
+    namespace: String,
+    since: Option<String>,
+    kind: Option<String>,
+}
+
+/// `GET /v1/policy/recommend?namespace=NS&since=DUR&kind=KIND`: YAML.
+pub async fn policy_recommend(
+    st: web::Data<AppState>,
+    q: web::Query<RecommendQuery>,
+) -> HttpResponse {
+    let q = q.into_inner();
+    let kind = match q.kind.as_deref() {
+        None | Some("CiliumNetworkPolicy") => Kind::CiliumNetworkPolicy,
+        Some("NetworkPolicy") => Kind::NetworkPolicy,
+        Some(k) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("kind {k:?}: CiliumNetworkPolicy or NetworkPolicy"),
+            )
+        }
+    };
+    let since = match since_secs(q.since.as_deref(), now()) {
+        Ok(s) => s,
+        Err(e) => return error(StatusCode::BAD_REQUEST, e),
+    };
+    let history = st.shared.flow_history.lock().clone();
+    match web::block(move || recommend::recommend(&history, since, &q.namespace, kind)).await {
+        Ok(yaml) => HttpResponse::Ok()
+            .content_type("application/yaml")
+            .body(yaml),
+        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    }
+}

@@ -1,0 +1,217 @@
+//! `ciliate policy diff` and `ciliate policy recommend` (interfaces section 16): asked of the
+//! agent (its flow history and the policies in force), or answered here from `--flows FILE`
+//! by the same functions (`traffic::diff`, `traffic::recommend`).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use super::{ClientOpts, Output, EXIT_OK, EXIT_UNUSABLE};
+use crate::traffic::recommend::Kind;
+use crate::traffic::{diff, flowfile, recommend};
+
+/// Exit status: the agent could not be asked (or refused the request).
+pub const EXIT_AGENT: i32 = 1;
+
+/// A flow file holds at most this many distinct connections (the agent's own bound).
+const FLOWS_MAX: usize = 10_000_000;
+
+/// `ciliate policy diff`'s arguments.
+#[derive(Debug, clap::Args)]
+pub struct DiffArgs {
+    /// The proposed policies (a file, or a directory of manifests: every policy document in
+    /// it; other kinds are left out). Each adds a policy or replaces the one of its name.
+    #[arg(long, value_name = "FILE|DIR")]
+    pub policies: Option<PathBuf>,
+    /// A policy to delete: `KIND/NAMESPACE/NAME` (`KIND/NAME` when clusterwide); repeatable.
+    #[arg(long = "delete", value_name = "KIND/NS/NAME")]
+    pub delete: Vec<String>,
+    /// Only connections last seen this recently (`30m`, `24h`); default: all kept.
+    #[arg(long, value_name = "DURATION")]
+    pub since: Option<String>,
+    /// Read the flows from this file (`ciliate monitor -o json`, `hubble observe -o jsonpb`)
+    /// instead of asking the agent.
+    #[arg(long, value_name = "FILE")]
+    pub flows: Option<PathBuf>,
+    /// With --flows: the policies that were in force when the flows were observed (FILE|DIR;
+    /// without it, none were). The agent knows its own.
+    #[arg(long, value_name = "FILE|DIR", requires = "flows")]
+    pub in_force: Option<PathBuf>,
+    #[command(flatten)]
+    pub client: ClientOpts,
+}
+
+/// `ciliate policy recommend`'s arguments.
+#[derive(Debug, clap::Args)]
+pub struct RecommendArgs {
+    /// The namespace whose workloads get policies.
+    #[arg(long)]
+    pub namespace: String,
+    /// Only connections last seen this recently (`30m`, `24h`); default: all kept.
+    #[arg(long, value_name = "DURATION")]
+    pub since: Option<String>,
+    /// Read the flows from this file instead of asking the agent.
+    #[arg(long, value_name = "FILE")]
+    pub flows: Option<PathBuf>,
+    /// The kind of policy written.
+    #[arg(long, value_enum, default_value = "CiliumNetworkPolicy")]
+    pub kind: Kind,
+    #[command(flatten)]
+    pub client: ClientOpts,
+}
+
+fn now() -> u64 {
+    crate::datapath::flows::unix_now_ms() / 1000
+}
+
+/// Every document of a file, or of each manifest file of a directory (sorted by name), with
+/// where it came from (`dir/a.yaml[1]`).
+pub fn read_documents(path: &Path) -> Result<Vec<(String, serde_yaml::Value)>, String> {
+    let files = match std::fs::metadata(path) {
+        Ok(m) if m.is_dir() => {
+            let mut files: Vec<PathBuf> = std::fs::read_dir(path)
+                .map_err(|e| format!("{}: {e}", path.display()))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| {
+                    p.is_file()
+                        && p.file_name().is_some_and(|n| {
+                            crate::manifests::read::is_manifest_name(&n.to_string_lossy())
+                        })
+                })
+                .collect();
+            files.sort();
+            files
+        }
+        Ok(_) => vec![path.to_path_buf()],
+        Err(e) => return Err(format!("{}: {e}", path.display())),
+    };
+    let mut out = Vec::new();
+    for f in files {
+        let text = std::fs::read_to_string(&f).map_err(|e| format!("{}: {e}", f.display()))?;
+        for (i, d) in serde_yaml::Deserializer::from_str(&text).enumerate() {
+            let v = <serde_yaml::Value as serde::Deserialize>::deserialize(d)
+                .map_err(|e| format!("{}: document {i}: {e}", f.display()))?;
+            if !v.is_null() {
+                out.push((format!("{}[{i}]", f.display()), v));
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn read_flows(path: &Path) -> Result<flowfile::Read, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    flowfile::read(&text, &path.display().to_string(), FLOWS_MAX)
+}
+
+fn in_force(path: Option<&Path>) -> Result<Vec<crate::policy::translate::ParsedPolicy>, String> {
+    let Some(path) = path else {
+        return Ok(vec![]);
+    };
+    let docs = read_documents(path)?;
+    diff::policies(&docs)
+}
+
+/// Runs `policy diff`, printing the report (text, or JSON with `-o json`).
+pub fn run_diff(a: &DiffArgs, out: &mut dyn Write, err: &mut dyn Write) -> i32 {
+    let fail = |err: &mut dyn Write, e: String, code| {
+        let _ = writeln!(err, "error: {e}");
+        code
+    };
+    let docs = match a.policies.as_deref().map(read_documents).transpose() {
+        Ok(d) => d.unwrap_or_default(),
+        Err(e) => return fail(err, e, EXIT_UNUSABLE),
+    };
+    let report = match &a.flows {
+        Some(path) => {
+            let run = || -> Result<diff::DiffReport, String> {
+                let proposal = diff::proposal(&docs, &a.delete)?;
+                let since = diff::since_secs(a.since.as_deref(), now())?;
+                let read = read_flows(path)?;
+                diff::diff(
+                    &read.history,
+                    since,
+                    in_force(a.in_force.as_deref())?,
+                    &proposal,
+                )
+            };
+            match run() {
+                Ok(r) => r,
+                Err(e) => return fail(err, e, EXIT_UNUSABLE),
+            }
+        }
+        None => {
+            let docs: Vec<(String, serde_json::Value)> = docs
+                .into_iter()
+                .filter_map(|(at, v)| serde_json::to_value(v).ok().map(|j| (at, j)))
+                .collect();
+            let body = serde_json::json!({"documents": docs, "delete": a.delete, "since": a.since});
+            let sent = crate::client::request(
+                &a.client.socket,
+                "POST",
+                "/v1/policy/diff",
+                Some(&body.to_string()),
+            );
+            let parsed = sent.map_err(|e| e.to_string()).and_then(|t| {
+                serde_json::from_str::<diff::DiffReport>(&t).map_err(|e| e.to_string())
+            });
+            match parsed {
+                Ok(r) => r,
+                Err(e) => return fail(err, e, EXIT_AGENT),
+            }
+        }
+    };
+    let text = match a.client.output {
+        Output::Json => serde_json::to_string_pretty(&report).unwrap_or_default() + "\n",
+        Output::Table => diff::render(&report),
+    };
+    let _ = out.write_all(text.as_bytes());
+    EXIT_OK
+}
+
+/// Runs `policy recommend`, printing YAML.
+pub fn run_recommend(a: &RecommendArgs, out: &mut dyn Write, err: &mut dyn Write) -> i32 {
+    let yaml = match &a.flows {
+        Some(path) => {
+            let run = || -> Result<String, String> {
+                let since = diff::since_secs(a.since.as_deref(), now())?;
+                let read = read_flows(path)?;
+                Ok(recommend::recommend(
+                    &read.history,
+                    since,
+                    &a.namespace,
+                    a.kind,
+                ))
+            };
+            match run() {
+                Ok(y) => y,
+                Err(e) => {
+                    let _ = writeln!(err, "error: {e}");
+                    return EXIT_UNUSABLE;
+                }
+            }
+        }
+        None => {
+            let kind = match a.kind {
+                Kind::CiliumNetworkPolicy => "CiliumNetworkPolicy",
+                Kind::NetworkPolicy => "NetworkPolicy",
+            };
+            let mut q = vec![("namespace", a.namespace.as_str()), ("kind", kind)];
+            if let Some(s) = &a.since {
+                q.push(("since", s));
+            }
+            let path = format!(
+                "/v1/policy/recommend?{}",
+                serde_urlencoded::to_string(&q).unwrap_or_default()
+            );
+            match crate::client::request(&a.client.socket, "GET", &path, None) {
+                Ok(y) => y,
+                Err(e) => {
+                    let _ = writeln!(err, "error: {e}");
+                    return EXIT_AGENT;
+                }
+            }
+        }
+    };
+    let _ = out.write_all(yaml.as_bytes());
+    EXIT_OK
+}
