@@ -244,6 +244,64 @@ fn diff_names_what_a_policy_would_drop_and_recommend_allows_exactly_what_was_see
         );
     }
 
+    // The cluster's flows from a Hubble Observer (node 2's own here; a relay serves the same
+    // API for every node), replayed by the agent: the same connections flip.
+    let observer = format!(
+        "unix://{}",
+        c.nodes[1].dir.join("state/hubble.sock").display()
+    );
+    let from_observer = ok_json(&[
+        "policy",
+        "diff",
+        "--policies",
+        policy,
+        "--server",
+        &observer,
+        "-o",
+        "json",
+        "--socket",
+        sock,
+    ]);
+    let essentials = |r: &Value| -> Vec<Value> {
+        r["flips"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| {
+                json!([
+                    f["source"]["pod"],
+                    f["source"]["labels"],
+                    f["destination"]["pod"],
+                    f["protocol"],
+                    f["port"],
+                    f["count"],
+                    f["after"],
+                    f["by"]
+                ])
+            })
+            .collect()
+    };
+    assert_eq!(
+        essentials(&from_observer),
+        essentials(&live),
+        "{from_observer:#}"
+    );
+    let (code, yaml, err) = run(&[
+        "policy",
+        "recommend",
+        "--namespace",
+        "x",
+        "--server",
+        &observer,
+        "--socket",
+        sock,
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(
+        yaml, recommended,
+        "the same recommendation from the Observer's flows"
+    );
+
     // Kept across a restart of the agent: the same diff after it.
     c.node(2).agent.as_mut().expect("agent").stop();
     let kubeconfig = c.kubeconfig.clone();

@@ -9,6 +9,7 @@ use serde::Deserialize;
 
 use super::{error, AppState};
 use crate::traffic::diff::{self, since_secs};
+use crate::traffic::history::FlowHistory;
 use crate::traffic::recommend::{self, Kind};
 
 fn now() -> u64 {
@@ -39,6 +40,8 @@ pub struct DiffRequest {
     #[serde(default)]
     delete: Vec<String>,
     since: Option<String>,
+    /// Connections to replay instead of this agent's history (the cluster's, from a relay).
+    connections: Option<Vec<crate::traffic::Connection>>,
 }
 
 /// `POST /v1/policy/diff`: the observed connections the proposal would flip.
@@ -64,7 +67,10 @@ pub async fn policy_diff(st: web::Data<AppState>, body: web::Json<DiffRequest>) 
                 .map_err(|_| "the policy engine is unusable")?;
             crate::traffic::replay::policies_of(&e)
         };
-        let history = shared.flow_history.lock().clone();
+        let history = match body.connections {
+            None => shared.flow_history.lock().clone(),
+            Some(conns) => given(&conns)?,
+        };
         diff::diff(&history, since, in_force, &proposal)
     };
     match web::block(run).await {
@@ -73,6 +79,23 @@ pub async fn policy_diff(st: web::Data<AppState>, body: web::Json<DiffRequest>) 
         Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
     }
 }
+
+/// A history of the connections a request gives (at most the agent's own bound of them).
+fn given(conns: &[crate::traffic::Connection]) -> Result<FlowHistory, String> {
+    if conns.len() > GIVEN_MAX {
+        return Err(format!(
+            "{} connections given: at most {GIVEN_MAX}",
+            conns.len()
+        ));
+    }
+    let mut h = FlowHistory::new(u64::MAX, GIVEN_MAX);
+    for (i, c) in conns.iter().enumerate() {
+        h.merge(c).map_err(|e| format!("connections[{i}]: {e}"))?;
+    }
+    Ok(h)
+}
+
+const GIVEN_MAX: usize = 10_000_000;
 
 #[derive(Deserialize)]
 pub struct RecommendQuery {

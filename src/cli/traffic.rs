@@ -36,6 +36,11 @@ pub struct DiffArgs {
     /// without it, none were). The agent knows its own.
     #[arg(long, value_name = "FILE|DIR", requires = "flows")]
     pub in_force: Option<PathBuf>,
+    /// The whole cluster's flows: ask this Hubble Observer (`ciliate relay`'s address
+    /// `HOST:PORT`, or an agent's `unix://STATE_DIR/hubble.sock`; plain text) for the flows
+    /// its agents still keep, and the agent to replay them against its policies.
+    #[arg(long, value_name = "ADDR", conflicts_with = "flows")]
+    pub server: Option<String>,
     #[command(flatten)]
     pub client: ClientOpts,
 }
@@ -52,6 +57,9 @@ pub struct RecommendArgs {
     /// Read the flows from this file instead of asking the agent.
     #[arg(long, value_name = "FILE")]
     pub flows: Option<PathBuf>,
+    /// The whole cluster's flows, from this Hubble Observer (as `policy diff --server`).
+    #[arg(long, value_name = "ADDR", conflicts_with = "flows")]
+    pub server: Option<String>,
     /// The kind of policy written.
     #[arg(long, value_enum, default_value = "CiliumNetworkPolicy")]
     pub kind: Kind,
@@ -103,6 +111,42 @@ fn read_flows(path: &Path) -> Result<flowfile::Read, String> {
     flowfile::read(&text, &path.display().to_string(), FLOWS_MAX)
 }
 
+/// The flows a Hubble Observer (a relay, or one agent) keeps, last seen within `since`.
+fn observer_flows(
+    server: &str,
+    since: Option<&str>,
+) -> Result<crate::traffic::history::FlowHistory, String> {
+    use crate::hubble::proto::observer as opb;
+    let since = since
+        .map(|s| crate::traffic::parse_duration("--since", s))
+        .transpose()?
+        .map(|d| prost_types::Timestamp {
+            seconds: now().saturating_sub(d) as i64,
+            nanos: 0,
+        });
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    rt.block_on(async {
+        let ch = crate::hubble::relay::channel(server, None)?;
+        let mut c = opb::observer_client::ObserverClient::new(ch);
+        let req = opb::GetFlowsRequest {
+            since,
+            ..Default::default()
+        };
+        let failed = |e: tonic::Status| format!("{server}: GetFlows: {}", e.message());
+        let mut stream = c.get_flows(req).await.map_err(failed)?.into_inner();
+        let mut h = crate::traffic::history::FlowHistory::new(u64::MAX, FLOWS_MAX);
+        while let Some(r) = stream.message().await.map_err(failed)? {
+            if let Some(opb::get_flows_response::ResponseTypes::Flow(f)) = r.response_types {
+                flowfile::observer_flow(&mut h, &f)?;
+            }
+        }
+        Ok(h)
+    })
+}
+
 fn in_force(path: Option<&Path>) -> Result<Vec<crate::policy::translate::ParsedPolicy>, String> {
     let Some(path) = path else {
         return Ok(vec![]);
@@ -144,7 +188,14 @@ pub fn run_diff(a: &DiffArgs, out: &mut dyn Write, err: &mut dyn Write) -> i32 {
                 .into_iter()
                 .filter_map(|(at, v)| serde_json::to_value(v).ok().map(|j| (at, j)))
                 .collect();
-            let body = serde_json::json!({"documents": docs, "delete": a.delete, "since": a.since});
+            let mut body =
+                serde_json::json!({"documents": docs, "delete": a.delete, "since": a.since});
+            if let Some(server) = &a.server {
+                match observer_flows(server, a.since.as_deref()) {
+                    Ok(h) => body["connections"] = serde_json::json!(h.connections(0)),
+                    Err(e) => return fail(err, e, EXIT_AGENT),
+                }
+            }
             let sent = crate::client::request(
                 &a.client.socket,
                 "POST",
@@ -170,8 +221,15 @@ pub fn run_diff(a: &DiffArgs, out: &mut dyn Write, err: &mut dyn Write) -> i32 {
 
 /// Runs `policy recommend`, printing YAML.
 pub fn run_recommend(a: &RecommendArgs, out: &mut dyn Write, err: &mut dyn Write) -> i32 {
-    let yaml = match &a.flows {
-        Some(path) => {
+    let yaml = match (&a.flows, &a.server) {
+        (None, Some(server)) => match observer_flows(server, a.since.as_deref()) {
+            Ok(h) => recommend::recommend(&h, 0, &a.namespace, a.kind),
+            Err(e) => {
+                let _ = writeln!(err, "error: {e}");
+                return EXIT_AGENT;
+            }
+        },
+        (Some(path), _) => {
             let run = || -> Result<String, String> {
                 let since = diff::since_secs(a.since.as_deref(), now())?;
                 let read = read_flows(path)?;
@@ -190,7 +248,7 @@ pub fn run_recommend(a: &RecommendArgs, out: &mut dyn Write, err: &mut dyn Write
                 }
             }
         }
-        None => {
+        (None, None) => {
             let kind = match a.kind {
                 Kind::CiliumNetworkPolicy => "CiliumNetworkPolicy",
                 Kind::NetworkPolicy => "NetworkPolicy",

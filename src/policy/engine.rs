@@ -214,6 +214,16 @@ impl EndpointPolicy {
         }
     }
 
+    /// Whether `decide` allows it, without saying why (nothing allocated: what a replay of
+    /// many connections asks first).
+    pub fn permits(&self, d: Direction, peer: NumericIdentity, protocol: u8, port: u16) -> bool {
+        match self.map.lookup(d, peer, protocol, port) {
+            MapVerdict::Denied(_) => false,
+            MapVerdict::Allowed(_) => true,
+            MapVerdict::NoMatch => self.direction(d).isolated_by.is_empty(),
+        }
+    }
+
     /// The endpoint's DNS goes through the DNS proxy: DNS rules, or names to learn.
     pub fn dns_redirected(&self) -> bool {
         !self.dns.is_empty() || self.dns_observed

@@ -175,13 +175,13 @@ pub fn diff(
     };
     for v in history.iter_since(since) {
         report.connections += 1;
-        let b = before.judge(v.src, v.dst, v.proto, v.port).dropped();
+        let b = before.dropped(v.src, v.dst, v.proto, v.port);
         report.replay_differs_from_observed += (b != v.dropped) as usize;
-        let judged = after.judge(v.src, v.dst, v.proto, v.port);
-        let a = judged.dropped();
+        let a = after.dropped(v.src, v.dst, v.proto, v.port);
         if a == b {
             continue;
         }
+        let judged = after.judge(v.src, v.dst, v.proto, v.port);
         match a {
             true => report.newly_dropped += 1,
             false => report.newly_forwarded += 1,

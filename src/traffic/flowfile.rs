@@ -16,6 +16,7 @@ use serde::Deserialize;
 use super::history::{FlowHistory, Observation};
 use super::Peer;
 use crate::datapath::events::VerdictEvent;
+use crate::hubble::proto::flow as fpb;
 use crate::policy::attribution::{PolicyRef, PolicyTier};
 use crate::policy::rule::{
     protocol_number, PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP,
@@ -267,6 +268,84 @@ fn hubble_policies(list: &[HubblePolicy]) -> Vec<PolicyRef> {
 fn hubble_flow(h: &mut FlowHistory, v: &serde_json::Value) -> Result<bool, String> {
     let f: HubbleFlow =
         serde_json::from_value(v.clone()).map_err(|e| format!("not a Hubble flow: {e}"))?;
+    record_hubble(h, f)
+}
+
+/// A flow from an Observer (a relay's `GetFlows`, or an agent's), as a file's line would
+/// give it: counted when it decided a new connection (`Ok(false)`: skipped).
+pub fn observer_flow(h: &mut FlowHistory, f: &fpb::Flow) -> Result<bool, String> {
+    use fpb::layer4::Protocol;
+    let ports = |dst: u32, flags: Option<&fpb::TcpFlags>| HubblePorts {
+        destination_port: dst as u16,
+        flags: flags.map(|f| HubbleTcpFlags {
+            syn: f.syn,
+            ack: f.ack,
+        }),
+    };
+    let mut l4 = HubbleL4::default();
+    match f.l4.as_ref().and_then(|l| l.protocol.as_ref()) {
+        Some(Protocol::Tcp(t)) => l4.tcp = Some(ports(t.destination_port, t.flags.as_ref())),
+        Some(Protocol::Udp(u)) => l4.udp = Some(ports(u.destination_port, None)),
+        Some(Protocol::Sctp(s)) => l4.sctp = Some(ports(s.destination_port, None)),
+        Some(Protocol::IcmPv4(i)) => {
+            l4.icmpv4 = Some(HubbleIcmp {
+                kind: i.r#type as u8,
+            })
+        }
+        Some(Protocol::IcmPv6(i)) => {
+            l4.icmpv6 = Some(HubbleIcmp {
+                kind: i.r#type as u8,
+            })
+        }
+        None => return Ok(false),
+    }
+    let end = |e: &Option<fpb::Endpoint>| {
+        e.as_ref().map(|e| HubbleEndpoint {
+            namespace: e.namespace.clone(),
+            labels: e.labels.clone(),
+            pod_name: e.pod_name.clone(),
+        })
+    };
+    let policies = |l: &[fpb::Policy]| {
+        l.iter()
+            .map(|p| HubblePolicy {
+                name: p.name.clone(),
+                namespace: p.namespace.clone(),
+                kind: p.kind.clone(),
+            })
+            .collect()
+    };
+    let verdict = fpb::Verdict::try_from(f.verdict).map_or("", |v| v.as_str_name());
+    let direction =
+        fpb::TrafficDirection::try_from(f.traffic_direction).map_or("", |d| d.as_str_name());
+    let time = f.time.as_ref().and_then(|t| {
+        chrono::DateTime::from_timestamp(t.seconds, t.nanos.max(0) as u32).map(|d| d.to_rfc3339())
+    });
+    record_hubble(
+        h,
+        HubbleFlow {
+            time,
+            verdict: verdict.to_string(),
+            ip: f.ip.as_ref().map(|i| HubbleIp {
+                source: i.source.clone(),
+                destination: i.destination.clone(),
+            }),
+            l4: Some(l4),
+            source: end(&f.source),
+            destination: end(&f.destination),
+            source_names: f.source_names.clone(),
+            destination_names: f.destination_names.clone(),
+            traffic_direction: direction.to_string(),
+            is_reply: f.is_reply,
+            egress_allowed_by: policies(&f.egress_allowed_by),
+            ingress_allowed_by: policies(&f.ingress_allowed_by),
+            egress_denied_by: policies(&f.egress_denied_by),
+            ingress_denied_by: policies(&f.ingress_denied_by),
+        },
+    )
+}
+
+fn record_hubble(h: &mut FlowHistory, f: HubbleFlow) -> Result<bool, String> {
     let dropped = match f.verdict.as_str() {
         "FORWARDED" | "AUDIT" => false,
         "DROPPED" => true,

@@ -4,7 +4,7 @@
 //! slot 5 (one million connections: about 45 MiB). Bounded: at `max` entries the least
 //! recently seen eighth goes; entries older than `keep` go at each `expire`.
 
-use std::hash::BuildHasher;
+use std::hash::{BuildHasher, Hasher};
 use std::sync::Arc;
 
 use hashbrown::HashTable;
@@ -135,7 +135,10 @@ pub fn verdict_word(dropped: bool) -> &'static str {
 #[derive(Clone)]
 pub struct FlowHistory {
     peers: Vec<Peer>,
-    peer_index: crate::hashing::HashMap<Peer, u32>,
+    /// Peers by `Peer::hash_key` (`Peer::same` finds one).
+    peer_index: HashTable<u32>,
+    /// Label sets, one allocation each, shared by the peers that have them.
+    label_sets: crate::hashing::HashSet<Arc<[String]>>,
     lists: Vec<Arc<[PolicyRef]>>,
     list_index: crate::hashing::HashMap<Arc<[PolicyRef]>, u32>,
     entries: Vec<Entry>,
@@ -151,7 +154,8 @@ impl FlowHistory {
     pub fn new(keep: u64, max: usize) -> FlowHistory {
         let mut h = FlowHistory {
             peers: Vec::new(),
-            peer_index: Default::default(),
+            peer_index: HashTable::new(),
+            label_sets: Default::default(),
             lists: Vec::new(),
             list_index: Default::default(),
             entries: Vec::new(),
@@ -187,14 +191,66 @@ impl FlowHistory {
     }
 
     /// The index of a peer (interned by `Peer::key`; the first example seen is kept).
-    pub fn peer(&mut self, p: Peer) -> u32 {
-        if let Some(i) = self.peer_index.get(&p.key()) {
+    pub fn peer(&mut self, mut p: Peer) -> u32 {
+        let h = self.peer_hash(&p);
+        let peers = &self.peers;
+        if let Some(i) = self.peer_index.find(h, |i| peers[*i as usize].same(&p)) {
             return *i;
         }
+        match self.label_sets.get(&p.labels) {
+            Some(l) => p.labels = l.clone(),
+            None => {
+                self.label_sets.insert(p.labels.clone());
+            }
+        }
         let i = self.peers.len() as u32;
-        self.peer_index.insert(p.key(), i);
         self.peers.push(p);
+        let (peers, hasher) = (&self.peers, &self.hasher);
+        self.peer_index.insert_unique(h, i, |j| {
+            let mut s = hasher.build_hasher();
+            peers[*j as usize].hash_key(&mut s);
+            s.finish()
+        });
         i
+    }
+
+    fn peer_hash(&self, p: &Peer) -> u64 {
+        let mut s = self.hasher.build_hasher();
+        p.hash_key(&mut s);
+        s.finish()
+    }
+
+    /// Indexes every peer again (after they were renumbered or read back); equal label sets
+    /// share one allocation again.
+    fn index_peers(&mut self) -> Result<(), String> {
+        self.label_sets.clear();
+        for p in self.peers.iter_mut() {
+            match self.label_sets.get(&p.labels) {
+                Some(l) => p.labels = l.clone(),
+                None => {
+                    self.label_sets.insert(p.labels.clone());
+                }
+            }
+        }
+        let (peers, hasher) = (&self.peers, &self.hasher);
+        let hash = |p: &Peer| {
+            let mut s = hasher.build_hasher();
+            p.hash_key(&mut s);
+            s.finish()
+        };
+        let mut index = HashTable::with_capacity(peers.len());
+        for (i, p) in peers.iter().enumerate() {
+            let h = hash(p);
+            if index
+                .find(h, |j: &u32| peers[*j as usize].same(p))
+                .is_some()
+            {
+                return Err("a peer is listed twice".into());
+            }
+            index.insert_unique(h, i as u32, |j: &u32| hash(&peers[*j as usize]));
+        }
+        self.peer_index = index;
+        Ok(())
     }
 
     fn list(&mut self, l: &[PolicyRef]) -> u32 {
@@ -352,12 +408,8 @@ impl FlowHistory {
             .iter()
             .map(|i| old_peers[*i as usize].clone())
             .collect();
-        self.peer_index = self
-            .peers
-            .iter()
-            .enumerate()
-            .map(|(i, p)| (p.key(), i as u32))
-            .collect();
+        // Peers were distinct before: they are after.
+        let _ = self.index_peers();
         let old_lists = std::mem::take(&mut self.lists);
         self.lists = lists
             .iter()
@@ -415,10 +467,14 @@ impl FlowHistory {
             .peers
             .iter()
             .map(|p| {
-                let strings = p.labels.iter().chain(&p.names).map(|s| s.capacity() + 24);
-                // The peer and its key (in the index) each hold the strings.
-                2 * (std::mem::size_of::<Peer>() + strings.sum::<usize>())
+                let own = p.names.iter().chain(&p.namespace).chain(&p.pod);
+                std::mem::size_of::<Peer>() + own.map(|s| s.capacity() + 24).sum::<usize>()
             })
+            .sum();
+        let label_sets: usize = self
+            .label_sets
+            .iter()
+            .map(|l| 16 + l.iter().map(|s| s.capacity() + 24).sum::<usize>())
             .sum();
         let lists: usize = self
             .lists
@@ -427,6 +483,9 @@ impl FlowHistory {
             .sum();
         self.entries.capacity() * std::mem::size_of::<Entry>()
             + self.index.capacity() * (std::mem::size_of::<u32>() + 1)
+            + self.peer_index.capacity() * (std::mem::size_of::<u32>() + 1)
+            + self.label_sets.capacity() * 17
+            + label_sets
             + peers
             + lists
     }
@@ -469,15 +528,7 @@ impl FlowHistory {
         }
         let mut h = FlowHistory::new(keep, max);
         h.peers = head.peers;
-        h.peer_index = h
-            .peers
-            .iter()
-            .enumerate()
-            .map(|(i, p)| (p.key(), i as u32))
-            .collect();
-        if h.peer_index.len() != h.peers.len() {
-            return Err("a peer is listed twice".into());
-        }
+        h.index_peers()?;
         h.lists.clear();
         h.list_index.clear();
         for l in &head.lists {

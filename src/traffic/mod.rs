@@ -13,7 +13,9 @@ pub mod observe;
 pub mod recommend;
 pub mod replay;
 
+use std::hash::{Hash, Hasher};
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -31,9 +33,10 @@ pub struct Peer {
     /// One pod of the workload (the first seen): an example, not part of what the peer is.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod: Option<String>,
-    /// The identity's labels, `source:key=value`, sorted.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub labels: Vec<String>,
+    /// The identity's labels, `source:key=value`, sorted (shared by the peers of one
+    /// identity in a history).
+    #[serde(default, skip_serializing_if = "is_empty")]
+    pub labels: Arc<[String]>,
     /// The address: what an outside peer is; a pod's first seen (an example).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ip: Option<IpAddr>,
@@ -57,10 +60,27 @@ impl Peer {
         Peer {
             namespace,
             pod: None,
-            labels,
+            labels: labels.into(),
             ip,
             names,
         }
+    }
+
+    /// Hashes what the peer is (`key`'s fields), without making the key.
+    pub fn hash_key<H: Hasher>(&self, h: &mut H) {
+        self.namespace.hash(h);
+        self.labels.hash(h);
+        if !self.is_pod() {
+            self.ip.hash(h);
+            self.names.hash(h);
+        }
+    }
+
+    /// Whether two peers are the same (`key`s equal), without making the keys.
+    pub fn same(&self, o: &Peer) -> bool {
+        self.namespace == o.namespace
+            && self.labels == o.labels
+            && (self.is_pod() || (self.ip == o.ip && self.names == o.names))
     }
 
     pub fn is_pod(&self) -> bool {
@@ -126,6 +146,10 @@ impl Peer {
             false => format!("{ip} ({})", reserved.join(",")),
         }
     }
+}
+
+fn is_empty(l: &Arc<[String]>) -> bool {
+    l.is_empty()
 }
 
 /// One observed connection, as the agent's API and `policy diff -o json` show it.

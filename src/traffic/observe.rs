@@ -129,8 +129,8 @@ pub fn with_labels<'a>(
     let dst = peer_of(engine, e.dst.0, e.dst.1, None);
     let mut out = ev.clone();
     out.labels = Some(Box::new(crate::datapath::events::FlowLabels {
-        source: src.labels,
-        destination: dst.labels,
+        source: src.labels.to_vec(),
+        destination: dst.labels.to_vec(),
         source_names: src.names,
         destination_names: dst.names,
     }));

@@ -164,6 +164,19 @@ impl Replay {
         Judged { egress, ingress }
     }
 
+    /// Whether the connection is dropped (`judge(..).dropped()`, without the reasons).
+    pub fn dropped(&mut self, src: u32, dst: u32, proto: u8, port: u16) -> bool {
+        let (s, d) = (src as usize, dst as usize);
+        let (src_id, dst_id) = (self.parties[s].identity, self.parties[d].identity);
+        let egress = self
+            .policy(s)
+            .is_some_and(|p| !p.permits(Direction::Egress, dst_id, proto, port));
+        egress
+            || self
+                .policy(d)
+                .is_some_and(|p| !p.permits(Direction::Ingress, src_id, proto, port))
+    }
+
     /// How many policies the engine holds.
     pub fn policy_count(&self) -> usize {
         self.engine.repository().len()
