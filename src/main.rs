@@ -387,10 +387,12 @@ fn main() {
         } => monitor(&c, count, since.as_deref(), &filter),
         Command::Demo {
             once,
+            no_policies,
             debug_addr,
             pod_cidr,
         } => ciliate::demo::run(ciliate::demo::DemoConfig {
             once,
+            no_policies,
             debug_addr,
             pod_cidr,
         }),

@@ -114,6 +114,10 @@ pub enum Command {
         /// Print the matrices and clean up instead of waiting for Ctrl-C.
         #[arg(long)]
         once: bool,
+        /// Apply no policy (the traffic is then the base of `policy recommend` and `policy
+        /// diff`; the demo's policies are written beside as a proposal).
+        #[arg(long)]
+        no_policies: bool,
         /// The agent's debug HTTP address.
         #[arg(long, default_value = "127.0.0.1:9962")]
         debug_addr: std::net::SocketAddr,

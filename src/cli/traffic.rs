@@ -39,8 +39,9 @@ pub struct DiffArgs {
     /// The whole cluster's flows: ask this Hubble Observer (`ciliate relay`'s address
     /// `HOST:PORT`, or an agent's `unix://STATE_DIR/hubble.sock`; plain text) for the flows
     /// its agents still keep, and the agent to replay them against its policies.
+    /// Repeatable: several agents' Observers read as one cluster.
     #[arg(long, value_name = "ADDR", conflicts_with = "flows")]
-    pub server: Option<String>,
+    pub server: Vec<String>,
     #[command(flatten)]
     pub client: ClientOpts,
 }
@@ -58,8 +59,9 @@ pub struct RecommendArgs {
     #[arg(long, value_name = "FILE")]
     pub flows: Option<PathBuf>,
     /// The whole cluster's flows, from this Hubble Observer (as `policy diff --server`).
+    /// Repeatable: several agents' Observers read as one cluster.
     #[arg(long, value_name = "ADDR", conflicts_with = "flows")]
-    pub server: Option<String>,
+    pub server: Vec<String>,
     /// The kind of policy written.
     #[arg(long, value_enum, default_value = "CiliumNetworkPolicy")]
     pub kind: Kind,
@@ -111,9 +113,10 @@ fn read_flows(path: &Path) -> Result<flowfile::Read, String> {
     flowfile::read(&text, &path.display().to_string(), FLOWS_MAX)
 }
 
-/// The flows a Hubble Observer (a relay, or one agent) keeps, last seen within `since`.
+/// The flows Hubble Observers (a relay, or agents) keep, last seen within `since`, as one
+/// history (a connection two agents saw, each at its end, is one).
 fn observer_flows(
-    server: &str,
+    servers: &[String],
     since: Option<&str>,
 ) -> Result<crate::traffic::history::FlowHistory, String> {
     use crate::hubble::proto::observer as opb;
@@ -128,23 +131,26 @@ fn observer_flows(
         .enable_all()
         .build()
         .map_err(|e| e.to_string())?;
-    rt.block_on(async {
-        let ch = crate::hubble::relay::channel(server, None)?;
-        let mut c = opb::observer_client::ObserverClient::new(ch);
-        let req = opb::GetFlowsRequest {
-            since,
-            ..Default::default()
-        };
-        let failed = |e: tonic::Status| format!("{server}: GetFlows: {}", e.message());
-        let mut stream = c.get_flows(req).await.map_err(failed)?.into_inner();
-        let mut h = crate::traffic::history::FlowHistory::new(u64::MAX, FLOWS_MAX);
-        while let Some(r) = stream.message().await.map_err(failed)? {
-            if let Some(opb::get_flows_response::ResponseTypes::Flow(f)) = r.response_types {
-                flowfile::observer_flow(&mut h, &f)?;
+    let mut h = crate::traffic::history::FlowHistory::new(u64::MAX, FLOWS_MAX);
+    for server in servers {
+        rt.block_on(async {
+            let ch = crate::hubble::relay::channel(server, None)?;
+            let mut c = opb::observer_client::ObserverClient::new(ch);
+            let req = opb::GetFlowsRequest {
+                since,
+                ..Default::default()
+            };
+            let failed = |e: tonic::Status| format!("{server}: GetFlows: {}", e.message());
+            let mut stream = c.get_flows(req).await.map_err(failed)?.into_inner();
+            while let Some(r) = stream.message().await.map_err(failed)? {
+                if let Some(opb::get_flows_response::ResponseTypes::Flow(f)) = r.response_types {
+                    flowfile::observer_flow(&mut h, &f)?;
+                }
             }
-        }
-        Ok(h)
-    })
+            Ok::<(), String>(())
+        })?;
+    }
+    Ok(h)
 }
 
 fn in_force(path: Option<&Path>) -> Result<Vec<crate::policy::translate::ParsedPolicy>, String> {
@@ -190,8 +196,8 @@ pub fn run_diff(a: &DiffArgs, out: &mut dyn Write, err: &mut dyn Write) -> i32 {
                 .collect();
             let mut body =
                 serde_json::json!({"documents": docs, "delete": a.delete, "since": a.since});
-            if let Some(server) = &a.server {
-                match observer_flows(server, a.since.as_deref()) {
+            if !a.server.is_empty() {
+                match observer_flows(&a.server, a.since.as_deref()) {
                     Ok(h) => body["connections"] = serde_json::json!(h.connections(0)),
                     Err(e) => return fail(err, e, EXIT_AGENT),
                 }
@@ -221,8 +227,8 @@ pub fn run_diff(a: &DiffArgs, out: &mut dyn Write, err: &mut dyn Write) -> i32 {
 
 /// Runs `policy recommend`, printing YAML.
 pub fn run_recommend(a: &RecommendArgs, out: &mut dyn Write, err: &mut dyn Write) -> i32 {
-    let yaml = match (&a.flows, &a.server) {
-        (None, Some(server)) => match observer_flows(server, a.since.as_deref()) {
+    let yaml = match (&a.flows, a.server.is_empty()) {
+        (None, false) => match observer_flows(&a.server, a.since.as_deref()) {
             Ok(h) => recommend::recommend(&h, 0, &a.namespace, a.kind),
             Err(e) => {
                 let _ = writeln!(err, "error: {e}");
@@ -248,7 +254,7 @@ pub fn run_recommend(a: &RecommendArgs, out: &mut dyn Write, err: &mut dyn Write
                 }
             }
         }
-        (None, None) => {
+        (None, true) => {
             let kind = match a.kind {
                 Kind::CiliumNetworkPolicy => "CiliumNetworkPolicy",
                 Kind::NetworkPolicy => "NetworkPolicy",

@@ -32,6 +32,9 @@ use crate::datapath::netdev;
 pub struct DemoConfig {
     /// Print the matrices and clean up, without waiting for Ctrl-C.
     pub once: bool,
+    /// Apply no policy: the cluster as it was before any (for `policy recommend` and `policy
+    /// diff` on its traffic); the demo's policies are written beside, as a proposal.
+    pub no_policies: bool,
     pub debug_addr: SocketAddr,
     /// The demo's address space: both nodes' pod CIDRs and the link between the nodes.
     pub pod_cidr: ipnet::Ipv4Net,
@@ -822,81 +825,89 @@ fn run_inner(config: &DemoConfig) -> Result<usize, String> {
         |_, _| true,
     );
 
-    // Drops are explained by the datapath's verdict events, of both nodes.
-    let events = Arc::new(Mutex::new(Vec::<(
-        &'static str,
-        crate::datapath::events::VerdictEvent,
-    )>::new()));
-    for n in &scratch.nodes {
-        let (events, socket, node) = (events.clone(), n.socket(), n.name);
-        std::thread::spawn(move || {
-            let _ = crate::client::stream_lines(&socket, "/v1/monitor", |line| {
-                if let Ok(ev) = serde_json::from_str(line) {
-                    if let Ok(mut v) = events.lock() {
-                        v.push((node, ev));
+    if config.no_policies {
+        // The demo's policies, as a proposal for `policy diff`.
+        std::fs::write(dir.join("proposed.yaml"), POLICIES).map_err(|e| e.to_string())?;
+    } else {
+        // Drops are explained by the datapath's verdict events, of both nodes.
+        let events = Arc::new(Mutex::new(Vec::<(
+            &'static str,
+            crate::datapath::events::VerdictEvent,
+        )>::new()));
+        for n in &scratch.nodes {
+            let (events, socket, node) = (events.clone(), n.socket(), n.name);
+            std::thread::spawn(move || {
+                let _ = crate::client::stream_lines(&socket, "/v1/monitor", |line| {
+                    if let Ok(ev) = serde_json::from_str(line) {
+                        if let Ok(mut v) = events.lock() {
+                            v.push((node, ev));
+                        }
                     }
-                }
-                true
+                    true
+                });
             });
-        });
-    }
-    std::fs::write(manifests.join("policies.yaml"), POLICIES).map_err(|e| e.to_string())?;
-    println!(
-        "\nApplying policies ({}):",
-        manifests.join("policies.yaml").display()
-    );
-    println!(
-        "  NetworkPolicy shop/default-deny        the shop namespace denies ingress by default"
-    );
-    println!("  NetworkPolicy shop/frontend-public     frontend:80 from any pod of the cluster");
-    println!(
-        "  CiliumNetworkPolicy shop/tiers         frontend -> backend:8080, backend -> db:5432, backend egress only to db:5432"
-    );
-    println!(
-        "  CiliumClusterwideNetworkPolicy no-tools-to-db   ingressDeny: tools/* never reaches a db"
-    );
-    let applied = Instant::now();
-    for n in &scratch.nodes {
-        let socket = n.socket();
-        wait_for(
-            &format!("the policies are realized on {}", n.name),
-            Duration::from_secs(30),
-            || matches!(policy_revision(&socket), Some((rev, true)) if rev >= 4),
-        )?;
-    }
-    println!(
-        "  realized on every endpoint's BPF policy map of both nodes in {:.0} ms (file write to datapath)",
-        applied.elapsed().as_secs_f64() * 1000.0
-    );
-    wrong += matrix("After:", &all, &pod_columns, expected_after);
-    wrong += matrix(
-        "Through Services, after: egress policy judges the backend pod, not the ClusterIP:",
-        &on_node_1,
-        &service_columns,
-        expected_after,
-    );
+        }
+        std::fs::write(manifests.join("policies.yaml"), POLICIES).map_err(|e| e.to_string())?;
+        println!(
+            "\nApplying policies ({}):",
+            manifests.join("policies.yaml").display()
+        );
+        println!(
+            "  NetworkPolicy shop/default-deny        the shop namespace denies ingress by default"
+        );
+        println!(
+            "  NetworkPolicy shop/frontend-public     frontend:80 from any pod of the cluster"
+        );
+        println!(
+            "  CiliumNetworkPolicy shop/tiers         frontend -> backend:8080, backend -> db:5432, backend egress only to db:5432"
+        );
+        println!(
+            "  CiliumClusterwideNetworkPolicy no-tools-to-db   ingressDeny: tools/* never reaches a db"
+        );
+        let applied = Instant::now();
+        for n in &scratch.nodes {
+            let socket = n.socket();
+            wait_for(
+                &format!("the policies are realized on {}", n.name),
+                Duration::from_secs(30),
+                || matches!(policy_revision(&socket), Some((rev, true)) if rev >= 4),
+            )?;
+        }
+        println!(
+            "  realized on every endpoint's BPF policy map of both nodes in {:.0} ms (file write to datapath)",
+            applied.elapsed().as_secs_f64() * 1000.0
+        );
+        wrong += matrix("After:", &all, &pod_columns, expected_after);
+        wrong += matrix(
+            "Through Services, after: egress policy judges the backend pod, not the ClusterIP:",
+            &on_node_1,
+            &service_columns,
+            expected_after,
+        );
 
-    std::thread::sleep(Duration::from_millis(300));
-    let seen = events.lock().map(|v| v.clone()).unwrap_or_default();
-    let mut shown = std::collections::BTreeSet::new();
-    println!("\nWhy? The datapath's drop events (`ciliate monitor`):");
-    for (node, ev) in seen {
-        if ev.verdict == "dropped" && shown.insert((ev.source.clone(), ev.destination.clone())) {
-            let who = |ip: &str| {
-                pods.iter()
-                    .find(|(_, _, a)| a.to_string() == ip)
-                    .map(|(p, _, _)| format!("{}/{}", p.namespace, p.name))
-                    .unwrap_or_else(|| ip.to_string())
-            };
-            // The deciding policies, named as `ciliate monitor` and `policy simulate` name them.
-            let why = ev.why().unwrap_or_else(|| ev.reason.clone());
-            println!(
-                "  {:<14} -> {:<22} dropped at {node} endpoint {} {}: {why}",
-                who(&ev.source),
-                format!("{}:{}/{}", who(&ev.destination), ev.protocol, ev.port),
-                ev.endpoint,
-                ev.direction,
-            );
+        std::thread::sleep(Duration::from_millis(300));
+        let seen = events.lock().map(|v| v.clone()).unwrap_or_default();
+        let mut shown = std::collections::BTreeSet::new();
+        println!("\nWhy? The datapath's drop events (`ciliate monitor`):");
+        for (node, ev) in seen {
+            if ev.verdict == "dropped" && shown.insert((ev.source.clone(), ev.destination.clone()))
+            {
+                let who = |ip: &str| {
+                    pods.iter()
+                        .find(|(_, _, a)| a.to_string() == ip)
+                        .map(|(p, _, _)| format!("{}/{}", p.namespace, p.name))
+                        .unwrap_or_else(|| ip.to_string())
+                };
+                // The deciding policies, named as `ciliate monitor` and `policy simulate` name them.
+                let why = ev.why().unwrap_or_else(|| ev.reason.clone());
+                println!(
+                    "  {:<14} -> {:<22} dropped at {node} endpoint {} {}: {why}",
+                    who(&ev.source),
+                    format!("{}:{}/{}", who(&ev.destination), ev.protocol, ev.port),
+                    ev.endpoint,
+                    ev.direction,
+                );
+            }
         }
     }
 
@@ -921,6 +932,29 @@ fn run_inner(config: &DemoConfig) -> Result<usize, String> {
         "  edit {} and watch it apply live on both nodes",
         manifests.join("policies.yaml").display()
     );
+    let observers: Vec<String> = scratch
+        .nodes
+        .iter()
+        .map(|n| {
+            format!(
+                "--server unix://{}",
+                n.dir.join("state/hubble.sock").display()
+            )
+        })
+        .collect();
+    println!(
+        "  ciliate policy recommend --namespace shop {} --socket {}",
+        observers.join(" "),
+        sockets[0]
+    );
+    if config.no_policies {
+        println!(
+            "  ciliate policy diff --policies {} {} --socket {}",
+            dir.join("proposed.yaml").display(),
+            observers.join(" "),
+            sockets[0]
+        );
+    }
     if config.once {
         println!("\n--once: cleaning up.");
     } else {

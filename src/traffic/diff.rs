@@ -219,12 +219,15 @@ pub fn diff(
 /// The report in words, one line per flip.
 pub fn render(r: &DiffReport) -> String {
     let mut out = format!(
-        "{} connection(s) would be newly dropped, {} newly forwarded, of {} observed since {} \
+        "{} connection(s) would be newly dropped, {} newly forwarded, of {} observed{} \
          ({} policies in force, {} with the change)\n",
         r.newly_dropped,
         r.newly_forwarded,
         r.connections,
-        super::rfc3339(r.since),
+        match r.since {
+            0 => String::new(),
+            s => format!(" since {}", super::rfc3339(s)),
+        },
         r.policies_in_force,
         r.policies_after,
     );
