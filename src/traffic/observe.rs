@@ -11,7 +11,7 @@ use super::history::{FlowHistory, Observation};
 use super::Peer;
 use crate::datapath::events::VerdictEvent;
 use crate::policy::engine::PolicyEngine;
-use crate::policy::identity::{reserved_name, NumericIdentity, IDENTITY_HOST};
+use crate::policy::identity::{reserved_name, NumericIdentity};
 
 /// The history the API reads and the recorder writes.
 #[derive(Clone)]
@@ -33,23 +33,27 @@ impl Default for SharedHistory {
     }
 }
 
-/// What one ends' identity and address make a peer: a pod by its identity's labels, anything
-/// else by its reserved name (`world` for every outside address, whatever CIDR identities
-/// policies made of it), its address and the names it was learned under.
+/// The identity's labels when it is one the agent allocated from labels (a pod's, a class of
+/// nodes'), not a reserved or a CIDR one.
+fn allocated(engine: &PolicyEngine, id: NumericIdentity) -> Option<&crate::policy::labels::Labels> {
+    let i = engine.identity(id)?;
+    (reserved_name(id).is_none() && i.cidr.is_none()).then_some(&*i.labels)
+}
+
+/// What one ends' identity and address make a peer: a pod (or any identity made of labels) by
+/// its labels, anything else by its reserved name (`world` for every outside address, whatever
+/// CIDR identities policies made of it), its address and the names it was learned under.
 fn peer_of(engine: &PolicyEngine, id: NumericIdentity, ip: IpAddr, pod: Option<&String>) -> Peer {
-    let info = engine.identity(id).filter(|_| reserved_name(id).is_none());
-    let pod_labels = info.filter(|i| i.cidr.is_none());
-    if let Some(i) = pod_labels {
+    if let Some(labels) = allocated(engine, id) {
         let mut p = Peer::new(
-            i.labels.iter().map(|l| l.to_string()).collect(),
-            None,
+            labels.iter().map(|l| l.to_string()).collect(),
+            Some(ip),
             vec![],
         );
         if p.is_pod() {
             p.pod = pod.cloned();
-            p.ip = Some(ip);
-            return p;
         }
+        return p;
     }
     let name = match reserved_name(id) {
         Some(n) if !n.starts_with("world") => n,
@@ -77,8 +81,10 @@ fn peer_index(
     ip: IpAddr,
     pod: Option<&String>,
 ) -> u32 {
-    let outside = engine.identity(id).is_none_or(|i| i.cidr.is_some()) || id == IDENTITY_HOST;
-    let key = (id, outside.then_some(ip));
+    // A pod's identity is its peer whatever its address; anything else is one per address.
+    let pod_identity = allocated(engine, id)
+        .is_some_and(|l| l.get(crate::policy::labels::POD_NAMESPACE_LABEL).is_some());
+    let key = (id, (!pod_identity).then_some(ip));
     if let Some(i) = cache.get(&key) {
         return *i;
     }
@@ -172,4 +178,82 @@ pub fn record(
             .and_then(|t| chrono::DateTime::parse_from_rfc3339(t).ok())
             .map_or(now, |t| t.timestamp().max(0) as u64),
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::identity::IDENTITY_WORLD_IPV4;
+    use crate::policy::labels::Labels;
+
+    fn flow(src: &str, dst: &str, peer: NumericIdentity, port: u16) -> VerdictEvent {
+        let mut ev = crate::datapath::events::lost_event(0);
+        ev.kind = "flow".into();
+        ev.lost = None;
+        ev.direction = "egress".into();
+        ev.protocol = "TCP".into();
+        ev.port = port;
+        ev.verdict = "forwarded".into();
+        ev.reason = "policy".into();
+        ev.match_kind = Some("l3-l4".into());
+        ev.source = src.into();
+        ev.destination = dst.into();
+        ev.source_pod = Some("x/a-1".into());
+        ev.peer_identity = peer;
+        ev
+    }
+
+    #[test]
+    fn a_pod_is_one_peer_and_every_outside_address_one_of_its_own() {
+        let mut engine = PolicyEngine::new();
+        let labels = Labels::for_pod("x", [(&"app".to_string(), &"a".to_string())], [], None);
+        let a = engine.allocate_identity(&labels).id();
+        for ip in ["10.0.0.1", "10.0.0.2"] {
+            engine.upsert_endpoint_ip(ip.parse().unwrap(), a);
+        }
+        engine.learn_fqdn("api.example", &["203.0.113.9".parse().unwrap()]);
+        let mut h = FlowHistory::new(3600, 100);
+        let mut cache = PeerCache::default();
+        for (src, dst) in [
+            ("10.0.0.1", "203.0.113.9"),
+            ("10.0.0.2", "203.0.113.9"),
+            ("10.0.0.1", "198.51.100.7"),
+        ] {
+            record(
+                &mut h,
+                &mut cache,
+                &engine,
+                &flow(src, dst, IDENTITY_WORLD_IPV4, 443),
+                10,
+            );
+        }
+        let c = h.connections(0);
+        assert_eq!(c.len(), 2, "both pods of a are one workload: {c:?}");
+        assert_eq!(c[0].count, 2);
+        assert_eq!(c[0].source.pod.as_deref(), Some("x/a-1"));
+        let outside: Vec<_> = c
+            .iter()
+            .map(|c| (c.destination.ip, c.destination.names.clone()))
+            .collect();
+        assert_eq!(
+            outside,
+            vec![
+                (
+                    Some("203.0.113.9".parse().unwrap()),
+                    vec!["api.example".to_string()]
+                ),
+                (Some("198.51.100.7".parse().unwrap()), vec![]),
+            ],
+            "each outside address is a peer of its own, with the names it was learned under"
+        );
+        assert!(c
+            .iter()
+            .all(|c| c.destination.labels.as_ref() == ["reserved:world".to_string()]));
+        // monitor's JSON carries the same ends.
+        let ev = flow("10.0.0.1", "203.0.113.9", IDENTITY_WORLD_IPV4, 443);
+        let shown = with_labels(&engine, &ev);
+        let ends = shown.labels.as_ref().unwrap();
+        assert!(ends.source.contains(&"k8s:app=a".to_string()));
+        assert_eq!(ends.destination_names, vec!["api.example".to_string()]);
+    }
 }
