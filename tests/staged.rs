@@ -13,7 +13,7 @@ use std::net::IpAddr;
 use common::agent::http_get_at;
 use common::cluster::Cluster;
 use common::eventually;
-use common::netns::{in_netns, privileged, tcp_ok, tcp_server};
+use common::netns::{in_netns, privileged, tcp_ok};
 use serde_json::{json, Value};
 
 /// b admits a on TCP 8080 (and so isolates b's ingress), staged or enforced.
@@ -63,14 +63,8 @@ fn a_staged_policy_reports_the_flows_it_would_drop_and_drops_exactly_those_once_
     let Some(mut c) = privileged().then(|| Cluster::start(2)) else {
         return;
     };
-    let a = c.add_pod(1, "a", "a");
-    let other = c.add_pod(1, "c", "c");
-    let b = c.add_pod(2, "b", "b");
+    let (a, other, b) = c.a_and_c_to_b(&[8080]);
     let b_addr = IpAddr::V4(b.addr);
-    tcp_server(&b.netns, b_addr, 8080);
-    eventually("a and c reach b", || {
-        tcp_ok(&a.netns, b_addr, 8080) && tcp_ok(&other.netns, b_addr, 8080)
-    });
 
     c.api()
         .apply_json(b_from_a(true))

@@ -17,7 +17,7 @@ use std::process::{Command, Stdio};
 use common::agent::BIN;
 use common::cluster::Cluster;
 use common::eventually;
-use common::netns::{privileged, tcp_ok, tcp_server};
+use common::netns::{privileged, tcp_ok};
 use serde_json::{json, Value};
 
 /// b admits a on TCP 8080 (and so isolates b's ingress).
@@ -124,15 +124,8 @@ fn diff_names_what_a_policy_would_drop_and_recommend_allows_exactly_what_was_see
     let Some(mut c) = privileged().then(|| Cluster::start(2)) else {
         return;
     };
-    let a = c.add_pod(1, "a", "a");
-    let other = c.add_pod(1, "c", "c");
-    let b = c.add_pod(2, "b", "b");
+    let (a, other, b) = c.a_and_c_to_b(&[8080, 8081]);
     let b_addr = IpAddr::V4(b.addr);
-    tcp_server(&b.netns, b_addr, 8080);
-    tcp_server(&b.netns, b_addr, 8081);
-    eventually("a and c reach b", || {
-        tcp_ok(&a.netns, b_addr, 8080) && tcp_ok(&other.netns, b_addr, 8080)
-    });
     assert!(tcp_ok(&a.netns, b_addr, 8081));
     assert!(tcp_ok(&other.netns, b_addr, 8080));
     let socket = c.nodes[1].socket();
@@ -155,16 +148,19 @@ fn diff_names_what_a_policy_would_drop_and_recommend_allows_exactly_what_was_see
     };
 
     // The live diff: c -> b:8080 and a -> b:8081 would be newly dropped, by b-from-a.
-    let live = ok_json(&[
-        "policy",
-        "diff",
-        "--policies",
-        policy,
-        "-o",
-        "json",
-        "--socket",
-        sock,
-    ]);
+    let diff_json = || {
+        ok_json(&[
+            "policy",
+            "diff",
+            "--policies",
+            policy,
+            "-o",
+            "json",
+            "--socket",
+            sock,
+        ])
+    };
+    let live = diff_json();
     assert_eq!(live["connections"], 3, "{live:#}");
     assert_eq!(live["newly_dropped"], 2, "{live:#}");
     assert_eq!(live["newly_forwarded"], 0, "{live:#}");
@@ -306,16 +302,7 @@ fn diff_names_what_a_policy_would_drop_and_recommend_allows_exactly_what_was_see
     c.node(2).agent.as_mut().expect("agent").stop();
     let kubeconfig = c.kubeconfig.clone();
     c.node(2).start_agent(&kubeconfig);
-    let again = ok_json(&[
-        "policy",
-        "diff",
-        "--policies",
-        policy,
-        "-o",
-        "json",
-        "--socket",
-        sock,
-    ]);
+    let again = diff_json();
     assert_eq!(again, live, "the history survived the restart");
 
     // Enforced, the policy drops exactly what the diff said.

@@ -101,7 +101,10 @@ pub fn start(shared: &Shared, history: SharedHistory, cfg: HistoryConfig) -> Opt
                 }
                 let now = crate::datapath::flows::unix_now_ms() / 1000;
                 {
-                    let Ok(e) = engine.read() else { return };
+                    let Ok(e) = engine.read() else {
+                        tracing::error!("the policy engine is unusable: the flow history stops");
+                        return;
+                    };
                     let mut t = h.lock();
                     for f in batch.drain(..) {
                         record(&mut t, &mut cache, &e, &f, now);

@@ -348,6 +348,23 @@ impl Cluster {
         pod
     }
 
+    /// Pods `x/a` and `x/c` (labelled `app: a`, `app: c`) on node 1 and `x/b` on node 2
+    /// serving TCP on `ports`, once a and c reach b on the first of them: (a, c, b).
+    pub fn a_and_c_to_b(&mut self, ports: &[u16]) -> (CniPod, CniPod, CniPod) {
+        let a = self.add_pod(1, "a", "a");
+        let c = self.add_pod(1, "c", "c");
+        let b = self.add_pod(2, "b", "b");
+        let b_addr = std::net::IpAddr::V4(b.addr);
+        for port in ports {
+            super::netns::tcp_server(&b.netns, b_addr, *port);
+        }
+        super::eventually("a and c reach b", || {
+            super::netns::tcp_ok(&a.netns, b_addr, ports[0])
+                && super::netns::tcp_ok(&c.netns, b_addr, ports[0])
+        });
+        (a, c, b)
+    }
+
     /// Creates pod `x/name` on node `i` from a Pod object (labels, container ports).
     pub fn add_pod_from(&mut self, i: usize, name: &str, object: Value) -> CniPod {
         let api = self.api.take().expect("API server");
