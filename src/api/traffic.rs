@@ -19,15 +19,29 @@ fn now() -> u64 {
 #[derive(Deserialize)]
 pub struct HistoryQuery {
     since: Option<String>,
+    /// At most this many, the most recently seen first (default 10,000).
+    limit: Option<usize>,
 }
 
-/// `GET /v1/flows/history?since=DUR`: the connections, as JSON.
+/// `GET /v1/flows/history?since=DUR&limit=N`: the connections, as JSON, the most recently
+/// seen first.
 pub async fn history(st: web::Data<AppState>, q: web::Query<HistoryQuery>) -> HttpResponse {
     let since = match since_secs(q.since.as_deref(), now()) {
         Ok(s) => s,
         Err(e) => return error(StatusCode::BAD_REQUEST, e),
     };
-    let conns = st.shared.flow_history.lock().connections(since);
+    let limit = q.limit.unwrap_or(10_000);
+    let recent = |v: &crate::traffic::history::View| std::cmp::Reverse(v.last);
+    let conns: Vec<crate::traffic::Connection> = {
+        let h = st.shared.flow_history.lock();
+        let mut views: Vec<_> = h.iter_since(since).collect();
+        if views.len() > limit {
+            views.select_nth_unstable_by_key(limit, recent);
+            views.truncate(limit);
+        }
+        views.sort_by_key(recent);
+        views.iter().map(|v| v.to_connection()).collect()
+    };
     HttpResponse::Ok().json(conns)
 }
 
