@@ -74,7 +74,8 @@ fn now() -> u64 {
 }
 
 /// Every document of a file, or of each manifest file of a directory (sorted by name), with
-/// where it came from (`dir/a.yaml[1]`).
+/// where it came from (`dir/a.yaml[1]`); a `kind: List` gives its items
+/// (`dir/a.yaml[0].items[2]`).
 pub fn read_documents(path: &Path) -> Result<Vec<(String, serde_yaml::Value)>, String> {
     let files = match std::fs::metadata(path) {
         Ok(m) if m.is_dir() => {
@@ -100,8 +101,17 @@ pub fn read_documents(path: &Path) -> Result<Vec<(String, serde_yaml::Value)>, S
         for (i, d) in serde_yaml::Deserializer::from_str(&text).enumerate() {
             let v = <serde_yaml::Value as serde::Deserialize>::deserialize(d)
                 .map_err(|e| format!("{}: document {i}: {e}", f.display()))?;
-            if !v.is_null() {
-                out.push((format!("{}[{i}]", f.display()), v));
+            let at = format!("{}[{i}]", f.display());
+            // `kubectl get cnp -A -o yaml` writes a List: its items are the documents.
+            match v.get("kind").and_then(|k| k.as_str()) {
+                Some("List") => {
+                    let items = v.get("items").and_then(|i| i.as_sequence());
+                    for (j, item) in items.into_iter().flatten().enumerate() {
+                        out.push((format!("{at}.items[{j}]"), item.clone()));
+                    }
+                }
+                _ if v.is_null() => {}
+                _ => out.push((at, v)),
             }
         }
     }
@@ -278,4 +288,46 @@ pub fn run_recommend(a: &RecommendArgs, out: &mut dyn Write, err: &mut dyn Write
     };
     let _ = out.write_all(yaml.as_bytes());
     EXIT_OK
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_list_gives_its_items_and_each_document_says_where_it_came_from() {
+        let dir = tempfile::tempdir().unwrap();
+        let cnp = |name: &str| {
+            format!(
+                "apiVersion: cilium.io/v2\nkind: CiliumNetworkPolicy\nmetadata: {{name: {name}, namespace: x}}\n\
+                 spec: {{endpointSelector: {{}}, ingress: [{{}}]}}\n"
+            )
+        };
+        let list = format!(
+            "apiVersion: v1\nkind: List\nitems:\n- {}\n- {}\n",
+            cnp("p1").replace('\n', "\n  "),
+            cnp("p2").replace('\n', "\n  ")
+        );
+        std::fs::write(
+            dir.path().join("a.yaml"),
+            format!("{list}---\n{}", cnp("p3")),
+        )
+        .unwrap();
+        std::fs::write(dir.path().join("notes.txt"), "not a manifest").unwrap();
+        let docs = read_documents(dir.path()).unwrap();
+        let at: Vec<&str> = docs
+            .iter()
+            .map(|(a, _)| a.rsplit('/').next().unwrap())
+            .collect();
+        assert_eq!(
+            at,
+            vec!["a.yaml[0].items[0]", "a.yaml[0].items[1]", "a.yaml[1]"]
+        );
+        let names: Vec<String> = diff::policies(&docs)
+            .unwrap()
+            .iter()
+            .map(|p| p.key.name.clone())
+            .collect();
+        assert_eq!(names, vec!["p1", "p2", "p3"]);
+    }
 }
