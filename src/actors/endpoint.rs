@@ -357,7 +357,7 @@ impl EndpointActor {
                 .then(|| std::mem::take(&mut self.pending_peers));
         self.pending_peers.clear();
         self.full_needed = false;
-        let (revision, policy) = {
+        let (revision, policy, diffs) = {
             let engine = match self.engine.read() {
                 Ok(e) => e,
                 Err(poisoned) => poisoned.into_inner(),
@@ -373,7 +373,7 @@ impl EndpointActor {
                 self.check_lifelines(&engine, &policy);
             }
             self.publish_staged(engine.resolve_staged(&view));
-            (engine.revision(), policy)
+            (engine.revision(), policy, engine.diff_memo())
         };
         // Cluster tiers resolve whole (`EndpointPolicy::tiered`): realized whole too.
         let peers = peers.filter(|_| !policy.tiered());
@@ -413,9 +413,9 @@ impl EndpointActor {
         // reach it (until then it holds them briefly, then denies: fail closed).
         self.update_http_table(&policy.map, peers.as_ref(), audit);
         let delta = match (&peers, replace) {
-            (_, true) => policy.map.diff_from(&MapState::new()),
+            (_, true) => policy.map.diff_from_shared(&MapState::new(), &diffs),
             (Some(p), false) => policy.map.diff_peers_from(&self.realized, p),
-            (None, false) => policy.map.diff_from(&self.realized),
+            (None, false) => policy.map.diff_from_shared(&self.realized, &diffs),
         };
         // Every cookie is resolvable before the datapath can report it.
         let jar = &self.shared.cookies;

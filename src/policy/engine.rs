@@ -350,6 +350,9 @@ pub struct PolicyEngine {
     peer_lists: super::tier_memo::PeerLists,
     /// Endpoints' resolved tier rules, shared (`TiersKey`): a cache.
     resolved_tiers: super::tier_memo::SharedMemo<TiersKey, ResolvedTiers>,
+    /// Deltas between directions endpoints share (`MapState::diff_from_shared`): a cache,
+    /// keyed by the groups themselves. A copy of the engine shares it (keys stay valid).
+    diff_memo: Arc<super::mapstate::DiffMemo>,
     /// Changes with everything resolving tier rules reads besides selections and the rules:
     /// endpoint addresses (`networks`), named ports, node labels (`nodes`).
     tier_inputs_generation: u64,
@@ -378,6 +381,7 @@ impl PolicyEngine {
             tier_memo: Default::default(),
             peer_lists: Default::default(),
             resolved_tiers: Default::default(),
+            diff_memo: Default::default(),
             tier_inputs_generation: 0,
             staged_policies: 0,
             allow_localhost: Arc::new(RuleOrigin {
@@ -403,6 +407,11 @@ impl PolicyEngine {
     /// The tier compilations shared between endpoints (`tier_memo`): (hits, misses, held).
     pub fn tier_memo_stats(&self) -> (u64, u64, usize) {
         self.tier_memo.stats()
+    }
+
+    /// Where endpoints diff the directions they share with others (`MapState::diff_from_shared`).
+    pub fn diff_memo(&self) -> Arc<super::mapstate::DiffMemo> {
+        self.diff_memo.clone()
     }
 
     /// Forgets the shared tier compilations and peer lists (benchmarks of a cold resolution).

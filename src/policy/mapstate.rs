@@ -261,8 +261,38 @@ impl Group {
 /// kept inline (a heap allocation per such peer was a third of a resolve's instructions).
 type Slots = SmallVec<[Slot; 2]>;
 
-/// One direction's entries, grouped by peer identity so a lookup probes two groups.
-type Groups = HashMap<NumericIdentity, Slots>;
+/// One direction's entries, grouped by peer identity so a lookup probes two groups. Whether
+/// any entry redirects to the HTTP proxy is found once per groups (a scan of every entry, asked
+/// on every regeneration): any change through `DerefMut` forgets it.
+#[derive(Debug, Clone, Default)]
+struct Groups {
+    by_identity: HashMap<NumericIdentity, Slots>,
+    redirect: std::sync::OnceLock<bool>,
+}
+
+impl std::ops::Deref for Groups {
+    type Target = HashMap<NumericIdentity, Slots>;
+    fn deref(&self) -> &Self::Target {
+        &self.by_identity
+    }
+}
+
+impl std::ops::DerefMut for Groups {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        self.redirect = std::sync::OnceLock::new();
+        &mut self.by_identity
+    }
+}
+
+impl Groups {
+    fn any_redirect(&self) -> bool {
+        *self.redirect.get_or_init(|| {
+            self.by_identity
+                .values()
+                .any(|slots| slots.iter().any(|s| s.entry.redirect()))
+        })
+    }
+}
 
 /// All entries of one endpoint: each direction's groups shared copy-on-write, so a direction
 /// compiled once for many endpoints (cluster tiers, `replace_direction_from`) or a map kept as
@@ -287,7 +317,10 @@ fn slot(d: Direction) -> usize {
 const DIRECTIONS: [Direction; 2] = [Direction::Ingress, Direction::Egress];
 
 /// The groups of a direction without entries.
-static EMPTY: Groups = HashMap::with_hasher(rustc_hash::FxBuildHasher);
+static EMPTY: Groups = Groups {
+    by_identity: HashMap::with_hasher(rustc_hash::FxBuildHasher),
+    redirect: std::sync::OnceLock::new(),
+};
 
 /// Both hold the same groups (or none).
 fn shared(a: &Option<Arc<Groups>>, b: &Option<Arc<Groups>>) -> bool {
@@ -329,6 +362,24 @@ pub struct MapDelta {
 }
 
 impl MapDelta {
+    /// Appends the delta of a later direction (its keys sort after this one's).
+    fn append(&mut self, mut part: MapDelta) {
+        if self.is_empty() && self.attributions.is_empty() {
+            *self = part;
+            return;
+        }
+        self.upserts.append(&mut part.upserts);
+        self.deletes.append(&mut part.deletes);
+        self.cookies.extend(part.cookies);
+        self.redirects.extend(part.redirects);
+        let known: rustc_hash::FxHashSet<Cookie> = self.attributions.iter().map(|a| a.0).collect();
+        self.attributions.extend(
+            part.attributions
+                .into_iter()
+                .filter(|a| !known.contains(&a.0)),
+        );
+    }
+
     pub fn is_empty(&self) -> bool {
         self.upserts.is_empty() && self.deletes.is_empty()
     }
@@ -543,10 +594,7 @@ impl MapState {
 
     /// Whether any entry sends its traffic to the HTTP proxy.
     pub fn any_redirect(&self) -> bool {
-        DIRECTIONS
-            .iter()
-            .flat_map(|d| self.dir(*d).values())
-            .any(|slots| slots.iter().any(|s| s.entry.redirect()))
+        DIRECTIONS.iter().any(|d| self.dir(*d).any_redirect())
     }
 
     pub fn is_empty(&self) -> bool {
@@ -616,7 +664,7 @@ impl MapState {
     /// Whether the entries of direction `d` are the same in both, each identity's in the same
     /// order (what a lookup finds first, hence what it explains, is the same too).
     pub fn same_direction(&self, other: &MapState, d: Direction) -> bool {
-        shared(&self.dirs[slot(d)], &other.dirs[slot(d)]) || self.dir(d) == other.dir(d)
+        shared(&self.dirs[slot(d)], &other.dirs[slot(d)]) || **self.dir(d) == **other.dir(d)
     }
 
     /// A hash of the keys and kinds of direction `d`'s entries, whatever the groups' order
@@ -664,7 +712,7 @@ impl MapState {
             }
             match added.map(Arc::try_unwrap) {
                 None => {}
-                Some(Ok(g)) => groups.extend(g),
+                Some(Ok(g)) => groups.extend(g.by_identity),
                 Some(Err(shared)) => groups.extend(shared.iter().map(|(k, v)| (*k, v.clone()))),
             }
             self.lens[slot(d)] = self.lens[slot(d)] - removed + lens[slot(d)];
@@ -674,24 +722,53 @@ impl MapState {
     /// The changes that turn `realized` into `self`, upserts and deletes sorted by key (only
     /// the changed entries are sorted, not every entry).
     pub fn diff_from(&self, realized: &MapState) -> MapDelta {
+        self.diff_with(realized, None)
+    }
+
+    /// [`diff_from`](Self::diff_from), where a direction `self` shares with other maps (a tier
+    /// compilation the endpoints of one kind hold: `tier_memo`) is diffed once per pair of
+    /// groups in `memo`, not once per endpoint.
+    pub fn diff_from_shared(&self, realized: &MapState, memo: &DiffMemo) -> MapDelta {
+        self.diff_with(realized, Some(memo))
+    }
+
+    fn diff_with(&self, realized: &MapState, memo: Option<&DiffMemo>) -> MapDelta {
+        let mut delta = MapDelta::default();
+        // Ingress keys sort before egress keys: the directions' parts append in order.
+        for d in DIRECTIONS {
+            let (new, old) = (&self.dirs[slot(d)], &realized.dirs[slot(d)]);
+            // A direction both share is the same: nothing of it changed.
+            if shared(new, old) {
+                continue;
+            }
+            let held_elsewhere = new.as_ref().is_some_and(|n| Arc::strong_count(n) > 1);
+            match (memo, new) {
+                (Some(m), Some(n)) if held_elsewhere => {
+                    let part = m.get(old, n, || self.diff_direction(realized, d));
+                    delta.append((*part).clone());
+                }
+                _ => delta.append(self.diff_direction(realized, d)),
+            }
+        }
+        delta
+    }
+
+    /// The changes of direction `d` alone.
+    fn diff_direction(&self, realized: &MapState, direction: Direction) -> MapDelta {
         let mut delta = MapDelta::default();
         let mut changed: Vec<(MapKey, &MapEntry)> = Vec::new();
-        // A direction both share is the same: nothing of it changed.
-        let differ = |d: Direction| !shared(&self.dirs[slot(d)], &realized.dirs[slot(d)]);
-        for direction in DIRECTIONS.into_iter().filter(|d| differ(*d)) {
-            for (&identity, slots) in self.dir(direction) {
-                let old = realized.group(direction, identity);
-                for s in slots {
-                    let same = old
-                        .and_then(|o| o.iter().find(|o| o.same_ports(s)))
-                        .is_some_and(|o| {
-                            o.entry.deny == s.entry.deny
-                                && o.entry.derived_from == s.entry.derived_from
-                                && o.entry.redirect() == s.entry.redirect()
-                        });
-                    if !same {
-                        changed.push((s.key(direction, identity), &s.entry));
-                    }
+        for (&identity, slots) in self.dir(direction).iter() {
+            let old = realized.group(direction, identity);
+            for s in slots {
+                let same = old
+                    .and_then(|o| o.iter().find(|o| o.same_ports(s)))
+                    .is_some_and(|o| {
+                        o.entry.deny == s.entry.deny
+                            && o.entry.derived_from == s.entry.derived_from
+                            && o.entry.redirect() == s.entry.redirect()
+                    });
+                if !same {
+                    changed.push((s.key(direction, identity), &s.entry));
                 }
             }
         }
@@ -717,18 +794,106 @@ impl MapState {
             });
             delta.cookies.insert(k, cookie);
         }
-        for direction in DIRECTIONS.into_iter().filter(|d| differ(*d)) {
-            for (&identity, slots) in realized.dir(direction) {
-                let now = self.group(direction, identity);
-                for s in slots {
-                    if !now.is_some_and(|n| n.iter().any(|n| n.same_ports(s))) {
-                        delta.deletes.push(s.key(direction, identity));
-                    }
+        for (&identity, slots) in realized.dir(direction).iter() {
+            let now = self.group(direction, identity);
+            for s in slots {
+                if !now.is_some_and(|n| n.iter().any(|n| n.same_ports(s))) {
+                    delta.deletes.push(s.key(direction, identity));
                 }
             }
         }
         delta.deletes.sort_unstable();
         delta
+    }
+}
+
+/// The per-direction deltas between groups that maps share (`MapState::diff_from_shared`).
+/// Keyed by the groups' addresses; each entry holds a `Weak` of both, so no other groups can
+/// take either address while the entry lives (and shared groups are never changed in place:
+/// `Arc::make_mut` copies them, or moves them away from their `Weak`s). A cache: bounded,
+/// emptied when full.
+#[derive(Default)]
+pub struct DiffMemo {
+    inner: std::sync::Mutex<MemoInner>,
+}
+
+#[derive(Default)]
+struct MemoInner {
+    by_pair: rustc_hash::FxHashMap<(usize, usize), Memoized>,
+    /// Changes held, over every delta.
+    held: usize,
+    hits: u64,
+    misses: u64,
+}
+
+struct Memoized {
+    _before: Option<std::sync::Weak<Groups>>,
+    _after: std::sync::Weak<Groups>,
+    delta: Arc<MapDelta>,
+}
+
+/// At most this many pairs, and this many changes over all their deltas.
+const MEMO_PAIRS: usize = 1024;
+const MEMO_CHANGES: usize = 1 << 20;
+
+impl std::fmt::Debug for DiffMemo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (hits, misses, pairs) = self.stats();
+        write!(
+            f,
+            "DiffMemo {{ pairs: {pairs}, hits: {hits}, misses: {misses} }}"
+        )
+    }
+}
+
+impl DiffMemo {
+    fn lock(&self) -> std::sync::MutexGuard<'_, MemoInner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The delta from `before` to `after`, computed by `diff` unless held.
+    fn get(
+        &self,
+        before: &Option<Arc<Groups>>,
+        after: &Arc<Groups>,
+        diff: impl FnOnce() -> MapDelta,
+    ) -> Arc<MapDelta> {
+        let key = (
+            before.as_ref().map_or(0, |b| Arc::as_ptr(b) as usize),
+            Arc::as_ptr(after) as usize,
+        );
+        {
+            let mut inner = self.lock();
+            if let Some(m) = inner.by_pair.get(&key) {
+                let delta = m.delta.clone();
+                inner.hits += 1;
+                return delta;
+            }
+            inner.misses += 1;
+        }
+        // Computed outside the lock: other endpoints look up meanwhile.
+        let delta = Arc::new(diff());
+        let mut inner = self.lock();
+        if inner.by_pair.len() >= MEMO_PAIRS || inner.held + delta.len() > MEMO_CHANGES {
+            inner.by_pair.clear();
+            inner.held = 0;
+        }
+        if delta.len() <= MEMO_CHANGES {
+            inner.held += delta.len();
+            let held = Memoized {
+                _before: before.as_ref().map(Arc::downgrade),
+                _after: Arc::downgrade(after),
+                delta: delta.clone(),
+            };
+            inner.by_pair.insert(key, held);
+        }
+        delta
+    }
+
+    /// (hits, misses, pairs held).
+    pub fn stats(&self) -> (u64, u64, usize) {
+        let inner = self.lock();
+        (inner.hits, inner.misses, inner.by_pair.len())
     }
 }
 
@@ -814,6 +979,49 @@ mod tests {
     }
 
     use super::ingress_key as key;
+
+    #[test]
+    fn a_shared_direction_is_diffed_once_per_pair_and_changes_miss() {
+        let (a, b, e) = (
+            origin("a", Section::Ingress),
+            origin("b", Section::Ingress),
+            origin("e", Section::Egress),
+        );
+        let egress = |id| MapKey {
+            direction: Direction::Egress,
+            ..key(id, 6, 53, 53)
+        };
+        let mut before = MapState::new();
+        before.insert(key(5, 6, 80, 80), false, &a);
+        before.insert(key(6, 6, 81, 81), true, &a);
+        // After: one entry changed origin, one gone, one new; egress added.
+        let mut after = MapState::new();
+        after.insert(key(5, 6, 80, 80), false, &b);
+        after.insert(key(7, 0, 0, 65535), false, &b);
+        after.insert(egress(9), false, &e);
+        let memo = DiffMemo::default();
+        // Two endpoints hold `after` (a tier compilation's shared groups) over `before`.
+        let (ep1, ep2) = (after.clone(), after.clone());
+        let want = after.diff_from(&before);
+        assert!(!want.is_empty() && !want.deletes.is_empty());
+        assert_eq!(ep1.diff_from_shared(&before, &memo), want);
+        assert_eq!(ep2.diff_from_shared(&before.clone(), &memo), want);
+        assert_eq!(
+            memo.stats(),
+            (2, 2, 2),
+            "each direction: one miss, then one hit"
+        );
+        // A change to one endpoint's copy gives it ingress groups of its own, held by no other
+        // map: diffed directly, nothing kept; its egress is still the shared one (a hit).
+        let mut ep3 = after.clone();
+        ep3.insert(key(8, 17, 53, 53), true, &b);
+        assert_eq!(ep3.diff_from_shared(&before, &memo), ep3.diff_from(&before));
+        assert_eq!(memo.stats(), (3, 2, 2));
+        // Shared again (another endpoint got the same copy): a new pair, a miss.
+        let ep4 = ep3.clone();
+        assert_eq!(ep4.diff_from_shared(&before, &memo), ep3.diff_from(&before));
+        assert_eq!(memo.stats(), (4, 3, 3));
+    }
 
     #[test]
     fn a_group_adds_what_its_inserts_one_by_one_add() {
