@@ -29,7 +29,7 @@ use super::identity::NumericIdentity;
 
 use super::mapstate::MapState;
 use super::rule::{Direction, RuleOrigin};
-use super::tiers::{compile, Compiled, Defaults, TierRule, Tiers};
+use super::tiers::{compile_cached, CellsCache, Compiled, Defaults, TierRule, Tiers};
 
 /// Map entries held by the memo, inputs and results (about 100 bytes each).
 pub const MAX_HELD: usize = 200_000;
@@ -44,6 +44,8 @@ pub const MAX_ONE: usize = MAX_HELD / 4;
 pub struct SharedTiers {
     tiers: Tiers,
     fingerprint: u64,
+    /// What their compilation for any endpoint starts from (`tiers::CellsBase`).
+    cells: CellsCache,
 }
 
 impl SharedTiers {
@@ -54,6 +56,7 @@ impl SharedTiers {
         Arc::new(SharedTiers {
             tiers,
             fingerprint: h.finish(),
+            cells: CellsCache::default(),
         })
     }
 }
@@ -346,7 +349,14 @@ impl CompileMemo {
             inner.misses += 1;
         }
         // Compiled outside the lock: other endpoints look up meanwhile.
-        let out = Arc::new(compile(tiers, np, np_isolated, direction, fallback));
+        let out = Arc::new(compile_cached(
+            tiers,
+            Some(&tiers.cells),
+            np,
+            np_isolated,
+            direction,
+            fallback,
+        ));
         let np = np.direction_part(direction);
         let size = out.map.len() + np.len() + 1;
         if size <= MAX_ONE {
@@ -436,6 +446,7 @@ mod tests {
     use crate::policy::identity::IDENTITY_ANY;
     use crate::policy::mapstate::MapKey;
     use crate::policy::rule::Action;
+    use crate::policy::tiers::compile;
     use crate::policy::tiers::tests::origin;
     use crate::policy::tiers::TierRule;
 

@@ -418,32 +418,57 @@ impl GroupPaint {
     }
 }
 
-/// What the cells are made of for one direction. A tier's rules are grouped by their peers
-/// (rules of many policies name the same namespace, hence the same identities): each group is
-/// painted once, and an identity's verdicts are the first match over its groups.
-struct Cells {
+/// What the cells are made of for one direction that depends on the tier rules alone (and the
+/// protocols): the same for every endpoint the same tier policies select, whatever its
+/// NetworkPolicy tier, so built once for them all (`CellsCache`). A tier's rules are grouped by
+/// their peers (rules of many policies name the same namespace, hence the same identities):
+/// each group is painted once, and an identity's verdicts are the first match over its groups.
+pub struct CellsBase {
     protocols: Vec<u8>,
-    /// The class of each identity a rule or an entry of the NetworkPolicy tier names: the
-    /// identities of one class are named by the same groups (the index in `classes`).
-    named: std::collections::BTreeMap<NumericIdentity, u32>,
+    /// The class of each identity a rule names (the index in `classes`), sorted by identity:
+    /// the identities of one class are named by the same groups.
+    named: Vec<(NumericIdentity, u32)>,
     /// Per class (0: named by no group), the first match of its groups, per tier: painted
     /// once for every identity of the class (a namespace's identities share theirs).
     classes: Vec<[GroupPaint; 2]>,
-    /// An identity no rule or entry names (a stand-in for all of them).
-    other: NumericIdentity,
 }
 
-impl Cells {
-    fn new(tiers: &Tiers, np: &MapState, direction: Direction) -> Cells {
-        let mut protocols: BTreeSet<u8> = COMMON_PROTOCOLS.into_iter().collect();
-        for r in tiers.admin.iter().chain(&tiers.baseline) {
-            protocols.extend(r.ports.iter().flatten().map(|&(p, _, _)| p));
+/// The `CellsBase` of one set of tier rules, per protocol list (almost always one): a cache the
+/// shared tier rules of a direction hold (`tier_memo::SharedTiers`).
+#[derive(Default)]
+pub struct CellsCache(std::sync::Mutex<Vec<Arc<CellsBase>>>);
+
+/// The protocol lists an endpoint's NetworkPolicy tier can add: a few.
+const CELLS_CACHED: usize = 4;
+
+impl std::fmt::Debug for CellsCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.0.lock().map_or(0, |v| v.len());
+        write!(f, "CellsCache({n})")
+    }
+}
+
+impl CellsCache {
+    fn get(&self, tiers: &Tiers, protocols: Vec<u8>) -> Arc<CellsBase> {
+        let lock = || self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(b) = lock().iter().find(|b| b.protocols == protocols) {
+            return b.clone();
         }
-        let slots: Vec<_> = np.slots_of(direction).collect();
-        for (_, s) in &slots {
-            protocols.extend(s.iter().map(|&(p, _, _)| p).filter(|&p| p != 0));
+        // Built outside the lock: another endpoint may build the same meanwhile (one is kept).
+        let base = Arc::new(CellsBase::new(tiers, protocols));
+        let mut held = lock();
+        if !held.iter().any(|b| b.protocols == base.protocols) {
+            if held.len() >= CELLS_CACHED {
+                held.remove(0);
+            }
+            held.push(base.clone());
         }
-        let protocols: Vec<u8> = protocols.into_iter().collect();
+        base
+    }
+}
+
+impl CellsBase {
+    fn new(tiers: &Tiers, protocols: Vec<u8>) -> CellsBase {
         // Per identity, per tier: the groups naming it (few: kept inline, no allocation).
         let mut named: std::collections::BTreeMap<NumericIdentity, [GroupList; 2]> =
             Default::default();
@@ -485,17 +510,8 @@ impl Cells {
                 .map(|m| GroupPaint::new(rules, m, &protocols))
                 .collect();
         }
-        for (id, _) in slots {
-            if id != IDENTITY_ANY {
-                named.entry(id).or_default();
-            }
-        }
-        let other = (1..)
-            .map(|i| u32::MAX - i)
-            .find(|i| !named.contains_key(i))
-            .unwrap_or(u32::MAX);
         // Classes: identities named by the same groups share their first matches.
-        // Hashed once per named identity of every resolution: Fx, not SipHash.
+        // Hashed once per named identity: Fx, not SipHash.
         let mut class_of: FxHashMap<[GroupList; 2], u32> = Default::default();
         let mut classes = vec![[groups[0][0].clone(), groups[1][0].clone()]];
         class_of.insert(Default::default(), 0);
@@ -510,18 +526,90 @@ impl Cells {
                 (id, class)
             })
             .collect();
-        Cells {
+        CellsBase {
             protocols,
             named,
             classes,
+        }
+    }
+}
+
+/// What the cells are made of for one direction of one endpoint: the tier rules' (`base`) and
+/// the identities its NetworkPolicy tier names besides (of class 0 unless a rule names them).
+struct Cells {
+    base: Arc<CellsBase>,
+    protocols: Vec<u8>,
+    /// Every identity a rule or an entry of the NetworkPolicy tier names, with its class,
+    /// sorted by identity.
+    named: Vec<(NumericIdentity, u32)>,
+    /// An identity no rule or entry names (a stand-in for all of them).
+    other: NumericIdentity,
+}
+
+impl Cells {
+    fn new(
+        tiers: &Tiers,
+        cache: Option<&CellsCache>,
+        np: &MapState,
+        direction: Direction,
+    ) -> Cells {
+        let mut protocols: BTreeSet<u8> = COMMON_PROTOCOLS.into_iter().collect();
+        for r in tiers.admin.iter().chain(&tiers.baseline) {
+            protocols.extend(r.ports.iter().flatten().map(|&(p, _, _)| p));
+        }
+        let slots: Vec<_> = np.slots_of(direction).collect();
+        for (_, s) in &slots {
+            protocols.extend(s.iter().map(|&(p, _, _)| p).filter(|&p| p != 0));
+        }
+        let protocols: Vec<u8> = protocols.into_iter().collect();
+        let base = match cache {
+            Some(c) => c.get(tiers, protocols.clone()),
+            None => Arc::new(CellsBase::new(tiers, protocols.clone())),
+        };
+        let by_rules = |id: &NumericIdentity| base.named.binary_search_by_key(id, |x| x.0).is_ok();
+        let mut np_only: Vec<(NumericIdentity, u32)> = slots
+            .iter()
+            .map(|(id, _)| *id)
+            .filter(|id| *id != IDENTITY_ANY && !by_rules(id))
+            .map(|id| (id, 0))
+            .collect();
+        let named = if np_only.is_empty() {
+            base.named.clone()
+        } else {
+            np_only.sort_unstable();
+            np_only.dedup();
+            let mut all = Vec::with_capacity(base.named.len() + np_only.len());
+            let (mut a, mut b) = (base.named.iter().peekable(), np_only.iter().peekable());
+            while let (Some(x), Some(y)) = (a.peek(), b.peek()) {
+                if x.0 < y.0 {
+                    all.push(*a.next().expect("peeked"));
+                } else {
+                    all.push(*b.next().expect("peeked"));
+                }
+            }
+            all.extend(a);
+            all.extend(b);
+            all
+        };
+        let other = (1..)
+            .map(|i| u32::MAX - i)
+            .find(|i| named.binary_search_by_key(i, |x| x.0).is_err())
+            .unwrap_or(u32::MAX);
+        Cells {
+            base,
+            protocols,
+            named,
             other,
         }
     }
 
     /// The first matching rule of tier `t` (0: Admin, 1: Baseline) for every cell of `id`.
     fn first_match(&self, id: NumericIdentity, t: usize) -> &GroupPaint {
-        let class = self.named.get(&id).copied().unwrap_or(0);
-        &self.classes[class as usize][t]
+        let class = match self.named.binary_search_by_key(&id, |x| x.0) {
+            Ok(i) => self.named[i].1,
+            Err(_) => 0,
+        };
+        &self.base.classes[class as usize][t]
     }
 }
 
@@ -758,7 +846,20 @@ pub fn compile(
     direction: Direction,
     fallback: &Defaults,
 ) -> Compiled {
-    let cells = Cells::new(tiers, np, direction);
+    compile_cached(tiers, None, np, np_isolated, direction, fallback)
+}
+
+/// [`compile`], with what depends on the tier rules alone kept in `cache` (the tier rules'
+/// own: `tier_memo::SharedTiers`) for the next endpoint they select.
+pub fn compile_cached(
+    tiers: &Tiers,
+    cache: Option<&CellsCache>,
+    np: &MapState,
+    np_isolated: bool,
+    direction: Direction,
+    fallback: &Defaults,
+) -> Compiled {
+    let cells = Cells::new(tiers, cache, np, direction);
     let paint = |id| paint_identity(tiers, np, np_isolated, direction, &cells, id);
     let o = paint(cells.other);
     // An identity without entries of its own in the NetworkPolicy tier is painted as every
@@ -768,7 +869,7 @@ pub fn compile(
     let named: Vec<(NumericIdentity, usize)> = cells
         .named
         .iter()
-        .map(|(&id, &class)| {
+        .map(|&(id, class)| {
             let shared = np.slots(direction, id).next().is_none();
             let at = match shared.then(|| of_class.get(&class)).flatten() {
                 Some(&at) => at,
@@ -1186,6 +1287,26 @@ pub(crate) mod tests {
         ) {
             let tiers = Tiers { admin, baseline };
             check(&tiers, &np, np_isolated, &[1, 2, 3, 4, 7]);
+        }
+
+        /// The tier rules' part of the cells, built for one endpoint and kept (`CellsCache`),
+        /// compiles every other endpoint's NetworkPolicy tier as a fresh build does.
+        #[test]
+        fn cells_kept_for_the_rules_compile_any_network_policy_tier_alike(
+            admin in prop::collection::vec(arb_rule(), 0..4),
+            baseline in prop::collection::vec(arb_rule(), 0..3),
+            nps in prop::collection::vec((arb_np(), any::<bool>()), 1..4),
+        ) {
+            let tiers = Tiers { admin, baseline };
+            let cache = CellsCache::default();
+            let d = Defaults { allow: origin("allowed"), deny: origin("isolated") };
+            for (np, iso) in &nps {
+                let fresh = compile(&tiers, np, *iso, Direction::Ingress, &d);
+                let kept = compile_cached(&tiers, Some(&cache), np, *iso, Direction::Ingress, &d);
+                prop_assert_eq!(&kept.map, &fresh.map);
+                prop_assert_eq!(kept.isolated, fresh.isolated);
+                prop_assert_eq!(&kept.notes, &fresh.notes);
+            }
         }
     }
 }
