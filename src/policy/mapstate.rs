@@ -208,6 +208,14 @@ impl Group {
         self.slots.clear();
     }
 
+    /// The same entries for another identity.
+    pub fn clone_for(&self, identity: NumericIdentity) -> Group {
+        Group {
+            identity,
+            slots: self.slots.clone(),
+        }
+    }
+
     /// Its entries, moved into a group of their exact size (this one keeps its room: a scratch
     /// group written again and again).
     pub fn take_exact(&mut self) -> Group {

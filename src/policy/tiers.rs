@@ -884,14 +884,9 @@ pub fn compile_cached(
             (id, at)
         })
         .collect();
-    let named: Vec<(NumericIdentity, &Painted<'_>)> = named
-        .into_iter()
-        .map(|(id, at)| (id, &paintings[at]))
-        .collect();
     let mut out = Compiled {
-        isolated: named
+        isolated: paintings
             .iter()
-            .map(|&(_, p)| p)
             .chain([&o])
             .any(|p| !p.other.allow || p.ranges.iter().any(|c| !c.2.allow)),
         ..Default::default()
@@ -945,13 +940,30 @@ pub fn compile_cached(
         }
     }
     out.map.insert_group(direction, any);
-    // Each identity's entries are written into one scratch group, then moved into a group of
-    // their exact size (no regrowth while writing, no spare room kept in the map).
+    // Each painting's entries are written into one scratch group, then moved into a group of
+    // their exact size (no regrowth while writing, no spare room kept in the map); the other
+    // identities of that painting (of one class, without entries of their own) get a copy.
     let mut scratch = Group::new(IDENTITY_ANY);
-    for (id, x) in &named {
-        scratch.reset(*id);
-        write_named(&mut scratch, x, &o, wild, &cells.protocols, tiers, fallback);
-        out.map.insert_group(direction, scratch.take_exact());
+    let mut written: Vec<Option<Group>> = (0..paintings.len()).map(|_| None).collect();
+    let mut users = vec![0u32; paintings.len()];
+    for &(_, at) in &named {
+        users[at] += 1;
+    }
+    for &(id, at) in &named {
+        let group = match &written[at] {
+            Some(g) => g.clone_for(id),
+            None => {
+                scratch.reset(id);
+                let x = &paintings[at];
+                write_named(&mut scratch, x, &o, wild, &cells.protocols, tiers, fallback);
+                let g = scratch.take_exact();
+                if users[at] > 1 {
+                    written[at] = Some(g.clone_for(id));
+                }
+                g
+            }
+        };
+        out.map.insert_group(direction, group);
     }
     out
 }
