@@ -420,7 +420,9 @@ impl EndpointActor {
         // Every cookie is resolvable before the datapath can report it.
         let jar = &self.shared.cookies;
         for (cookie, kind, refs) in &delta.attributions {
-            jar.register(*cookie, *kind, refs.clone(), revision);
+            if !jar.knows(*cookie) {
+                jar.register(*cookie, *kind, refs.to_vec(), revision);
+            }
         }
         jar.register(ingress_cookie, MatchKind::DefaultDeny, ingress_by, revision);
         jar.register(egress_cookie, MatchKind::DefaultDeny, egress_by, revision);

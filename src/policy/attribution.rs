@@ -304,6 +304,11 @@ impl CookieJar {
         );
     }
 
+    /// `cookie` is registered (0, no attribution, always is).
+    pub fn knows(&self, cookie: Cookie) -> bool {
+        cookie == 0 || self.cookies.contains_key(&cookie)
+    }
+
     pub fn resolve(&self, cookie: Cookie) -> Option<Arc<Attribution>> {
         (cookie != 0)
             .then(|| self.cookies.get(&cookie).map(|a| a.clone()))

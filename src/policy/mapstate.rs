@@ -364,7 +364,8 @@ pub struct MapDelta {
     /// The attribution cookie of upserted entries (absent: 0, not attributed).
     pub cookies: HashMap<MapKey, Cookie>,
     /// What each cookie of `cookies` stands for, once per cookie.
-    pub attributions: Vec<(Cookie, MatchKind, Vec<PolicyRef>)>,
+    /// Shared: a delta kept for the endpoints of one kind is copied once per endpoint.
+    pub attributions: Vec<(Cookie, MatchKind, Arc<[PolicyRef]>)>,
     /// The upserted allows whose traffic goes to the HTTP proxy (`MapEntry::redirect`).
     pub redirects: rustc_hash::FxHashSet<MapKey>,
 }
@@ -797,7 +798,7 @@ impl MapState {
                 .collect();
             let cookie = *known.entry((ptrs, kind)).or_insert_with(|| {
                 let (cookie, refs) = entry_cookie(&e.derived_from, kind);
-                delta.attributions.push((cookie, kind, refs));
+                delta.attributions.push((cookie, kind, refs.into()));
                 cookie
             });
             delta.cookies.insert(k, cookie);
