@@ -192,28 +192,6 @@ impl EntryTable {
         }
     }
 
-    /// A new value for what engine key `key` (realized) contributes: in place, each of its
-    /// entries found once (a removal and an insertion of the same entry were a quarter of a
-    /// large change's cost).
-    fn recontribute(&mut self, key: &MapKey, value: Contribution) {
-        for e in expand_key(key) {
-            let c = self
-                .entries
-                .get_mut(&e)
-                .and_then(|c| c.0.iter_mut().find(|x| x.0 == *key));
-            match c {
-                Some(x) => (x.1, x.2, x.3) = value,
-                // Never: a realized key contributes to each of its entries.
-                None => self
-                    .entries
-                    .entry(e)
-                    .or_default()
-                    .0
-                    .push((*key, value.0, value.1, value.2)),
-            }
-        }
-    }
-
     /// Applies an engine-level delta and returns the entry-level changes for the kernel map
     /// (only entries whose presence, deny flag or cookie actually changed).
     pub fn apply(&mut self, delta: &MapDelta) -> Vec<EntryChange> {
@@ -265,9 +243,10 @@ impl EntryTable {
             );
             match self.engine_keys.insert(*k, value) {
                 Some(old) if old == value => continue,
-                Some(_) => self.recontribute(k, value),
-                None => self.contribute(k, value, true),
+                Some(old) => self.contribute(k, old, false),
+                None => {}
             }
+            self.contribute(k, value, true);
         }
         let mut out = Vec::new();
         for (e, was) in before {
