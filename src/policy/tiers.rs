@@ -538,7 +538,6 @@ impl CellsBase {
 /// the identities its NetworkPolicy tier names besides (of class 0 unless a rule names them).
 struct Cells {
     base: Arc<CellsBase>,
-    protocols: Vec<u8>,
     /// Every identity a rule or an entry of the NetworkPolicy tier names, with its class,
     /// sorted by identity.
     named: Vec<(NumericIdentity, u32)>,
@@ -563,8 +562,8 @@ impl Cells {
         }
         let protocols: Vec<u8> = protocols.into_iter().collect();
         let base = match cache {
-            Some(c) => c.get(tiers, protocols.clone()),
-            None => Arc::new(CellsBase::new(tiers, protocols.clone())),
+            Some(c) => c.get(tiers, protocols),
+            None => Arc::new(CellsBase::new(tiers, protocols)),
         };
         let by_rules = |id: &NumericIdentity| base.named.binary_search_by_key(id, |x| x.0).is_ok();
         let mut np_only: Vec<(NumericIdentity, u32)> = slots
@@ -595,12 +594,7 @@ impl Cells {
             .map(|i| u32::MAX - i)
             .find(|i| named.binary_search_by_key(i, |x| x.0).is_err())
             .unwrap_or(u32::MAX);
-        Cells {
-            base,
-            protocols,
-            named,
-            other,
-        }
+        Cells { base, named, other }
     }
 
     /// The first matching rule of tier `t` (0: Admin, 1: Baseline) for every cell of `id`.
@@ -719,14 +713,14 @@ fn paint_identity<'a>(
     let (admin, baseline) = (cells.first_match(id, 0), cells.first_match(id, 1));
     let mut out = Painted {
         ranges: Vec::with_capacity(admin.size() + 2 * entries.len() + 4),
-        starts: SmallVec::with_capacity(cells.protocols.len() + 1),
+        starts: SmallVec::with_capacity(cells.base.protocols.len() + 1),
         other: done(State::Open),
     };
     // One pass per protocol: each range of the Admin tier's first matches, cut at the bounds of
     // the NetworkPolicy tier's entries where the Admin tier did not decide, and cut again at
     // the Baseline tier's ranges where the NetworkPolicy tier did not decide either.
     let mut cuts: SmallVec<[u32; 16]> = SmallVec::new();
-    for (k, &p) in cells.protocols.iter().enumerate() {
+    for (k, &p) in cells.base.protocols.iter().enumerate() {
         let first = out.ranges.len();
         out.starts.push(first as u32);
         let b = baseline.protocol(k);
@@ -893,7 +887,7 @@ pub fn compile_cached(
     };
     // Per protocol, the other identities' ranges some named identity is allowed in while they
     // are denied.
-    let mut named_allowed: Vec<Vec<bool>> = (0..cells.protocols.len())
+    let mut named_allowed: Vec<Vec<bool>> = (0..cells.base.protocols.len())
         .map(|k| vec![false; o.protocol(k).len()])
         .collect();
     let mut denied_all_else_allowed_some = false;
@@ -927,7 +921,7 @@ pub fn compile_cached(
     if wild {
         put(&mut any, (0, 0, 65535), false, tiers, &o.other, fallback);
     }
-    for (k, &proto) in cells.protocols.iter().enumerate() {
+    for (k, &proto) in cells.base.protocols.iter().enumerate() {
         for (j, (lo, hi, c)) in o.protocol(k).iter().enumerate() {
             let ports = (proto, *lo, *hi);
             if c.allow {
@@ -955,7 +949,15 @@ pub fn compile_cached(
             None => {
                 scratch.reset(id);
                 let x = &paintings[at];
-                write_named(&mut scratch, x, &o, wild, &cells.protocols, tiers, fallback);
+                write_named(
+                    &mut scratch,
+                    x,
+                    &o,
+                    wild,
+                    &cells.base.protocols,
+                    tiers,
+                    fallback,
+                );
                 let g = scratch.take_exact();
                 if users[at] > 1 {
                     written[at] = Some(g.clone_for(id));
