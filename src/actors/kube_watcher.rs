@@ -738,7 +738,7 @@ impl KubeWatcherActor {
             let cidr = ipam
                 .lock()
                 .ok()
-                .and_then(|g| g.ipam.as_ref().map(|i| i.cidr()));
+                .and_then(|g| g.ipam.as_ref().and_then(|i| i.cidr_v4()));
             let want = desired_annotations(&node, cidr);
             // Also when someone removed them: the node must carry them again.
             if needs_update(&node.annotations, &want) {

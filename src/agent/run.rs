@@ -160,7 +160,7 @@ pub fn run(config: AgentConfig) -> Result<(), AgentError> {
     };
     let ipam = match config.pod_cidr {
         Some(cidr) => Some(
-            crate::ipam::Ipam::new(cidr)
+            crate::ipam::Ipam::served(cidr)
                 .map_err(|e| AgentError::Config(format!("--pod-cidr: {e}")))?,
         ),
         None => None,

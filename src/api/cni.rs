@@ -250,13 +250,25 @@ fn allocate(st: &AppState, container_id: &str) -> Result<Ipv4Addr, CniError> {
     for i in intents.iter().filter(|i| i.run != run_id()) {
         let _ = ipam.reserve(i.ip, &i.container_id);
     }
-    ipam.allocate(container_id).map_err(|e| match e {
+    let ip = ipam.allocate(container_id).map_err(|e| match e {
         // Addresses come back by themselves: the kubelet's retry succeeds.
         crate::ipam::IpamError::Cooling { .. } => {
             CniError::new(code::TRY_AGAIN_LATER, "IP allocation failed", e.to_string())
         }
         e => CniError::new(code::AGENT_FAILURE, "IP allocation failed", e.to_string()),
-    })
+    })?;
+    match ip {
+        IpAddr::V4(v4) => Ok(v4),
+        // The agent serves IPv4 pod CIDRs only (`Ipam::served`); never half a pod network.
+        IpAddr::V6(_) => {
+            ipam.release(ip);
+            Err(CniError::new(
+                code::AGENT_FAILURE,
+                "IP allocation failed",
+                format!("{ip}: IPv6 pod addresses are not served yet"),
+            ))
+        }
+    }
 }
 
 /// Undoes what an ADD made (`endpoint::cni::AddProgress`), newest first.

@@ -135,7 +135,7 @@ pub struct IpamStatus {
     /// `node-spec`, `node-annotation` or `flag`.
     pub source: Option<crate::ipam::CidrSource>,
     pub allocated: usize,
-    pub capacity: u32,
+    pub capacity: u64,
 }
 
 async fn healthz() -> HttpResponse {

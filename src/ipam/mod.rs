@@ -16,14 +16,14 @@
 //! reports as "try again later" (the kubelet retries).
 
 use std::collections::BTreeMap;
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 /// How long a freed address stays out of use (see the module documentation): longer than the
 /// other agents need to see a Pod deletion, short enough that a full range recovers quickly.
 pub const REUSE_DELAY: Duration = Duration::from_secs(5);
 
-use ipnet::{IpNet, Ipv4Net};
+use ipnet::IpNet;
 
 /// The annotation Cilium reads a node's IPv4 pod CIDR from when `spec.podCIDRs` is empty.
 pub const POD_CIDR_ANNOTATION: &str = "io.cilium.network.ipv4-pod-cidr";
@@ -89,7 +89,7 @@ impl NodeIpam {
         held: impl IntoIterator<Item = (IpAddr, String)>,
     ) -> Result<bool, String> {
         if let Some(cur) = &self.ipam {
-            if IpNet::V4(cur.cidr()) == cidr.trunc() {
+            if cur.cidr() == cidr.trunc() {
                 self.source = Some(source);
                 return Ok(false);
             }
@@ -101,7 +101,7 @@ impl NodeIpam {
                 ));
             }
         }
-        let mut ipam = Ipam::new(cidr).map_err(|e| e.to_string())?;
+        let mut ipam = Ipam::served(cidr).map_err(|e| e.to_string())?;
         for (ip, owner) in held {
             let _ = ipam.reserve(ip, &owner);
         }
@@ -114,74 +114,113 @@ impl NodeIpam {
 /// IPAM failures, naming the address or range concerned.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum IpamError {
-    /// The pod CIDR cannot be used (IPv6, or too small to hold a pod).
+    /// The pod CIDR cannot be used (a family the agent does not serve, or too small to hold a
+    /// pod).
     #[error("pod CIDR {cidr}: {why}")]
     UnusableCidr { cidr: IpNet, why: &'static str },
     /// Every address of the range is taken.
     #[error("pod CIDR {cidr} is exhausted ({capacity} addresses, all in use)")]
-    Exhausted { cidr: Ipv4Net, capacity: u32 },
+    Exhausted { cidr: IpNet, capacity: u64 },
     /// A reservation outside the node's range.
     #[error("{ip} is outside the pod CIDR {cidr}")]
-    OutOfRange { ip: IpAddr, cidr: Ipv4Net },
+    OutOfRange { ip: IpAddr, cidr: IpNet },
     /// A reservation of an address someone else holds.
     #[error("{ip} is already allocated to {owner}")]
-    InUse { ip: Ipv4Addr, owner: String },
+    InUse { ip: IpAddr, owner: String },
     /// Every free address was freed too recently to be handed out again.
     #[error("pod CIDR {cidr}: the {free} free address(es) were freed less than {}s ago and are not reused yet (other nodes may still map them to the old pods); try again", REUSE_DELAY.as_secs())]
-    Cooling { cidr: Ipv4Net, free: u32 },
+    Cooling { cidr: IpNet, free: u64 },
 }
 
-/// The allocator of one node's pod CIDR.
+/// The allocator of one pod CIDR, of either address family. Addresses are numbered by their
+/// offset from the network address (a `u128`, whatever the family).
 #[derive(Debug, Clone)]
 pub struct Ipam {
-    cidr: Ipv4Net,
-    /// First and last usable host numbers (offsets from the network address).
-    first: u32,
-    last: u32,
+    cidr: IpNet,
+    /// First and last usable offsets from the network address.
+    first: u128,
+    last: u128,
     /// The next offset to try.
-    cursor: u32,
+    cursor: u128,
     /// Address -> owner (a container id, or `restored:<endpoint>`).
-    allocated: BTreeMap<Ipv4Addr, String>,
+    allocated: BTreeMap<IpAddr, String>,
     /// Addresses freed less than `REUSE_DELAY` ago, and when (pruned as they age).
-    freed: BTreeMap<Ipv4Addr, Instant>,
+    freed: BTreeMap<IpAddr, Instant>,
+}
+
+/// The usable offsets of a range: IPv4 leaves out the network and broadcast addresses (a /30 or
+/// larger range is needed), IPv6 the subnet-router anycast address (offset 0; a /126 or larger).
+fn usable_offsets(cidr: IpNet) -> Result<(u128, u128), IpamError> {
+    let (bits, most, why) = match cidr {
+        IpNet::V4(_) => (32u8, 30u8, "a /30 or larger range is needed"),
+        IpNet::V6(_) => (128, 126, "a /126 or larger range is needed"),
+    };
+    if cidr.prefix_len() > most {
+        return Err(IpamError::UnusableCidr { cidr, why });
+    }
+    let host_bits = u32::from(bits - cidr.prefix_len());
+    let top = if host_bits == 128 {
+        u128::MAX
+    } else {
+        (1u128 << host_bits) - 1
+    };
+    Ok(match cidr {
+        IpNet::V4(_) => (1, top - 1),
+        IpNet::V6(_) => (1, top),
+    })
+}
+
+fn to_number(ip: IpAddr) -> u128 {
+    match ip {
+        IpAddr::V4(a) => u128::from(u32::from(a)),
+        IpAddr::V6(a) => u128::from(a),
+    }
 }
 
 impl Ipam {
-    /// An allocator over `cidr`. The network and broadcast addresses are never handed out.
+    /// An allocator over `cidr` (either family; see `usable_offsets` for what is never handed
+    /// out). A CIDR with host bits set is truncated to its network.
     pub fn new(cidr: IpNet) -> Result<Ipam, IpamError> {
-        let IpNet::V4(v4) = cidr else {
-            return Err(IpamError::UnusableCidr {
-                cidr,
-                why: "only IPv4 pod CIDRs are supported",
-            });
-        };
-        let v4 = v4.trunc();
-        if v4.prefix_len() > 30 {
-            return Err(IpamError::UnusableCidr {
-                cidr,
-                why: "a /30 or larger range is needed",
-            });
-        }
-        let size = 1u64 << (32 - v4.prefix_len());
-        let last = (size - 2) as u32;
+        let (first, last) = usable_offsets(cidr)?;
         Ok(Ipam {
-            cidr: v4,
-            first: 1,
+            cidr: cidr.trunc(),
+            first,
             last,
-            cursor: 1,
+            cursor: first,
             allocated: BTreeMap::new(),
             freed: BTreeMap::new(),
         })
     }
 
+    /// An allocator over a pod CIDR the agent serves: IPv4 only until the rest of the pod
+    /// network (routes, the tunnel, Services, masquerading) carries IPv6 (#31).
+    pub fn served(cidr: IpNet) -> Result<Ipam, IpamError> {
+        if let IpNet::V6(_) = cidr {
+            return Err(IpamError::UnusableCidr {
+                cidr,
+                why: "only IPv4 pod CIDRs are supported",
+            });
+        }
+        Ipam::new(cidr)
+    }
+
     /// The range served.
-    pub fn cidr(&self) -> Ipv4Net {
+    pub fn cidr(&self) -> IpNet {
         self.cidr
     }
 
-    /// How many addresses can be handed out in all.
-    pub fn capacity(&self) -> u32 {
-        self.last - self.first + 1
+    /// The range served, if it is IPv4's.
+    pub fn cidr_v4(&self) -> Option<ipnet::Ipv4Net> {
+        match self.cidr {
+            IpNet::V4(n) => Some(n),
+            IpNet::V6(_) => None,
+        }
+    }
+
+    /// How many addresses can be handed out in all (an IPv6 range's count saturates at
+    /// `u64::MAX`).
+    pub fn capacity(&self) -> u64 {
+        u64::try_from(self.last - self.first).map_or(u64::MAX, |n| n.saturating_add(1))
     }
 
     /// How many are in use.
@@ -189,21 +228,26 @@ impl Ipam {
         self.allocated.len()
     }
 
-    fn addr(&self, offset: u32) -> Ipv4Addr {
-        Ipv4Addr::from(u32::from(self.cidr.network()) + offset)
+    fn addr(&self, offset: u128) -> IpAddr {
+        match self.cidr {
+            IpNet::V4(n) => IpAddr::V4((u32::from(n.network()) + offset as u32).into()),
+            IpNet::V6(n) => IpAddr::V6((u128::from(n.network()) + offset).into()),
+        }
     }
 
     /// Hands out a free address to `owner`.
-    pub fn allocate(&mut self, owner: &str) -> Result<Ipv4Addr, IpamError> {
+    pub fn allocate(&mut self, owner: &str) -> Result<IpAddr, IpamError> {
         self.allocate_at(owner, Instant::now())
     }
 
     /// `allocate` at time `now`: addresses freed less than `REUSE_DELAY` before are skipped.
-    pub fn allocate_at(&mut self, owner: &str, now: Instant) -> Result<Ipv4Addr, IpamError> {
+    /// The walk ends at the first address neither allocated nor cooling, so it takes at most
+    /// as many steps as there are such addresses, plus one.
+    pub fn allocate_at(&mut self, owner: &str, now: Instant) -> Result<IpAddr, IpamError> {
         self.freed
             .retain(|_, at| now.saturating_duration_since(*at) < REUSE_DELAY);
         let capacity = self.capacity();
-        if self.allocated.len() as u64 >= capacity as u64 {
+        if self.allocated.len() as u64 >= capacity {
             return Err(IpamError::Exhausted {
                 cidr: self.cidr,
                 capacity,
@@ -227,7 +271,7 @@ impl Ipam {
         }
         Err(IpamError::Cooling {
             cidr: self.cidr,
-            free: capacity - self.allocated.len() as u32,
+            free: capacity - self.allocated.len() as u64,
         })
     }
 
@@ -235,22 +279,19 @@ impl Ipam {
     /// is not an error. Addresses outside the range are refused: the caller keeps the endpoint
     /// but knows this node's IPAM does not manage that address.
     pub fn reserve(&mut self, ip: IpAddr, owner: &str) -> Result<(), IpamError> {
-        let v4 = match ip {
-            IpAddr::V4(v4) if self.contains(v4) => v4,
-            _ => {
-                return Err(IpamError::OutOfRange {
-                    ip,
-                    cidr: self.cidr,
-                })
-            }
-        };
-        match self.allocated.get(&v4) {
+        if !self.contains(ip) {
+            return Err(IpamError::OutOfRange {
+                ip,
+                cidr: self.cidr,
+            });
+        }
+        match self.allocated.get(&ip) {
             Some(o) if o != owner => Err(IpamError::InUse {
-                ip: v4,
+                ip,
                 owner: o.clone(),
             }),
             _ => {
-                self.allocated.insert(v4, owner.to_string());
+                self.allocated.insert(ip, owner.to_string());
                 Ok(())
             }
         }
@@ -263,24 +304,16 @@ impl Ipam {
     }
 
     pub fn release_at(&mut self, ip: IpAddr, now: Instant) -> bool {
-        match ip {
-            IpAddr::V4(v4) => {
-                let was = self.allocated.remove(&v4).is_some();
-                if was {
-                    self.freed.insert(v4, now);
-                }
-                was
-            }
-            IpAddr::V6(_) => false,
+        let was = self.allocated.remove(&ip).is_some();
+        if was {
+            self.freed.insert(ip, now);
         }
+        was
     }
 
     /// The owner of `ip`, if allocated.
     pub fn owner(&self, ip: IpAddr) -> Option<&str> {
-        match ip {
-            IpAddr::V4(v4) => self.allocated.get(&v4).map(String::as_str),
-            IpAddr::V6(_) => None,
-        }
+        self.allocated.get(&ip).map(String::as_str)
     }
 
     /// The addresses held by `owner`.
@@ -288,21 +321,24 @@ impl Ipam {
         self.allocated
             .iter()
             .filter(|(_, o)| o.as_str() == owner)
-            .map(|(ip, _)| IpAddr::V4(*ip))
+            .map(|(ip, _)| *ip)
             .collect()
     }
 
-    /// Whether `ip` is a usable address of the range.
-    pub fn contains(&self, ip: Ipv4Addr) -> bool {
-        let n = u32::from(ip);
-        let net = u32::from(self.cidr.network());
-        self.cidr.contains(&ip) && n - net >= self.first && n - net <= self.last
+    /// Whether `ip` is a usable address of the range (of its family).
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        if !self.cidr.contains(&ip) {
+            return false;
+        }
+        let offset = to_number(ip) - to_number(self.cidr.network());
+        offset >= self.first && offset <= self.last
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::net::Ipv4Addr;
 
     #[test]
     fn node_cidr_comes_from_the_spec_then_the_annotation() {
@@ -370,7 +406,7 @@ mod tests {
         );
         assert_eq!(
             n.ipam.as_ref().unwrap().cidr(),
-            "10.7.0.0/24".parse::<Ipv4Net>().unwrap()
+            "10.7.0.0/24".parse::<IpNet>().unwrap()
         );
         // An unused range is replaced; an unusable one is an error.
         let mut m = NodeIpam::default();
@@ -389,10 +425,10 @@ mod tests {
     fn hands_out_every_host_address_once_then_reports_exhaustion() {
         let mut i = ipam("10.9.0.0/29");
         assert_eq!(i.capacity(), 6);
-        let got: Vec<Ipv4Addr> = (0..6)
+        let got: Vec<IpAddr> = (0..6)
             .map(|n| i.allocate(&format!("c{n}")).unwrap())
             .collect();
-        let want: Vec<Ipv4Addr> = (1..=6).map(|h| Ipv4Addr::new(10, 9, 0, h)).collect();
+        let want: Vec<IpAddr> = (1..=6).map(|h| Ipv4Addr::new(10, 9, 0, h).into()).collect();
         assert_eq!(
             got, want,
             "network .0 and broadcast .7 are never handed out"
@@ -412,8 +448,8 @@ mod tests {
         let mut i = ipam("10.9.0.0/29");
         let a = i.allocate_at("a", t0).unwrap();
         let b = i.allocate_at("b", t0).unwrap();
-        assert!(i.release_at(a.into(), t0));
-        assert!(!i.release_at(a.into(), t0), "a second release is a no-op");
+        assert!(i.release_at(a, t0));
+        assert!(!i.release_at(a, t0), "a second release is a no-op");
         let c = i.allocate_at("c", t0).unwrap();
         assert_ne!(
             c, a,
@@ -450,7 +486,10 @@ mod tests {
                 owner: "restored:1".into()
             })
         );
-        assert_eq!(i.allocate("new").unwrap(), Ipv4Addr::new(10, 9, 0, 2));
+        assert_eq!(
+            i.allocate("new").unwrap(),
+            IpAddr::from(Ipv4Addr::new(10, 9, 0, 2))
+        );
         assert!(i.allocate("more").is_err());
         assert_eq!(i.owner("10.9.0.2".parse().unwrap()), Some("new"));
     }
@@ -467,9 +506,54 @@ mod tests {
                 "{bad}"
             );
         }
-        assert!(Ipam::new("fd00::/64".parse().unwrap()).is_err());
+        let e = Ipam::served("fd00::/64".parse().unwrap()).unwrap_err();
+        assert!(e.to_string().contains("only IPv4"), "{e}");
         assert!(Ipam::new("10.0.0.0/31".parse().unwrap()).is_err());
         // A CIDR with host bits set is truncated to its network.
         assert_eq!(ipam("10.9.0.77/24").cidr().to_string(), "10.9.0.0/24");
+    }
+
+    #[test]
+    fn an_ipv6_range_leaves_out_only_its_subnet_router_address() {
+        let mut i = ipam("fd00:10:244:1::/125");
+        assert_eq!(i.capacity(), 7);
+        let got: Vec<String> = (0..7)
+            .map(|n| i.allocate(&format!("c{n}")).unwrap().to_string())
+            .collect();
+        let want: Vec<String> = (1..=7).map(|h| format!("fd00:10:244:1::{h}")).collect();
+        assert_eq!(got, want, "::0 is the subnet-router anycast address");
+        assert!(matches!(
+            i.allocate("more"),
+            Err(IpamError::Exhausted { capacity: 7, .. })
+        ));
+        let a: IpAddr = "fd00:10:244:1::3".parse().unwrap();
+        assert_eq!(i.owner(a), Some("c2"));
+        assert!(i.release(a));
+        for bad in ["fd00:10:244:1::", "fd00:10:244:2::1", "10.9.0.1"] {
+            assert!(
+                matches!(
+                    i.reserve(bad.parse().unwrap(), "x"),
+                    Err(IpamError::OutOfRange { .. })
+                ),
+                "{bad}"
+            );
+        }
+        // A /64 counts more addresses than a u64 holds less one: saturated, still served.
+        let mut big = ipam("fd00:10:244:2::/64");
+        assert_eq!(big.capacity(), u64::MAX);
+        assert_eq!(
+            big.allocate("a").unwrap(),
+            "fd00:10:244:2::1".parse::<IpAddr>().unwrap()
+        );
+        assert!(Ipam::new("fd00::/127".parse().unwrap()).is_err());
+        // The walk over cooling addresses stops at the first free one, whatever the range's size.
+        let t0 = Instant::now();
+        let mut w = ipam("fd00:10:244:3::/64");
+        let first = w.allocate_at("a", t0).unwrap();
+        assert!(w.release_at(first, t0));
+        assert_eq!(
+            w.allocate_at("b", t0).unwrap(),
+            "fd00:10:244:3::2".parse::<IpAddr>().unwrap()
+        );
     }
 }

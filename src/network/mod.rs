@@ -450,7 +450,7 @@ impl Masquerader {
             .ipam
             .lock()
             .ok()
-            .and_then(|g| g.ipam.as_ref().map(|i| i.cidr()));
+            .and_then(|g| g.ipam.as_ref().and_then(|i| i.cidr_v4()));
         let want = cfg
             .masquerade
             .then(|| routes::masquerade_spec(local, nodes, cfg, fallback))
