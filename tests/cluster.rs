@@ -544,6 +544,18 @@ fn route_applier_touches_only_its_own_routes_and_a_restart_reconciles_them() {
         "-n", &ns, "link", "add", "eth0", "type", "veth", "peer", "name", "eth1",
     ]);
     ip(&["-n", &ns, "addr", "add", "172.22.0.1/24", "dev", "eth0"]);
+    // And an IPv6 subnet (no duplicate address detection to wait for): the applier's routes
+    // are of either family.
+    ip(&[
+        "-n",
+        &ns,
+        "addr",
+        "add",
+        "fd22::1/64",
+        "dev",
+        "eth0",
+        "nodad",
+    ]);
     ip(&["-n", &ns, "link", "set", "eth1", "up"]);
     ip(&["-n", &ns, "link", "set", "eth0", "up"]);
     // Someone else's route (protocol static) to a prefix an agent will want.
@@ -567,6 +579,7 @@ fn route_applier_touches_only_its_own_routes_and_a_restart_reconciles_them() {
         r("10.230.2.0/24", "172.22.0.3"),
         r("10.230.3.0/24", "172.22.0.5"),
     );
+    let r6 = r("fd30:1::/64", "fd22::2");
     let r1_moved = r("10.230.1.0/24", "172.22.0.7");
     let r1_b = r("10.230.1.0/24", "172.22.0.9");
     let routes = move || {
@@ -580,17 +593,28 @@ fn route_applier_touches_only_its_own_routes_and_a_restart_reconciles_them() {
     };
     in_netns(&ns, move || {
         let mut a = RouteApplier::open(&pa).unwrap();
-        let out = a.apply(&BTreeSet::from([r1, r2, r3]), None);
+        let out = a.apply(&BTreeSet::from([r1, r2, r3, r6]), None);
         assert_eq!(out[&r1], Ok(()));
         assert_eq!(out[&r2], Ok(()));
+        assert_eq!(out[&r6], Ok(()));
         let foreign = out[&r3].clone().unwrap_err();
         assert!(foreign.contains("10.230.3.0/24"), "{foreign}");
         assert_eq!(
             routes(),
             [
                 "10.230.1.0/24 via 172.22.0.2",
-                "10.230.2.0/24 via 172.22.0.3"
+                "10.230.2.0/24 via 172.22.0.3",
+                "fd30:1::/64 via fd22::2"
             ]
+        );
+        let v6 = std::process::Command::new("ip")
+            .args(["-6", "route", "show", "fd30:1::/64"])
+            .output()
+            .unwrap();
+        assert!(
+            String::from_utf8_lossy(&v6.stdout).contains("via fd22::2 dev eth0 proto 193"),
+            "the kernel's IPv6 table: {}",
+            String::from_utf8_lossy(&v6.stdout)
         );
         // A destination someone else routes is not recorded as this agent's.
         let record = std::fs::read_to_string(pa.join("routes.json")).unwrap();
@@ -615,11 +639,12 @@ fn route_applier_touches_only_its_own_routes_and_a_restart_reconciles_them() {
             routes(),
             [
                 "10.230.1.0/24 via 172.22.0.2",
-                "10.230.2.0/24 via 172.22.0.3"
+                "10.230.2.0/24 via 172.22.0.3",
+                "fd30:1::/64 via fd22::2"
             ]
         );
 
-        // A restarts (its record read back): node 1 moved, node 2 left.
+        // A restarts (its record read back): node 1 moved, node 2 and the IPv6 one left.
         drop(a);
         let mut a = RouteApplier::open(&pa).unwrap();
         let out = a.apply(&BTreeSet::from([r1_moved]), None);
@@ -627,7 +652,9 @@ fn route_applier_touches_only_its_own_routes_and_a_restart_reconciles_them() {
         assert_eq!(routes(), ["10.230.1.0/24 via 172.22.0.7"]);
         let record = std::fs::read_to_string(pa.join("routes.json")).unwrap();
         assert!(
-            record.contains("10.230.1.0/24") && !record.contains("10.230.2.0/24"),
+            record.contains("10.230.1.0/24")
+                && !record.contains("10.230.2.0/24")
+                && !record.contains("fd30:1::/64"),
             "{record}"
         );
         // Everything gone: nothing of A's is left behind.

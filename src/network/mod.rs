@@ -99,10 +99,14 @@ pub async fn run_route_reconciler(
         if let Some(pins) = &cfg.bpf_host_routing {
             // Only prefixes whose kernel route is in place: the program's FIB lookup must find
             // the route this agent installed.
+            // The program forwards IPv4 (#31: IPv6 host routing is to come).
             let routed: std::collections::BTreeSet<ipnet::Ipv4Net> = outcome
                 .iter()
                 .filter(|(_, o)| o.is_ok())
-                .map(|(r, _)| r.dst)
+                .filter_map(|(r, _)| match r.dst {
+                    ipnet::IpNet::V4(n) => Some(n),
+                    ipnet::IpNet::V6(_) => None,
+                })
                 .collect();
             if let Err(e) = crate::datapath::bpf::host_routes::sync(pins, &routed) {
                 tracing::warn!(error = %e, "BPF host routing map not updated; pod traffic to other nodes takes the host stack");
@@ -391,7 +395,13 @@ fn sync_tunnel_peers(cfg: &RoutingConfig, outcome: &netlink::Outcome) {
         return;
     };
     let peers: std::collections::BTreeSet<std::net::Ipv4Addr> = match cfg.mode {
-        RoutingMode::Tunnel => outcome.keys().map(|r| r.via).collect(),
+        RoutingMode::Tunnel => outcome
+            .keys()
+            .filter_map(|r| match r.via {
+                std::net::IpAddr::V4(v4) => Some(v4),
+                std::net::IpAddr::V6(_) => None,
+            })
+            .collect(),
         RoutingMode::Native => Default::default(),
     };
     if let Err(e) = crate::datapath::bpf::host_firewall::sync_tunnel_peers(pins, &peers) {

@@ -7,14 +7,15 @@
 //! record) or anyone else's (other protocol) are never touched.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::path::{Path, PathBuf};
 
 use futures_util::TryStreamExt;
-use ipnet::Ipv4Net;
+use ipnet::IpNet;
 use rtnetlink::packet_route::route::{
     RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteProtocol,
 };
+use rtnetlink::packet_route::AddressFamily;
 use rtnetlink::{Handle, RouteMessageBuilder};
 
 use super::routes::NodeRoute;
@@ -38,7 +39,7 @@ pub type Outcome = BTreeMap<NodeRoute, Result<(), String>>;
 #[derive(Debug)]
 pub struct RouteApplier {
     record: PathBuf,
-    owned: BTreeSet<Ipv4Net>,
+    owned: BTreeSet<IpNet>,
     forwarding_checked: bool,
     /// Tunnel mode: the mark (alias) of this agent's vxlan device, and its MTU.
     tunnel: Option<(String, u32)>,
@@ -70,7 +71,7 @@ impl RouteApplier {
                 .routes
                 .iter()
                 .map(|c| {
-                    c.parse::<Ipv4Net>()
+                    c.parse::<IpNet>()
                         .map_err(|_| format!("{}: routes: {c:?} is not a CIDR", record.display()))
                 })
                 .collect::<Result<_, _>>()?,
@@ -87,11 +88,11 @@ impl RouteApplier {
     }
 
     /// Destinations this agent owns (installed, or about to be).
-    pub fn owned(&self) -> &BTreeSet<Ipv4Net> {
+    pub fn owned(&self) -> &BTreeSet<IpNet> {
         &self.owned
     }
 
-    fn save(&mut self, owned: BTreeSet<Ipv4Net>) -> Result<(), String> {
+    fn save(&mut self, owned: BTreeSet<IpNet>) -> Result<(), String> {
         if owned == self.owned && self.record.exists() {
             return Ok(());
         }
@@ -161,7 +162,7 @@ impl RouteApplier {
                 None => to_set.push((*r, false)),
             }
         }
-        let stale: Vec<Ipv4Net> = self
+        let stale: Vec<IpNet> = self
             .owned
             .iter()
             .filter(|d| !want.iter().any(|r| r.dst == **d))
@@ -177,12 +178,19 @@ impl RouteApplier {
             }
             return outcome;
         }
-        let stale_present: Vec<Ipv4Net> = stale
+        let stale_present: Vec<IpNet> = stale
             .iter()
             .filter(|d| kernel.contains_key(d))
             .copied()
             .collect();
-        let peers: Vec<Ipv4Addr> = want.iter().map(|r| r.via).collect();
+        // The tunnel's underlay is IPv4: its peers are the IPv4 next hops.
+        let peers: Vec<Ipv4Addr> = want
+            .iter()
+            .filter_map(|r| match r.via {
+                IpAddr::V4(v4) => Some(v4),
+                IpAddr::V6(_) => None,
+            })
+            .collect();
         let changes = run_changes(to_set.clone(), stale_present.clone(), tunnel, peers);
         let (results, removed) = match changes {
             Ok(v) => v,
@@ -200,7 +208,7 @@ impl RouteApplier {
         // Owned now: what is wanted and in place, what was ours before (a failed replace leaves
         // it in the kernel), and what could not be removed; a failed add is not ours (the
         // destination may be someone else's).
-        let owned: BTreeSet<Ipv4Net> = want
+        let owned: BTreeSet<IpNet> = want
             .iter()
             .filter(|r| outcome.get(r).is_some_and(|o| o.is_ok()) || before.contains(&r.dst))
             .map(|r| r.dst)
@@ -230,34 +238,40 @@ fn enable_forwarding() -> Result<(), String> {
 }
 
 fn is_own(h: &RouteHeader) -> bool {
-    h.protocol == RouteProtocol::Other(RTPROT_CILIATE)
-        && h.table == RouteHeader::RT_TABLE_MAIN
-        && h.destination_prefix_length <= 32
+    h.protocol == RouteProtocol::Other(RTPROT_CILIATE) && h.table == RouteHeader::RT_TABLE_MAIN
 }
 
-fn dst_and_gateway(m: &RouteMessage) -> Option<(Ipv4Net, Option<Ipv4Addr>)> {
+fn dst_and_gateway(m: &RouteMessage) -> Option<(IpNet, Option<IpAddr>)> {
     dst_gateway_oif(m).map(|(d, g, _)| (d, g))
 }
 
-fn dst_gateway_oif(m: &RouteMessage) -> Option<(Ipv4Net, Option<Ipv4Addr>, u32)> {
-    let mut dst = Ipv4Addr::UNSPECIFIED;
+/// A route's destination (of its family: the default route when it has none), gateway and
+/// output interface.
+fn dst_gateway_oif(m: &RouteMessage) -> Option<(IpNet, Option<IpAddr>, u32)> {
+    let mut dst = match m.header.address_family {
+        AddressFamily::Inet => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        AddressFamily::Inet6 => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+        _ => return None,
+    };
     let mut gw = None;
     let mut oif = 0;
     for a in &m.attributes {
         match a {
-            RouteAttribute::Destination(RouteAddress::Inet(d)) => dst = *d,
-            RouteAttribute::Gateway(RouteAddress::Inet(g)) => gw = Some(*g),
+            RouteAttribute::Destination(RouteAddress::Inet(d)) => dst = IpAddr::V4(*d),
+            RouteAttribute::Destination(RouteAddress::Inet6(d)) => dst = IpAddr::V6(*d),
+            RouteAttribute::Gateway(RouteAddress::Inet(g)) => gw = Some(IpAddr::V4(*g)),
+            RouteAttribute::Gateway(RouteAddress::Inet6(g)) => gw = Some(IpAddr::V6(*g)),
             RouteAttribute::Oif(i) => oif = *i,
             _ => {}
         }
     }
-    Ipv4Net::new(dst, m.header.destination_prefix_length)
+    IpNet::new(dst, m.header.destination_prefix_length)
         .ok()
         .map(|n| (n, gw, oif))
 }
 
 /// Like `list_own_protocol`, with each route's output interface.
-fn list_own_protocol_oif() -> Result<BTreeMap<Ipv4Net, (Option<Ipv4Addr>, u32)>, NetdevError> {
+fn list_own_protocol_oif() -> Result<BTreeMap<IpNet, (Option<IpAddr>, u32)>, NetdevError> {
     with_netlink(None, |h| async move {
         Ok(dump_own(&h)
             .await?
@@ -281,28 +295,40 @@ fn setup_tunnel(local: Ipv4Addr, mtu: u32, mark: String) -> Result<u32, NetdevEr
     Ok(index)
 }
 
+/// The routes of both families with ciliate's protocol in the main table (IPv4's alone on a
+/// kernel booted without IPv6, which has no IPv6 table to dump).
 async fn dump_own(h: &Handle) -> Result<Vec<RouteMessage>, NetdevError> {
-    let mut s = h
-        .route()
-        .get(RouteMessageBuilder::<Ipv4Addr>::new().build())
-        .execute();
     let mut out = Vec::new();
-    while let Some(m) = s.try_next().await.map_err(nl_err("dump IPv4 routes"))? {
-        if is_own(&m.header) {
-            out.push(m);
+    let mut dumps = vec![(
+        "dump IPv4 routes",
+        RouteMessageBuilder::<Ipv4Addr>::new().build(),
+    )];
+    if Path::new("/proc/sys/net/ipv6").exists() {
+        dumps.push((
+            "dump IPv6 routes",
+            RouteMessageBuilder::<Ipv6Addr>::new().build(),
+        ));
+    }
+    for (what, filter) in dumps {
+        let mut s = h.route().get(filter).execute();
+        while let Some(m) = s.try_next().await.map_err(nl_err(what))? {
+            if is_own(&m.header) {
+                out.push(m);
+            }
         }
     }
     Ok(out)
 }
 
-/// The IPv4 routes of the main table with ciliate's protocol: destination -> gateway.
-pub fn list_own_protocol() -> Result<BTreeMap<Ipv4Net, Option<Ipv4Addr>>, NetdevError> {
+/// The routes (both families) of the main table with ciliate's protocol: destination ->
+/// gateway.
+pub fn list_own_protocol() -> Result<BTreeMap<IpNet, Option<IpAddr>>, NetdevError> {
     Ok(list_own_protocol_all()?.into_iter().collect())
 }
 
-/// Every IPv4 route of the main table with ciliate's protocol, duplicates included (for
-/// tests and diagnostics): (destination, gateway).
-pub fn list_own_protocol_all() -> Result<Vec<(Ipv4Net, Option<Ipv4Addr>)>, NetdevError> {
+/// Every route (both families) of the main table with ciliate's protocol, duplicates included
+/// (for tests and diagnostics): (destination, gateway).
+pub fn list_own_protocol_all() -> Result<Vec<(IpNet, Option<IpAddr>)>, NetdevError> {
     with_netlink(None, |h| async move {
         Ok(dump_own(&h)
             .await?
@@ -312,14 +338,14 @@ pub fn list_own_protocol_all() -> Result<Vec<(Ipv4Net, Option<Ipv4Addr>)>, Netde
     })
 }
 
-type Changes = (Vec<(NodeRoute, Result<(), String>)>, Vec<Ipv4Net>);
+type Changes = (Vec<(NodeRoute, Result<(), String>)>, Vec<IpNet>);
 
 /// Adds (or, for an owned route whose gateway changed, replaces) routes and deletes stale ones.
 /// In tunnel mode (`tunnel` is the device's index) the FDB and neighbour entries of every
 /// wanted node (`peers`) are written first and those of other nodes removed.
 fn run_changes(
     set: Vec<(NodeRoute, bool)>,
-    delete: Vec<Ipv4Net>,
+    delete: Vec<IpNet>,
     tunnel: Option<u32>,
     peers: Vec<Ipv4Addr>,
 ) -> Result<Changes, NetdevError> {
@@ -329,7 +355,7 @@ fn run_changes(
         if let Some(ifindex) = tunnel {
             for p in &peers {
                 if let Err(e) = super::tunnel::set_peer(&h, ifindex, *p).await {
-                    peer_errors.insert(*p, e.to_string());
+                    peer_errors.insert(IpAddr::V4(*p), e.to_string());
                 }
             }
             super::tunnel::prune_peers(&h, ifindex, &peers).await?;
@@ -339,10 +365,21 @@ fn run_changes(
                 results.push((r, Err(e.clone())));
                 continue;
             }
-            let b = RouteMessageBuilder::<Ipv4Addr>::new()
-                .destination_prefix(r.dst.network(), r.dst.prefix_len())
-                .gateway(r.via)
-                .protocol(RouteProtocol::Other(RTPROT_CILIATE));
+            if tunnel.is_some() && r.via.is_ipv6() {
+                let e = format!(
+                    "route {} via {}: the tunnel's underlay is IPv4",
+                    r.dst, r.via
+                );
+                results.push((r, Err(e)));
+                continue;
+            }
+            let b = match route_to(r.dst, Some(r.via)) {
+                Ok(b) => b,
+                Err(e) => {
+                    results.push((r, Err(format!("route {} via {}: {e}", r.dst, r.via))));
+                    continue;
+                }
+            };
             let msg = match tunnel {
                 Some(ifindex) => b.output_interface(ifindex).onlink().build(),
                 None => b.build(),
@@ -362,10 +399,13 @@ fn run_changes(
         }
         let mut removed = Vec::new();
         for d in delete {
-            let msg = RouteMessageBuilder::<Ipv4Addr>::new()
-                .destination_prefix(d.network(), d.prefix_len())
-                .protocol(RouteProtocol::Other(RTPROT_CILIATE))
-                .build();
+            let msg = match route_to(d, None) {
+                Ok(b) => b.build(),
+                Err(e) => {
+                    tracing::error!(dst = %d, error = %e, "stale route not deleted");
+                    continue;
+                }
+            };
             match h.route().del(msg).execute().await {
                 Ok(()) => removed.push(d),
                 Err(e) => tracing::error!(dst = %d, error = %e, "stale route not deleted"),
@@ -373,6 +413,18 @@ fn run_changes(
         }
         Ok((results, removed))
     })
+}
+
+/// A route of ciliate's protocol to `dst` (either family), through `via` when given.
+fn route_to(dst: IpNet, via: Option<IpAddr>) -> Result<RouteMessageBuilder<IpAddr>, String> {
+    let b = RouteMessageBuilder::<IpAddr>::new()
+        .destination_prefix(dst.network(), dst.prefix_len())
+        .map_err(|e| e.to_string())?
+        .protocol(RouteProtocol::Other(RTPROT_CILIATE));
+    match via {
+        Some(via) => b.gateway(via).map_err(|e| e.to_string()),
+        None => Ok(b),
+    }
 }
 
 /// The device (name, ifindex) that holds `ip` in this network namespace; loopback never counts.

@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::{IpAddr, Ipv4Addr};
 
-use ipnet::Ipv4Net;
+use ipnet::{IpNet, Ipv4Net};
 use serde::{Deserialize, Serialize};
 
 use crate::objects::NodeInfo;
@@ -82,10 +82,11 @@ impl Default for RoutingConfig {
 }
 
 /// One route the agent owns: the main table, `dst via gateway`, protocol `RTPROT_CILIATE`.
+/// Either family (the seam of #31); today's desired state holds IPv4 routes only.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct NodeRoute {
-    pub dst: Ipv4Net,
-    pub via: Ipv4Addr,
+    pub dst: IpNet,
+    pub via: IpAddr,
 }
 
 /// What the desired state says about one node, before the kernel had its say.
@@ -137,12 +138,15 @@ pub fn desired_routes(
     nodes: &BTreeMap<String, NodeInfo>,
     cfg: &RoutingConfig,
 ) -> Vec<NodePlan> {
-    let cidrs: BTreeMap<&str, Result<Vec<Ipv4Net>, String>> = nodes
+    let cidrs: BTreeMap<&str, Result<Vec<IpNet>, String>> = nodes
         .iter()
-        .map(|(name, n)| (name.as_str(), pod_cidrs_v4(n)))
+        .map(|(name, n)| {
+            let v4 = pod_cidrs_v4(n).map(|c| c.into_iter().map(IpNet::V4).collect());
+            (name.as_str(), v4)
+        })
         .collect();
     // Who claims each prefix: a prefix claimed twice is routed to neither.
-    let mut claims: HashMap<Ipv4Net, Vec<&str>> = HashMap::new();
+    let mut claims: HashMap<IpNet, Vec<&str>> = HashMap::new();
     for (name, c) in &cidrs {
         for net in c.iter().flatten() {
             claims.entry(*net).or_default().push(name);
@@ -176,20 +180,16 @@ pub fn desired_routes(
 fn node_routes(
     name: &str,
     node: &NodeInfo,
-    cidrs: &Result<Vec<Ipv4Net>, String>,
-    claims: &HashMap<Ipv4Net, Vec<&str>>,
+    cidrs: &Result<Vec<IpNet>, String>,
+    claims: &HashMap<IpNet, Vec<&str>>,
     cfg: &RoutingConfig,
 ) -> Result<Vec<NodeRoute>, String> {
     let cidrs = cidrs.as_ref().map_err(|e| format!("Node {name}: {e}"))?;
-    if cidrs.is_empty() {
-        return Ok(Vec::new());
-    }
-    let via = node_ipv4(node)
-        .ok_or_else(|| format!("Node {name}: status.addresses: no IPv4 InternalIP"))?;
     let mut routes = Vec::new();
     for net in cidrs {
-        if let Some(space) = cfg.native_routing_cidr {
-            if !space.contains(net) {
+        let via = route_via(name, node, net)?;
+        if let (Some(space), IpNet::V4(v4)) = (cfg.native_routing_cidr, net) {
+            if !space.contains(v4) {
                 return Err(format!(
                     "Node {name}: pod CIDR {net} is outside --ipv4-native-routing-cidr {space}"
                 ));
@@ -214,6 +214,18 @@ fn node_routes(
         routes.push(NodeRoute { dst: *net, via });
     }
     Ok(routes)
+}
+
+/// The node address a pod CIDR of `net`'s family is routed through.
+fn route_via(name: &str, node: &NodeInfo, net: &IpNet) -> Result<IpAddr, String> {
+    match net {
+        IpNet::V4(_) => node_ipv4(node)
+            .map(IpAddr::V4)
+            .ok_or_else(|| format!("Node {name}: status.addresses: no IPv4 InternalIP")),
+        IpNet::V6(_) => Err(format!(
+            "Node {name}: pod CIDR {net}: IPv6 pod CIDRs are not routed yet"
+        )),
+    }
 }
 
 /// Every route of a plan, once.
