@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause)
-/* Packet parsing: Ethernet, IPv4 (fragments handled conservatively), IPv6 with extension
- * headers, TCP/UDP/SCTP/ICMP/ICMPv6, into a struct packet. */
+/* Packet parsing: Ethernet, then IPv4 (lib/ipv4.h) or IPv6 (lib/ipv6.h), then
+ * TCP/UDP/SCTP/ICMP/ICMPv6, into a struct packet. */
 #ifndef CILIATE_LIB_PARSE_H
 #define CILIATE_LIB_PARSE_H
 
@@ -85,19 +85,9 @@ static __always_inline int parse_l4(struct __sk_buff *skb, __u32 off, struct pac
 	}
 }
 
-/* The IPv4 header after the Ethernet header, or 0 (not IPv4, or cut short). */
-static __always_inline struct iphdr *ipv4_header(struct __sk_buff *skb)
-{
-	void *data = (void *)(long)skb->data;
-	void *end = (void *)(long)skb->data_end;
-	struct ethhdr *eth = data;
-	if ((void *)(eth + 1) > end || eth->h_proto != bpf_htons(ETH_P_IP))
-		return 0;
-	struct iphdr *ip = (void *)(eth + 1);
-	if ((void *)(ip + 1) > end)
-		return 0;
-	return ip;
-}
+/* Per family (each header parses its network header and calls parse_l4). */
+#include "ipv4.h"
+#include "ipv6.h"
 
 /* Returns 0 for IP packets it parsed, 1 for packets that are not IP, -1 for malformed ones. */
 static __always_inline int parse(struct __sk_buff *skb, struct packet *p)
@@ -111,56 +101,10 @@ static __always_inline int parse(struct __sk_buff *skb, struct packet *p)
 	__u16 proto = bpf_ntohs(eth->h_proto);
 	__u32 off = sizeof(*eth);
 
-	if (proto == ETH_P_IP) {
-		struct iphdr *ip = data + off;
-		if ((void *)(ip + 1) > end)
-			return -1;
-		if (ip->ihl < 5)
-			return -1;
-		p->family = 4;
-		__builtin_memcpy(p->saddr, &ip->saddr, 4);
-		__builtin_memcpy(p->daddr, &ip->daddr, 4);
-		p->protocol = ip->protocol;
-		__u16 frag = bpf_ntohs(ip->frag_off);
-		/* A non-first fragment carries no ports: decide it on protocol-wide rules only. */
-		if (frag & 0x1fff)
-			p->l4_missing = 1;
-		return parse_l4(skb, off + ip->ihl * 4, p);
-	}
-	if (proto == ETH_P_IPV6) {
-		struct ipv6hdr *ip6 = data + off;
-		if ((void *)(ip6 + 1) > end)
-			return -1;
-		p->family = 6;
-		__builtin_memcpy(p->saddr, &ip6->saddr, 16);
-		__builtin_memcpy(p->daddr, &ip6->daddr, 16);
-		__u8 next = ip6->nexthdr;
-		off += sizeof(*ip6);
-		/* Walk a bounded number of extension headers. */
-#pragma unroll
-		for (int i = 0; i < 4; i++) {
-			if (next == 0 || next == 43 || next == 60) { /* hop-by-hop, routing, dest opts */
-				__u8 *h = data + off;
-				if ((void *)(h + 2) > end)
-					return -1;
-				next = h[0];
-				off += ((__u32)h[1] + 1) * 8;
-			} else if (next == 44) { /* fragment */
-				__u8 *h = data + off;
-				if ((void *)(h + 8) > end)
-					return -1;
-				__u16 fo = ((__u16)h[2] << 8) | h[3];
-				if (fo & 0xfff8)
-					p->l4_missing = 1;
-				next = h[0];
-				off += 8;
-			} else {
-				break;
-			}
-		}
-		p->protocol = next;
-		return parse_l4(skb, off, p);
-	}
+	if (proto == ETH_P_IP)
+		return parse_ipv4(skb, off, p);
+	if (proto == ETH_P_IPV6)
+		return parse_ipv6(skb, off, p);
 	return 1;
 }
 
