@@ -580,6 +580,7 @@ fn route_applier_touches_only_its_own_routes_and_a_restart_reconciles_them() {
         r("10.230.3.0/24", "172.22.0.5"),
     );
     let r6 = r("fd30:1::/64", "fd22::2");
+    let r6_via_v4 = r("fd30:2::/64", "172.22.0.6");
     let r1_moved = r("10.230.1.0/24", "172.22.0.7");
     let r1_b = r("10.230.1.0/24", "172.22.0.9");
     let routes = move || {
@@ -593,10 +594,12 @@ fn route_applier_touches_only_its_own_routes_and_a_restart_reconciles_them() {
     };
     in_netns(&ns, move || {
         let mut a = RouteApplier::open(&pa).unwrap();
-        let out = a.apply(&BTreeSet::from([r1, r2, r3, r6]), None);
+        let out = a.apply(&BTreeSet::from([r1, r2, r3, r6, r6_via_v4]), None);
         assert_eq!(out[&r1], Ok(()));
         assert_eq!(out[&r2], Ok(()));
         assert_eq!(out[&r6], Ok(()));
+        let mixed = out[&r6_via_v4].clone().unwrap_err();
+        assert!(mixed.contains("IPv4 next hop"), "{mixed}");
         let foreign = out[&r3].clone().unwrap_err();
         assert!(foreign.contains("10.230.3.0/24"), "{foreign}");
         assert_eq!(
@@ -619,6 +622,7 @@ fn route_applier_touches_only_its_own_routes_and_a_restart_reconciles_them() {
         // A destination someone else routes is not recorded as this agent's.
         let record = std::fs::read_to_string(pa.join("routes.json")).unwrap();
         assert!(!record.contains("10.230.3.0/24"), "{record}");
+        assert!(!record.contains("fd30:2::/64"), "{record}");
         let static_route = std::process::Command::new("ip")
             .args(["route", "show", "10.230.3.0/24"])
             .output()

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use futures_util::TryStreamExt;
 use ipnet::IpNet;
 use rtnetlink::packet_route::route::{
-    RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteProtocol,
+    RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteProtocol, RouteVia,
 };
 use rtnetlink::packet_route::AddressFamily;
 use rtnetlink::{Handle, RouteMessageBuilder};
@@ -261,6 +261,8 @@ fn dst_gateway_oif(m: &RouteMessage) -> Option<(IpNet, Option<IpAddr>, u32)> {
             RouteAttribute::Destination(RouteAddress::Inet6(d)) => dst = IpAddr::V6(*d),
             RouteAttribute::Gateway(RouteAddress::Inet(g)) => gw = Some(IpAddr::V4(*g)),
             RouteAttribute::Gateway(RouteAddress::Inet6(g)) => gw = Some(IpAddr::V6(*g)),
+            RouteAttribute::Via(RouteVia::Inet(g)) => gw = Some(IpAddr::V4(*g)),
+            RouteAttribute::Via(RouteVia::Inet6(g)) => gw = Some(IpAddr::V6(*g)),
             RouteAttribute::Oif(i) => oif = *i,
             _ => {}
         }
@@ -415,15 +417,20 @@ fn run_changes(
     })
 }
 
-/// A route of ciliate's protocol to `dst` (either family), through `via` when given.
+/// A route of ciliate's protocol to `dst` (either family), through `via` when given. The
+/// kernel takes no IPv4 next hop for an IPv6 route (RTA_VIA is IPv4's alone): IPv6 pod
+/// traffic through the IPv4 tunnel will need a next hop of its own family on the device.
 fn route_to(dst: IpNet, via: Option<IpAddr>) -> Result<RouteMessageBuilder<IpAddr>, String> {
     let b = RouteMessageBuilder::<IpAddr>::new()
         .destination_prefix(dst.network(), dst.prefix_len())
         .map_err(|e| e.to_string())?
         .protocol(RouteProtocol::Other(RTPROT_CILIATE));
-    match via {
-        Some(via) => b.gateway(via).map_err(|e| e.to_string()),
-        None => Ok(b),
+    match (dst, via) {
+        (_, None) => Ok(b),
+        (IpNet::V6(_), Some(IpAddr::V4(_))) => {
+            Err("an IPv6 route cannot go through an IPv4 next hop".into())
+        }
+        (_, Some(via)) => b.gateway(via).map_err(|e| e.to_string()),
     }
 }
 
