@@ -327,6 +327,9 @@ impl PolicyRepoActor {
             audit: restore.as_ref().is_some_and(|r| r.audit),
             host: false,
         };
+        // Flows name the endpoint's pod by these addresses (also where no Pod object lists
+        // them: standalone pods made through CNI).
+        self.name_addresses(&ipcache);
         let model = self.spawn_endpoint(record, labels, ports);
         let affected: BTreeSet<NumericIdentity> = identity
             .map(|i| self.engine().endpoints_affected_by_identity(i))
@@ -358,6 +361,7 @@ impl PolicyRepoActor {
         // The pod's own claim (if it is still listed) keeps the addresses.
         let ipcache =
             self.indexed(|ix, e| ix.release_endpoint(e, &entry.record.name, &entry.record.ips));
+        self.name_addresses(&ipcache);
         {
             let mut engine = self.engine_mut();
             if let Some(i) = entry.record.identity {

@@ -446,7 +446,7 @@ impl PolicyRepoActor {
     }
 
     /// The monitor's pod names follow who holds each changed address.
-    fn name_addresses(&self, ipcache: &[IpcacheChange]) {
+    pub(super) fn name_addresses(&self, ipcache: &[IpcacheChange]) {
         for c in ipcache {
             let ip = match c {
                 IpcacheChange::Upsert(net, _) | IpcacheChange::Remove(net) => net.addr(),
