@@ -78,7 +78,7 @@ fn main() {
             host_if: host_if.clone(),
             netns: path,
             pod_if: "eth0".into(),
-            ip: *ip,
+            ips: vec![(*ip).into()],
             mtu: 1500,
             mark: format!("{}bench-throughput-{tag}", netdev::MARK_PREFIX),
         })

@@ -78,6 +78,10 @@ fn agent(args: AgentArgs) -> i32 {
         api_socket: args.api_socket,
         debug_addr: args.debug_addr,
         pod_cidr: args.pod_cidr,
+        families: ciliate::ipam::Families {
+            ipv4: args.enable_ipv4,
+            ipv6: args.enable_ipv6,
+        },
         conntrack_gc_interval: std::time::Duration::from_secs(args.conntrack_gc_interval),
         manifest_limits: ciliate::manifests::Limits {
             max_file_bytes: args.manifest_max_file_bytes,

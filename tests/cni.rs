@@ -88,6 +88,156 @@ fn bpf_agent(tag: &str) -> (tempfile::TempDir, String, Vec<String>, Agent) {
     (tmp, pins, args, agent)
 }
 
+/// `--enable-ipv6`: each pod gets an address of each family from the pods' two `--pod-cidr`s;
+/// the CNI result lists both (with their gateways and default routes), the pod's interface
+/// holds both, and the same policies judge IPv6 connections as IPv4 ones (real TCP between
+/// namespaces through the BPF programs). DEL gives both addresses back; a `kill -9` and a
+/// restart keep the IPv6 reservations and the IPv6 flows' verdicts.
+#[test]
+fn dual_stack_pods_get_one_address_per_family_and_ipv6_is_judged_as_ipv4_is() {
+    if !privileged() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tmp.path().join("manifests");
+    std::fs::create_dir_all(&m).unwrap();
+    std::fs::write(m.join("cluster.yaml"), cluster()).unwrap();
+    std::fs::write(m.join("policy.yaml"), POLICIES.replace("PORT", "8080")).unwrap();
+    let pins = format!("/sys/fs/bpf/ciliate-dual-{}", std::process::id());
+    let cidr6 = format!("fd00:{:x}:6::/112", std::process::id() % 0xffff);
+    let cidr4 = unique_pod_cidr();
+    let args = [
+        "--datapath",
+        "bpf",
+        "--bpf-root",
+        &pins,
+        "--pod-cidr",
+        &cidr4,
+        "--pod-cidr",
+        &cidr6,
+        "--enable-ipv6=true",
+    ];
+    let mut agent = Agent::start_with(tmp.path(), &args);
+    let mut pods = CniPods::new(&agent.socket(), std::path::Path::new(&pins));
+    let (a, b, c) = (pods.add("x", "a"), pods.add("x", "b"), pods.add("x", "c"));
+    let net6: ipnet::Ipv6Net = cidr6.parse().unwrap();
+    for p in [&a, &b, &c] {
+        let v6 = p
+            .addr6
+            .unwrap_or_else(|| panic!("{}: no IPv6 address", p.name));
+        assert!(net6.contains(&v6), "{v6} is from {cidr6}");
+        let held = std::process::Command::new("ip")
+            .args(["-n", &p.netns, "-6", "addr", "show", "dev", "eth0"])
+            .output()
+            .unwrap();
+        assert!(
+            String::from_utf8_lossy(&held.stdout).contains(&format!("{v6}/128")),
+            "{} holds {v6}: {}",
+            p.name,
+            String::from_utf8_lossy(&held.stdout)
+        );
+    }
+    // The result's shape: one address per family, each with its gateway and default route.
+    let (code, again) = cni(
+        &agent.socket(),
+        "ADD",
+        &a.container_id,
+        Some(&a.netns),
+        Some(("x", "a")),
+    );
+    assert_eq!(code, 0, "a repeated ADD answers with what exists: {again}");
+    assert_eq!(again["ips"][1]["gateway"], "fe80::1", "{again}");
+    assert_eq!(again["ips"][0]["gateway"], "169.254.1.1", "{again}");
+    let dsts: Vec<&str> = again["routes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|r| r["dst"].as_str())
+        .collect();
+    assert_eq!(dsts, ["0.0.0.0/0", "::/0"], "{again}");
+    let (code, v) = cni(
+        &agent.socket(),
+        "CHECK",
+        &b.container_id,
+        Some(&b.netns),
+        Some(("x", "b")),
+    );
+    assert_eq!(code, 0, "CHECK sees both addresses: {v}");
+    let status = agent.cli_json(&["status"]);
+    assert_eq!(status["ipam_ipv6"]["pod_cidr"], cidr6, "{status}");
+    assert_eq!(status["ipam_ipv6"]["allocated"], 3, "{status}");
+    assert_eq!(status["ipam"]["allocated"], 3, "{status}");
+
+    let (a6, b6) = (a.addr6.unwrap(), b.addr6.unwrap());
+    for port in [8080, 9090] {
+        tcp_server(&b.netns, b6.into(), port);
+        tcp_server(&b.netns, b.addr.into(), port);
+    }
+    tcp_server(&a.netns, a6.into(), 8080);
+    let verdicts = |label: &str| {
+        assert!(
+            tcp_ok(&a.netns, b6.into(), 8080),
+            "{label}: a -> b over IPv6 on 8080 is allowed"
+        );
+        assert!(
+            !tcp_ok(&a.netns, b6.into(), 9090),
+            "{label}: a -> b over IPv6 on 9090 is not"
+        );
+        assert!(
+            !tcp_ok(&c.netns, b6.into(), 8080),
+            "{label}: c -> b over IPv6 is not (b admits a only)"
+        );
+        assert!(
+            !tcp_ok(&b.netns, a6.into(), 8080),
+            "{label}: b -> a over IPv6 is not (a is isolated, and b may send only replies)"
+        );
+        assert!(
+            tcp_ok(&a.netns, b.addr.into(), 8080) && !tcp_ok(&a.netns, b.addr.into(), 9090),
+            "{label}: IPv4 as before"
+        );
+    };
+    verdicts("enforced");
+    // The datapath reports c's IPv6 connections to b as drops of b's policy.
+    // The flows name the pods of both families' addresses.
+    let flows = agent.json("/debug/flows?from=x/c&to=x/b&port=8080&limit=1000");
+    let dropped6 = flows.as_array().is_some_and(|f| {
+        f.iter().any(|e| {
+            e["verdict"] == "dropped"
+                && e["match"] == "default-deny"
+                && e["destination"] == b6.to_string()
+                && e["source_pod"] == "x/c"
+                && e["destination_pod"] == "x/b"
+        })
+    });
+    assert!(dropped6, "c's IPv6 drop into b is reported: {flows}");
+
+    // DEL gives both addresses back.
+    let (code, v) = pods.del(&c);
+    assert_eq!(code, 0, "DEL: {v}");
+    let status = agent.cli_json(&["status"]);
+    assert_eq!(status["ipam_ipv6"]["allocated"], 2, "{status}");
+    assert_eq!(status["ipam"]["allocated"], 2, "{status}");
+
+    // kill -9 and a restart: the IPv6 addresses stay reserved and the verdicts hold.
+    let mut child = agent.child.take().unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(
+        tcp_ok(&a.netns, b6.into(), 8080) && !tcp_ok(&a.netns, b6.into(), 9090),
+        "the kernel judges IPv6 while the agent is dead"
+    );
+    agent = Agent::start_with(tmp.path(), &args);
+    agent.wait_realized(agent.revision());
+    let status = agent.cli_json(&["status"]);
+    assert_eq!(status["ipam_ipv6"]["allocated"], 2, "restored: {status}");
+    eventually("IPv6 verdicts after the restart", || {
+        tcp_ok(&a.netns, b6.into(), 8080)
+    });
+    verdicts("restarted");
+    drop(pods);
+    drop(m);
+}
+
 /// TCP connections from `netns` to `to:port` every 20 ms until stopped: how many were made and
 /// how many failed (an allowed flow must never break while an agent restarts).
 struct Prober {
@@ -587,6 +737,7 @@ fn kill_9_during_fifty_concurrent_adds_leaves_nothing_unreclaimed() {
             netns: netns.clone(),
             container_id: cid.clone(),
             addr: ip,
+            addr6: None,
             host_if: v["interfaces"][0]["name"].as_str().unwrap().to_string(),
         });
     }

@@ -41,7 +41,10 @@ pub struct AgentConfig {
     pub bpf_root: PathBuf,
     pub api_socket: PathBuf,
     pub debug_addr: SocketAddr,
-    pub pod_cidr: Option<ipnet::IpNet>,
+    /// `--pod-cidr`, at most one per family.
+    pub pod_cidr: Vec<ipnet::IpNet>,
+    /// `--enable-ipv4`, `--enable-ipv6`: the families pods get addresses of.
+    pub families: crate::ipam::Families,
     /// How often expired connection-tracking entries are removed.
     pub conntrack_gc_interval: std::time::Duration,
     /// Standalone: what the manifest directory may make the agent read and hold.
@@ -158,13 +161,13 @@ pub fn run(config: AgentConfig) -> Result<(), AgentError> {
             Source::Manifests(manifests)
         }
     };
-    let ipam = match config.pod_cidr {
-        Some(cidr) => Some(
-            crate::ipam::Ipam::served(cidr)
-                .map_err(|e| AgentError::Config(format!("--pod-cidr: {e}")))?,
-        ),
-        None => None,
-    };
+    if !config.families.ipv4 {
+        return Err(AgentError::Config(
+            "--enable-ipv4=false: IPv6-only clusters are not supported yet".into(),
+        ));
+    }
+    let ipam = crate::ipam::NodeIpam::from_flags(&config.pod_cidr, config.families)
+        .map_err(AgentError::Config)?;
     // Whatever the agent creates (state directory, endpoint records, the socket) is its own:
     // a careless `umask 000` must not make it writable by other users.
     nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
@@ -389,7 +392,7 @@ async fn run_async(
     source: Source,
     datapath: Box<dyn Datapath>,
     state_dir: StateDir,
-    ipam: Option<crate::ipam::Ipam>,
+    ipam: crate::ipam::NodeIpam,
     listeners: Listeners,
     network: Network,
 ) -> Result<(), AgentError> {
@@ -476,10 +479,7 @@ async fn run_async(
     // The names a previous run learned select again before any endpoint regenerates.
     restore_fqdn_cache(&repo, state_dir.root()).await;
     // restoreOldEndpoints: same ids, identities and IPs, before anything new is allocated.
-    let mut node_ipam = crate::ipam::NodeIpam {
-        source: ipam.as_ref().map(|_| crate::ipam::CidrSource::Flag),
-        ipam,
-    };
+    let mut node_ipam = ipam;
     let (records, errors) = state_dir.load_all();
     // The host endpoint is no pod: it is made again below (with its audit mode) or, with the
     // host firewall off, its record goes and the sweep takes its pins.
@@ -533,18 +533,17 @@ async fn run_async(
     let restored = records.len();
     for rec in &records {
         // Their addresses are reserved before the API (and so the CNI plugin) is served.
-        if let Some(ipam) = node_ipam.ipam.as_mut() {
-            let owner = rec
-                .container_id
-                .clone()
-                .unwrap_or_else(|| format!("endpoint:{}", rec.id));
-            for ip in &rec.ips {
-                match ipam.reserve(*ip, &owner) {
-                    Ok(()) => {}
-                    Err(crate::ipam::IpamError::OutOfRange { .. }) => {}
-                    Err(e) => {
-                        tracing::error!(endpoint = rec.id, error = %e, "restored address conflicts")
-                    }
+        let owner = rec
+            .container_id
+            .clone()
+            .unwrap_or_else(|| format!("endpoint:{}", rec.id));
+        for ip in &rec.ips {
+            match node_ipam.reserve(*ip, &owner) {
+                Ok(())
+                | Err(crate::ipam::IpamError::OutOfRange { .. })
+                | Err(crate::ipam::IpamError::NoPool { .. }) => {}
+                Err(e) => {
+                    tracing::error!(endpoint = rec.id, error = %e, "restored address conflicts")
                 }
             }
         }
@@ -613,16 +612,18 @@ async fn run_async(
         })
         .await
     };
-    match (recovery, node_ipam.ipam.as_mut()) {
-        (Ok(reserve), Some(ipam)) => {
+    match recovery {
+        Ok(reserve) => {
             for (ip, container) in reserve {
-                if let Err(e) = ipam.reserve(ip, &container) {
-                    tracing::error!(%container, error = %e, "address of an interrupted ADD not reserved");
+                match node_ipam.reserve(ip, &container) {
+                    Ok(()) | Err(crate::ipam::IpamError::NoPool { .. }) => {}
+                    Err(e) => {
+                        tracing::error!(%container, error = %e, "address of an interrupted ADD not reserved")
+                    }
                 }
             }
         }
-        (Ok(_), None) => {}
-        (Err(e), _) => tracing::error!(error = %e, "recovery of interrupted CNI ADDs failed"),
+        Err(e) => tracing::error!(error = %e, "recovery of interrupted CNI ADDs failed"),
     }
     if let Ok(mut g) = shared.ipam.lock() {
         *g = node_ipam;

@@ -9,7 +9,7 @@
 //! sweeps marked veths no endpoint owns.
 
 use crate::endpoint::cni::{AddProgress, Undo};
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::IpAddr;
 use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::OnceLock;
@@ -23,7 +23,7 @@ use crate::actors::endpoint::EndpointModel;
 use crate::actors::loader::DetachEndpoint;
 use crate::actors::policy_repo::{AddEndpoint, DeleteEndpoint, EndpointRequest, FindEndpoint};
 use crate::cni::{code, CniError, CniInterface, CniIp, CniRequest, CniResult, CniRoute};
-use crate::datapath::netdev::{self, PodInterfaceSpec, POD_GATEWAY};
+use crate::datapath::netdev::{self, PodInterfaceSpec, POD_GATEWAY, POD_GATEWAY6};
 use crate::datapath::EndpointId;
 use crate::endpoint::state::{AddIntent, StateError};
 
@@ -113,21 +113,40 @@ fn result_for(req: &CniRequest, m: &EndpointModel, host_mac: &str, pod_mac: &str
                 sandbox: req.netns.as_ref().map(|p| p.display().to_string()),
             },
         ],
-        ips: m
-            .ips
-            .iter()
-            .filter_map(|s| s.parse::<Ipv4Addr>().ok())
+        ips: pod_ips(m)
+            .into_iter()
             .map(|ip| CniIp {
-                address: format!("{ip}/32"),
-                gateway: POD_GATEWAY.to_string(),
+                address: match ip {
+                    IpAddr::V4(_) => format!("{ip}/32"),
+                    IpAddr::V6(_) => format!("{ip}/128"),
+                },
+                gateway: gateway_of(ip),
                 interface: 1,
             })
             .collect(),
-        routes: vec![CniRoute {
-            dst: "0.0.0.0/0".into(),
-            gw: Some(POD_GATEWAY.to_string()),
-        }],
+        routes: pod_ips(m)
+            .into_iter()
+            .map(|ip| CniRoute {
+                dst: if ip.is_ipv4() { "0.0.0.0/0" } else { "::/0" }.into(),
+                gw: Some(gateway_of(ip)),
+            })
+            .collect(),
         dns: serde_json::json!({}),
+    }
+}
+
+/// An endpoint's addresses, IPv4's first (one per family, as the ADD assigned them).
+fn pod_ips(m: &EndpointModel) -> Vec<IpAddr> {
+    let mut ips: Vec<IpAddr> = m.ips.iter().filter_map(|s| s.parse().ok()).collect();
+    ips.sort_by_key(|ip| ip.is_ipv6());
+    ips
+}
+
+/// The pod's gateway of `ip`'s family.
+fn gateway_of(ip: IpAddr) -> String {
+    match ip {
+        IpAddr::V4(_) => POD_GATEWAY.to_string(),
+        IpAddr::V6(_) => POD_GATEWAY6.to_string(),
     }
 }
 
@@ -165,9 +184,7 @@ async fn blocking<T: Send + 'static>(
 
 fn release_ip(st: &AppState, ip: IpAddr) {
     if let Ok(mut g) = st.shared.ipam.lock() {
-        if let Some(i) = g.ipam.as_mut() {
-            i.release(ip);
-        }
+        g.release(ip);
     }
 }
 
@@ -216,9 +233,9 @@ async fn settle_intent(st: &AppState, container_id: &str) -> Result<(), HttpResp
         }
     }
     if let Ok(mut g) = st.shared.ipam.lock() {
-        if let Some(i) = g.ipam.as_mut() {
-            if i.owner(intent.ip) == Some(container_id) {
-                i.release(intent.ip);
+        for ip in intent.ips() {
+            if g.owner(ip).as_deref() == Some(container_id) {
+                g.release(ip);
             }
         }
     }
@@ -231,44 +248,35 @@ async fn settle_intent(st: &AppState, container_id: &str) -> Result<(), HttpResp
     })
 }
 
-/// Takes an address for `container_id`. The addresses of leftover intent records (rollbacks
-/// that failed) are reserved first: a pod may still hold them.
-fn allocate(st: &AppState, container_id: &str) -> Result<Ipv4Addr, CniError> {
+/// Takes one address per enabled family for `container_id` (IPv4's first). The addresses of
+/// leftover intent records (rollbacks that failed) are reserved first: a pod may still hold
+/// them.
+fn allocate(st: &AppState, container_id: &str) -> Result<Vec<IpAddr>, CniError> {
     let (intents, _) = st.shared.state_dir.load_intents();
     let mut g = st
         .shared
         .ipam
         .lock()
         .map_err(|_| CniError::new(code::AGENT_FAILURE, "IPAM state is poisoned", ""))?;
-    let Some(ipam) = g.ipam.as_mut() else {
+    if g.ipam.is_none() && g.ipam6.is_none() {
         return Err(CniError::new(
             code::INVALID_CONFIG,
             "this node has no pod CIDR",
             "start the agent with --pod-cidr CIDR (or give the Node spec.podCIDRs)",
         ));
-    };
-    for i in intents.iter().filter(|i| i.run != run_id()) {
-        let _ = ipam.reserve(i.ip, &i.container_id);
     }
-    let ip = ipam.allocate(container_id).map_err(|e| match e {
+    for i in intents.iter().filter(|i| i.run != run_id()) {
+        for ip in i.ips() {
+            let _ = g.reserve(ip, &i.container_id);
+        }
+    }
+    g.allocate(container_id).map_err(|e| match e {
         // Addresses come back by themselves: the kubelet's retry succeeds.
         crate::ipam::IpamError::Cooling { .. } => {
             CniError::new(code::TRY_AGAIN_LATER, "IP allocation failed", e.to_string())
         }
         e => CniError::new(code::AGENT_FAILURE, "IP allocation failed", e.to_string()),
-    })?;
-    match ip {
-        IpAddr::V4(v4) => Ok(v4),
-        // The agent serves IPv4 pod CIDRs only (`Ipam::served`); never half a pod network.
-        IpAddr::V6(_) => {
-            ipam.release(ip);
-            Err(CniError::new(
-                code::AGENT_FAILURE,
-                "IP allocation failed",
-                format!("{ip}: IPv6 pod addresses are not served yet"),
-            ))
-        }
-    }
+    })
 }
 
 /// Undoes what an ADD made (`endpoint::cni::AddProgress`), newest first.
@@ -302,13 +310,13 @@ async fn repeat_add(st: &AppState, req: &CniRequest, netns: &Path, id: EndpointI
     let Some(m) = model(st, id).await else {
         return fail(code::AGENT_FAILURE, format!("endpoint {id} vanished"), "");
     };
-    let ip = m.ips.iter().find_map(|s| s.parse::<Ipv4Addr>().ok());
+    let ips = pod_ips(&m);
     let (netns2, ifname) = (netns.to_path_buf(), req.ifname.clone());
-    let pod_mac = match ip {
-        Some(ip) => blocking(move || netdev::inspect_pod_interface(&netns2, &ifname, ip))
+    let pod_mac = match ips.is_empty() {
+        false => blocking(move || netdev::inspect_pod_interface(&netns2, &ifname, ips))
             .await
             .ok(),
-        None => None,
+        true => None,
     };
     let Some(pod_mac) = pod_mac else {
         return fail(
@@ -362,21 +370,31 @@ pub async fn add(st: web::Data<AppState>, req: web::Json<CniRequest>) -> HttpRes
     if let Err(r) = settle_intent(&st, &req.container_id).await {
         return r;
     }
-    let ip = match allocate(&st, &req.container_id) {
-        Ok(ip) => ip,
+    let ips = match allocate(&st, &req.container_id) {
+        Ok(ips) if !ips.is_empty() => ips,
+        Ok(_) => {
+            return fail(
+                code::INVALID_CONFIG,
+                "IP allocation failed",
+                "no address family is enabled",
+            )
+        }
         Err(e) => return respond(e),
     };
     let host_if = netdev::host_interface_name(&req.container_id);
     let intent = AddIntent {
         container_id: req.container_id.clone(),
         host_if: host_if.clone(),
-        ip: IpAddr::V4(ip),
+        ip: ips[0],
+        more_ips: ips[1..].to_vec(),
         netns: netns.display().to_string(),
         ifname: req.ifname.clone(),
         run: run_id().to_string(),
     };
     if let Err(e) = st.shared.state_dir.begin_add(&intent) {
-        release_ip(&st, IpAddr::V4(ip));
+        for ip in &ips {
+            release_ip(&st, *ip);
+        }
         return match e {
             StateError::InProgress { .. } => fail(
                 code::TRY_AGAIN_LATER,
@@ -386,14 +404,14 @@ pub async fn add(st: web::Data<AppState>, req: web::Json<CniRequest>) -> HttpRes
             e => fail(code::AGENT_FAILURE, "cannot record the ADD", e.to_string()),
         };
     }
-    let mut made = AddProgress::new(&req.container_id, IpAddr::V4(ip));
+    let mut made = AddProgress::new(&req.container_id, &ips);
     // The veth pair and the pod's side (a stale half-made interface of this container is
     // replaced).
     let spec = PodInterfaceSpec {
         host_if: host_if.clone(),
         netns: netns.clone(),
         pod_if: req.ifname.clone(),
-        ip,
+        ips: ips.clone(),
         mtu: st.shared.pod_mtu,
         mark: mark(&st),
     };
@@ -413,7 +431,7 @@ pub async fn add(st: web::Data<AppState>, req: web::Json<CniRequest>) -> HttpRes
             AddEndpoint {
                 request: EndpointRequest {
                     name: format!("{ns}/{pod}"),
-                    ips: vec![IpAddr::V4(ip)],
+                    ips: ips.clone(),
                     interface: Some(host_if.clone()),
                     container_id: Some(req.container_id.clone()),
                     netns: Some(netns.display().to_string()),
@@ -473,7 +491,7 @@ pub async fn add(st: web::Data<AppState>, req: web::Json<CniRequest>) -> HttpRes
     if current.identity.is_none() {
         tracing::warn!(endpoint = id, pod = %format!("{ns}/{pod}"), "no Pod object for this container: the endpoint drops all traffic until one arrives");
     }
-    tracing::info!(endpoint = id, pod = %format!("{ns}/{pod}"), %ip, interface = %host_if, "CNI ADD");
+    tracing::info!(endpoint = id, pod = %format!("{ns}/{pod}"), ips = ?ips, interface = %host_if, "CNI ADD");
     HttpResponse::Ok().json(result_for(&req, &current, &ifs.host_mac, &ifs.pod_mac))
 }
 
@@ -579,15 +597,13 @@ pub(crate) async fn remove_container(
         }
     }
     if let Ok(mut g) = st.shared.ipam.lock() {
-        if let Some(ipam) = g.ipam.as_mut() {
-            for ip in &ips {
-                ipam.release(*ip);
-            }
-            // An ADD that died between allocation and endpoint creation leaves its address
-            // owned by the container id alone.
-            for ip in ipam.owned_by(container_id) {
-                ipam.release(ip);
-            }
+        for ip in &ips {
+            g.release(*ip);
+        }
+        // An ADD that died between allocation and endpoint creation leaves its addresses
+        // owned by the container id alone.
+        for ip in g.owned_by(container_id) {
+            g.release(ip);
         }
     }
     Ok(host_if)
@@ -630,14 +646,19 @@ pub async fn check(st: web::Data<AppState>, req: web::Json<CniRequest>) -> HttpR
             )
         }
     }
-    let (Some(netns), Some(ip)) = (
-        req.netns.clone(),
-        m.ips.iter().find_map(|s| s.parse::<Ipv4Addr>().ok()),
-    ) else {
+    let Some(netns) = req.netns.clone() else {
         return fail(code::INVALID_ENV, "CNI_NETNS is required for CHECK", "");
     };
+    let ips = pod_ips(&m);
+    if ips.is_empty() {
+        return fail(
+            code::AGENT_FAILURE,
+            format!("endpoint {id} has no address"),
+            "",
+        );
+    }
     let ifname = req.ifname.clone();
-    match web::block(move || netdev::inspect_pod_interface(&netns, &ifname, ip)).await {
+    match web::block(move || netdev::inspect_pod_interface(&netns, &ifname, ips)).await {
         Ok(Ok(_)) => {}
         Ok(Err(e)) => {
             return fail(

@@ -74,9 +74,12 @@ pub struct StatusModel {
     pub policies: usize,
     pub policies_rejected: usize,
     pub uptime_seconds: u64,
-    /// Node IPAM, when the node has a pod CIDR.
+    /// Node IPAM, when the node has an IPv4 pod CIDR.
     #[serde(default)]
     pub ipam: Option<IpamStatus>,
+    /// The same for the node's IPv6 pod CIDR (`--enable-ipv6`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ipam_ipv6: Option<IpamStatus>,
     /// `native` or `tunnel` (`--routing-mode`).
     #[serde(default)]
     pub routing_mode: String,
@@ -126,6 +129,18 @@ pub struct HttpProxyStatus {
     #[serde(flatten)]
     pub proxy: crate::proxy::http::state::ProxyView,
     pub endpoints_with_l7_rules: usize,
+}
+
+fn ipam_status(
+    pool: Option<&crate::ipam::Ipam>,
+    source: Option<crate::ipam::CidrSource>,
+) -> Option<IpamStatus> {
+    pool.map(|i| IpamStatus {
+        pod_cidr: i.cidr().to_string(),
+        source,
+        allocated: i.used(),
+        capacity: i.capacity(),
+    })
 }
 
 /// The node's pod CIDR and how much of it is in use.
@@ -421,14 +436,18 @@ async fn status(st: web::Data<AppState>) -> HttpResponse {
             .filter(|p| p.status != "accepted")
             .count(),
         uptime_seconds: st.started.elapsed().as_secs(),
-        ipam: st.shared.ipam.lock().ok().and_then(|g| {
-            g.ipam.as_ref().map(|i| IpamStatus {
-                pod_cidr: i.cidr().to_string(),
-                source: g.source,
-                allocated: i.used(),
-                capacity: i.capacity(),
-            })
-        }),
+        ipam: st
+            .shared
+            .ipam
+            .lock()
+            .ok()
+            .and_then(|g| ipam_status(g.ipam.as_ref(), g.source)),
+        ipam_ipv6: st
+            .shared
+            .ipam
+            .lock()
+            .ok()
+            .and_then(|g| ipam_status(g.ipam6.as_ref(), g.source6)),
         routing_mode: routing.mode,
         routes_installed: routing.routes_installed,
         masquerade: routing.masquerade,

@@ -253,9 +253,17 @@ pub struct AgentArgs {
     /// nothing is translated.
     #[arg(long)]
     pub cgroup_root: Option<PathBuf>,
-    /// IPAM range when the Node object gives none.
+    /// IPAM range when the Node object gives none: once per address family.
     #[arg(long)]
-    pub pod_cidr: Option<ipnet::IpNet>,
+    pub pod_cidr: Vec<ipnet::IpNet>,
+    /// Pods get an IPv4 address (Cilium's flag). Only `true` is supported yet: IPv6-only
+    /// clusters are to come (#31).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub enable_ipv4: bool,
+    /// Pods get an IPv6 address too (Cilium's flag): from the Node's IPv6 pod CIDR, or an IPv6
+    /// `--pod-cidr`.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
+    pub enable_ipv6: bool,
     #[arg(long, value_enum, default_value = "text")]
     pub log_format: LogFormat,
     /// Seconds between passes of the connection-tracking garbage collector.

@@ -83,8 +83,10 @@ pub fn recover(
                     tracing::warn!(container = %intent.container_id, interface = %intent.host_if, ip = %intent.ip, ?outcome, "an ADD interrupted by the agent's end is rolled back")
                 }
                 Err(e) => {
-                    tracing::error!(container = %intent.container_id, interface = %intent.host_if, ip = %intent.ip, error = %e, "cannot roll back an interrupted ADD; its address stays reserved");
-                    reserve.push((intent.ip, intent.container_id.clone()));
+                    tracing::error!(container = %intent.container_id, interface = %intent.host_if, ip = %intent.ip, error = %e, "cannot roll back an interrupted ADD; its addresses stay reserved");
+                    for ip in intent.ips() {
+                        reserve.push((ip, intent.container_id.clone()));
+                    }
                     continue;
                 }
             }
@@ -143,6 +145,7 @@ mod tests {
             container_id: container.into(),
             host_if: netdev::host_interface_name(container),
             ip: "10.0.0.7".parse().unwrap(),
+            more_ips: Vec::new(),
             netns: "/var/run/netns/p".into(),
             ifname: "eth0".into(),
             run: "1-1".into(),

@@ -9,11 +9,17 @@
 //! host-side veth, where the datapath program sits; the host reaches the pod by a /32 route on
 //! that veth.
 //!
+//! A dual-stack pod's IPv6 address the same way: a /128 (no duplicate address detection: IPAM
+//! hands it out once), a default route through the link-local gateway `fe80::1`, resolved by a
+//! permanent neighbour entry to the host-side veth's MAC; the host reaches it by a /128 route
+//! on the veth and a permanent neighbour entry of the pod's MAC (no neighbour discovery
+//! waiting on the veths' own link-local addresses).
+//!
 //! Every function here blocks: it runs its netlink requests on a private single-threaded
 //! runtime in a thread of its own. The pod-side half runs in a thread that entered the pod's
 //! namespace with `setns`, so the process's own namespace never changes.
 
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::os::fd::{AsFd, AsRawFd};
 use std::path::{Path, PathBuf};
 
@@ -25,6 +31,8 @@ use rtnetlink::{Handle, LinkUnspec, LinkVeth, RouteMessageBuilder};
 
 /// The pod's gateway address (link-local, as Cilium's).
 pub const POD_GATEWAY: Ipv4Addr = Ipv4Addr::new(169, 254, 1, 1);
+/// The pod's IPv6 gateway address (link-local).
+pub const POD_GATEWAY6: Ipv6Addr = Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 1);
 
 /// Failures of a network-device operation, naming the device or namespace and the step.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -113,8 +121,8 @@ pub struct PodInterfaceSpec {
     pub netns: PathBuf,
     /// The interface name inside the pod (`CNI_IFNAME`, usually `eth0`).
     pub pod_if: String,
-    /// The pod's IPv4 address.
-    pub ip: Ipv4Addr,
+    /// The pod's addresses, at most one per family.
+    pub ips: Vec<IpAddr>,
     pub mtu: u32,
     /// The alias that marks the host side as this agent's (`agent_mark`).
     pub mark: String,
@@ -231,13 +239,20 @@ where
         .map_err(|_| NetdevError::Invalid("netlink thread panicked".into()))?
 }
 
-/// Replaces the route to `dst`/32 out of `ifindex`, scope link; `step` names it in errors.
-async fn link_route(handle: &Handle, dst: Ipv4Addr, ifindex: u32, step: String) -> Result<()> {
-    let route = RouteMessageBuilder::<Ipv4Addr>::new()
-        .destination_prefix(dst, 32)
-        .output_interface(ifindex)
-        .scope(RouteScope::Link)
-        .build();
+/// Replaces the route to `dst` (a /32, scope link; or a /128) out of `ifindex`; `step` names
+/// it in errors.
+async fn link_route(handle: &Handle, dst: IpAddr, ifindex: u32, step: String) -> Result<()> {
+    let route = match dst {
+        IpAddr::V4(dst) => RouteMessageBuilder::<Ipv4Addr>::new()
+            .destination_prefix(dst, 32)
+            .output_interface(ifindex)
+            .scope(RouteScope::Link)
+            .build(),
+        IpAddr::V6(dst) => RouteMessageBuilder::<Ipv6Addr>::new()
+            .destination_prefix(dst, 128)
+            .output_interface(ifindex)
+            .build(),
+    };
     handle
         .route()
         .add(route)
@@ -407,13 +422,32 @@ pub fn create_pod_interface(spec: &PodInterfaceSpec) -> Result<PodInterfaces> {
     let finish = || -> Result<String> {
         // Kernel settings of the host side: forward between pods; no reverse-path drop
         // (the pod's source is routed by /32); answer ARP for the pod's peers.
-        sysctl("net.ipv4.ip_forward", "1")?;
-        sysctl(&format!("net.ipv4.conf.{}.rp_filter", spec.host_if), "0")?;
-        sysctl(&format!("net.ipv4.conf.{}.proxy_arp", spec.host_if), "1")?;
+        if spec.ips.iter().any(IpAddr::is_ipv4) {
+            sysctl("net.ipv4.ip_forward", "1")?;
+            sysctl(&format!("net.ipv4.conf.{}.rp_filter", spec.host_if), "0")?;
+            sysctl(&format!("net.ipv4.conf.{}.proxy_arp", spec.host_if), "1")?;
+        }
+        if spec.ips.iter().any(IpAddr::is_ipv6) {
+            sysctl("net.ipv6.conf.all.forwarding", "1")?;
+        }
         let pod_mac = configure_pod_side(spec, &tmp_peer, &host_mac)?;
-        let (ip, ifindex, host_if) = (spec.ip, host_ifindex, spec.host_if.clone());
+        let pod_mac_bytes = mac_bytes(&pod_mac)?;
+        let (ips, ifindex, host_if) = (spec.ips.clone(), host_ifindex, spec.host_if.clone());
         with_netlink(None, move |h| async move {
-            link_route(&h, ip, ifindex, format!("host route {ip}/32 dev {host_if}")).await
+            for ip in ips {
+                link_route(&h, ip, ifindex, format!("host route {ip} dev {host_if}")).await?;
+                if ip.is_ipv6() {
+                    h.neighbours()
+                        .add(ifindex, ip)
+                        .link_layer_address(&pod_mac_bytes)
+                        .state(NeighbourState::Permanent)
+                        .replace()
+                        .execute()
+                        .await
+                        .map_err(nl_err(format!("neighbour {ip} on {host_if}")))?;
+                }
+            }
+            Ok(())
         })?;
         Ok(pod_mac)
     };
@@ -435,8 +469,12 @@ pub fn create_pod_interface(spec: &PodInterfaceSpec) -> Result<PodInterfaces> {
 /// neighbour and the routes. Returns the pod interface's MAC.
 fn configure_pod_side(spec: &PodInterfaceSpec, tmp_peer: &str, host_mac: &str) -> Result<String> {
     let host_mac = mac_bytes(host_mac)?;
-    let (tmp_peer, pod_if, ip, mtu) =
-        (tmp_peer.to_string(), spec.pod_if.clone(), spec.ip, spec.mtu);
+    let (tmp_peer, pod_if, ips, mtu) = (
+        tmp_peer.to_string(),
+        spec.pod_if.clone(),
+        spec.ips.clone(),
+        spec.mtu,
+    );
     with_netlink(Some(&spec.netns), move |h| async move {
         let peer = link_by_name(&h, &tmp_peer).await?.ok_or_else(|| {
             NetdevError::Invalid(format!("{tmp_peer} did not arrive in the pod's namespace"))
@@ -464,40 +502,94 @@ fn configure_pod_side(spec: &PodInterfaceSpec, tmp_peer: &str, host_mac: &str) -
         )
         .await?;
         set_lo_up(&h).await?;
-        h.address()
-            .add(index, IpAddr::V4(ip), 32)
-            .execute()
-            .await
-            .map_err(nl_err(format!("address {ip}/32 on {pod_if}")))?;
-        h.neighbours()
-            .add(index, IpAddr::V4(POD_GATEWAY))
-            .link_layer_address(&host_mac)
-            .state(NeighbourState::Permanent)
-            .replace()
-            .execute()
-            .await
-            .map_err(nl_err(format!("gateway neighbour {POD_GATEWAY}")))?;
-        link_route(
-            &h,
-            POD_GATEWAY,
-            index,
-            format!("gateway route {POD_GATEWAY}"),
-        )
-        .await?;
-        let default = RouteMessageBuilder::<Ipv4Addr>::new()
-            .destination_prefix(Ipv4Addr::UNSPECIFIED, 0)
-            .gateway(POD_GATEWAY)
-            .output_interface(index)
-            .build();
-        h.route()
-            .add(default)
-            .replace()
-            .execute()
-            .await
-            .map_err(nl_err(format!("default route via {POD_GATEWAY}")))?;
+        for ip in ips {
+            match ip {
+                IpAddr::V4(ip) => pod_side_v4(&h, index, ip, &host_mac, &pod_if).await?,
+                IpAddr::V6(ip) => pod_side_v6(&h, index, ip, &host_mac, &pod_if).await?,
+            }
+        }
         let link = existing_link(&h, &pod_if).await?;
         Ok(mac_string(&link))
     })
+}
+
+/// The pod's IPv4 address (a /32), the gateway's neighbour entry and route, the default route.
+async fn pod_side_v4(
+    h: &Handle,
+    index: u32,
+    ip: Ipv4Addr,
+    host_mac: &[u8],
+    pod_if: &str,
+) -> Result<()> {
+    h.address()
+        .add(index, IpAddr::V4(ip), 32)
+        .execute()
+        .await
+        .map_err(nl_err(format!("address {ip}/32 on {pod_if}")))?;
+    h.neighbours()
+        .add(index, IpAddr::V4(POD_GATEWAY))
+        .link_layer_address(host_mac)
+        .state(NeighbourState::Permanent)
+        .replace()
+        .execute()
+        .await
+        .map_err(nl_err(format!("gateway neighbour {POD_GATEWAY}")))?;
+    link_route(
+        h,
+        IpAddr::V4(POD_GATEWAY),
+        index,
+        format!("gateway route {POD_GATEWAY}"),
+    )
+    .await?;
+    let default = RouteMessageBuilder::<Ipv4Addr>::new()
+        .destination_prefix(Ipv4Addr::UNSPECIFIED, 0)
+        .gateway(POD_GATEWAY)
+        .output_interface(index)
+        .build();
+    h.route()
+        .add(default)
+        .replace()
+        .execute()
+        .await
+        .map_err(nl_err(format!("default route via {POD_GATEWAY}")))
+}
+
+/// The pod's IPv6 address (a /128, no duplicate address detection), the link-local gateway's
+/// neighbour entry, the default route through it.
+async fn pod_side_v6(
+    h: &Handle,
+    index: u32,
+    ip: Ipv6Addr,
+    host_mac: &[u8],
+    pod_if: &str,
+) -> Result<()> {
+    use rtnetlink::packet_route::address::{AddressAttribute, AddressFlags};
+    let mut add = h.address().add(index, IpAddr::V6(ip), 128);
+    add.message_mut()
+        .attributes
+        .push(AddressAttribute::Flags(AddressFlags::Nodad));
+    add.execute()
+        .await
+        .map_err(nl_err(format!("address {ip}/128 on {pod_if}")))?;
+    h.neighbours()
+        .add(index, IpAddr::V6(POD_GATEWAY6))
+        .link_layer_address(host_mac)
+        .state(NeighbourState::Permanent)
+        .replace()
+        .execute()
+        .await
+        .map_err(nl_err(format!("gateway neighbour {POD_GATEWAY6}")))?;
+    let default = RouteMessageBuilder::<Ipv6Addr>::new()
+        .destination_prefix(Ipv6Addr::UNSPECIFIED, 0)
+        .gateway(POD_GATEWAY6)
+        .output_interface(index)
+        .build();
+    h.route()
+        .add(default)
+        .replace()
+        .execute()
+        .await
+        .map_err(nl_err(format!("default route via {POD_GATEWAY6}")))
 }
 
 /// Deletes a host interface (the veth's other end goes with it, and so do its routes and tc
@@ -563,8 +655,8 @@ pub fn marked_interfaces(mark: &str) -> Result<Vec<String>> {
     })
 }
 
-/// The pod side as it is now: the interface's MAC and whether it holds `ip` (CNI CHECK).
-pub fn inspect_pod_interface(netns: &Path, pod_if: &str, ip: Ipv4Addr) -> Result<String> {
+/// The pod side as it is now: the interface's MAC, if it holds every one of `ips` (CNI CHECK).
+pub fn inspect_pod_interface(netns: &Path, pod_if: &str, ips: Vec<IpAddr>) -> Result<String> {
     let pod_if = pod_if.to_string();
     with_netlink(Some(netns), move |h| async move {
         let link = link_by_name(&h, &pod_if)
@@ -575,21 +667,20 @@ pub fn inspect_pod_interface(netns: &Path, pod_if: &str, ip: Ipv4Addr) -> Result
             .get()
             .set_link_index_filter(link.header.index)
             .execute();
-        let mut found = false;
+        let mut missing = ips;
         while let Some(a) = addrs
             .try_next()
             .await
             .map_err(nl_err(format!("addresses of {pod_if}")))?
         {
             use rtnetlink::packet_route::address::AddressAttribute;
-            if a.attributes
-                .iter()
-                .any(|x| matches!(x, AddressAttribute::Address(IpAddr::V4(v)) if *v == ip))
-            {
-                found = true;
+            for x in &a.attributes {
+                if let AddressAttribute::Address(held) = x {
+                    missing.retain(|ip| ip != held);
+                }
             }
         }
-        if !found {
+        if let Some(ip) = missing.first() {
             return Err(NetdevError::Invalid(format!(
                 "{pod_if} in the pod does not hold {ip}"
             )));

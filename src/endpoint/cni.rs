@@ -27,17 +27,17 @@ pub enum Undo {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AddProgress {
     container_id: String,
-    ip: IpAddr,
+    ips: Vec<IpAddr>,
     interface: Option<String>,
     endpoint: Option<EndpointId>,
 }
 
 impl AddProgress {
-    /// The address is allocated and the intent record written.
-    pub fn new(container_id: &str, ip: IpAddr) -> AddProgress {
+    /// The addresses (one per family) are allocated and the intent record written.
+    pub fn new(container_id: &str, ips: &[IpAddr]) -> AddProgress {
         AddProgress {
             container_id: container_id.to_string(),
-            ip,
+            ips: ips.to_vec(),
             interface: None,
             endpoint: None,
         }
@@ -62,7 +62,7 @@ impl AddProgress {
         if let Some(name) = &self.interface {
             out.push(Undo::Interface(name.clone()));
         }
-        out.push(Undo::Address(self.ip));
+        out.extend(self.ips.iter().map(|ip| Undo::Address(*ip)));
         out.push(Undo::Intent(self.container_id.clone()));
         out
     }
@@ -75,11 +75,21 @@ mod tests {
     #[test]
     fn an_add_is_undone_newest_first_with_the_intent_record_last() {
         let ip: IpAddr = "10.0.0.5".parse().unwrap();
-        let mut p = AddProgress::new("c1", ip);
+        let mut p = AddProgress::new("c1", &[ip]);
         assert_eq!(
             p.undo(),
             vec![Undo::Address(ip), Undo::Intent("c1".into())],
             "failed before the interface: the address and the record"
+        );
+        let ip6: IpAddr = "fd00::5".parse().unwrap();
+        assert_eq!(
+            AddProgress::new("c2", &[ip, ip6]).undo(),
+            vec![
+                Undo::Address(ip),
+                Undo::Address(ip6),
+                Undo::Intent("c2".into())
+            ],
+            "dual stack: both addresses go back"
         );
         p.made_interface("lxc0123");
         p.made_endpoint(7);

@@ -66,12 +66,25 @@ pub struct AddIntent {
     pub container_id: String,
     /// The host side of the veth pair the ADD creates.
     pub host_if: String,
-    /// The address IPAM handed out for it.
+    /// The address IPAM handed out for it (the first family's).
     pub ip: IpAddr,
+    /// The addresses of the other families (dual stack); absent in records of agents that
+    /// handed out one address.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub more_ips: Vec<IpAddr>,
     pub netns: String,
     pub ifname: String,
     /// The agent run that wrote it: a record of another run is a leftover of a crash.
     pub run: String,
+}
+
+impl AddIntent {
+    /// Every address the ADD was handed.
+    pub fn ips(&self) -> Vec<IpAddr> {
+        std::iter::once(self.ip)
+            .chain(self.more_ips.iter().copied())
+            .collect()
+    }
 }
 
 /// A restored endpoint record that was refused because an address it claims is claimed by an
@@ -515,6 +528,7 @@ mod tests {
             container_id: container.into(),
             host_if: "lxc0123456789ab".into(),
             ip: ip.parse().unwrap(),
+            more_ips: Vec::new(),
             netns: "/var/run/netns/p".into(),
             ifname: "eth0".into(),
             run: "1-1".into(),
@@ -556,6 +570,34 @@ mod tests {
             .expect("after the end, a new ADD may begin");
         // The endpoint directories are not confused with the intents.
         assert!(s.load_all().0.is_empty());
+    }
+
+    #[test]
+    fn a_dual_stack_intent_keeps_both_addresses_and_older_records_still_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = StateDir::open(dir.path()).unwrap();
+        let mut dual = intent("c1", "10.0.0.1");
+        dual.more_ips = vec!["fd00::1".parse().unwrap()];
+        s.begin_add(&dual).unwrap();
+        let read = s.intent("c1").unwrap().unwrap();
+        assert_eq!(
+            read.ips(),
+            vec![
+                "10.0.0.1".parse::<IpAddr>().unwrap(),
+                "fd00::1".parse().unwrap()
+            ]
+        );
+        // Written by an agent that handed out one address: no more_ips field.
+        let old = serde_json::json!({
+            "container_id": "c2", "host_if": "lxc0123456789ab", "ip": "10.0.0.2",
+            "netns": "/var/run/netns/p", "ifname": "eth0", "run": "1-1"
+        });
+        fs::write(dir.path().join("cni-adds/c2.json"), old.to_string()).unwrap();
+        let read = s.intent("c2").unwrap().unwrap();
+        assert_eq!(read.ips(), vec!["10.0.0.2".parse::<IpAddr>().unwrap()]);
+        assert!(!serde_json::to_string(&intent("c3", "10.0.0.3"))
+            .unwrap()
+            .contains("more_ips"));
     }
 
     #[test]

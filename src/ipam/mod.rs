@@ -31,6 +31,38 @@ pub const POD_CIDR_ANNOTATION: &str = "io.cilium.network.ipv4-pod-cidr";
 pub const POD_CIDR_ANNOTATION_ALIAS: &str = "network.cilium.io/ipv4-pod-cidr";
 /// The annotation the agent writes the node's host IP under (Cilium's `ipv4-cilium-host`).
 pub const HOST_IP_ANNOTATION: &str = "io.cilium.network.ipv4-cilium-host";
+/// Cilium's annotations of a node's IPv6 pod CIDR (read when `spec.podCIDRs` has none).
+pub const POD_CIDR6_ANNOTATIONS: [&str; 2] = [
+    "io.cilium.network.ipv6-pod-cidr",
+    "network.cilium.io/ipv6-pod-cidr",
+];
+
+/// The address families pods get addresses of (`--enable-ipv4`, `--enable-ipv6`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Families {
+    pub ipv4: bool,
+    pub ipv6: bool,
+}
+
+impl Default for Families {
+    /// Cilium's defaults: IPv4 on, IPv6 off.
+    fn default() -> Self {
+        Families {
+            ipv4: true,
+            ipv6: false,
+        }
+    }
+}
+
+impl Families {
+    /// Whether addresses of `net`'s family are handed out.
+    pub fn serves(&self, net: &IpNet) -> bool {
+        match net {
+            IpNet::V4(_) => self.ipv4,
+            IpNet::V6(_) => self.ipv6,
+        }
+    }
+}
 
 /// Where the node's pod CIDR came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -50,15 +82,30 @@ pub fn node_pod_cidr(
     pod_cidrs: &[String],
     annotations: &std::collections::BTreeMap<String, String>,
 ) -> Result<Option<(IpNet, CidrSource)>, String> {
+    node_pod_cidr_of(pod_cidrs, annotations, false)
+}
+
+/// The node's pod CIDR of one family (`ipv6`), as `node_pod_cidr`: the first range of that
+/// family in `spec.podCIDRs`, else the family's annotations.
+pub fn node_pod_cidr_of(
+    pod_cidrs: &[String],
+    annotations: &std::collections::BTreeMap<String, String>,
+    ipv6: bool,
+) -> Result<Option<(IpNet, CidrSource)>, String> {
     for (i, c) in pod_cidrs.iter().enumerate() {
         let net: IpNet = c
             .parse()
             .map_err(|_| format!("spec.podCIDRs[{i}]: {c:?} is not a CIDR"))?;
-        if matches!(net, IpNet::V4(_)) {
+        if matches!(net, IpNet::V6(_)) == ipv6 {
             return Ok(Some((net, CidrSource::NodeSpec)));
         }
     }
-    for name in [POD_CIDR_ANNOTATION, POD_CIDR_ANNOTATION_ALIAS] {
+    let names = if ipv6 {
+        POD_CIDR6_ANNOTATIONS
+    } else {
+        [POD_CIDR_ANNOTATION, POD_CIDR_ANNOTATION_ALIAS]
+    };
+    for name in names {
         if let Some(a) = annotations.get(name) {
             return a
                 .parse()
@@ -69,28 +116,133 @@ pub fn node_pod_cidr(
     Ok(None)
 }
 
-/// The node's IPAM as the agent holds it: the allocator (none until a CIDR is known) and
-/// where its range came from.
+/// The node's IPAM as the agent holds it: one allocator per address family (none until a CIDR
+/// of that family is known), where each range came from, and the families pods get
+/// addresses of.
 #[derive(Debug, Clone, Default)]
 pub struct NodeIpam {
+    /// IPv4's.
     pub ipam: Option<Ipam>,
     pub source: Option<CidrSource>,
+    /// IPv6's.
+    pub ipam6: Option<Ipam>,
+    pub source6: Option<CidrSource>,
+    pub families: Families,
 }
 
 impl NodeIpam {
-    /// Serves the pod CIDR the Node object names (`cidr`, from `source`). The range in use
-    /// keeps serving when it is the same (only the source is updated); an unused range is
-    /// replaced, the new one reserving `held` (address, owner: the endpoints' addresses); a
-    /// range with addresses handed out is never replaced. `Ok(true)`: a range was adopted.
+    /// The pools of `--pod-cidr` (at most one per family, each of an enabled family).
+    pub fn from_flags(cidrs: &[IpNet], families: Families) -> Result<NodeIpam, String> {
+        let mut n = NodeIpam {
+            families,
+            ..Default::default()
+        };
+        for c in cidrs {
+            let (pool, source) = n.pool_slot(c.addr());
+            if pool.is_some() {
+                return Err(format!(
+                    "--pod-cidr {c}: a second pod CIDR of its family (one per family)"
+                ));
+            }
+            let ipam = Ipam::served(*c, families).map_err(|e| format!("--pod-cidr: {e}"))?;
+            *pool = Some(ipam);
+            *source = Some(CidrSource::Flag);
+        }
+        Ok(n)
+    }
+
+    fn pool_slot(&mut self, ip: IpAddr) -> (&mut Option<Ipam>, &mut Option<CidrSource>) {
+        match ip {
+            IpAddr::V4(_) => (&mut self.ipam, &mut self.source),
+            IpAddr::V6(_) => (&mut self.ipam6, &mut self.source6),
+        }
+    }
+
+    /// The pool of `ip`'s family, if there is one.
+    pub fn pool_of(&mut self, ip: IpAddr) -> Option<&mut Ipam> {
+        self.pool_slot(ip).0.as_mut()
+    }
+
+    /// Every pool there is, IPv4's first.
+    pub fn pools(&self) -> impl Iterator<Item = &Ipam> {
+        self.ipam.iter().chain(self.ipam6.iter())
+    }
+
+    /// `Ipam::reserve` in the pool of `ip`'s family; an address of a family without a pool is
+    /// out of range.
+    pub fn reserve(&mut self, ip: IpAddr, owner: &str) -> Result<(), IpamError> {
+        match self.pool_of(ip) {
+            Some(p) => p.reserve(ip, owner),
+            None => Err(IpamError::NoPool { ip }),
+        }
+    }
+
+    /// `Ipam::release` in the pool of `ip`'s family.
+    pub fn release(&mut self, ip: IpAddr) -> bool {
+        self.pool_of(ip).is_some_and(|p| p.release(ip))
+    }
+
+    /// `Ipam::owner` in the pool of `ip`'s family.
+    pub fn owner(&mut self, ip: IpAddr) -> Option<String> {
+        self.pool_of(ip)
+            .and_then(|p| p.owner(ip).map(str::to_string))
+    }
+
+    /// The addresses `owner` holds in any pool.
+    pub fn owned_by(&self, owner: &str) -> Vec<IpAddr> {
+        self.pools().flat_map(|p| p.owned_by(owner)).collect()
+    }
+
+    /// One address per enabled family for `owner` (IPv4's first), or none: an address handed
+    /// out before a later family fails is given back.
+    pub fn allocate(&mut self, owner: &str) -> Result<Vec<IpAddr>, IpamError> {
+        let mut out = Vec::new();
+        let wanted = [
+            (self.families.ipv4, false, "IPv4"),
+            (self.families.ipv6, true, "IPv6"),
+        ];
+        for (on, ipv6, family) in wanted {
+            if !on {
+                continue;
+            }
+            let pool = if ipv6 {
+                self.ipam6.as_mut()
+            } else {
+                self.ipam.as_mut()
+            };
+            let got = match pool {
+                Some(p) => p.allocate(owner),
+                None => Err(IpamError::NoCidr { family }),
+            };
+            match got {
+                Ok(ip) => out.push(ip),
+                Err(e) => {
+                    for ip in out {
+                        self.release(ip);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Serves the pod CIDR the Node object names (`cidr`, from `source`) for its family. The
+    /// range in use keeps serving when it is the same (only the source is updated); an unused
+    /// range is replaced, the new one reserving `held` (address, owner: the endpoints'
+    /// addresses); a range with addresses handed out is never replaced. `Ok(true)`: a range
+    /// was adopted.
     pub fn adopt(
         &mut self,
         cidr: IpNet,
         source: CidrSource,
         held: impl IntoIterator<Item = (IpAddr, String)>,
     ) -> Result<bool, String> {
-        if let Some(cur) = &self.ipam {
+        let families = self.families;
+        let (pool, slot_source) = self.pool_slot(cidr.addr());
+        if let Some(cur) = pool.as_ref() {
             if cur.cidr() == cidr.trunc() {
-                self.source = Some(source);
+                *slot_source = Some(source);
                 return Ok(false);
             }
             if cur.used() > 0 {
@@ -101,12 +253,12 @@ impl NodeIpam {
                 ));
             }
         }
-        let mut ipam = Ipam::served(cidr).map_err(|e| e.to_string())?;
+        let mut ipam = Ipam::served(cidr, families).map_err(|e| e.to_string())?;
         for (ip, owner) in held {
             let _ = ipam.reserve(ip, &owner);
         }
-        self.ipam = Some(ipam);
-        self.source = Some(source);
+        *pool = Some(ipam);
+        *slot_source = Some(source);
         Ok(true)
     }
 }
@@ -127,6 +279,12 @@ pub enum IpamError {
     /// A reservation of an address someone else holds.
     #[error("{ip} is already allocated to {owner}")]
     InUse { ip: IpAddr, owner: String },
+    /// An address of a family this node has no pod CIDR of.
+    #[error("{ip}: this node has no pod CIDR of its family")]
+    NoPool { ip: IpAddr },
+    /// A family pods get addresses of has no pod CIDR yet.
+    #[error("this node has no {family} pod CIDR (give --pod-cidr, or the Node spec.podCIDRs)")]
+    NoCidr { family: &'static str },
     /// Every free address was freed too recently to be handed out again.
     #[error("pod CIDR {cidr}: the {free} free address(es) were freed less than {}s ago and are not reused yet (other nodes may still map them to the old pods); try again", REUSE_DELAY.as_secs())]
     Cooling { cidr: IpNet, free: u64 },
@@ -192,13 +350,15 @@ impl Ipam {
         })
     }
 
-    /// An allocator over a pod CIDR the agent serves: IPv4 only until the rest of the pod
-    /// network (routes, the tunnel, Services, masquerading) carries IPv6 (#31).
-    pub fn served(cidr: IpNet) -> Result<Ipam, IpamError> {
-        if let IpNet::V6(_) = cidr {
+    /// An allocator over a pod CIDR the agent serves: of a family pods get addresses of.
+    pub fn served(cidr: IpNet, families: Families) -> Result<Ipam, IpamError> {
+        if !families.serves(&cidr) {
             return Err(IpamError::UnusableCidr {
                 cidr,
-                why: "only IPv4 pod CIDRs are supported",
+                why: match cidr {
+                    IpNet::V4(_) => "IPv4 is not enabled (--enable-ipv4)",
+                    IpNet::V6(_) => "IPv6 is not enabled (--enable-ipv6)",
+                },
             });
         }
         Ipam::new(cidr)
@@ -417,6 +577,99 @@ mod tests {
             .is_err());
     }
 
+    #[test]
+    fn a_dual_stack_node_hands_out_one_address_per_family_or_none() {
+        let both = Families {
+            ipv4: true,
+            ipv6: true,
+        };
+        let cidrs: Vec<IpNet> = vec![
+            "10.9.0.0/30".parse().unwrap(),
+            "fd00:9::/126".parse().unwrap(),
+        ];
+        let mut n = NodeIpam::from_flags(&cidrs, both).unwrap();
+        let got = n.allocate("c1").unwrap();
+        assert_eq!(
+            got,
+            vec![
+                "10.9.0.1".parse::<IpAddr>().unwrap(),
+                "fd00:9::1".parse().unwrap()
+            ]
+        );
+        assert_eq!(n.owned_by("c1"), got);
+        assert_eq!(n.owner(got[1]).as_deref(), Some("c1"));
+        // The IPv4 range (2 addresses) outlasts the IPv6 one (3): no half allocation.
+        n.allocate("c2").unwrap();
+        assert!(matches!(n.allocate("c3"), Err(IpamError::Exhausted { .. })));
+        assert_eq!(n.owned_by("c3"), Vec::<IpAddr>::new());
+        let mut short6 = NodeIpam::from_flags(
+            &[
+                "10.9.0.0/29".parse().unwrap(),
+                "fd00:9::/126".parse().unwrap(),
+            ],
+            both,
+        )
+        .unwrap();
+        for c in ["a", "b", "c"] {
+            short6.allocate(c).unwrap();
+        }
+        assert!(short6.allocate("d").is_err());
+        assert!(
+            short6.owned_by("d").is_empty(),
+            "the IPv4 address handed out before the IPv6 pool failed is given back"
+        );
+        assert_eq!(short6.ipam.as_ref().unwrap().used(), 3);
+        // A family without its range fails the allocation, naming the family.
+        let mut v4_only_range = NodeIpam::from_flags(&cidrs[..1], both).unwrap();
+        let e = v4_only_range.allocate("x").unwrap_err();
+        assert!(e.to_string().contains("no IPv6 pod CIDR"), "{e}");
+        assert_eq!(v4_only_range.ipam.as_ref().unwrap().used(), 0);
+        // Flags: one range per family, each of an enabled family.
+        let e =
+            NodeIpam::from_flags(&[cidrs[0], "10.8.0.0/24".parse().unwrap()], both).unwrap_err();
+        assert!(e.contains("one per family"), "{e}");
+        let e = NodeIpam::from_flags(&cidrs, Families::default()).unwrap_err();
+        assert!(e.contains("--enable-ipv6"), "{e}");
+        // The Node's IPv6 range is adopted into the IPv6 pool; release by family.
+        let mut k = NodeIpam {
+            families: both,
+            ..Default::default()
+        };
+        let node_cidrs = ["10.7.0.0/24".to_string(), "fd00:7::/112".to_string()];
+        let (c6, src) = node_pod_cidr_of(&node_cidrs, &Default::default(), true)
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (c6.to_string().as_str(), src),
+            ("fd00:7::/112", CidrSource::NodeSpec)
+        );
+        let held = [("fd00:7::9".parse().unwrap(), "restored:1".to_string())];
+        assert_eq!(k.adopt(c6, src, held), Ok(true));
+        assert!(k.ipam.is_none());
+        assert_eq!(
+            k.owner("fd00:7::9".parse().unwrap()).as_deref(),
+            Some("restored:1")
+        );
+        assert!(k.release("fd00:7::9".parse().unwrap()));
+        assert!(matches!(
+            k.reserve("10.7.0.3".parse().unwrap(), "x"),
+            Err(IpamError::NoPool { .. })
+        ));
+        let ann = [(
+            POD_CIDR6_ANNOTATIONS[0].to_string(),
+            "fd00:8::/112".to_string(),
+        )]
+        .into_iter()
+        .collect();
+        assert_eq!(
+            node_pod_cidr_of(&node_cidrs[..1], &ann, true),
+            Ok(Some((
+                "fd00:8::/112".parse().unwrap(),
+                CidrSource::NodeAnnotation
+            )))
+        );
+    }
+
     fn ipam(cidr: &str) -> Ipam {
         Ipam::new(cidr.parse().unwrap()).unwrap()
     }
@@ -506,8 +759,8 @@ mod tests {
                 "{bad}"
             );
         }
-        let e = Ipam::served("fd00::/64".parse().unwrap()).unwrap_err();
-        assert!(e.to_string().contains("only IPv4"), "{e}");
+        let e = Ipam::served("fd00::/64".parse().unwrap(), Families::default()).unwrap_err();
+        assert!(e.to_string().contains("--enable-ipv6"), "{e}");
         assert!(Ipam::new("10.0.0.0/31".parse().unwrap()).is_err());
         // A CIDR with host bits set is truncated to its network.
         assert_eq!(ipam("10.9.0.77/24").cidr().to_string(), "10.9.0.0/24");

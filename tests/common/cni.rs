@@ -25,6 +25,8 @@ pub struct CniPod {
     pub container_id: String,
     /// From the CNI result.
     pub addr: std::net::Ipv4Addr,
+    /// The result's IPv6 address, when the agent hands out both families.
+    pub addr6: Option<std::net::Ipv6Addr>,
     pub host_if: String,
 }
 
@@ -155,6 +157,10 @@ impl CniPods {
             .and_then(|a| a.parse().ok())
             .unwrap_or_else(|| panic!("CNI result without an address: {v}"));
         assert_eq!(v["ips"][0]["interface"], 1, "{v}");
+        let addr6: Option<std::net::Ipv6Addr> = v["ips"][1]["address"]
+            .as_str()
+            .and_then(|a| a.strip_suffix("/128"))
+            .and_then(|a| a.parse().ok());
         assert_eq!(v["interfaces"][1]["name"], "eth0", "{v}");
         assert_eq!(
             v["interfaces"][1]["sandbox"],
@@ -169,6 +175,7 @@ impl CniPods {
             netns,
             container_id,
             addr,
+            addr6,
             host_if,
         };
         self.pods.push(pod.clone());

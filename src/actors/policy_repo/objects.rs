@@ -135,11 +135,24 @@ impl PolicyRepoActor {
         }
     }
 
-    /// This node's Node object names its pod CIDR (`ParseNode`: `spec.podCIDRs`, else the
-    /// annotation): IPAM serves that range from now on, with every endpoint's address
-    /// reserved. A range already handing out addresses is never swapped under its pods.
+    /// This node's Node object names its pod CIDRs (`ParseNode`: `spec.podCIDRs`, else the
+    /// annotations), one per enabled family: IPAM serves those ranges from now on, with every
+    /// endpoint's address reserved. A range already handing out addresses is never swapped
+    /// under its pods.
     pub(super) fn adopt_node_pod_cidr(&self, node: &crate::objects::NodeInfo) {
-        let (cidr, source) = match crate::ipam::node_pod_cidr(&node.pod_cidrs, &node.annotations) {
+        let Ok(families) = self.shared.ipam.lock().map(|g| g.families) else {
+            return;
+        };
+        for ipv6 in [false, true] {
+            if (ipv6 && families.ipv6) || (!ipv6 && families.ipv4) {
+                self.adopt_node_pod_cidr_of(node, ipv6);
+            }
+        }
+    }
+
+    fn adopt_node_pod_cidr_of(&self, node: &crate::objects::NodeInfo, ipv6: bool) {
+        let found = crate::ipam::node_pod_cidr_of(&node.pod_cidrs, &node.annotations, ipv6);
+        let (cidr, source) = match found {
             Ok(Some(c)) => c,
             Ok(None) => return,
             Err(e) => {
