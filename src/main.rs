@@ -94,6 +94,8 @@ fn agent(args: AgentArgs) -> i32 {
             tunnel_protocol: args.tunnel_protocol,
             auto_direct_node_routes: args.auto_direct_node_routes,
             native_routing_cidr: args.ipv4_native_routing_cidr.map(|n| n.trunc()),
+            ipv6: args.enable_ipv6,
+            ipv6_native_routing_cidr: args.ipv6_native_routing_cidr.map(|n| n.trunc()),
             install: args.datapath == ciliate::config::DatapathKind::Bpf,
             masquerade: args.enable_ipv4_masquerade,
             bpf_host_routing,

@@ -162,6 +162,73 @@ fn pods_reach_each_other_across_nodes_and_node_2_admits_only_app_a_of_node_1() {
     }
 }
 
+/// Dual stack, native routing (#31): each node routes the others' IPv6 pod CIDRs via their
+/// IPv6 addresses beside the IPv4 routes, pods on different nodes reach each other over IPv6,
+/// and node 2 judges node 1's pods' IPv6 connections by the labels its ipcache learnt from
+/// their endpoint slices, as it judges IPv4 ones.
+#[test]
+fn dual_stack_pods_reach_each_other_across_nodes_over_ipv6_and_policy_judges_it() {
+    use common::cluster::{node_ip6, pod_cidr6};
+    let Some(mut c) = privileged().then(|| Cluster::start_dual_stack(2, &[])) else {
+        return;
+    };
+    let a = c.add_pod(1, "a", "a");
+    let other = c.add_pod(1, "c", "c");
+    let b = c.add_pod(2, "b", "b");
+    let b6 = IpAddr::V6(b.addr6.expect("b has an IPv6 address"));
+    let a6 = IpAddr::V6(a.addr6.expect("a has an IPv6 address"));
+    let net6: ipnet::Ipv6Net = pod_cidr6(2).parse().unwrap();
+    assert!(
+        net6.contains(&b.addr6.unwrap()),
+        "{b6} is from node 2's IPv6 pod CIDR"
+    );
+    for (i, j) in [(1, 2), (2, 1)] {
+        let node = c.node(i);
+        node.agent()
+            .wait_until("IPv4 and IPv6 routes are installed", || {
+                let routes = node.kernel_routes();
+                routes.contains(&(pod_cidr6(j), node_ip6(j).to_string()))
+                    && routes.contains(&(pod_cidr(j), node_ip(j).to_string()))
+            });
+        let list = node.node_list();
+        assert_eq!(
+            row(&list, &format!("node-{j}"))["route"],
+            "installed",
+            "{list}"
+        );
+        assert_eq!(node.agent().cli_json(&["status"])["routes_installed"], 2);
+    }
+    tcp_server(&b.netns, b6, 8080);
+    tcp_server(&b.netns, IpAddr::V4(b.addr), 8080);
+    tcp_server(&a.netns, a6, 8080);
+    for p in [&a, &other] {
+        eventually(
+            &format!("{} reaches b over IPv6 across nodes", p.name),
+            || tcp_ok(&p.netns, b6, 8080),
+        );
+    }
+    assert!(tcp_ok(&b.netns, a6, 8080), "b reaches a over IPv6");
+    // Node 2 admits only app=a into b, over both families.
+    c.api().apply_json(cnp_b_from_a()).expect("policy");
+    eventually("b admits a and not c, over IPv6", || {
+        tcp_ok(&a.netns, b6, 8080) && !tcp_ok(&other.netns, b6, 8080)
+    });
+    assert!(tcp_ok(&a.netns, IpAddr::V4(b.addr), 8080), "and over IPv4");
+    assert!(!tcp_ok(&other.netns, IpAddr::V4(b.addr), 8080));
+    // Node 2 maps node 1's pods' IPv6 addresses to their pods' identities, as the IPv4 ones.
+    let socket = c.node(2).socket();
+    let body = ciliate::client::request(&socket, "GET", "/v1/ipcache", None).expect("ipcache");
+    let v: Value = serde_json::from_str(&body).expect("ipcache JSON");
+    let identity_of = |prefix: String| {
+        v.as_array()
+            .and_then(|l| l.iter().find(|e| e["prefix"] == prefix.as_str()))
+            .and_then(|e| e["identity"].as_u64())
+    };
+    let a_id = identity_of(format!("{}/32", a.addr));
+    assert!(a_id.is_some(), "{v}");
+    assert_eq!(identity_of(format!("{a6}/128")), a_id, "{v}");
+}
+
 #[test]
 fn kill_9_keeps_cross_node_flows_and_the_restart_converges_after_a_node_left() {
     let Some(mut c) = privileged().then(|| Cluster::start(3)) else {

@@ -288,6 +288,10 @@ pub struct AgentArgs {
     /// The cluster's pod address space: other nodes' pod CIDRs outside it are not routed.
     #[arg(long)]
     pub ipv4_native_routing_cidr: Option<ipnet::Ipv4Net>,
+    /// The cluster's IPv6 pod address space (`--enable-ipv6`): other nodes' IPv6 pod CIDRs
+    /// outside it are not routed.
+    #[arg(long)]
+    pub ipv6_native_routing_cidr: Option<ipnet::Ipv6Net>,
     /// SNAT this node's pods' traffic that leaves --ipv4-native-routing-cidr (and goes to no
     /// node) to the node's address (nftables, a table of this agent's own).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]

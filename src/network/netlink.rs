@@ -40,7 +40,8 @@ pub type Outcome = BTreeMap<NodeRoute, Result<(), String>>;
 pub struct RouteApplier {
     record: PathBuf,
     owned: BTreeSet<IpNet>,
-    forwarding_checked: bool,
+    /// Forwarding turned on: IPv4's, and IPv6's too (once a wanted route is IPv6).
+    forwarding_checked: (bool, bool),
     /// Tunnel mode: the mark (alias) of this agent's vxlan device, and its MTU.
     tunnel: Option<(String, u32)>,
     /// Tunnel mode: the index of this agent's vxlan device as the last pass set it up.
@@ -81,7 +82,7 @@ impl RouteApplier {
         Ok(RouteApplier {
             record,
             owned,
-            forwarding_checked: false,
+            forwarding_checked: (false, false),
             tunnel,
             tunnel_ifindex: None,
         })
@@ -114,10 +115,12 @@ impl RouteApplier {
     pub fn apply(&mut self, want: &BTreeSet<NodeRoute>, local: Option<Ipv4Addr>) -> Outcome {
         let fail_all =
             |e: String| -> Outcome { want.iter().map(|r| (*r, Err(e.clone()))).collect() };
-        if !want.is_empty() && !self.forwarding_checked {
+        let ipv6 = want.iter().any(|r| r.dst.addr().is_ipv6());
+        if !want.is_empty() && self.forwarding_checked != (true, ipv6 || self.forwarding_checked.1)
+        {
             // Pods' packets to other nodes are forwarded by this node.
-            match enable_forwarding() {
-                Ok(()) => self.forwarding_checked = true,
+            match enable_forwarding(ipv6) {
+                Ok(()) => self.forwarding_checked = (true, ipv6 || self.forwarding_checked.1),
                 Err(e) => return fail_all(e),
             }
         }
@@ -226,13 +229,19 @@ impl RouteApplier {
     }
 }
 
-/// Turns on IPv4 forwarding in this network namespace, saying so when it was off.
-fn enable_forwarding() -> Result<(), String> {
-    const KEY: &str = "/proc/sys/net/ipv4/ip_forward";
-    let cur = std::fs::read_to_string(KEY).map_err(|e| format!("{KEY}: {e}"))?;
-    if cur.trim() != "1" {
-        std::fs::write(KEY, "1").map_err(|e| format!("{KEY}: {e}"))?;
-        tracing::info!("IPv4 forwarding enabled in the agent's network namespace (net.ipv4.ip_forward=1): the node forwards pod traffic to other nodes");
+/// Turns on IPv4 forwarding (and IPv6's, with `ipv6`) in this network namespace, saying so
+/// when it was off.
+fn enable_forwarding(ipv6: bool) -> Result<(), String> {
+    let mut keys = vec!["/proc/sys/net/ipv4/ip_forward"];
+    if ipv6 {
+        keys.push("/proc/sys/net/ipv6/conf/all/forwarding");
+    }
+    for key in keys {
+        let cur = std::fs::read_to_string(key).map_err(|e| format!("{key}: {e}"))?;
+        if cur.trim() != "1" {
+            std::fs::write(key, "1").map_err(|e| format!("{key}: {e}"))?;
+            tracing::info!(%key, "forwarding enabled in the agent's network namespace: the node forwards pod traffic to other nodes");
+        }
     }
     Ok(())
 }

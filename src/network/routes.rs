@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::{IpAddr, Ipv4Addr};
 
-use ipnet::{IpNet, Ipv4Net};
+use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use serde::{Deserialize, Serialize};
 
 use crate::objects::NodeInfo;
@@ -43,6 +43,11 @@ pub struct RoutingConfig {
     pub auto_direct_node_routes: bool,
     /// The cluster's pod address space: a remote pod CIDR outside it is not routed.
     pub native_routing_cidr: Option<Ipv4Net>,
+    /// `--enable-ipv6`: native mode also routes other nodes' IPv6 pod CIDRs, via their IPv6
+    /// address (the tunnel carries IPv4 alone yet).
+    pub ipv6: bool,
+    /// `--ipv6-native-routing-cidr`: the IPv6 pod address space.
+    pub ipv6_native_routing_cidr: Option<Ipv6Net>,
     /// Whether routes go into the kernel (false with `--datapath memory`, which touches no
     /// kernel state).
     pub install: bool,
@@ -71,6 +76,8 @@ impl Default for RoutingConfig {
             tunnel_protocol: TunnelProtocol::Vxlan,
             auto_direct_node_routes: true,
             native_routing_cidr: None,
+            ipv6: false,
+            ipv6_native_routing_cidr: None,
             install: false,
             masquerade: true,
             bpf_host_routing: None,
@@ -130,6 +137,25 @@ pub fn node_ipv4(node: &NodeInfo) -> Option<Ipv4Addr> {
     })
 }
 
+/// The node's IPv6 pod CIDRs (`spec.podCIDRs`, else Cilium's IPv6 annotations).
+pub fn pod_cidrs_v6(node: &NodeInfo) -> Result<Vec<Ipv6Net>, String> {
+    let found = crate::ipam::node_pod_cidr_of(&node.pod_cidrs, &node.annotations, true)?;
+    Ok(match found {
+        Some((IpNet::V6(n), _)) => vec![n.trunc()],
+        Some((IpNet::V4(n), _)) => return Err(format!("{n} is no IPv6 pod CIDR")),
+        None => Vec::new(),
+    })
+}
+
+/// The pod CIDRs a node's routes go to: IPv4's, and IPv6's where `cfg` routes them.
+fn routed_cidrs(node: &NodeInfo, cfg: &RoutingConfig) -> Result<Vec<IpNet>, String> {
+    let mut out: Vec<IpNet> = pod_cidrs_v4(node)?.into_iter().map(IpNet::V4).collect();
+    if cfg.ipv6 && cfg.mode == RoutingMode::Native {
+        out.extend(pod_cidrs_v6(node)?.into_iter().map(IpNet::V6));
+    }
+    Ok(out)
+}
+
 /// The desired state: for every other node, one route per IPv4 pod CIDR via its address.
 /// A node that cannot be routed (no IPv4 address, a bad CIDR, a CIDR outside the native
 /// routing CIDR, or one claimed by another node or by this node) gets no route and a problem.
@@ -140,10 +166,7 @@ pub fn desired_routes(
 ) -> Vec<NodePlan> {
     let cidrs: BTreeMap<&str, Result<Vec<IpNet>, String>> = nodes
         .iter()
-        .map(|(name, n)| {
-            let v4 = pod_cidrs_v4(n).map(|c| c.into_iter().map(IpNet::V4).collect());
-            (name.as_str(), v4)
-        })
+        .map(|(name, n)| (name.as_str(), routed_cidrs(n, cfg)))
         .collect();
     // Who claims each prefix: a prefix claimed twice is routed to neither.
     let mut claims: HashMap<IpNet, Vec<&str>> = HashMap::new();
@@ -195,6 +218,13 @@ fn node_routes(
                 ));
             }
         }
+        if let (Some(space), IpNet::V6(v6)) = (cfg.ipv6_native_routing_cidr, net) {
+            if !space.contains(v6) {
+                return Err(format!(
+                    "Node {name}: pod CIDR {net} is outside --ipv6-native-routing-cidr {space}"
+                ));
+            }
+        }
         if net.contains(&via) {
             return Err(format!(
                 "Node {name}: pod CIDR {net} holds the node's own address {via}"
@@ -222,9 +252,12 @@ fn route_via(name: &str, node: &NodeInfo, net: &IpNet) -> Result<IpAddr, String>
         IpNet::V4(_) => node_ipv4(node)
             .map(IpAddr::V4)
             .ok_or_else(|| format!("Node {name}: status.addresses: no IPv4 InternalIP")),
-        IpNet::V6(_) => Err(format!(
-            "Node {name}: pod CIDR {net}: IPv6 pod CIDRs are not routed yet"
-        )),
+        IpNet::V6(_) => node
+            .ips
+            .iter()
+            .find(|ip| ip.is_ipv6())
+            .copied()
+            .ok_or_else(|| format!("Node {name}: status.addresses: no IPv6 InternalIP")),
     }
 }
 
@@ -383,6 +416,72 @@ mod tests {
         );
         assert!(plans[0].local && plans[0].routes.is_empty());
         assert!(plans.iter().all(|p| p.problem.is_none()), "{plans:?}");
+    }
+
+    #[test]
+    fn with_ipv6_native_mode_routes_ipv6_pod_cidrs_via_the_nodes_ipv6_address() {
+        let n = nodes(vec![
+            node(
+                "a",
+                &["172.18.0.2", "fd00:18::2"],
+                &["10.1.1.0/24", "fd01:1::/112"],
+            ),
+            node(
+                "b",
+                &["172.18.0.3", "fd00:18::3"],
+                &["10.1.2.0/24", "fd01:2::/112"],
+            ),
+        ]);
+        let dual = RoutingConfig {
+            ipv6: true,
+            ..native()
+        };
+        assert_eq!(
+            all_routes(&desired_routes("a", &n, &dual)),
+            BTreeSet::from([
+                route("10.1.2.0/24", "172.18.0.3"),
+                route("fd01:2::/112", "fd00:18::3")
+            ])
+        );
+        // Off, or in tunnel mode (its underlay carries IPv4 alone): IPv4's routes only.
+        for cfg in [
+            native(),
+            RoutingConfig {
+                mode: RoutingMode::Tunnel,
+                ..dual.clone()
+            },
+        ] {
+            assert_eq!(
+                all_routes(&desired_routes("a", &n, &cfg)),
+                BTreeSet::from([route("10.1.2.0/24", "172.18.0.3")])
+            );
+        }
+        // Outside --ipv6-native-routing-cidr, or without an IPv6 address: a problem, named.
+        let fenced = RoutingConfig {
+            ipv6_native_routing_cidr: Some("fd02::/48".parse().unwrap()),
+            ..dual.clone()
+        };
+        let plans = desired_routes("a", &n, &fenced);
+        let b = plans.iter().find(|p| p.name == "b").unwrap();
+        assert!(
+            b.problem
+                .as_deref()
+                .is_some_and(|p| p.contains("--ipv6-native-routing-cidr fd02::/48")),
+            "{b:?}"
+        );
+        let v4_only = nodes(vec![node(
+            "c",
+            &["172.18.0.4"],
+            &["10.1.3.0/24", "fd01:3::/112"],
+        )]);
+        let plans = desired_routes("a", &v4_only, &dual);
+        assert!(
+            plans[0]
+                .problem
+                .as_deref()
+                .is_some_and(|p| p.contains("no IPv6 InternalIP")),
+            "{plans:?}"
+        );
     }
 
     #[test]

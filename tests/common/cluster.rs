@@ -45,6 +45,13 @@ pub fn pod_cidr(i: usize) -> String {
 pub fn pod_cidr_sized(i: usize, prefix: u8) -> String {
     format!("10.200.{i}.0/{prefix}")
 }
+/// A dual-stack cluster's node `i`: its IPv6 address and IPv6 pod CIDR.
+pub fn node_ip6(i: usize) -> std::net::Ipv6Addr {
+    format!("fd00:20::{:x}", 10 + i).parse().unwrap()
+}
+pub fn pod_cidr6(i: usize) -> String {
+    format!("fd00:200:{i:x}::/112")
+}
 
 /// One node: its namespace, agent and pods.
 pub struct ClusterNode {
@@ -91,7 +98,9 @@ impl ClusterNode {
         api.apply_json(object.clone()).expect("pod object");
         let pod = self.pods.as_mut().expect("pods").add("x", name);
         let ip = pod.addr.to_string();
-        object["status"] = json!({"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]});
+        let mut ips = vec![json!({ "ip": ip })];
+        ips.extend(pod.addr6.map(|a| json!({"ip": a.to_string()})));
+        object["status"] = json!({"phase": "Running", "podIP": ip, "podIPs": ips});
         api.apply_json(object).expect("pod status");
         pod
     }
@@ -152,7 +161,11 @@ impl ClusterNode {
         agent.wait_until("the node's agent is ready with its pod CIDR", || {
             let (code, out, _) = agent.cli(&["status", "-o", "json"]);
             let v: Value = serde_json::from_str(&out).unwrap_or(Value::Null);
-            code == 0 && v["ready"] == true && !v["ipam"].is_null()
+            let dual = self.agent_args.iter().any(|a| a == "--enable-ipv6=true");
+            code == 0
+                && v["ready"] == true
+                && !v["ipam"].is_null()
+                && (!dual || !v["ipam_ipv6"].is_null())
         });
         self.agent = Some(agent);
     }
@@ -227,6 +240,15 @@ impl Cluster {
     /// Like `start`, every agent with the extra flags `agent_args`.
     pub fn start_with(nodes: usize, agent_args: &[&str]) -> Cluster {
         Cluster::start_inner(nodes, agent_args, false, 24)
+    }
+
+    /// Like `start`, dual stack: every node also has an IPv6 address (`node_ip6`) and IPv6 pod
+    /// CIDR (`pod_cidr6`) in its Node object, and its agent runs with `--enable-ipv6=true`
+    /// (and `agent_args`), so pods get an address of each family.
+    pub fn start_dual_stack(nodes: usize, agent_args: &[&str]) -> Cluster {
+        let mut args = vec!["--enable-ipv6=true"];
+        args.extend(agent_args);
+        Cluster::start_inner(nodes, &args, false, 24)
     }
 
     /// Like `start`, with pod CIDRs of `prefix` bits (a /29 holds 6 pods: addresses come back).
@@ -321,8 +343,21 @@ impl Cluster {
         }
         api.apply_json(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "x"}}))
             .expect("namespace");
+        let dual = agent_args.contains(&"--enable-ipv6=true");
         for i in 1..=nodes {
-            api.apply_json(node_object_sized(i, prefix)).expect("node");
+            let mut node = node_object_sized(i, prefix);
+            if dual {
+                let netns = c.nodes[i - 1].netns.clone();
+                let addr = format!("{}/64", node_ip6(i));
+                ip(&["-n", &netns, "addr", "add", &addr, "dev", "eth0", "nodad"]);
+                node["spec"]["podCIDRs"] = json!([pod_cidr_sized(i, prefix), pod_cidr6(i)]);
+                node["status"]["addresses"] = json!([
+                    {"type": "InternalIP", "address": node_ip(i).to_string()},
+                    {"type": "InternalIP", "address": node_ip6(i).to_string()},
+                    {"type": "Hostname", "address": format!("node-{i}")}
+                ]);
+            }
+            api.apply_json(node).expect("node");
         }
         let kubeconfig = c.kubeconfig.clone();
         for node in &mut c.nodes {
