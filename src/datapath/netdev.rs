@@ -503,85 +503,50 @@ fn configure_pod_side(spec: &PodInterfaceSpec, tmp_peer: &str, host_mac: &str) -
         .await?;
         set_lo_up(&h).await?;
         for ip in ips {
-            match ip {
-                IpAddr::V4(ip) => pod_side_v4(&h, index, ip, &host_mac, &pod_if).await?,
-                IpAddr::V6(ip) => pod_side_v6(&h, index, ip, &host_mac, &pod_if).await?,
-            }
+            pod_side(&h, index, ip, &host_mac, &pod_if).await?;
         }
         let link = existing_link(&h, &pod_if).await?;
         Ok(mac_string(&link))
     })
 }
 
-/// The pod's IPv4 address (a /32), the gateway's neighbour entry and route, the default route.
-async fn pod_side_v4(
-    h: &Handle,
-    index: u32,
-    ip: Ipv4Addr,
-    host_mac: &[u8],
-    pod_if: &str,
-) -> Result<()> {
-    h.address()
-        .add(index, IpAddr::V4(ip), 32)
-        .execute()
-        .await
-        .map_err(nl_err(format!("address {ip}/32 on {pod_if}")))?;
-    h.neighbours()
-        .add(index, IpAddr::V4(POD_GATEWAY))
-        .link_layer_address(host_mac)
-        .state(NeighbourState::Permanent)
-        .replace()
-        .execute()
-        .await
-        .map_err(nl_err(format!("gateway neighbour {POD_GATEWAY}")))?;
-    link_route(
-        h,
-        IpAddr::V4(POD_GATEWAY),
-        index,
-        format!("gateway route {POD_GATEWAY}"),
-    )
-    .await?;
-    let default = RouteMessageBuilder::<Ipv4Addr>::new()
-        .destination_prefix(Ipv4Addr::UNSPECIFIED, 0)
-        .gateway(POD_GATEWAY)
-        .output_interface(index)
-        .build();
-    h.route()
-        .add(default)
-        .replace()
-        .execute()
-        .await
-        .map_err(nl_err(format!("default route via {POD_GATEWAY}")))
-}
-
-/// The pod's IPv6 address (a /128, no duplicate address detection), the link-local gateway's
-/// neighbour entry, the default route through it.
-async fn pod_side_v6(
-    h: &Handle,
-    index: u32,
-    ip: Ipv6Addr,
-    host_mac: &[u8],
-    pod_if: &str,
-) -> Result<()> {
+/// The pod's address of one family (an IPv4 /32; an IPv6 /128 without duplicate address
+/// detection: IPAM hands it out once), its gateway's permanent neighbour entry (the host
+/// veth's MAC), IPv4's link route to the gateway (IPv6's is link-local), the default route.
+async fn pod_side(h: &Handle, index: u32, ip: IpAddr, host_mac: &[u8], pod_if: &str) -> Result<()> {
     use rtnetlink::packet_route::address::{AddressAttribute, AddressFlags};
-    let mut add = h.address().add(index, IpAddr::V6(ip), 128);
-    add.message_mut()
-        .attributes
-        .push(AddressAttribute::Flags(AddressFlags::Nodad));
+    let (prefix, gateway) = match ip {
+        IpAddr::V4(_) => (32, IpAddr::V4(POD_GATEWAY)),
+        IpAddr::V6(_) => (128, IpAddr::V6(POD_GATEWAY6)),
+    };
+    let mut add = h.address().add(index, ip, prefix);
+    if ip.is_ipv6() {
+        add.message_mut()
+            .attributes
+            .push(AddressAttribute::Flags(AddressFlags::Nodad));
+    }
     add.execute()
         .await
-        .map_err(nl_err(format!("address {ip}/128 on {pod_if}")))?;
+        .map_err(nl_err(format!("address {ip}/{prefix} on {pod_if}")))?;
     h.neighbours()
-        .add(index, IpAddr::V6(POD_GATEWAY6))
+        .add(index, gateway)
         .link_layer_address(host_mac)
         .state(NeighbourState::Permanent)
         .replace()
         .execute()
         .await
-        .map_err(nl_err(format!("gateway neighbour {POD_GATEWAY6}")))?;
-    let default = RouteMessageBuilder::<Ipv6Addr>::new()
-        .destination_prefix(Ipv6Addr::UNSPECIFIED, 0)
-        .gateway(POD_GATEWAY6)
+        .map_err(nl_err(format!("gateway neighbour {gateway}")))?;
+    if gateway.is_ipv4() {
+        link_route(h, gateway, index, format!("gateway route {gateway}")).await?;
+    }
+    let unspecified = match gateway {
+        IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+    };
+    let default = RouteMessageBuilder::<IpAddr>::new()
+        .destination_prefix(unspecified, 0)
+        .and_then(|b| b.gateway(gateway))
+        .map_err(|e| NetdevError::Invalid(format!("default route via {gateway}: {e}")))?
         .output_interface(index)
         .build();
     h.route()
@@ -589,7 +554,7 @@ async fn pod_side_v6(
         .replace()
         .execute()
         .await
-        .map_err(nl_err(format!("default route via {POD_GATEWAY6}")))
+        .map_err(nl_err(format!("default route via {gateway}")))
 }
 
 /// Deletes a host interface (the veth's other end goes with it, and so do its routes and tc
