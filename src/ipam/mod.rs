@@ -105,12 +105,18 @@ pub fn node_pod_cidr_of(
     } else {
         [POD_CIDR_ANNOTATION, POD_CIDR_ANNOTATION_ALIAS]
     };
+    let family = if ipv6 { "IPv6" } else { "IPv4" };
     for name in names {
         if let Some(a) = annotations.get(name) {
-            return a
-                .parse()
-                .map(|n| Some((n, CidrSource::NodeAnnotation)))
-                .map_err(|_| format!("metadata.annotations[{name}]: {a:?} is not a CIDR"));
+            return match a.parse::<IpNet>() {
+                Ok(n) if matches!(n, IpNet::V6(_)) == ipv6 => {
+                    Ok(Some((n, CidrSource::NodeAnnotation)))
+                }
+                Ok(_) => Err(format!(
+                    "metadata.annotations[{name}]: {a:?} is not an {family} CIDR"
+                )),
+                Err(_) => Err(format!("metadata.annotations[{name}]: {a:?} is not a CIDR")),
+            };
         }
     }
     Ok(None)
@@ -667,6 +673,18 @@ mod tests {
                 "fd00:8::/112".parse().unwrap(),
                 CidrSource::NodeAnnotation
             )))
+        );
+        // An annotation of the other family is refused, naming it.
+        let wrong = [(
+            POD_CIDR6_ANNOTATIONS[0].to_string(),
+            "10.8.0.0/24".to_string(),
+        )]
+        .into_iter()
+        .collect();
+        let e = node_pod_cidr_of(&[], &wrong, true).unwrap_err();
+        assert!(
+            e.contains("ipv6-pod-cidr") && e.contains("not an IPv6 CIDR"),
+            "{e}"
         );
     }
 
