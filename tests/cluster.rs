@@ -168,8 +168,25 @@ fn pods_reach_each_other_across_nodes_and_node_2_admits_only_app_a_of_node_1() {
 /// their endpoint slices, as it judges IPv4 ones.
 #[test]
 fn dual_stack_pods_reach_each_other_across_nodes_over_ipv6_and_policy_judges_it() {
-    use common::cluster::{node_ip6, pod_cidr6};
-    let Some(mut c) = privileged().then(|| Cluster::start_dual_stack(2, &[])) else {
+    use common::cluster::node_ip6;
+    dual_stack_across_nodes(&[], |j| node_ip6(j).to_string());
+}
+
+/// The same in tunnel mode: the tunnel (IPv4 underlay) carries the IPv6 pod traffic, each IPv6
+/// pod CIDR routed through the vxlan device via the IPv6 next hop standing for its node
+/// (`tunnel::gateway6`, resolved to the node's VTEP MAC).
+#[test]
+fn dual_stack_tunnel_mode_carries_ipv6_pod_traffic_across_nodes() {
+    dual_stack_across_nodes(&["--routing-mode", "tunnel"], |j| {
+        ciliate::network::tunnel::gateway6(node_ip(j)).to_string()
+    });
+}
+
+/// A two-node dual-stack cluster (agents with `args`): both families' routes (IPv6's via
+/// `via6(node)`), IPv6 TCP across nodes, policy over both families, the remote ipcache.
+fn dual_stack_across_nodes(args: &[&str], via6: impl Fn(usize) -> String) {
+    use common::cluster::pod_cidr6;
+    let Some(mut c) = privileged().then(|| Cluster::start_dual_stack(2, args)) else {
         return;
     };
     let a = c.add_pod(1, "a", "a");
@@ -187,15 +204,16 @@ fn dual_stack_pods_reach_each_other_across_nodes_over_ipv6_and_policy_judges_it(
         node.agent()
             .wait_until("IPv4 and IPv6 routes are installed", || {
                 let routes = node.kernel_routes();
-                routes.contains(&(pod_cidr6(j), node_ip6(j).to_string()))
+                routes.contains(&(pod_cidr6(j), via6(j)))
                     && routes.contains(&(pod_cidr(j), node_ip(j).to_string()))
             });
         let list = node.node_list();
-        assert_eq!(
-            row(&list, &format!("node-{j}"))["route"],
-            "installed",
-            "{list}"
-        );
+        let state = if args.is_empty() {
+            "installed"
+        } else {
+            "tunnel"
+        };
+        assert_eq!(row(&list, &format!("node-{j}"))["route"], state, "{list}");
         assert_eq!(node.agent().cli_json(&["status"])["routes_installed"], 2);
     }
     tcp_server(&b.netns, b6, 8080);

@@ -168,9 +168,6 @@ pub fn run(config: AgentConfig) -> Result<(), AgentError> {
     }
     let ipam = crate::ipam::NodeIpam::from_flags(&config.pod_cidr, config.families)
         .map_err(AgentError::Config)?;
-    if config.families.ipv6 && config.routing.mode == crate::network::RoutingMode::Tunnel {
-        tracing::warn!("--enable-ipv6 with --routing-mode tunnel: the tunnel carries IPv4 alone yet; pods' IPv6 traffic stays on their node");
-    }
     // Whatever the agent creates (state directory, endpoint records, the socket) is its own:
     // a careless `umask 000` must not make it writable by other users.
     nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));

@@ -158,7 +158,9 @@ impl RouteApplier {
                     );
                 }
                 // Up to date: same gateway, and through the tunnel exactly in tunnel mode.
-                Some((Some(gw), oif)) if *gw == r.via && tunnel.is_none_or(|t| t == *oif) => {
+                Some((Some(gw), oif))
+                    if *gw == next_hop(r, tunnel.is_some()) && tunnel.is_none_or(|t| t == *oif) =>
+                {
                     outcome.insert(*r, Ok(()));
                 }
                 Some(_) => to_set.push((*r, true)),
@@ -186,14 +188,14 @@ impl RouteApplier {
             .filter(|d| kernel.contains_key(d))
             .copied()
             .collect();
-        // The tunnel's underlay is IPv4: its peers are the IPv4 next hops.
-        let peers: Vec<Ipv4Addr> = want
-            .iter()
-            .filter_map(|r| match r.via {
-                IpAddr::V4(v4) => Some(v4),
-                IpAddr::V6(_) => None,
-            })
-            .collect();
+        // The tunnel's underlay is IPv4: its peers are the IPv4 next hops, and whether an
+        // IPv6 pod CIDR goes through each.
+        let mut peers: BTreeMap<Ipv4Addr, bool> = BTreeMap::new();
+        for r in want {
+            if let IpAddr::V4(v4) = r.via {
+                *peers.entry(v4).or_default() |= r.dst.addr().is_ipv6();
+            }
+        }
         let changes = run_changes(to_set.clone(), stale_present.clone(), tunnel, peers);
         let (results, removed) = match changes {
             Ok(v) => v,
@@ -358,18 +360,19 @@ fn run_changes(
     set: Vec<(NodeRoute, bool)>,
     delete: Vec<IpNet>,
     tunnel: Option<u32>,
-    peers: Vec<Ipv4Addr>,
+    peers: BTreeMap<Ipv4Addr, bool>,
 ) -> Result<Changes, NetdevError> {
     with_netlink(None, move |h| async move {
         let mut results = Vec::new();
         let mut peer_errors = BTreeMap::new();
         if let Some(ifindex) = tunnel {
-            for p in &peers {
-                if let Err(e) = super::tunnel::set_peer(&h, ifindex, *p).await {
+            for (p, ipv6) in &peers {
+                if let Err(e) = super::tunnel::set_peer(&h, ifindex, *p, *ipv6).await {
                     peer_errors.insert(IpAddr::V4(*p), e.to_string());
                 }
             }
-            super::tunnel::prune_peers(&h, ifindex, &peers).await?;
+            let keep: Vec<Ipv4Addr> = peers.keys().copied().collect();
+            super::tunnel::prune_peers(&h, ifindex, &keep).await?;
         }
         for (r, replace) in set {
             if let Some(e) = peer_errors.get(&r.via) {
@@ -384,7 +387,7 @@ fn run_changes(
                 results.push((r, Err(e)));
                 continue;
             }
-            let b = match route_to(r.dst, Some(r.via)) {
+            let b = match route_to(r.dst, Some(next_hop(&r, tunnel.is_some()))) {
                 Ok(b) => b,
                 Err(e) => {
                     results.push((r, Err(format!("route {} via {}: {e}", r.dst, r.via))));
@@ -424,6 +427,15 @@ fn run_changes(
         }
         Ok((results, removed))
     })
+}
+
+/// The next hop a route is installed with: its `via`, except an IPv6 route through the
+/// tunnel, whose IPv4 `via` (the underlay) stands behind an IPv6 next hop (`tunnel::gateway6`).
+fn next_hop(r: &NodeRoute, tunnel: bool) -> IpAddr {
+    match (tunnel, r.dst, r.via) {
+        (true, IpNet::V6(_), IpAddr::V4(v4)) => IpAddr::V6(super::tunnel::gateway6(v4)),
+        _ => r.via,
+    }
 }
 
 /// A route of ciliate's protocol to `dst` (either family), through `via` when given. The

@@ -43,8 +43,8 @@ pub struct RoutingConfig {
     pub auto_direct_node_routes: bool,
     /// The cluster's pod address space: a remote pod CIDR outside it is not routed.
     pub native_routing_cidr: Option<Ipv4Net>,
-    /// `--enable-ipv6`: native mode also routes other nodes' IPv6 pod CIDRs, via their IPv6
-    /// address (the tunnel carries IPv4 alone yet).
+    /// `--enable-ipv6`: other nodes' IPv6 pod CIDRs are routed too: in native mode via their
+    /// IPv6 address, in tunnel mode through the tunnel (whose underlay is IPv4).
     pub ipv6: bool,
     /// `--ipv6-native-routing-cidr`: the IPv6 pod address space.
     pub ipv6_native_routing_cidr: Option<Ipv6Net>,
@@ -150,7 +150,7 @@ pub fn pod_cidrs_v6(node: &NodeInfo) -> Result<Vec<Ipv6Net>, String> {
 /// The pod CIDRs a node's routes go to: IPv4's, and IPv6's where `cfg` routes them.
 fn routed_cidrs(node: &NodeInfo, cfg: &RoutingConfig) -> Result<Vec<IpNet>, String> {
     let mut out: Vec<IpNet> = pod_cidrs_v4(node)?.into_iter().map(IpNet::V4).collect();
-    if cfg.ipv6 && cfg.mode == RoutingMode::Native {
+    if cfg.ipv6 {
         out.extend(pod_cidrs_v6(node)?.into_iter().map(IpNet::V6));
     }
     Ok(out)
@@ -210,7 +210,7 @@ fn node_routes(
     let cidrs = cidrs.as_ref().map_err(|e| format!("Node {name}: {e}"))?;
     let mut routes = Vec::new();
     for net in cidrs {
-        let via = route_via(name, node, net)?;
+        let via = route_via(name, node, net, cfg.mode)?;
         if let (Some(space), IpNet::V4(v4)) = (cfg.native_routing_cidr, net) {
             if !space.contains(v4) {
                 return Err(format!(
@@ -247,8 +247,18 @@ fn node_routes(
 }
 
 /// The node address a pod CIDR of `net`'s family is routed through.
-fn route_via(name: &str, node: &NodeInfo, net: &IpNet) -> Result<IpAddr, String> {
+/// In tunnel mode every route goes via the node's IPv4 address, the tunnel's underlay (the
+/// applier gives an IPv6 route a next hop of its own family standing for it, `tunnel::gateway6`).
+fn route_via(
+    name: &str,
+    node: &NodeInfo,
+    net: &IpNet,
+    mode: RoutingMode,
+) -> Result<IpAddr, String> {
     match net {
+        IpNet::V4(_) | IpNet::V6(_) if mode == RoutingMode::Tunnel => node_ipv4(node)
+            .map(IpAddr::V4)
+            .ok_or_else(|| format!("Node {name}: status.addresses: no IPv4 InternalIP")),
         IpNet::V4(_) => node_ipv4(node)
             .map(IpAddr::V4)
             .ok_or_else(|| format!("Node {name}: status.addresses: no IPv4 InternalIP")),
@@ -443,19 +453,23 @@ mod tests {
                 route("fd01:2::/112", "fd00:18::3")
             ])
         );
-        // Off, or in tunnel mode (its underlay carries IPv4 alone): IPv4's routes only.
-        for cfg in [
-            native(),
-            RoutingConfig {
-                mode: RoutingMode::Tunnel,
-                ..dual.clone()
-            },
-        ] {
-            assert_eq!(
-                all_routes(&desired_routes("a", &n, &cfg)),
-                BTreeSet::from([route("10.1.2.0/24", "172.18.0.3")])
-            );
-        }
+        // Off: IPv4's routes only.
+        assert_eq!(
+            all_routes(&desired_routes("a", &n, &native())),
+            BTreeSet::from([route("10.1.2.0/24", "172.18.0.3")])
+        );
+        // Tunnel mode: both families via the node's IPv4 address, the tunnel's underlay.
+        let tunnel = RoutingConfig {
+            mode: RoutingMode::Tunnel,
+            ..dual.clone()
+        };
+        assert_eq!(
+            all_routes(&desired_routes("a", &n, &tunnel)),
+            BTreeSet::from([
+                route("10.1.2.0/24", "172.18.0.3"),
+                route("fd01:2::/112", "172.18.0.3")
+            ])
+        );
         // Outside --ipv6-native-routing-cidr, or without an IPv6 address: a problem, named.
         let fenced = RoutingConfig {
             ipv6_native_routing_cidr: Some("fd02::/48".parse().unwrap()),

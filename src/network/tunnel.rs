@@ -5,7 +5,7 @@
 //! ciliate_vxlan onlink`. The device carries this agent's mark (its alias), so another agent's
 //! device is never used or changed. Runs inside a `with_netlink` closure (blocking thread).
 
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use futures_util::TryStreamExt;
 use rtnetlink::packet_route::link::LinkMessage;
@@ -33,6 +33,30 @@ pub const VXLAN_OVERHEAD: u32 = 50;
 pub fn vtep_mac(ip: Ipv4Addr) -> [u8; 6] {
     let o = ip.octets();
     [0x02, 0xc1, o[0], o[1], o[2], o[3]]
+}
+
+/// The IPv6 next hop that stands for the node at `ip` on the device: the kernel takes no IPv4
+/// next hop for an IPv6 route, so IPv6 pod CIDRs go via this link-local address, whose
+/// permanent neighbour entry is the node's VTEP MAC (and the FDB sends that MAC to `ip`).
+/// `fe80::c1:0:` and the four bytes of the address, the same on every node.
+pub fn gateway6(ip: Ipv4Addr) -> Ipv6Addr {
+    let o = ip.octets();
+    Ipv6Addr::new(
+        0xfe80,
+        0,
+        0,
+        0,
+        0xc1,
+        0,
+        u16::from_be_bytes([o[0], o[1]]),
+        u16::from_be_bytes([o[2], o[3]]),
+    )
+}
+
+/// Whether `ip` is of the form `gateway6` gives.
+fn is_gateway6(ip: &Ipv6Addr) -> bool {
+    let s = ip.segments();
+    s[..6] == [0xfe80, 0, 0, 0, 0xc1, 0]
 }
 
 type Result<T> = std::result::Result<T, NetdevError>;
@@ -116,8 +140,9 @@ pub async fn ensure_device(h: &Handle, local: Ipv4Addr, mtu: u32, mark: &str) ->
 }
 
 /// The FDB entry (the peer's MAC is reached at its IP) and the neighbour (its IP has that MAC)
-/// of one remote node on the device.
-pub async fn set_peer(h: &Handle, ifindex: u32, peer: Ipv4Addr) -> Result<()> {
+/// of one remote node on the device; with `ipv6`, also the neighbour of its IPv6 next hop
+/// (`gateway6`), for routes to its IPv6 pod CIDRs.
+pub async fn set_peer(h: &Handle, ifindex: u32, peer: Ipv4Addr, ipv6: bool) -> Result<()> {
     let mac = vtep_mac(peer);
     h.neighbours()
         .add_bridge(ifindex, &mac)
@@ -128,32 +153,48 @@ pub async fn set_peer(h: &Handle, ifindex: u32, peer: Ipv4Addr) -> Result<()> {
         .execute()
         .await
         .map_err(nl_err(format!("fdb {VXLAN_DEVICE} -> {peer}")))?;
-    h.neighbours()
-        .add(ifindex, IpAddr::V4(peer))
-        .link_layer_address(&mac)
-        .state(NeighbourState::Permanent)
-        .replace()
-        .execute()
-        .await
-        .map_err(nl_err(format!("neighbour {peer} on {VXLAN_DEVICE}")))
+    let mut next_hops = vec![IpAddr::V4(peer)];
+    if ipv6 {
+        next_hops.push(IpAddr::V6(gateway6(peer)));
+    }
+    for hop in next_hops {
+        h.neighbours()
+            .add(ifindex, hop)
+            .link_layer_address(&mac)
+            .state(NeighbourState::Permanent)
+            .replace()
+            .execute()
+            .await
+            .map_err(nl_err(format!("neighbour {hop} on {VXLAN_DEVICE}")))?;
+    }
+    Ok(())
 }
 
 /// Removes the device's neighbours and FDB entries of nodes no longer wanted (the device is
 /// this agent's, so all of its entries are).
 pub async fn prune_peers(h: &Handle, ifindex: u32, keep: &[Ipv4Addr]) -> Result<()> {
     let mut stale = Vec::new();
-    for family in [AddressFamily::Inet, AddressFamily::Bridge] {
+    let keep6: Vec<Ipv6Addr> = keep.iter().map(|k| gateway6(*k)).collect();
+    for family in [
+        AddressFamily::Inet,
+        AddressFamily::Inet6,
+        AddressFamily::Bridge,
+    ] {
         let mut s = h.neighbours().get().set_address_family(family).execute();
         while let Some(m) = s.try_next().await.map_err(nl_err("dump neighbours"))? {
             if m.header.ifindex != ifindex {
                 continue;
             }
-            let ip = m.attributes.iter().find_map(|a| match a {
-                NeighbourAttribute::Destination(NeighbourAddress::Inet(ip)) => Some(*ip),
-                _ => None,
+            let stale_entry = m.attributes.iter().any(|a| match a {
+                NeighbourAttribute::Destination(NeighbourAddress::Inet(ip)) => !keep.contains(ip),
+                // Only next hops of ours (`gateway6`): the kernel's own IPv6 entries stay.
+                NeighbourAttribute::Destination(NeighbourAddress::Inet6(ip)) => {
+                    is_gateway6(ip) && !keep6.contains(ip)
+                }
+                _ => false,
             });
             // Bridge entries without a destination are the device's own.
-            if ip.is_some_and(|ip| !keep.contains(&ip)) {
+            if stale_entry {
                 stale.push(m);
             }
         }
@@ -188,5 +229,18 @@ mod tests {
         assert_eq!(m[0] & 0x01, 0, "unicast");
         assert_eq!(m[0] & 0x02, 0x02, "locally administered");
         assert_ne!(m, vtep_mac(Ipv4Addr::new(172, 20, 0, 13)));
+    }
+
+    #[test]
+    fn a_nodes_ipv6_next_hop_is_link_local_and_recognised_as_ours() {
+        let g = gateway6(Ipv4Addr::new(172, 20, 0, 12));
+        assert_eq!(g.to_string(), "fe80::c1:0:ac14:c");
+        assert!(g.is_unicast_link_local());
+        assert!(is_gateway6(&g));
+        assert_ne!(g, gateway6(Ipv4Addr::new(172, 20, 0, 13)));
+        // The kernel's own entries on the device (a router's, a multicast group's) are not.
+        for other in ["fe80::1", "fe80::c1:1:ac14:c", "ff02::1"] {
+            assert!(!is_gateway6(&other.parse().unwrap()), "{other}");
+        }
     }
 }
