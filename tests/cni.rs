@@ -65,6 +65,11 @@ fn ipam_allocated(agent: &Agent) -> u64 {
 /// its own, on `cluster()` and POLICIES with b open to a on 8080: the directory, the pins, the
 /// arguments (to restart it) and the agent.
 fn bpf_agent(tag: &str) -> (tempfile::TempDir, String, Vec<String>, Agent) {
+    bpf_agent_with(tag, &[])
+}
+
+/// `bpf_agent` with `extra` agent flags.
+fn bpf_agent_with(tag: &str, extra: &[&str]) -> (tempfile::TempDir, String, Vec<String>, Agent) {
     let tmp = tempfile::tempdir().unwrap();
     let m = tmp.path().join("manifests");
     std::fs::create_dir_all(&m).unwrap();
@@ -80,7 +85,9 @@ fn bpf_agent(tag: &str) -> (tempfile::TempDir, String, Vec<String>, Agent) {
         &unique_pod_cidr(),
     ]
     .map(String::from)
-    .into();
+    .into_iter()
+    .chain(extra.iter().map(|a| a.to_string()))
+    .collect();
     let agent = Agent::start_with(
         tmp.path(),
         &args.iter().map(String::as_str).collect::<Vec<_>>(),
@@ -98,26 +105,10 @@ fn dual_stack_pods_get_one_address_per_family_and_ipv6_is_judged_as_ipv4_is() {
     if !privileged() {
         return;
     }
-    let tmp = tempfile::tempdir().unwrap();
-    let m = tmp.path().join("manifests");
-    std::fs::create_dir_all(&m).unwrap();
-    std::fs::write(m.join("cluster.yaml"), cluster()).unwrap();
-    std::fs::write(m.join("policy.yaml"), POLICIES.replace("PORT", "8080")).unwrap();
-    let pins = format!("/sys/fs/bpf/ciliate-dual-{}", std::process::id());
     let cidr6 = format!("fd00:{:x}:6::/112", std::process::id() % 0xffff);
-    let cidr4 = unique_pod_cidr();
-    let args = [
-        "--datapath",
-        "bpf",
-        "--bpf-root",
-        &pins,
-        "--pod-cidr",
-        &cidr4,
-        "--pod-cidr",
-        &cidr6,
-        "--enable-ipv6=true",
-    ];
-    let mut agent = Agent::start_with(tmp.path(), &args);
+    let (tmp, pins, args, mut agent) =
+        bpf_agent_with("dual", &["--pod-cidr", &cidr6, "--enable-ipv6=true"]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let mut pods = CniPods::new(&agent.socket(), std::path::Path::new(&pins));
     let (a, b, c) = (pods.add("x", "a"), pods.add("x", "b"), pods.add("x", "c"));
     let net6: ipnet::Ipv6Net = cidr6.parse().unwrap();
@@ -235,7 +226,6 @@ fn dual_stack_pods_get_one_address_per_family_and_ipv6_is_judged_as_ipv4_is() {
     });
     verdicts("restarted");
     drop(pods);
-    drop(m);
 }
 
 /// TCP connections from `netns` to `to:port` every 20 ms until stopped: how many were made and

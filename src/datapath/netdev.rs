@@ -262,6 +262,25 @@ async fn link_route(handle: &Handle, dst: IpAddr, ifindex: u32, step: String) ->
         .map_err(nl_err(step))
 }
 
+/// Sets (or replaces) the permanent neighbour entry `ip` -> `mac` on `ifindex`; `step` names it
+/// in errors.
+pub(crate) async fn permanent_neighbour(
+    h: &Handle,
+    ifindex: u32,
+    ip: IpAddr,
+    mac: &[u8],
+    step: String,
+) -> Result<()> {
+    h.neighbours()
+        .add(ifindex, ip)
+        .link_layer_address(mac)
+        .state(NeighbourState::Permanent)
+        .replace()
+        .execute()
+        .await
+        .map_err(nl_err(step))
+}
+
 /// Sets the namespace's loopback up (a new network namespace has it down).
 pub(crate) async fn set_lo_up(handle: &Handle) -> Result<()> {
     match link_by_name(handle, "lo").await? {
@@ -437,14 +456,8 @@ pub fn create_pod_interface(spec: &PodInterfaceSpec) -> Result<PodInterfaces> {
             for ip in ips {
                 link_route(&h, ip, ifindex, format!("host route {ip} dev {host_if}")).await?;
                 if ip.is_ipv6() {
-                    h.neighbours()
-                        .add(ifindex, ip)
-                        .link_layer_address(&pod_mac_bytes)
-                        .state(NeighbourState::Permanent)
-                        .replace()
-                        .execute()
-                        .await
-                        .map_err(nl_err(format!("neighbour {ip} on {host_if}")))?;
+                    let step = format!("neighbour {ip} on {host_if}");
+                    permanent_neighbour(&h, ifindex, ip, &pod_mac_bytes, step).await?;
                 }
             }
             Ok(())
@@ -528,14 +541,8 @@ async fn pod_side(h: &Handle, index: u32, ip: IpAddr, host_mac: &[u8], pod_if: &
     add.execute()
         .await
         .map_err(nl_err(format!("address {ip}/{prefix} on {pod_if}")))?;
-    h.neighbours()
-        .add(index, gateway)
-        .link_layer_address(host_mac)
-        .state(NeighbourState::Permanent)
-        .replace()
-        .execute()
-        .await
-        .map_err(nl_err(format!("gateway neighbour {gateway}")))?;
+    let step = format!("gateway neighbour {gateway}");
+    permanent_neighbour(h, index, gateway, host_mac, step).await?;
     if gateway.is_ipv4() {
         link_route(h, gateway, index, format!("gateway route {gateway}")).await?;
     }

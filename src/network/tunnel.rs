@@ -15,7 +15,9 @@ use rtnetlink::packet_route::neighbour::{
 use rtnetlink::packet_route::AddressFamily;
 use rtnetlink::{Handle, LinkUnspec, LinkVxlan};
 
-use crate::datapath::netdev::{alias, link_by_name, nl_err, owned, set_link, NetdevError};
+use crate::datapath::netdev::{
+    alias, link_by_name, nl_err, owned, permanent_neighbour, set_link, NetdevError,
+};
 
 /// The tunnel device of an agent.
 pub const VXLAN_DEVICE: &str = "ciliate_vxlan";
@@ -158,14 +160,8 @@ pub async fn set_peer(h: &Handle, ifindex: u32, peer: Ipv4Addr, ipv6: bool) -> R
         next_hops.push(IpAddr::V6(gateway6(peer)));
     }
     for hop in next_hops {
-        h.neighbours()
-            .add(ifindex, hop)
-            .link_layer_address(&mac)
-            .state(NeighbourState::Permanent)
-            .replace()
-            .execute()
-            .await
-            .map_err(nl_err(format!("neighbour {hop} on {VXLAN_DEVICE}")))?;
+        let step = format!("neighbour {hop} on {VXLAN_DEVICE}");
+        permanent_neighbour(h, ifindex, hop, &mac, step).await?;
     }
     Ok(())
 }
