@@ -52,6 +52,37 @@ struct lb4_revnat_value {
 	__u32 service_id;
 };
 
+/* The IPv6 frontend (lb6_services' key; its values are struct lb4_service). */
+struct lb6_key {
+	__u32 address[4];
+	__u16 dport;
+	__u16 backend_slot;
+	__u8 proto;
+	__u8 pad[3];
+};
+
+struct lb6_backend {
+	__u32 address[4];
+	__u16 port;
+	__u8 proto;
+	__u8 pad;
+};
+
+struct lb6_revnat_key {
+	__u64 cookie;
+	__u32 address[4];
+	__u16 port;
+	__u16 pad;
+	__u32 pad2;
+};
+
+struct lb6_revnat_value {
+	__u32 address[4];
+	__u16 port;
+	__u16 pad;
+	__u32 service_id;
+};
+
 /* The next ids to hand out (one entry): ids are never reused, across restarts too. */
 struct lb_ids {
 	__u32 next_service;

@@ -7,7 +7,7 @@
 mod common;
 
 use std::io::{Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::os::fd::AsRawFd;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -46,7 +46,7 @@ fn service_client_helper() {
         },
         // Unconnected: sendmsg4 translates, recvmsg4 shows the reply from the ClusterIP.
         "udp" => {
-            let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+            let s = UdpSocket::bind(any(&to)).unwrap();
             s.set_read_timeout(Some(Duration::from_millis(1500)))
                 .unwrap();
             match s.send_to(b"ping", to) {
@@ -64,7 +64,7 @@ fn service_client_helper() {
         }
         // Connected: connect4 translates, getpeername4 shows the ClusterIP.
         "udp-connected" => {
-            let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+            let s = UdpSocket::bind(any(&to)).unwrap();
             s.set_read_timeout(Some(Duration::from_millis(1500)))
                 .unwrap();
             match s.connect(to).and_then(|_| s.send(b"ping")) {
@@ -107,6 +107,16 @@ fn service_client_helper() {
     println!("\nRESULT: {result}");
 }
 
+/// The unspecified address of `to`'s family, port 0 (an IPv6 socket also reaches IPv4-mapped
+/// addresses).
+fn any(to: &SocketAddr) -> &'static str {
+    if to.is_ipv6() {
+        "[::]:0"
+    } else {
+        "0.0.0.0:0"
+    }
+}
+
 /// Runs the client in `netns` and `cgroup` (joined before exec); returns its result line.
 fn client(netns: &str, cgroup: &Path, kind: &str, to: SocketAddr) -> String {
     let ns = std::fs::File::open(format!("/run/netns/{netns}")).expect("netns file");
@@ -146,29 +156,35 @@ fn client(netns: &str, cgroup: &Path, kind: &str, to: SocketAddr) -> String {
         .to_string()
 }
 
-/// TCP and UDP servers in a pod's namespace that answer with the pod's name.
+/// TCP and UDP servers in a pod's namespace that answer with the pod's name, on each of its
+/// addresses.
 fn named_servers(pod: &CniPod) {
     let (tx, rx) = std::sync::mpsc::channel();
-    let (addr, name) = (pod.addr, pod.name.clone());
-    let tx2 = tx.clone();
-    in_netns(&pod.netns, move || {
-        let l = TcpListener::bind((addr, 8080)).expect("bind");
-        tx.send(()).unwrap();
-        for mut s in l.incoming().flatten() {
-            let _ = s.write_all(name.as_bytes());
-        }
-    });
-    let name = pod.name.clone();
-    in_netns(&pod.netns, move || {
-        let s = UdpSocket::bind((addr, 5353)).expect("bind");
-        tx2.send(()).unwrap();
-        let mut buf = [0u8; 64];
-        while let Ok((_, from)) = s.recv_from(&mut buf) {
-            let _ = s.send_to(name.as_bytes(), from);
-        }
-    });
-    rx.recv().unwrap();
-    rx.recv().unwrap();
+    let addrs: Vec<IpAddr> = std::iter::once(IpAddr::V4(pod.addr))
+        .chain(pod.addr6.map(IpAddr::V6))
+        .collect();
+    for addr in &addrs {
+        let (addr, name, tx1) = (*addr, pod.name.clone(), tx.clone());
+        in_netns(&pod.netns, move || {
+            let l = TcpListener::bind((addr, 8080)).expect("bind");
+            tx1.send(()).unwrap();
+            for mut s in l.incoming().flatten() {
+                let _ = s.write_all(name.as_bytes());
+            }
+        });
+        let (name, tx2) = (pod.name.clone(), tx.clone());
+        in_netns(&pod.netns, move || {
+            let s = UdpSocket::bind((addr, 5353)).expect("bind");
+            tx2.send(()).unwrap();
+            let mut buf = [0u8; 64];
+            while let Ok((_, from)) = s.recv_from(&mut buf) {
+                let _ = s.send_to(name.as_bytes(), from);
+            }
+        });
+    }
+    for _ in 0..2 * addrs.len() {
+        rx.recv().unwrap();
+    }
 }
 
 /// The test's cgroup, removed at the end whatever happens.
@@ -481,6 +497,222 @@ fn services_are_translated_before_egress_policy_and_survive_kill_9() {
     assert_eq!(after, before, "service and backend ids survive the restart");
     let r = client(&a.netns, &cgroup.0, "tcp", to(50, 80));
     assert_eq!(r, "ok b1", "after the restart: {r}");
+    drop(pods);
+    agent.stop();
+}
+
+/// A dual-stack Service `b` (NET4.60 and NET6::60, one slice per family), an IPv6-only Service
+/// `c6` and an IPv6 Service `empty6` whose only endpoint is not ready.
+fn services_dual(net4: &str, net6: &str, b1: &CniPod, c: &CniPod) -> String {
+    let (b1_4, b1_6, c6) = (b1.addr, b1.addr6.unwrap(), c.addr6.unwrap());
+    format!(
+        "apiVersion: v1
+kind: Service
+metadata: {{name: b, namespace: x}}
+spec:
+  ipFamilyPolicy: RequireDualStack
+  clusterIPs: ['{net4}.60', '{net6}::60']
+  ports:
+    - {{name: http, port: 80, targetPort: http}}
+    - {{name: dns, port: 53, protocol: UDP, targetPort: 5353}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: b-4, namespace: x, labels: {{kubernetes.io/service-name: b}}}}
+addressType: IPv4
+endpoints: [{{addresses: ['{b1_4}']}}]
+ports: [{{name: http, port: 8080}}, {{name: dns, port: 5353, protocol: UDP}}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: b-6, namespace: x, labels: {{kubernetes.io/service-name: b}}}}
+addressType: IPv6
+endpoints: [{{addresses: ['{b1_6}']}}]
+ports: [{{name: http, port: 8080}}, {{name: dns, port: 5353, protocol: UDP}}]
+---
+apiVersion: v1
+kind: Service
+metadata: {{name: c6, namespace: x}}
+spec:
+  clusterIPs: ['{net6}::62']
+  ports: [{{port: 80, targetPort: 8080}}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: c6-1, namespace: x, labels: {{kubernetes.io/service-name: c6}}}}
+addressType: IPv6
+endpoints: [{{addresses: ['{c6}']}}]
+---
+apiVersion: v1
+kind: Service
+metadata: {{name: empty6, namespace: x}}
+spec:
+  clusterIPs: ['{net6}::63']
+  ports: [{{port: 80, targetPort: 8080}}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: empty6-1, namespace: x, labels: {{kubernetes.io/service-name: empty6}}}}
+addressType: IPv6
+endpoints: [{{addresses: ['{b1_6}'], conditions: {{ready: false}}}}]
+"
+    )
+}
+
+/// IPv6 and dual-stack Services (connect6, sendmsg6, recvmsg6, getpeername6), on a dual-stack
+/// node: the IPv6 ClusterIP goes to the IPv6 backend and the egress policy judges the backend
+/// (allowed b, denied c), UDP replies and a connected socket's peer show the ClusterIP, a
+/// frontend without a ready backend fails the connect at once, an IPv6 socket's IPv4-mapped
+/// ClusterIP goes through the IPv4 tables, and translation goes on through a `kill -9` with
+/// every id kept. Both ClusterIP ranges are blackholed in the pods' namespaces.
+#[test]
+fn ipv6_and_dual_stack_services_are_translated_before_egress_policy_and_survive_kill_9() {
+    if !privileged() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tmp.path().join("manifests");
+    std::fs::create_dir_all(&m).unwrap();
+    std::fs::write(m.join("cluster.yaml"), cluster()).unwrap();
+    let tag = std::process::id();
+    let cgroup = Cgroup(PathBuf::from(format!(
+        "/sys/fs/cgroup/unified/ciliate-svc6-{tag}"
+    )));
+    std::fs::create_dir_all(&cgroup.0).expect("a cgroup v2 directory");
+    let (cidr, cidr6) = (
+        unique_pod_cidr(),
+        format!("fd00:{:x}:7::/112", tag % 0xffff),
+    );
+    let pins = format!("/sys/fs/bpf/ciliate-svc6-{tag}");
+    let net4 = format!("10.97.{}", 100 + tag % 150);
+    let net6 = format!("fd00:97:{:x}", tag % 0xffff);
+    let args = [
+        "--datapath",
+        "bpf",
+        "--bpf-root",
+        pins.as_str(),
+        "--pod-cidr",
+        cidr.as_str(),
+        "--pod-cidr",
+        cidr6.as_str(),
+        "--enable-ipv6=true",
+        "--cgroup-root",
+        cgroup.0.to_str().unwrap(),
+    ];
+    let mut agent = Agent::start_with(tmp.path(), &args);
+    let mut pods = CniPods::new(&agent.socket(), Path::new(&pins));
+    let (a, b1, c) = (pods.add("x", "a"), pods.add("x", "b1"), pods.add("x", "c"));
+    for p in [&a, &b1, &c] {
+        blackhole(&p.netns, &net4);
+        ip(&[
+            "-n",
+            &p.netns,
+            "-6",
+            "route",
+            "add",
+            "blackhole",
+            &format!("{net6}::/64"),
+        ]);
+    }
+    for p in [&b1, &c] {
+        named_servers(p);
+    }
+    let v6 = |last: u16, port: u16| -> SocketAddr {
+        format!("[{net6}::{last:x}]:{port}").parse().unwrap()
+    };
+    let mapped = |last: u8, port: u16| -> SocketAddr {
+        let v4: Ipv4Addr = format!("{net4}.{last}").parse().unwrap();
+        SocketAddr::new(IpAddr::V6(v4.to_ipv6_mapped()), port)
+    };
+    let r = client(&a.netns, &cgroup.0, "tcp", v6(0x60, 80));
+    assert!(r.starts_with("err"), "untranslated IPv6 ClusterIP: {r}");
+
+    std::fs::write(
+        m.join("services.yaml"),
+        services_dual(&net4, &net6, &b1, &c),
+    )
+    .unwrap();
+    let fe6 = format!("[{net6}::60]:80/TCP");
+    eventually("the IPv6 frontends are written", || {
+        let l = agent.cli_json(&["service", "list"]);
+        l.as_array().is_some_and(|a| a.len() == 6) && frontend(&l, &fe6)["service_id"].is_u64()
+    });
+    let list = agent.cli_json(&["service", "list"]);
+    let b6 = frontend(&list, &fe6);
+    assert_eq!(b6["backends"].as_array().map(Vec::len), Some(1), "{b6}");
+    assert_eq!(
+        b6["backends"][0]["ip"],
+        b1.addr6.unwrap().to_string(),
+        "{b6}"
+    );
+    assert_eq!(
+        frontend(&list, &format!("{net4}.60:80/TCP"))["backends"][0]["ip"],
+        b1.addr.to_string(),
+        "each family's frontend has its own family's backend"
+    );
+
+    // Allowed: a reaches b over IPv6, TCP and UDP (the reply and the peer show the ClusterIP).
+    assert_eq!(client(&a.netns, &cgroup.0, "tcp", v6(0x60, 80)), "ok b1");
+    let r = client(&a.netns, &cgroup.0, "udp", v6(0x60, 53));
+    assert_eq!(
+        r,
+        format!("ok b1 from={}", v6(0x60, 53)),
+        "sendmsg6/recvmsg6"
+    );
+    let r = client(&a.netns, &cgroup.0, "udp-connected", v6(0x60, 53));
+    assert_eq!(
+        r,
+        format!("ok b1 peer={}", v6(0x60, 53)),
+        "connect6/getpeername6"
+    );
+    // An IPv6 socket to the IPv4 ClusterIP, IPv4-mapped: the IPv4 tables translate it.
+    assert_eq!(client(&a.netns, &cgroup.0, "tcp", mapped(60, 80)), "ok b1");
+    let r = client(&a.netns, &cgroup.0, "udp", mapped(60, 53));
+    assert_eq!(
+        r,
+        format!("ok b1 from={}", mapped(60, 53)),
+        "IPv4-mapped UDP"
+    );
+
+    // Denied: c6 leads to c, which a's egress policy does not allow (judged as c).
+    let r = client(&a.netns, &cgroup.0, "tcp", v6(0x62, 80));
+    assert!(r.starts_with("err TimedOut"), "a -> c6 is denied: {r}");
+    let r = client(&c.netns, &cgroup.0, "tcp", v6(0x60, 80));
+    assert_eq!(r, "ok b1", "c has no egress policy");
+    // No ready backend: the connect fails at once.
+    let fails_at_once = |r: &str| {
+        let ms: u64 = r
+            .rsplit(' ')
+            .next()
+            .and_then(|t| t.strip_suffix("ms"))
+            .and_then(|t| t.parse().ok())
+            .unwrap_or(u64::MAX);
+        r.starts_with("err PermissionDenied") && ms < 1000
+    };
+    let r = client(&a.netns, &cgroup.0, "tcp", v6(0x63, 80));
+    assert!(
+        fails_at_once(&r),
+        "an IPv6 Service with no ready backend: {r}"
+    );
+
+    // kill -9: IPv6 translation goes on and still fails closed; the restart keeps every id.
+    let before = ids(&agent.cli_json(&["service", "list"]));
+    assert!(before.iter().all(|(_, s, _)| s.is_u64()), "{before:?}");
+    if let Some(mut child) = agent.child.take() {
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+    assert_eq!(client(&a.netns, &cgroup.0, "tcp", v6(0x60, 80)), "ok b1");
+    let r = client(&a.netns, &cgroup.0, "tcp", v6(0x63, 80));
+    assert!(fails_at_once(&r), "still fails closed: {r}");
+    let mut agent = Agent::start_with(tmp.path(), &args);
+    pods.socket = agent.socket();
+    let after = ids(&agent.cli_json(&["service", "list"]));
+    assert_eq!(
+        after, before,
+        "IPv6 service and backend ids survive the restart"
+    );
+    assert_eq!(client(&a.netns, &cgroup.0, "tcp", v6(0x60, 80)), "ok b1");
     drop(pods);
     agent.stop();
 }

@@ -26,10 +26,9 @@ pub use table::{
 pub trait LbMaps: Send {
     /// A short name for status ("bpf", "memory").
     fn name(&self) -> &'static str;
-    /// Whether frontends of this family are translated.
-    fn supports(&self, ip: &IpAddr) -> bool;
     fn upsert_backend(&mut self, id: u32, backend: &Backend) -> Result<(), String>;
-    fn delete_backend(&mut self, id: u32) -> Result<(), String>;
+    /// `backend` is what `id` was written as (its family names the map).
+    fn delete_backend(&mut self, id: u32, backend: &Backend) -> Result<(), String>;
     /// Writes slots 1..=backends.len(), then the master entry, then removes slots up to
     /// `old_count`.
     fn upsert_frontend(
@@ -65,13 +64,10 @@ impl LbMaps for NoMaps {
     fn name(&self) -> &'static str {
         "memory"
     }
-    fn supports(&self, _: &IpAddr) -> bool {
-        true
-    }
     fn upsert_backend(&mut self, _: u32, _: &Backend) -> Result<(), String> {
         Ok(())
     }
-    fn delete_backend(&mut self, _: u32) -> Result<(), String> {
+    fn delete_backend(&mut self, _: u32, _: &Backend) -> Result<(), String> {
         Ok(())
     }
     fn upsert_frontend(&mut self, _: &Frontend, _: u32, _: &[u32], _: usize) -> Result<(), String> {
@@ -329,7 +325,7 @@ impl Inner {
     /// Makes the maps hold `state` for `fe` (`None`: remove it).
     fn realize(&mut self, fe: &Frontend, state: Option<&FrontendState>) {
         let old_count = self.realized.get(fe).map_or(0, |r| r.backends.len());
-        let Some(state) = state.filter(|_| self.maps.supports(&fe.ip)) else {
+        let Some(state) = state else {
             if let Some(old) = self.realized.remove(fe) {
                 if let Err(e) = self.maps.delete_frontend(fe, old_count) {
                     tracing::error!(frontend = %fe, error = %e, "service not removed from the datapath");
@@ -407,7 +403,7 @@ impl Inner {
             .map(|(id, (b, _))| (*id, *b))
             .collect();
         for (id, b) in unused {
-            if let Err(e) = self.maps.delete_backend(id) {
+            if let Err(e) = self.maps.delete_backend(id, &b) {
                 tracing::error!(backend = id, error = %e, "backend not removed");
                 continue;
             }

@@ -21,14 +21,11 @@ impl LbMaps for ModelMaps {
     fn name(&self) -> &'static str {
         "model"
     }
-    fn supports(&self, ip: &IpAddr) -> bool {
-        ip.is_ipv4()
-    }
     fn upsert_backend(&mut self, id: u32, b: &Backend) -> Result<(), String> {
         self.0.lock().unwrap().backends.insert(id, *b);
         Ok(())
     }
-    fn delete_backend(&mut self, id: u32) -> Result<(), String> {
+    fn delete_backend(&mut self, id: u32, _: &Backend) -> Result<(), String> {
         self.0.lock().unwrap().backends.remove(&id);
         Ok(())
     }
@@ -223,13 +220,38 @@ fn a_restart_keeps_ids_serves_meanwhile_and_drops_only_what_is_gone() {
     assert_eq!(maps.contents().backends.len(), 1, "b's backend is gone");
 }
 
+/// A dual-stack Service: one frontend per ClusterIP, each with the backends of its own family
+/// only; removing the IPv6 slice empties the IPv6 frontend and frees its backend.
 #[test]
-fn ipv6_frontends_are_listed_but_not_written_where_unsupported() {
+fn each_family_frontend_gets_its_own_familys_backends() {
     let maps = ModelMaps::default();
     let lb = ServiceLb::new(Box::new(maps.clone()), Restored::default(), None);
     lb.initial_sync_done();
-    lb.set_service("ns", "v6", Some(spec("fd00::10")));
-    assert_eq!(lb.list().len(), 1);
-    assert_eq!(lb.list()[0].service_id, None);
-    assert!(maps.contents().slots.is_empty());
+    let mut dual = spec("10.96.0.10");
+    dual.cluster_ips.push(ip("fd00:96::10"));
+    lb.set_service("ns", "dual", Some(dual));
+    lb.set_slice("ns/dual-4", Some(slice("dual", &[("10.0.0.1", true)])));
+    lb.set_slice("ns/dual-6", Some(slice("dual", &[("fd00:10::1", true)])));
+    assert_eq!(
+        maps.frontend(&fe("10.96.0.10", 80)),
+        Some((1, vec![be("10.0.0.1")]))
+    );
+    assert_eq!(
+        maps.frontend(&fe("fd00:96::10", 80)),
+        Some((1, vec![be("fd00:10::1")]))
+    );
+    let list = lb.list();
+    assert_eq!(list.len(), 2, "{list:?}");
+    assert!(list.iter().all(|f| f.service_id.is_some()), "{list:?}");
+    assert!(
+        list.iter().any(|f| f.frontend == "[fd00:96::10]:80/TCP"),
+        "{list:?}"
+    );
+    lb.set_slice("ns/dual-6", None);
+    assert_eq!(maps.frontend(&fe("fd00:96::10", 80)), Some((0, vec![])));
+    assert_eq!(
+        maps.contents().backends.len(),
+        1,
+        "only the IPv4 backend is left"
+    );
 }

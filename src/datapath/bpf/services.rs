@@ -1,5 +1,6 @@
 //! Socket-level service translation in the kernel: loads `bpf/services.bpf.c` with its maps
-//! pinned under `<bpf-root>/ciliate/`, attaches its four cgroup v2 programs to `--cgroup-root`
+//! pinned under `<bpf-root>/ciliate/`, attaches its eight cgroup v2 programs (connect, sendmsg,
+//! recvmsg and getpeername, per family) to `--cgroup-root`
 //! through BPF links pinned beside the maps (they outlive the agent: translation goes on while
 //! it is stopped), and implements [`LbMaps`] over the pinned maps.
 //!
@@ -8,6 +9,7 @@
 //! the watchers start.
 
 use std::mem::MaybeUninit;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -22,7 +24,10 @@ use crate::services::{Backend, Frontend, LbMaps, Restored};
 
 super::skeleton!(skel, "services.skel.rs");
 
-use skel::types::{lb4_backend, lb4_key, lb4_revnat_key, lb4_revnat_value, lb4_service, lb_ids};
+use skel::types::{
+    lb4_backend, lb4_key, lb4_revnat_key, lb4_revnat_value, lb4_service, lb6_backend, lb6_key,
+    lb6_revnat_key, lb6_revnat_value, lb_ids,
+};
 
 // SAFETY: integer-only structs with explicit padding (bpf/services.h); sizes checked in tests.
 unsafe impl Pod for lb4_key {}
@@ -30,14 +35,22 @@ unsafe impl Pod for lb4_service {}
 unsafe impl Pod for lb4_backend {}
 unsafe impl Pod for lb4_revnat_key {}
 unsafe impl Pod for lb4_revnat_value {}
+unsafe impl Pod for lb6_key {}
+unsafe impl Pod for lb6_backend {}
+unsafe impl Pod for lb6_revnat_key {}
+unsafe impl Pod for lb6_revnat_value {}
 unsafe impl Pod for lb_ids {}
 
 /// The pinned links, by hook.
-const LINKS: [&str; 4] = [
+const LINKS: [&str; 8] = [
     "lb_link_connect4",
     "lb_link_sendmsg4",
     "lb_link_recvmsg4",
     "lb_link_getpeername4",
+    "lb_link_connect6",
+    "lb_link_sendmsg6",
+    "lb_link_recvmsg6",
+    "lb_link_getpeername6",
 ];
 
 fn fail(operation: impl Into<String>) -> impl FnOnce(std::io::Error) -> DatapathError {
@@ -48,10 +61,13 @@ fn fail(operation: impl Into<String>) -> impl FnOnce(std::io::Error) -> Datapath
     }
 }
 
-/// The service maps of one agent.
+/// The service maps of one agent: per family, frontends and backends (backend ids are shared
+/// by both families).
 pub struct BpfLbMaps {
     services: MapHandle,
     backends: MapHandle,
+    services6: MapHandle,
+    backends6: MapHandle,
     ids: MapHandle,
 }
 
@@ -80,6 +96,10 @@ pub fn attach(pins: &Path, cgroup: &Path) -> Result<BpfLbMaps, DatapathError> {
         &skel.progs.sock4_sendmsg,
         &skel.progs.sock4_recvmsg,
         &skel.progs.sock4_getpeername,
+        &skel.progs.sock6_connect,
+        &skel.progs.sock6_sendmsg,
+        &skel.progs.sock6_recvmsg,
+        &skel.progs.sock6_getpeername,
     ];
     for (prog, name) in progs.into_iter().zip(LINKS) {
         attach_one(
@@ -98,6 +118,8 @@ pub fn attach(pins: &Path, cgroup: &Path) -> Result<BpfLbMaps, DatapathError> {
     Ok(BpfLbMaps {
         services: open_map("lb4_services")?,
         backends: open_map("lb4_backends")?,
+        services6: open_map("lb6_services")?,
+        backends6: open_map("lb6_backends")?,
         ids: open_map("lb_ids")?,
     })
 }
@@ -165,21 +187,62 @@ pub fn link_pins(pins: &Path) -> Vec<PathBuf> {
     LINKS.iter().map(|n| pins.join(n)).collect()
 }
 
-fn ipv4(ip: &std::net::IpAddr) -> Result<u32, String> {
-    match ip {
-        std::net::IpAddr::V4(a) => Ok(u32::from_ne_bytes(a.octets())),
-        std::net::IpAddr::V6(a) => Err(format!("{a}: IPv6 is not translated")),
-    }
+/// An address as the program reads it from `struct bpf_sock_addr` (network byte order words).
+fn words6(a: &Ipv6Addr) -> [u32; 4] {
+    let o = a.octets();
+    std::array::from_fn(|i| {
+        u32::from_ne_bytes([o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]])
+    })
 }
 
-fn key(fe: &Frontend, slot: usize) -> Result<lb4_key, String> {
-    Ok(lb4_key {
-        address: ipv4(&fe.ip)?,
-        dport: fe.port.to_be(),
-        backend_slot: u16::try_from(slot).map_err(|_| format!("{fe}: too many backends"))?,
-        proto: fe.protocol,
-        ..Default::default()
+fn from_words6(w: [u32; 4]) -> Ipv6Addr {
+    let mut o = [0u8; 16];
+    for (i, w) in w.iter().enumerate() {
+        o[4 * i..4 * i + 4].copy_from_slice(&w.to_ne_bytes());
+    }
+    Ipv6Addr::from(o)
+}
+
+/// The key of slot `slot` of `fe`, in its family's map.
+fn key(fe: &Frontend, slot: usize) -> Result<Vec<u8>, String> {
+    let backend_slot = u16::try_from(slot).map_err(|_| format!("{fe}: too many backends"))?;
+    Ok(match fe.ip {
+        IpAddr::V4(a) => lb4_key {
+            address: u32::from_ne_bytes(a.octets()),
+            dport: fe.port.to_be(),
+            backend_slot,
+            proto: fe.protocol,
+            ..Default::default()
+        }
+        .as_bytes()
+        .to_vec(),
+        IpAddr::V6(a) => lb6_key {
+            address: words6(&a),
+            dport: fe.port.to_be(),
+            backend_slot,
+            proto: fe.protocol,
+            ..Default::default()
+        }
+        .as_bytes()
+        .to_vec(),
     })
+}
+
+impl BpfLbMaps {
+    /// The frontend map of `ip`'s family, with its name.
+    fn services_of(&self, ip: &IpAddr) -> (&MapHandle, &'static str) {
+        match ip {
+            IpAddr::V4(_) => (&self.services, "lb4_services"),
+            IpAddr::V6(_) => (&self.services6, "lb6_services"),
+        }
+    }
+
+    fn backends_of(&self, ip: &IpAddr) -> (&MapHandle, &'static str) {
+        match ip {
+            IpAddr::V4(_) => (&self.backends, "lb4_backends"),
+            IpAddr::V6(_) => (&self.backends6, "lb6_backends"),
+        }
+    }
 }
 
 fn err(what: &str) -> impl FnOnce(libbpf_rs::Error) -> String + '_ {
@@ -191,27 +254,36 @@ impl LbMaps for BpfLbMaps {
         "bpf"
     }
 
-    fn supports(&self, ip: &std::net::IpAddr) -> bool {
-        ip.is_ipv4()
-    }
-
     fn upsert_backend(&mut self, id: u32, b: &Backend) -> Result<(), String> {
-        let v = lb4_backend {
-            address: ipv4(&b.ip)?,
-            port: b.port.to_be(),
-            proto: b.protocol,
-            ..Default::default()
+        let v = match b.ip {
+            IpAddr::V4(a) => lb4_backend {
+                address: u32::from_ne_bytes(a.octets()),
+                port: b.port.to_be(),
+                proto: b.protocol,
+                ..Default::default()
+            }
+            .as_bytes()
+            .to_vec(),
+            IpAddr::V6(a) => lb6_backend {
+                address: words6(&a),
+                port: b.port.to_be(),
+                proto: b.protocol,
+                ..Default::default()
+            }
+            .as_bytes()
+            .to_vec(),
         };
-        self.backends
-            .update(&id.to_ne_bytes(), v.as_bytes(), MapFlags::ANY)
-            .map_err(err("lb4_backends"))
+        let (map, name) = self.backends_of(&b.ip);
+        map.update(&id.to_ne_bytes(), &v, MapFlags::ANY)
+            .map_err(err(name))
     }
 
-    fn delete_backend(&mut self, id: u32) -> Result<(), String> {
-        match self.backends.delete(&id.to_ne_bytes()) {
+    fn delete_backend(&mut self, id: u32, b: &Backend) -> Result<(), String> {
+        let (map, name) = self.backends_of(&b.ip);
+        match map.delete(&id.to_ne_bytes()) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == libbpf_rs::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(format!("lb4_backends: {e}")),
+            Err(e) => Err(format!("{name}: {e}")),
         }
     }
 
@@ -224,33 +296,33 @@ impl LbMaps for BpfLbMaps {
     ) -> Result<(), String> {
         let count =
             u16::try_from(backends.len()).map_err(|_| format!("{fe}: too many backends"))?;
+        let (map, name) = self.services_of(&fe.ip);
         for (i, b) in backends.iter().enumerate() {
             let v = lb4_service {
                 backend_id: *b,
                 service_id,
                 ..Default::default()
             };
-            self.services
-                .update(key(fe, i + 1)?.as_bytes(), v.as_bytes(), MapFlags::ANY)
-                .map_err(err("lb4_services"))?;
+            map.update(&key(fe, i + 1)?, v.as_bytes(), MapFlags::ANY)
+                .map_err(err(name))?;
         }
         let master = lb4_service {
             count,
             service_id,
             ..Default::default()
         };
-        self.services
-            .update(key(fe, 0)?.as_bytes(), master.as_bytes(), MapFlags::ANY)
-            .map_err(err("lb4_services"))?;
+        map.update(&key(fe, 0)?, master.as_bytes(), MapFlags::ANY)
+            .map_err(err(name))?;
         for slot in backends.len() + 1..=old_count {
-            let _ = self.services.delete(key(fe, slot)?.as_bytes());
+            let _ = map.delete(&key(fe, slot)?);
         }
         Ok(())
     }
 
     fn delete_frontend(&mut self, fe: &Frontend, old_count: usize) -> Result<(), String> {
+        let (map, _) = self.services_of(&fe.ip);
         for slot in 0..=old_count {
-            let _ = self.services.delete(key(fe, slot)?.as_bytes());
+            let _ = map.delete(&key(fe, slot)?);
         }
         Ok(())
     }
@@ -272,22 +344,32 @@ impl BpfLbMaps {
     pub fn restore(&self) -> Restored {
         let mut r = Restored::default();
         let mut slots: Vec<(Frontend, u16, lb4_service)> = Vec::new();
-        for k in self.services.keys() {
-            let (Some(key), Ok(Some(v))) = (
-                lb4_key::from_bytes(&k),
-                self.services.lookup(&k, MapFlags::ANY),
-            ) else {
-                continue;
-            };
-            let Some(v) = lb4_service::from_bytes(&v) else {
-                continue;
-            };
-            let fe = Frontend {
-                ip: std::net::IpAddr::V4(std::net::Ipv4Addr::from(key.address.to_ne_bytes())),
-                port: u16::from_be(key.dport),
-                protocol: key.proto,
-            };
-            slots.push((fe, key.backend_slot, v));
+        for (map, v6) in [(&self.services, false), (&self.services6, true)] {
+            for (k, v) in entries(map) {
+                let Some(v) = lb4_service::from_bytes(&v) else {
+                    continue;
+                };
+                let key = if v6 {
+                    lb6_key::from_bytes(&k).map(|k| {
+                        (
+                            IpAddr::V6(from_words6(k.address)),
+                            k.dport,
+                            k.backend_slot,
+                            k.proto,
+                        )
+                    })
+                } else {
+                    lb4_key::from_bytes(&k).map(|k| {
+                        let a = Ipv4Addr::from(k.address.to_ne_bytes());
+                        (IpAddr::V4(a), k.dport, k.backend_slot, k.proto)
+                    })
+                };
+                let Some((ip, dport, slot, protocol)) = key else {
+                    continue;
+                };
+                let port = u16::from_be(dport);
+                slots.push((Frontend { ip, port, protocol }, slot, v));
+            }
         }
         slots.sort_by_key(|(fe, slot, _)| (*fe, *slot));
         for (fe, slot, v) in slots {
@@ -296,25 +378,27 @@ impl BpfLbMaps {
                 e.1.push(v.backend_id);
             }
         }
-        for k in self.backends.keys() {
-            let (Some(id), Ok(Some(v))) = (
-                k.get(..4)
-                    .map(|b| u32::from_ne_bytes([b[0], b[1], b[2], b[3]])),
-                self.backends.lookup(&k, MapFlags::ANY),
-            ) else {
-                continue;
-            };
-            let Some(v) = lb4_backend::from_bytes(&v) else {
-                continue;
-            };
-            r.backends.insert(
-                id,
-                Backend {
-                    ip: std::net::IpAddr::V4(std::net::Ipv4Addr::from(v.address.to_ne_bytes())),
-                    port: u16::from_be(v.port),
-                    protocol: v.proto,
-                },
-            );
+        for (map, v6) in [(&self.backends, false), (&self.backends6, true)] {
+            for (k, v) in entries(map) {
+                let Some(id) = k.get(..4).and_then(|b| b.try_into().ok()) else {
+                    continue;
+                };
+                let backend = if v6 {
+                    lb6_backend::from_bytes(&v)
+                        .map(|v| (IpAddr::V6(from_words6(v.address)), v.port, v.proto))
+                } else {
+                    lb4_backend::from_bytes(&v).map(|v| {
+                        let a = Ipv4Addr::from(v.address.to_ne_bytes());
+                        (IpAddr::V4(a), v.port, v.proto)
+                    })
+                };
+                let Some((ip, port, protocol)) = backend else {
+                    continue;
+                };
+                let port = u16::from_be(port);
+                r.backends
+                    .insert(u32::from_ne_bytes(id), Backend { ip, port, protocol });
+            }
         }
         if let Ok(Some(v)) = self.ids.lookup(&0u32.to_ne_bytes(), MapFlags::ANY) {
             if let Some(ids) = lb_ids::from_bytes(&v) {
@@ -326,9 +410,27 @@ impl BpfLbMaps {
     }
 }
 
+/// Every (key, value) of `map`.
+fn entries(map: &MapHandle) -> Vec<(Vec<u8>, Vec<u8>)> {
+    map.keys()
+        .filter_map(|k| match map.lookup(&k, MapFlags::ANY) {
+            Ok(Some(v)) => Some((k, v)),
+            _ => None,
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ipv6_words_are_the_addresses_bytes_in_order() {
+        let a: Ipv6Addr = "fd00:96::1:2".parse().unwrap();
+        let w = words6(&a);
+        assert_eq!(w[0].to_ne_bytes(), [0xfd, 0, 0, 0x96]);
+        assert_eq!(from_words6(w), a);
+    }
 
     #[test]
     fn shared_structs_have_no_implicit_padding() {
@@ -338,6 +440,10 @@ mod tests {
         assert_eq!(size_of::<lb4_backend>(), 8);
         assert_eq!(size_of::<lb4_revnat_key>(), 16);
         assert_eq!(size_of::<lb4_revnat_value>(), 12);
+        assert_eq!(size_of::<lb6_key>(), 24);
+        assert_eq!(size_of::<lb6_backend>(), 20);
+        assert_eq!(size_of::<lb6_revnat_key>(), 32);
+        assert_eq!(size_of::<lb6_revnat_value>(), 24);
         assert_eq!(size_of::<lb_ids>(), 8);
     }
 }
