@@ -98,6 +98,7 @@ fn agent(args: AgentArgs) -> i32 {
             ipv6_native_routing_cidr: args.ipv6_native_routing_cidr.map(|n| n.trunc()),
             install: args.datapath == ciliate::config::DatapathKind::Bpf,
             masquerade: args.enable_ipv4_masquerade,
+            masquerade6: args.enable_ipv6 && args.enable_ipv6_masquerade,
             bpf_host_routing,
             bpf_pins,
             host_firewall: args.enable_host_firewall,

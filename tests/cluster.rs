@@ -15,8 +15,8 @@ use common::cluster::{node_ip, pod_cidr, Cluster, ClusterNode};
 use common::eventually;
 use common::netns::ip_out;
 use common::netns::{
-    icmp_ok, in_netns, ip, nft, privileged, seen_over_tcp, tcp_ok, tcp_server, udp_ok, udp_server,
-    who_am_i_servers,
+    icmp_ok, in_netns, ip, nft, privileged, seen_over_tcp, seen_over_udp, tcp_ok, tcp_server,
+    udp_ok, udp_server, who_am_i_servers,
 };
 use serde_json::{json, Value};
 
@@ -165,7 +165,8 @@ fn pods_reach_each_other_across_nodes_and_node_2_admits_only_app_a_of_node_1() {
 /// Dual stack, native routing (#31): each node routes the others' IPv6 pod CIDRs via their
 /// IPv6 addresses beside the IPv4 routes, pods on different nodes reach each other over IPv6,
 /// and node 2 judges node 1's pods' IPv6 connections by the labels its ipcache learnt from
-/// their endpoint slices, as it judges IPv4 ones.
+/// their endpoint slices, as it judges IPv4 ones. IPv6 traffic leaving the cluster is
+/// masqueraded to the node's IPv6 address; a `kill -9` leaves IPv6 enforcement in place.
 #[test]
 fn dual_stack_pods_reach_each_other_across_nodes_over_ipv6_and_policy_judges_it() {
     use common::cluster::node_ip6;
@@ -245,6 +246,35 @@ fn dual_stack_across_nodes(args: &[&str], via6: impl Fn(usize) -> String) {
     let a_id = identity_of(format!("{}/32", a.addr));
     assert!(a_id.is_some(), "{v}");
     assert_eq!(identity_of(format!("{a6}/128")), a_id, "{v}");
+
+    // Masquerading (`--enable-ipv6-masquerade`, on by default with IPv6): a's IPv6 traffic to a
+    // host outside the cluster leaves with node 1's IPv6 address; pod to pod keeps a's.
+    let (outside, _) = c.add_outside();
+    let outside6 = c.add_outside6(&outside);
+    who_am_i_servers(&outside, outside6);
+    who_am_i_servers(&b.netns, b6);
+    let n1 = c.node(1);
+    n1.agent().wait_until("node 1 masquerades IPv6", || {
+        n1.agent().cli_json(&["status"])["masquerade_ipv6"] == "enabled"
+    });
+    let node1_ip6 = Some(common::cluster::node_ip6(1).to_string());
+    eventually("a's IPv6 traffic leaves with node 1's address", || {
+        seen_over_tcp(&a.netns, outside6) == node1_ip6
+    });
+    assert_eq!(seen_over_udp(&a.netns, outside6), node1_ip6);
+    assert_eq!(seen_over_tcp(&a.netns, b6), Some(a6.to_string()));
+
+    // kill -9 of node 2's agent: the kernel keeps judging IPv6 into b; the restart too.
+    let kubeconfig = c.kubeconfig.clone();
+    c.node(2).kill9_agent();
+    assert!(tcp_ok(&a.netns, b6, 8080), "a -> b over IPv6, agent down");
+    assert!(!tcp_ok(&other.netns, b6, 8080), "c -> b still denied");
+    c.node(2).start_agent(&kubeconfig);
+    let n2 = c.node(2);
+    n2.agent().wait_until("node 2 is back", || {
+        n2.agent().cli_json(&["status"])["routes_installed"] == 2
+    });
+    assert!(tcp_ok(&a.netns, b6, 8080) && !tcp_ok(&other.netns, b6, 8080));
 }
 
 #[test]

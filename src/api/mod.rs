@@ -89,6 +89,9 @@ pub struct StatusModel {
     /// `--enable-ipv4-masquerade`: `enabled`, `disabled`, `none` (memory datapath) or `error: ...`.
     #[serde(default)]
     pub masquerade: String,
+    /// `--enable-ipv6-masquerade` (with `--enable-ipv6`): the same states; absent without IPv6.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub masquerade_ipv6: String,
     /// BPF host routing: `bpf (<device>)`, `bpf, send side only: <why>`, `legacy` or `none`.
     #[serde(default)]
     pub host_routing: String,
@@ -451,6 +454,7 @@ async fn status(st: web::Data<AppState>) -> HttpResponse {
         routing_mode: routing.mode,
         routes_installed: routing.routes_installed,
         masquerade: routing.masquerade,
+        masquerade_ipv6: routing.masquerade_ipv6,
         host_routing: routing.host_routing,
         bootstrap_seconds: st.shared.bootstrap.phases().into_iter().collect(),
         services: Some(st.shared.services.counts()),

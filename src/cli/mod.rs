@@ -296,6 +296,11 @@ pub struct AgentArgs {
     /// node) to the node's address (nftables, a table of this agent's own).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub enable_ipv4_masquerade: bool,
+    /// With `--enable-ipv6`: SNAT this node's pods' IPv6 traffic that leaves
+    /// --ipv6-native-routing-cidr (and goes to no node) to the node's IPv6 address (an `ip6`
+    /// table of this agent's own). Cilium's flag and default.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub enable_ipv6_masquerade: bool,
     /// Send pod traffic to other nodes through the host stack's forwarding (netfilter
     /// included) instead of BPF host routing (straight from the pod's veth to the node's
     /// device, or into the tunnel, once policy allowed it).

@@ -1,8 +1,9 @@
-//! Masquerading of pod traffic that leaves the cluster (`--enable-ipv4-masquerade`): an nftables
-//! table of this agent's own, written over netlink (nfnetlink through `nftnl`/`mnl`; nothing is
-//! shelled out).
+//! Masquerading of pod traffic that leaves the cluster (`--enable-ipv4-masquerade`,
+//! `--enable-ipv6-masquerade`): an nftables table of this agent's own per address family,
+//! written over netlink (nfnetlink through `nftnl`/`mnl`; nothing is shelled out).
 //!
-//! The table `ip ciliate_<tag>` holds one NAT chain on the postrouting hook:
+//! The table `ip ciliate_<tag>` (IPv4; `ip6 ciliate_<tag>` the same for IPv6) holds one NAT
+//! chain on the postrouting hook:
 //! ```text
 //! ip saddr != POD_CIDR return        only this node's pods
 //! ip daddr NATIVE_CIDR return        pod to pod (any node): never masqueraded, so policy keeps
@@ -22,39 +23,63 @@
 
 use std::ffi::CString;
 use std::io;
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
-use ipnet::Ipv4Net;
+use ipnet::IpNet;
 use nftnl::{
     nft_expr, Batch, Chain, ChainType, FinalizedBatch, Hook, MsgType, ProtoFamily, Rule, Table,
 };
 
-/// What to masquerade.
+/// What to masquerade, for one address family (`ipv6`): prefixes and addresses of the other
+/// family are left out of the table.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MasqueradeSpec {
+    /// Whether this is the `ip6` table (else `ip`).
+    pub ipv6: bool,
     /// This node's pod CIDRs: only their traffic is masqueraded.
-    pub pod_cidrs: Vec<Ipv4Net>,
-    /// The cluster's pod address space (`--ipv4-native-routing-cidr`): never masqueraded.
-    pub native_routing_cidr: Option<Ipv4Net>,
+    pub pod_cidrs: Vec<IpNet>,
+    /// The cluster's pod address space (`--ipv4-native-routing-cidr`,
+    /// `--ipv6-native-routing-cidr`): never masqueraded.
+    pub native_routing_cidr: Option<IpNet>,
     /// Every node's pod CIDRs (this node's too): pod-to-pod traffic is never masqueraded, even
     /// where no native routing CIDR is given.
-    pub cluster_pod_cidrs: Vec<Ipv4Net>,
+    pub cluster_pod_cidrs: Vec<IpNet>,
     /// Every node's addresses: traffic to a node keeps the pod's address.
-    pub node_ips: Vec<Ipv4Addr>,
+    pub node_ips: Vec<IpAddr>,
 }
 
 impl MasqueradeSpec {
+    fn of_family(&self, n: &IpNet) -> bool {
+        matches!(n, IpNet::V6(_)) == self.ipv6
+    }
+
+    /// This node's pod CIDRs of the spec's family.
+    pub fn sources(&self) -> Vec<IpNet> {
+        let mut out: Vec<IpNet> = self
+            .pod_cidrs
+            .iter()
+            .filter(|n| self.of_family(n))
+            .copied()
+            .collect();
+        out.dedup();
+        out
+    }
+
     /// The destinations that keep the pod's address, in rule order: the native routing CIDR,
-    /// then the pod CIDRs and node addresses it does not already cover.
-    pub fn exempt(&self) -> Vec<Ipv4Net> {
-        let mut out: Vec<Ipv4Net> = self.native_routing_cidr.into_iter().collect();
-        let mut rest: Vec<Ipv4Net> = self
+    /// then the pod CIDRs and node addresses it does not already cover (the spec's family).
+    pub fn exempt(&self) -> Vec<IpNet> {
+        let mut out: Vec<IpNet> = self
+            .native_routing_cidr
+            .into_iter()
+            .filter(|n| self.of_family(n))
+            .collect();
+        let mut rest: Vec<IpNet> = self
             .pod_cidrs
             .iter()
             .chain(&self.cluster_pod_cidrs)
             .copied()
-            .chain(self.node_ips.iter().map(|ip| Ipv4Net::from(*ip)))
-            .filter(|n| !out.iter().any(|o| o.contains(n)))
+            .chain(self.node_ips.iter().map(|ip| IpNet::from(*ip)))
+            .filter(|n| self.of_family(n) && !out.iter().any(|o| o.contains(n)))
             .collect();
         rest.sort();
         rest.dedup();
@@ -87,15 +112,40 @@ pub fn tag_for(state_dir: &std::path::Path) -> String {
     format!("{:08x}", h.finish() as u32)
 }
 
-/// Writes (or rewrites) this agent's masquerade table in the current network namespace.
+/// The nftables family and how the table is named in errors (`ip6 ciliate_<tag>`).
+fn family(tag: &str, ipv6: bool) -> (ProtoFamily, String) {
+    match ipv6 {
+        false => (ProtoFamily::Ipv4, format!("ip {}", table_name(tag))),
+        true => (ProtoFamily::Ipv6, format!("ip6 {}", table_name(tag))),
+    }
+}
+
+/// `payload ip[6] saddr|daddr & mask == network`.
+fn match_prefix(rule: &mut Rule, net: &IpNet, source: bool) {
+    match (net, source) {
+        (IpNet::V4(_), true) => rule.add_expr(&nft_expr!(payload ipv4 saddr)),
+        (IpNet::V4(_), false) => rule.add_expr(&nft_expr!(payload ipv4 daddr)),
+        (IpNet::V6(_), true) => rule.add_expr(&nft_expr!(payload ipv6 saddr)),
+        (IpNet::V6(_), false) => rule.add_expr(&nft_expr!(payload ipv6 daddr)),
+    }
+    let zero = match net {
+        IpNet::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        IpNet::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+    };
+    rule.add_expr(&nft_expr!(bitwise mask net.netmask(), xor zero));
+    rule.add_expr(&nft_expr!(cmp == net.network()));
+}
+
+/// Writes (or rewrites) this agent's masquerade table of the spec's family in the current
+/// network namespace.
 pub fn apply(tag: &str, spec: &MasqueradeSpec) -> Result<(), MasqueradeError> {
-    let name = table_name(tag);
+    let (proto, name) = family(tag, spec.ipv6);
     let err = |what: &str| MasqueradeError::Build {
         table: name.clone(),
         what: what.to_string(),
     };
-    let cname = CString::new(name.clone()).map_err(|_| err("a NUL in the name"))?;
-    let table = Table::new(&cname, ProtoFamily::Ipv4);
+    let cname = CString::new(table_name(tag)).map_err(|_| err("a NUL in the name"))?;
+    let table = Table::new(&cname, proto);
     let mut batch = Batch::new();
     // Add first so that the delete never fails on a missing table, then delete and recreate:
     // all in one transaction.
@@ -112,19 +162,15 @@ pub fn apply(tag: &str, spec: &MasqueradeSpec) -> Result<(), MasqueradeError> {
     // A regular chain (no hook, so no policy: the kernel refuses one).
     let from_pods = Chain::new(c"from-pods", &table);
     batch.add(&from_pods, MsgType::Add);
-    for cidr in &spec.pod_cidrs {
+    for cidr in spec.sources() {
         let mut rule = Rule::new(&chain);
-        rule.add_expr(&nft_expr!(payload ipv4 saddr));
-        rule.add_expr(&nft_expr!(bitwise mask IpAddr::V4(cidr.netmask()), xor 0u32));
-        rule.add_expr(&nft_expr!(cmp == IpAddr::V4(cidr.network())));
+        match_prefix(&mut rule, &cidr, true);
         rule.add_expr(&nft_expr!(verdict goto c"from-pods".to_owned()));
         batch.add(&rule, MsgType::Add);
     }
     for net in spec.exempt() {
         let mut rule = Rule::new(&from_pods);
-        rule.add_expr(&nft_expr!(payload ipv4 daddr));
-        rule.add_expr(&nft_expr!(bitwise mask IpAddr::V4(net.netmask()), xor 0u32));
-        rule.add_expr(&nft_expr!(cmp == IpAddr::V4(net.network())));
+        match_prefix(&mut rule, &net, false);
         rule.add_expr(&nft_expr!(verdict return));
         batch.add(&rule, MsgType::Add);
     }
@@ -138,14 +184,14 @@ pub fn apply(tag: &str, spec: &MasqueradeSpec) -> Result<(), MasqueradeError> {
     })
 }
 
-/// Deletes this agent's masquerade table, if there is one.
-pub fn remove(tag: &str) -> Result<(), MasqueradeError> {
-    let name = table_name(tag);
-    let cname = CString::new(name.clone()).map_err(|_| MasqueradeError::Build {
+/// Deletes this agent's masquerade table of one family, if there is one.
+pub fn remove(tag: &str, ipv6: bool) -> Result<(), MasqueradeError> {
+    let (proto, name) = family(tag, ipv6);
+    let cname = CString::new(table_name(tag)).map_err(|_| MasqueradeError::Build {
         table: name.clone(),
         what: "a NUL in the name".into(),
     })?;
-    let table = Table::new(&cname, ProtoFamily::Ipv4);
+    let table = Table::new(&cname, proto);
     let mut batch = Batch::new();
     batch.add(&table, MsgType::Add);
     batch.add(&table, MsgType::Del);
@@ -181,17 +227,20 @@ mod tests {
     #[test]
     fn pods_and_nodes_are_exempt_inside_or_outside_the_native_cidr() {
         let spec = MasqueradeSpec {
+            ipv6: false,
             pod_cidrs: vec!["10.244.1.0/24".parse().unwrap()],
             native_routing_cidr: Some("10.244.0.0/16".parse().unwrap()),
             cluster_pod_cidrs: vec![
                 "10.244.2.0/24".parse().unwrap(),
                 "10.99.0.0/24".parse().unwrap(),
+                "fd00:244:2::/64".parse().unwrap(),
             ],
             node_ips: vec![
                 "172.18.0.3".parse().unwrap(),
                 "172.18.0.2".parse().unwrap(),
                 "172.18.0.3".parse().unwrap(),
                 "10.244.0.1".parse().unwrap(),
+                "fd00::2".parse().unwrap(),
             ],
         };
         let exempt: Vec<String> = spec.exempt().iter().map(|n| n.to_string()).collect();
@@ -215,6 +264,31 @@ mod tests {
             exempt,
             vec!["10.99.0.0/24", "10.244.1.0/24", "10.244.2.0/24"]
         );
+    }
+
+    #[test]
+    fn an_ipv6_spec_holds_only_ipv6_prefixes() {
+        let spec = MasqueradeSpec {
+            ipv6: true,
+            pod_cidrs: vec![
+                "10.244.1.0/24".parse().unwrap(),
+                "fd00:244:1::/64".parse().unwrap(),
+            ],
+            native_routing_cidr: Some("fd00:244::/32".parse().unwrap()),
+            cluster_pod_cidrs: vec![
+                "fd00:244:2::/64".parse().unwrap(),
+                "fd00:99::/64".parse().unwrap(),
+                "10.99.0.0/24".parse().unwrap(),
+            ],
+            node_ips: vec!["172.18.0.2".parse().unwrap(), "fd00::2".parse().unwrap()],
+        };
+        let shown = |v: Vec<IpNet>| v.iter().map(|n| n.to_string()).collect::<Vec<_>>();
+        assert_eq!(shown(spec.sources()), vec!["fd00:244:1::/64"]);
+        assert_eq!(
+            shown(spec.exempt()),
+            vec!["fd00:244::/32", "fd00::2/128", "fd00:99::/64"]
+        );
+        assert_eq!(family("t", true).1, "ip6 ciliate_t");
     }
 
     #[test]

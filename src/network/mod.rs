@@ -127,13 +127,17 @@ pub async fn run_route_reconciler(
         if cfg.host_firewall {
             sync_tunnel_peers(&cfg, &outcome);
         }
-        let masq = masquerade.reconcile(&local, &snapshot, &cfg).await;
+        let masq = masquerade.reconcile(&local, &snapshot, &cfg, false).await;
+        // Without --enable-ipv6 an earlier run's IPv6 table still goes; nothing is shown.
+        let masq6 = masquerade.reconcile(&local, &snapshot, &cfg, true).await;
+        let masq6 = if cfg.ipv6 { masq6 } else { String::new() };
         if let Ok(mut v) = view.lock() {
             v.host_routing = host_routing;
             v.host_firewall_device = host_firewall;
             v.routes_installed = outcome.values().filter(|o| o.is_ok()).count();
             v.nodes = rows;
             v.masquerade = masq;
+            v.masquerade_ipv6 = masq6;
         }
         tokio::select! {
             changed = nodes.changed() => if changed.is_err() { return },
@@ -431,14 +435,15 @@ fn receiving_device(
     }
 }
 
-/// Keeps this agent's masquerade table in line with the nodes (`--enable-ipv4-masquerade`).
+/// Keeps this agent's masquerade tables in line with the nodes (`--enable-ipv4-masquerade`,
+/// `--enable-ipv6-masquerade`): one per family.
 pub struct Masquerader {
-    /// Names the agent's table (a hash of its state directory).
+    /// Names the agent's tables (a hash of its state directory).
     tag: String,
-    /// This node's pod CIDR when its Node object gives none (`--pod-cidr`).
+    /// This node's pod CIDRs when its Node object gives none (`--pod-cidr`).
     ipam: Arc<Mutex<crate::ipam::NodeIpam>>,
-    /// What is in the kernel now (`None`: not written by this run yet).
-    applied: Option<Option<crate::datapath::masquerade::MasqueradeSpec>>,
+    /// What is in the kernel now, IPv4's and IPv6's (`None`: not written by this run yet).
+    applied: [Option<Option<crate::datapath::masquerade::MasqueradeSpec>>; 2],
 }
 
 impl Masquerader {
@@ -446,43 +451,68 @@ impl Masquerader {
         Masquerader {
             tag: crate::datapath::masquerade::tag_for(state_dir),
             ipam,
-            applied: None,
+            applied: [None, None],
         }
     }
 
-    /// Writes the table when what it should hold changed (or removes it when masquerading is
-    /// off or this node has no pod CIDR); returns the state to show.
-    async fn reconcile(&mut self, local: &str, nodes: &NodeSet, cfg: &RoutingConfig) -> String {
+    /// What the table of one family should hold (`None`: no table).
+    fn wanted(
+        &self,
+        local: &str,
+        nodes: &NodeSet,
+        cfg: &RoutingConfig,
+        ipv6: bool,
+    ) -> Option<crate::datapath::masquerade::MasqueradeSpec> {
+        let fallback = self.ipam.lock().ok().and_then(|g| {
+            let pool = if ipv6 { &g.ipam6 } else { &g.ipam };
+            pool.as_ref().map(|i| i.cidr())
+        });
+        let on = if ipv6 {
+            cfg.masquerade6
+        } else {
+            cfg.masquerade
+        };
+        on.then(|| routes::masquerade_spec(local, nodes, cfg, fallback, ipv6))
+            .filter(|s| !s.sources().is_empty())
+    }
+
+    /// Writes one family's table when what it should hold changed (or removes it when
+    /// masquerading is off or this node has no pod CIDR of the family); returns the state to
+    /// show.
+    async fn reconcile(
+        &mut self,
+        local: &str,
+        nodes: &NodeSet,
+        cfg: &RoutingConfig,
+        ipv6: bool,
+    ) -> String {
         if !cfg.install {
             return "none".into();
         }
-        let fallback = self
-            .ipam
-            .lock()
-            .ok()
-            .and_then(|g| g.ipam.as_ref().and_then(|i| i.cidr_v4()));
-        let want = cfg
-            .masquerade
-            .then(|| routes::masquerade_spec(local, nodes, cfg, fallback))
-            .filter(|s| !s.pod_cidrs.is_empty());
-        let shown = match &want {
-            Some(_) => "enabled",
-            None if cfg.masquerade => "enabled (no pod CIDR yet)",
-            None => "disabled",
+        let want = self.wanted(local, nodes, cfg, ipv6);
+        let on = if ipv6 {
+            cfg.masquerade6
+        } else {
+            cfg.masquerade
         };
-        if self.applied.as_ref() == Some(&want) {
+        let shown = match (&want, on) {
+            (Some(_), _) => "enabled",
+            (None, true) => "enabled (no pod CIDR yet)",
+            (None, false) => "disabled",
+        };
+        if self.applied[ipv6 as usize].as_ref() == Some(&want) {
             return shown.into();
         }
         let (tag, spec) = (self.tag.clone(), want.clone());
         let result = actix_web::web::block(move || match &spec {
             Some(spec) => crate::datapath::masquerade::apply(&tag, spec),
-            None => crate::datapath::masquerade::remove(&tag),
+            None => crate::datapath::masquerade::remove(&tag, ipv6),
         })
         .await;
         match result {
             Ok(Ok(())) => {
-                tracing::info!(table = %crate::datapath::masquerade::table_name(&self.tag), state = shown, spec = ?want, "masquerading");
-                self.applied = Some(want);
+                tracing::info!(table = %crate::datapath::masquerade::table_name(&self.tag), ipv6, state = shown, spec = ?want, "masquerading");
+                self.applied[ipv6 as usize] = Some(want);
                 shown.into()
             }
             Ok(Err(e)) => {

@@ -53,6 +53,9 @@ pub struct RoutingConfig {
     pub install: bool,
     /// `--enable-ipv4-masquerade`: pod traffic leaving the native routing CIDR is SNATed.
     pub masquerade: bool,
+    /// `--enable-ipv6-masquerade` (with `--enable-ipv6`): the same for IPv6 pod traffic
+    /// leaving `--ipv6-native-routing-cidr`.
+    pub masquerade6: bool,
     /// BPF host routing (eBPF datapath, unless `--enable-host-legacy-routing`): where the
     /// pinned maps are, whose `host_routes` gets the installed routes' prefixes and whose node
     /// device program is attached to the device holding the node's InternalIP (native mode)
@@ -80,6 +83,7 @@ impl Default for RoutingConfig {
             ipv6_native_routing_cidr: None,
             install: false,
             masquerade: true,
+            masquerade6: false,
             bpf_host_routing: None,
             bpf_pins: None,
             host_firewall: false,
@@ -328,30 +332,49 @@ pub fn node_row(
     }
 }
 
-/// What to masquerade: this node's pod CIDRs (from its Node object, else `fallback`, the IPAM
-/// range of `--pod-cidr`), never toward the native routing CIDR or any node's address.
+/// A node's pod CIDRs of one family (none when they do not parse: the node's problem is
+/// reported by the routes).
+fn pod_cidrs_of(node: &NodeInfo, ipv6: bool) -> Vec<IpNet> {
+    if ipv6 {
+        let v6 = pod_cidrs_v6(node).unwrap_or_default();
+        v6.into_iter().map(IpNet::V6).collect()
+    } else {
+        let v4 = pod_cidrs_v4(node).unwrap_or_default();
+        v4.into_iter().map(IpNet::V4).collect()
+    }
+}
+
+/// What to masquerade in one family: this node's pod CIDRs (from its Node object, else
+/// `fallback`, the IPAM range of `--pod-cidr`), never toward the native routing CIDR, any
+/// node's pod CIDR or any node's address.
 pub fn masquerade_spec(
     local: &str,
     nodes: &BTreeMap<String, NodeInfo>,
     cfg: &RoutingConfig,
-    fallback: Option<Ipv4Net>,
+    fallback: Option<IpNet>,
+    ipv6: bool,
 ) -> crate::datapath::masquerade::MasqueradeSpec {
     let mut pod_cidrs = nodes
         .get(local)
-        .and_then(|n| pod_cidrs_v4(n).ok())
+        .map(|n| pod_cidrs_of(n, ipv6))
         .unwrap_or_default();
     if pod_cidrs.is_empty() {
         pod_cidrs.extend(fallback);
     }
+    let native_routing_cidr = match ipv6 {
+        false => cfg.native_routing_cidr.map(IpNet::V4),
+        true => cfg.ipv6_native_routing_cidr.map(IpNet::V6),
+    };
     crate::datapath::masquerade::MasqueradeSpec {
+        ipv6,
         pod_cidrs,
-        native_routing_cidr: cfg.native_routing_cidr,
-        cluster_pod_cidrs: nodes
+        native_routing_cidr,
+        cluster_pod_cidrs: nodes.values().flat_map(|n| pod_cidrs_of(n, ipv6)).collect(),
+        node_ips: nodes
             .values()
-            .filter_map(|n| pod_cidrs_v4(n).ok())
-            .flatten()
+            .flat_map(|n| n.ips.iter().copied())
+            .filter(|ip| ip.is_ipv6() == ipv6)
             .collect(),
-        node_ips: nodes.values().filter_map(node_ipv4).collect(),
     }
 }
 
@@ -363,6 +386,9 @@ pub struct RoutingView {
     /// `enabled` (the table is in the kernel), `disabled`, `none` (memory datapath: nothing in
     /// the kernel) or `error: ...`.
     pub masquerade: String,
+    /// The same for IPv6 (`--enable-ipv6-masquerade`); empty without `--enable-ipv6`.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub masquerade_ipv6: String,
     /// `bpf (<device>)`: BPF host routing both ways; `bpf, send side only: <why>`; `legacy`
     /// (`--enable-host-legacy-routing`): the host stack forwards; `none`
     /// (in-memory datapath).

@@ -33,6 +33,11 @@ const API_PORT: u16 = 6443;
 /// The router between the cluster bridge and the outside, and the outside host.
 pub const ROUTER_IP: Ipv4Addr = Ipv4Addr::new(172, 20, 0, 254);
 pub const OUTSIDE_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 2);
+/// The router's and the outside host's IPv6 addresses (`add_outside6`).
+pub const ROUTER_IP6: std::net::Ipv6Addr =
+    std::net::Ipv6Addr::new(0xfd00, 0x20, 0, 0, 0, 0, 0, 0xfe);
+pub const OUTSIDE_IP6: std::net::Ipv6Addr =
+    std::net::Ipv6Addr::new(0x2001, 0xdb8, 0x100, 0, 0, 0, 0, 2);
 
 /// Node `i` (1-based): its address and pod CIDR.
 pub fn node_ip(i: usize) -> Ipv4Addr {
@@ -465,6 +470,49 @@ impl Cluster {
             ]);
         }
         (outside, OUTSIDE_IP)
+    }
+
+    /// After `add_outside`, in a dual-stack cluster: IPv6 for the router (`ROUTER_IP6` on the
+    /// nodes' link, 2001:db8:100::1 toward the outside), the outside host (`OUTSIDE_IP6`,
+    /// returned) and every node's IPv6 default route through the router.
+    pub fn add_outside6(&mut self, outside: &str) -> std::net::Ipv6Addr {
+        let router = format!("cr-{}", self.tag);
+        for (ns, addr, dev) in [
+            (router.as_str(), format!("{ROUTER_IP6}/64"), "eth0"),
+            (router.as_str(), "2001:db8:100::1/64".to_string(), "eth1"),
+            (outside, format!("{OUTSIDE_IP6}/64"), "eth0"),
+        ] {
+            ip(&["-n", ns, "-6", "addr", "add", &addr, "dev", dev, "nodad"]);
+        }
+        ip(&[
+            "-n",
+            outside,
+            "-6",
+            "route",
+            "add",
+            "default",
+            "via",
+            "2001:db8:100::1",
+        ]);
+        in_netns(&router, || {
+            std::fs::write("/proc/sys/net/ipv6/conf/all/forwarding", "1").expect("forwarding")
+        })
+        .join()
+        .expect("router forwarding");
+        for node in &self.nodes {
+            let via = ROUTER_IP6.to_string();
+            ip(&[
+                "-n",
+                &node.netns,
+                "-6",
+                "route",
+                "add",
+                "default",
+                "via",
+                &via,
+            ]);
+        }
+        OUTSIDE_IP6
     }
 
     /// A second native device on node `i`: `eth1` with `10.99.0.1/24`, whose peer (`eth0`,

@@ -493,11 +493,12 @@ pub fn stream_gbits(from: &str, at: &str, to: std::net::Ipv4Addr, port: u16, sec
 
 /// A TCP server that answers each connection with the source address it saw, and a UDP one
 /// that answers each datagram the same way.
-pub fn who_am_i_servers(netns: &str, addr: std::net::Ipv4Addr) {
+pub fn who_am_i_servers(netns: &str, addr: impl Into<IpAddr>) {
+    let addr: IpAddr = addr.into();
     let (tx, rx) = std::sync::mpsc::channel();
     let tx2 = tx.clone();
     in_netns(netns, move || {
-        let l = TcpListener::bind(SocketAddr::new(IpAddr::V4(addr), 7000)).expect("bind");
+        let l = TcpListener::bind(SocketAddr::new(addr, 7000)).expect("bind");
         tx.send(()).unwrap();
         for mut s in l.incoming().flatten() {
             let seen = s
@@ -508,7 +509,7 @@ pub fn who_am_i_servers(netns: &str, addr: std::net::Ipv4Addr) {
         }
     });
     in_netns(netns, move || {
-        let s = UdpSocket::bind(SocketAddr::new(IpAddr::V4(addr), 7000)).expect("bind");
+        let s = UdpSocket::bind(SocketAddr::new(addr, 7000)).expect("bind");
         tx2.send(()).unwrap();
         let mut buf = [0u8; 16];
         while let Ok((_, from)) = s.recv_from(&mut buf) {
@@ -520,13 +521,12 @@ pub fn who_am_i_servers(netns: &str, addr: std::net::Ipv4Addr) {
 }
 
 /// The source address `to` saw for a TCP connection from `netns`, if it got through.
-pub fn seen_over_tcp(netns: &str, to: std::net::Ipv4Addr) -> Option<String> {
+pub fn seen_over_tcp(netns: &str, to: impl Into<IpAddr>) -> Option<String> {
+    let to: IpAddr = to.into();
     in_netns(netns, move || {
-        let mut s = TcpStream::connect_timeout(
-            &SocketAddr::new(IpAddr::V4(to), 7000),
-            Duration::from_millis(700),
-        )
-        .ok()?;
+        let mut s =
+            TcpStream::connect_timeout(&SocketAddr::new(to, 7000), Duration::from_millis(700))
+                .ok()?;
         s.set_read_timeout(Some(Duration::from_millis(700))).ok()?;
         let mut seen = String::new();
         s.read_to_string(&mut seen).ok()?;
@@ -536,13 +536,14 @@ pub fn seen_over_tcp(netns: &str, to: std::net::Ipv4Addr) -> Option<String> {
     .unwrap()
 }
 
-pub fn seen_over_udp(netns: &str, to: std::net::Ipv4Addr) -> Option<String> {
+pub fn seen_over_udp(netns: &str, to: impl Into<IpAddr>) -> Option<String> {
+    let to: IpAddr = to.into();
     in_netns(netns, move || {
-        let s = UdpSocket::bind("0.0.0.0:0").ok()?;
+        let any = if to.is_ipv6() { "[::]:0" } else { "0.0.0.0:0" };
+        let s = UdpSocket::bind(any).ok()?;
         s.set_read_timeout(Some(Duration::from_millis(700))).ok()?;
-        s.send_to(b"?", SocketAddr::new(IpAddr::V4(to), 7000))
-            .ok()?;
-        let mut buf = [0u8; 16];
+        s.send_to(b"?", SocketAddr::new(to, 7000)).ok()?;
+        let mut buf = [0u8; 48];
         let (n, _) = s.recv_from(&mut buf).ok()?;
         Some(String::from_utf8_lossy(&buf[..n]).into_owned())
     })
