@@ -158,6 +158,20 @@ fn dual_stack_pods_get_one_address_per_family_and_ipv6_is_judged_as_ipv4_is() {
     assert_eq!(status["ipam_ipv6"]["pod_cidr"], cidr6, "{status}");
     assert_eq!(status["ipam_ipv6"]["allocated"], 3, "{status}");
     assert_eq!(status["ipam"]["allocated"], 3, "{status}");
+    // `endpoint list` shows both of a pod's addresses.
+    let endpoints = agent.cli_json(&["endpoint", "list"]);
+    let a_ips = endpoints
+        .as_array()
+        .and_then(|l| l.iter().find(|e| e["name"] == "x/a"))
+        .map(|e| e["ips"].clone())
+        .unwrap_or_else(|| panic!("a is listed: {endpoints}"));
+    let (a4s, a6s) = (a.addr.to_string(), a.addr6.unwrap().to_string());
+    assert!(
+        a_ips.as_array().is_some_and(|l| l.len() == 2
+            && l.iter().any(|i| i == a4s.as_str())
+            && l.iter().any(|i| i == a6s.as_str())),
+        "{a_ips}"
+    );
 
     let (a6, b6) = (a.addr6.unwrap(), b.addr6.unwrap());
     for port in [8080, 9090] {
