@@ -22,6 +22,10 @@
 //! (`benches/shared/engine.rs`; fewer if their map would not fit the datapath's 16,384
 //! entries); a warm new connection and an established packet from allowed peers of each,
 //! interleaved round by round.
+//!
+//! IPv6 against IPv4 (issue #31: a new IPv6 connection and an established IPv6 flow <= 1.2x
+//! the IPv4 figures): the same endpoint, peers and rules, the IPv4 and IPv6 packets
+//! interleaved round by round, reported as the median of the per-round ratios.
 
 use std::mem::MaybeUninit;
 use std::time::Instant;
@@ -35,7 +39,9 @@ use ciliate::policy::mapstate::MapDelta;
 
 #[path = "shared/packets.rs"]
 mod packets;
-use packets::{addr, allow_16k, fill_ipcache, packet, tcp_in, timed_run as run, ACK, SYN};
+use packets::{
+    addr, addr6, allow_16k, fill_ipcache, packet, packet6, tcp_in, timed_run as run, ACK, SYN,
+};
 
 #[path = "shared/engine.rs"]
 mod engine;
@@ -55,7 +61,13 @@ fn main() {
     let pins = root.join("ciliate");
 
     // 100,000 ipcache entries, 16,384 policy entries (one per peer identity, TCP 80).
-    let mut dp = BpfDatapath::open(&root).unwrap();
+    // As an agent with --enable-ipv6 opens it (the IPv6 conntrack table preallocated).
+    let mut dp = BpfDatapath::open_for(
+        &root,
+        ciliate::datapath::bpf::datapath::AttachMode::Auto,
+        Some(true),
+    )
+    .unwrap();
     let t = Instant::now();
     fill_ipcache(&mut dp);
     println!(
@@ -241,6 +253,7 @@ fn main() {
         reply_ns,
     );
 
+    ipv6_against_ipv4(&mut dp, &ep.progs.to_container, dst);
     tiered_map_ab(&mut dp, &pins);
     host_firewall(&mut dp, &pins);
 
@@ -324,6 +337,72 @@ fn main() {
     drop(unmanaged);
     drop(dp);
     let _ = std::fs::remove_dir_all(&root);
+}
+
+/// The endpoint's warm new connection and established packet over IPv6 against IPv4: the same
+/// peer identities (the IPv6 peers get ipcache entries of their own), the same rule, each
+/// round timing the four in turn; ratios per round, reported as the median with the range.
+fn ipv6_against_ipv4(dp: &mut BpfDatapath, prog: &libbpf_rs::ProgramMut<'_>, dst: [u8; 4]) {
+    for i in [1u32, 6] {
+        let a = std::net::Ipv6Addr::from(addr6(i));
+        dp.upsert_ipcache(format!("{a}/128").parse().unwrap(), 1000 + i)
+            .unwrap();
+    }
+    let dst6 = addr6(0xff_ff01);
+    let (syn4, syn6) = (
+        packet(addr(6), dst, 4444, 80, SYN),
+        packet6(addr6(6), dst6, 4444, 80, SYN),
+    );
+    let (est4, est6) = (
+        packet(addr(1), dst, 1026, 80, ACK),
+        packet6(addr6(1), dst6, 1026, 80, ACK),
+    );
+    for opening in [
+        packet(addr(1), dst, 1026, 80, SYN),
+        packet6(addr6(1), dst6, 1026, 80, SYN),
+    ] {
+        assert_eq!(run(prog, &opening, 1).0, 0, "allowed");
+    }
+    const ROUNDS: usize = 9;
+    const RUNS: u32 = 100_000;
+    let (mut syn_ratio, mut est_ratio) = (Vec::new(), Vec::new());
+    let (mut syn_ns, mut est_ns) = (Vec::new(), Vec::new());
+    for _ in 0..ROUNDS {
+        let t: Vec<f64> = [&syn4, &syn6, &est4, &est6]
+            .into_iter()
+            .map(|pkt| {
+                let (rc, ns) = run(prog, pkt, RUNS);
+                assert_eq!(rc, 0, "allowed");
+                ns
+            })
+            .collect();
+        syn_ratio.push(t[1] / t[0]);
+        est_ratio.push(t[3] / t[2]);
+        syn_ns.push((t[0], t[1]));
+        est_ns.push((t[2], t[3]));
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(|a, b| a.total_cmp(b));
+        (v[v.len() / 2], v[0], v[v.len() - 1])
+    };
+    let pair_median = |v: &[(f64, f64)]| {
+        let (mut a, mut b): (Vec<f64>, Vec<f64>) = v.iter().copied().unzip();
+        (median(&mut a).0, median(&mut b).0)
+    };
+    for (what, ratios, ns) in [
+        ("new TCP connection (SYN), warm", &mut syn_ratio, &syn_ns),
+        (
+            "established flow through conntrack",
+            &mut est_ratio,
+            &est_ns,
+        ),
+    ] {
+        let (m, lo, hi) = median(ratios);
+        let (v4, v6) = pair_median(ns);
+        println!(
+            "IPv6 / IPv4, {what}: {m:.2} (range {lo:.2}-{hi:.2} over {ROUNDS} interleaved rounds of {RUNS} runs; medians {v4:.0} ns IPv4, {v6:.0} ns IPv6)"
+        );
+    }
 }
 
 /// The engine of `resolve/selected_by_1000_rules` (`benches/policy.rs`) over `n` identities

@@ -40,6 +40,32 @@ pub fn packet(src: [u8; 4], dst: [u8; 4], sport: u16, dport: u16, tcp_flags: u8)
     p
 }
 
+/// `packet` over IPv6 (no extension header).
+pub fn packet6(src: [u8; 16], dst: [u8; 16], sport: u16, dport: u16, tcp_flags: u8) -> Vec<u8> {
+    let mut p = vec![0u8; 14 + 40 + 20];
+    p[12] = 0x86;
+    p[13] = 0xdd;
+    p[14] = 0x60;
+    p[18..20].copy_from_slice(&20u16.to_be_bytes());
+    p[20] = 6;
+    p[21] = 64;
+    p[22..38].copy_from_slice(&src);
+    p[38..54].copy_from_slice(&dst);
+    p[54..56].copy_from_slice(&sport.to_be_bytes());
+    p[56..58].copy_from_slice(&dport.to_be_bytes());
+    p[66] = 0x50;
+    p[67] = tcp_flags;
+    p
+}
+
+/// The IPv6 peer standing for `addr(i)`: `fd00:100::` and `addr(i)`'s four bytes.
+pub fn addr6(i: u32) -> [u8; 16] {
+    let mut a = [0u8; 16];
+    a[..4].copy_from_slice(&[0xfd, 0x00, 0x01, 0x00]);
+    a[12..].copy_from_slice(&addr(i));
+    a
+}
+
 pub fn addr(i: u32) -> [u8; 4] {
     [10, 100 + (i >> 16) as u8, (i >> 8) as u8, i as u8]
 }

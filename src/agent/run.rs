@@ -195,8 +195,12 @@ pub fn run(config: AgentConfig) -> Result<(), AgentError> {
     let datapath: Box<dyn Datapath> = match config.datapath {
         DatapathKind::Memory => Box::new(MemoryDatapath::new()),
         DatapathKind::Bpf => Box::new(
-            crate::datapath::bpf::datapath::BpfDatapath::open(&config.bpf_root)
-                .map_err(|e| AgentError::Config(format!("--datapath bpf: {e}")))?,
+            crate::datapath::bpf::datapath::BpfDatapath::open_for(
+                &config.bpf_root,
+                crate::datapath::bpf::datapath::AttachMode::Auto,
+                Some(config.families.ipv6),
+            )
+            .map_err(|e| AgentError::Config(format!("--datapath bpf: {e}")))?,
         ),
     };
     let services = service_translation(&config)?;

@@ -29,7 +29,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
-use libbpf_rs::OpenObject;
+use libbpf_rs::{MapCore, MapHandle, OpenObject};
 
 use super::DatapathError;
 
@@ -112,7 +112,40 @@ pub fn load_program_for<'obj>(
     endpoint_id: u32,
     tcx: bool,
 ) -> Result<skel::CiliateSkel<'obj>, DatapathError> {
-    load_instance(storage, pin_root, Instance::Endpoint(endpoint_id), tcx)
+    load_instance(
+        storage,
+        pin_root,
+        Instance::Endpoint(endpoint_id),
+        tcx,
+        None,
+    )
+}
+
+/// [`load_program`] that also decides how the IPv6 conntrack table is allocated (`ipv6`:
+/// preallocated; else per entry): the first load of an agent's run
+/// (`BpfDatapath::open_for`). A pinned table allocated the other way is migrated (its entries
+/// carried over); every later load takes the pinned table as it is.
+pub fn load_program_deciding_ct6<'obj>(
+    storage: &'obj mut MaybeUninit<OpenObject>,
+    pin_root: &Path,
+    endpoint_id: u32,
+    ipv6: bool,
+) -> Result<skel::CiliateSkel<'obj>, DatapathError> {
+    load_instance(
+        storage,
+        pin_root,
+        Instance::Endpoint(endpoint_id),
+        false,
+        Some(ipv6),
+    )
+}
+
+/// Whether the pinned IPv6 conntrack table under `pin_root` is preallocated (`None`: there is
+/// none).
+fn pinned_ct6_preallocated(pin_root: &Path) -> Option<bool> {
+    let map = MapHandle::from_pinned_path(pin_root.join("conntrack6")).ok()?;
+    let info = map.info().ok()?;
+    Some(info.info.map_flags & libbpf_rs::libbpf_sys::BPF_F_NO_PREALLOC == 0)
 }
 
 /// Loads the node device's programs (`from_netdev`: BPF host routing's receive side and the
@@ -122,7 +155,7 @@ pub fn load_netdev_program<'obj>(
     pin_root: &Path,
     tcx: bool,
 ) -> Result<skel::CiliateSkel<'obj>, DatapathError> {
-    load_instance(storage, pin_root, Instance::Netdev, tcx)
+    load_instance(storage, pin_root, Instance::Netdev, tcx, None)
 }
 
 /// Which programs of the object an instance carries: each one verified costs load time.
@@ -139,6 +172,7 @@ fn load_instance<'obj>(
     pin_root: &Path,
     instance: Instance,
     tcx: bool,
+    ct6_prealloc: Option<bool>,
 ) -> Result<skel::CiliateSkel<'obj>, DatapathError> {
     use libbpf_rs::libbpf_sys as lsys;
     use libbpf_rs::AsRawLibbpf;
@@ -187,6 +221,21 @@ fn load_instance<'obj>(
         .event_batches
         .set_max_entries(cpus.max(1) as u32)
         .map_err(sys("size the event batches"))?;
+    // The IPv6 conntrack table: preallocated with --enable-ipv6 (an insert into a table
+    // allocated per entry costs a new IPv6 connection about 90 ns: benches/datapath.rs), per
+    // entry otherwise (an IPv4-only node pays no memory for it). As decided, else as pinned.
+    let prealloc = ct6_prealloc
+        .or_else(|| pinned_ct6_preallocated(pin_root))
+        .unwrap_or(false);
+    let ct6_flags = if prealloc {
+        0
+    } else {
+        libbpf_rs::libbpf_sys::BPF_F_NO_PREALLOC
+    };
+    open.maps
+        .conntrack6
+        .set_map_flags(ct6_flags)
+        .map_err(sys("set the IPv6 conntrack table's allocation"))?;
     let moved = migrate::set_aside_incompatible_pins(open.open_object(), pin_root)?;
     let what = match instance {
         Instance::Endpoint(id) => format!("load the BPF program for endpoint {id}"),

@@ -90,6 +90,17 @@ impl BpfDatapath {
 
     /// [`BpfDatapath::open`] with an explicit way of attaching programs.
     pub fn open_with(bpf_root: &Path, mode: AttachMode) -> Result<Self, DatapathError> {
+        Self::open_for(bpf_root, mode, None)
+    }
+
+    /// [`BpfDatapath::open_with`] deciding how the IPv6 conntrack table is allocated
+    /// (`Some(true)`: preallocated, as an agent with `--enable-ipv6` wants; `Some(false)`: per
+    /// entry; `None`: as pinned, else per entry). See [`super::load_program_deciding_ct6`].
+    pub fn open_for(
+        bpf_root: &Path,
+        mode: AttachMode,
+        ipv6: Option<bool>,
+    ) -> Result<Self, DatapathError> {
         // libbpf's own messages go to the log (some are expected, e.g. an existing clsact).
         libbpf_rs::set_print(Some((
             libbpf_rs::PrintLevel::Info,
@@ -105,7 +116,10 @@ impl BpfDatapath {
         let build_tags = {
             // Loading an instance creates every map and pins it, or reuses the pins.
             let mut storage = MaybeUninit::uninit();
-            let skel = load_program(&mut storage, &pins, 0)?;
+            let skel = match ipv6 {
+                Some(v6) => super::load_program_deciding_ct6(&mut storage, &pins, 0, v6)?,
+                None => load_program(&mut storage, &pins, 0)?,
+            };
             tcx::tag_of(&skel.progs.from_container).zip(tcx::tag_of(&skel.progs.to_container))
         };
         let open = |name: &str| {

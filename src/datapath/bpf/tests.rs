@@ -1565,3 +1565,71 @@ fn icmp_errors_about_a_pods_tracked_connections_pass_its_policy() {
     echo.truncate(14 + 20 + 8);
     assert_eq!(l.run(false, &echo), TC_ACT_SHOT, "not an error");
 }
+
+/// The IPv6 conntrack table is preallocated for an agent with `--enable-ipv6` and allocated per
+/// entry without it; switching either way carries the entries over, and a load that decides
+/// nothing (an endpoint's program) takes the pinned table as it is.
+#[test]
+fn the_ipv6_conntrack_table_follows_enable_ipv6_and_keeps_its_entries() {
+    if !privileged() {
+        return;
+    }
+    ensure_bpffs(std::path::Path::new("/sys/fs/bpf")).unwrap();
+    let pins = std::path::PathBuf::from(format!(
+        "/sys/fs/bpf/ciliate-unit-ct6-{}",
+        std::process::id()
+    ));
+    struct Cleanup(std::path::PathBuf);
+    impl Drop for Cleanup {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let _cleanup = Cleanup(pins.clone());
+    let table = || MapHandle::from_pinned_path(pins.join("conntrack6")).unwrap();
+    let preallocated = || {
+        let flags = table().info().unwrap().info.map_flags;
+        flags & libbpf_rs::libbpf_sys::BPF_F_NO_PREALLOC == 0
+    };
+    let decide = |ipv6: bool| {
+        let mut storage = MaybeUninit::uninit();
+        super::load_program_deciding_ct6(&mut storage, &pins, 0, ipv6).unwrap();
+    };
+    decide(false);
+    assert!(!preallocated(), "without IPv6: allocated per entry");
+    let mut key = types::ct6_key {
+        sport: 40001,
+        dport: 80,
+        protocol: 6,
+        family: 6,
+        endpoint_id: 7,
+        ..Default::default()
+    };
+    key.saddr[15] = 2;
+    key.daddr[15] = 1;
+    let value = types::ct_value {
+        last_seen_ns: 42,
+        packets: 3,
+        ..Default::default()
+    };
+    table()
+        .update(key.as_bytes(), value.as_bytes(), MapFlags::ANY)
+        .unwrap();
+    let kept = || {
+        table()
+            .lookup(key.as_bytes(), MapFlags::ANY)
+            .unwrap()
+            .and_then(|v| types::ct_value::from_bytes(&v).map(|v| v.packets))
+    };
+    decide(true);
+    assert!(preallocated(), "with IPv6: preallocated");
+    assert_eq!(kept(), Some(3), "the entry moved into the new table");
+    {
+        let mut storage = MaybeUninit::uninit();
+        load_program(&mut storage, &pins, 5).unwrap();
+    }
+    assert!(preallocated(), "an endpoint's load keeps the pinned table");
+    decide(false);
+    assert!(!preallocated());
+    assert_eq!(kept(), Some(3), "and back");
+}
