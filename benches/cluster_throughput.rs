@@ -17,11 +17,16 @@
 //! each cluster in turn (which goes first alternates), node 1 -> node 2 and a -> b; reported:
 //! every figure, the medians, and on/off per path (of the medians and the median per-round
 //! ratio).
+//!
+//! IPv6 mode (issue #31: cross-node pod-to-pod IPv6 TCP >= 0.90 of node-to-node IPv6, native
+//! routing, in one run): a dual-stack cluster (`Cluster::start_dual_stack`), the same policy;
+//! each round times node 1 -> node 2 and a -> b over IPv4, then over IPv6 (the nodes' and the
+//! pods' IPv6 addresses).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
 
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::IpAddr;
 
 use common::cluster::Cluster;
 use common::netns::{stream_gbits, tcp_ok, tcp_server};
@@ -32,7 +37,7 @@ const ROUNDS: usize = 7;
 const PORT: u16 = 5201;
 
 /// One stream a -> b (see `stream_gbits`).
-fn stream(from: &str, at: &str, to: Ipv4Addr) -> f64 {
+fn stream(from: &str, at: &str, to: impl Into<IpAddr>) -> f64 {
     stream_gbits(from, at, to, PORT, SECONDS)
 }
 
@@ -51,7 +56,10 @@ struct Setup {
 
 impl Setup {
     fn start(args: &[&str]) -> Setup {
-        let mut c = Cluster::start_with(2, args);
+        Setup::start_in(Cluster::start_with(2, args))
+    }
+
+    fn start_in(mut c: Cluster) -> Setup {
         let a = c.add_pod(1, "a", "a");
         let b = c.add_pod(2, "b", "b");
         c.api()
@@ -88,6 +96,18 @@ impl Setup {
     fn pod(&self) -> f64 {
         stream(&self.a.netns, &self.b.netns, self.b.addr)
     }
+
+    /// node 1 -> node 2 over IPv6 (a dual-stack cluster).
+    fn node6(&self) -> f64 {
+        let (n1, n2) = (&self.c.nodes[0], &self.c.nodes[1]);
+        stream(&n1.netns, &n2.netns, common::cluster::node_ip6(2))
+    }
+
+    /// a -> b over IPv6.
+    fn pod6(&self) -> f64 {
+        let b6 = self.b.addr6.expect("b has an IPv6 address");
+        stream(&self.a.netns, &self.b.netns, b6)
+    }
 }
 
 fn fmt(v: &[f64]) -> String {
@@ -118,6 +138,46 @@ fn measure(mode: &str, args: &[&str]) {
         100.0 * median(pod) / median(node),
         100.0 * median(ratios)
     );
+}
+
+/// IPv6 against IPv4 on one dual-stack cluster, rounds interleaved.
+fn measure_ipv6(mode: &str, args: &[&str]) {
+    let s = Setup::start_in(Cluster::start_dual_stack(2, args));
+    let n1 = &s.c.nodes[0];
+    let cidr6 = common::cluster::pod_cidr6(2);
+    n1.agent()
+        .wait_until("node 1 routes node 2's IPv6 pod CIDR", || {
+            n1.kernel_routes().iter().any(|(dst, _)| *dst == cidr6)
+        });
+    // A first stream of each warms the path (routes, neighbours, conntrack).
+    s.pod6();
+    s.node6();
+    let mut figures: [Vec<f64>; 4] = Default::default();
+    for _ in 0..ROUNDS {
+        for (i, f) in [Setup::node, Setup::pod, Setup::node6, Setup::pod6]
+            .into_iter()
+            .enumerate()
+        {
+            figures[i].push(f(&s));
+        }
+    }
+    let [node, pod, node6, pod6] = figures;
+    println!("{mode}, dual stack:");
+    for (family, node, pod) in [("IPv4", node, pod), ("IPv6", node6, pod6)] {
+        let ratios: Vec<f64> = pod.iter().zip(&node).map(|(p, n)| p / n).collect();
+        println!("  {family} node 1 -> node 2 (Gbit/s): {}", fmt(&node));
+        println!(
+            "  {family} pod a -> pod b, policy enforced (Gbit/s): {}",
+            fmt(&pod)
+        );
+        println!(
+            "  {family} medians: node {:.2}, pod {:.2}; pod/node {:.1}% (per-round ratios: median {:.1}%)",
+            median(node.clone()),
+            median(pod.clone()),
+            100.0 * median(pod) / median(node),
+            100.0 * median(ratios)
+        );
+    }
 }
 
 /// A host policy on every node: TCP `PORT` from the other nodes, nothing else in.
@@ -202,7 +262,8 @@ fn main() {
         nix::unistd::geteuid().is_root(),
         "the cluster throughput bench needs root"
     );
-    // `CILIATE_BENCH_CLUSTER_MODE=native|native-nomasq|tunnel|host-firewall|host-firewall-tunnel`:
+    // `CILIATE_BENCH_CLUSTER_MODE=native|native-nomasq|tunnel|ipv6|ipv6-tunnel|host-firewall|
+    // host-firewall-tunnel`:
     // that mode alone.
     let only = std::env::var("CILIATE_BENCH_CLUSTER_MODE").ok();
     let run = |m: &str| only.as_deref().is_none_or(|o| o == m);
@@ -219,6 +280,12 @@ fn main() {
     }
     if run("tunnel") {
         measure("tunnel (vxlan)", &["--routing-mode", "tunnel"]);
+    }
+    if run("ipv6") {
+        measure_ipv6("native routing", &[]);
+    }
+    if run("ipv6-tunnel") {
+        measure_ipv6("tunnel (vxlan)", &["--routing-mode", "tunnel"]);
     }
     if run("host-firewall") {
         measure_host_firewall("native routing", &[]);

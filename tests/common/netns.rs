@@ -457,7 +457,8 @@ pub fn icmp_ok(netns: &str, to: std::net::Ipv4Addr) -> bool {
 
 /// One TCP stream from namespace `from` to `to:port` (a server in namespace `at`), 128 KiB
 /// writes for `seconds`: Gbit/s as the receiver counted it (the throughput benches).
-pub fn stream_gbits(from: &str, at: &str, to: std::net::Ipv4Addr, port: u16, seconds: f64) -> f64 {
+pub fn stream_gbits(from: &str, at: &str, to: impl Into<IpAddr>, port: u16, seconds: f64) -> f64 {
+    let to: IpAddr = to.into();
     let (tx, rx) = std::sync::mpsc::channel();
     let server = in_netns(at, move || {
         let l = TcpListener::bind((to, port)).expect("listen");
@@ -475,9 +476,8 @@ pub fn stream_gbits(from: &str, at: &str, to: std::net::Ipv4Addr, port: u16, sec
     });
     rx.recv().unwrap();
     in_netns(from, move || {
-        let mut s =
-            TcpStream::connect_timeout(&SocketAddr::new(to.into(), port), Duration::from_secs(2))
-                .expect("connect");
+        let mut s = TcpStream::connect_timeout(&SocketAddr::new(to, port), Duration::from_secs(2))
+            .expect("connect");
         let buf = vec![7u8; 1 << 17];
         let end = std::time::Instant::now() + Duration::from_secs_f64(seconds);
         while std::time::Instant::now() < end {
