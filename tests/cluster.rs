@@ -275,6 +275,28 @@ fn dual_stack_across_nodes(args: &[&str], via6: impl Fn(usize) -> String) {
         n2.agent().cli_json(&["status"])["routes_installed"] == 2
     });
     assert!(tcp_ok(&a.netns, b6, 8080) && !tcp_ok(&other.netns, b6, 8080));
+
+    // An IPv6 CIDR rule: c may reach the outside's /64 on TCP 7000, and nothing else.
+    c.api()
+        .apply_json(json!({
+            "apiVersion": "cilium.io/v2", "kind": "CiliumNetworkPolicy",
+            "metadata": {"name": "c-to-outside6", "namespace": "x"},
+            "spec": {
+                "endpointSelector": {"matchLabels": {"app": "c"}},
+                "egress": [{"toCIDR": ["2001:db8:100::/64"],
+                            "toPorts": [{"ports": [{"port": "7000", "protocol": "TCP"}]}]}]
+            }
+        }))
+        .expect("policy");
+    eventually("c's egress is isolated", || {
+        seen_over_udp(&other.netns, outside6).is_none()
+    });
+    assert_eq!(
+        seen_over_tcp(&other.netns, outside6),
+        node1_ip6,
+        "the CIDR rule admits TCP 7000 to the outside"
+    );
+    assert!(!tcp_ok(&other.netns, a6, 8080), "c -> a: no rule for it");
 }
 
 #[test]
