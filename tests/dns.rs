@@ -21,7 +21,7 @@ use common::eventually;
 use common::netns::{in_netns, privileged, world, Pod, World};
 
 /// name -> (addresses, TTL).
-type Names = HashMap<String, (Vec<Ipv4Addr>, u32)>;
+type Names = HashMap<String, (Vec<IpAddr>, u32)>;
 
 /// What the test's DNS server answers: name -> (addresses, TTL); and every name it was asked.
 #[derive(Clone, Default)]
@@ -33,15 +33,12 @@ struct Zone {
 }
 
 impl Zone {
+    /// `name` answers `ips`: the IPv4 ones to A queries, the IPv6 ones to AAAA queries.
     fn set(&self, name: &str, ips: &[IpAddr], ttl: u32) {
-        let v4 = ips
-            .iter()
-            .map(|i| match i {
-                IpAddr::V4(a) => *a,
-                IpAddr::V6(_) => panic!("IPv4 only"),
-            })
-            .collect();
-        self.names.lock().unwrap().insert(name.into(), (v4, ttl));
+        self.names
+            .lock()
+            .unwrap()
+            .insert(name.into(), (ips.to_vec(), ttl));
     }
 
     fn asked(&self, name: &str) -> bool {
@@ -68,11 +65,12 @@ impl Zone {
         match self.names.lock().unwrap().get(&name) {
             Some((ips, ttl)) => {
                 for ip in ips {
-                    m.add_answer(Record::from_rdata(
-                        question.name().clone(),
-                        *ttl,
-                        RData::A(rdata::A(*ip)),
-                    ));
+                    let data = match (ip, question.query_type()) {
+                        (IpAddr::V4(a), RecordType::A) => RData::A(rdata::A(*a)),
+                        (IpAddr::V6(a), RecordType::AAAA) => RData::AAAA(rdata::AAAA(*a)),
+                        _ => continue,
+                    };
+                    m.add_answer(Record::from_rdata(question.name().clone(), *ttl, data));
                 }
             }
             None => {
@@ -139,7 +137,8 @@ enum Lookup {
     Failed(String),
 }
 
-/// One A query for `name` from `netns` to `server:53`, over UDP or TCP, as a resolver sends it.
+/// One A query for `name` from `netns` to `server:53`, over UDP or TCP, as a resolver sends it;
+/// to an IPv6 server (the IPv6 world) an AAAA query, as an IPv6-only pod's resolver asks.
 fn lookup(netns: &str, server: IpAddr, name: &str, tcp: bool) -> Lookup {
     lookup_from(netns, server, name, tcp, 0)
 }
@@ -168,7 +167,11 @@ fn lookup_with_tail(
             .set_recursion_desired(true)
             .add_query(Query::query(
                 Name::from_ascii(&name).unwrap(),
-                RecordType::A,
+                if server.is_ipv6() {
+                    RecordType::AAAA
+                } else {
+                    RecordType::A
+                },
             ));
         let mut q = m.to_vec().unwrap();
         q.extend_from_slice(&tail);
@@ -188,7 +191,8 @@ fn lookup_with_tail(
                 Err(e) => return Lookup::Failed(format!("receive: {e}")),
             }
         } else {
-            let s = UdpSocket::bind(("0.0.0.0", sport)).unwrap();
+            let any = if server.is_ipv6() { "::" } else { "0.0.0.0" };
+            let s = UdpSocket::bind((any, sport)).unwrap();
             s.set_read_timeout(Some(Duration::from_millis(1500)))
                 .unwrap();
             s.send_to(&q, to).unwrap();
@@ -209,6 +213,7 @@ fn lookup_with_tail(
             .iter()
             .filter_map(|r| match r.data() {
                 RData::A(a) => Some(IpAddr::V4(a.0)),
+                RData::AAAA(a) => Some(IpAddr::V6(a.0)),
                 _ => None,
             })
             .collect();
@@ -322,7 +327,24 @@ fn setup_with(externals: usize, extra: &[&str], dns_endpoint: bool, early: &str)
     if !privileged() {
         return None;
     }
-    let w = world(2 + externals);
+    Some(setup_in(world(2 + externals), extra, dns_endpoint, early))
+}
+
+/// [`setup`] in an IPv6 world: every pod (client, DNS server, external hosts) has an IPv6
+/// address only.
+fn setup_v6(externals: usize) -> Option<Setup> {
+    if !privileged() {
+        return None;
+    }
+    Some(setup_in(
+        common::netns::world_v6(2 + externals),
+        &[],
+        true,
+        "",
+    ))
+}
+
+fn setup_in(w: World, extra: &[&str], dns_endpoint: bool, early: &str) -> Setup {
     let zone = Zone::default();
     zone.serve(&w.pods[1].netns, w.pods[1].addr);
     for p in &w.pods[2..] {
@@ -361,7 +383,7 @@ fn setup_with(externals: usize, extra: &[&str], dns_endpoint: bool, early: &str)
         args,
     };
     s.wait_proxy();
-    Some(s)
+    s
 }
 
 fn ok(ips: &[IpAddr]) -> Lookup {
@@ -626,6 +648,47 @@ fn common_now() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_secs()
+}
+
+/// DNS-aware policy over IPv6 (#31 item 5): an IPv6 client asks an IPv6 DNS server (through
+/// the transparent proxy, on IPv6) for AAAA records; `toFQDNs` allows the address the allowed
+/// answer carried and nothing else, a name outside the DNS rules is refused and never
+/// forwarded, and the cache shows the IPv6 address under the name.
+#[test]
+fn to_fqdns_and_dns_rules_over_ipv6_follow_aaaa_answers() {
+    let Some(s) = setup_v6(2) else { return };
+    let (api, other) = (s.host(0), s.host(1));
+    assert!(api.is_ipv6() && s.dns().is_ipv6());
+    s.zone.set("api.example.com", &[api], 300);
+    s.zone.set("evil.test", &[other], 300);
+    let c = &s.client().netns;
+    assert!(!https_ok(c, api), "nothing resolved yet");
+    assert_eq!(
+        s.lookup("api.example.com"),
+        ok(&[api]),
+        "AAAA through the proxy"
+    );
+    assert!(
+        https_ok(c, api),
+        "the answer's IPv6 address is allowed; cache {}",
+        s.cache()
+    );
+    assert!(
+        !https_ok(c, other),
+        "an address no allowed name resolved to"
+    );
+    assert_eq!(
+        s.lookup("evil.test"),
+        Lookup::Answer(ResponseCode::Refused, vec![]),
+        "a name outside the DNS rules is refused"
+    );
+    assert!(!s.zone.asked("evil.test"), "and never forwarded");
+    let cache = s.cache().to_string();
+    assert!(
+        cache.contains("api.example.com") && cache.contains(&api.to_string()),
+        "{cache}"
+    );
+    assert!(!cache.contains(&other.to_string()), "{cache}");
 }
 
 #[test]

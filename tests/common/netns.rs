@@ -97,6 +97,18 @@ pub fn two_pods_b_serving(ports: &[u16]) -> World {
 }
 
 pub fn world(pods: usize) -> World {
+    world_of(pods, false)
+}
+
+/// [`world`] with IPv6 pods: each pod's address is `fd00:NET:N::I` (a /128 without duplicate
+/// address detection), its default route goes through `fe80::1`, resolved to the host veth by
+/// a permanent neighbour entry (as the CNI plugin wires IPv6), and the host routes the /128
+/// to the veth.
+pub fn world_v6(pods: usize) -> World {
+    world_of(pods, true)
+}
+
+fn world_of(pods: usize, ipv6: bool) -> World {
     let n = N.fetch_add(1, Ordering::SeqCst);
     let tag = format!("{}{}", std::process::id() % 100_000, n);
     let net = 10 + (std::process::id() % 200) as u8;
@@ -105,11 +117,19 @@ pub fn world(pods: usize) -> World {
         pins: format!("/sys/fs/bpf/ciliate-it-{tag}").into(),
     };
     sysctl("net.ipv4.ip_forward", "1");
+    if ipv6 {
+        sysctl("net.ipv6.conf.all.forwarding", "1");
+    }
     for i in 0..pods {
+        let addr = if ipv6 {
+            format!("fd00:{net:x}:{n:x}::{:x}", i + 1)
+        } else {
+            format!("10.{net}.{n}.{}", i + 1)
+        };
         let p = Pod {
             netns: format!("cil-{tag}-{i}"),
             host_if: format!("lxc{tag}{i}"),
-            addr: format!("10.{net}.{n}.{}", i + 1).parse().unwrap(),
+            addr: addr.parse().unwrap(),
         };
         ip(&["netns", "add", &p.netns]);
         w.pods.push(p);
@@ -119,6 +139,10 @@ pub fn world(pods: usize) -> World {
         ]);
         ip(&["-n", &p.netns, "link", "set", "lo", "up"]);
         ip(&["-n", &p.netns, "link", "set", "eth0", "up"]);
+        if ipv6 {
+            ipv6_pod(p);
+            continue;
+        }
         ip(&[
             "-n",
             &p.netns,
@@ -171,6 +195,34 @@ pub fn world(pods: usize) -> World {
         ip(&["route", "add", &format!("{}/32", p.addr), "dev", &p.host_if]);
     }
     w
+}
+
+/// The IPv6 half of [`world_v6`]: the pod's address, gateway and the host's route to it.
+fn ipv6_pod(p: &Pod) {
+    let addr = format!("{}/128", p.addr);
+    ip(&[
+        "-n", &p.netns, "-6", "addr", "add", &addr, "dev", "eth0", "nodad",
+    ]);
+    ip(&["link", "set", &p.host_if, "up"]);
+    let mac = std::fs::read_to_string(format!("/sys/class/net/{}/address", p.host_if)).unwrap();
+    ip(&[
+        "-n",
+        &p.netns,
+        "-6",
+        "neigh",
+        "replace",
+        "fe80::1",
+        "lladdr",
+        mac.trim(),
+        "dev",
+        "eth0",
+        "nud",
+        "permanent",
+    ]);
+    ip(&[
+        "-n", &p.netns, "-6", "route", "add", "default", "via", "fe80::1", "dev", "eth0",
+    ]);
+    ip(&["-6", "route", "add", &addr, "dev", &p.host_if]);
 }
 
 /// Runs `f` in a thread that entered the namespace `netns`.
