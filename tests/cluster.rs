@@ -227,6 +227,14 @@ fn dual_stack_across_nodes(args: &[&str], via6: impl Fn(usize) -> String) {
         );
     }
     assert!(tcp_ok(&b.netns, a6, 8080), "b reaches a over IPv6");
+    // BPF host routing sends IPv6 pod traffic out of the node's device (or into the tunnel)
+    // as it does IPv4's.
+    let before = host_routed(&mut c, 1);
+    assert!(tcp_ok(&a.netns, b6, 8080));
+    assert!(
+        host_routed(&mut c, 1) > before,
+        "a's IPv6 packets to b were host-routed on node 1"
+    );
     // Node 2 admits only app=a into b, over both families.
     c.api().apply_json(cnp_b_from_a()).expect("policy");
     eventually("b admits a and not c, over IPv6", || {

@@ -3,16 +3,17 @@
  * BPF host routing (Cilium's, for the native-routing path), both ends of a pod-to-pod packet
  * between nodes:
  *
- * Sending (host_route, after from_container allowed the packet): an IPv4 packet the pod sends
- * to a pod of another node goes from the pod's host veth straight out of the node's device
- * with bpf_redirect_neigh, skipping the host stack's forwarding path (routing, netfilter's
- * hooks and conntrack). Only destinations in host_routes take it: the other nodes' pod CIDRs
- * the agent installed kernel routes for (native routing). The kernel's FIB still picks the
+ * Sending (host_route, after from_container allowed the packet): a packet the pod sends to a
+ * pod of another node goes from the pod's host veth straight out of the node's device with
+ * bpf_redirect_neigh, skipping the host stack's forwarding path (routing, netfilter's hooks
+ * and conntrack). Only destinations in host_routes (IPv4) and host_routes6 (IPv6) take it:
+ * the other nodes' pod CIDRs the agent installed kernel routes for. The kernel's FIB still picks the
  * device and the next hop, so the packet leaves exactly where the route says; any lookup that
  * does not plainly succeed leaves the packet to the stack, as before. Traffic leaving the
  * cluster never matches (it keeps the stack, and so masquerading).
  *
- * Receiving (from_netdev, on the tc ingress of the node's device): an IPv4 packet addressed
+ * Receiving (from_netdev, on the tc ingress of the node's device; IPv4 only so far): a packet
+ * addressed
  * to a pod of this node (local_endpoints) meets that pod's ingress policy right there, the
  * same decision to_container makes (same policy map, same conntrack entries), and once
  * allowed goes into the pod with bpf_redirect_peer, skipping this node's stack. Anything else
@@ -27,6 +28,9 @@
 #ifndef AF_INET
 #define AF_INET 2
 #endif
+#ifndef AF_INET6
+#define AF_INET6 10
+#endif
 
 struct host_route_key {
 	__u32 prefixlen;
@@ -34,6 +38,13 @@ struct host_route_key {
 };
 
 PINNED_MAP(BPF_MAP_TYPE_LPM_TRIE, 16384, struct host_route_key, __u32, BPF_F_NO_PREALLOC) host_routes SEC(".maps");
+
+struct host_route6_key {
+	__u32 prefixlen;
+	__u8 addr[16];
+};
+
+PINNED_MAP(BPF_MAP_TYPE_LPM_TRIE, 16384, struct host_route6_key, __u32, BPF_F_NO_PREALLOC) host_routes6 SEC(".maps");
 
 /* Packets sent by host routing (one slot, for tests and `bpf` introspection). */
 PINNED_COUNTER(1) host_routed SEC(".maps");
@@ -117,11 +128,48 @@ static __always_inline int local_deliver(struct __sk_buff *skb, const struct loc
 	return bpf_redirect_peer(le->ifindex, 0);
 }
 
+/* host_route for IPv6: no header checksum, the hop limit instead of the TTL. A global
+ * function: verified once, on its own, and the IPv4 path does not carry its instructions. */
+__attribute__((noinline)) int ciliate_host_route6(struct __sk_buff *skb)
+{
+	void *data = (void *)(long)skb->data;
+	void *end = (void *)(long)skb->data_end;
+	struct ethhdr *eth = data;
+	if ((void *)(eth + 1) > end || eth->h_proto != bpf_htons(ETH_P_IPV6))
+		return TC_ACT_OK;
+	struct ipv6hdr *ip6 = (void *)(eth + 1);
+	if ((void *)(ip6 + 1) > end)
+		return TC_ACT_OK;
+	/* A packet about to expire is the stack's to answer (ICMPv6 time exceeded). */
+	__u8 hops = ip6->hop_limit;
+	if (hops <= 1)
+		return TC_ACT_OK;
+	struct host_route6_key k = { .prefixlen = 128 };
+	__builtin_memcpy(k.addr, &ip6->daddr, 16);
+	if (!bpf_map_lookup_elem(&host_routes6, &k))
+		return TC_ACT_OK;
+	struct bpf_fib_lookup f = {};
+	f.family = AF_INET6;
+	f.flowinfo = *(__be32 *)ip6 & bpf_htonl(0x0FFFFFFF);
+	f.l4_protocol = ip6->nexthdr;
+	f.tot_len = bpf_ntohs(ip6->payload_len) + sizeof(*ip6);
+	__builtin_memcpy(f.ipv6_src, &ip6->saddr, 16);
+	__builtin_memcpy(f.ipv6_dst, &ip6->daddr, 16);
+	f.ifindex = skb->ingress_ifindex;
+	if (bpf_fib_lookup(skb, &f, sizeof(f), 0) != BPF_FIB_LKUP_RET_SUCCESS)
+		return TC_ACT_OK;
+	__u8 next = hops - 1;
+	if (bpf_skb_store_bytes(skb, ETH_HLEN + offsetof(struct ipv6hdr, hop_limit), &next, 1, 0) < 0)
+		return TC_ACT_SHOT;
+	bump(&host_routed);
+	return bpf_redirect_neigh(f.ifindex, 0, 0, 0);
+}
+
 static __always_inline int host_route(struct __sk_buff *skb)
 {
 	struct iphdr *ip = forwardable_ipv4(skb);
 	if (!ip)
-		return TC_ACT_OK;
+		return ciliate_host_route6(skb);
 	struct host_route_key k = { .prefixlen = 32, .addr = ip->daddr };
 	if (!bpf_map_lookup_elem(&host_routes, &k))
 		return TC_ACT_OK;

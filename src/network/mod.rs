@@ -99,14 +99,10 @@ pub async fn run_route_reconciler(
         if let Some(pins) = &cfg.bpf_host_routing {
             // Only prefixes whose kernel route is in place: the program's FIB lookup must find
             // the route this agent installed.
-            // The program forwards IPv4 (#31: IPv6 host routing is to come).
-            let routed: std::collections::BTreeSet<ipnet::Ipv4Net> = outcome
+            let routed: std::collections::BTreeSet<ipnet::IpNet> = outcome
                 .iter()
                 .filter(|(_, o)| o.is_ok())
-                .filter_map(|(r, _)| match r.dst {
-                    ipnet::IpNet::V4(n) => Some(n),
-                    ipnet::IpNet::V6(_) => None,
-                })
+                .map(|(r, _)| r.dst)
                 .collect();
             if let Err(e) = crate::datapath::bpf::host_routes::sync(pins, &routed) {
                 tracing::warn!(error = %e, "BPF host routing map not updated; pod traffic to other nodes takes the host stack");

@@ -6,13 +6,15 @@
 use std::collections::BTreeSet;
 use std::path::Path;
 
-use ipnet::Ipv4Net;
+use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use libbpf_rs::{MapCore, MapFlags, MapHandle};
 
 use crate::datapath::DatapathError;
 
 /// The pinned map's name under `<bpf-root>/ciliate/`.
 pub const MAP: &str = "host_routes";
+/// The IPv6 prefixes' map.
+pub const MAP6: &str = "host_routes6";
 /// The count of packets sent by host routing (per CPU), for tests and introspection.
 pub const COUNTER: &str = "host_routed";
 
@@ -24,21 +26,43 @@ pub fn key(net: Ipv4Net) -> [u8; 8] {
     k
 }
 
-fn decode(k: &[u8]) -> Option<Ipv4Net> {
-    let len = u32::from_ne_bytes(k.get(..4)?.try_into().ok()?);
-    let a: [u8; 4] = k.get(4..8)?.try_into().ok()?;
-    Ipv4Net::new(a.into(), u8::try_from(len).ok()?).ok()
+/// The IPv6 map's key: prefix length, then the address.
+pub fn key6(net: Ipv6Net) -> [u8; 20] {
+    let mut k = [0u8; 20];
+    k[..4].copy_from_slice(&u32::from(net.prefix_len()).to_ne_bytes());
+    k[4..].copy_from_slice(&net.network().octets());
+    k
 }
 
-/// Makes the map hold exactly `want`. `Ok(false)`: the datapath has not created the map (yet).
-pub fn sync(pins: &Path, want: &BTreeSet<Ipv4Net>) -> Result<bool, DatapathError> {
-    let keys = want.iter().map(|n| key(*n).to_vec()).collect();
-    super::map_io::sync_keys(&pins.join(MAP), &keys, &1u32.to_ne_bytes(), |k| {
+fn decode(k: &[u8]) -> Option<IpNet> {
+    let len = u8::try_from(u32::from_ne_bytes(k.get(..4)?.try_into().ok()?)).ok()?;
+    if let Ok(a) = <[u8; 16]>::try_from(k.get(4..)?) {
+        return Ipv6Net::new(a.into(), len).ok().map(IpNet::V6);
+    }
+    let a: [u8; 4] = k.get(4..8)?.try_into().ok()?;
+    Ipv4Net::new(a.into(), len).ok().map(IpNet::V4)
+}
+
+/// Makes the maps hold exactly `want` (each family's prefixes in its map). `Ok(false)`: the
+/// datapath has not created the maps (yet).
+pub fn sync(pins: &Path, want: &BTreeSet<IpNet>) -> Result<bool, DatapathError> {
+    let name = |k: &[u8]| {
         format!(
             "host route {}",
             decode(k).map_or_else(|| format!("{k:?}"), |n| n.to_string())
         )
-    })
+    };
+    let (mut v4, mut v6) = (BTreeSet::new(), BTreeSet::new());
+    for n in want {
+        match n {
+            IpNet::V4(n) => v4.insert(key(*n).to_vec()),
+            IpNet::V6(n) => v6.insert(key6(*n).to_vec()),
+        };
+    }
+    let one = 1u32.to_ne_bytes();
+    let done4 = super::map_io::sync_keys(&pins.join(MAP), &v4, &one, name)?;
+    let done6 = super::map_io::sync_keys(&pins.join(MAP6), &v6, &one, name)?;
+    Ok(done4 && done6)
 }
 
 /// Packets sent by host routing so far (all CPUs).
@@ -86,6 +110,10 @@ mod tests {
         let net: Ipv4Net = "10.200.2.0/24".parse().unwrap();
         let k = key(net);
         assert_eq!(&k[4..], &[10, 200, 2, 0], "the address in network order");
-        assert_eq!(decode(&k), Some(net));
+        assert_eq!(decode(&k), Some(IpNet::V4(net)));
+        let net6: Ipv6Net = "fd00:200:2::/112".parse().unwrap();
+        let k6 = key6(net6);
+        assert_eq!(&k6[4..6], &[0xfd, 0], "the address in network order");
+        assert_eq!(decode(&k6), Some(IpNet::V6(net6)));
     }
 }
