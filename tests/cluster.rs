@@ -235,6 +235,13 @@ fn dual_stack_across_nodes(args: &[&str], via6: impl Fn(usize) -> String) {
         host_routed(&mut c, 1) > before,
         "a's IPv6 packets to b were host-routed on node 1"
     );
+    // And node 2's device delivers them into b, after b's ingress policy, as IPv4's.
+    let before = host_delivered(&mut c, 2);
+    assert!(tcp_ok(&a.netns, b6, 8080));
+    assert!(
+        host_delivered(&mut c, 2) > before,
+        "a's IPv6 packets were delivered into b by node 2's device program"
+    );
     // Node 2 admits only app=a into b, over both families.
     c.api().apply_json(cnp_b_from_a()).expect("policy");
     eventually("b admits a and not c, over IPv6", || {

@@ -12,8 +12,7 @@
  * does not plainly succeed leaves the packet to the stack, as before. Traffic leaving the
  * cluster never matches (it keeps the stack, and so masquerading).
  *
- * Receiving (from_netdev, on the tc ingress of the node's device; IPv4 only so far): a packet
- * addressed
+ * Receiving (from_netdev, on the tc ingress of the node's device): a packet addressed
  * to a pod of this node (local_endpoints) meets that pod's ingress policy right there, the
  * same decision to_container makes (same policy map, same conntrack entries), and once
  * allowed goes into the pod with bpf_redirect_peer, skipping this node's stack. Anything else
@@ -53,6 +52,13 @@ PINNED_COUNTER(1) host_routed SEC(".maps");
  * endpoint's programs are in place and removed before they go. */
 PINNED_MAP(BPF_MAP_TYPE_HASH, CILIATE_ENDPOINTS_MAX, __u32, struct local_endpoint, BPF_F_NO_PREALLOC) local_endpoints SEC(".maps");
 
+/* The same by IPv6 address. */
+struct local_endpoint6_key {
+	__u8 addr[16];
+};
+
+PINNED_MAP(BPF_MAP_TYPE_HASH, CILIATE_ENDPOINTS_MAX, struct local_endpoint6_key, struct local_endpoint, BPF_F_NO_PREALLOC) local_endpoints6 SEC(".maps");
+
 /* Packets delivered into a pod by from_netdev (one slot, like host_routed). */
 PINNED_COUNTER(1) host_delivered SEC(".maps");
 
@@ -89,6 +95,38 @@ static __always_inline struct iphdr *forwardable_ipv4(struct __sk_buff *skb)
 	return ip;
 }
 
+/* The IPv6 header of a packet the stack would forward (hop limit above 1), or 0. */
+static __always_inline struct ipv6hdr *forwardable_ipv6(struct __sk_buff *skb)
+{
+	void *data = (void *)(long)skb->data;
+	void *end = (void *)(long)skb->data_end;
+	struct ethhdr *eth = data;
+	if ((void *)(eth + 1) > end || eth->h_proto != bpf_htons(ETH_P_IPV6))
+		return 0;
+	struct ipv6hdr *ip6 = (void *)(eth + 1);
+	if ((void *)(ip6 + 1) > end || ip6->hop_limit <= 1)
+		return 0;
+	return ip6;
+}
+
+/* local_endpoint_of for IPv6 (by local_endpoints6). A global function: the IPv4 path carries
+ * none of it. */
+__attribute__((noinline)) int ciliate_local_endpoint6(struct __sk_buff *skb, struct local_endpoint *out)
+{
+	if (!out)
+		return 0;
+	struct ipv6hdr *ip6 = forwardable_ipv6(skb);
+	if (!ip6)
+		return 0;
+	struct local_endpoint6_key k;
+	__builtin_memcpy(k.addr, &ip6->daddr, 16);
+	struct local_endpoint *le = bpf_map_lookup_elem(&local_endpoints6, &k);
+	if (!le || !le->endpoint_id || !le->ifindex)
+		return 0;
+	*out = *le;
+	return 1;
+}
+
 /* The local pod a packet arriving on the node's device is for, copied into *out (the map's
  * record may be rewritten meanwhile); 0 when it is not for one. */
 static __always_inline int local_endpoint_of(struct __sk_buff *skb, struct local_endpoint *out)
@@ -98,7 +136,7 @@ static __always_inline int local_endpoint_of(struct __sk_buff *skb, struct local
 		return 0;
 	struct iphdr *ip = forwardable_ipv4(skb);
 	if (!ip)
-		return 0;
+		return ciliate_local_endpoint6(skb, out);
 	__u32 daddr = ip->daddr;
 	/* The node's own address is no pod's (and spares the lookup on the host firewall's
 	 * paths). */
@@ -111,21 +149,42 @@ static __always_inline int local_endpoint_of(struct __sk_buff *skb, struct local
 	return 1;
 }
 
+/* The pod's MACs on a packet delivered into it, counted, and off it goes into the pod. */
+static __always_inline int deliver_to(struct __sk_buff *skb, const struct local_endpoint *le)
+{
+	if (bpf_skb_store_bytes(skb, 0, le->mac, 6, 0) < 0 ||
+	    bpf_skb_store_bytes(skb, 6, le->node_mac, 6, 0) < 0)
+		return TC_ACT_SHOT;
+	bump(&host_delivered);
+	return bpf_redirect_peer(le->ifindex, 0);
+}
+
+/* local_deliver for IPv6: the hop limit as forwarding would (no header checksum). A global
+ * function, as ciliate_local_endpoint6. */
+__attribute__((noinline)) int ciliate_local_deliver6(struct __sk_buff *skb, const struct local_endpoint *le)
+{
+	if (!le)
+		return TC_ACT_OK;
+	struct ipv6hdr *ip6 = forwardable_ipv6(skb);
+	if (!ip6)
+		return TC_ACT_OK;
+	__u8 next = ip6->hop_limit - 1;
+	if (bpf_skb_store_bytes(skb, ETH_HLEN + offsetof(struct ipv6hdr, hop_limit), &next, 1, 0) < 0)
+		return TC_ACT_SHOT;
+	return deliver_to(skb, le);
+}
+
 /* Delivers an allowed packet into the pod: TTL as forwarding would, the pod's gateway MAC as
  * source, the pod's MAC as destination, then straight into the pod's namespace. */
 static __always_inline int local_deliver(struct __sk_buff *skb, const struct local_endpoint *le)
 {
 	struct iphdr *ip = forwardable_ipv4(skb);
 	if (!ip)
-		return TC_ACT_OK;
+		return ciliate_local_deliver6(skb, le);
 	int r = ttl_decrement(skb, ip->ttl);
 	if (r)
 		return r < 0 ? TC_ACT_SHOT : TC_ACT_OK;
-	if (bpf_skb_store_bytes(skb, 0, le->mac, 6, 0) < 0 ||
-	    bpf_skb_store_bytes(skb, 6, le->node_mac, 6, 0) < 0)
-		return TC_ACT_SHOT;
-	bump(&host_delivered);
-	return bpf_redirect_peer(le->ifindex, 0);
+	return deliver_to(skb, le);
 }
 
 /* host_route for IPv6: no header checksum, the hop limit instead of the TTL. A global

@@ -77,6 +77,7 @@ pub struct BpfDatapath {
     policy_maps: MapHandle,
     /// This node's pods by address, for the node device's program (`host_delivery`).
     local_endpoints: MapHandle,
+    local_endpoints6: MapHandle,
     /// This node's own IPv4 addresses, mirrored from the host table (`host_addrs`).
     host_addrs: super::host_addrs::HostAddrs,
     endpoints: BTreeMap<EndpointId, Endpoint>,
@@ -134,6 +135,7 @@ impl BpfDatapath {
             endpoint_map: open("endpoints")?,
             policy_maps: open("policy_maps")?,
             local_endpoints: open(super::host_delivery::MAP)?,
+            local_endpoints6: open(super::host_delivery::MAP6)?,
             host_addrs: {
                 let hosts = open("ipcache_hosts")?;
                 super::migrate::migrate_host_prefixes(&open("ipcache")?, &hosts);
@@ -377,6 +379,7 @@ impl Datapath for BpfDatapath {
     fn detach_endpoint(&mut self, id: EndpointId) -> Result<(), DatapathError> {
         // First: the node device's program stops delivering to it.
         super::host_delivery::withdraw(&self.local_endpoints, id)?;
+        super::host_delivery::withdraw(&self.local_endpoints6, id)?;
         let ifindex = self.endpoints.remove(&id).and_then(|e| e.ifindex);
         match ifindex {
             Some(i) => self.detach_programs(id, i),

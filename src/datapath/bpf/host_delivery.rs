@@ -14,7 +14,7 @@
 //!   program atomically.
 
 use std::mem::MaybeUninit;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 use std::path::Path;
 
 use libbpf_rs::{MapCore, MapFlags};
@@ -25,6 +25,8 @@ use crate::datapath::{DatapathError, EndpointId};
 
 /// The pinned map's name under `<bpf-root>/ciliate/`.
 pub const MAP: &str = "local_endpoints";
+/// The same by IPv6 address.
+pub const MAP6: &str = "local_endpoints6";
 /// The count of packets delivered into pods (per CPU).
 pub const COUNTER: &str = "host_delivered";
 /// The pinned TCX link of the node device's program.
@@ -129,28 +131,43 @@ pub fn record(
     }
 }
 
-/// Writes the records of an endpoint's addresses.
+/// Writes the records of an endpoint's addresses: IPv4 ones into `map`, IPv6 ones into `map6`.
 pub fn publish(
     map: &impl MapCore,
-    addrs: &[Ipv4Addr],
+    map6: &impl MapCore,
+    addrs: &[IpAddr],
     rec: &types::local_endpoint,
 ) -> Result<(), DatapathError> {
     for a in addrs {
-        map.update(&a.octets(), rec.as_bytes(), MapFlags::ANY)
-            .map_err(err(format!(
-                "add {a} of endpoint {} to {MAP}",
-                rec.endpoint_id
-            )))?;
+        let (written, name) = match a {
+            IpAddr::V4(v4) => (map.update(&v4.octets(), rec.as_bytes(), MapFlags::ANY), MAP),
+            IpAddr::V6(v6) => (
+                map6.update(&v6.octets(), rec.as_bytes(), MapFlags::ANY),
+                MAP6,
+            ),
+        };
+        written.map_err(err(format!(
+            "add {a} of endpoint {} to {name}",
+            rec.endpoint_id
+        )))?;
     }
     Ok(())
 }
 
-/// Removes every record of endpoint `id` (whatever run wrote it).
+/// Removes every record of endpoint `id` (whatever run wrote it) from `map` (either family's).
 pub fn withdraw(map: &impl MapCore, id: EndpointId) -> Result<(), DatapathError> {
-    for (k, rec) in entries(map) {
+    for k in map.keys() {
+        let Some(rec) = map
+            .lookup(&k, MapFlags::ANY)
+            .ok()
+            .flatten()
+            .and_then(|v| types::local_endpoint::from_bytes(&v))
+        else {
+            continue;
+        };
         if rec.endpoint_id == id as u32 {
-            map.delete(&k.octets())
-                .map_err(err(format!("remove {k} of endpoint {id} from {MAP}")))?;
+            map.delete(&k)
+                .map_err(err(format!("remove {k:?} of endpoint {id} from {MAP}")))?;
         }
     }
     Ok(())

@@ -943,6 +943,7 @@ fn node_device_program_applies_the_pods_ingress_policy_before_delivering() {
     let gw_mac = [0xee; 6];
     host_delivery::publish(
         &l.skel.maps.local_endpoints,
+        &l.skel.maps.local_endpoints6,
         &["10.0.0.7".parse().unwrap()],
         &host_delivery::record(7, 42, pod_mac, gw_mac),
     )

@@ -3,7 +3,6 @@
 //! kernel has no TCX, and the record that lets the node device's program deliver to it.
 
 use std::mem::MaybeUninit;
-use std::net::IpAddr;
 use std::os::fd::AsFd;
 
 use libbpf_rs::{TcHookBuilder, TC_EGRESS, TC_INGRESS};
@@ -83,17 +82,10 @@ impl BpfDatapath {
             message: format!("bad pod MAC address {mac:?}"),
         })?;
         let node_mac = hd::interface_mac(ifname)?;
-        let addrs: Vec<std::net::Ipv4Addr> = att
-            .ips
-            .iter()
-            .filter_map(|ip| match ip {
-                IpAddr::V4(a) => Some(*a),
-                IpAddr::V6(_) => None,
-            })
-            .collect();
         hd::publish(
             &self.local_endpoints,
-            &addrs,
+            &self.local_endpoints6,
+            &att.ips,
             &hd::record(att.id, ifindex, mac, node_mac),
         )
     }
