@@ -328,34 +328,73 @@ fn ids(list: &Value) -> Vec<(String, Value, Value)> {
         .collect()
 }
 
-#[test]
-fn services_are_translated_before_egress_policy_and_survive_kill_9() {
-    if !privileged() {
-        return;
-    }
+/// One node translating Services: its directory (the manifests hold `cluster()`), the test's
+/// cgroup, the agent's pins and arguments (to restart it), and the agent.
+struct Node {
+    tmp: tempfile::TempDir,
+    cgroup: Cgroup,
+    pins: String,
+    args: Vec<String>,
+    agent: Agent,
+}
+
+/// Starts [`Node`] `name` (pins and cgroup `ciliate-NAME-PID`), with a pod CIDR of its own and
+/// `extra` flags.
+fn translating_node(name: &str, extra: &[&str]) -> Node {
     let tmp = tempfile::tempdir().unwrap();
     let m = tmp.path().join("manifests");
     std::fs::create_dir_all(&m).unwrap();
     std::fs::write(m.join("cluster.yaml"), cluster()).unwrap();
     let tag = std::process::id();
     let cgroup = Cgroup(PathBuf::from(format!(
-        "/sys/fs/cgroup/unified/ciliate-svc-{tag}"
+        "/sys/fs/cgroup/unified/ciliate-{name}-{tag}"
     )));
     std::fs::create_dir_all(&cgroup.0).expect("a cgroup v2 directory");
-    let cidr = unique_pod_cidr();
-    let pins = format!("/sys/fs/bpf/ciliate-svc-{tag}");
-    let net = format!("10.96.{}", 100 + tag % 150);
-    let args = [
+    let pins = format!("/sys/fs/bpf/ciliate-{name}-{tag}");
+    let cgroup_root = cgroup.0.to_string_lossy().into_owned();
+    let args: Vec<String> = [
         "--datapath",
         "bpf",
         "--bpf-root",
         pins.as_str(),
         "--pod-cidr",
-        cidr.as_str(),
+        unique_pod_cidr().as_str(),
         "--cgroup-root",
-        cgroup.0.to_str().unwrap(),
-    ];
-    let mut agent = Agent::start_with(tmp.path(), &args);
+        cgroup_root.as_str(),
+    ]
+    .iter()
+    .chain(extra)
+    .map(|a| a.to_string())
+    .collect();
+    let agent = Agent::start_with(
+        tmp.path(),
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    Node {
+        tmp,
+        cgroup,
+        pins,
+        args,
+        agent,
+    }
+}
+
+#[test]
+fn services_are_translated_before_egress_policy_and_survive_kill_9() {
+    if !privileged() {
+        return;
+    }
+    let Node {
+        tmp,
+        cgroup,
+        pins,
+        args,
+        mut agent,
+    } = translating_node("svc", &[]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let m = tmp.path().join("manifests");
+    let tag = std::process::id();
+    let net = format!("10.96.{}", 100 + tag % 150);
     let mut pods = CniPods::new(&agent.socket(), Path::new(&pins));
     let a = pods.add("x", "a");
     let b1 = pods.add("x", "b1");
@@ -570,36 +609,19 @@ fn ipv6_and_dual_stack_services_are_translated_before_egress_policy_and_survive_
     if !privileged() {
         return;
     }
-    let tmp = tempfile::tempdir().unwrap();
-    let m = tmp.path().join("manifests");
-    std::fs::create_dir_all(&m).unwrap();
-    std::fs::write(m.join("cluster.yaml"), cluster()).unwrap();
     let tag = std::process::id();
-    let cgroup = Cgroup(PathBuf::from(format!(
-        "/sys/fs/cgroup/unified/ciliate-svc6-{tag}"
-    )));
-    std::fs::create_dir_all(&cgroup.0).expect("a cgroup v2 directory");
-    let (cidr, cidr6) = (
-        unique_pod_cidr(),
-        format!("fd00:{:x}:7::/112", tag % 0xffff),
-    );
-    let pins = format!("/sys/fs/bpf/ciliate-svc6-{tag}");
+    let cidr6 = format!("fd00:{:x}:7::/112", tag % 0xffff);
+    let Node {
+        tmp,
+        cgroup,
+        pins,
+        args,
+        mut agent,
+    } = translating_node("svc6", &["--pod-cidr", &cidr6, "--enable-ipv6=true"]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let m = tmp.path().join("manifests");
     let net4 = format!("10.97.{}", 100 + tag % 150);
     let net6 = format!("fd00:97:{:x}", tag % 0xffff);
-    let args = [
-        "--datapath",
-        "bpf",
-        "--bpf-root",
-        pins.as_str(),
-        "--pod-cidr",
-        cidr.as_str(),
-        "--pod-cidr",
-        cidr6.as_str(),
-        "--enable-ipv6=true",
-        "--cgroup-root",
-        cgroup.0.to_str().unwrap(),
-    ];
-    let mut agent = Agent::start_with(tmp.path(), &args);
     let mut pods = CniPods::new(&agent.socket(), Path::new(&pins));
     let (a, b1, c) = (pods.add("x", "a"), pods.add("x", "b1"), pods.add("x", "c"));
     for p in [&a, &b1, &c] {

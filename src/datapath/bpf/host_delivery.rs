@@ -166,8 +166,9 @@ pub fn withdraw(map: &impl MapCore, id: EndpointId) -> Result<(), DatapathError>
             continue;
         };
         if rec.endpoint_id == id as u32 {
-            map.delete(&k)
-                .map_err(err(format!("remove {k:?} of endpoint {id} from {MAP}")))?;
+            map.delete(&k).map_err(err(format!(
+                "remove a record of endpoint {id} from the local endpoints"
+            )))?;
         }
     }
     Ok(())
