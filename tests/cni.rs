@@ -52,7 +52,7 @@ spec:
   endpointSelector: {matchLabels: {app: b}}
   ingress:
     - fromEndpoints: [{matchLabels: {app: a}}]
-      icmps: [{fields: [{type: 8, family: IPv4}]}]
+      icmps: [{fields: [{type: 8, family: IPv4}, {type: 128, family: IPv6}]}]
 ";
 
 fn ipam_allocated(agent: &Agent) -> u64 {
@@ -98,8 +98,9 @@ fn bpf_agent_with(tag: &str, extra: &[&str]) -> (tempfile::TempDir, String, Vec<
 /// `--enable-ipv6`: each pod gets an address of each family from the pods' two `--pod-cidr`s;
 /// the CNI result lists both (with their gateways and default routes), the pod's interface
 /// holds both, and the same policies judge IPv6 connections as IPv4 ones (real TCP between
-/// namespaces through the BPF programs). DEL gives both addresses back; a `kill -9` and a
-/// restart keep the IPv6 reservations and the IPv6 flows' verdicts.
+/// namespaces through the BPF programs), and ICMPv6 rules admit exactly their types. DEL gives
+/// both addresses back; a `kill -9` and a restart keep the IPv6 reservations and the IPv6
+/// flows' verdicts.
 #[test]
 fn dual_stack_pods_get_one_address_per_family_and_ipv6_is_judged_as_ipv4_is() {
     if !privileged() {
@@ -200,6 +201,20 @@ fn dual_stack_pods_get_one_address_per_family_and_ipv6_is_judged_as_ipv4_is() {
             tcp_ok(&a.netns, b.addr.into(), 8080) && !tcp_ok(&a.netns, b.addr.into(), 9090),
             "{label}: IPv4 as before"
         );
+        // ICMPv6: the echo request type b admits from a (its reply is a reply), nothing else.
+        assert!(
+            icmp_ok(&a.netns, b6),
+            "{label}: a -> b ICMPv6 echo (type 128) and its reply"
+        );
+        assert!(
+            !icmp_ok(&c.netns, b6),
+            "{label}: c -> b ICMPv6 echo is not allowed"
+        );
+        assert!(
+            !icmp_ok(&b.netns, a6),
+            "{label}: b -> a ICMPv6 echo is not (a is isolated)"
+        );
+        assert!(icmp_ok(&a.netns, b.addr), "{label}: ICMP echo over IPv4");
     };
     verdicts("enforced");
     // The datapath reports c's IPv6 connections to b as drops of b's policy.

@@ -451,12 +451,17 @@ fn icmp_checksum(b: &[u8]) -> u16 {
     !(sum as u16)
 }
 
-/// Does an ICMP echo request from `netns` to `to` (IPv4) get its echo reply? A raw socket
-/// (root), so no `ping` binary is needed.
-pub fn icmp_ok(netns: &str, to: std::net::Ipv4Addr) -> bool {
+/// Does an ICMP echo request from `netns` to `to` get its echo reply? ICMP for IPv4, ICMPv6
+/// (type 128, reply 129) for IPv6. A raw socket (root), so no `ping` binary is needed.
+pub fn icmp_ok(netns: &str, to: impl Into<IpAddr>) -> bool {
     use nix::libc;
+    let to: IpAddr = to.into();
     in_netns(netns, move || unsafe {
-        let fd = libc::socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_ICMP);
+        let (family, proto, request, reply) = match to {
+            IpAddr::V4(_) => (libc::AF_INET, libc::IPPROTO_ICMP, 8u8, 0u8),
+            IpAddr::V6(_) => (libc::AF_INET6, libc::IPPROTO_ICMPV6, 128, 129),
+        };
+        let fd = libc::socket(family, libc::SOCK_RAW, proto);
         assert!(
             fd >= 0,
             "raw ICMP socket: {}",
@@ -475,7 +480,7 @@ pub fn icmp_ok(netns: &str, to: std::net::Ipv4Addr) -> bool {
         );
         let id = (std::process::id() as u16) ^ (N.fetch_add(1, Ordering::SeqCst) as u16);
         let mut pkt = [
-            8u8,
+            request,
             0,
             0,
             0,
@@ -488,38 +493,67 @@ pub fn icmp_ok(netns: &str, to: std::net::Ipv4Addr) -> bool {
             b'l',
             b'i',
         ];
-        let ck = icmp_checksum(&pkt);
-        pkt[2..4].copy_from_slice(&ck.to_be_bytes());
-        let addr = libc::sockaddr_in {
-            sin_family: libc::AF_INET as u16,
-            sin_port: 0,
-            sin_addr: libc::in_addr {
-                s_addr: u32::from(to).to_be(),
-            },
-            sin_zero: [0; 8],
+        let sent = match to {
+            IpAddr::V4(to) => {
+                let ck = icmp_checksum(&pkt);
+                pkt[2..4].copy_from_slice(&ck.to_be_bytes());
+                let addr = libc::sockaddr_in {
+                    sin_family: libc::AF_INET as u16,
+                    sin_port: 0,
+                    sin_addr: libc::in_addr {
+                        s_addr: u32::from(to).to_be(),
+                    },
+                    sin_zero: [0; 8],
+                };
+                libc::sendto(
+                    fd,
+                    pkt.as_ptr() as *const libc::c_void,
+                    pkt.len(),
+                    0,
+                    &addr as *const _ as *const libc::sockaddr,
+                    std::mem::size_of::<libc::sockaddr_in>() as u32,
+                )
+            }
+            // The kernel computes an ICMPv6 raw socket's checksum (RFC 3542).
+            IpAddr::V6(to) => {
+                let addr = libc::sockaddr_in6 {
+                    sin6_family: libc::AF_INET6 as u16,
+                    sin6_port: 0,
+                    sin6_flowinfo: 0,
+                    sin6_addr: libc::in6_addr {
+                        s6_addr: to.octets(),
+                    },
+                    sin6_scope_id: 0,
+                };
+                libc::sendto(
+                    fd,
+                    pkt.as_ptr() as *const libc::c_void,
+                    pkt.len(),
+                    0,
+                    &addr as *const _ as *const libc::sockaddr,
+                    std::mem::size_of::<libc::sockaddr_in6>() as u32,
+                )
+            }
         };
-        let sent = libc::sendto(
-            fd,
-            pkt.as_ptr() as *const libc::c_void,
-            pkt.len(),
-            0,
-            &addr as *const _ as *const libc::sockaddr,
-            std::mem::size_of::<libc::sockaddr_in>() as u32,
-        );
         let mut ok = false;
         if sent == pkt.len() as isize {
-            // Up to ~0.7 s: other ICMP (e.g. our own request on loopback) is skipped.
-            for _ in 0..4 {
+            // Up to ~1 s: other ICMP (our own request on loopback, neighbour discovery) is
+            // skipped.
+            for _ in 0..6 {
                 let mut buf = [0u8; 1500];
                 let n = libc::recv(fd, buf.as_mut_ptr() as *mut libc::c_void, buf.len(), 0);
                 if n < 0 {
                     continue;
                 }
                 let n = n as usize;
-                let ihl = ((buf[0] & 0x0f) as usize) * 4;
-                if n >= ihl + 8
-                    && buf[ihl] == 0
-                    && u16::from_be_bytes([buf[ihl + 4], buf[ihl + 5]]) == id
+                // An IPv4 raw socket hands over the IP header, an IPv6 one does not.
+                let at = match to {
+                    IpAddr::V4(_) => ((buf[0] & 0x0f) as usize) * 4,
+                    IpAddr::V6(_) => 0,
+                };
+                if n >= at + 8
+                    && buf[at] == reply
+                    && u16::from_be_bytes([buf[at + 4], buf[at + 5]]) == id
                 {
                     ok = true;
                     break;
