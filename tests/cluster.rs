@@ -314,6 +314,121 @@ fn dual_stack_across_nodes(args: &[&str], via6: impl Fn(usize) -> String) {
     assert!(!tcp_ok(&other.netns, a6, 8080), "c -> a: no rule for it");
 }
 
+/// IPv6 only, native routing (#31): pods get IPv6 addresses only; each node routes the others'
+/// IPv6 pod CIDRs via their IPv6 addresses and no IPv4 pod route exists; pods reach each other
+/// across nodes, BPF host routing carries and delivers, node 2 judges node 1's pods by the
+/// labels its ipcache learnt, traffic leaving the cluster is masqueraded to the node's IPv6
+/// address, and a `kill -9` leaves enforcement in place.
+#[test]
+fn ipv6_only_pods_reach_each_other_across_nodes_and_policy_judges_them() {
+    use common::cluster::node_ip6;
+    ipv6_only_across_nodes(&[], |j| node_ip6(j).to_string());
+}
+
+/// The same in tunnel mode: IPv6-only pods over the IPv4 underlay (Cilium's default), each IPv6
+/// pod CIDR routed through the vxlan device.
+#[test]
+fn ipv6_only_tunnel_mode_carries_pod_traffic_across_nodes() {
+    ipv6_only_across_nodes(&["--routing-mode", "tunnel"], |j| {
+        ciliate::network::tunnel::gateway6(node_ip(j)).to_string()
+    });
+}
+
+fn ipv6_only_across_nodes(args: &[&str], via6: impl Fn(usize) -> String) {
+    use common::cluster::{node_ip6, pod_cidr6};
+    let Some(mut c) = privileged().then(|| Cluster::start_ipv6_only(2, args)) else {
+        return;
+    };
+    let a = c.add_pod(1, "a", "a");
+    let other = c.add_pod(1, "c", "c");
+    let b = c.add_pod(2, "b", "b");
+    for p in [&a, &other, &b] {
+        assert!(p.addr.is_unspecified(), "{} has no IPv4 address", p.name);
+    }
+    let (a6, b6) = (
+        IpAddr::V6(a.addr6.expect("a has an IPv6 address")),
+        IpAddr::V6(b.addr6.expect("b has an IPv6 address")),
+    );
+    for (i, j) in [(1, 2), (2, 1)] {
+        let node = c.node(i);
+        node.agent().wait_until("the IPv6 route is installed", || {
+            node.kernel_routes().contains(&(pod_cidr6(j), via6(j)))
+        });
+        let routes = node.kernel_routes();
+        assert!(
+            routes.iter().all(|(dst, _)| dst.contains(':')),
+            "no IPv4 pod route: {routes:?}"
+        );
+        let status = node.agent().cli_json(&["status"]);
+        assert_eq!(status["routes_installed"], 1, "{status}");
+        assert!(status["ipam"].is_null(), "no IPv4 pool: {status}");
+        assert_eq!(status["ipam_ipv6"]["pod_cidr"], pod_cidr6(i), "{status}");
+    }
+    tcp_server(&b.netns, b6, 8080);
+    tcp_server(&a.netns, a6, 8080);
+    for p in [&a, &other] {
+        eventually(&format!("{} reaches b across nodes", p.name), || {
+            tcp_ok(&p.netns, b6, 8080)
+        });
+    }
+    assert!(tcp_ok(&b.netns, a6, 8080), "b reaches a");
+    let (routed, delivered) = (host_routed(&mut c, 1), host_delivered(&mut c, 2));
+    assert!(tcp_ok(&a.netns, b6, 8080));
+    assert!(host_routed(&mut c, 1) > routed, "host-routed on node 1");
+    assert!(
+        host_delivered(&mut c, 2) > delivered,
+        "delivered by node 2's device program"
+    );
+
+    c.api().apply_json(cnp_b_from_a()).expect("policy");
+    eventually("b admits a and not c", || {
+        tcp_ok(&a.netns, b6, 8080) && !tcp_ok(&other.netns, b6, 8080)
+    });
+    assert!(icmp_ok(&a.netns, b6), "ICMPv6 echo from a (an L3 rule)");
+    assert!(!icmp_ok(&other.netns, b6), "no ICMPv6 echo from c");
+    let socket = c.node(2).socket();
+    let body = ciliate::client::request(&socket, "GET", "/v1/ipcache", None).expect("ipcache");
+    let v: Value = serde_json::from_str(&body).expect("ipcache JSON");
+    let a_row = v
+        .as_array()
+        .and_then(|l| {
+            l.iter()
+                .find(|e| e["prefix"] == format!("{a6}/128").as_str())
+        })
+        .cloned();
+    assert!(
+        a_row.is_some_and(|r| r["identity"].as_u64().is_some()),
+        "node 2 maps a's address to its identity: {v}"
+    );
+
+    // Masquerading: a's traffic to a host outside the cluster leaves with node 1's address.
+    let (outside, _) = c.add_outside();
+    let outside6 = c.add_outside6(&outside);
+    who_am_i_servers(&outside, outside6);
+    who_am_i_servers(&b.netns, b6);
+    let n1 = c.node(1);
+    n1.agent().wait_until("node 1 masquerades IPv6", || {
+        n1.agent().cli_json(&["status"])["masquerade_ipv6"] == "enabled"
+    });
+    let node1_ip6 = Some(node_ip6(1).to_string());
+    eventually("a's traffic leaves with node 1's address", || {
+        seen_over_tcp(&a.netns, outside6) == node1_ip6
+    });
+    assert_eq!(seen_over_udp(&a.netns, outside6), node1_ip6);
+    assert_eq!(seen_over_tcp(&a.netns, b6), Some(a6.to_string()));
+
+    let kubeconfig = c.kubeconfig.clone();
+    c.node(2).kill9_agent();
+    assert!(tcp_ok(&a.netns, b6, 8080), "a -> b, agent down");
+    assert!(!tcp_ok(&other.netns, b6, 8080), "c -> b still denied");
+    c.node(2).start_agent(&kubeconfig);
+    let n2 = c.node(2);
+    n2.agent().wait_until("node 2 is back", || {
+        n2.agent().cli_json(&["status"])["routes_installed"] == 1
+    });
+    assert!(tcp_ok(&a.netns, b6, 8080) && !tcp_ok(&other.netns, b6, 8080));
+}
+
 #[test]
 fn kill_9_keeps_cross_node_flows_and_the_restart_converges_after_a_node_left() {
     let Some(mut c) = privileged().then(|| Cluster::start(3)) else {

@@ -257,6 +257,100 @@ fn dual_stack_pods_get_one_address_per_family_and_ipv6_is_judged_as_ipv4_is() {
     drop(pods);
 }
 
+/// `--enable-ipv4=false --enable-ipv6=true` (an IPv6-only node): each pod gets one IPv6
+/// address and the IPv6 default route only, the agent serves no IPv4 pool, and the policies
+/// judge TCP and ICMPv6 as on any node; `kill -9` and a restart keep the addresses and the
+/// verdicts.
+#[test]
+fn ipv6_only_pods_get_one_ipv6_address_and_are_judged_as_ipv4_pods_are() {
+    if !privileged() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tmp.path().join("manifests");
+    std::fs::create_dir_all(&m).unwrap();
+    std::fs::write(m.join("cluster.yaml"), cluster()).unwrap();
+    std::fs::write(m.join("policy.yaml"), POLICIES.replace("PORT", "8080")).unwrap();
+    let pins = format!("/sys/fs/bpf/ciliate-v6only-{}", std::process::id());
+    let cidr6 = format!("fd00:{:x}:7::/112", std::process::id() % 0xffff);
+    let args = [
+        "--datapath",
+        "bpf",
+        "--bpf-root",
+        &pins,
+        "--pod-cidr",
+        &cidr6,
+        "--enable-ipv4=false",
+        "--enable-ipv6=true",
+    ];
+    let mut agent = Agent::start_with(tmp.path(), &args);
+    let mut pods = CniPods::new(&agent.socket(), std::path::Path::new(&pins));
+    let (a, b, c) = (pods.add("x", "a"), pods.add("x", "b"), pods.add("x", "c"));
+    let (code, result) = cni(
+        &agent.socket(),
+        "ADD",
+        &a.container_id,
+        Some(&a.netns),
+        Some(("x", "a")),
+    );
+    assert_eq!(code, 0, "{result}");
+    assert_eq!(result["ips"].as_array().map(Vec::len), Some(1), "{result}");
+    assert_eq!(result["ips"][0]["gateway"], "fe80::1", "{result}");
+    let dsts: Vec<&str> = result["routes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|r| r["dst"].as_str())
+        .collect();
+    assert_eq!(dsts, ["::/0"], "{result}");
+    let held = std::process::Command::new("ip")
+        .args(["-n", &a.netns, "-4", "addr", "show", "dev", "eth0"])
+        .output()
+        .unwrap();
+    assert!(
+        !String::from_utf8_lossy(&held.stdout).contains("inet "),
+        "a holds no IPv4 address: {}",
+        String::from_utf8_lossy(&held.stdout)
+    );
+    let status = agent.cli_json(&["status"]);
+    assert!(status["ipam"].is_null(), "no IPv4 pool: {status}");
+    assert_eq!(status["ipam_ipv6"]["allocated"], 3, "{status}");
+
+    let (a6, b6, c6) = (a.addr6.unwrap(), b.addr6.unwrap(), c.addr6.unwrap());
+    for port in [8080, 9090] {
+        tcp_server(&b.netns, b6.into(), port);
+    }
+    tcp_server(&a.netns, a6.into(), 8080);
+    tcp_server(&c.netns, c6.into(), 8080);
+    let verdicts = |label: &str| {
+        assert!(tcp_ok(&a.netns, b6.into(), 8080), "{label}: a -> b 8080");
+        assert!(!tcp_ok(&a.netns, b6.into(), 9090), "{label}: a -> b 9090");
+        assert!(!tcp_ok(&c.netns, b6.into(), 8080), "{label}: c -> b");
+        assert!(!tcp_ok(&b.netns, a6.into(), 8080), "{label}: b -> a");
+        assert!(
+            !tcp_ok(&a.netns, c6.into(), 8080),
+            "{label}: a may reach only b"
+        );
+        assert!(!tcp_ok(&c.netns, a6.into(), 8080), "{label}: a is isolated");
+        assert!(icmp_ok(&a.netns, b6), "{label}: a -> b ICMPv6 echo");
+        assert!(!icmp_ok(&c.netns, b6), "{label}: c -> b ICMPv6 echo");
+    };
+    verdicts("enforced");
+    let mut child = agent.child.take().unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    verdicts("agent killed");
+    agent = Agent::start_with(tmp.path(), &args);
+    agent.wait_realized(agent.revision());
+    let status = agent.cli_json(&["status"]);
+    assert_eq!(status["ipam_ipv6"]["allocated"], 3, "restored: {status}");
+    verdicts("restarted");
+    let (code, v) = pods.del(&c);
+    assert_eq!(code, 0, "DEL: {v}");
+    assert_eq!(agent.cli_json(&["status"])["ipam_ipv6"]["allocated"], 2);
+    drop(pods);
+}
+
 /// TCP connections from `netns` to `to:port` every 20 ms until stopped: how many were made and
 /// how many failed (an allowed flow must never break while an agent restarts).
 struct Prober {

@@ -161,9 +161,9 @@ pub fn run(config: AgentConfig) -> Result<(), AgentError> {
             Source::Manifests(manifests)
         }
     };
-    if !config.families.ipv4 {
+    if !config.families.ipv4 && !config.families.ipv6 {
         return Err(AgentError::Config(
-            "--enable-ipv4=false: IPv6-only clusters are not supported yet".into(),
+            "--enable-ipv4=false and --enable-ipv6=false: pods need an address family".into(),
         ));
     }
     let ipam = crate::ipam::NodeIpam::from_flags(&config.pod_cidr, config.families)

@@ -256,8 +256,8 @@ pub struct AgentArgs {
     /// IPAM range when the Node object gives none: once per address family.
     #[arg(long)]
     pub pod_cidr: Vec<ipnet::IpNet>,
-    /// Pods get an IPv4 address (Cilium's flag). Only `true` is supported yet: IPv6-only
-    /// clusters are to come (#31).
+    /// Pods get an IPv4 address (Cilium's flag). `false` with `--enable-ipv6=true`: an
+    /// IPv6-only node (no IPv4 pool, no IPv4 pod routes, no IPv4 masquerading).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub enable_ipv4: bool,
     /// Pods get an IPv6 address too (Cilium's flag): from the Node's IPv6 pod CIDR, or an IPv6

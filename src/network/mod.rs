@@ -71,6 +71,7 @@ pub async fn run_route_reconciler(
         let plans = routes::desired_routes(&local, &snapshot, &cfg);
         let want = routes::all_routes(&plans);
         let local_ip = snapshot.get(&local).and_then(routes::node_ipv4);
+        let local_addr = snapshot.get(&local).and_then(routes::node_address);
         let outcome = match applier.take() {
             Some(mut a) => match actix_web::web::block(move || {
                 let o = a.apply(&want, local_ip);
@@ -109,7 +110,7 @@ pub async fn run_route_reconciler(
             }
         }
         let tunnel = applier.as_ref().and_then(|a| a.tunnel_ifindex());
-        let host_routing = netdev.reconcile(&cfg, local_ip, tunnel).await;
+        let host_routing = netdev.reconcile(&cfg, local_addr, tunnel).await;
         let native = native_devices(&cfg);
         if let Some(devs) = &native {
             let addrs = devices::host_addresses(devs);
@@ -175,7 +176,7 @@ impl NetdevProgram {
     async fn reconcile(
         &mut self,
         cfg: &RoutingConfig,
-        local_ip: Option<std::net::Ipv4Addr>,
+        local_ip: Option<std::net::IpAddr>,
         tunnel: Option<u32>,
     ) -> String {
         let shown = match (&cfg.bpf_host_routing, &cfg.bpf_pins) {
@@ -204,7 +205,7 @@ impl NetdevProgram {
         &mut self,
         pins: &std::path::Path,
         mode: RoutingMode,
-        local_ip: Option<std::net::Ipv4Addr>,
+        local_ip: Option<std::net::IpAddr>,
         tunnel: Option<u32>,
     ) -> String {
         let Some(ip) = local_ip else {
@@ -414,7 +415,7 @@ fn sync_tunnel_peers(cfg: &RoutingConfig, outcome: &netlink::Outcome) {
 /// device of that name may belong to another agent.
 fn receiving_device(
     mode: RoutingMode,
-    ip: std::net::Ipv4Addr,
+    ip: std::net::IpAddr,
     tunnel: Option<u32>,
 ) -> Result<(String, u32), String> {
     match mode {

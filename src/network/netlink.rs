@@ -456,10 +456,10 @@ fn route_to(dst: IpNet, via: Option<IpAddr>) -> Result<RouteMessageBuilder<IpAdd
 }
 
 /// The device (name, ifindex) that holds `ip` in this network namespace; loopback never counts.
-pub fn device_with_address(ip: Ipv4Addr) -> Option<(String, u32)> {
+pub fn device_with_address(ip: IpAddr) -> Option<(String, u32)> {
     super::devices::read()
         .ok()?
         .into_iter()
-        .find(|d| !d.loopback && d.addrs.contains(&std::net::IpAddr::V4(ip)))
+        .find(|d| !d.loopback && d.addrs.contains(&ip))
         .map(|d| (d.name, d.ifindex))
 }

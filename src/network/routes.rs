@@ -43,6 +43,9 @@ pub struct RoutingConfig {
     pub auto_direct_node_routes: bool,
     /// The cluster's pod address space: a remote pod CIDR outside it is not routed.
     pub native_routing_cidr: Option<Ipv4Net>,
+    /// `--enable-ipv4`: other nodes' IPv4 pod CIDRs are routed (an IPv6-only node routes
+    /// none: its pods have no IPv4 address to reach them from).
+    pub ipv4: bool,
     /// `--enable-ipv6`: other nodes' IPv6 pod CIDRs are routed too: in native mode via their
     /// IPv6 address, in tunnel mode through the tunnel (whose underlay is IPv4).
     pub ipv6: bool,
@@ -79,6 +82,7 @@ impl Default for RoutingConfig {
             tunnel_protocol: TunnelProtocol::Vxlan,
             auto_direct_node_routes: true,
             native_routing_cidr: None,
+            ipv4: true,
             ipv6: false,
             ipv6_native_routing_cidr: None,
             install: false,
@@ -141,6 +145,14 @@ pub fn node_ipv4(node: &NodeInfo) -> Option<Ipv4Addr> {
     })
 }
 
+/// The address that names the node's own device: its first IPv4 address, else (an IPv6-only
+/// node) its first IPv6 one.
+pub fn node_address(node: &NodeInfo) -> Option<IpAddr> {
+    node_ipv4(node)
+        .map(IpAddr::V4)
+        .or_else(|| node.ips.iter().find(|ip| ip.is_ipv6()).copied())
+}
+
 /// The node's IPv6 pod CIDRs (`spec.podCIDRs`, else Cilium's IPv6 annotations).
 pub fn pod_cidrs_v6(node: &NodeInfo) -> Result<Vec<Ipv6Net>, String> {
     let found = crate::ipam::node_pod_cidr_of(&node.pod_cidrs, &node.annotations, true)?;
@@ -153,7 +165,10 @@ pub fn pod_cidrs_v6(node: &NodeInfo) -> Result<Vec<Ipv6Net>, String> {
 
 /// The pod CIDRs a node's routes go to: IPv4's, and IPv6's where `cfg` routes them.
 fn routed_cidrs(node: &NodeInfo, cfg: &RoutingConfig) -> Result<Vec<IpNet>, String> {
-    let mut out: Vec<IpNet> = pod_cidrs_v4(node)?.into_iter().map(IpNet::V4).collect();
+    let mut out: Vec<IpNet> = Vec::new();
+    if cfg.ipv4 {
+        out.extend(pod_cidrs_v4(node)?.into_iter().map(IpNet::V4));
+    }
     if cfg.ipv6 {
         out.extend(pod_cidrs_v6(node)?.into_iter().map(IpNet::V6));
     }
@@ -484,6 +499,22 @@ mod tests {
             all_routes(&desired_routes("a", &n, &native())),
             BTreeSet::from([route("10.1.2.0/24", "172.18.0.3")])
         );
+        // IPv6 only (`--enable-ipv4=false`): no IPv4 pod CIDR is routed, even one a Node names.
+        let v6_only = RoutingConfig {
+            ipv4: false,
+            ..dual.clone()
+        };
+        assert_eq!(
+            all_routes(&desired_routes("a", &n, &v6_only)),
+            BTreeSet::from([route("fd01:2::/112", "fd00:18::3")])
+        );
+        assert_eq!(
+            node_address(&n["b"]),
+            Some("172.18.0.3".parse().unwrap()),
+            "the device is found by IPv4 first"
+        );
+        let b6 = node("b", &["fd00:18::3"], &["fd01:2::/112"]);
+        assert_eq!(node_address(&b6), Some("fd00:18::3".parse().unwrap()));
         // Tunnel mode: both families via the node's IPv4 address, the tunnel's underlay.
         let tunnel = RoutingConfig {
             mode: RoutingMode::Tunnel,

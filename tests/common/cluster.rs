@@ -102,9 +102,13 @@ impl ClusterNode {
         object["spec"]["nodeName"] = json!(self.name);
         api.apply_json(object.clone()).expect("pod object");
         let pod = self.pods.as_mut().expect("pods").add("x", name);
-        let ip = pod.addr.to_string();
-        let mut ips = vec![json!({ "ip": ip })];
-        ips.extend(pod.addr6.map(|a| json!({"ip": a.to_string()})));
+        let v4 = (!pod.addr.is_unspecified()).then(|| pod.addr.to_string());
+        let ips: Vec<Value> = v4
+            .into_iter()
+            .chain(pod.addr6.map(|a| a.to_string()))
+            .map(|ip| json!({ "ip": ip }))
+            .collect();
+        let ip = ips[0]["ip"].clone();
         object["status"] = json!({"phase": "Running", "podIP": ip, "podIPs": ips});
         api.apply_json(object).expect("pod status");
         pod
@@ -166,11 +170,12 @@ impl ClusterNode {
         agent.wait_until("the node's agent is ready with its pod CIDR", || {
             let (code, out, _) = agent.cli(&["status", "-o", "json"]);
             let v: Value = serde_json::from_str(&out).unwrap_or(Value::Null);
-            let dual = self.agent_args.iter().any(|a| a == "--enable-ipv6=true");
+            let ipv6 = self.agent_args.iter().any(|a| a == "--enable-ipv6=true");
+            let ipv4 = !self.agent_args.iter().any(|a| a == "--enable-ipv4=false");
             code == 0
                 && v["ready"] == true
-                && !v["ipam"].is_null()
-                && (!dual || !v["ipam_ipv6"].is_null())
+                && (!ipv4 || !v["ipam"].is_null())
+                && (!ipv6 || !v["ipam_ipv6"].is_null())
         });
         self.agent = Some(agent);
     }
@@ -252,6 +257,16 @@ impl Cluster {
     /// (and `agent_args`), so pods get an address of each family.
     pub fn start_dual_stack(nodes: usize, agent_args: &[&str]) -> Cluster {
         let mut args = vec!["--enable-ipv6=true"];
+        args.extend(agent_args);
+        Cluster::start_inner(nodes, &args, false, 24)
+    }
+
+    /// Like `start`, IPv6 only: every node's pods get an IPv6 address only (`--enable-ipv4=false
+    /// --enable-ipv6=true`, and `agent_args`); its Node object names its IPv6 pod CIDR only
+    /// and its IPv6 address. In tunnel mode the Node also names its IPv4 address: the tunnel's
+    /// underlay is IPv4 (Cilium's default, `--underlay-protocol=ipv4`).
+    pub fn start_ipv6_only(nodes: usize, agent_args: &[&str]) -> Cluster {
+        let mut args = vec!["--enable-ipv4=false", "--enable-ipv6=true"];
         args.extend(agent_args);
         Cluster::start_inner(nodes, &args, false, 24)
     }
@@ -348,19 +363,29 @@ impl Cluster {
         }
         api.apply_json(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "x"}}))
             .expect("namespace");
-        let dual = agent_args.contains(&"--enable-ipv6=true");
+        let ipv6 = agent_args.contains(&"--enable-ipv6=true");
+        let ipv4 = !agent_args.contains(&"--enable-ipv4=false");
+        let tunnel = agent_args.contains(&"tunnel");
         for i in 1..=nodes {
             let mut node = node_object_sized(i, prefix);
-            if dual {
+            if ipv6 {
                 let netns = c.nodes[i - 1].netns.clone();
                 let addr = format!("{}/64", node_ip6(i));
                 ip(&["-n", &netns, "addr", "add", &addr, "dev", "eth0", "nodad"]);
-                node["spec"]["podCIDRs"] = json!([pod_cidr_sized(i, prefix), pod_cidr6(i)]);
-                node["status"]["addresses"] = json!([
-                    {"type": "InternalIP", "address": node_ip(i).to_string()},
-                    {"type": "InternalIP", "address": node_ip6(i).to_string()},
-                    {"type": "Hostname", "address": format!("node-{i}")}
-                ]);
+                let v4_cidr = ipv4.then(|| pod_cidr_sized(i, prefix));
+                node["spec"]["podCIDRs"] = json!(v4_cidr
+                    .into_iter()
+                    .chain([pod_cidr6(i)])
+                    .collect::<Vec<_>>());
+                let v4_addr = (ipv4 || tunnel)
+                    .then(|| json!({"type": "InternalIP", "address": node_ip(i).to_string()}));
+                node["status"]["addresses"] = json!(v4_addr
+                    .into_iter()
+                    .chain([
+                        json!({"type": "InternalIP", "address": node_ip6(i).to_string()}),
+                        json!({"type": "Hostname", "address": format!("node-{i}")})
+                    ])
+                    .collect::<Vec<_>>());
             }
             api.apply_json(node).expect("node");
         }

@@ -23,7 +23,7 @@ pub struct CniPod {
     pub name: String,
     pub netns: String,
     pub container_id: String,
-    /// From the CNI result.
+    /// From the CNI result: the IPv4 address (`0.0.0.0` from an IPv6-only agent).
     pub addr: std::net::Ipv4Addr,
     /// The result's IPv6 address, when the agent hands out both families.
     pub addr6: Option<std::net::Ipv6Addr>,
@@ -151,23 +151,30 @@ impl CniPods {
         };
         assert_eq!(code, 0, "CNI ADD {namespace}/{name}: {v}");
         assert_eq!(v["cniVersion"], "1.0.0", "{v}");
-        let addr: std::net::Ipv4Addr = v["ips"][0]["address"]
-            .as_str()
-            .and_then(|a| a.strip_suffix("/32"))
-            .and_then(|a| a.parse().ok())
-            .unwrap_or_else(|| panic!("CNI result without an address: {v}"));
-        assert_eq!(v["ips"][0]["interface"], 1, "{v}");
-        let addr6: Option<std::net::Ipv6Addr> = v["ips"][1]["address"]
-            .as_str()
-            .and_then(|a| a.strip_suffix("/128"))
-            .and_then(|a| a.parse().ok());
+        // One address per family, IPv4's first.
+        let ips = v["ips"].as_array().cloned().unwrap_or_default();
+        fn of<T: std::str::FromStr>(ips: &[Value], suffix: &str) -> Option<T> {
+            ips.iter()
+                .filter_map(|i| i["address"].as_str()?.strip_suffix(suffix)?.parse().ok())
+                .next()
+        }
+        let addr4: Option<std::net::Ipv4Addr> = of(&ips, "/32");
+        let addr6: Option<std::net::Ipv6Addr> = of(&ips, "/128");
+        assert!(
+            (addr4.is_some() || addr6.is_some())
+                && ips.len() == 1 + usize::from(addr6.is_some() && addr4.is_some()),
+            "CNI result with one address per family: {v}"
+        );
+        assert!(ips.iter().all(|i| i["interface"] == 1), "{v}");
+        let addr = addr4.unwrap_or(std::net::Ipv4Addr::UNSPECIFIED);
         assert_eq!(v["interfaces"][1]["name"], "eth0", "{v}");
         assert_eq!(
             v["interfaces"][1]["sandbox"],
             format!("/var/run/netns/{netns}"),
             "{v}"
         );
-        assert_eq!(v["routes"][0]["dst"], "0.0.0.0/0", "{v}");
+        let first_route = if addr4.is_some() { "0.0.0.0/0" } else { "::/0" };
+        assert_eq!(v["routes"][0]["dst"], first_route, "{v}");
         let host_if = v["interfaces"][0]["name"].as_str().unwrap().to_string();
         let pod = CniPod {
             namespace: namespace.into(),
