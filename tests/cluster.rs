@@ -363,6 +363,7 @@ fn ipv6_only_across_nodes(args: &[&str], via6: impl Fn(usize) -> String) {
         assert_eq!(status["routes_installed"], 1, "{status}");
         assert!(status["ipam"].is_null(), "no IPv4 pool: {status}");
         assert_eq!(status["ipam_ipv6"]["pod_cidr"], pod_cidr6(i), "{status}");
+        assert_eq!(status["masquerade"], "disabled", "no IPv4 table: {status}");
     }
     tcp_server(&b.netns, b6, 8080);
     tcp_server(&a.netns, a6, 8080);

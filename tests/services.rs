@@ -84,7 +84,7 @@ fn service_client_helper() {
         }
         // A DNS query (type A) for NAME: prints the first answer's address.
         dns if dns.starts_with("dns:") => {
-            let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+            let s = UdpSocket::bind(any(&to)).unwrap();
             s.set_read_timeout(Some(Duration::from_millis(1500)))
                 .unwrap();
             let query = dns_query(0x5eed, &dns[4..]);
@@ -161,6 +161,7 @@ fn client(netns: &str, cgroup: &Path, kind: &str, to: SocketAddr) -> String {
 fn named_servers(pod: &CniPod) {
     let (tx, rx) = std::sync::mpsc::channel();
     let addrs: Vec<IpAddr> = std::iter::once(IpAddr::V4(pod.addr))
+        .filter(|a| !a.is_unspecified()) // an IPv6-only pod
         .chain(pod.addr6.map(IpAddr::V6))
         .collect();
     for addr in &addrs {
@@ -779,10 +780,15 @@ fn dns_answer(reply: &[u8], id: u16) -> Option<Ipv4Addr> {
     Some(Ipv4Addr::new(b[0], b[1], b[2], b[3]))
 }
 
-/// A DNS server in a pod's namespace (UDP 53) that answers every name with `addr`.
+/// A DNS server in a pod's namespace (UDP 53 on its IPv4 address) that answers every name
+/// with `addr`.
 fn dns_server(pod: &CniPod, addr: Ipv4Addr) {
+    dns_server_on(pod, IpAddr::V4(pod.addr), addr);
+}
+
+/// `dns_server` on the pod's address `own`.
+fn dns_server_on(pod: &CniPod, own: IpAddr, addr: Ipv4Addr) {
     let (tx, rx) = std::sync::mpsc::channel();
-    let own = pod.addr;
     in_netns(&pod.netns, move || {
         let s = UdpSocket::bind((own, 53)).expect("bind 53");
         tx.send(()).unwrap();
@@ -817,6 +823,17 @@ fn apply_service(c: &Cluster, name: &str, ip: &str, port: u16, proto: &str, targ
 }
 
 fn apply_slice(c: &Cluster, service: &str, backends: &[Ipv4Addr], port: u16, proto: &str) {
+    let backends: Vec<IpAddr> = backends.iter().copied().map(IpAddr::V4).collect();
+    apply_slice_of(c, service, &backends, port, proto);
+}
+
+/// An EndpointSlice of `backends`' family (all of one family).
+fn apply_slice_of(c: &Cluster, service: &str, backends: &[IpAddr], port: u16, proto: &str) {
+    let family = if backends.iter().all(IpAddr::is_ipv6) {
+        "IPv6"
+    } else {
+        "IPv4"
+    };
     let endpoints: Vec<Value> = backends
         .iter()
         .map(|b| serde_json::json!({"addresses": [b.to_string()], "conditions": {"ready": true}}))
@@ -826,7 +843,7 @@ fn apply_slice(c: &Cluster, service: &str, backends: &[Ipv4Addr], port: u16, pro
             "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
             "metadata": {"name": format!("{service}-1"), "namespace": "x",
                          "labels": {"kubernetes.io/service-name": service}},
-            "addressType": "IPv4",
+            "addressType": family,
             "endpoints": endpoints,
             "ports": [{"name": "p", "port": port, "protocol": proto}]
         }))
@@ -1010,5 +1027,172 @@ fn services_across_nodes_in_kubernetes_mode_are_translated_before_egress_policy(
         "service and backend ids survive the restart"
     );
     assert_eq!(client(&a.netns, &cgroup, "tcp", to(20, 80)), "ok b2");
+    assert!(client(&a.netns, &cgroup, "tcp", to(30, 80)).starts_with("err"));
+}
+
+/// The Kubernetes-mode Services test over IPv6 (#31), on three IPv6-only nodes (native and
+/// tunnel routing) and on three dual-stack ones: IPv6 ClusterIPs (blackholed in every pod), IPv6 EndpointSlices. Pod a on
+/// node 1 resolves a name through the kube-dns Service (the DNS pod on node 3; the reply
+/// comes from the ClusterIP), reaches b on node 2 through b's Service, is denied through c's
+/// (by its own egress policy: a pod without one gets through), and with node 1's agent
+/// killed (-9) new connections are still translated; the restart keeps every id.
+#[test]
+fn ipv6_services_across_ipv6_only_nodes_are_translated_before_egress_policy() {
+    if privileged() {
+        ipv6_services_across_nodes(Cluster::start_with_services_and(
+            3,
+            &["--enable-ipv4=false", "--enable-ipv6=true"],
+        ));
+    }
+}
+
+#[test]
+fn ipv6_services_across_ipv6_only_nodes_in_tunnel_mode_are_translated_before_egress_policy() {
+    if privileged() {
+        ipv6_services_across_nodes(Cluster::start_with_services_and(
+            3,
+            &[
+                "--enable-ipv4=false",
+                "--enable-ipv6=true",
+                "--routing-mode",
+                "tunnel",
+            ],
+        ));
+    }
+}
+
+#[test]
+fn ipv6_services_across_dual_stack_nodes_are_translated_before_egress_policy() {
+    if privileged() {
+        ipv6_services_across_nodes(Cluster::start_with_services_and(3, &["--enable-ipv6=true"]));
+    }
+}
+
+fn ipv6_services_across_nodes(mut c: Cluster) {
+    // This test's own IPv6 ClusterIP range.
+    let net = format!("fd00:97:{:x}:", std::process::id() % 0xffff);
+    let a = c.add_pod(1, "a", "a");
+    let free = c.add_pod(1, "free", "free");
+    let b1 = c.add_pod(2, "b1", "b");
+    let cc = c.add_pod(3, "c", "c");
+    let api = c.api.take().expect("API server");
+    let dns = c.nodes[2].add_pod_labelled(&api, "dns", serde_json::json!({"k8s-app": "kube-dns"}));
+    c.api = Some(api);
+    let six = |p: &CniPod| IpAddr::V6(p.addr6.expect("an IPv6 address"));
+    for p in [&a, &free, &b1, &cc, &dns] {
+        ip(&[
+            "-n",
+            &p.netns,
+            "-6",
+            "route",
+            "add",
+            "blackhole",
+            &format!("{net}:/112"),
+        ]);
+    }
+    for p in [&b1, &cc] {
+        named_servers(p);
+    }
+    let answer = Ipv4Addr::new(192, 0, 2, 80);
+    dns_server_on(&dns, six(&dns), answer);
+    c.api()
+        .apply_json(serde_json::json!({
+            "apiVersion": "cilium.io/v2", "kind": "CiliumNetworkPolicy",
+            "metadata": {"name": "a-egress", "namespace": "x"},
+            "spec": {"endpointSelector": {"matchLabels": {"app": "a"}}, "egress": [
+                {"toEndpoints": [{"matchLabels": {"k8s-app": "kube-dns"}}],
+                 "toPorts": [{"ports": [{"port": "53", "protocol": "UDP"}]}]},
+                {"toEndpoints": [{"matchLabels": {"app": "b"}}],
+                 "toPorts": [{"ports": [{"port": "8080", "protocol": "TCP"}]}]}]}
+        }))
+        .expect("policy");
+    apply_service(
+        &c,
+        "kube-dns",
+        &format!("{net}:10"),
+        53,
+        "UDP",
+        serde_json::json!(53),
+    );
+    apply_slice_of(&c, "kube-dns", &[six(&dns)], 53, "UDP");
+    apply_service(
+        &c,
+        "b",
+        &format!("{net}:20"),
+        80,
+        "TCP",
+        serde_json::json!("p"),
+    );
+    apply_slice_of(&c, "b", &[six(&b1)], 8080, "TCP");
+    apply_service(
+        &c,
+        "c",
+        &format!("{net}:30"),
+        80,
+        "TCP",
+        serde_json::json!(8080),
+    );
+    apply_slice_of(&c, "c", &[six(&cc)], 8080, "TCP");
+    let cgroup = c.nodes[0].cgroup.clone().expect("node 1's cgroup");
+    let to = |last: u8, port: u16| SocketAddr::new(format!("{net}:{last}").parse().unwrap(), port);
+    let list = |c: &Cluster| c.nodes[0].agent().cli_json(&["service", "list"]);
+    eventually("node 1 has every IPv6 Service with its backend", || {
+        let l = list(&c);
+        l.as_array().is_some_and(|l| {
+            l.len() == 3
+                && l.iter().all(|f| {
+                    f["frontend"].as_str().is_some_and(|s| s.starts_with('['))
+                        && f["backends"].as_array().is_some_and(|b| b.len() == 1)
+                })
+        })
+    });
+    eventually("node 1 knows the backends on nodes 2 and 3", || {
+        let body = ciliate::client::request(&c.nodes[0].socket(), "GET", "/v1/ipcache", None)
+            .unwrap_or_default();
+        [six(&dns), six(&b1), six(&cc)]
+            .iter()
+            .all(|ip| body.contains(&format!("\"{ip}/128\"")))
+    });
+    eventually("a's policy is realized on node 1", || {
+        client(&a.netns, &cgroup, "tcp", to(20, 80)) == "ok b1"
+    });
+    let r = client(&a.netns, &cgroup, "dns:www.example.test", to(10, 53));
+    assert_eq!(
+        r,
+        format!("ok {answer} from={}", to(10, 53)),
+        "DNS via kube-dns"
+    );
+    let r = client(&a.netns, &cgroup, "tcp", to(30, 80));
+    assert!(r.starts_with("err"), "c through its Service is denied: {r}");
+    assert_eq!(client(&free.netns, &cgroup, "tcp", to(30, 80)), "ok c");
+    let r = client(&a.netns, &cgroup, "udp", to(20, 53));
+    assert!(
+        r.starts_with("err"),
+        "b's Service has no UDP 53 frontend: {r}"
+    );
+
+    let before = ids(&list(&c));
+    c.nodes[0].kill9_agent();
+    assert_eq!(
+        client(&a.netns, &cgroup, "tcp", to(20, 80)),
+        "ok b1",
+        "agent down"
+    );
+    let r = client(&a.netns, &cgroup, "dns:www.example.test", to(10, 53));
+    assert!(
+        r.starts_with(&format!("ok {answer}")),
+        "DNS with the agent down: {r}"
+    );
+    let kubeconfig = c.kubeconfig.clone();
+    c.nodes[0].start_agent(&kubeconfig);
+    eventually("node 1 is back with every Service", || {
+        ids(&list(&c))
+            .iter()
+            .filter(|(_, _, b)| b.as_array().is_some_and(|b| !b.is_empty()))
+            .count()
+            == 3
+    });
+    assert_eq!(ids(&list(&c)), before, "ids survive the restart");
+    assert_eq!(client(&a.netns, &cgroup, "tcp", to(20, 80)), "ok b1");
     assert!(client(&a.netns, &cgroup, "tcp", to(30, 80)).starts_with("err"));
 }

@@ -282,6 +282,13 @@ impl Cluster {
         Cluster::start_inner(nodes, &[], true, 24)
     }
 
+    /// `start_with_services`, every agent with the extra flags `agent_args` (e.g.
+    /// `--enable-ipv6=true`, and `--enable-ipv4=false` for IPv6-only nodes: see
+    /// `start_ipv6_only`).
+    pub fn start_with_services_and(nodes: usize, agent_args: &[&str]) -> Cluster {
+        Cluster::start_inner(nodes, agent_args, true, 24)
+    }
+
     /// `start_with_services` with pod CIDRs of `prefix` bits (the soak bench: Services, and a
     /// full node whose freed address is the only one left).
     pub fn start_with_services_and_pod_prefix(nodes: usize, prefix: u8) -> Cluster {
