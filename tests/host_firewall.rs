@@ -288,6 +288,114 @@ fn host_policies_judge_traffic_to_and_from_the_node_in_enforcing_and_audit_mode(
     );
 }
 
+/// The host firewall over IPv6 (#31), dual-stack nodes: the same kind of host policy in IPv6
+/// terms judges IPv6 traffic to and from node 1's IPv6 address (from the outside's IPv6
+/// network, from node 2's IPv6 address as `remote-node`, from pods' IPv6 addresses by their
+/// labels, ICMPv6 by type), and what node 1 sends; IPv4 keeps its own verdicts; `kill -9`
+/// keeps enforcing.
+#[test]
+fn host_policies_judge_ipv6_traffic_to_and_from_the_node() {
+    use common::cluster::node_ip6;
+    let Some(mut c) = privileged().then(|| {
+        Cluster::start_dual_stack(
+            2,
+            &[
+                "--enable-host-firewall",
+                "true",
+                "--ipv4-native-routing-cidr",
+                "10.200.0.0/16",
+                "--ipv6-native-routing-cidr",
+                "fd00:200::/32",
+            ],
+        )
+    }) else {
+        return;
+    };
+    let (outside, _) = c.add_outside();
+    let outside6 = c.add_outside6(&outside);
+    let a = c.add_pod(1, "a", "a");
+    let b = c.add_pod(2, "b", "b");
+    let (n1, n2) = (c.nodes[0].netns.clone(), c.nodes[1].netns.clone());
+    let host1 = IpAddr::V6(node_ip6(1));
+    for port in [2222, 8000, 10250] {
+        tcp_server(&n1, host1, port);
+    }
+    tcp_server(&n1, IpAddr::V4(node_ip(1)), 8000);
+    tcp_server(&outside, IpAddr::V6(outside6), 8080);
+    let mut node = node_object(1);
+    node["metadata"]["labels"] = json!({"node-access": "ssh"});
+    node["spec"]["podCIDRs"] = json!([common::cluster::pod_cidr(1), common::cluster::pod_cidr6(1)]);
+    node["status"]["addresses"] = json!([
+        {"type": "InternalIP", "address": node_ip(1).to_string()},
+        {"type": "InternalIP", "address": node_ip6(1).to_string()},
+    ]);
+    c.api().apply_json(node).expect("node labels");
+    let agent1 = c.nodes[0].agent();
+    agent1.wait_until("the host endpoint holds both of node 1's addresses", || {
+        let list = agent1.cli_json(&["endpoint", "list"]);
+        list.as_array().into_iter().flatten().any(|e| {
+            e["name"] == "host"
+                && e["labels"] == json!(["reserved:host", "k8s:node-access=ssh"])
+                && e["ips"]
+                    .as_array()
+                    .is_some_and(|ips| ips.iter().any(|i| i == host1.to_string().as_str()))
+        })
+    });
+    eventually(
+        "no host policy: everything reaches node 1 over IPv6",
+        || {
+            tcp_ok(&outside, host1, 2222)
+                && tcp_ok(&n2, host1, 2222)
+                && tcp_ok(&b.netns, host1, 10250)
+                && tcp_ok(&n1, IpAddr::V6(outside6), 8080)
+        },
+    );
+    c.api()
+        .apply_json(json!({
+            "apiVersion": "cilium.io/v2", "kind": "CiliumClusterwideNetworkPolicy",
+            "metadata": {"name": "lock-down6"},
+            "spec": {
+                "nodeSelector": {"matchLabels": {"node-access": "ssh"}},
+                "ingress": [
+                    {"fromCIDR": ["2001:db8:100::/64"],
+                     "toPorts": [{"ports": [{"port": "2222", "protocol": "TCP"}]}]},
+                    {"fromEntities": ["remote-node"],
+                     "toPorts": [{"ports": [{"port": "8000", "protocol": "TCP"}]}]},
+                    {"fromEntities": ["remote-node"],
+                     "icmps": [{"fields": [{"type": 128, "family": "IPv6"}]}]},
+                    {"fromEndpoints": [{"matchLabels": {"app": "a"}}],
+                     "toPorts": [{"ports": [{"port": "8000", "protocol": "TCP"}]}]}
+                ],
+                "egress": [{"toCIDR": ["fd00:20::/64", "172.20.0.0/24"]}, {"toEntities": ["cluster"]}]
+            }
+        }))
+        .expect("host policy");
+    let enforced = || {
+        tcp_ok(&outside, host1, 2222)
+            && !tcp_ok(&outside, host1, 8000)
+            && !tcp_ok(&n2, host1, 2222)
+            && tcp_ok(&n2, host1, 8000)
+            && tcp_ok(&a.netns, host1, 8000)
+            && !tcp_ok(&a.netns, host1, 10250)
+            && !tcp_ok(&b.netns, host1, 8000)
+            && !tcp_ok(&n1, IpAddr::V6(outside6), 8080)
+            && icmp_ok(&n2, host1)
+            && !icmp_ok(&outside, host1)
+    };
+    eventually(
+        "node 1 is locked down over IPv6 as its host policy says",
+        enforced,
+    );
+    // IPv4 to the same node under the same policy: node 2 on 8000 (remote-node), b not.
+    assert!(tcp_ok(&n2, IpAddr::V4(node_ip(1)), 8000));
+    assert!(!tcp_ok(&b.netns, IpAddr::V4(node_ip(1)), 8000));
+    let kubeconfig = c.kubeconfig.clone();
+    c.node(1).kill9_agent();
+    assert!(enforced(), "enforced while the agent is down");
+    c.node(1).start_agent(&kubeconfig);
+    eventually("enforced after the restart", enforced);
+}
+
 /// A node with a second native device (a management network its Node object does not list):
 /// the host firewall sits on that device too, and the device's address is the node's
 /// (`host`), so the host policy judges what comes in through it, what the node sends through
