@@ -942,9 +942,19 @@ fn route_applier_touches_only_its_own_routes_and_a_restart_reconciles_them() {
 /// nodes keeps the pod's address (policy still sees the pod). Turned off, the table goes.
 #[test]
 fn pods_leave_the_cluster_masqueraded_to_their_nodes_address_and_pod_traffic_is_not() {
-    let Some(mut c) = privileged()
-        .then(|| Cluster::start_with(2, &["--ipv4-native-routing-cidr", "10.200.0.0/16"]))
-    else {
+    masquerading(&[]);
+}
+
+/// The same in tunnel mode: pod to pod goes through the tunnel with the pod's address.
+#[test]
+fn tunnel_mode_pods_leave_the_cluster_masqueraded_and_pod_traffic_is_not() {
+    masquerading(&["--routing-mode", "tunnel"]);
+}
+
+fn masquerading(extra: &[&str]) {
+    let mut args = vec!["--ipv4-native-routing-cidr", "10.200.0.0/16"];
+    args.extend_from_slice(extra);
+    let Some(mut c) = privileged().then(|| Cluster::start_with(2, &args)) else {
         return;
     };
     let (outside, outside_ip) = c.add_outside();

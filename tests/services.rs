@@ -859,9 +859,23 @@ fn apply_slice_of(c: &Cluster, service: &str, backends: &[IpAddr], port: u16, pr
 /// new connections are still translated, the restart keeping every id.
 #[test]
 fn services_across_nodes_in_kubernetes_mode_are_translated_before_egress_policy() {
-    let Some(mut c) = privileged().then(|| Cluster::start_with_services(3)) else {
-        return;
-    };
+    if privileged() {
+        services_across_nodes(Cluster::start_with_services(3));
+    }
+}
+
+/// The same in tunnel mode.
+#[test]
+fn services_across_nodes_in_tunnel_mode_are_translated_before_egress_policy() {
+    if privileged() {
+        services_across_nodes(Cluster::start_with_services_and(
+            3,
+            &["--routing-mode", "tunnel"],
+        ));
+    }
+}
+
+fn services_across_nodes(mut c: Cluster) {
     // Not the single-node test's range (same process id): each test's ClusterIPs are its own.
     let net = format!("10.97.{}", 100 + std::process::id() % 150);
     let a = c.add_pod(1, "a", "a");
@@ -1065,6 +1079,16 @@ fn ipv6_services_across_ipv6_only_nodes_in_tunnel_mode_are_translated_before_egr
 fn ipv6_services_across_dual_stack_nodes_are_translated_before_egress_policy() {
     if privileged() {
         ipv6_services_across_nodes(Cluster::start_with_services_and(3, &["--enable-ipv6=true"]));
+    }
+}
+
+#[test]
+fn ipv6_services_across_dual_stack_nodes_in_tunnel_mode_are_translated_before_egress_policy() {
+    if privileged() {
+        ipv6_services_across_nodes(Cluster::start_with_services_and(
+            3,
+            &["--enable-ipv6=true", "--routing-mode", "tunnel"],
+        ));
     }
 }
 
