@@ -92,6 +92,7 @@ fn agent(args: AgentArgs) -> i32 {
         routing: ciliate::network::RoutingConfig {
             mode: args.routing_mode,
             tunnel_protocol: args.tunnel_protocol,
+            underlay: args.underlay_protocol,
             auto_direct_node_routes: args.auto_direct_node_routes,
             native_routing_cidr: args.ipv4_native_routing_cidr.map(|n| n.trunc()),
             ipv4: args.enable_ipv4,

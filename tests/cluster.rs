@@ -334,6 +334,17 @@ fn ipv6_only_tunnel_mode_carries_pod_traffic_across_nodes() {
     });
 }
 
+/// And over an IPv6 underlay (`--underlay-protocol ipv6`): the Nodes name no IPv4 address at
+/// all; the tunnel's outer packets go between the nodes' IPv6 addresses.
+#[test]
+fn ipv6_only_tunnel_mode_over_an_ipv6_underlay_carries_pod_traffic_across_nodes() {
+    use common::cluster::node_ip6;
+    ipv6_only_across_nodes(
+        &["--routing-mode", "tunnel", "--underlay-protocol", "ipv6"],
+        |j| ciliate::network::tunnel::gateway6(node_ip6(j)).to_string(),
+    );
+}
+
 fn ipv6_only_across_nodes(args: &[&str], via6: impl Fn(usize) -> String) {
     use common::cluster::{node_ip6, pod_cidr6};
     let Some(mut c) = privileged().then(|| Cluster::start_ipv6_only(2, args)) else {
@@ -364,6 +375,18 @@ fn ipv6_only_across_nodes(args: &[&str], via6: impl Fn(usize) -> String) {
         assert!(status["ipam"].is_null(), "no IPv4 pool: {status}");
         assert_eq!(status["ipam_ipv6"]["pod_cidr"], pod_cidr6(i), "{status}");
         assert_eq!(status["masquerade"], "disabled", "no IPv4 table: {status}");
+        if args.contains(&"ipv6") {
+            // The tunnel's outer packets: from this node's IPv6 address to the other's.
+            let netns = node.netns.clone();
+            let link = ip_out(&["-n", &netns, "-d", "link", "show", "ciliate_vxlan"]);
+            assert!(link.contains(&format!("local {}", node_ip6(i))), "{link}");
+            let fdb = std::process::Command::new("bridge")
+                .args(["-n", &netns, "fdb", "show", "dev", "ciliate_vxlan"])
+                .output()
+                .expect("bridge fdb");
+            let fdb = String::from_utf8_lossy(&fdb.stdout);
+            assert!(fdb.contains(&format!("dst {}", node_ip6(j))), "{fdb}");
+        }
     }
     tcp_server(&b.netns, b6, 8080);
     tcp_server(&a.netns, a6, 8080);

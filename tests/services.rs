@@ -1044,8 +1044,8 @@ fn services_across_nodes(mut c: Cluster) {
     assert!(client(&a.netns, &cgroup, "tcp", to(30, 80)).starts_with("err"));
 }
 
-/// The Kubernetes-mode Services test over IPv6 (#31), on three IPv6-only nodes (native and
-/// tunnel routing) and on three dual-stack ones: IPv6 ClusterIPs (blackholed in every pod), IPv6 EndpointSlices. Pod a on
+/// The Kubernetes-mode Services test over IPv6 (#31), on three IPv6-only nodes (native
+/// routing, and tunnel over an IPv6 underlay) and on three dual-stack ones: IPv6 ClusterIPs (blackholed in every pod), IPv6 EndpointSlices. Pod a on
 /// node 1 resolves a name through the kube-dns Service (the DNS pod on node 3; the reply
 /// comes from the ClusterIP), reaches b on node 2 through b's Service, is denied through c's
 /// (by its own egress policy: a pod without one gets through), and with node 1's agent
@@ -1070,6 +1070,8 @@ fn ipv6_services_across_ipv6_only_nodes_in_tunnel_mode_are_translated_before_egr
                 "--enable-ipv6=true",
                 "--routing-mode",
                 "tunnel",
+                "--underlay-protocol",
+                "ipv6",
             ],
         ));
     }

@@ -283,7 +283,7 @@ fn pod_mtu(r: &crate::network::RoutingConfig) -> u32 {
     match r.mode {
         crate::network::RoutingMode::Native => crate::network::tunnel::LINK_MTU,
         crate::network::RoutingMode::Tunnel => {
-            crate::network::tunnel::LINK_MTU - crate::network::tunnel::VXLAN_OVERHEAD
+            crate::network::tunnel::LINK_MTU - crate::network::tunnel::overhead(r.underlay)
         }
     }
 }

@@ -282,6 +282,10 @@ pub struct AgentArgs {
     /// Tunnel mode: the encapsulation.
     #[arg(long, value_enum, default_value = "vxlan")]
     pub tunnel_protocol: crate::network::TunnelProtocol,
+    /// Tunnel mode: the outer packets' address family (Cilium's flag): `ipv4`, or `ipv6` for
+    /// nodes with IPv6 addresses only (then only IPv6 pod CIDRs are routed).
+    #[arg(long, value_enum, default_value = "ipv4")]
+    pub underlay_protocol: crate::network::UnderlayProtocol,
     /// Native mode: install a route to every other node's pod CIDRs via its InternalIP.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub auto_direct_node_routes: bool,

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::objects::NodeInfo;
-pub use routes::{RoutingConfig, RoutingMode, RoutingView, TunnelProtocol};
+pub use routes::{RoutingConfig, RoutingMode, RoutingView, TunnelProtocol, UnderlayProtocol};
 
 /// How often the kernel's routes are compared with the desired state even without a Node
 /// change (a route deleted by hand comes back).
@@ -70,7 +70,9 @@ pub async fn run_route_reconciler(
         let snapshot = nodes.borrow_and_update().clone();
         let plans = routes::desired_routes(&local, &snapshot, &cfg);
         let want = routes::all_routes(&plans);
-        let local_ip = snapshot.get(&local).and_then(routes::node_ipv4);
+        let local_ip = snapshot
+            .get(&local)
+            .and_then(|n| routes::underlay_address(n, cfg.underlay));
         let local_addr = snapshot.get(&local).and_then(routes::node_address);
         let outcome = match applier.take() {
             Some(mut a) => match actix_web::web::block(move || {

@@ -112,7 +112,7 @@ impl RouteApplier {
 
     /// Makes the kernel's main table hold exactly `want` among this agent's routes (in tunnel
     /// mode through the vxlan device, whose source address is `local`, this node's). Blocks.
-    pub fn apply(&mut self, want: &BTreeSet<NodeRoute>, local: Option<Ipv4Addr>) -> Outcome {
+    pub fn apply(&mut self, want: &BTreeSet<NodeRoute>, local: Option<IpAddr>) -> Outcome {
         let fail_all =
             |e: String| -> Outcome { want.iter().map(|r| (*r, Err(e.clone()))).collect() };
         let ipv6 = want.iter().any(|r| r.dst.addr().is_ipv6());
@@ -124,20 +124,22 @@ impl RouteApplier {
                 Err(e) => return fail_all(e),
             }
         }
-        let tunnel = match (&self.tunnel, local) {
-            (None, _) => None,
-            (Some(_), _) if want.is_empty() => None,
-            (Some(_), None) => {
-                return fail_all("tunnel: this node's Node object has no IPv4 address yet".into())
-            }
-            (Some((mark, mtu)), Some(local)) => match setup_tunnel(local, *mtu, mark.clone()) {
-                Ok(i) => Some(i),
-                Err(e) => {
-                    self.tunnel_ifindex = None;
-                    return fail_all(format!("tunnel: {e}"));
-                }
-            },
-        };
+        let tunnel =
+            match (&self.tunnel, local) {
+                (None, _) => None,
+                (Some(_), _) if want.is_empty() => None,
+                (Some(_), None) => return fail_all(
+                    "tunnel: this node's Node object has no address of the underlay's family yet"
+                        .into(),
+                ),
+                (Some((mark, mtu)), Some(local)) => match setup_tunnel(local, *mtu, mark.clone()) {
+                    Ok(i) => Some(i),
+                    Err(e) => {
+                        self.tunnel_ifindex = None;
+                        return fail_all(format!("tunnel: {e}"));
+                    }
+                },
+            };
         self.tunnel_ifindex = tunnel;
         let kernel = match list_own_protocol_oif() {
             Ok(k) => k,
@@ -188,12 +190,12 @@ impl RouteApplier {
             .filter(|d| kernel.contains_key(d))
             .copied()
             .collect();
-        // The tunnel's underlay is IPv4: its peers are the IPv4 next hops, and whether an
-        // IPv6 pod CIDR goes through each.
-        let mut peers: BTreeMap<Ipv4Addr, bool> = BTreeMap::new();
-        for r in want {
-            if let IpAddr::V4(v4) = r.via {
-                *peers.entry(v4).or_default() |= r.dst.addr().is_ipv6();
+        // Tunnel mode: the peers are the routes' underlay addresses, each with whether an IPv6
+        // pod CIDR goes through it.
+        let mut peers: BTreeMap<IpAddr, bool> = BTreeMap::new();
+        if tunnel.is_some() {
+            for r in want {
+                *peers.entry(r.via).or_default() |= r.dst.addr().is_ipv6();
             }
         }
         let changes = run_changes(to_set.clone(), stale_present.clone(), tunnel, peers);
@@ -297,7 +299,7 @@ fn list_own_protocol_oif() -> Result<BTreeMap<IpNet, (Option<IpAddr>, u32)>, Net
 
 /// The tunnel device, up, with reverse-path filtering off (decapsulated packets come from
 /// remote pods). Returns its index.
-fn setup_tunnel(local: Ipv4Addr, mtu: u32, mark: String) -> Result<u32, NetdevError> {
+fn setup_tunnel(local: IpAddr, mtu: u32, mark: String) -> Result<u32, NetdevError> {
     let index = with_netlink(None, move |h| async move {
         super::tunnel::ensure_device(&h, local, mtu, &mark).await
     })?;
@@ -360,7 +362,7 @@ fn run_changes(
     set: Vec<(NodeRoute, bool)>,
     delete: Vec<IpNet>,
     tunnel: Option<u32>,
-    peers: BTreeMap<Ipv4Addr, bool>,
+    peers: BTreeMap<IpAddr, bool>,
 ) -> Result<Changes, NetdevError> {
     with_netlink(None, move |h| async move {
         let mut results = Vec::new();
@@ -368,10 +370,10 @@ fn run_changes(
         if let Some(ifindex) = tunnel {
             for (p, ipv6) in &peers {
                 if let Err(e) = super::tunnel::set_peer(&h, ifindex, *p, *ipv6).await {
-                    peer_errors.insert(IpAddr::V4(*p), e.to_string());
+                    peer_errors.insert(*p, e.to_string());
                 }
             }
-            let keep: Vec<Ipv4Addr> = peers.keys().copied().collect();
+            let keep: Vec<IpAddr> = peers.keys().copied().collect();
             super::tunnel::prune_peers(&h, ifindex, &keep).await?;
         }
         for (r, replace) in set {
@@ -379,9 +381,9 @@ fn run_changes(
                 results.push((r, Err(e.clone())));
                 continue;
             }
-            if tunnel.is_some() && r.via.is_ipv6() {
+            if tunnel.is_some() && r.dst.addr().is_ipv4() && r.via.is_ipv6() {
                 let e = format!(
-                    "route {} via {}: the tunnel's underlay is IPv4",
+                    "route {} via {}: an IPv4 pod CIDR cannot go through the IPv6 underlay",
                     r.dst, r.via
                 );
                 results.push((r, Err(e)));
@@ -430,10 +432,11 @@ fn run_changes(
 }
 
 /// The next hop a route is installed with: its `via`, except an IPv6 route through the
-/// tunnel, whose IPv4 `via` (the underlay) stands behind an IPv6 next hop (`tunnel::gateway6`).
+/// tunnel, whose `via` (the node's underlay address, either family) stands behind an IPv6 next
+/// hop (`tunnel::gateway6`).
 fn next_hop(r: &NodeRoute, tunnel: bool) -> IpAddr {
-    match (tunnel, r.dst, r.via) {
-        (true, IpNet::V6(_), IpAddr::V4(v4)) => IpAddr::V6(super::tunnel::gateway6(v4)),
+    match (tunnel, r.dst) {
+        (true, IpNet::V6(_)) => IpAddr::V6(super::tunnel::gateway6(r.via)),
         _ => r.via,
     }
 }

@@ -34,11 +34,23 @@ pub enum TunnelProtocol {
     Vxlan,
 }
 
+/// `--underlay-protocol` (Cilium's): the address family the tunnel's outer packets use, and so
+/// which of a node's addresses its tunnel peers send to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum UnderlayProtocol {
+    Ipv4,
+    Ipv6,
+}
+
 /// The routing settings of one agent.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RoutingConfig {
     pub mode: RoutingMode,
     pub tunnel_protocol: TunnelProtocol,
+    /// Tunnel mode: the outer packets' family (an IPv6-only cluster's nodes may have no IPv4
+    /// address to tunnel to).
+    pub underlay: UnderlayProtocol,
     /// Native mode: install routes to other nodes' pod CIDRs via their InternalIP.
     pub auto_direct_node_routes: bool,
     /// The cluster's pod address space: a remote pod CIDR outside it is not routed.
@@ -80,6 +92,7 @@ impl Default for RoutingConfig {
         RoutingConfig {
             mode: RoutingMode::Native,
             tunnel_protocol: TunnelProtocol::Vxlan,
+            underlay: UnderlayProtocol::Ipv4,
             auto_direct_node_routes: true,
             native_routing_cidr: None,
             ipv4: true,
@@ -143,6 +156,14 @@ pub fn node_ipv4(node: &NodeInfo) -> Option<Ipv4Addr> {
         IpAddr::V4(v4) => Some(*v4),
         IpAddr::V6(_) => None,
     })
+}
+
+/// The node's address its tunnel peers send to: of the underlay's family.
+pub fn underlay_address(node: &NodeInfo, underlay: UnderlayProtocol) -> Option<IpAddr> {
+    match underlay {
+        UnderlayProtocol::Ipv4 => node_ipv4(node).map(IpAddr::V4),
+        UnderlayProtocol::Ipv6 => node.ips.iter().find(|ip| ip.is_ipv6()).copied(),
+    }
 }
 
 /// The address that names the node's own device: its first IPv4 address, else (an IPv6-only
@@ -229,7 +250,7 @@ fn node_routes(
     let cidrs = cidrs.as_ref().map_err(|e| format!("Node {name}: {e}"))?;
     let mut routes = Vec::new();
     for net in cidrs {
-        let via = route_via(name, node, net, cfg.mode)?;
+        let via = route_via(name, node, net, cfg)?;
         if let (Some(space), IpNet::V4(v4)) = (cfg.native_routing_cidr, net) {
             if !space.contains(v4) {
                 return Err(format!(
@@ -266,18 +287,28 @@ fn node_routes(
 }
 
 /// The node address a pod CIDR of `net`'s family is routed through.
-/// In tunnel mode every route goes via the node's IPv4 address, the tunnel's underlay (the
-/// applier gives an IPv6 route a next hop of its own family standing for it, `tunnel::gateway6`).
+/// In tunnel mode every route goes via the node's address of the underlay's family (the
+/// applier gives an IPv6 route a next hop of its own family standing for it, `tunnel::gateway6`;
+/// an IPv4 pod CIDR cannot go over an IPv6 underlay).
 fn route_via(
     name: &str,
     node: &NodeInfo,
     net: &IpNet,
-    mode: RoutingMode,
+    cfg: &RoutingConfig,
 ) -> Result<IpAddr, String> {
     match net {
-        IpNet::V4(_) | IpNet::V6(_) if mode == RoutingMode::Tunnel => node_ipv4(node)
-            .map(IpAddr::V4)
-            .ok_or_else(|| format!("Node {name}: status.addresses: no IPv4 InternalIP")),
+        IpNet::V4(_) if cfg.mode == RoutingMode::Tunnel && cfg.underlay == UnderlayProtocol::Ipv6 => {
+            Err(format!("pod CIDR {net}: an IPv4 pod CIDR cannot go through the IPv6 underlay (--underlay-protocol ipv6)"))
+        }
+        IpNet::V4(_) | IpNet::V6(_) if cfg.mode == RoutingMode::Tunnel => {
+            underlay_address(node, cfg.underlay).ok_or_else(|| {
+                let family = match cfg.underlay {
+                    UnderlayProtocol::Ipv4 => "IPv4",
+                    UnderlayProtocol::Ipv6 => "IPv6",
+                };
+                format!("Node {name}: status.addresses: no {family} InternalIP (the tunnel's underlay)")
+            })
+        }
         IpNet::V4(_) => node_ipv4(node)
             .map(IpAddr::V4)
             .ok_or_else(|| format!("Node {name}: status.addresses: no IPv4 InternalIP")),
@@ -515,6 +546,32 @@ mod tests {
         );
         let b6 = node("b", &["fd00:18::3"], &["fd01:2::/112"]);
         assert_eq!(node_address(&b6), Some("fd00:18::3".parse().unwrap()));
+        // Tunnel mode over an IPv6 underlay: IPv6 pod CIDRs via the node's IPv6 address; an
+        // IPv4 pod CIDR is a problem, named.
+        let over6 = RoutingConfig {
+            mode: RoutingMode::Tunnel,
+            underlay: UnderlayProtocol::Ipv6,
+            ..v6_only.clone()
+        };
+        assert_eq!(
+            all_routes(&desired_routes("a", &n, &over6)),
+            BTreeSet::from([route("fd01:2::/112", "fd00:18::3")])
+        );
+        let plans = desired_routes(
+            "a",
+            &n,
+            &RoutingConfig {
+                ipv4: true,
+                ..over6
+            },
+        );
+        let b = plans.iter().find(|p| p.name == "b").unwrap();
+        assert!(
+            b.problem
+                .as_deref()
+                .is_some_and(|p| p.contains("IPv6 underlay")),
+            "{b:?}"
+        );
         // Tunnel mode: both families via the node's IPv4 address, the tunnel's underlay.
         let tunnel = RoutingConfig {
             mode: RoutingMode::Tunnel,

@@ -1,11 +1,12 @@
 //! Tunnel mode: a kernel vxlan device (`ciliate_vxlan`, VNI 2, UDP 8472 as Cilium's) over
-//! rtnetlink. Each node's VTEP MAC is derived from its IP (`vtep_mac`), so nothing has to be
-//! exchanged: for every remote node the agent writes an FDB entry (MAC -> node IP), a permanent
-//! neighbour (node IP -> MAC) on the device, and routes its pod CIDRs `via NODE_IP dev
-//! ciliate_vxlan onlink`. The device carries this agent's mark (its alias), so another agent's
+//! rtnetlink, its outer packets IPv4 or IPv6 (`--underlay-protocol`). Each node's VTEP MAC is
+//! derived from its underlay address (`vtep_mac`), so nothing has to be exchanged: for every
+//! remote node the agent writes an FDB entry (MAC -> node address), a permanent neighbour
+//! (next hop -> MAC) on the device, and routes its pod CIDRs `via NEXT_HOP dev ciliate_vxlan
+//! onlink` (IPv4 pod CIDRs via the node's IPv4 address, IPv6 ones via `gateway6`). The device carries this agent's mark (its alias), so another agent's
 //! device is never used or changed. Runs inside a `with_netlink` closure (blocking thread).
 
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::net::{IpAddr, Ipv6Addr};
 
 use futures_util::TryStreamExt;
 use rtnetlink::packet_route::link::LinkMessage;
@@ -29,46 +30,71 @@ pub const VXLAN_PORT: u16 = 8472;
 pub const LINK_MTU: u32 = 1500;
 /// VXLAN's overhead over IPv4: outer IP 20 + UDP 8 + VXLAN 8 + inner Ethernet 14.
 pub const VXLAN_OVERHEAD: u32 = 50;
+/// Over IPv6: the outer header is 40 bytes.
+pub const VXLAN_OVERHEAD6: u32 = 70;
 
-/// The VTEP MAC of the node with address `ip`: locally administered unicast `02:c1` and the
-/// four bytes of the address, the same on every node.
-pub fn vtep_mac(ip: Ipv4Addr) -> [u8; 6] {
-    let o = ip.octets();
-    [0x02, 0xc1, o[0], o[1], o[2], o[3]]
+/// The tunnel's overhead with the underlay `u`.
+pub fn overhead(u: crate::network::UnderlayProtocol) -> u32 {
+    match u {
+        crate::network::UnderlayProtocol::Ipv4 => VXLAN_OVERHEAD,
+        crate::network::UnderlayProtocol::Ipv6 => VXLAN_OVERHEAD6,
+    }
+}
+
+/// Four bytes that name a node's underlay address, and the byte that says its family: an
+/// IPv4 address's own bytes (`c1`), or the FNV-1a hash of an IPv6 address (`c6`).
+fn node_tag(ip: IpAddr) -> (u8, [u8; 4]) {
+    match ip {
+        IpAddr::V4(v4) => (0xc1, v4.octets()),
+        IpAddr::V6(v6) => {
+            let h = v6.octets().iter().fold(0x811c_9dc5u32, |h, b| {
+                (h ^ u32::from(*b)).wrapping_mul(0x0100_0193)
+            });
+            (0xc6, h.to_be_bytes())
+        }
+    }
+}
+
+/// The VTEP MAC of the node with underlay address `ip`: locally administered unicast `02`, the
+/// family byte and the four bytes of `node_tag`, the same on every node.
+pub fn vtep_mac(ip: impl Into<IpAddr>) -> [u8; 6] {
+    let (f, t) = node_tag(ip.into());
+    [0x02, f, t[0], t[1], t[2], t[3]]
 }
 
 /// The IPv6 next hop that stands for the node at `ip` on the device: the kernel takes no IPv4
 /// next hop for an IPv6 route, so IPv6 pod CIDRs go via this link-local address, whose
 /// permanent neighbour entry is the node's VTEP MAC (and the FDB sends that MAC to `ip`).
-/// `fe80::c1:0:` and the four bytes of the address, the same on every node.
-pub fn gateway6(ip: Ipv4Addr) -> Ipv6Addr {
-    let o = ip.octets();
+/// `fe80::`, the family byte, `0:` and the four bytes of `node_tag`, the same on every node.
+pub fn gateway6(ip: impl Into<IpAddr>) -> Ipv6Addr {
+    let (f, t) = node_tag(ip.into());
     Ipv6Addr::new(
         0xfe80,
         0,
         0,
         0,
-        0xc1,
+        u16::from(f),
         0,
-        u16::from_be_bytes([o[0], o[1]]),
-        u16::from_be_bytes([o[2], o[3]]),
+        u16::from_be_bytes([t[0], t[1]]),
+        u16::from_be_bytes([t[2], t[3]]),
     )
 }
 
 /// Whether `ip` is of the form `gateway6` gives.
 fn is_gateway6(ip: &Ipv6Addr) -> bool {
     let s = ip.segments();
-    s[..6] == [0xfe80, 0, 0, 0, 0xc1, 0]
+    s[..4] == [0xfe80, 0, 0, 0] && (s[4] == 0xc1 || s[4] == 0xc6) && s[5] == 0
 }
 
 type Result<T> = std::result::Result<T, NetdevError>;
 
-fn local_of(link: &LinkMessage) -> Option<Ipv4Addr> {
+fn local_of(link: &LinkMessage) -> Option<IpAddr> {
     use rtnetlink::packet_route::link::{InfoData, InfoVxlan, LinkAttribute, LinkInfo};
     link.attributes.iter().find_map(|a| match a {
         LinkAttribute::LinkInfo(infos) => infos.iter().find_map(|i| match i {
             LinkInfo::Data(InfoData::Vxlan(v)) => v.iter().find_map(|x| match x {
-                InfoVxlan::Local(ip) => Some(*ip),
+                InfoVxlan::Local(ip) => Some(IpAddr::V4(*ip)),
+                InfoVxlan::Local6(ip) => Some(IpAddr::V6(*ip)),
                 _ => None,
             }),
             _ => None,
@@ -80,7 +106,7 @@ fn local_of(link: &LinkMessage) -> Option<Ipv4Addr> {
 /// The agent's vxlan device with `local` as its source address and MTU `mtu`, created (or
 /// re-created when its local address changed). Returns its index. A device of that name
 /// marked by another agent is an error.
-pub async fn ensure_device(h: &Handle, local: Ipv4Addr, mtu: u32, mark: &str) -> Result<u32> {
+pub async fn ensure_device(h: &Handle, local: IpAddr, mtu: u32, mark: &str) -> Result<u32> {
     if let Some(link) = link_by_name(h, VXLAN_DEVICE).await? {
         // Unmarked: this agent crashed between creating and marking it (as for veths).
         if !owned(alias(&link), mark) {
@@ -110,11 +136,14 @@ pub async fn ensure_device(h: &Handle, local: Ipv4Addr, mtu: u32, mark: &str) ->
                 "delete {VXLAN_DEVICE} (its local address changed)"
             )))?;
     }
+    let device = LinkVxlan::new(VXLAN_DEVICE, VXLAN_VNI).port(VXLAN_PORT);
+    let device = match local {
+        IpAddr::V4(v4) => device.local(v4),
+        IpAddr::V6(v6) => device.local6(v6),
+    };
     h.link()
         .add(
-            LinkVxlan::new(VXLAN_DEVICE, VXLAN_VNI)
-                .port(VXLAN_PORT)
-                .local(local)
+            device
                 .learning(false)
                 .address(vtep_mac(local).to_vec())
                 .mtu(mtu)
@@ -141,21 +170,24 @@ pub async fn ensure_device(h: &Handle, local: Ipv4Addr, mtu: u32, mark: &str) ->
     Ok(link.header.index)
 }
 
-/// The FDB entry (the peer's MAC is reached at its IP) and the neighbour (its IP has that MAC)
-/// of one remote node on the device; with `ipv6`, also the neighbour of its IPv6 next hop
-/// (`gateway6`), for routes to its IPv6 pod CIDRs.
-pub async fn set_peer(h: &Handle, ifindex: u32, peer: Ipv4Addr, ipv6: bool) -> Result<()> {
+/// The FDB entry (the peer's MAC is reached at its underlay address) and the neighbours of
+/// one remote node on the device: its IPv4 address (an IPv4 underlay: the next hop of its IPv4
+/// pod CIDRs) and, with `ipv6` (it has IPv6 pod CIDRs), its IPv6 next hop (`gateway6`).
+pub async fn set_peer(h: &Handle, ifindex: u32, peer: IpAddr, ipv6: bool) -> Result<()> {
     let mac = vtep_mac(peer);
     h.neighbours()
         .add_bridge(ifindex, &mac)
         .flags(NeighbourFlags::Own)
         .state(NeighbourState::Permanent)
-        .destination(IpAddr::V4(peer))
+        .destination(peer)
         .replace()
         .execute()
         .await
         .map_err(nl_err(format!("fdb {VXLAN_DEVICE} -> {peer}")))?;
-    let mut next_hops = vec![IpAddr::V4(peer)];
+    let mut next_hops: Vec<IpAddr> = Vec::new();
+    if peer.is_ipv4() {
+        next_hops.push(peer);
+    }
     if ipv6 {
         next_hops.push(IpAddr::V6(gateway6(peer)));
     }
@@ -168,7 +200,7 @@ pub async fn set_peer(h: &Handle, ifindex: u32, peer: Ipv4Addr, ipv6: bool) -> R
 
 /// Removes the device's neighbours and FDB entries of nodes no longer wanted (the device is
 /// this agent's, so all of its entries are).
-pub async fn prune_peers(h: &Handle, ifindex: u32, keep: &[Ipv4Addr]) -> Result<()> {
+pub async fn prune_peers(h: &Handle, ifindex: u32, keep: &[IpAddr]) -> Result<()> {
     let mut stale = Vec::new();
     let keep6: Vec<Ipv6Addr> = keep.iter().map(|k| gateway6(*k)).collect();
     for family in [
@@ -182,7 +214,15 @@ pub async fn prune_peers(h: &Handle, ifindex: u32, keep: &[Ipv4Addr]) -> Result<
                 continue;
             }
             let stale_entry = m.attributes.iter().any(|a| match a {
-                NeighbourAttribute::Destination(NeighbourAddress::Inet(ip)) => !keep.contains(ip),
+                NeighbourAttribute::Destination(NeighbourAddress::Inet(ip)) => {
+                    !keep.contains(&IpAddr::V4(*ip))
+                }
+                // An FDB entry to a node's IPv6 underlay address.
+                NeighbourAttribute::Destination(NeighbourAddress::Inet6(ip))
+                    if family == AddressFamily::Bridge =>
+                {
+                    !keep.contains(&IpAddr::V6(*ip))
+                }
                 // Only next hops of ours (`gateway6`): the kernel's own IPv6 entries stay.
                 NeighbourAttribute::Destination(NeighbourAddress::Inet6(ip)) => {
                     is_gateway6(ip) && !keep6.contains(ip)
@@ -217,6 +257,7 @@ pub fn retire_device(mark: &str) -> Result<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::net::Ipv4Addr;
 
     #[test]
     fn vtep_macs_are_local_unicast_and_follow_the_node_address() {
@@ -238,5 +279,23 @@ mod tests {
         for other in ["fe80::1", "fe80::c1:1:ac14:c", "ff02::1"] {
             assert!(!is_gateway6(&other.parse().unwrap()), "{other}");
         }
+    }
+
+    /// An IPv6 underlay: a node's MAC and IPv6 next hop follow a hash of its IPv6 address,
+    /// marked `c6`, distinct per node and recognised as ours.
+    #[test]
+    fn ipv6_underlay_nodes_get_their_own_mac_and_next_hop() {
+        let (a, b): (Ipv6Addr, Ipv6Addr) =
+            ("fd00:20::b".parse().unwrap(), "fd00:21::b".parse().unwrap());
+        let (ma, mb) = (vtep_mac(a), vtep_mac(b));
+        assert_eq!(ma[..2], [0x02, 0xc6]);
+        assert_ne!(ma, mb, "nodes whose addresses share their last bytes");
+        assert_eq!(ma, vtep_mac(a), "the same on every node");
+        let (ga, gb) = (gateway6(a), gateway6(b));
+        assert!(ga.is_unicast_link_local() && is_gateway6(&ga) && is_gateway6(&gb));
+        assert_eq!(ga.segments()[4], 0xc6);
+        assert_ne!(ga, gb);
+        assert_ne!(ga, gateway6(Ipv4Addr::new(172, 20, 0, 12)));
+        assert_eq!(overhead(crate::network::UnderlayProtocol::Ipv6), 70);
     }
 }

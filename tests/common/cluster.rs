@@ -263,8 +263,9 @@ impl Cluster {
 
     /// Like `start`, IPv6 only: every node's pods get an IPv6 address only (`--enable-ipv4=false
     /// --enable-ipv6=true`, and `agent_args`); its Node object names its IPv6 pod CIDR only
-    /// and its IPv6 address. In tunnel mode the Node also names its IPv4 address: the tunnel's
-    /// underlay is IPv4 (Cilium's default, `--underlay-protocol=ipv4`).
+    /// and its IPv6 address. In tunnel mode over an IPv4 underlay (Cilium's default,
+    /// `--underlay-protocol ipv4`) the Node also names its IPv4 address; with
+    /// `--underlay-protocol ipv6` it does not.
     pub fn start_ipv6_only(nodes: usize, agent_args: &[&str]) -> Cluster {
         let mut args = vec!["--enable-ipv4=false", "--enable-ipv6=true"];
         args.extend(agent_args);
@@ -372,7 +373,8 @@ impl Cluster {
             .expect("namespace");
         let ipv6 = agent_args.contains(&"--enable-ipv6=true");
         let ipv4 = !agent_args.contains(&"--enable-ipv4=false");
-        let tunnel = agent_args.contains(&"tunnel");
+        // An IPv4 underlay needs the nodes' IPv4 addresses in their Node objects.
+        let v4_underlay = agent_args.contains(&"tunnel") && !agent_args.contains(&"ipv6");
         for i in 1..=nodes {
             let mut node = node_object_sized(i, prefix);
             if ipv6 {
@@ -384,7 +386,7 @@ impl Cluster {
                     .into_iter()
                     .chain([pod_cidr6(i)])
                     .collect::<Vec<_>>());
-                let v4_addr = (ipv4 || tunnel)
+                let v4_addr = (ipv4 || v4_underlay)
                     .then(|| json!({"type": "InternalIP", "address": node_ip(i).to_string()}));
                 node["status"]["addresses"] = json!(v4_addr
                     .into_iter()
