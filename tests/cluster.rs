@@ -451,6 +451,23 @@ fn ipv6_only_across_nodes(args: &[&str], via6: impl Fn(usize) -> String) {
         n2.agent().cli_json(&["status"])["routes_installed"] == 1
     });
     assert!(tcp_ok(&a.netns, b6, 8080) && !tcp_ok(&other.netns, b6, 8080));
+    if args.contains(&"ipv6") {
+        // Node 2 leaves: node 1's FDB entry to its IPv6 address goes, with its route.
+        c.api()
+            .delete_object("v1", "Node", "", "node-2")
+            .expect("delete node 2");
+        let n1 = c.node(1);
+        let netns = n1.netns.clone();
+        n1.agent()
+            .wait_until("node 2's FDB entry and route are gone", || {
+                let fdb = std::process::Command::new("bridge")
+                    .args(["-n", &netns, "fdb", "show", "dev", "ciliate_vxlan"])
+                    .output()
+                    .expect("bridge fdb");
+                !String::from_utf8_lossy(&fdb.stdout).contains(&node_ip6(2).to_string())
+                    && n1.kernel_routes().is_empty()
+            });
+    }
 }
 
 #[test]

@@ -140,7 +140,16 @@ impl RouteApplier {
                     }
                 },
             };
-        self.tunnel_ifindex = tunnel;
+        let previous = std::mem::replace(&mut self.tunnel_ifindex, tunnel);
+        if let (true, None, Some(ifindex)) = (want.is_empty(), tunnel, previous) {
+            // The last other node left: its FDB and neighbour entries go too.
+            let pruned = with_netlink(None, move |h| async move {
+                super::tunnel::prune_peers(&h, ifindex, &[]).await
+            });
+            if let Err(e) = pruned {
+                tracing::warn!(error = %e, "the tunnel's entries of the last node were not removed");
+            }
+        }
         let kernel = match list_own_protocol_oif() {
             Ok(k) => k,
             Err(e) => return fail_all(format!("list routes: {e}")),

@@ -217,11 +217,9 @@ pub async fn prune_peers(h: &Handle, ifindex: u32, keep: &[IpAddr]) -> Result<()
                 NeighbourAttribute::Destination(NeighbourAddress::Inet(ip)) => {
                     !keep.contains(&IpAddr::V4(*ip))
                 }
-                // An FDB entry to a node's IPv6 underlay address.
-                NeighbourAttribute::Destination(NeighbourAddress::Inet6(ip))
-                    if family == AddressFamily::Bridge =>
-                {
-                    !keep.contains(&IpAddr::V6(*ip))
+                // An FDB entry: its destination (a node's underlay address) comes as bytes.
+                NeighbourAttribute::Destination(NeighbourAddress::Other(b)) => {
+                    fdb_destination(b).is_some_and(|ip| !keep.contains(&ip))
                 }
                 // Only next hops of ours (`gateway6`): the kernel's own IPv6 entries stay.
                 NeighbourAttribute::Destination(NeighbourAddress::Inet6(ip)) => {
@@ -241,6 +239,15 @@ pub async fn prune_peers(h: &Handle, ifindex: u32, keep: &[IpAddr]) -> Result<()
         }
     }
     Ok(())
+}
+
+/// The address of an FDB entry's destination, which the bridge family dumps as bytes.
+fn fdb_destination(b: &[u8]) -> Option<IpAddr> {
+    match b.len() {
+        4 => <[u8; 4]>::try_from(b).ok().map(IpAddr::from),
+        16 => <[u8; 16]>::try_from(b).ok().map(IpAddr::from),
+        _ => None,
+    }
 }
 
 /// Native mode after tunnel mode: this agent's tunnel device (marked by it) is deleted, and its
@@ -297,5 +304,16 @@ mod tests {
         assert_ne!(ga, gb);
         assert_ne!(ga, gateway6(Ipv4Addr::new(172, 20, 0, 12)));
         assert_eq!(overhead(crate::network::UnderlayProtocol::Ipv6), 70);
+    }
+
+    #[test]
+    fn fdb_destinations_are_read_from_their_bytes() {
+        assert_eq!(
+            fdb_destination(&[172, 20, 0, 12]),
+            Some(IpAddr::V4(Ipv4Addr::new(172, 20, 0, 12)))
+        );
+        let v6: Ipv6Addr = "fd00:20::c".parse().unwrap();
+        assert_eq!(fdb_destination(&v6.octets()), Some(IpAddr::V6(v6)));
+        assert_eq!(fdb_destination(&[1, 2, 3]), None);
     }
 }
