@@ -375,6 +375,11 @@ fn ipv6_only_across_nodes(args: &[&str], via6: impl Fn(usize) -> String) {
         assert!(status["ipam"].is_null(), "no IPv4 pool: {status}");
         assert_eq!(status["ipam_ipv6"]["pod_cidr"], pod_cidr6(i), "{status}");
         assert_eq!(status["masquerade"], "disabled", "no IPv4 table: {status}");
+        let list = node.node_list();
+        let other = row(&list, &format!("node-{j}"));
+        let ips = other["ips"].as_array().cloned().unwrap_or_default();
+        assert!(ips.contains(&json!(node_ip6(j).to_string())), "{list}");
+        assert_eq!(other["pod_cidrs"], json!([pod_cidr6(j)]), "{list}");
         if args.contains(&"ipv6") {
             // The tunnel's outer packets: from this node's IPv6 address to the other's.
             let netns = node.netns.clone();
