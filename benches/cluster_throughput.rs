@@ -140,6 +140,36 @@ fn measure(mode: &str, args: &[&str]) {
     );
 }
 
+/// IPv6 only (`Cluster::start_ipv6_only`): node 1 -> node 2 and a -> b over IPv6, rounds
+/// interleaved.
+fn measure_ipv6_only(mode: &str, args: &[&str]) {
+    let s = Setup::start_in(Cluster::start_ipv6_only(2, args));
+    let n1 = &s.c.nodes[0];
+    let cidr6 = common::cluster::pod_cidr6(2);
+    n1.agent()
+        .wait_until("node 1 routes node 2's IPv6 pod CIDR", || {
+            n1.kernel_routes().iter().any(|(dst, _)| *dst == cidr6)
+        });
+    s.pod6();
+    s.node6();
+    let (mut node, mut pod) = (Vec::new(), Vec::new());
+    for _ in 0..ROUNDS {
+        node.push(s.node6());
+        pod.push(s.pod6());
+    }
+    let ratios: Vec<f64> = pod.iter().zip(&node).map(|(p, n)| p / n).collect();
+    println!("{mode}, IPv6 only:");
+    println!("  node 1 -> node 2 (Gbit/s): {}", fmt(&node));
+    println!("  pod a -> pod b, policy enforced (Gbit/s): {}", fmt(&pod));
+    println!(
+        "  medians: node {:.2}, pod {:.2}; pod/node {:.1}% (per-round ratios: median {:.1}%)",
+        median(node.clone()),
+        median(pod.clone()),
+        100.0 * median(pod) / median(node),
+        100.0 * median(ratios)
+    );
+}
+
 /// IPv6 against IPv4 on one dual-stack cluster, rounds interleaved.
 fn measure_ipv6(mode: &str, args: &[&str]) {
     let s = Setup::start_in(Cluster::start_dual_stack(2, args));
@@ -262,8 +292,8 @@ fn main() {
         nix::unistd::geteuid().is_root(),
         "the cluster throughput bench needs root"
     );
-    // `CILIATE_BENCH_CLUSTER_MODE=native|native-nomasq|tunnel|ipv6|ipv6-tunnel|host-firewall|
-    // host-firewall-tunnel`:
+    // `CILIATE_BENCH_CLUSTER_MODE=native|native-nomasq|tunnel|ipv6|ipv6-tunnel|ipv6-only|
+    // ipv6-only-tunnel6|host-firewall|host-firewall-tunnel`:
     // that mode alone.
     let only = std::env::var("CILIATE_BENCH_CLUSTER_MODE").ok();
     let run = |m: &str| only.as_deref().is_none_or(|o| o == m);
@@ -286,6 +316,15 @@ fn main() {
     }
     if run("ipv6-tunnel") {
         measure_ipv6("tunnel (vxlan)", &["--routing-mode", "tunnel"]);
+    }
+    if run("ipv6-only") {
+        measure_ipv6_only("native routing", &[]);
+    }
+    if run("ipv6-only-tunnel6") {
+        measure_ipv6_only(
+            "tunnel (vxlan) over an IPv6 underlay",
+            &["--routing-mode", "tunnel", "--underlay-protocol", "ipv6"],
+        );
     }
     if run("host-firewall") {
         measure_host_firewall("native routing", &[]);
