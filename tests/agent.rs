@@ -683,3 +683,49 @@ fn a_large_policy_gives_its_memory_back_when_it_goes() {
         "RSS {base} KiB -> {peak} KiB with the policy -> {after} KiB after it went"
     );
 }
+
+/// Address-family settings that cannot work are refused at start, naming the flags: no family
+/// at all, and IPv4 pods over an IPv6 tunnel underlay.
+#[test]
+fn impossible_address_family_settings_are_refused_at_start() {
+    let tmp = tempfile::tempdir().unwrap();
+    let manifests = tmp.path().join("m");
+    std::fs::create_dir_all(&manifests).unwrap();
+    for (extra, says) in [
+        (
+            &["--enable-ipv4=false", "--enable-ipv6=false"][..],
+            "pods need an address family",
+        ),
+        (
+            &[
+                "--enable-ipv6=true",
+                "--routing-mode",
+                "tunnel",
+                "--underlay-protocol",
+                "ipv6",
+            ][..],
+            "--underlay-protocol ipv6 carries IPv6 pod traffic only",
+        ),
+    ] {
+        let out = Command::new(BIN)
+            .args([
+                "agent",
+                "--datapath",
+                "memory",
+                "--debug-addr",
+                "127.0.0.1:0",
+            ])
+            .arg("--manifests")
+            .arg(&manifests)
+            .arg("--state-dir")
+            .arg(tmp.path().join("state"))
+            .arg("--api-socket")
+            .arg(tmp.path().join("a.sock"))
+            .args(extra)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{extra:?}: {err}");
+        assert!(err.contains(says), "{extra:?}: {err}");
+    }
+}

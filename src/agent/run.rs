@@ -166,6 +166,14 @@ pub fn run(config: AgentConfig) -> Result<(), AgentError> {
             "--enable-ipv4=false and --enable-ipv6=false: pods need an address family".into(),
         ));
     }
+    if config.routing.mode == crate::network::RoutingMode::Tunnel
+        && config.routing.underlay == crate::network::UnderlayProtocol::Ipv6
+        && config.families.ipv4
+    {
+        return Err(AgentError::Config(
+            "--underlay-protocol ipv6 carries IPv6 pod traffic only: give --enable-ipv4=false (IPv4 pods over an IPv6 underlay are not supported)".into(),
+        ));
+    }
     let ipam = crate::ipam::NodeIpam::from_flags(&config.pod_cidr, config.families)
         .map_err(AgentError::Config)?;
     // Whatever the agent creates (state directory, endpoint records, the socket) is its own:

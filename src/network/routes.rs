@@ -59,7 +59,7 @@ pub struct RoutingConfig {
     /// none: its pods have no IPv4 address to reach them from).
     pub ipv4: bool,
     /// `--enable-ipv6`: other nodes' IPv6 pod CIDRs are routed too: in native mode via their
-    /// IPv6 address, in tunnel mode through the tunnel (whose underlay is IPv4).
+    /// IPv6 address, in tunnel mode through the tunnel (over either underlay).
     pub ipv6: bool,
     /// `--ipv6-native-routing-cidr`: the IPv6 pod address space.
     pub ipv6_native_routing_cidr: Option<Ipv6Net>,
