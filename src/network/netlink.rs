@@ -207,7 +207,19 @@ impl RouteApplier {
                 *peers.entry(r.via).or_default() |= r.dst.addr().is_ipv6();
             }
         }
-        let changes = run_changes(to_set.clone(), stale_present.clone(), tunnel, peers);
+        // An IPv6 underlay's VTEP MACs are hashes: a peer sharing one gets no entries.
+        let clashes = match (tunnel, local) {
+            (Some(_), Some(l)) => super::tunnel::mac_clashes(l, peers.keys().copied()),
+            _ => BTreeMap::new(),
+        };
+        peers.retain(|p, _| !clashes.contains_key(p));
+        let changes = run_changes(
+            to_set.clone(),
+            stale_present.clone(),
+            tunnel,
+            peers,
+            clashes,
+        );
         let (results, removed) = match changes {
             Ok(v) => v,
             Err(e) => {
@@ -366,16 +378,18 @@ type Changes = (Vec<(NodeRoute, Result<(), String>)>, Vec<IpNet>);
 
 /// Adds (or, for an owned route whose gateway changed, replaces) routes and deletes stale ones.
 /// In tunnel mode (`tunnel` is the device's index) the FDB and neighbour entries of every
-/// wanted node (`peers`) are written first and those of other nodes removed.
+/// wanted node (`peers`) are written first and those of other nodes removed; routes via a
+/// node of `clashes` fail with its reason.
 fn run_changes(
     set: Vec<(NodeRoute, bool)>,
     delete: Vec<IpNet>,
     tunnel: Option<u32>,
     peers: BTreeMap<IpAddr, bool>,
+    clashes: BTreeMap<IpAddr, String>,
 ) -> Result<Changes, NetdevError> {
     with_netlink(None, move |h| async move {
         let mut results = Vec::new();
-        let mut peer_errors = BTreeMap::new();
+        let mut peer_errors = clashes;
         if let Some(ifindex) = tunnel {
             for (p, ipv6) in &peers {
                 if let Err(e) = super::tunnel::set_peer(&h, ifindex, *p, *ipv6).await {

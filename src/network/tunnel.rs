@@ -3,8 +3,9 @@
 //! derived from its underlay address (`vtep_mac`), so nothing has to be exchanged: for every
 //! remote node the agent writes an FDB entry (MAC -> node address), a permanent neighbour
 //! (next hop -> MAC) on the device, and routes its pod CIDRs `via NEXT_HOP dev ciliate_vxlan
-//! onlink` (IPv4 pod CIDRs via the node's IPv4 address, IPv6 ones via `gateway6`). The device carries this agent's mark (its alias), so another agent's
-//! device is never used or changed. Runs inside a `with_netlink` closure (blocking thread).
+//! onlink` (IPv4 pod CIDRs via the node's IPv4 address, IPv6 ones via `gateway6`). The device
+//! carries this agent's mark (its alias), so another agent's device is never used or changed.
+//! Runs inside a `with_netlink` closure (blocking thread).
 
 use std::net::{IpAddr, Ipv6Addr};
 
@@ -78,6 +79,35 @@ pub fn gateway6(ip: impl Into<IpAddr>) -> Ipv6Addr {
         u16::from_be_bytes([t[0], t[1]]),
         u16::from_be_bytes([t[2], t[3]]),
     )
+}
+
+/// The peers whose VTEP MAC is this node's (`local`) or an earlier peer's (in address order),
+/// each with why: an IPv6 underlay's MACs are hashes, so two nodes may share one (a chance of
+/// about n^2 / 2^33 for n nodes). Such a peer gets no FDB entry: its traffic would go to the
+/// other node.
+pub fn mac_clashes(
+    local: IpAddr,
+    peers: impl IntoIterator<Item = IpAddr>,
+) -> std::collections::BTreeMap<IpAddr, String> {
+    let mut seen = std::collections::BTreeMap::from([(vtep_mac(local), local)]);
+    let mut sorted: Vec<IpAddr> = peers.into_iter().collect();
+    sorted.sort();
+    let mut clashes = std::collections::BTreeMap::new();
+    for p in sorted {
+        let mac = vtep_mac(p);
+        match seen.get(&mac) {
+            Some(other) if *other != p => {
+                clashes.insert(
+                    p,
+                    format!("tunnel: node {p}'s VTEP MAC is node {other}'s too (its address's hash); not tunnelled"),
+                );
+            }
+            _ => {
+                seen.insert(mac, p);
+            }
+        }
+    }
+    clashes
 }
 
 /// Whether `ip` is of the form `gateway6` gives.
@@ -304,6 +334,27 @@ mod tests {
         assert_ne!(ga, gb);
         assert_ne!(ga, gateway6(Ipv4Addr::new(172, 20, 0, 12)));
         assert_eq!(overhead(crate::network::UnderlayProtocol::Ipv6), 70);
+    }
+
+    #[test]
+    fn peers_whose_mac_clashes_are_named_and_left_out() {
+        let local: IpAddr = "fd00:20::b".parse().unwrap();
+        let peers: Vec<IpAddr> = ["fd00:20::c", "fd00:20::d"]
+            .iter()
+            .map(|p| p.parse().unwrap())
+            .collect();
+        assert!(mac_clashes(local, peers.clone()).is_empty());
+        // Two addresses whose hashes collide (found by a birthday search over fd00::/64), as
+        // any cluster of enough IPv6 nodes will have.
+        let a: IpAddr = "fd00::a1bf:b3a3:ec1a:8b5".parse().unwrap();
+        let b: IpAddr = "fd00::6be3:6a30:ec59:3aae".parse().unwrap();
+        assert_eq!(vtep_mac(a), vtep_mac(b), "the pair collides");
+        let clashes = mac_clashes(local, [a, b]);
+        assert_eq!(clashes.keys().copied().collect::<Vec<_>>(), [a.max(b)]);
+        assert!(clashes[&a.max(b)].contains(&a.min(b).to_string()));
+        // With this node's own MAC.
+        let clashes = mac_clashes(a, [b]);
+        assert!(clashes.contains_key(&b), "{clashes:?}");
     }
 
     #[test]
