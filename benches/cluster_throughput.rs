@@ -127,8 +127,13 @@ fn measure(mode: &str, args: &[&str]) {
         node.push(s.node());
         pod.push(s.pod());
     }
+    report(&format!("{mode}:"), node, pod);
+}
+
+/// The rounds' figures of node -> node and pod -> pod, their medians and the ratio.
+fn report(title: &str, node: Vec<f64>, pod: Vec<f64>) {
     let ratios: Vec<f64> = pod.iter().zip(&node).map(|(p, n)| p / n).collect();
-    println!("{mode}:");
+    println!("{title}");
     println!("  node 1 -> node 2 (Gbit/s): {}", fmt(&node));
     println!("  pod a -> pod b, policy enforced (Gbit/s): {}", fmt(&pod));
     println!(
@@ -157,17 +162,7 @@ fn measure_ipv6_only(mode: &str, args: &[&str]) {
         node.push(s.node6());
         pod.push(s.pod6());
     }
-    let ratios: Vec<f64> = pod.iter().zip(&node).map(|(p, n)| p / n).collect();
-    println!("{mode}, IPv6 only:");
-    println!("  node 1 -> node 2 (Gbit/s): {}", fmt(&node));
-    println!("  pod a -> pod b, policy enforced (Gbit/s): {}", fmt(&pod));
-    println!(
-        "  medians: node {:.2}, pod {:.2}; pod/node {:.1}% (per-round ratios: median {:.1}%)",
-        median(node.clone()),
-        median(pod.clone()),
-        100.0 * median(pod) / median(node),
-        100.0 * median(ratios)
-    );
+    report(&format!("{mode}, IPv6 only:"), node, pod);
 }
 
 /// IPv6 against IPv4 on one dual-stack cluster, rounds interleaved.

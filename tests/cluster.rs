@@ -267,29 +267,7 @@ fn dual_stack_across_nodes(args: &[&str], via6: impl Fn(usize) -> String) {
     let (outside, _) = c.add_outside();
     let outside6 = c.add_outside6(&outside);
     who_am_i_servers(&outside, outside6);
-    who_am_i_servers(&b.netns, b6);
-    let n1 = c.node(1);
-    n1.agent().wait_until("node 1 masquerades IPv6", || {
-        n1.agent().cli_json(&["status"])["masquerade_ipv6"] == "enabled"
-    });
-    let node1_ip6 = Some(common::cluster::node_ip6(1).to_string());
-    eventually("a's IPv6 traffic leaves with node 1's address", || {
-        seen_over_tcp(&a.netns, outside6) == node1_ip6
-    });
-    assert_eq!(seen_over_udp(&a.netns, outside6), node1_ip6);
-    assert_eq!(seen_over_tcp(&a.netns, b6), Some(a6.to_string()));
-
-    // kill -9 of node 2's agent: the kernel keeps judging IPv6 into b; the restart too.
-    let kubeconfig = c.kubeconfig.clone();
-    c.node(2).kill9_agent();
-    assert!(tcp_ok(&a.netns, b6, 8080), "a -> b over IPv6, agent down");
-    assert!(!tcp_ok(&other.netns, b6, 8080), "c -> b still denied");
-    c.node(2).start_agent(&kubeconfig);
-    let n2 = c.node(2);
-    n2.agent().wait_until("node 2 is back", || {
-        n2.agent().cli_json(&["status"])["routes_installed"] == 2
-    });
-    assert!(tcp_ok(&a.netns, b6, 8080) && !tcp_ok(&other.netns, b6, 8080));
+    let node1_ip6 = ipv6_masquerade_and_kill_9(&mut c, (&a, &other, &b), outside6, 2);
 
     // An IPv6 CIDR rule: c may reach the outside's /64 on TCP 7000, and nothing else.
     c.api()
@@ -312,6 +290,47 @@ fn dual_stack_across_nodes(args: &[&str], via6: impl Fn(usize) -> String) {
         "the CIDR rule admits TCP 7000 to the outside"
     );
     assert!(!tcp_ok(&other.netns, a6, 8080), "c -> a: no rule for it");
+}
+
+/// With `who_am_i_servers` on the outside (`outside6`): a's IPv6 traffic to the outside leaves
+/// with node 1's IPv6 address (TCP and UDP) and to b keeps a's; then `kill -9` of node 2's
+/// agent keeps b admitting a and not c over IPv6, and the restart (back with `routes` routes)
+/// too. Returns node 1's IPv6 address as the outside sees it.
+fn ipv6_masquerade_and_kill_9(
+    c: &mut Cluster,
+    (a, other, b): (
+        &common::cni::CniPod,
+        &common::cni::CniPod,
+        &common::cni::CniPod,
+    ),
+    outside6: std::net::Ipv6Addr,
+    routes: u64,
+) -> Option<String> {
+    let (a6, b6) = (IpAddr::V6(a.addr6.unwrap()), IpAddr::V6(b.addr6.unwrap()));
+    who_am_i_servers(&b.netns, b6);
+    let n1 = c.node(1);
+    n1.agent().wait_until("node 1 masquerades IPv6", || {
+        n1.agent().cli_json(&["status"])["masquerade_ipv6"] == "enabled"
+    });
+    let node1_ip6 = Some(common::cluster::node_ip6(1).to_string());
+    eventually("a's IPv6 traffic leaves with node 1's address", || {
+        seen_over_tcp(&a.netns, outside6) == node1_ip6
+    });
+    assert_eq!(seen_over_udp(&a.netns, outside6), node1_ip6);
+    assert_eq!(seen_over_tcp(&a.netns, b6), Some(a6.to_string()));
+
+    // kill -9 of node 2's agent: the kernel keeps judging IPv6 into b; the restart too.
+    let kubeconfig = c.kubeconfig.clone();
+    c.node(2).kill9_agent();
+    assert!(tcp_ok(&a.netns, b6, 8080), "a -> b over IPv6, agent down");
+    assert!(!tcp_ok(&other.netns, b6, 8080), "c -> b still denied");
+    c.node(2).start_agent(&kubeconfig);
+    let n2 = c.node(2);
+    n2.agent().wait_until("node 2 is back", || {
+        n2.agent().cli_json(&["status"])["routes_installed"] == routes
+    });
+    assert!(tcp_ok(&a.netns, b6, 8080) && !tcp_ok(&other.netns, b6, 8080));
+    node1_ip6
 }
 
 /// IPv6 only, native routing (#31): pods get IPv6 addresses only; each node routes the others'
@@ -434,28 +453,7 @@ fn ipv6_only_across_nodes(args: &[&str], via6: impl Fn(usize) -> String) {
     let (outside, _) = c.add_outside();
     let outside6 = c.add_outside6(&outside);
     who_am_i_servers(&outside, outside6);
-    who_am_i_servers(&b.netns, b6);
-    let n1 = c.node(1);
-    n1.agent().wait_until("node 1 masquerades IPv6", || {
-        n1.agent().cli_json(&["status"])["masquerade_ipv6"] == "enabled"
-    });
-    let node1_ip6 = Some(node_ip6(1).to_string());
-    eventually("a's traffic leaves with node 1's address", || {
-        seen_over_tcp(&a.netns, outside6) == node1_ip6
-    });
-    assert_eq!(seen_over_udp(&a.netns, outside6), node1_ip6);
-    assert_eq!(seen_over_tcp(&a.netns, b6), Some(a6.to_string()));
-
-    let kubeconfig = c.kubeconfig.clone();
-    c.node(2).kill9_agent();
-    assert!(tcp_ok(&a.netns, b6, 8080), "a -> b, agent down");
-    assert!(!tcp_ok(&other.netns, b6, 8080), "c -> b still denied");
-    c.node(2).start_agent(&kubeconfig);
-    let n2 = c.node(2);
-    n2.agent().wait_until("node 2 is back", || {
-        n2.agent().cli_json(&["status"])["routes_installed"] == 1
-    });
-    assert!(tcp_ok(&a.netns, b6, 8080) && !tcp_ok(&other.netns, b6, 8080));
+    ipv6_masquerade_and_kill_9(&mut c, (&a, &other, &b), outside6, 1);
     if args.contains(&"ipv6") {
         // Node 2 leaves: node 1's FDB entry to its IPv6 address goes, with its route.
         c.api()

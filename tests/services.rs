@@ -810,6 +810,20 @@ fn the_tiny_dns_round_trips() {
     assert_eq!(dns_answer(&r, 8), None, "another id");
 }
 
+/// The cluster Services tests' policy: a may send only to kube-dns on UDP 53 and to app=b on
+/// TCP 8080.
+fn a_to_dns_and_b() -> Value {
+    serde_json::json!({
+        "apiVersion": "cilium.io/v2", "kind": "CiliumNetworkPolicy",
+        "metadata": {"name": "a-egress", "namespace": "x"},
+        "spec": {"endpointSelector": {"matchLabels": {"app": "a"}}, "egress": [
+            {"toEndpoints": [{"matchLabels": {"k8s-app": "kube-dns"}}],
+             "toPorts": [{"ports": [{"port": "53", "protocol": "UDP"}]}]},
+            {"toEndpoints": [{"matchLabels": {"app": "b"}}],
+             "toPorts": [{"ports": [{"port": "8080", "protocol": "TCP"}]}]}]}
+    })
+}
+
 /// Services and EndpointSlice objects of namespace x in the cluster's API server.
 fn apply_service(c: &Cluster, name: &str, ip: &str, port: u16, proto: &str, target: Value) {
     c.api()
@@ -894,17 +908,7 @@ fn services_across_nodes(mut c: Cluster) {
     }
     let answer = Ipv4Addr::new(192, 0, 2, 80);
     dns_server(&dns, answer);
-    c.api()
-        .apply_json(serde_json::json!({
-            "apiVersion": "cilium.io/v2", "kind": "CiliumNetworkPolicy",
-            "metadata": {"name": "a-egress", "namespace": "x"},
-            "spec": {"endpointSelector": {"matchLabels": {"app": "a"}}, "egress": [
-                {"toEndpoints": [{"matchLabels": {"k8s-app": "kube-dns"}}],
-                 "toPorts": [{"ports": [{"port": "53", "protocol": "UDP"}]}]},
-                {"toEndpoints": [{"matchLabels": {"app": "b"}}],
-                 "toPorts": [{"ports": [{"port": "8080", "protocol": "TCP"}]}]}]}
-        }))
-        .expect("policy");
+    c.api().apply_json(a_to_dns_and_b()).expect("policy");
     apply_service(
         &c,
         "kube-dns",
@@ -1121,17 +1125,7 @@ fn ipv6_services_across_nodes(mut c: Cluster) {
     }
     let answer = Ipv4Addr::new(192, 0, 2, 80);
     dns_server_on(&dns, six(&dns), answer);
-    c.api()
-        .apply_json(serde_json::json!({
-            "apiVersion": "cilium.io/v2", "kind": "CiliumNetworkPolicy",
-            "metadata": {"name": "a-egress", "namespace": "x"},
-            "spec": {"endpointSelector": {"matchLabels": {"app": "a"}}, "egress": [
-                {"toEndpoints": [{"matchLabels": {"k8s-app": "kube-dns"}}],
-                 "toPorts": [{"ports": [{"port": "53", "protocol": "UDP"}]}]},
-                {"toEndpoints": [{"matchLabels": {"app": "b"}}],
-                 "toPorts": [{"ports": [{"port": "8080", "protocol": "TCP"}]}]}]}
-        }))
-        .expect("policy");
+    c.api().apply_json(a_to_dns_and_b()).expect("policy");
     apply_service(
         &c,
         "kube-dns",
