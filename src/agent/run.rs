@@ -462,12 +462,14 @@ async fn run_async(
         .map_err(|e| AgentError::Config(format!("--datapath {datapath_name}: {e}")))?;
     let gc_metrics = shared.metrics.clone();
     let gc_dns = shared.dns.clone();
-    datapath
+    let tracked = datapath
         .start_conntrack_gc(
             config.conntrack_gc_interval,
             crate::datapath::ConntrackTimeouts::default(),
             Box::new(move |stats| {
-                gc_dns.set_live_peers(stats.live);
+                if stats.complete {
+                    gc_dns.set_live_peers(stats.started, stats.live);
+                }
                 gc_metrics
                     .conntrack_entries
                     .set((stats.scanned - stats.removed) as i64);
@@ -482,6 +484,9 @@ async fn run_async(
             }),
         )
         .map_err(|e| AgentError::Config(format!("--datapath {datapath_name}: {e}")))?;
+    if tracked {
+        shared.dns.track_connections();
+    }
     let Core { loader, repo, .. } = spawn_core(&shared, datapath);
 
     let restore_started = std::time::Instant::now();

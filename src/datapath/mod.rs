@@ -175,6 +175,11 @@ pub struct ConntrackGcStats {
     /// from DNS stay selected past their TTL (Cilium's zombies).
     #[serde(skip)]
     pub live: std::collections::HashSet<std::net::IpAddr>,
+    /// When the pass began (Unix seconds): a connection opened before then is in `live`.
+    pub started: u64,
+    /// Every table was read: `live` names every connection kept. A pass that could not read a
+    /// table says nothing about which connections are alive.
+    pub complete: bool,
 }
 
 /// The operations `LoaderActor` performs on a datapath.
@@ -217,9 +222,9 @@ pub trait Datapath: Send + 'static {
         interval: std::time::Duration,
         timeouts: ConntrackTimeouts,
         report: Box<dyn FnMut(ConntrackGcStats) + Send>,
-    ) -> Result<(), DatapathError> {
+    ) -> Result<bool, DatapathError> {
         let _ = (interval, timeouts, report);
-        Ok(())
+        Ok(false)
     }
     /// Starts delivering policy verdict events to `sink` (until it returns false). Datapaths
     /// without events (the in-memory one) deliver none.

@@ -241,13 +241,18 @@ impl FqdnCache {
         new
     }
 
-    /// Removes the addresses expired at `now`, except those `alive` keeps (a tracked connection
-    /// still uses them: Cilium's zombies). Returns the (name, address) pairs removed.
-    pub fn expire(&mut self, now: u64, alive: &dyn Fn(IpAddr) -> bool) -> Vec<(String, IpAddr)> {
+    /// Removes the addresses expired at `now`, except those `alive(address, expired_at)` keeps
+    /// (a tracked connection may still use them: Cilium's zombies). Returns the (name, address)
+    /// pairs removed.
+    pub fn expire(
+        &mut self,
+        now: u64,
+        alive: &dyn Fn(IpAddr, u64) -> bool,
+    ) -> Vec<(String, IpAddr)> {
         let mut gone = Vec::new();
         for (name, e) in self.names.iter_mut() {
             e.ips.retain(|c| {
-                let keep = c.expires_at > now || alive(c.ip);
+                let keep = c.expires_at > now || alive(c.ip, c.expires_at);
                 if !keep {
                     gone.push((name.clone(), c.ip));
                 }
@@ -290,19 +295,19 @@ mod tests {
         let e = &c.names["api.example.com"];
         assert_eq!(e.endpoints.iter().copied().collect::<Vec<_>>(), vec![7, 8]);
         assert_eq!(e.ips[0].expires_at, 1060);
-        assert!(c.expire(1004, &|_| false).is_empty());
+        assert!(c.expire(1004, &|_, _| false).is_empty());
         assert!(
-            c.expire(1059, &|ip| ip == b).is_empty(),
+            c.expire(1059, &|ip, _| ip == b).is_empty(),
             "a lives 60 s, b is in use"
         );
         assert_eq!(
-            c.expire(1061, &|ip| ip == b),
+            c.expire(1061, &|ip, _| ip == b),
             vec![("api.example.com".to_string(), a)],
             "b outlived its TTL but a connection still uses it"
         );
         assert_eq!(c.len(), 1);
         assert_eq!(
-            c.expire(1061, &|_| false),
+            c.expire(1061, &|_, _| false),
             vec![("api.example.com".to_string(), b)]
         );
         assert!(c.is_empty());

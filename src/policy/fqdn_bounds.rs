@@ -386,7 +386,7 @@ mod tests {
                 1000,
             );
         }
-        assert!(c.expire(2000, &|_| true).is_empty(), "all in use");
+        assert!(c.expire(2000, &|_, _| true).is_empty(), "all in use");
         let e = c.bound_zombies(&l, 2000);
         assert_eq!(e.counts, vec![(Eviction::Zombies, 4)], "{e:?}");
         // The four that expired longest ago went; a.test's two and z14 stay.

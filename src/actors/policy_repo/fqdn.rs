@@ -64,7 +64,7 @@ impl Handler<ExpireFqdn> for PolicyRepoActor {
         let dns = self.shared.dns.clone();
         let (mut gone, zombies) = {
             let mut cache = dns.cache();
-            let gone = cache.expire(msg.now, &|ip| dns.is_live(ip));
+            let gone = cache.expire(msg.now, &|ip, at| dns.may_be_in_use(ip, at));
             (gone, cache.bound_zombies(&dns.limits, msg.now))
         };
         if !zombies.is_empty() {

@@ -189,7 +189,11 @@ pub fn spawn_gc(
                     continue;
                 }
                 since_sweep = Duration::ZERO;
-                let mut total = ConntrackGcStats::default();
+                let mut total = ConntrackGcStats {
+                    started: crate::policy::fqdn::unix_now(),
+                    complete: true,
+                    ..Default::default()
+                };
                 for name in TABLES {
                     let path = pins.join(name);
                     match MapHandle::from_pinned_path(&path) {
@@ -200,6 +204,7 @@ pub fn spawn_gc(
                             total.live.extend(s.live);
                         }
                         Err(e) => {
+                            total.complete = false;
                             tracing::warn!(path = %path.display(), error = %e, "conntrack GC cannot open the map")
                         }
                     }

@@ -707,9 +707,9 @@ impl Datapath for BpfDatapath {
         interval: std::time::Duration,
         timeouts: crate::datapath::ConntrackTimeouts,
         report: Box<dyn FnMut(crate::datapath::ConntrackGcStats) + Send>,
-    ) -> Result<(), DatapathError> {
+    ) -> Result<bool, DatapathError> {
         super::conntrack::spawn_gc(self.pins.clone(), interval, timeouts, report)
-            .map(|_| ())
+            .map(|_| true)
             .map_err(|e| DatapathError::System {
                 operation: "start the conntrack garbage collector".into(),
                 message: e.to_string(),

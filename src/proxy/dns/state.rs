@@ -43,11 +43,21 @@ pub struct DnsState {
     rules: Mutex<BTreeMap<u64, EndpointRules>>,
     /// Bumped on every change of `rules` (the link sends the table again).
     pub rules_changed: tokio::sync::watch::Sender<u64>,
-    /// Addresses of the connections conntrack kept in its last pass.
-    pub live_peers: Mutex<HashSet<IpAddr>>,
+    /// Addresses of the connections conntrack kept in its last complete pass; `None` while the
+    /// datapath tracks no connections (addresses then expire on their TTL alone).
+    live_peers: Mutex<Option<LivePeers>>,
     pub proxy: Mutex<ProxyView>,
     /// The cache writer (`start_saver`): saves off the actors' thread, coalescing requests.
     saver: Mutex<Option<std::sync::mpsc::Sender<()>>>,
+}
+
+/// What conntrack's last complete pass found.
+#[derive(Debug, Default)]
+struct LivePeers {
+    /// When the pass began (Unix seconds); 0 before the first.
+    started: u64,
+    /// The addresses (either end) of the connections it kept.
+    addrs: HashSet<IpAddr>,
 }
 
 impl Default for DnsState {
@@ -64,7 +74,7 @@ impl DnsState {
             limits: Default::default(),
             rules: Mutex::new(BTreeMap::new()),
             rules_changed: tokio::sync::watch::channel(0).0,
-            live_peers: Mutex::new(HashSet::new()),
+            live_peers: Mutex::new(None),
             proxy: Mutex::new(ProxyView::default()),
             saver: Mutex::new(None),
         }
@@ -145,12 +155,31 @@ impl DnsState {
             .unwrap_or(0)
     }
 
-    pub fn set_live_peers(&self, peers: HashSet<IpAddr>) {
-        *lock(&self.live_peers) = peers;
+    /// The datapath tracks connections: from now on an expired address leaves the cache only
+    /// once a conntrack pass that began after its expiry found no connection using it.
+    pub fn track_connections(&self) {
+        lock(&self.live_peers).get_or_insert_with(LivePeers::default);
     }
 
+    /// A complete conntrack pass, begun at `started` (Unix seconds), found `addrs` in use.
+    pub fn set_live_peers(&self, started: u64, addrs: HashSet<IpAddr>) {
+        *lock(&self.live_peers) = Some(LivePeers { started, addrs });
+    }
+
+    /// Whether a connection of the last conntrack pass uses `ip`.
     pub fn is_live(&self, ip: IpAddr) -> bool {
-        lock(&self.live_peers).contains(&ip)
+        lock(&self.live_peers)
+            .as_ref()
+            .is_some_and(|l| l.addrs.contains(&ip))
+    }
+
+    /// Whether a connection may still use `ip`, expired at `expired_at`: one did in the last
+    /// pass, or no pass has begun since it expired (Cilium's rule for zombies: only a complete
+    /// GC run that started after the address became a zombie may declare it dead).
+    pub fn may_be_in_use(&self, ip: IpAddr, expired_at: u64) -> bool {
+        lock(&self.live_peers)
+            .as_ref()
+            .is_some_and(|l| l.started <= expired_at || l.addrs.contains(&ip))
     }
 
     pub fn proxy_view(&self) -> ProxyView {
@@ -226,5 +255,53 @@ mod tests {
             .unwrap_err()
             .contains("fqdn-cache.json"));
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The zombie rule end to end: an address whose TTL runs out leaves the cache only after a
+    /// conntrack pass that began after its expiry found no connection using it; a live set
+    /// older than the expiry (the pass ran before the connection opened) keeps it.
+    #[test]
+    fn an_expired_address_goes_only_after_a_later_conntrack_pass_finds_it_unused() {
+        let s = DnsState::new(Duration::ZERO);
+        let (old, other): (IpAddr, IpAddr) =
+            ("192.0.2.1".parse().unwrap(), "192.0.2.2".parse().unwrap());
+        let expire = |now: u64| -> Vec<IpAddr> {
+            let mut cache = s.cache();
+            let gone = cache.expire(now, &|ip, at| s.may_be_in_use(ip, at));
+            gone.into_iter().map(|(_, ip)| ip).collect()
+        };
+        let learn = |ip: IpAddr, now: u64| {
+            let ttl = Duration::from_secs(1);
+            s.cache()
+                .learn("api.example.com", &[ip], ttl, s.min_ttl, Some(3), now);
+        };
+        // No connection tracking (the in-memory datapath): the TTL alone decides.
+        learn(old, 100);
+        assert_eq!(expire(102), vec![old]);
+
+        s.track_connections();
+        learn(old, 100);
+        assert!(
+            expire(102).is_empty(),
+            "no pass has run since it expired at 101"
+        );
+        // The last pass began at 100, before the expiry, and did not see the connection
+        // (opened later): its live set cannot declare the address dead.
+        s.set_live_peers(100, [other].into());
+        assert!(!s.is_live(old));
+        assert!(
+            expire(103).is_empty(),
+            "a live set older than the expiry keeps it"
+        );
+        // A pass begun in the expiry's own second may have missed the connection too.
+        s.set_live_peers(101, [other].into());
+        assert!(expire(103).is_empty());
+        // A pass begun after the expiry that sees the connection keeps it (a zombie)...
+        s.set_live_peers(102, [old].into());
+        assert!(s.is_live(old) && expire(104).is_empty());
+        // ...and the first pass after the connection ended lets it go.
+        s.set_live_peers(104, [other].into());
+        assert_eq!(expire(105), vec![old]);
+        assert!(s.cache().is_empty());
     }
 }
