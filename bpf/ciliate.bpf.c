@@ -44,6 +44,7 @@ const volatile __u32 ENDPOINT_ID = 0;
 #include "lib/hostroute.h"
 #include "lib/proxy.h"
 #include "lib/hostfw.h"
+#include "lib/tunnel.h"
 
 /* Sends a packet of a connection the HTTP proxy handles on to the proxy: in place at a tc
  * ingress hook (the pod's egress, the node's device), back in through the device from
@@ -244,13 +245,26 @@ SEC("tc")
 int from_netdev(struct __sk_buff *skb)
 {
 	struct local_endpoint le;
-	if (!local_endpoint_of(skb, &le))
-		return host_firewall(skb, 0);
+	int tunnel = 0;
+	if (skb->mark && ciliate_tunnel_decided(skb))
+		return TC_ACT_UNSPEC;
+	if (!local_endpoint_of(skb, &le)) {
+		/* Tunnel mode: a tunnel packet for a local pod, decapsulated (lib/tunnel.h). */
+		tunnel = tunnel_candidate(skb) ? ciliate_tunnel_decap4(skb, &le) : 0;
+		if (!tunnel)
+			return host_firewall(skb, 0);
+		if (tunnel < 0)
+			return TC_ACT_SHOT;
+	}
 	__u8 bypass;
 	int verdict = decide(skb, le.endpoint_id, 0, 1, UPSTREAM_NONE, &bypass);
-	if (verdict != TC_ACT_OK)
-		return verdict;
-	return bypass ? local_deliver(skb, &le) : TC_ACT_UNSPEC;
+	if (verdict == TC_ACT_OK && bypass)
+		return local_deliver(skb, &le);
+	/* Decapsulated, and the stack's to take (undecided, or for the HTTP proxy): into the
+	 * tunnel device, as the kernel's decapsulation would have handed it on. */
+	if (tunnel && (verdict == TC_ACT_UNSPEC || verdict == TC_ACT_OK))
+		return bpf_redirect(tunnel, BPF_F_INGRESS);
+	return verdict == TC_ACT_OK ? TC_ACT_UNSPEC : verdict;
 }
 
 /* The node's device, tc egress (attached with the host firewall): what the node itself sends

@@ -732,8 +732,21 @@ fn tunnel_mode_carries_pod_traffic_across_nodes_over_vxlan() {
         before,
         "nothing denied was delivered"
     );
+    let decapsulated = tunnel_decapsulated(&mut c, 2);
     assert!(tcp_ok(&a.netns, b_addr, 8080));
     assert!(host_delivered(&mut c, 2) > before, "a's flow is delivered");
+    // Its packets were decapsulated by node 2's program on its node device, not the kernel.
+    assert!(
+        tunnel_decapsulated(&mut c, 2) > decapsulated,
+        "node 2 decapsulated a's TCP packets in BPF"
+    );
+    let decapsulated = tunnel_decapsulated(&mut c, 2);
+    assert!(udp_ok(&a.netns, b_addr, 5353) && icmp_ok(&a.netns, b.addr));
+    assert_eq!(
+        tunnel_decapsulated(&mut c, 2),
+        decapsulated,
+        "UDP and ICMP are the kernel's device's to decapsulate"
+    );
 
     // Node 1 back to native routing: its tunnel device (and the routes through it) go, native
     // routes take their place, once each.
@@ -748,6 +761,64 @@ fn tunnel_mode_carries_pod_traffic_across_nodes_over_vxlan() {
     let links = ip_out(&["-n", &n1.netns, "link", "show"]);
     assert!(!links.contains("ciliate_vxlan"), "{links}");
     assert_eq!(row(&n1.node_list(), "node-2")["route"], "installed");
+}
+
+/// An HTTP rule of a pod judges the requests of another node's pod that cross the tunnel: the
+/// receiving node decapsulates them in BPF and hands the connection to its HTTP proxy.
+#[test]
+fn http_rules_judge_requests_that_cross_the_tunnel() {
+    let Some(mut c) = privileged().then(|| Cluster::start_with(2, &["--routing-mode", "tunnel"]))
+    else {
+        return;
+    };
+    // Strict reverse-path filtering on node 2's device, as RHEL's default: a remote pod's
+    // packet that the stack took from the device, not the tunnel, would be dropped.
+    let ns = c.node(2).netns.clone();
+    in_netns(&ns, || {
+        common::netns::sysctl("net.ipv4.conf.eth0.rp_filter", "1")
+    })
+    .join()
+    .unwrap();
+    let a = c.add_pod(1, "a", "a");
+    let b = c.add_pod(2, "b", "b");
+    let to = SocketAddr::new(IpAddr::V4(b.addr), 8080);
+    common::http::serve(&b.netns, to.ip(), 8080);
+    let status = |path: &str| -> Option<u16> {
+        let mut conn = common::http::Conn::open(&a.netns, to).ok()?;
+        conn.request("GET", path, &[]).ok().map(|r| r.status)
+    };
+    eventually("a reaches b through the tunnel", || {
+        status("/secret") == Some(200)
+    });
+    let decapsulated = tunnel_decapsulated(&mut c, 2);
+    c.api()
+        .apply_json(json!({
+            "apiVersion": "cilium.io/v2", "kind": "CiliumNetworkPolicy",
+            "metadata": {"name": "b-http", "namespace": "x"},
+            "spec": {
+                "endpointSelector": {"matchLabels": {"app": "b"}},
+                "ingress": [{
+                    "fromEndpoints": [{"matchLabels": {"app": "a"}}],
+                    "toPorts": [{
+                        "ports": [{"port": "8080", "protocol": "TCP"}],
+                        "rules": {"http": [{"method": "GET", "path": "/public$"}]}
+                    }]
+                }]
+            }
+        }))
+        .expect("policy");
+    eventually("b's HTTP rule is in force", || {
+        status("/secret") == Some(403)
+    });
+    let mut conn = common::http::Conn::open(&a.netns, to).expect("a connects to b");
+    for (path, want) in [("/public", 200), ("/secret", 403), ("/public", 200)] {
+        let got = conn.request("GET", path, &[]).expect("a response").status;
+        assert_eq!(got, want, "GET {path} on one connection");
+    }
+    assert!(
+        tunnel_decapsulated(&mut c, 2) > decapsulated,
+        "the requests crossed the tunnel and were decapsulated in BPF"
+    );
 }
 
 /// The memory datapath computes routes but installs none (its tests share the host's
@@ -1215,6 +1286,13 @@ fn host_routed(c: &mut Cluster, i: usize) -> u64 {
 fn host_delivered(c: &mut Cluster, i: usize) -> u64 {
     let pins = c.node(i).bpffs.join("ciliate");
     ciliate::datapath::bpf::host_delivery::delivered_packets(&pins).expect("read host_delivered")
+}
+
+/// Tunnel packets node `i`'s programs decapsulated (`bpf/lib/tunnel.h`).
+fn tunnel_decapsulated(c: &mut Cluster, i: usize) -> u64 {
+    let pins = c.node(i).bpffs.join("ciliate");
+    ciliate::datapath::bpf::host_delivery::decapsulated_packets(&pins)
+        .expect("read tunnel_decapped")
 }
 
 /// The addresses node `i`'s device program delivers to, with their endpoint ids.

@@ -123,7 +123,7 @@ pub async fn run_route_reconciler(
             });
         }
         let host_firewall = netdev.host_firewall(&cfg, native.as_deref(), tunnel).await;
-        if cfg.host_firewall {
+        if cfg.host_firewall || cfg.bpf_host_routing.is_some() {
             sync_tunnel_peers(&cfg, &outcome);
         }
         let masq = masquerade.reconcile(&local, &snapshot, &cfg, false).await;
@@ -167,6 +167,12 @@ struct NetdevProgram {
     firewall_logged: FirewallDevices,
     /// Set once a pass attached everything and swept what an earlier run left.
     firewall_swept: bool,
+    /// Tunnel mode: what decapsulates in BPF (`bpf/lib/tunnel.h`) as last set up: the tunnel
+    /// device, and the underlay device this run's own link is on (`None`: the host firewall's
+    /// links run the program there).
+    /// `None` until the first pass set it.
+    #[allow(clippy::option_option)]
+    decap: Option<Option<(u32, Option<u32>)>>,
     /// This run took a left-over host firewall off (`--enable-host-firewall=false`).
     firewall_cleared: bool,
     /// Tunnel mode: the tunnel device the host firewall is on, and whether with its own
@@ -194,7 +200,11 @@ impl NetdevProgram {
                 }
                 "legacy".to_string()
             }
-            (Some(pins), _) => self.attach(pins, cfg.mode, local_ip, tunnel).await,
+            (Some(pins), _) => {
+                let shown = self.attach(pins, cfg.mode, local_ip, tunnel).await;
+                self.decapsulate(pins, cfg, local_ip, tunnel).await;
+                shown
+            }
         };
         if shown != self.shown && shown.contains("send side only") && local_ip.is_some() {
             tracing::warn!(state = %shown, "BPF host routing: packets for this node's pods take the host stack");
@@ -233,6 +243,61 @@ impl NetdevProgram {
             }
             Ok(Err(e)) => format!("bpf, send side only: {e}"),
             Err(e) => format!("bpf, send side only: {e}"),
+        }
+    }
+}
+
+impl NetdevProgram {
+    /// Tunnel mode over an IPv4 underlay: the tunnel's packets for local pods are decapsulated
+    /// by `from_netdev` on the device holding the node's address (its own link, unless the host
+    /// firewall's links run the same program on every native device). Anywhere else, or when
+    /// that fails, the kernel's tunnel device decapsulates, as before.
+    async fn decapsulate(
+        &mut self,
+        pins: &std::path::Path,
+        cfg: &RoutingConfig,
+        local_ip: Option<std::net::IpAddr>,
+        tunnel: Option<u32>,
+    ) {
+        let want = match (cfg.mode, tunnel, local_ip) {
+            (RoutingMode::Tunnel, Some(t), Some(ip @ std::net::IpAddr::V4(_))) => {
+                let underlay = netlink::device_with_address(ip).map(|(_, i)| i);
+                underlay.map(|u| (t, (!cfg.host_firewall).then_some(u)))
+            }
+            _ => None,
+        };
+        if self.decap == Some(want) {
+            return;
+        }
+        let p = pins.to_path_buf();
+        let r = actix_web::web::block(move || set_decapsulation(&p, want)).await;
+        match r {
+            Ok(Ok(())) => self.decap = Some(want),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "tunnel packets are decapsulated by the kernel's device")
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "tunnel packets are decapsulated by the kernel's device")
+            }
+        }
+    }
+}
+
+/// Makes the programs decapsulate as `want` says (see [`NetdevProgram::decapsulate`]).
+fn set_decapsulation(
+    pins: &std::path::Path,
+    want: Option<(u32, Option<u32>)>,
+) -> Result<(), crate::datapath::DatapathError> {
+    use crate::datapath::bpf::host_delivery as hd;
+    match want {
+        Some((tunnel, Some(underlay))) => hd::attach_underlay(pins, underlay, tunnel),
+        Some((tunnel, None)) => {
+            hd::detach_underlay(pins);
+            hd::set_tunnel_device(pins, tunnel).map(|_| ())
+        }
+        None => {
+            hd::detach_underlay(pins);
+            hd::set_tunnel_device(pins, 0).map(|_| ())
         }
     }
 }
@@ -408,7 +473,7 @@ fn sync_tunnel_peers(cfg: &RoutingConfig, outcome: &netlink::Outcome) {
         RoutingMode::Native => Default::default(),
     };
     if let Err(e) = crate::datapath::bpf::host_firewall::sync_tunnel_peers(pins, &peers) {
-        tracing::warn!(error = %e, "the host firewall's tunnel peers not updated: tunnel packets of nodes that are no remote-node meet the host policy");
+        tracing::warn!(error = %e, "the tunnel peers not updated: tunnel packets of nodes that are no remote-node meet the host policy, and a new peer's are decapsulated by the kernel's device");
     }
 }
 

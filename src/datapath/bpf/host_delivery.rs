@@ -63,9 +63,66 @@ pub fn attached_ifindex(pins: &Path) -> Option<u32> {
     tcx::pinned_link_info(&pins.join(LINK)).map(|(ifindex, _, _)| ifindex)
 }
 
-/// Takes the program off the node device (BPF host routing turned off).
+/// Takes the program off the node device (BPF host routing turned off), and off the underlay
+/// device of tunnel mode.
 pub fn detach(pins: &Path) {
     tcx::detach(&pins.join(LINK));
+    detach_underlay(pins);
+}
+
+/// Tunnel mode, receive side in BPF (`bpf/lib/tunnel.h`): the pinned map naming the tunnel
+/// device, the count of packets decapsulated, and the link of the program on the device the
+/// tunnel's packets arrive on (the underlay device, holding the node's address).
+pub const TUNNEL_DEVICE: &str = "tunnel_device";
+pub const DECAP_COUNTER: &str = "tunnel_decapped";
+pub const LINK_UNDERLAY: &str = "link_netdev_underlay_ingress";
+
+/// Tunnel mode: `from_netdev` on the TCX ingress of the underlay device `ifindex`, where it
+/// decapsulates the tunnel's packets for local pods, handing what it does not deliver to the
+/// tunnel device `tunnel`. Only while no other link of this agent puts the same program there
+/// (the host firewall's, on every native device).
+pub fn attach_underlay(pins: &Path, ifindex: u32, tunnel: u32) -> Result<(), DatapathError> {
+    let mut storage = MaybeUninit::uninit();
+    let skel = load_netdev_program(&mut storage, pins, true)?;
+    set_tunnel_device(pins, tunnel)?;
+    tcx::attach(
+        &skel.progs.from_netdev,
+        ifindex as i32,
+        Hook::Ingress,
+        &pins.join(LINK_UNDERLAY),
+    )
+    .map(|_| ())
+    .map_err(|e| DatapathError::System {
+        operation: format!(
+            "attach the node device's program to the underlay device, ifindex {ifindex}"
+        ),
+        message: e.to_string(),
+    })
+}
+
+/// Takes the program off the underlay device (its decapsulation stays wherever the host
+/// firewall's link runs the same program).
+pub fn detach_underlay(pins: &Path) {
+    tcx::detach(&pins.join(LINK_UNDERLAY));
+}
+
+/// Names the tunnel device the programs hand decapsulated packets to; 0: no decapsulation
+/// (native routing, or no tunnel device yet). `Ok(false)` when no program pinned the map yet.
+pub fn set_tunnel_device(pins: &Path, ifindex: u32) -> Result<bool, DatapathError> {
+    let path = pins.join(TUNNEL_DEVICE);
+    if !path.exists() {
+        return Ok(false);
+    }
+    let map = libbpf_rs::MapHandle::from_pinned_path(&path)
+        .map_err(err(format!("open {}", path.display())))?;
+    map.update(&0u32.to_ne_bytes(), &ifindex.to_ne_bytes(), MapFlags::ANY)
+        .map_err(err(format!("name the tunnel device (ifindex {ifindex})")))?;
+    Ok(true)
+}
+
+/// Packets decapsulated by the programs so far (all CPUs).
+pub fn decapsulated_packets(pins: &Path) -> Result<u64, DatapathError> {
+    super::host_routes::percpu_counter(pins, DECAP_COUNTER)
 }
 
 /// Packets delivered into pods so far (all CPUs).

@@ -1,0 +1,128 @@
+// SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause)
+/*
+ * Tunnel mode, receive side in BPF (Cilium's bpf_overlay, done one device earlier): a VXLAN
+ * packet from another node (a tunnel peer) to this node's address whose inner packet is TCP for
+ * a pod of this node is decapsulated at the tc ingress of the device it arrives on, and
+ * from_netdev then judges and delivers the inner packet as it does a natively routed one. It
+ * skips what the kernel's VXLAN costs each packet: the outer packet's IP receive, netfilter,
+ * route lookup and UDP socket lookup, vxlan_rcv and the tunnel device's second NAPI pass.
+ *
+ * Only what the kernel's device would have accepted and handed on unchanged is taken: outer
+ * IPv4 without options or fragments, UDP to CILIATE_TUNNEL_PORT, the VXLAN header with the
+ * I flag and ciliate's VNI alone, from a node in tunnel_peers, to this node's address; inner
+ * IPv4 TCP for a local endpoint with a TTL above 1, all in the packet's linear part. Anything
+ * else (other inner protocols, IPv6, the node's own traffic) is left untouched for the
+ * kernel's device. A decapsulated packet that from_netdev does not deliver itself goes into
+ * the tunnel device's ingress (bpf_redirect), exactly where the kernel would have put it, so
+ * the stack takes it from the device its reverse path goes through: one decide() left
+ * undecided (judged there as before), or one decided for the HTTP proxy (marked so; not judged
+ * twice: ciliate_tunnel_decided).
+ *
+ * Decapsulating a GSO packet (a GRO'd train of VXLAN segments) keeps its inner segment size
+ * (BPF_F_ADJ_ROOM_FIXED_GSO); it is only ever delivered into a local pod, never forwarded
+ * again, so no tunnel segmentation is asked of it.
+ */
+#ifndef CILIATE_LIB_TUNNEL_H
+#define CILIATE_LIB_TUNNEL_H
+
+#include <linux/udp.h>
+
+/* ciliate's VXLAN network identifier (network::tunnel::VXLAN_VNI). */
+#define CILIATE_TUNNEL_VNI 2
+
+/* The agent's tunnel device (one slot: its ifindex; 0 outside tunnel mode), written by the
+ * agent once the device is up and from_netdev is on it. */
+PINNED_MAP(BPF_MAP_TYPE_ARRAY, 1, __u32, __u32, 0) tunnel_device SEC(".maps");
+
+/* Packets decapsulated here (one slot, like host_delivered). */
+PINNED_COUNTER(1) tunnel_decapped SEC(".maps");
+
+struct vxlan_header {
+	__u8 flags;
+	__u8 reserved1[3];
+	__u8 vni[3];
+	__u8 reserved2;
+};
+
+/* Outer IPv4, UDP, VXLAN and inner Ethernet headers: what decapsulation removes. */
+#define TUNNEL_OUTER4_LEN (sizeof(struct iphdr) + sizeof(struct udphdr) + \
+			   sizeof(struct vxlan_header) + ETH_HLEN)
+
+/* Whether the packet may be the tunnel's (IPv4, UDP to CILIATE_TUNNEL_PORT): the inline test
+ * every other packet of the node's device pays instead of a call. */
+static __always_inline int tunnel_candidate(struct __sk_buff *skb)
+{
+	void *data = (void *)(long)skb->data;
+	void *end = (void *)(long)skb->data_end;
+	struct iphdr *ip = data + ETH_HLEN;
+	struct udphdr *udp = (void *)(ip + 1);
+	if ((void *)(udp + 1) > end)
+		return 0;
+	return ip->protocol == IPPROTO_UDP && udp->dest == bpf_htons(CILIATE_TUNNEL_PORT);
+}
+
+/* Decapsulates a tunnel packet for a local pod (see above): the tunnel device's ifindex, with
+ * the pod in *out; 0 when the packet is not one (left untouched); -1 when it broke on the way
+ * (to be dropped). A global function: verified
+ * once, and the other paths of from_netdev carry none of it. */
+__attribute__((noinline)) int ciliate_tunnel_decap4(struct __sk_buff *skb, struct local_endpoint *out)
+{
+	if (!out || skb->pkt_type != 0 /* PACKET_HOST */)
+		return 0;
+	void *data = (void *)(long)skb->data;
+	void *end = (void *)(long)skb->data_end;
+	struct ethhdr *eth = data;
+	struct iphdr *ip = (void *)(eth + 1);
+	struct udphdr *udp = (void *)(ip + 1);
+	struct vxlan_header *vx = (void *)(udp + 1);
+	struct ethhdr *ieth = (void *)(vx + 1);
+	struct iphdr *iip = (void *)(ieth + 1);
+	if ((void *)(iip + 1) > end)
+		return 0;
+	if (eth->h_proto != bpf_htons(ETH_P_IP) || ip->ihl != 5 || ip->protocol != IPPROTO_UDP ||
+	    (ip->frag_off & bpf_htons(0x3fff)) || udp->dest != bpf_htons(CILIATE_TUNNEL_PORT))
+		return 0;
+	if (vx->flags != 0x08 || vx->vni[0] || vx->vni[1] || vx->vni[2] != CILIATE_TUNNEL_VNI)
+		return 0;
+	if (ieth->h_proto != bpf_htons(ETH_P_IP) || iip->protocol != IPPROTO_TCP || iip->ttl <= 1)
+		return 0;
+	__u32 saddr = ip->saddr, daddr = ip->daddr, inner = iip->daddr;
+	__u32 zero = 0;
+	__u32 *dev = bpf_map_lookup_elem(&tunnel_device, &zero);
+	if (!dev || !*dev)
+		return 0;
+	__u32 ifindex = *dev;
+	if (!node_address4(daddr) || !ciliate_tunnel_peer4(saddr))
+		return 0;
+	struct local_endpoint *le = bpf_map_lookup_elem(&local_endpoints, &inner);
+	if (!le || !le->endpoint_id || !le->ifindex)
+		return 0;
+	*out = *le;
+	/* The inner frame's addresses on the outer header, which stays (its EtherType is the
+	 * inner's, IPv4): the frame is then the one the tunnel device would have received. */
+	__u8 macs[12];
+	if (bpf_skb_load_bytes(skb, ETH_HLEN + TUNNEL_OUTER4_LEN - ETH_HLEN, macs, 12) < 0)
+		return 0;
+	if (bpf_skb_adjust_room(skb, -(__s32)TUNNEL_OUTER4_LEN, BPF_ADJ_ROOM_MAC,
+				BPF_F_ADJ_ROOM_FIXED_GSO) < 0)
+		return 0;
+	if (bpf_skb_store_bytes(skb, 0, macs, 12, 0) < 0)
+		return -1;
+	bump(&tunnel_decapped);
+	return ifindex;
+}
+
+/* A packet decapsulated and decided at the underlay device that it handed to the tunnel device
+ * for the stack (the HTTP proxy's, by its mark): judged once, not again here. A global
+ * function, as ciliate_tunnel_decap4. */
+__attribute__((noinline)) int ciliate_tunnel_decided(struct __sk_buff *skb)
+{
+	__u32 zero = 0;
+	__u32 *dev = bpf_map_lookup_elem(&tunnel_device, &zero);
+	if (!dev || !*dev || skb->ifindex != *dev)
+		return 0;
+	struct l7_proxy_config *c = l7_config();
+	return c && c->local_mark && skb->mark == c->local_mark;
+}
+
+#endif /* CILIATE_LIB_TUNNEL_H */
