@@ -262,6 +262,14 @@ struct verdict_event4 {
 /* Slots of the batch array when the loader does not size it to the possible CPUs. */
 #define CILIATE_EVENT_BATCH_CPUS 256
 
+/* Tunnel mode in BPF (bpf/lib/tunnel.h), the one element of tunnel_config: the agent's tunnel
+ * device (0: the kernel's device does all the tunnel's work) and the node's IPv4 address the
+ * outer packets leave from (network order; 0: receive side only). */
+struct tunnel_config {
+	__u32 ifindex;
+	__u32 local4;
+};
+
 /* BPF host routing, receive side: a local pod's IPv4 address (network order, the key of
  * local_endpoints) -> where a packet for it arriving on the node's device is delivered once
  * its policy allowed it (bpf_redirect_peer into the pod, with these addresses). */

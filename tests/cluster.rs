@@ -674,8 +674,9 @@ fn tunnel_mode_carries_pod_traffic_across_nodes_over_vxlan() {
         });
     }
     // Full-size segments cross too (pod MTU 1450 + 50 of VXLAN fits the 1500 link), and the
-    // packets did go through node 1's tunnel device.
+    // packets did go through the tunnel: node 1's tunnel device, or its BPF encapsulation.
     tcp_echo_server(&b.netns, b_addr, 7000);
+    let encapsulated = tunnel_encapsulated(&mut c, 1);
     let big: Vec<u8> = (0..64 * 1024).map(|i| (i % 251) as u8).collect();
     let mut flow = in_netns(&a.netns, move || {
         TcpStream::connect_timeout(&SocketAddr::new(b_addr, 7000), Duration::from_secs(2))
@@ -702,7 +703,7 @@ fn tunnel_mode_carries_pod_traffic_across_nodes_over_vxlan() {
         .and_then(|b| b.parse().ok())
         .unwrap_or(0);
     assert!(
-        tx_bytes >= big.len(),
+        tx_bytes >= big.len() || tunnel_encapsulated(&mut c, 1) > encapsulated,
         "node 1 sent the 64 KiB through its tunnel: {stats}"
     );
     // BPF host routing both ways through the tunnel: node 1's pod packets go from its veth
@@ -732,10 +733,18 @@ fn tunnel_mode_carries_pod_traffic_across_nodes_over_vxlan() {
         before,
         "nothing denied was delivered"
     );
-    let decapsulated = tunnel_decapsulated(&mut c, 2);
+    let (encapsulated, decapsulated) = (
+        tunnel_encapsulated(&mut c, 1),
+        tunnel_decapsulated(&mut c, 2),
+    );
     assert!(tcp_ok(&a.netns, b_addr, 8080));
     assert!(host_delivered(&mut c, 2) > before, "a's flow is delivered");
-    // Its packets were decapsulated by node 2's program on its node device, not the kernel.
+    // Its packets were encapsulated by node 1's program on a's veth and decapsulated by node
+    // 2's on its node device, not by the kernel's vxlan devices.
+    assert!(
+        tunnel_encapsulated(&mut c, 1) > encapsulated,
+        "node 1 encapsulated a's packets in BPF"
+    );
     assert!(
         tunnel_decapsulated(&mut c, 2) > decapsulated,
         "node 2 decapsulated a's TCP packets in BPF"
@@ -1286,6 +1295,13 @@ fn host_routed(c: &mut Cluster, i: usize) -> u64 {
 fn host_delivered(c: &mut Cluster, i: usize) -> u64 {
     let pins = c.node(i).bpffs.join("ciliate");
     ciliate::datapath::bpf::host_delivery::delivered_packets(&pins).expect("read host_delivered")
+}
+
+/// Tunnel packets node `i`'s programs encapsulated (`bpf/lib/tunnel.h`).
+fn tunnel_encapsulated(c: &mut Cluster, i: usize) -> u64 {
+    let pins = c.node(i).bpffs.join("ciliate");
+    ciliate::datapath::bpf::host_delivery::encapsulated_packets(&pins)
+        .expect("read tunnel_encapped")
 }
 
 /// Tunnel packets node `i`'s programs decapsulated (`bpf/lib/tunnel.h`).

@@ -211,7 +211,9 @@ __attribute__((noinline)) int ciliate_host_route6(struct __sk_buff *skb)
 	f.family = AF_INET6;
 	f.flowinfo = *(__be32 *)ip6 & bpf_htonl(0x0FFFFFFF);
 	f.l4_protocol = ip6->nexthdr;
-	f.tot_len = bpf_ntohs(ip6->payload_len) + sizeof(*ip6);
+	/* tot_len 0: the kernel checks the packet against the device's MTU itself, and lets a GSO
+	 * packet (segmented later) through; with a length given, every GSO packet would fail the
+	 * check and take the stack. */
 	__builtin_memcpy(f.ipv6_src, &ip6->saddr, 16);
 	__builtin_memcpy(f.ipv6_dst, &ip6->daddr, 16);
 	f.ifindex = skb->ingress_ifindex;
@@ -223,6 +225,9 @@ __attribute__((noinline)) int ciliate_host_route6(struct __sk_buff *skb)
 	bump(&host_routed);
 	return bpf_redirect_neigh(f.ifindex, 0, 0, 0);
 }
+
+/* Tunnel mode's encapsulation in BPF (lib/tunnel.h). */
+int ciliate_tunnel_encap4(struct __sk_buff *skb, const struct bpf_fib_lookup *f);
 
 static __always_inline int host_route(struct __sk_buff *skb)
 {
@@ -236,7 +241,7 @@ static __always_inline int host_route(struct __sk_buff *skb)
 	f.family = AF_INET;
 	f.tos = ip->tos;
 	f.l4_protocol = ip->protocol;
-	f.tot_len = bpf_ntohs(ip->tot_len);
+	/* tot_len 0, as for IPv6: a GSO packet is host-routed too. */
 	f.ipv4_src = ip->saddr;
 	f.ipv4_dst = ip->daddr;
 	f.ifindex = skb->ingress_ifindex;
@@ -247,6 +252,10 @@ static __always_inline int host_route(struct __sk_buff *skb)
 	if (r)
 		return r < 0 ? TC_ACT_SHOT : TC_ACT_OK;
 	bump(&host_routed);
+	/* Through the tunnel: encapsulated here when BPF does the tunnel's work. */
+	r = ciliate_tunnel_encap4(skb, &f);
+	if (r >= 0)
+		return r;
 	return bpf_redirect_neigh(f.ifindex, 0, 0, 0);
 }
 

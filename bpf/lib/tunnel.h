@@ -30,9 +30,12 @@
 /* ciliate's VXLAN network identifier (network::tunnel::VXLAN_VNI). */
 #define CILIATE_TUNNEL_VNI 2
 
-/* The agent's tunnel device (one slot: its ifindex; 0 outside tunnel mode), written by the
- * agent once the device is up and from_netdev is on it. */
-PINNED_MAP(BPF_MAP_TYPE_ARRAY, 1, __u32, __u32, 0) tunnel_device SEC(".maps");
+/* The agent's tunnel device and the node's underlay address (struct tunnel_config; ifindex 0
+ * outside tunnel mode), written by the agent once the device is up and from_netdev is on it. */
+PINNED_MAP(BPF_MAP_TYPE_ARRAY, 1, __u32, struct tunnel_config, 0) tunnel_config SEC(".maps");
+
+/* Packets encapsulated here (one slot). */
+PINNED_COUNTER(1) tunnel_encapped SEC(".maps");
 
 /* Packets decapsulated here (one slot, like host_delivered). */
 PINNED_COUNTER(1) tunnel_decapped SEC(".maps");
@@ -88,10 +91,10 @@ __attribute__((noinline)) int ciliate_tunnel_decap4(struct __sk_buff *skb, struc
 		return 0;
 	__u32 saddr = ip->saddr, daddr = ip->daddr, inner = iip->daddr;
 	__u32 zero = 0;
-	__u32 *dev = bpf_map_lookup_elem(&tunnel_device, &zero);
-	if (!dev || !*dev)
+	struct tunnel_config *t = bpf_map_lookup_elem(&tunnel_config, &zero);
+	if (!t || !t->ifindex)
 		return 0;
-	__u32 ifindex = *dev;
+	__u32 ifindex = t->ifindex;
 	if (!node_address4(daddr) || !ciliate_tunnel_peer4(saddr))
 		return 0;
 	struct local_endpoint *le = bpf_map_lookup_elem(&local_endpoints, &inner);
@@ -118,11 +121,91 @@ __attribute__((noinline)) int ciliate_tunnel_decap4(struct __sk_buff *skb, struc
 __attribute__((noinline)) int ciliate_tunnel_decided(struct __sk_buff *skb)
 {
 	__u32 zero = 0;
-	__u32 *dev = bpf_map_lookup_elem(&tunnel_device, &zero);
-	if (!dev || !*dev || skb->ifindex != *dev)
+	struct tunnel_config *t = bpf_map_lookup_elem(&tunnel_config, &zero);
+	if (!t || !t->ifindex || skb->ifindex != t->ifindex)
 		return 0;
 	struct l7_proxy_config *c = l7_config();
 	return c && c->local_mark && skb->mark == c->local_mark;
+}
+
+/* The outer headers of a VXLAN packet over IPv4, from the outer IP header on. */
+struct tunnel_outer4 {
+	struct iphdr ip;
+	struct udphdr udp;
+	struct vxlan_header vx;
+	struct ethhdr eth;
+}; /* 50 bytes, then 2 of padding */
+
+/* Tunnel mode, send side: BPF host routing found the next hop of an allowed IPv4 pod packet on
+ * the tunnel device (*f: the peer node's address as gateway, its VTEP MAC, the device's own).
+ * The packet is encapsulated here as the kernel's vxlan device would (the same outer headers:
+ * from the node's address, UDP source port from the inner flow's hash, to CILIATE_TUNNEL_PORT,
+ * ciliate's VNI, no outer UDP checksum, DF) and sent out of the device the FIB names for the
+ * peer: no vxlan_xmit, no outer route lookup through the stack, no netfilter of the outer
+ * packet. A GSO packet stays one (its segments keep their size: the pod's MTU already leaves
+ * room for the headers). Returns the verdict; -1 when it is not the tunnel's or cannot be done
+ * before the packet changed: the caller hands it to the tunnel device as before. */
+__attribute__((noinline)) int ciliate_tunnel_encap4(struct __sk_buff *skb, const struct bpf_fib_lookup *f)
+{
+	if (!f)
+		return -1;
+	__u32 zero = 0;
+	struct tunnel_config *t = bpf_map_lookup_elem(&tunnel_config, &zero);
+	if (!t || !t->ifindex || t->ifindex != f->ifindex || !t->local4)
+		return -1;
+	__u32 local = t->local4, peer = f->ipv4_dst;
+	/* Where the outer packet goes: the FIB's answer for the peer node. */
+	struct bpf_fib_lookup o = {};
+	o.family = AF_INET;
+	o.l4_protocol = IPPROTO_UDP;
+	o.ipv4_src = local;
+	o.ipv4_dst = peer;
+	o.ifindex = skb->ingress_ifindex; /* as host_route's lookup: forwarded from the pod's veth */
+	if (bpf_fib_lookup(skb, &o, sizeof(o), 0) != BPF_FIB_LKUP_RET_SUCCESS ||
+	    o.ifindex == f->ifindex)
+		return -1;
+	struct tunnel_outer4 h = {};
+	__u32 hash = bpf_get_hash_recalc(skb);
+	__u32 len = skb->len - ETH_HLEN + TUNNEL_OUTER4_LEN;
+	h.ip.version = 4;
+	h.ip.ihl = 5;
+	h.ip.frag_off = bpf_htons(0x4000); /* DF */
+	h.ip.ttl = 64;
+	h.ip.protocol = IPPROTO_UDP;
+	h.ip.saddr = local;
+	h.ip.daddr = peer;
+	/* A GSO packet may be longer than an IP length can say (segmentation writes each
+	 * segment's): 0 then, as the stack's own. */
+	h.ip.tot_len = len <= 0xffff ? bpf_htons(len) : 0;
+	__u32 sum = 0;
+	__u16 *w = (__u16 *)&h.ip;
+#pragma unroll
+	for (int i = 0; i < 10; i++)
+		sum += w[i];
+	sum = (sum & 0xffff) + (sum >> 16);
+	sum = (sum & 0xffff) + (sum >> 16);
+	h.ip.check = ~sum;
+	/* The kernel's range for tunnel source ports (udp_flow_src_port): 32768..60999. */
+	h.udp.source = bpf_htons(32768 + (__u16)(((__u64)hash * (61000 - 32768)) >> 32));
+	h.udp.dest = bpf_htons(CILIATE_TUNNEL_PORT);
+	h.udp.len = len - sizeof(struct iphdr) <= 0xffff ? bpf_htons(len - sizeof(struct iphdr)) : 0;
+	h.vx.flags = 0x08;
+	h.vx.vni[2] = CILIATE_TUNNEL_VNI;
+	__builtin_memcpy(h.eth.h_dest, f->dmac, 6);
+	__builtin_memcpy(h.eth.h_source, f->smac, 6);
+	h.eth.h_proto = bpf_htons(ETH_P_IP);
+	__u64 flags = BPF_F_ADJ_ROOM_FIXED_GSO | BPF_F_ADJ_ROOM_ENCAP_L3_IPV4 |
+		      BPF_F_ADJ_ROOM_ENCAP_L4_UDP | BPF_F_ADJ_ROOM_ENCAP_L2_ETH |
+		      BPF_F_ADJ_ROOM_ENCAP_L2(ETH_HLEN);
+	if (bpf_skb_adjust_room(skb, TUNNEL_OUTER4_LEN, BPF_ADJ_ROOM_MAC, flags) < 0)
+		return -1;
+	/* From here on the packet has changed: a failure drops it. */
+	if (bpf_skb_store_bytes(skb, ETH_HLEN, &h, TUNNEL_OUTER4_LEN, BPF_F_INVALIDATE_HASH) < 0 ||
+	    bpf_skb_store_bytes(skb, 0, o.dmac, 6, 0) < 0 ||
+	    bpf_skb_store_bytes(skb, 6, o.smac, 6, 0) < 0)
+		return TC_ACT_SHOT;
+	bump(&tunnel_encapped);
+	return bpf_redirect(o.ifindex, 0);
 }
 
 #endif /* CILIATE_LIB_TUNNEL_H */

@@ -431,7 +431,8 @@ pod_types!(
     dns_proxy_config,
     l7_proxy_config,
     local_endpoint,
-    host_addrs4
+    host_addrs4,
+    tunnel_config
 );
 
 pub mod conntrack;

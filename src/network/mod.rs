@@ -172,7 +172,7 @@ struct NetdevProgram {
     /// links run the program there).
     /// `None` until the first pass set it.
     #[allow(clippy::option_option)]
-    decap: Option<Option<(u32, Option<u32>)>>,
+    decap: Option<Option<Decapsulation>>,
     /// This run took a left-over host firewall off (`--enable-host-firewall=false`).
     firewall_cleared: bool,
     /// Tunnel mode: the tunnel device the host firewall is on, and whether with its own
@@ -260,9 +260,13 @@ impl NetdevProgram {
         tunnel: Option<u32>,
     ) {
         let want = match (cfg.mode, tunnel, local_ip) {
-            (RoutingMode::Tunnel, Some(t), Some(ip @ std::net::IpAddr::V4(_))) => {
-                let underlay = netlink::device_with_address(ip).map(|(_, i)| i);
-                underlay.map(|u| (t, (!cfg.host_firewall).then_some(u)))
+            (RoutingMode::Tunnel, Some(t), Some(std::net::IpAddr::V4(ip))) => {
+                let underlay = netlink::device_with_address(ip.into()).map(|(_, i)| i);
+                underlay.map(|u| Decapsulation {
+                    tunnel: t,
+                    local: ip,
+                    underlay: (!cfg.host_firewall).then_some(u),
+                })
             }
             _ => None,
         };
@@ -272,7 +276,8 @@ impl NetdevProgram {
         let p = pins.to_path_buf();
         let r = actix_web::web::block(move || set_decapsulation(&p, want)).await;
         match r {
-            Ok(Ok(())) => self.decap = Some(want),
+            Ok(Ok(true)) => self.decap = Some(want),
+            Ok(Ok(false)) => {}
             Ok(Err(e)) => {
                 tracing::warn!(error = %e, "tunnel packets are decapsulated by the kernel's device")
             }
@@ -283,21 +288,34 @@ impl NetdevProgram {
     }
 }
 
-/// Makes the programs decapsulate as `want` says (see [`NetdevProgram::decapsulate`]).
+/// Tunnel mode in BPF: the tunnel device, the node's IPv4 underlay address, and the underlay
+/// device this agent's own link decapsulates on (`None`: the host firewall's links do).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Decapsulation {
+    tunnel: u32,
+    local: std::net::Ipv4Addr,
+    underlay: Option<u32>,
+}
+
+/// Makes the programs do the tunnel's work as `want` says (see
+/// [`NetdevProgram::decapsulate`]); `None`: the kernel's device does it all. `Ok(false)` when
+/// it is to be done again: no program has pinned the map yet (the host firewall's links, which
+/// run the program on the underlay device, come later in the pass).
 fn set_decapsulation(
     pins: &std::path::Path,
-    want: Option<(u32, Option<u32>)>,
-) -> Result<(), crate::datapath::DatapathError> {
+    want: Option<Decapsulation>,
+) -> Result<bool, crate::datapath::DatapathError> {
     use crate::datapath::bpf::host_delivery as hd;
-    match want {
-        Some((tunnel, Some(underlay))) => hd::attach_underlay(pins, underlay, tunnel),
-        Some((tunnel, None)) => {
-            hd::detach_underlay(pins);
-            hd::set_tunnel_device(pins, tunnel).map(|_| ())
-        }
+    let Some(d) = want else {
+        hd::detach_underlay(pins);
+        hd::set_tunnel(pins, 0, std::net::Ipv4Addr::UNSPECIFIED)?;
+        return Ok(true);
+    };
+    match d.underlay {
+        Some(underlay) => hd::attach_underlay(pins, underlay, (d.tunnel, d.local)).map(|_| true),
         None => {
             hd::detach_underlay(pins);
-            hd::set_tunnel_device(pins, 0).map(|_| ())
+            hd::set_tunnel(pins, d.tunnel, d.local)
         }
     }
 }

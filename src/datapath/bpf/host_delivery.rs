@@ -70,21 +70,27 @@ pub fn detach(pins: &Path) {
     detach_underlay(pins);
 }
 
-/// Tunnel mode, receive side in BPF (`bpf/lib/tunnel.h`): the pinned map naming the tunnel
-/// device, the count of packets decapsulated, and the link of the program on the device the
-/// tunnel's packets arrive on (the underlay device, holding the node's address).
-pub const TUNNEL_DEVICE: &str = "tunnel_device";
+/// Tunnel mode in BPF (`bpf/lib/tunnel.h`): the pinned map naming the tunnel device and the
+/// node's underlay address, the counts of packets decapsulated and encapsulated, and the link
+/// of the program on the device the tunnel's packets arrive on (the underlay device, holding
+/// the node's address).
+pub const TUNNEL_CONFIG: &str = "tunnel_config";
 pub const DECAP_COUNTER: &str = "tunnel_decapped";
+pub const ENCAP_COUNTER: &str = "tunnel_encapped";
 pub const LINK_UNDERLAY: &str = "link_netdev_underlay_ingress";
 
 /// Tunnel mode: `from_netdev` on the TCX ingress of the underlay device `ifindex`, where it
 /// decapsulates the tunnel's packets for local pods, handing what it does not deliver to the
-/// tunnel device `tunnel`. Only while no other link of this agent puts the same program there
+/// tunnel device `tunnel.0`. Only while no other link of this agent puts the same program there
 /// (the host firewall's, on every native device).
-pub fn attach_underlay(pins: &Path, ifindex: u32, tunnel: u32) -> Result<(), DatapathError> {
+pub fn attach_underlay(
+    pins: &Path,
+    ifindex: u32,
+    tunnel: (u32, Ipv4Addr),
+) -> Result<(), DatapathError> {
     let mut storage = MaybeUninit::uninit();
     let skel = load_netdev_program(&mut storage, pins, true)?;
-    set_tunnel_device(pins, tunnel)?;
+    set_tunnel(pins, tunnel.0, tunnel.1)?;
     tcx::attach(
         &skel.progs.from_netdev,
         ifindex as i32,
@@ -106,23 +112,35 @@ pub fn detach_underlay(pins: &Path) {
     tcx::detach(&pins.join(LINK_UNDERLAY));
 }
 
-/// Names the tunnel device the programs hand decapsulated packets to; 0: no decapsulation
+/// Names the tunnel device the programs hand decapsulated packets to and encapsulate for, and
+/// the node's address the outer packets leave from; ifindex 0: the kernel's device does all
 /// (native routing, or no tunnel device yet). `Ok(false)` when no program pinned the map yet.
-pub fn set_tunnel_device(pins: &Path, ifindex: u32) -> Result<bool, DatapathError> {
-    let path = pins.join(TUNNEL_DEVICE);
+pub fn set_tunnel(pins: &Path, ifindex: u32, local: Ipv4Addr) -> Result<bool, DatapathError> {
+    let path = pins.join(TUNNEL_CONFIG);
     if !path.exists() {
         return Ok(false);
     }
     let map = libbpf_rs::MapHandle::from_pinned_path(&path)
         .map_err(err(format!("open {}", path.display())))?;
-    map.update(&0u32.to_ne_bytes(), &ifindex.to_ne_bytes(), MapFlags::ANY)
-        .map_err(err(format!("name the tunnel device (ifindex {ifindex})")))?;
+    let value = types::tunnel_config {
+        ifindex,
+        local4: u32::from_ne_bytes(local.octets()),
+    };
+    map.update(&0u32.to_ne_bytes(), value.as_bytes(), MapFlags::ANY)
+        .map_err(err(format!(
+            "name the tunnel device (ifindex {ifindex}, local {local})"
+        )))?;
     Ok(true)
 }
 
 /// Packets decapsulated by the programs so far (all CPUs).
 pub fn decapsulated_packets(pins: &Path) -> Result<u64, DatapathError> {
     super::host_routes::percpu_counter(pins, DECAP_COUNTER)
+}
+
+/// Packets encapsulated by the programs so far (all CPUs).
+pub fn encapsulated_packets(pins: &Path) -> Result<u64, DatapathError> {
+    super::host_routes::percpu_counter(pins, ENCAP_COUNTER)
 }
 
 /// Packets delivered into pods so far (all CPUs).

@@ -39,6 +39,8 @@ fn abi_layout_is_pinned() {
     assert_eq!(size_of::<types::ipcache_host_key>(), 20);
     assert_eq!(offset_of!(types::ipcache_host_key, addr), 4);
     assert_eq!(size_of::<types::local_endpoint>(), 20);
+    assert_eq!(size_of::<types::tunnel_config>(), 8);
+    assert_eq!(offset_of!(types::tunnel_config, local4), 4);
     assert_eq!(offset_of!(types::local_endpoint, mac), 8);
     assert_eq!(offset_of!(types::local_endpoint, node_mac), 14);
     assert_eq!(size_of::<types::endpoint_info>(), 24);
