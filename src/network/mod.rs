@@ -167,12 +167,10 @@ struct NetdevProgram {
     firewall_logged: FirewallDevices,
     /// Set once a pass attached everything and swept what an earlier run left.
     firewall_swept: bool,
-    /// Tunnel mode: what decapsulates in BPF (`bpf/lib/tunnel.h`) as last set up: the tunnel
-    /// device, and the underlay device this run's own link is on (`None`: the host firewall's
-    /// links run the program there).
-    /// `None` until the first pass set it.
+    /// Tunnel mode's work in BPF (`bpf/lib/tunnel.h`) as last set up (`Some(None)`: the
+    /// kernel's device does it all); `None` until a pass set it.
     #[allow(clippy::option_option)]
-    decap: Option<Option<Decapsulation>>,
+    bpf_tunnel: Option<Option<BpfTunnel>>,
     /// This run took a left-over host firewall off (`--enable-host-firewall=false`).
     firewall_cleared: bool,
     /// Tunnel mode: the tunnel device the host firewall is on, and whether with its own
@@ -202,7 +200,7 @@ impl NetdevProgram {
             }
             (Some(pins), _) => {
                 let shown = self.attach(pins, cfg.mode, local_ip, tunnel).await;
-                self.decapsulate(pins, cfg, local_ip, tunnel).await;
+                self.bpf_tunnel(pins, cfg, local_ip, tunnel).await;
                 shown
             }
         };
@@ -248,11 +246,12 @@ impl NetdevProgram {
 }
 
 impl NetdevProgram {
-    /// Tunnel mode over an IPv4 underlay: the tunnel's packets for local pods are decapsulated
-    /// by `from_netdev` on the device holding the node's address (its own link, unless the host
-    /// firewall's links run the same program on every native device). Anywhere else, or when
-    /// that fails, the kernel's tunnel device decapsulates, as before.
-    async fn decapsulate(
+    /// Tunnel mode over an IPv4 underlay: pods' IPv4 packets are encapsulated by `host_route`,
+    /// and the tunnel's packets for local pods decapsulated by `from_netdev` on the device
+    /// holding the node's address (its own link, unless the host firewall's links run the same
+    /// program on every native device). Anywhere else, or when that fails, the kernel's tunnel
+    /// device does it, as before.
+    async fn bpf_tunnel(
         &mut self,
         pins: &std::path::Path,
         cfg: &RoutingConfig,
@@ -262,7 +261,7 @@ impl NetdevProgram {
         let want = match (cfg.mode, tunnel, local_ip) {
             (RoutingMode::Tunnel, Some(t), Some(std::net::IpAddr::V4(ip))) => {
                 let underlay = netlink::device_with_address(ip.into()).map(|(_, i)| i);
-                underlay.map(|u| Decapsulation {
+                underlay.map(|u| BpfTunnel {
                     tunnel: t,
                     local: ip,
                     underlay: (!cfg.host_firewall).then_some(u),
@@ -270,40 +269,39 @@ impl NetdevProgram {
             }
             _ => None,
         };
-        if self.decap == Some(want) {
+        if self.bpf_tunnel == Some(want) {
             return;
         }
         let p = pins.to_path_buf();
-        let r = actix_web::web::block(move || set_decapsulation(&p, want)).await;
-        match r {
-            Ok(Ok(true)) => self.decap = Some(want),
-            Ok(Ok(false)) => {}
-            Ok(Err(e)) => {
-                tracing::warn!(error = %e, "tunnel packets are decapsulated by the kernel's device")
+        let error = match actix_web::web::block(move || set_bpf_tunnel(&p, want)).await {
+            Ok(Ok(true)) => {
+                self.bpf_tunnel = Some(want);
+                return;
             }
-            Err(e) => {
-                tracing::warn!(error = %e, "tunnel packets are decapsulated by the kernel's device")
-            }
-        }
+            Ok(Ok(false)) => return,
+            Ok(Err(e)) => e.to_string(),
+            Err(e) => e.to_string(),
+        };
+        tracing::warn!(%error, "the tunnel's packets are encapsulated and decapsulated by the kernel's device");
     }
 }
 
 /// Tunnel mode in BPF: the tunnel device, the node's IPv4 underlay address, and the underlay
 /// device this agent's own link decapsulates on (`None`: the host firewall's links do).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Decapsulation {
+struct BpfTunnel {
     tunnel: u32,
     local: std::net::Ipv4Addr,
     underlay: Option<u32>,
 }
 
-/// Makes the programs do the tunnel's work as `want` says (see
-/// [`NetdevProgram::decapsulate`]); `None`: the kernel's device does it all. `Ok(false)` when
-/// it is to be done again: no program has pinned the map yet (the host firewall's links, which
-/// run the program on the underlay device, come later in the pass).
-fn set_decapsulation(
+/// Makes the programs do the tunnel's work as `want` says (see [`NetdevProgram::bpf_tunnel`]);
+/// `None`: the kernel's device does it all. `Ok(false)` when it is to be done again: no program
+/// has pinned the map yet (the host firewall's links, which run the program on the underlay
+/// device, come later in the pass).
+fn set_bpf_tunnel(
     pins: &std::path::Path,
-    want: Option<Decapsulation>,
+    want: Option<BpfTunnel>,
 ) -> Result<bool, crate::datapath::DatapathError> {
     use crate::datapath::bpf::host_delivery as hd;
     let Some(d) = want else {

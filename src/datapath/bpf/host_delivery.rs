@@ -43,17 +43,23 @@ fn err<E: std::fmt::Display>(operation: impl Into<String>) -> impl FnOnce(E) -> 
 /// Loads `from_netdev` on the pinned maps and makes it the program at the TCX ingress of
 /// `ifindex` (the pinned link is updated in place, or moved from another device).
 pub fn attach(pins: &Path, ifindex: u32) -> Result<(), DatapathError> {
+    attach_ingress(pins, ifindex, LINK, "")
+}
+
+/// Loads `from_netdev` and makes it the program of the pinned link `link` at the TCX ingress
+/// of `ifindex` (`what`: the device's role, for the error).
+fn attach_ingress(pins: &Path, ifindex: u32, link: &str, what: &str) -> Result<(), DatapathError> {
     let mut storage = MaybeUninit::uninit();
     let skel = load_netdev_program(&mut storage, pins, true)?;
     tcx::attach(
         &skel.progs.from_netdev,
         ifindex as i32,
         Hook::Ingress,
-        &pins.join(LINK),
+        &pins.join(link),
     )
     .map(|_| ())
     .map_err(|e| DatapathError::System {
-        operation: format!("attach the node device's program to ifindex {ifindex}"),
+        operation: format!("attach the node device's program to {what}ifindex {ifindex}"),
         message: e.to_string(),
     })
 }
@@ -88,22 +94,8 @@ pub fn attach_underlay(
     ifindex: u32,
     tunnel: (u32, Ipv4Addr),
 ) -> Result<(), DatapathError> {
-    let mut storage = MaybeUninit::uninit();
-    let skel = load_netdev_program(&mut storage, pins, true)?;
-    set_tunnel(pins, tunnel.0, tunnel.1)?;
-    tcx::attach(
-        &skel.progs.from_netdev,
-        ifindex as i32,
-        Hook::Ingress,
-        &pins.join(LINK_UNDERLAY),
-    )
-    .map(|_| ())
-    .map_err(|e| DatapathError::System {
-        operation: format!(
-            "attach the node device's program to the underlay device, ifindex {ifindex}"
-        ),
-        message: e.to_string(),
-    })
+    attach_ingress(pins, ifindex, LINK_UNDERLAY, "the underlay device, ")?;
+    set_tunnel(pins, tunnel.0, tunnel.1).map(|_| ())
 }
 
 /// Takes the program off the underlay device (its decapsulation stays wherever the host
