@@ -253,6 +253,8 @@ int from_netdev(struct __sk_buff *skb)
 		tunnel = tunnel_candidate(skb) ? ciliate_tunnel_decap4(skb, &le) : 0;
 		if (!tunnel)
 			return host_firewall(skb, 0);
+		if (tunnel == TUNNEL_NOT_A_PEER)
+			return ciliate_tunnel_reject(skb);
 		if (tunnel < 0)
 			return TC_ACT_SHOT;
 	}

@@ -70,7 +70,10 @@ enum ciliate_reason {
 	CILIATE_AUDIT_DEFAULT_DENY = 12,
 	/* Counted besides the verdict: its event did not fit in the ring buffer (lost). */
 	CILIATE_EVENTS_LOST = 13,
-	CILIATE_REASON_MAX = 14,
+	/* Tunnel mode: a packet to the tunnel's port on the node's address from a sender that is
+	 * no tunnel peer (lib/tunnel.h). */
+	CILIATE_DROP_TUNNEL_NOT_A_PEER = 14,
+	CILIATE_REASON_MAX = 15,
 };
 
 /* ipcache, part 1: host addresses (/32, /128: pods and nodes, nearly all entries) in a hash,

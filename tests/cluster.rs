@@ -830,6 +830,232 @@ fn http_rules_judge_requests_that_cross_the_tunnel() {
     );
 }
 
+/// Forged tunnel packets. The tunnel's UDP port on a node's address takes VXLAN only from the
+/// nodes it tunnels to: a host on the same link that is no node cannot speak as a pod of the
+/// cluster (the kernel's device alone would take its packet and hand the inner one, with the
+/// pod's address, to the pod). From a peer, only what is exactly the tunnel's own is
+/// decapsulated in BPF: ciliate's VNI and flags, inner TCP with a TTL left, for a local pod.
+#[test]
+fn forged_tunnel_packets_are_dropped_from_strangers_and_left_alone_unless_exactly_the_tunnels() {
+    let Some(mut c) = privileged().then(|| Cluster::start_with(2, &["--routing-mode", "tunnel"]))
+    else {
+        return;
+    };
+    let stranger_ip = Ipv4Addr::new(172, 20, 0, 77);
+    let stranger = c.add_underlay_host(stranger_ip);
+    let a = c.add_pod(1, "a", "a");
+    let b = c.add_pod(2, "b", "b");
+    for i in 1..=2 {
+        let node = c.node(i);
+        node.agent()
+            .wait_until("the tunnel routes are installed", || {
+                routed(node, i, &[1, 2], "tunnel")
+            });
+    }
+    let b_addr = IpAddr::V4(b.addr);
+    tcp_server(&b.netns, b_addr, 8080);
+    let datagrams = udp_sink(&b.netns, SocketAddr::new(b_addr, 5454));
+    eventually("a reaches b through the tunnel", || {
+        tcp_ok(&a.netns, b_addr, 8080)
+    });
+    // Frames for node 2's tunnel device: its MAC, as node 1's encapsulation writes.
+    let vtep_mac = link_mac(&c.node(2).netns, "ciliate_vxlan");
+    let to = SocketAddr::new(IpAddr::V4(node_ip(2)), 8472);
+    let node1 = c.node(1).netns.clone();
+    let send = |netns: &str, frame: Vec<u8>| {
+        in_netns(netns, move || {
+            let s = std::net::UdpSocket::bind("0.0.0.0:0").expect("bind");
+            for _ in 0..3 {
+                s.send_to(&frame, to).expect("send the forged packet");
+            }
+        })
+        .join()
+        .unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+    };
+    let udp_to_b = |text: &[u8]| {
+        let inner = ipv4_packet(a.addr, b.addr, 64, 17, &udp_datagram(40000, 5454, text));
+        vxlan_frame(0x08, 2, vtep_mac, &inner)
+    };
+    let syn_to = |dst: Ipv4Addr, ttl: u8| {
+        ipv4_packet(a.addr, dst, ttl, 6, &tcp_syn(a.addr, dst, 40001, 8080))
+    };
+
+    // A stranger speaking as a: neither its UDP nor its TCP gets in, and the drop is reported.
+    let decapsulated = tunnel_decapsulated(&mut c, 2);
+    send(&stranger, udp_to_b(b"from a stranger"));
+    send(
+        &stranger,
+        vxlan_frame(0x08, 2, vtep_mac, &syn_to(b.addr, 64)),
+    );
+    assert_eq!(
+        datagrams.try_iter().collect::<Vec<_>>(),
+        Vec::<Vec<u8>>::new(),
+        "nothing of the stranger's reached b"
+    );
+    assert_eq!(tunnel_decapsulated(&mut c, 2), decapsulated);
+    let (code, out, err) = c.node(2).agent().cli(&[
+        "monitor",
+        "-o",
+        "json",
+        "--since",
+        "5m",
+        "--count",
+        "1",
+        "--from",
+        &stranger_ip.to_string(),
+        "--port",
+        "8472",
+        "--verdict",
+        "dropped",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let drop: Value = serde_json::from_str(out.lines().next().unwrap_or("null")).expect("a flow");
+    assert_eq!(
+        (&drop["reason"], &drop["endpoint"], &drop["protocol"]),
+        (&json!("not-a-tunnel-peer"), &json!(65535), &json!("UDP")),
+        "{drop}"
+    );
+
+    // From node 1, what is not exactly the tunnel's own TCP for a local pod is left to the
+    // kernel's device: another VNI, other flags, a TTL that ends here, no local pod.
+    for (what, frame) in [
+        ("VNI 3", vxlan_frame(0x08, 3, vtep_mac, &syn_to(b.addr, 64))),
+        (
+            "no I flag",
+            vxlan_frame(0x00, 2, vtep_mac, &syn_to(b.addr, 64)),
+        ),
+        ("TTL 1", vxlan_frame(0x08, 2, vtep_mac, &syn_to(b.addr, 1))),
+        (
+            "no local pod",
+            vxlan_frame(
+                0x08,
+                2,
+                vtep_mac,
+                &syn_to(Ipv4Addr::new(10, 200, 2, 250), 64),
+            ),
+        ),
+    ] {
+        send(&node1, frame);
+        assert_eq!(
+            tunnel_decapsulated(&mut c, 2),
+            decapsulated,
+            "{what}: not decapsulated in BPF"
+        );
+    }
+    // And the same packets as they should be are taken: the peer's UDP by the kernel's
+    // device, its TCP by node 2's program (the forgeries above differ in one field each).
+    send(&node1, udp_to_b(b"from node 1"));
+    assert_eq!(
+        datagrams.recv_timeout(Duration::from_secs(2)).ok(),
+        Some(b"from node 1".to_vec()),
+        "node 1's datagram for b got through"
+    );
+    send(&node1, vxlan_frame(0x08, 2, vtep_mac, &syn_to(b.addr, 64)));
+    assert!(
+        tunnel_decapsulated(&mut c, 2) > decapsulated,
+        "node 1's SYN for b was decapsulated in BPF"
+    );
+}
+
+/// A UDP socket at `at` in `netns`; what it receives comes out of the channel.
+fn udp_sink(netns: &str, at: SocketAddr) -> std::sync::mpsc::Receiver<Vec<u8>> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let socket = in_netns(netns, move || {
+        std::net::UdpSocket::bind(at).expect("bind the sink")
+    })
+    .join()
+    .unwrap();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 2048];
+        while let Ok(n) = socket.recv(&mut buf) {
+            if tx.send(buf[..n].to_vec()).is_err() {
+                return;
+            }
+        }
+    });
+    rx
+}
+
+/// The MAC address of `dev` in `netns`.
+fn link_mac(netns: &str, dev: &str) -> [u8; 6] {
+    let shown: Value =
+        serde_json::from_str(&ip_out(&["-n", netns, "-j", "link", "show", dev])).expect("ip -j");
+    let text = shown[0]["address"].as_str().expect("a MAC");
+    let mut mac = [0u8; 6];
+    for (m, part) in mac.iter_mut().zip(text.split(':')) {
+        *m = u8::from_str_radix(part, 16).expect("hex");
+    }
+    mac
+}
+
+/// The Internet checksum of `data` (with `sum` carried in).
+fn checksum(data: &[u8], mut sum: u32) -> u16 {
+    for pair in data.chunks(2) {
+        sum += u32::from(u16::from_be_bytes([pair[0], *pair.get(1).unwrap_or(&0)]));
+    }
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
+/// A VXLAN packet's UDP payload: the header (`flags`, `vni`), then an Ethernet frame to `mac`
+/// carrying the IPv4 packet `inner`.
+fn vxlan_frame(flags: u8, vni: u8, mac: [u8; 6], inner: &[u8]) -> Vec<u8> {
+    let mut f = vec![flags, 0, 0, 0, 0, 0, vni, 0];
+    f.extend_from_slice(&mac);
+    f.extend_from_slice(&[0x02, 0, 0, 0, 0, 0x01, 0x08, 0x00]);
+    f.extend_from_slice(inner);
+    f
+}
+
+/// An IPv4 packet (no options, DF) around `l4` of `protocol`.
+fn ipv4_packet(src: Ipv4Addr, dst: Ipv4Addr, ttl: u8, protocol: u8, l4: &[u8]) -> Vec<u8> {
+    let len = (20 + l4.len()) as u16;
+    let mut h = vec![0x45, 0];
+    h.extend_from_slice(&len.to_be_bytes());
+    h.extend_from_slice(&[0, 1, 0x40, 0, ttl, protocol, 0, 0]);
+    h.extend_from_slice(&src.octets());
+    h.extend_from_slice(&dst.octets());
+    let sum = checksum(&h, 0);
+    h[10..12].copy_from_slice(&sum.to_be_bytes());
+    h.extend_from_slice(l4);
+    h
+}
+
+/// A UDP datagram (checksum 0: none, as IPv4 allows).
+fn udp_datagram(sport: u16, dport: u16, payload: &[u8]) -> Vec<u8> {
+    let mut d = Vec::new();
+    d.extend_from_slice(&sport.to_be_bytes());
+    d.extend_from_slice(&dport.to_be_bytes());
+    d.extend_from_slice(&((8 + payload.len()) as u16).to_be_bytes());
+    d.extend_from_slice(&[0, 0]);
+    d.extend_from_slice(payload);
+    d
+}
+
+/// A TCP SYN from `src`:`sport` to `dst`:`dport`, its checksum filled in.
+fn tcp_syn(src: Ipv4Addr, dst: Ipv4Addr, sport: u16, dport: u16) -> Vec<u8> {
+    let mut t = Vec::new();
+    t.extend_from_slice(&sport.to_be_bytes());
+    t.extend_from_slice(&dport.to_be_bytes());
+    t.extend_from_slice(&[
+        0, 0, 0x10, 0, 0, 0, 0, 0, 0x50, 0x02, 0xff, 0xff, 0, 0, 0, 0,
+    ]);
+    let mut pseudo = Vec::new();
+    pseudo.extend_from_slice(&src.octets());
+    pseudo.extend_from_slice(&dst.octets());
+    pseudo.extend_from_slice(&[0, 6, 0, t.len() as u8]);
+    let sum = pseudo
+        .chunks(2)
+        .map(|p| u32::from(u16::from_be_bytes([p[0], p[1]])))
+        .sum();
+    let c = checksum(&t, sum);
+    t[16..18].copy_from_slice(&c.to_be_bytes());
+    t
+}
+
 /// The memory datapath computes routes but installs none (its tests share the host's
 /// namespace), and a node that cannot be routed says why.
 #[test]

@@ -169,7 +169,8 @@ static __always_inline void emit(struct packet *p, __u32 ep, __u32 identity, int
 				 __u32 cookie)
 {
 	int is_drop = (reason >= CILIATE_DROP_POLICY_DENY && reason <= CILIATE_DROP_MALFORMED) ||
-		      reason == CILIATE_AUDIT_POLICY_DENY || reason == CILIATE_AUDIT_DEFAULT_DENY;
+		      reason == CILIATE_AUDIT_POLICY_DENY || reason == CILIATE_AUDIT_DEFAULT_DENY ||
+		      reason == CILIATE_DROP_TUNNEL_NOT_A_PEER;
 	if (!is_drop) {
 		__u32 zero = 0;
 		struct datapath_config *c = bpf_map_lookup_elem(&settings, &zero);

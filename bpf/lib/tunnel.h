@@ -18,6 +18,13 @@
  * undecided (judged there as before), or one decided for the HTTP proxy (marked so; not judged
  * twice: ciliate_tunnel_decided).
  *
+ * And what the kernel's device would have accepted from anyone is not: a packet to the tunnel's
+ * port on this node's address from a sender that is no tunnel peer is dropped here, counted and
+ * reported (CILIATE_DROP_TUNNEL_NOT_A_PEER, ciliate_tunnel_reject), whatever it carries. The
+ * kernel's device takes VXLAN from any sender, and its inner packet would meet the pods' policy
+ * under the identity of its inner source address: any host that reaches the node's UDP port
+ * could speak as any pod of the cluster. (Only where the tunnel runs in BPF: IPv4 underlay.)
+ *
  * Decapsulating a GSO packet (a GRO'd train of VXLAN segments) keeps its inner segment size
  * (BPF_F_ADJ_ROOM_FIXED_GSO); it is only ever delivered into a local pod, never forwarded
  * again, so no tunnel segmentation is asked of it.
@@ -64,10 +71,14 @@ static __always_inline int tunnel_candidate(struct __sk_buff *skb)
 	return ip->protocol == IPPROTO_UDP && udp->dest == bpf_htons(CILIATE_TUNNEL_PORT);
 }
 
+/* ciliate_tunnel_decap4's answer for a packet to the tunnel's port on this node's address from
+ * a sender that is no tunnel peer (to be dropped: CILIATE_DROP_TUNNEL_NOT_A_PEER). */
+#define TUNNEL_NOT_A_PEER -2
+
 /* Decapsulates a tunnel packet for a local pod (see above): the tunnel device's ifindex, with
  * the pod in *out; 0 when the packet is not one (left untouched); -1 when it broke on the way
- * (to be dropped). A global function: verified
- * once, and the other paths of from_netdev carry none of it. */
+ * (to be dropped); TUNNEL_NOT_A_PEER. A global function: verified once, and the other paths of
+ * from_netdev carry none of it. */
 __attribute__((noinline)) int ciliate_tunnel_decap4(struct __sk_buff *skb, struct local_endpoint *out)
 {
 	if (!out || skb->pkt_type != 0 /* PACKET_HOST */)
@@ -77,26 +88,33 @@ __attribute__((noinline)) int ciliate_tunnel_decap4(struct __sk_buff *skb, struc
 	struct ethhdr *eth = data;
 	struct iphdr *ip = (void *)(eth + 1);
 	struct udphdr *udp = (void *)(ip + 1);
-	struct vxlan_header *vx = (void *)(udp + 1);
-	struct ethhdr *ieth = (void *)(vx + 1);
-	struct iphdr *iip = (void *)(ieth + 1);
-	if ((void *)(iip + 1) > end)
+	if ((void *)(udp + 1) > end)
 		return 0;
 	if (eth->h_proto != bpf_htons(ETH_P_IP) || ip->ihl != 5 || ip->protocol != IPPROTO_UDP ||
 	    (ip->frag_off & bpf_htons(0x3fff)) || udp->dest != bpf_htons(CILIATE_TUNNEL_PORT))
+		return 0;
+	__u32 saddr = ip->saddr, daddr = ip->daddr;
+	__u32 zero = 0;
+	struct tunnel_config *t = bpf_map_lookup_elem(&tunnel_config, &zero);
+	if (!t || !t->ifindex || !node_address4(daddr))
+		return 0;
+	__u32 ifindex = t->ifindex;
+	/* The tunnel's port on this node's address from a node it does not tunnel to: whatever
+	 * it carries would enter the pods under the inner source's identity. */
+	if (!ciliate_tunnel_peer4(saddr))
+		return TUNNEL_NOT_A_PEER;
+	data = (void *)(long)skb->data;
+	end = (void *)(long)skb->data_end;
+	struct vxlan_header *vx = data + ETH_HLEN + sizeof(struct iphdr) + sizeof(struct udphdr);
+	struct ethhdr *ieth = (void *)(vx + 1);
+	struct iphdr *iip = (void *)(ieth + 1);
+	if ((void *)(iip + 1) > end)
 		return 0;
 	if (vx->flags != 0x08 || vx->vni[0] || vx->vni[1] || vx->vni[2] != CILIATE_TUNNEL_VNI)
 		return 0;
 	if (ieth->h_proto != bpf_htons(ETH_P_IP) || iip->protocol != IPPROTO_TCP || iip->ttl <= 1)
 		return 0;
-	__u32 saddr = ip->saddr, daddr = ip->daddr, inner = iip->daddr;
-	__u32 zero = 0;
-	struct tunnel_config *t = bpf_map_lookup_elem(&tunnel_config, &zero);
-	if (!t || !t->ifindex)
-		return 0;
-	__u32 ifindex = t->ifindex;
-	if (!node_address4(daddr) || !ciliate_tunnel_peer4(saddr))
-		return 0;
+	__u32 inner = iip->daddr;
 	struct local_endpoint *le = bpf_map_lookup_elem(&local_endpoints, &inner);
 	if (!le || !le->endpoint_id || !le->ifindex)
 		return 0;
@@ -113,6 +131,19 @@ __attribute__((noinline)) int ciliate_tunnel_decap4(struct __sk_buff *skb, struc
 		return -1;
 	bump(&tunnel_decapped);
 	return ifindex;
+}
+
+/* Drops a packet ciliate_tunnel_decap4 found to be from no tunnel peer: counted, and reported
+ * as the node's (the host endpoint's) ingress drop of the outer packet, its sender's identity
+ * from the ipcache. A global function, as ciliate_tunnel_decap4. */
+__attribute__((noinline)) int ciliate_tunnel_reject(struct __sk_buff *skb)
+{
+	struct packet p = {};
+	count(CILIATE_DROP_TUNNEL_NOT_A_PEER);
+	if (skb && parse(skb, &p) == 0)
+		emit(&p, CILIATE_HOST_ENDPOINT_ID, peer_identity(&p, 0), 0,
+		     CILIATE_DROP_TUNNEL_NOT_A_PEER, 0);
+	return TC_ACT_SHOT;
 }
 
 /* A packet decapsulated and decided at the underlay device that it handed to the tunnel device

@@ -342,7 +342,7 @@ pub const EP_DNS_PROXY: u32 = 0x20;
 pub const LENS_ALL_PROTOCOLS: u32 = 1 << 17;
 
 /// Verdict reasons (`enum ciliate_reason` in `bpf/ciliate.h`), by counter index.
-pub const REASONS: [&str; 14] = [
+pub const REASONS: [&str; 15] = [
     "allow-policy",
     "allow-not-isolated",
     "allow-established",
@@ -357,6 +357,7 @@ pub const REASONS: [&str; 14] = [
     "audit-policy-deny",
     "audit-default-deny",
     "events-lost",
+    "drop-not-a-tunnel-peer",
 ];
 
 /// The verdict counter of events the ring buffer had no room for.

@@ -148,6 +148,7 @@ pub fn drop_reason(ev: &VerdictEvent) -> pb::DropReason {
         "not-realized" => pb::DropReason::NoConfigurationAvailableToPerformPolicyDecision,
         "malformed" => pb::DropReason::InvalidPacketDropped,
         "not-ip" => pb::DropReason::UnsupportedL3Protocol,
+        "not-a-tunnel-peer" => pb::DropReason::InvalidSourceIp,
         _ => pb::DropReason::Unknown,
     }
 }
@@ -705,6 +706,9 @@ pub(super) mod tests {
         let f = to_flow(&ev, "n", &Known);
         assert_eq!(f.event_type.unwrap().r#type, EVENT_DROP);
         assert_eq!(f.drop_reason_desc, 165);
+        // A tunnel packet from a sender that is no tunnel peer: Cilium's "invalid source ip".
+        ev.reason = "not-a-tunnel-peer".into();
+        assert_eq!(to_flow(&ev, "n", &Known).drop_reason_desc, 132);
     }
 
     #[test]

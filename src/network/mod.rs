@@ -489,7 +489,7 @@ fn sync_tunnel_peers(cfg: &RoutingConfig, outcome: &netlink::Outcome) {
         RoutingMode::Native => Default::default(),
     };
     if let Err(e) = crate::datapath::bpf::host_firewall::sync_tunnel_peers(pins, &peers) {
-        tracing::warn!(error = %e, "the tunnel peers not updated: tunnel packets of nodes that are no remote-node meet the host policy, and a new peer's are decapsulated by the kernel's device");
+        tracing::warn!(error = %e, "the tunnel peers not updated: tunnel packets of nodes that are no remote-node meet the host policy, and a new peer's are dropped at this node's device");
     }
 }
 

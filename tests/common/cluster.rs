@@ -506,6 +506,14 @@ impl Cluster {
         (outside, OUTSIDE_IP)
     }
 
+    /// A host on the cluster's bridge that is no node (`cu-<tag>`, address `addr`): on the
+    /// nodes' link, in no Node object.
+    pub fn add_underlay_host(&mut self, addr: Ipv4Addr) -> String {
+        let netns = format!("cu-{}", self.tag);
+        self.attach(&netns, "vun", addr);
+        netns
+    }
+
     /// After `add_outside`, in a dual-stack cluster: IPv6 for the router (`ROUTER_IP6` on the
     /// nodes' link, 2001:db8:100::1 toward the outside), the outside host (`OUTSIDE_IP6`,
     /// returned) and every node's IPv6 default route through the router.

@@ -74,6 +74,11 @@ pub fn attached_ifindex(pins: &Path) -> Option<u32> {
 pub fn detach(pins: &Path) {
     tcx::detach(&pins.join(LINK));
     detach_underlay(pins);
+    // An earlier run's tunnel device is not this run's to decapsulate for (the host firewall's
+    // links run the same program on the underlay device).
+    if let Err(e) = set_tunnel(pins, 0, Ipv4Addr::UNSPECIFIED) {
+        tracing::warn!(error = %e, "an earlier run's BPF tunnel state stays");
+    }
 }
 
 /// Tunnel mode in BPF (`bpf/lib/tunnel.h`): the pinned map naming the tunnel device and the
