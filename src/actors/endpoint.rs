@@ -29,7 +29,7 @@ use crate::endpoint::state::EndpointRecord;
 use crate::introspect::{
     current_change, ChangeId, ChangeScope, Journal, Traced, TracedAddr, TracedRecipient,
 };
-use crate::policy::attribution::{isolation_cookie, MatchKind};
+use crate::policy::attribution::{isolation_cookie, isolation_cookie_value, MatchKind};
 use crate::policy::engine::{EndpointView, NamedPort, PolicyEngine};
 use crate::policy::identity::NumericIdentity;
 use crate::policy::labels::Labels;
@@ -380,8 +380,8 @@ impl EndpointActor {
         for note in policy.tiers.iter().flat_map(|t| &t.notes) {
             tracing::warn!(endpoint = self.record.id, %note, "cluster tiers: denied beyond the policies (fail closed)");
         }
-        let (ingress_cookie, ingress_by) = isolation_cookie(&policy.ingress.isolated_by);
-        let (egress_cookie, egress_by) = isolation_cookie(&policy.egress.isolated_by);
+        let ingress_cookie = isolation_cookie_value(&policy.ingress.isolated_by);
+        let egress_cookie = isolation_cookie_value(&policy.egress.isolated_by);
         let (ingress_default_deny, egress_default_deny, audit) = self.shared.enforcement.apply(
             !policy.ingress.isolated_by.is_empty(),
             !policy.egress.isolated_by.is_empty(),
@@ -424,8 +424,19 @@ impl EndpointActor {
                 jar.register(*cookie, *kind, refs.to_vec(), revision);
             }
         }
-        jar.register(ingress_cookie, MatchKind::DefaultDeny, ingress_by, revision);
-        jar.register(egress_cookie, MatchKind::DefaultDeny, egress_by, revision);
+        for (cookie, by) in [
+            (ingress_cookie, &policy.ingress.isolated_by),
+            (egress_cookie, &policy.egress.isolated_by),
+        ] {
+            if !jar.knows(cookie) {
+                jar.register(
+                    cookie,
+                    MatchKind::DefaultDeny,
+                    isolation_cookie(by).1,
+                    revision,
+                );
+            }
+        }
         let name = self.name();
         if !self.attached {
             let att = self.attachment(identity);

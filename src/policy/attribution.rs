@@ -260,19 +260,40 @@ pub fn entry_cookie(origins: &[Arc<RuleOrigin>], kind: MatchKind) -> (Cookie, Ve
 /// The cookie of a default deny by the policies that isolate an endpoint in one direction;
 /// 0 when none does (nothing to attribute: the direction is not enforced).
 pub fn isolation_cookie(isolated_by: &[Arc<PolicyKey>]) -> (Cookie, Vec<PolicyRef>) {
-    if isolated_by.is_empty() {
-        return (0, vec![]);
+    let keys = isolating_keys(isolated_by);
+    let policies = keys.iter().map(|p| PolicyRef::of_policy(p, None)).collect();
+    (isolation_cookie_of(&keys), policies)
+}
+
+/// [`isolation_cookie`]'s cookie alone, without naming the policies: what an endpoint's
+/// regeneration computes every time (an endpoint under a thousand cluster-wide policies named
+/// them all, a thousand allocations, on every regeneration), naming them only for a cookie
+/// the jar does not know yet.
+pub fn isolation_cookie_value(isolated_by: &[Arc<PolicyKey>]) -> Cookie {
+    isolation_cookie_of(&isolating_keys(isolated_by))
+}
+
+/// The distinct policies, in order (the engine lists them so already: then no sort).
+fn isolating_keys(isolated_by: &[Arc<PolicyKey>]) -> Vec<&PolicyKey> {
+    let mut keys: Vec<&PolicyKey> = isolated_by.iter().map(|p| p.as_ref()).collect();
+    if !keys.windows(2).all(|w| w[0] < w[1]) {
+        keys.sort_unstable();
+        keys.dedup();
     }
-    let keys: BTreeSet<&PolicyKey> = isolated_by.iter().map(|p| p.as_ref()).collect();
+    keys
+}
+
+fn isolation_cookie_of(keys: &[&PolicyKey]) -> Cookie {
+    if keys.is_empty() {
+        return 0;
+    }
     let mut h = 0x811c_9dc5u32;
     fnv1a32(&mut h, MatchKind::DefaultDeny.as_str().as_bytes());
-    let mut policies = Vec::with_capacity(keys.len());
     for p in keys {
         policy_words(&mut h, p);
         fnv1a32(&mut h, b"\n");
-        policies.push(PolicyRef::of_policy(p, None));
     }
-    (finish(h), policies)
+    finish(h)
 }
 
 /// Every cookie the agent has written, resolvable by the event reader. Entries are never
@@ -509,7 +530,13 @@ mod tests {
         ));
         assert_eq!(isolation_cookie(&[]).0, 0);
         let (c, refs) = isolation_cookie(&[p.clone(), q.clone()]);
-        assert_eq!(c, isolation_cookie(&[q, p]).0);
+        assert_eq!(c, isolation_cookie(&[q.clone(), p.clone()]).0);
+        assert_eq!(
+            c,
+            isolation_cookie_value(&[q.clone(), p.clone(), q.clone()])
+        );
+        assert_eq!(c, isolation_cookie_value(&[p, q]));
+        assert_eq!(isolation_cookie_value(&[]), 0);
         let jar = CookieJar::default();
         jar.register(c, MatchKind::DefaultDeny, refs.clone(), 7);
         jar.register(c, MatchKind::DefaultDeny, vec![], 9);
