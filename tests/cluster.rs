@@ -394,6 +394,13 @@ fn ipv6_only_across_nodes(args: &[&str], via6: impl Fn(usize) -> String) {
         assert!(status["ipam"].is_null(), "no IPv4 pool: {status}");
         assert_eq!(status["ipam_ipv6"]["pod_cidr"], pod_cidr6(i), "{status}");
         assert_eq!(status["masquerade"], "disabled", "no IPv4 table: {status}");
+        // Who encapsulates: the kernel's device over an IPv6 underlay; nobody in native mode.
+        let tunnel = status["tunnel"].as_str().unwrap_or("absent");
+        if args.contains(&"ipv6") {
+            assert_eq!(tunnel, "kernel (IPv6 underlay)", "{status}");
+        } else if !args.contains(&"tunnel") {
+            assert_eq!(tunnel, "absent", "{status}");
+        }
         let list = node.node_list();
         let other = row(&list, &format!("node-{j}"));
         let ips = other["ips"].as_array().cloned().unwrap_or_default();
@@ -710,6 +717,12 @@ fn tunnel_mode_carries_pod_traffic_across_nodes_over_vxlan() {
     // straight to the vxlan device, node 2's program on that device delivers into b.
     for i in 0..3 {
         assert_eq!(host_routing_state(&c.nodes[i]), "bpf (ciliate_vxlan)");
+        let status = c.nodes[i].agent().cli_json(&["status"]);
+        assert_eq!(
+            status["tunnel"],
+            format!("bpf ({})", node_ip(i + 1)),
+            "the tunnel runs in BPF: {status}"
+        );
     }
     assert!(
         host_routed(&mut c, 1) > 0,

@@ -95,6 +95,10 @@ pub struct StatusModel {
     /// BPF host routing: `bpf (<device>)`, `bpf, send side only: <why>`, `legacy` or `none`.
     #[serde(default)]
     pub host_routing: String,
+    /// Tunnel mode: `bpf (<node address>)`, `kernel (<why>)` or `kernel: <error>`; absent in
+    /// native routing.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub tunnel: String,
     /// Start-up phases and the seconds each took (`/debug/startup`).
     #[serde(default)]
     pub bootstrap_seconds: std::collections::BTreeMap<String, f64>,
@@ -456,6 +460,7 @@ async fn status(st: web::Data<AppState>) -> HttpResponse {
         masquerade: routing.masquerade,
         masquerade_ipv6: routing.masquerade_ipv6,
         host_routing: routing.host_routing,
+        tunnel: routing.tunnel,
         bootstrap_seconds: st.shared.bootstrap.phases().into_iter().collect(),
         services: Some(st.shared.services.counts()),
         remote_pods: st

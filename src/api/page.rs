@@ -90,7 +90,7 @@ async function refresh(){
   const net = await get("/debug/nodes").catch(() => ({mode: "?", routes_installed: 0, nodes: []}));
   const startup = await get("/debug/startup").catch(() => []);
   document.getElementById("startup").textContent = startup.map(p => `${p.scope} ${(p.seconds * 1000).toFixed(1)} ms`).join(" · ");
-  document.getElementById("routing").textContent = `routing ${net.mode} · ${net.routes_installed} routes installed · masquerade ${net.masquerade || "?"}${net.masquerade_ipv6 ? " · IPv6 masquerade " + net.masquerade_ipv6 : ""} · host routing ${net.host_routing || "?"} · host firewall ${net.host_firewall_device || "off"}`;
+  document.getElementById("routing").textContent = `routing ${net.mode} · ${net.routes_installed} routes installed · masquerade ${net.masquerade || "?"}${net.masquerade_ipv6 ? " · IPv6 masquerade " + net.masquerade_ipv6 : ""} · host routing ${net.host_routing || "?"}${net.tunnel ? " · tunnel " + net.tunnel : ""} · host firewall ${net.host_firewall_device || "off"}`;
   fill("nodes", net.nodes.map(n => `<tr><td>${esc(n.name)}</td><td>${n.local ? "yes" : ""}</td><td>${esc(n.ips.join(", "))}</td><td>${esc(n.pod_cidrs.join(", "))}</td><td class="${n.route.startsWith('error')?'err':'ok'}">${esc(n.route)}</td></tr>`));
   const lb = await get("/debug/services").catch(() => ({counts: {}, frontends: []}));
   const [c, svcs] = [lb.counts, lb.frontends];

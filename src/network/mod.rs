@@ -132,6 +132,10 @@ pub async fn run_route_reconciler(
         let masq6 = if cfg.ipv6 { masq6 } else { String::new() };
         if let Ok(mut v) = view.lock() {
             v.host_routing = host_routing;
+            v.tunnel = match cfg.mode {
+                RoutingMode::Tunnel => netdev.tunnel_shown.clone(),
+                RoutingMode::Native => String::new(),
+            };
             v.host_firewall_device = host_firewall;
             v.routes_installed = outcome.values().filter(|o| o.is_ok()).count();
             v.nodes = rows;
@@ -171,6 +175,9 @@ struct NetdevProgram {
     /// kernel's device does it all); `None` until a pass set it.
     #[allow(clippy::option_option)]
     bpf_tunnel: Option<Option<BpfTunnel>>,
+    /// Who does tunnel mode's encapsulation, as `status` shows it (`tunnel`; `none` with the
+    /// in-memory datapath).
+    tunnel_shown: String,
     /// This run took a left-over host firewall off (`--enable-host-firewall=false`).
     firewall_cleared: bool,
     /// Tunnel mode: the tunnel device the host firewall is on, and whether with its own
@@ -186,7 +193,10 @@ impl NetdevProgram {
         tunnel: Option<u32>,
     ) -> String {
         let shown = match (&cfg.bpf_host_routing, &cfg.bpf_pins) {
-            (None, None) => "none".to_string(),
+            (None, None) => {
+                self.tunnel_shown = "none".into();
+                "none".to_string()
+            }
             (None, Some(pins)) => {
                 if !self.cleared {
                     let pins = pins.clone();
@@ -196,6 +206,7 @@ impl NetdevProgram {
                     .await;
                     self.cleared = true;
                 }
+                self.tunnel_shown = "kernel (legacy host routing)".into();
                 "legacy".to_string()
             }
             (Some(pins), _) => {
@@ -258,17 +269,7 @@ impl NetdevProgram {
         local_ip: Option<std::net::IpAddr>,
         tunnel: Option<u32>,
     ) {
-        let want = match (cfg.mode, tunnel, local_ip) {
-            (RoutingMode::Tunnel, Some(t), Some(std::net::IpAddr::V4(ip))) => {
-                let underlay = netlink::device_with_address(ip.into()).map(|(_, i)| i);
-                underlay.map(|u| BpfTunnel {
-                    tunnel: t,
-                    local: ip,
-                    underlay: (!cfg.host_firewall).then_some(u),
-                })
-            }
-            _ => None,
-        };
+        let (want, why_not) = bpf_tunnel_wanted(cfg, local_ip, tunnel);
         if self.bpf_tunnel == Some(want) {
             return;
         }
@@ -276,13 +277,45 @@ impl NetdevProgram {
         let error = match actix_web::web::block(move || set_bpf_tunnel(&p, want)).await {
             Ok(Ok(true)) => {
                 self.bpf_tunnel = Some(want);
+                self.tunnel_shown = match want {
+                    Some(d) => format!("bpf ({})", d.local),
+                    None => format!("kernel ({why_not})"),
+                };
                 return;
             }
             Ok(Ok(false)) => return,
             Ok(Err(e)) => e.to_string(),
             Err(e) => e.to_string(),
         };
+        self.tunnel_shown = format!("kernel: {error}");
         tracing::warn!(%error, "the tunnel's packets are encapsulated and decapsulated by the kernel's device");
+    }
+}
+
+/// What [`NetdevProgram::bpf_tunnel`] sets up, or why the kernel's device does it all.
+fn bpf_tunnel_wanted(
+    cfg: &RoutingConfig,
+    local_ip: Option<std::net::IpAddr>,
+    tunnel: Option<u32>,
+) -> (Option<BpfTunnel>, &'static str) {
+    match (cfg.mode, tunnel, local_ip) {
+        (RoutingMode::Native, _, _) => (None, "native routing"),
+        (_, None, _) => (None, "no tunnel device yet"),
+        (_, _, None) => (None, "this node has no InternalIP yet"),
+        (_, _, Some(std::net::IpAddr::V6(_))) => (None, "IPv6 underlay"),
+        (_, Some(t), Some(std::net::IpAddr::V4(ip))) => {
+            match netlink::device_with_address(ip.into()) {
+                Some((_, u)) => (
+                    Some(BpfTunnel {
+                        tunnel: t,
+                        local: ip,
+                        underlay: (!cfg.host_firewall).then_some(u),
+                    }),
+                    "",
+                ),
+                None => (None, "no device holds the node's address"),
+            }
+        }
     }
 }
 

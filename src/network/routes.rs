@@ -439,6 +439,11 @@ pub struct RoutingView {
     /// (`--enable-host-legacy-routing`): the host stack forwards; `none`
     /// (in-memory datapath).
     pub host_routing: String,
+    /// Tunnel mode: who encapsulates and decapsulates, `bpf (<node address>)` (the programs,
+    /// IPv4 over an IPv4 underlay; IPv6 pods still through the kernel's device), `kernel
+    /// (<why>)`, `kernel: <error>` or `none` (in-memory datapath); empty in native routing.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub tunnel: String,
     /// The host firewall's devices, comma-separated (`eth0,eth1`), `off`, or what is wrong.
     pub host_firewall_device: String,
     pub nodes: Vec<NodeRow>,
