@@ -1352,6 +1352,7 @@ flow.Verdict REDIRECTED 5
 flow.Verdict TRACED 6
 flow.Verdict TRANSLATED 7
 flow.DropReason DROP_REASON_UNKNOWN 0
+flow.DropReason INVALID_SOURCE_IP 132
 flow.DropReason POLICY_DENIED 133
 flow.DropReason INVALID_PACKET_DROPPED 134
 flow.DropReason UNSUPPORTED_L3_PROTOCOL 139
