@@ -271,6 +271,10 @@ impl NetdevProgram {
     ) {
         let (want, why_not) = bpf_tunnel_wanted(cfg, local_ip, tunnel);
         if self.bpf_tunnel == Some(want) {
+            if want.is_none() {
+                // The kernel's device still, perhaps for another reason now.
+                self.tunnel_shown = format!("kernel ({why_not})");
+            }
             return;
         }
         let p = pins.to_path_buf();
