@@ -762,7 +762,8 @@ fn tunnel_mode_carries_pod_traffic_across_nodes_over_vxlan() {
         tunnel_decapsulated(&mut c, 2) > decapsulated,
         "node 2 decapsulated a's TCP packets in BPF"
     );
-    let decapsulated = tunnel_decapsulated(&mut c, 2);
+    // Once the TCP connections above have finished closing (their last ACKs cross too).
+    let decapsulated = settled(|| tunnel_decapsulated(&mut c, 2));
     assert!(udp_ok(&a.netns, b_addr, 5353) && icmp_ok(&a.netns, b.addr));
     assert_eq!(
         tunnel_decapsulated(&mut c, 2),
@@ -895,7 +896,8 @@ fn forged_tunnel_packets_are_dropped_from_strangers_and_left_alone_unless_exactl
     };
 
     // A stranger speaking as a: neither its UDP nor its TCP gets in, and the drop is reported.
-    let decapsulated = tunnel_decapsulated(&mut c, 2);
+    // (Once the connection of the check above has finished closing.)
+    let decapsulated = settled(|| tunnel_decapsulated(&mut c, 2));
     send(&stranger, udp_to_b(b"from a stranger"));
     send(
         &stranger,
@@ -1541,6 +1543,20 @@ fn tunnel_encapsulated(c: &mut Cluster, i: usize) -> u64 {
     let pins = c.node(i).bpffs.join("ciliate");
     ciliate::datapath::bpf::host_delivery::encapsulated_packets(&pins)
         .expect("read tunnel_encapped")
+}
+
+/// A counter's value once it has not moved for 300 ms (at most 5 s).
+fn settled(mut read: impl FnMut() -> u64) -> u64 {
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let mut last = read();
+    loop {
+        std::thread::sleep(Duration::from_millis(300));
+        let now = read();
+        if now == last || std::time::Instant::now() > deadline {
+            return now;
+        }
+        last = now;
+    }
 }
 
 /// Tunnel packets node `i`'s programs decapsulated (`bpf/lib/tunnel.h`).
