@@ -143,13 +143,7 @@ fn host_policies_judge_traffic_to_and_from_the_node_in_enforcing_and_audit_mode(
 
     // The drops are the host endpoint's, attributed to the host policy.
     // The drops are the host endpoint's, attributed to the host policy (`monitor --to host`).
-    let flow = |args: &[&str]| -> Value {
-        let mut all = vec!["monitor", "-o", "json", "--since", "5m", "--count", "1"];
-        all.extend_from_slice(args);
-        let (code, out, err) = c.nodes[0].agent().cli(&all);
-        assert_eq!(code, 0, "{err}");
-        serde_json::from_str(out.lines().next().unwrap_or("null")).expect("a flow")
-    };
+    let flow = |args: &[&str]| -> Value { c.nodes[0].agent().last_flow(args) };
     let d = flow(&["--to", "host", "--port", "2222", "--verdict", "dropped"]);
     assert_eq!(d["endpoint"], 65535, "{d}");
     assert_eq!(d["direction"], "ingress", "{d}");
@@ -441,23 +435,10 @@ fn a_second_native_device_is_guarded_and_its_address_is_the_nodes() {
             && !tcp_ok(&a.netns, second, 10250)
     };
     eventually("the host policy judges the second device", enforced);
-    let (code, out, err) = c.nodes[0].agent().cli(&[
-        "monitor",
-        "-o",
-        "json",
-        "--since",
-        "5m",
-        "--count",
-        "1",
-        "--to",
-        "host",
-        "--port",
-        "2222",
-        "--verdict",
-        "dropped",
-    ]);
-    assert_eq!(code, 0, "{err}");
-    let d: Value = serde_json::from_str(out.lines().next().unwrap_or("null")).expect("a flow");
+    let d =
+        c.nodes[0]
+            .agent()
+            .last_flow(&["--to", "host", "--port", "2222", "--verdict", "dropped"]);
     assert_eq!(d["endpoint"], 65535, "{d}");
 
     // kill -9: the second device's pinned links keep enforcing.

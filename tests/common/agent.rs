@@ -153,6 +153,16 @@ impl Agent {
     }
 
     /// Runs a CLI client command against this agent.
+    /// The newest flow of the last five minutes that `filters` (`ciliate monitor` flags)
+    /// select, as JSON (`null` when none).
+    pub fn last_flow(&self, filters: &[&str]) -> Value {
+        let mut args = vec!["monitor", "-o", "json", "--since", "5m", "--count", "1"];
+        args.extend_from_slice(filters);
+        let (code, out, err) = self.cli(&args);
+        assert_eq!(code, 0, "{err}");
+        serde_json::from_str(out.lines().next().unwrap_or("null")).expect("a flow")
+    }
+
     pub fn cli(&self, args: &[&str]) -> (i32, String, String) {
         let out = Command::new(BIN)
             .args(args)
