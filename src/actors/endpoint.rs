@@ -34,6 +34,7 @@ use crate::policy::engine::{EndpointView, NamedPort, PolicyEngine};
 use crate::policy::identity::NumericIdentity;
 use crate::policy::labels::Labels;
 use crate::policy::mapstate::MapState;
+use crate::proxy::http::state::APPLY_WAIT;
 use crate::runtime::Shared;
 
 /// An endpoint as the API shows it (`/debug/endpoints`, `ciliate endpoint get`).
@@ -206,12 +207,13 @@ impl EndpointActor {
     /// Writes the state directory when something worth restoring changed.
     /// The endpoint's part of the HTTP proxy's table, from its whole map state (`map` holds
     /// only `peers`' entries after an incremental resolution: merged into what is realized).
+    /// Returns the table's generation when it changed (the proxy is waited for).
     fn update_http_table(
         &self,
         map: &MapState,
         peers: Option<&BTreeSet<NumericIdentity>>,
         audit: bool,
-    ) {
+    ) -> Option<u64> {
         let id = self.record.id as u64;
         let merged;
         let whole = match peers {
@@ -222,7 +224,7 @@ impl EndpointActor {
                 merged = m;
                 &merged
             }
-            Some(_) => return,
+            Some(_) => return None,
         };
         let table = crate::proxy::http::table::endpoint_table(
             id,
@@ -231,7 +233,7 @@ impl EndpointActor {
             audit,
             whole,
         );
-        self.shared.http.set_table(id, Some(table));
+        self.shared.http.set_table(id, Some(table))
     }
 
     /// What the staged policies selecting this endpoint would make of its new connections
@@ -411,7 +413,7 @@ impl EndpointActor {
         );
         // Likewise the HTTP proxy learns the endpoint's L7 rules before connections they cover
         // reach it (until then it holds them briefly, then denies: fail closed).
-        self.update_http_table(&policy.map, peers.as_ref(), audit);
+        let http = self.update_http_table(&policy.map, peers.as_ref(), audit);
         let delta = match (&peers, replace) {
             (_, true) => policy.map.diff_from_shared(&MapState::new(), &diffs),
             (Some(p), false) => policy.map.diff_peers_from(&self.realized, p),
@@ -452,21 +454,31 @@ impl EndpointActor {
             revision,
         };
         let change = self.change;
-        let fut =
-            self.loader
-                .send(sync, name.clone())
-                .into_actor(self)
-                .map(move |res, act, ctx| {
-                    let _change = ChangeScope::enter(change);
-                    let res: Result<SyncStats, DatapathError> = match res {
-                        Ok(r) => r,
-                        Err(e) => Err(DatapathError::System {
-                            operation: "send to LoaderActor".into(),
-                            message: e.to_string(),
-                        }),
-                    };
-                    act.finish(ctx, revision, (policy.map, peers), flags, res, started);
-                });
+        let synced = self.loader.send(sync, name.clone());
+        // Realized means enforced: by the proxy too when its rules for the endpoint changed
+        // (as Cilium's regeneration waits for Envoy's ACK).
+        let proxy = http.map(|g| self.shared.http.applied(g, APPLY_WAIT));
+        let (id, pod) = (self.record.id, self.record.name.clone());
+        let fut = async move {
+            let res = synced.await;
+            if let Some(applied) = proxy {
+                if !applied.await {
+                    tracing::warn!(endpoint = id, %pod, "the HTTP proxy did not confirm the endpoint's new rules in time; reported realized anyway");
+                }
+            }
+            res
+        };
+        let fut = fut.into_actor(self).map(move |res, act, ctx| {
+            let _change = ChangeScope::enter(change);
+            let res: Result<SyncStats, DatapathError> = match res {
+                Ok(r) => r,
+                Err(e) => Err(DatapathError::System {
+                    operation: "send to LoaderActor".into(),
+                    message: e.to_string(),
+                }),
+            };
+            act.finish(ctx, revision, (policy.map, peers), flags, res, started);
+        });
         ctx.wait(fut);
     }
 

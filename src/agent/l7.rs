@@ -92,6 +92,7 @@ pub async fn run_link(shared: Shared, cfg: LinkConfig) {
             match UnixStream::connect(socket_path(&cfg.state_dir)).await {
                 Ok(s) => {
                     let why = serve(&shared, s).await;
+                    shared.http.proxy_disconnected();
                     shared.http.update_proxy(|v| {
                         v.connected = false;
                         v.error = Some(why.clone());
@@ -118,7 +119,8 @@ async fn serve(shared: &Shared, s: UnixStream) -> String {
     loop {
         if send {
             send = false;
-            let Ok(mut line) = serde_json::to_string(&ToProxy::Table(shared.http.table())) else {
+            let Ok(mut line) = serde_json::to_string(&ToProxy::Table(shared.http.table_to_send()))
+            else {
                 return "the table could not be written".into();
             };
             line.push('\n');
@@ -155,8 +157,10 @@ fn handle(shared: &Shared, sink: &FlowSink, m: FromProxy) {
             pid,
             egress_port,
             ingress_port,
+            acks_tables,
         } => {
             tracing::info!(pid, egress_port, ingress_port, "HTTP proxy connected");
+            shared.http.proxy_connected(acks_tables);
             shared.http.update_proxy(|v| {
                 v.connected = true;
                 v.pid = Some(pid);
@@ -165,7 +169,9 @@ fn handle(shared: &Shared, sink: &FlowSink, m: FromProxy) {
                 v.error = None;
             });
         }
+        FromProxy::Applied { generation } => shared.http.proxy_applied(generation),
         FromProxy::Stats(s) => {
+            shared.http.proxy_applied(s.table_generation);
             shared
                 .metrics
                 .l7_records_dropped

@@ -94,6 +94,14 @@ pub struct EndpointTable {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ProxyTable {
     pub endpoints: Vec<EndpointTable>,
+    /// The agent's count of table changes this table includes: the proxy answers
+    /// `FromProxy::Applied` with it once it judges by the table (0: not counted).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub generation: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// Agent -> proxy.
@@ -134,6 +142,13 @@ pub enum FromProxy {
         pid: u32,
         egress_port: u16,
         ingress_port: u16,
+        /// It answers every table with `Applied` (older proxies do not: not waited for).
+        #[serde(default)]
+        acks_tables: bool,
+    },
+    /// The table of that generation is the one requests are judged by now.
+    Applied {
+        generation: u64,
     },
     Record(Box<L7Record>),
     /// Every second: what the proxy holds.
@@ -152,6 +167,9 @@ pub struct ProxyStats {
     /// Records of requests the agent never got (it was not reading, or too slow), since start.
     #[serde(default)]
     pub records_dropped: u64,
+    /// The generation of the table it judges by (repeats a lost `Applied`).
+    #[serde(default)]
+    pub table_generation: u64,
 }
 
 /// One grant for a request, ready to judge by (`policy::l7::http::judge`).
@@ -410,6 +428,7 @@ mod tests {
                 ],
                 rule_sets: vec![get],
             }],
+            generation: 0,
         }
     }
 

@@ -157,6 +157,8 @@ struct Proxy {
     /// The agent connection's writer: JSON lines, each message ending in a newline.
     records: Mutex<Option<mpsc::Sender<String>>>,
     records_dropped: AtomicU64,
+    /// The agent's generation of the table judged by (0 until this connection's first).
+    applied: AtomicU64,
     /// Records of the last few milliseconds, for the next batch (`flush_records`).
     pending: Mutex<Vec<L7Record>>,
     pending_ready: tokio::sync::Notify,
@@ -260,7 +262,16 @@ impl Proxy {
         let idx = Index::new(table, &mut lock(&self.cache));
         *self.index.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(idx);
         self.generation.send_modify(|g| *g += 1);
+        self.applied.store(table.generation, Ordering::Relaxed);
         keep_table(&self.state_dir, table);
+    }
+
+    /// Takes the agent's table and says so: from now on requests are judged by it.
+    fn apply_table(&self, table: &ProxyTable) {
+        self.set_table(table);
+        self.send_now(&FromProxy::Applied {
+            generation: table.generation,
+        });
     }
 
     /// The serving thread for the next client connection (round robin).
@@ -276,6 +287,7 @@ impl Proxy {
             parked: self.parked_now.load(Ordering::Relaxed),
             upstream_idle: self.shards.iter().map(|s| lock(&s.pool).len() as u64).sum(),
             records_dropped: self.records_dropped.load(Ordering::Relaxed),
+            table_generation: self.applied.load(Ordering::Relaxed),
         };
         self.send_now(&FromProxy::Stats(stats));
     }
@@ -590,6 +602,7 @@ async fn serve(
         state_dir: opts.state_dir.clone(),
         records: Mutex::new(None),
         records_dropped: AtomicU64::new(0),
+        applied: AtomicU64::new(0),
         pending: Mutex::new(Vec::new()),
         pending_ready: tokio::sync::Notify::new(),
         batches,
@@ -651,6 +664,7 @@ async fn serve(
         pid: std::process::id(),
         egress_port: listeners.egress_port,
         ingress_port: listeners.ingress_port,
+        acks_tables: true,
     };
     let mut accept_tasks = Vec::new();
     for (egress, list) in [(true, listeners.egress), (false, listeners.ingress)] {
@@ -1478,6 +1492,8 @@ async fn serve_agent(proxy: Arc<Proxy>, s: UnixStream, hello: FromProxy) {
     let (rd, mut wr) = s.into_split();
     let (tx, mut rx) = mpsc::channel::<String>(RECORD_BATCHES);
     *lock(&proxy.records) = Some(tx);
+    // Generations are this connection's agent's: none applied yet.
+    proxy.applied.store(0, Ordering::Relaxed);
     proxy.send_now(&hello);
     let writer = tokio::spawn(async move {
         while let Some(lines) = rx.recv().await {
@@ -1489,7 +1505,7 @@ async fn serve_agent(proxy: Arc<Proxy>, s: UnixStream, hello: FromProxy) {
     let mut lines = BufReader::new(rd).lines();
     while let Ok(Some(line)) = lines.next_line().await {
         match serde_json::from_str::<ToProxy>(&line) {
-            Ok(ToProxy::Table(t)) => proxy.set_table(&t),
+            Ok(ToProxy::Table(t)) => proxy.apply_table(&t),
             Err(e) => {
                 tracing::warn!(error = %e, "HTTP proxy: a line from the agent was not understood")
             }
