@@ -204,7 +204,6 @@ impl EndpointActor {
         }
     }
 
-    /// Writes the state directory when something worth restoring changed.
     /// The endpoint's part of the HTTP proxy's table, from its whole map state (`map` holds
     /// only `peers`' entries after an incremental resolution: merged into what is realized).
     /// Returns the table's generation when it changed (the proxy is waited for).
@@ -216,15 +215,18 @@ impl EndpointActor {
     ) -> Option<u64> {
         let id = self.record.id as u64;
         let merged;
+        let l7 = self.shared.http.has(id) || map.any_redirect();
         let whole = match peers {
+            // Neither before nor now: nothing for the proxy (no connection of the endpoint
+            // reaches it), and no table built and compared on every regeneration.
+            _ if !l7 => return None,
             None => map,
-            Some(p) if self.shared.http.has(id) || map.any_redirect() => {
+            Some(p) => {
                 let mut m = self.realized.clone();
                 m.replace_peers(p, map.clone());
                 merged = m;
                 &merged
             }
-            Some(_) => return None,
         };
         let table = crate::proxy::http::table::endpoint_table(
             id,
@@ -251,6 +253,7 @@ impl EndpointActor {
         }
     }
 
+    /// Writes the state directory when something worth restoring changed.
     fn persist(&mut self) {
         // Only what a restore needs is written: it changes with the identity, not with every
         // regeneration (the recorded policy revision is informational).
