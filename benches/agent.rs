@@ -402,6 +402,12 @@ async fn changes_of_ccnps(core: &Core, shared: &Shared) {
         let rev = upsert(core, &y).await;
         d1000.push(implementation_of(shared, rev).await);
     }
+    // CILIATE_BENCH_SAMPLES=1: every change's delay in order (ms), to tell a warming-up from
+    // a tail (the p99 of 30 is their maximum).
+    if std::env::var_os("CILIATE_BENCH_SAMPLES").is_some() {
+        let ms: Vec<f64> = d1000.iter().map(|x| (x * 1e4).round() / 10.0).collect();
+        eprintln!("change selecting all 1000 endpoints, each change's delay (ms): {ms:?}");
+    }
     println!(
         "change selecting all 1000 endpoints: implementation delay p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms ({} changes)",
         pct(d1000.clone(), 0.5) * 1e3,

@@ -262,7 +262,7 @@ pub fn entry_cookie(origins: &[Arc<RuleOrigin>], kind: MatchKind) -> (Cookie, Ve
 pub fn isolation_cookie(isolated_by: &[Arc<PolicyKey>]) -> (Cookie, Vec<PolicyRef>) {
     let keys = isolating_keys(isolated_by);
     let policies = keys.iter().map(|p| PolicyRef::of_policy(p, None)).collect();
-    (isolation_cookie_of(&keys), policies)
+    (isolation_cookie_of(keys.into_iter()), policies)
 }
 
 /// [`isolation_cookie`]'s cookie alone, without naming the policies: what an endpoint's
@@ -270,7 +270,11 @@ pub fn isolation_cookie(isolated_by: &[Arc<PolicyKey>]) -> (Cookie, Vec<PolicyRe
 /// them all, a thousand allocations, on every regeneration), naming them only for a cookie
 /// the jar does not know yet.
 pub fn isolation_cookie_value(isolated_by: &[Arc<PolicyKey>]) -> Cookie {
-    isolation_cookie_of(&isolating_keys(isolated_by))
+    // The engine lists them in order, each once: then no copy of the list either.
+    if isolated_by.windows(2).all(|w| w[0] < w[1]) {
+        return isolation_cookie_of(isolated_by.iter().map(|p| p.as_ref()));
+    }
+    isolation_cookie_of(isolating_keys(isolated_by).into_iter())
 }
 
 /// The distinct policies, in order (the engine lists them so already: then no sort).
@@ -283,17 +287,28 @@ fn isolating_keys(isolated_by: &[Arc<PolicyKey>]) -> Vec<&PolicyKey> {
     keys
 }
 
-fn isolation_cookie_of(keys: &[&PolicyKey]) -> Cookie {
-    if keys.is_empty() {
+/// Hashed eight bytes at a time (Fx, unkeyed: the same cookie in every run), not byte by byte
+/// as FNV: an endpoint isolated by a thousand cluster-wide policies hashes all their names on
+/// every regeneration (3.6 % of the CPU of a change selecting 1,000 endpoints, FNV).
+fn isolation_cookie_of<'a>(keys: impl Iterator<Item = &'a PolicyKey>) -> Cookie {
+    use std::hash::Hasher;
+    let mut h = rustc_hash::FxHasher::default();
+    h.write(MatchKind::DefaultDeny.as_str().as_bytes());
+    let mut any = false;
+    for p in keys {
+        any = true;
+        h.write(p.kind.as_str().as_bytes());
+        h.write_u8(0);
+        h.write(p.namespace.as_deref().unwrap_or("").as_bytes());
+        h.write_u8(0);
+        h.write(p.name.as_bytes());
+        h.write_u8(b'\n');
+    }
+    if !any {
         return 0;
     }
-    let mut h = 0x811c_9dc5u32;
-    fnv1a32(&mut h, MatchKind::DefaultDeny.as_str().as_bytes());
-    for p in keys {
-        policy_words(&mut h, p);
-        fnv1a32(&mut h, b"\n");
-    }
-    finish(h)
+    let x = h.finish();
+    finish((x ^ (x >> 32)) as u32)
 }
 
 /// Every cookie the agent has written, resolvable by the event reader. Entries are never
