@@ -133,10 +133,12 @@ impl Contributors {
     }
 }
 
-/// Engine keys realized in one endpoint's map, with the datapath entries they expand to.
+/// Engine keys realized in one endpoint's map, with the datapath entries they expand to. An
+/// engine key's own contribution is found in the first entry it expands to (each entry keeps
+/// its contributors): no second table, whose lookups were as many cache misses again (a table
+/// per endpoint, a thousand endpoints: the loader's one thread missed twice per key).
 #[derive(Debug, Clone, Default)]
 pub struct EntryTable {
-    engine_keys: HashMap<MapKey, Contribution>,
     /// Unordered (a hash map: most of a regeneration's lookups are here); the dumps sort.
     entries: HashMap<PolicyEntryKey, Contributors>,
 }
@@ -178,16 +180,36 @@ impl EntryTable {
             .filter_map(|(k, c)| c.value().map(|(d, cookie, r)| (*k, d, cookie, r)))
     }
 
-    fn contribute(&mut self, key: &MapKey, value: Contribution, add: bool) {
-        for e in expand_key(key) {
-            let c = self.entries.entry(e).or_default();
-            if add {
-                c.0.push((*key, value.0, value.1, value.2));
-            } else if let Some(i) = c.0.iter().position(|x| x.0 == *key) {
+    /// What `key` contributes now (`None`: absent); `first`: the first entry it expands to.
+    fn contribution(&self, first: Option<&PolicyEntryKey>, key: &MapKey) -> Option<Contribution> {
+        let c = self.entries.get(first?)?;
+        c.0.iter().find(|x| x.0 == *key).map(|x| (x.1, x.2, x.3))
+    }
+
+    /// `key` contributes `value` to each entry it expands to (`expanded`), replacing what it
+    /// contributed before.
+    fn set(&mut self, key: &MapKey, expanded: &[PolicyEntryKey], value: Contribution) {
+        let mine = (*key, value.0, value.1, value.2);
+        for e in expanded {
+            let c = self.entries.entry(*e).or_default();
+            match c.0.iter_mut().find(|x| x.0 == *key) {
+                Some(x) => *x = mine,
+                None => c.0.push(mine),
+            }
+        }
+    }
+
+    /// `key` contributes nothing any more to the entries it expands to (`expanded`).
+    fn withdraw(&mut self, key: &MapKey, expanded: &[PolicyEntryKey]) {
+        for e in expanded {
+            let Some(c) = self.entries.get_mut(e) else {
+                continue;
+            };
+            if let Some(i) = c.0.iter().position(|x| x.0 == *key) {
                 c.0.swap_remove(i);
             }
             if c.0.is_empty() {
-                self.entries.remove(&e);
+                self.entries.remove(e);
             }
         }
     }
@@ -214,39 +236,32 @@ impl EntryTable {
     /// [`apply`](Self::apply), each change with the entry's deny flag before it (`None`:
     /// absent).
     pub fn apply_tracked(&mut self, delta: &MapDelta) -> Vec<(EntryChange, Option<bool>)> {
+        let deletes: Vec<SmallVec<[PolicyEntryKey; 2]>> =
+            delta.deletes.iter().map(expand_key).collect();
+        let upserts: Vec<SmallVec<[PolicyEntryKey; 2]>> =
+            delta.upserts.iter().map(|(k, _)| expand_key(k)).collect();
         // Each touched entry's value before the change, in key order (a sorted vector: the
-        // delta's keys come sorted, and most expand to one entry).
+        // delta's keys come sorted, and most expand to one entry). These lookups are the
+        // table's cache misses; what follows finds the same entries in the cache.
         let mut before: Vec<(PolicyEntryKey, Option<Contribution>)> =
             Vec::with_capacity(delta.upserts.len() + delta.deletes.len());
-        for k in delta
-            .upserts
-            .iter()
-            .map(|(k, _)| k)
-            .chain(delta.deletes.iter())
-        {
-            for e in expand_key(k) {
-                before.push((e, self.entries.get(&e).and_then(Contributors::value)));
-            }
+        for e in upserts.iter().chain(&deletes).flatten() {
+            before.push((*e, self.entries.get(e).and_then(Contributors::value)));
         }
         before.sort_unstable_by_key(|(e, _)| *e);
         before.dedup_by_key(|(e, _)| *e);
-        for k in &delta.deletes {
-            if let Some(old) = self.engine_keys.remove(k) {
-                self.contribute(k, old, false);
-            }
+        for (k, expanded) in delta.deletes.iter().zip(&deletes) {
+            self.withdraw(k, expanded);
         }
-        for (k, deny) in &delta.upserts {
+        for ((k, deny), expanded) in delta.upserts.iter().zip(&upserts) {
             let value = (
                 *deny,
                 delta.cookies.get(k).copied().unwrap_or(0),
                 delta.redirects.contains(k),
             );
-            match self.engine_keys.insert(*k, value) {
-                Some(old) if old == value => continue,
-                Some(old) => self.contribute(k, old, false),
-                None => {}
+            if self.contribution(expanded.first(), k) != Some(value) {
+                self.set(k, expanded, value);
             }
-            self.contribute(k, value, true);
         }
         let mut out = Vec::new();
         for (e, was) in before {
@@ -265,7 +280,6 @@ impl EntryTable {
 
     /// Forgets everything (the kernel map was cleared).
     pub fn clear(&mut self) {
-        self.engine_keys.clear();
         self.entries.clear();
     }
 
