@@ -933,6 +933,10 @@ fn a_dns_flow_tracked_before_the_dns_rules_is_judged_by_them_after() {
         s.agent
             .wait_until("the edit is applied", || s.agent.revision() > rev);
         s.agent.wait_realized(s.agent.revision());
+        // Realized includes the DNS proxy: it decides by the agent's newest rules already.
+        let sync = &s.agent.json("/debug/dns")["rules_sync"];
+        assert_eq!(sync["answering"], true, "{sync}");
+        assert_eq!(sync["applied"], sync["generation"], "{sync}");
     };
     apply(plain.clone());
     let from = 40_053;

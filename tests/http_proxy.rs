@@ -261,6 +261,11 @@ fn egress_and_ingress_http_rules_both_judge_a_request_and_name_their_rules() {
     s.agent
         .wait_until("the edit applies", || s.agent.revision() > rev);
     s.agent.wait_realized(s.agent.revision());
+    // Realized includes the proxy: it judges by the agent's newest table already (it answered
+    // the table's generation before the endpoint reported the revision realized).
+    let sync = &s.agent.json("/debug/http")["rules_sync"];
+    assert_eq!(sync["answering"], true, "{sync}");
+    assert_eq!(sync["applied"], sync["generation"], "{sync}");
     // The same connection: the edit applies to its next request.
     c.send_raw(b"POST /public HTTP/1.1\r\nHost: echo\r\nContent-Length: 3\r\n\r\nabc")
         .unwrap();

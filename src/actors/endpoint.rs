@@ -34,7 +34,7 @@ use crate::policy::engine::{EndpointView, NamedPort, PolicyEngine};
 use crate::policy::identity::NumericIdentity;
 use crate::policy::labels::Labels;
 use crate::policy::mapstate::MapState;
-use crate::proxy::http::state::APPLY_WAIT;
+use crate::proxy::applied::APPLY_WAIT;
 use crate::runtime::Shared;
 
 /// An endpoint as the API shows it (`/debug/endpoints`, `ciliate endpoint get`).
@@ -403,7 +403,7 @@ impl EndpointActor {
         };
         // The proxy learns the rules before the datapath sends it this endpoint's DNS (until
         // then it refuses the endpoint's queries: fail closed).
-        self.shared.dns.set_rules(
+        let dns = self.shared.dns.set_rules(
             self.record.id as u64,
             policy
                 .dns_redirected()
@@ -458,15 +458,23 @@ impl EndpointActor {
         };
         let change = self.change;
         let synced = self.loader.send(sync, name.clone());
-        // Realized means enforced: by the proxy too when its rules for the endpoint changed
-        // (as Cilium's regeneration waits for Envoy's ACK).
-        let proxy = http.map(|g| self.shared.http.applied(g, APPLY_WAIT));
+        // Realized means enforced: by the proxies too when their rules for the endpoint
+        // changed (as Cilium's regeneration waits for Envoy's ACK; `proxy::applied`).
+        let proxies = [
+            (
+                "HTTP",
+                http.map(|g| self.shared.http.sync.wait(g, APPLY_WAIT)),
+            ),
+            ("DNS", dns.map(|g| self.shared.dns.sync.wait(g, APPLY_WAIT))),
+        ];
         let (id, pod) = (self.record.id, self.record.name.clone());
         let fut = async move {
             let res = synced.await;
-            if let Some(applied) = proxy {
-                if !applied.await {
-                    tracing::warn!(endpoint = id, %pod, "the HTTP proxy did not confirm the endpoint's new rules in time; reported realized anyway");
+            for (proxy, applied) in proxies {
+                if let Some(applied) = applied {
+                    if !applied.await {
+                        tracing::warn!(endpoint = id, %pod, proxy, "the proxy did not confirm the endpoint's new rules in time; reported realized anyway");
+                    }
                 }
             }
             res

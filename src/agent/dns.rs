@@ -103,6 +103,7 @@ pub async fn run_link(shared: Shared, repo: TracedAddr<PolicyRepoActor>, cfg: Li
             match UnixStream::connect(socket_path(&cfg.state_dir)).await {
                 Ok(s) => {
                     let why = serve(&shared, &repo, s).await;
+                    shared.dns.sync.disconnected();
                     shared.dns.update_proxy(|v| {
                         v.connected = false;
                         v.error = Some(why.clone());
@@ -122,7 +123,7 @@ pub async fn run_link(shared: Shared, repo: TracedAddr<PolicyRepoActor>, cfg: Li
 async fn serve(shared: &Shared, repo: &TracedAddr<PolicyRepoActor>, s: UnixStream) -> String {
     let (rd, mut wr) = s.into_split();
     let (tx, mut rx) = mpsc::unbounded_channel::<ToProxy>();
-    let mut rules_changed = shared.dns.rules_changed.subscribe();
+    let mut rules_changed = shared.dns.sync.changed.subscribe();
     rules_changed.borrow_and_update();
     let _ = tx.send(ToProxy::Rules(shared.dns.rules()));
     let mut lines = BufReader::new(rd).lines();
@@ -169,8 +170,10 @@ fn handle(
             pid,
             udp_port,
             tcp_port,
+            acks_rules,
         } => {
             tracing::info!(pid, udp_port, tcp_port, "DNS proxy connected");
+            shared.dns.sync.connected(acks_rules);
             shared.dns.update_proxy(|v| {
                 v.connected = true;
                 v.pid = Some(pid);
@@ -179,6 +182,7 @@ fn handle(
                 v.error = None;
             });
         }
+        FromProxy::Applied { generation } => shared.dns.sync.applied(generation),
         FromProxy::Learn(l) => learn(&shared.dns, repo, tx, l),
         FromProxy::Verdict(v) => verdict(shared, v),
     }

@@ -92,7 +92,7 @@ pub async fn run_link(shared: Shared, cfg: LinkConfig) {
             match UnixStream::connect(socket_path(&cfg.state_dir)).await {
                 Ok(s) => {
                     let why = serve(&shared, s).await;
-                    shared.http.proxy_disconnected();
+                    shared.http.sync.disconnected();
                     shared.http.update_proxy(|v| {
                         v.connected = false;
                         v.error = Some(why.clone());
@@ -111,7 +111,7 @@ pub async fn run_link(shared: Shared, cfg: LinkConfig) {
 /// One connection to the proxy; returns why it ended.
 async fn serve(shared: &Shared, s: UnixStream) -> String {
     let (rd, mut wr) = s.into_split();
-    let mut changed = shared.http.changed.subscribe();
+    let mut changed = shared.http.sync.changed.subscribe();
     changed.borrow_and_update();
     let sink = shared.flow_sink();
     let mut lines = BufReader::new(rd).lines();
@@ -160,7 +160,7 @@ fn handle(shared: &Shared, sink: &FlowSink, m: FromProxy) {
             acks_tables,
         } => {
             tracing::info!(pid, egress_port, ingress_port, "HTTP proxy connected");
-            shared.http.proxy_connected(acks_tables);
+            shared.http.sync.connected(acks_tables);
             shared.http.update_proxy(|v| {
                 v.connected = true;
                 v.pid = Some(pid);
@@ -169,9 +169,9 @@ fn handle(shared: &Shared, sink: &FlowSink, m: FromProxy) {
                 v.error = None;
             });
         }
-        FromProxy::Applied { generation } => shared.http.proxy_applied(generation),
+        FromProxy::Applied { generation } => shared.http.sync.applied(generation),
         FromProxy::Stats(s) => {
-            shared.http.proxy_applied(s.table_generation);
+            shared.http.sync.applied(s.table_generation);
             shared
                 .metrics
                 .l7_records_dropped

@@ -555,6 +555,7 @@ async fn debug_dns(st: web::Data<AppState>) -> HttpResponse {
     HttpResponse::Ok().json(serde_json::json!({
         "proxy": st.shared.dns.proxy_view(),
         "endpoints_with_dns_rules": st.shared.dns.rules().endpoints.len(),
+        "rules_sync": st.shared.dns.sync.view(),
         "cache": fqdn_rows(&st),
     }))
 }
@@ -570,6 +571,7 @@ async fn debug_http(st: web::Data<AppState>) -> HttpResponse {
     HttpResponse::Ok().json(serde_json::json!({
         "proxy": st.shared.http.proxy(),
         "endpoints_with_l7_rules": st.shared.http.endpoints(),
+        "rules_sync": st.shared.http.sync.view(),
         "flows": recent,
     }))
 }

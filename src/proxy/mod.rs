@@ -7,6 +7,7 @@
 //! and forwards what is allowed as the pod. The peer's identity comes from the pinned ipcache,
 //! as the datapath sees it. Each proxy is a process of its own that outlives agent restarts.
 
+pub mod applied;
 pub mod dns;
 pub mod http;
 

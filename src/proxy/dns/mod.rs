@@ -55,6 +55,14 @@ pub struct EndpointRules {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ProxyRules {
     pub endpoints: Vec<EndpointRules>,
+    /// The agent's count of rule changes this table includes: the proxy answers
+    /// `FromProxy::Applied` with it once it decides by the table (0: not counted).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub generation: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// Agent -> proxy.
@@ -115,6 +123,13 @@ pub enum FromProxy {
         pid: u32,
         udp_port: u16,
         tcp_port: u16,
+        /// It answers every rules table with `Applied` (older proxies do not: not waited for).
+        #[serde(default)]
+        acks_rules: bool,
+    },
+    /// The rules table of that generation is the one queries are decided by now.
+    Applied {
+        generation: u64,
     },
     Learn(Learned),
     Verdict(DnsVerdict),
@@ -213,6 +228,7 @@ mod tests {
                     policy: "CiliumNetworkPolicy x/dns[0]".into(),
                 }],
             }],
+            generation: 0,
         });
         let forward = idx.decide(ip, 300, 17, 53, "API.example.com.");
         assert!(
@@ -256,6 +272,7 @@ mod tests {
                     policy: "CiliumNetworkPolicy x/dns[0]".into(),
                 }],
             }],
+            generation: 0,
         });
         let decide = |first: &[u8]| {
             let q = wire::question(&raw_query(&[first, b"example", b"com"])).unwrap();

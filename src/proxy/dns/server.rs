@@ -672,7 +672,10 @@ async fn serve_agent(proxy: Arc<Proxy>, s: UnixStream, hello: FromProxy) {
         match serde_json::from_str::<ToProxy>(&line) {
             Ok(ToProxy::Rules(r)) => {
                 keep_rules(&proxy.state_dir, &r);
+                let generation = r.generation;
                 *proxy.rules.write().unwrap_or_else(|p| p.into_inner()) = RuleIndex::new(r);
+                // From now on queries are decided by these rules: the agent may say realized.
+                proxy.to_agent(&FromProxy::Applied { generation });
             }
             Ok(ToProxy::Ack { seq, expires_at }) => {
                 let w = proxy
@@ -789,6 +792,7 @@ pub fn run(opts: ProxyOptions) -> Result<(), ProxyError> {
             pid: std::process::id(),
             udp_port: l.udp_port,
             tcp_port: l.tcp_port,
+            acks_rules: true,
         };
         let p = proxy.clone();
         tokio::spawn(async move {

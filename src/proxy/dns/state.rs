@@ -42,7 +42,9 @@ pub struct DnsState {
     pub limits: crate::policy::fqdn_bounds::CacheLimits,
     rules: Mutex<BTreeMap<u64, EndpointRules>>,
     /// Bumped on every change of `rules` (the link sends the table again).
-    pub rules_changed: tokio::sync::watch::Sender<u64>,
+    /// The rules' generation (the link sends the table again on every change) and what the
+    /// proxy said it applied.
+    pub sync: crate::proxy::applied::TableSync,
     /// Addresses of the connections conntrack kept in its last complete pass; `None` while the
     /// datapath tracks no connections (addresses then expire on their TTL alone).
     live_peers: Mutex<Option<LivePeers>>,
@@ -73,7 +75,7 @@ impl DnsState {
             min_ttl,
             limits: Default::default(),
             rules: Mutex::new(BTreeMap::new()),
-            rules_changed: tokio::sync::watch::channel(0).0,
+            sync: Default::default(),
             live_peers: Mutex::new(None),
             proxy: Mutex::new(ProxyView::default()),
             saver: Mutex::new(None),
@@ -118,22 +120,22 @@ impl DnsState {
     }
 
     /// Sets (`Some`) or removes (`None`) one endpoint's DNS rules; tells the link on a change.
-    pub fn set_rules(&self, id: u64, rules: Option<EndpointRules>) {
+    /// Returns the generation that includes the change (`None`: nothing changed).
+    pub fn set_rules(&self, id: u64, rules: Option<EndpointRules>) -> Option<u64> {
         let mut all = lock(&self.rules);
         let changed = match rules {
             Some(r) => all.insert(id, r.clone()).as_ref() != Some(&r),
             None => all.remove(&id).is_some(),
         };
-        drop(all);
-        if changed {
-            self.rules_changed.send_modify(|n| *n += 1);
-        }
+        changed.then(|| self.sync.bump())
     }
 
-    /// The table the proxy gets.
+    /// The table the proxy gets, with the generation it includes.
     pub fn rules(&self) -> ProxyRules {
+        let all = lock(&self.rules);
         ProxyRules {
-            endpoints: lock(&self.rules).values().cloned().collect(),
+            endpoints: all.values().cloned().collect(),
+            generation: self.sync.generation(),
         }
     }
 
@@ -218,7 +220,7 @@ mod tests {
     #[test]
     fn rules_changes_are_signalled_once_and_the_cache_survives_a_save() {
         let s = DnsState::default();
-        let mut rx = s.rules_changed.subscribe();
+        let mut rx = s.sync.changed.subscribe();
         let r = EndpointRules {
             id: 3,
             pod: "x/a".into(),
