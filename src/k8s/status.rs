@@ -145,8 +145,18 @@ fn now_rfc3339() -> String {
 #[derive(Debug, Default)]
 pub struct StatusBook {
     entries: HashMap<PolicyKey, Entry>,
+    /// The per-node policies whose `awaiting` is set: what a `Realized` event looks at (every
+    /// revision realized, a hundred a second under pod churn, walked every policy: 4.6 % of
+    /// the agent's CPU during the k8s bench's churn at 2,000 CNPs).
+    awaiting: rustc_hash::FxHashSet<PolicyKey>,
     /// The initial sync has been realized; earlier `Realized` events are not about endpoints.
     synced: bool,
+}
+
+/// A policy whose status tells this node's enforcement (Cilium's kinds; cluster tiers' status
+/// has no per-node enforcement to update).
+fn per_node(k: &PolicyKey) -> bool {
+    k.kind.family() == Some(Family::Cilium)
 }
 
 impl StatusBook {
@@ -171,7 +181,7 @@ impl StatusBook {
                     .enumerate()
                     .map(|(i, n)| (format!("ciliate.io/note-{i}"), n))
                     .collect();
-                let e = self.entry(key);
+                let e = self.entry(key.clone());
                 e.node = PolicyNodeStatus {
                     ok: true,
                     error: None,
@@ -183,6 +193,9 @@ impl StatusBook {
                 e.awaiting = Some(revision);
                 set_valid(e, ConditionStatus::True, "Accepted", "");
                 e.dirty = true;
+                if per_node(&key) {
+                    self.awaiting.insert(key);
+                }
             }
             PolicyStatusEvent::Rejected {
                 key,
@@ -199,6 +212,8 @@ impl StatusBook {
                 e.node.enforcing = previous_enforced && e.node.enforcing;
                 if !previous_enforced {
                     e.awaiting = None;
+                    self.awaiting.remove(&key);
+                    let e = self.entry(key);
                     e.node.local_policy_revision = 0;
                     // Nothing of it is in force: it shares no priority any more.
                     let old = e.place.take();
@@ -212,6 +227,7 @@ impl StatusBook {
                 e.dirty = true;
             }
             PolicyStatusEvent::Deleted { key } => {
+                self.awaiting.remove(&key);
                 let old = self.entries.remove(&key).and_then(|e| e.place);
                 self.touch_places([old, None]);
             }
@@ -225,9 +241,11 @@ impl StatusBook {
                 } else if !self.synced {
                     return;
                 }
-                // Cluster tiers' status has no per-node enforcement to update.
-                let per_node = |k: &PolicyKey| k.kind.family() == Some(Family::Cilium);
-                for (_, e) in self.entries.iter_mut().filter(|(k, _)| per_node(k)) {
+                let entries = &mut self.entries;
+                self.awaiting.retain(|k| {
+                    let Some(e) = entries.get_mut(k) else {
+                        return false;
+                    };
                     let hit = match e.awaiting {
                         Some(r) if initial => r <= revision,
                         Some(r) => r == revision,
@@ -244,7 +262,8 @@ impl StatusBook {
                         }
                         e.dirty = true;
                     }
-                }
+                    !hit
+                });
             }
         }
     }
@@ -535,6 +554,44 @@ mod tests {
         assert_eq!(node_status(&mut book, "b")["localPolicyRevision"], 8);
         book.apply(realized(7, false));
         assert_eq!(node_status(&mut book, "a")["enforcing"], true);
+    }
+
+    #[test]
+    fn a_realized_revision_looks_only_at_the_policies_awaiting_one() {
+        let mut book = StatusBook::default();
+        book.apply(realized(1, true));
+        book.apply(accepted("a", 3));
+        book.apply(accepted("b", 4));
+        book.apply(accepted("c", 5));
+        assert_eq!(book.awaiting.len(), 3);
+        book.apply(realized(4, false));
+        assert_eq!(book.awaiting.len(), 2, "b is enforced: no longer looked at");
+        assert_eq!(node_status(&mut book, "b")["enforcing"], true);
+        book.apply(PolicyStatusEvent::Deleted { key: cnp("a") });
+        book.apply(PolicyStatusEvent::Rejected {
+            key: cnp("c"),
+            error: "bad".into(),
+            previous_enforced: false,
+        });
+        assert!(book.awaiting.is_empty(), "deleted and rejected await nothing");
+        // A rejected edit of an enforced policy keeps what it awaited.
+        book.apply(accepted("d", 6));
+        book.apply(PolicyStatusEvent::Rejected {
+            key: cnp("d"),
+            error: "bad".into(),
+            previous_enforced: true,
+        });
+        assert_eq!(book.awaiting.len(), 1);
+        book.apply(realized(6, false));
+        assert!(book.awaiting.is_empty());
+        // Cluster tiers have no per-node enforcement: never awaited.
+        book.apply(PolicyStatusEvent::Accepted {
+            key: PolicyKey::new(PolicyKind::ClusterNetworkPolicy, None, "t"),
+            revision: 7,
+            notes: vec![],
+            place: None,
+        });
+        assert!(book.awaiting.is_empty());
     }
 
     #[test]
