@@ -573,7 +573,10 @@ mod tests {
             error: "bad".into(),
             previous_enforced: false,
         });
-        assert!(book.awaiting.is_empty(), "deleted and rejected await nothing");
+        assert!(
+            book.awaiting.is_empty(),
+            "deleted and rejected await nothing"
+        );
         // A rejected edit of an enforced policy keeps what it awaited.
         book.apply(accepted("d", 6));
         book.apply(PolicyStatusEvent::Rejected {
