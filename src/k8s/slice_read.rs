@@ -8,8 +8,9 @@
 //!
 //! (The spec used to be kept as a `serde_json::Value` and typed afterwards: at 150,000 pods a
 //! fifth of an agent's sync went to building and walking those trees. `RawValue` is no way
-//! out: kube's watch events are adjacently tagged, so serde buffers them, and a buffered
-//! value cannot be borrowed as raw text.)
+//! out: kube's watch events are adjacently tagged, so serde buffers an event whose `object`
+//! comes before its `type` (no API server writes them so, but nothing promises it), and a
+//! buffered value cannot be borrowed as raw text.)
 
 use std::collections::BTreeMap;
 use std::fmt;
