@@ -9,6 +9,7 @@
 //! meant for a proxy that is not there, and a new connection starts with the whole table),
 //! and at most [`APPLY_WAIT`].
 
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::time::Duration;
 
@@ -62,6 +63,25 @@ impl TableSync {
         *self.changed.borrow()
     }
 
+    /// Sets (`Some`) or removes (`None`) one endpoint's part of the table this sync counts the
+    /// changes of (the caller holds the table's lock): the new generation if that changed it.
+    pub fn set<V: PartialEq>(
+        &self,
+        table: &mut BTreeMap<u64, V>,
+        endpoint: u64,
+        part: Option<V>,
+    ) -> Option<u64> {
+        let changed = match part {
+            Some(new) if table.get(&endpoint) == Some(&new) => false,
+            Some(new) => {
+                table.insert(endpoint, new);
+                true
+            }
+            None => table.remove(&endpoint).is_some(),
+        };
+        changed.then(|| self.bump())
+    }
+
     /// The current generation (read under the table's lock, with the table it goes with).
     pub fn generation(&self) -> u64 {
         *self.changed.borrow()
@@ -113,6 +133,20 @@ impl TableSync {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn setting_a_part_counts_a_change_only_when_it_is_one() {
+        let s = TableSync::default();
+        let mut table = BTreeMap::new();
+        let g1 = s.set(&mut table, 7, Some("a")).expect("a new part");
+        assert_eq!(s.set(&mut table, 7, Some("a")), None, "the same part");
+        let g2 = s.set(&mut table, 7, Some("b")).expect("another part");
+        assert!(g2 > g1 && s.generation() == g2);
+        assert_eq!(table.get(&7), Some(&"b"));
+        assert_eq!(s.set(&mut table, 8, None), None, "nothing to remove");
+        assert!(s.set(&mut table, 7, None).is_some_and(|g| g > g2));
+        assert!(table.is_empty());
+    }
 
     #[tokio::test(start_paused = true)]
     async fn a_generation_is_applied_once_the_answering_proxy_says_so() {

@@ -122,12 +122,7 @@ impl DnsState {
     /// Sets (`Some`) or removes (`None`) one endpoint's DNS rules; tells the link on a change.
     /// Returns the generation that includes the change (`None`: nothing changed).
     pub fn set_rules(&self, id: u64, rules: Option<EndpointRules>) -> Option<u64> {
-        let mut all = lock(&self.rules);
-        let changed = match rules {
-            Some(r) => all.insert(id, r.clone()).as_ref() != Some(&r),
-            None => all.remove(&id).is_some(),
-        };
-        changed.then(|| self.sync.bump())
+        self.sync.set(&mut lock(&self.rules), id, rules)
     }
 
     /// The table the proxy gets, with the generation it includes.

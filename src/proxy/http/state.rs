@@ -50,12 +50,7 @@ impl HttpState {
     /// Sets (or, with `None`, removes) an endpoint's table; the link is told when it changed.
     /// Returns the generation that includes the change (`None`: nothing changed).
     pub fn set_table(&self, endpoint: u64, table: Option<EndpointTable>) -> Option<u64> {
-        let mut t = lock(&self.tables);
-        let changed = match table {
-            Some(new) => t.insert(endpoint, new.clone()).as_ref() != Some(&new),
-            None => t.remove(&endpoint).is_some(),
-        };
-        changed.then(|| self.sync.bump())
+        self.sync.set(&mut lock(&self.tables), endpoint, table)
     }
 
     /// The whole table, with the generation it includes (sent to the proxy).
