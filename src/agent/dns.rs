@@ -21,6 +21,7 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixStream;
 use tokio::sync::mpsc;
 
+use super::proxies::{supervise, Supervised};
 use crate::actors::policy_repo::{LearnFqdn, PolicyRepoActor};
 use crate::config::DnsProxyMode;
 use crate::datapath::events::{Notification, VerdictEvent};
@@ -78,45 +79,21 @@ pub async fn run_link(shared: Shared, repo: TracedAddr<PolicyRepoActor>, cfg: Li
     if cfg.mode == DnsProxyMode::Disabled {
         return;
     }
-    let mut child = None;
-    loop {
-        if cfg.mode == DnsProxyMode::Auto && child.is_none() {
-            match start_proxy(&cfg) {
-                Ok(c) => child = c,
-                Err(e) => {
-                    shared
-                        .dns
-                        .update_proxy(|v| v.error = Some(format!("cannot start: {e}")));
-                    tracing::error!(error = %e, "cannot start the DNS proxy")
-                }
-            }
-        }
-        // A proxy this agent started and that exited is reaped (and started again).
-        if let Some(c) = child.as_mut() {
-            if let Ok(Some(status)) = c.try_wait() {
-                tracing::warn!(%status, "the DNS proxy exited");
-                child = None;
-                continue;
-            }
-        }
-        if shared.ready.load(std::sync::atomic::Ordering::SeqCst) {
-            match UnixStream::connect(socket_path(&cfg.state_dir)).await {
-                Ok(s) => {
-                    let why = serve(&shared, &repo, s).await;
-                    shared.dns.sync.disconnected();
-                    shared.dns.update_proxy(|v| {
-                        v.connected = false;
-                        v.error = Some(why.clone());
-                    });
-                    tracing::warn!(reason = %why, "DNS proxy link down");
-                }
-                Err(e) => shared
-                    .dns
-                    .update_proxy(|v| v.error = Some(format!("not reachable: {e}"))),
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let proxy = Supervised {
+        what: "DNS proxy",
+        auto: cfg.mode == DnsProxyMode::Auto,
+        socket: socket_path(&cfg.state_dir),
+        start: &|| start_proxy(&cfg),
+        not_connected: &|why| shared.dns.update_proxy(|v| v.error = Some(why)),
+        link_down: &|why| {
+            shared.dns.sync.disconnected();
+            shared.dns.update_proxy(|v| {
+                v.connected = false;
+                v.error = Some(why);
+            })
+        },
+    };
+    supervise(&shared, proxy, |s| serve(&shared, &repo, s)).await
 }
 
 /// One connection to the proxy; returns why it ended.

@@ -12,11 +12,11 @@
 //! Before the agent is ready, and while it is down, the proxy judges by the table it kept.
 
 use std::path::PathBuf;
-use std::time::Duration;
 
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixStream;
 
+use super::proxies::{supervise, Supervised};
 use crate::config::DnsProxyMode;
 use crate::datapath::events::VerdictEvent;
 use crate::proxy::http::{socket_path, FromProxy, L7Record, ToProxy};
@@ -68,44 +68,21 @@ pub async fn run_link(shared: Shared, cfg: LinkConfig) {
     if cfg.mode == DnsProxyMode::Disabled {
         return;
     }
-    let mut child = None;
-    loop {
-        if cfg.mode == DnsProxyMode::Auto && child.is_none() {
-            match start_proxy(&cfg) {
-                Ok(c) => child = c,
-                Err(e) => {
-                    shared
-                        .http
-                        .update_proxy(|v| v.error = Some(format!("cannot start: {e}")));
-                    tracing::error!(error = %e, "cannot start the HTTP proxy")
-                }
-            }
-        }
-        if let Some(c) = child.as_mut() {
-            if let Ok(Some(status)) = c.try_wait() {
-                tracing::warn!(%status, "the HTTP proxy exited");
-                child = None;
-                continue;
-            }
-        }
-        if shared.ready.load(std::sync::atomic::Ordering::SeqCst) {
-            match UnixStream::connect(socket_path(&cfg.state_dir)).await {
-                Ok(s) => {
-                    let why = serve(&shared, s).await;
-                    shared.http.sync.disconnected();
-                    shared.http.update_proxy(|v| {
-                        v.connected = false;
-                        v.error = Some(why.clone());
-                    });
-                    tracing::warn!(reason = %why, "HTTP proxy link down");
-                }
-                Err(e) => shared
-                    .http
-                    .update_proxy(|v| v.error = Some(format!("not reachable: {e}"))),
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let proxy = Supervised {
+        what: "HTTP proxy",
+        auto: cfg.mode == DnsProxyMode::Auto,
+        socket: socket_path(&cfg.state_dir),
+        start: &|| start_proxy(&cfg),
+        not_connected: &|why| shared.http.update_proxy(|v| v.error = Some(why)),
+        link_down: &|why| {
+            shared.http.sync.disconnected();
+            shared.http.update_proxy(|v| {
+                v.connected = false;
+                v.error = Some(why);
+            })
+        },
+    };
+    supervise(&shared, proxy, |s| serve(&shared, s)).await
 }
 
 /// One connection to the proxy; returns why it ended.
