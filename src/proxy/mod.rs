@@ -10,6 +10,7 @@
 pub mod applied;
 pub mod dns;
 pub mod http;
+pub mod kept;
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};

@@ -711,24 +711,21 @@ async fn serve_agent(proxy: Arc<Proxy>, s: UnixStream, hello: FromProxy) {
     tracing::info!("DNS proxy: the agent disconnected; serving with the last rules");
 }
 
-/// Keeps the rules on disk (write and rename: never a torn file).
+/// Keeps the rules on disk (`proxy::kept`: never a torn file).
 fn keep_rules(state_dir: &Path, r: &ProxyRules) {
     let path = super::rules_path(state_dir);
-    let tmp = path.with_extension("json.tmp");
-    let ok = serde_json::to_vec(r)
-        .ok()
-        .and_then(|b| std::fs::write(&tmp, b).ok())
-        .and_then(|_| std::fs::rename(&tmp, &path).ok());
-    if ok.is_none() {
-        tracing::warn!(path = %path.display(), "DNS proxy: cannot keep its rules on disk");
+    if let Err(e) = crate::proxy::kept::write(&path, r) {
+        tracing::warn!(path = %path.display(), error = %e, "DNS proxy: cannot keep its rules on disk");
     }
 }
 
+/// The rules a previous run kept; none when they cannot be read (and the log says so) until
+/// the agent sends them.
 fn kept_rules(state_dir: &Path) -> ProxyRules {
-    std::fs::read(super::rules_path(state_dir))
-        .ok()
-        .and_then(|b| serde_json::from_slice(&b).ok())
-        .unwrap_or_default()
+    crate::proxy::kept::read(&super::rules_path(state_dir)).unwrap_or_else(|e| {
+        tracing::warn!(error = %e, "DNS proxy: its kept rules are unreadable; none until the agent sends them");
+        ProxyRules::default()
+    })
 }
 
 /// Runs the proxy until SIGTERM/SIGINT, or until its state directory or pinned maps vanish.

@@ -187,24 +187,15 @@ impl DnsState {
         f(&mut lock(&self.proxy));
     }
 
-    /// Writes the cache (write and rename: never a torn file).
+    /// Writes the cache (`proxy::kept`: never a torn file).
     pub fn save(&self, state_dir: &Path) -> std::io::Result<()> {
-        let bytes = serde_json::to_vec(&*self.cache())?;
-        let path = cache_path(state_dir);
-        let tmp = path.with_extension("json.tmp");
-        std::fs::write(&tmp, bytes)?;
-        std::fs::rename(&tmp, &path)
+        crate::proxy::kept::write(&cache_path(state_dir), &*self.cache())
     }
 
     /// The cache a previous run saved (empty when none). An unreadable file is an error: the
     /// caller says so and starts empty (names are learned again from the next answers).
     pub fn load(state_dir: &Path) -> Result<FqdnCache, String> {
-        let path = cache_path(state_dir);
-        match std::fs::read(&path) {
-            Ok(b) => serde_json::from_slice(&b).map_err(|e| format!("{}: {e}", path.display())),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(FqdnCache::default()),
-            Err(e) => Err(format!("{}: {e}", path.display())),
-        }
+        crate::proxy::kept::read(&cache_path(state_dir))
     }
 }
 

@@ -346,24 +346,21 @@ impl Proxy {
     }
 }
 
-/// Keeps the table on disk (write and rename: never a torn file).
+/// Keeps the table on disk (`proxy::kept`: never a torn file).
 fn keep_table(state_dir: &Path, t: &ProxyTable) {
     let path = super::rules_path(state_dir);
-    let tmp = path.with_extension("json.tmp");
-    let ok = serde_json::to_vec(t)
-        .ok()
-        .and_then(|b| std::fs::write(&tmp, b).ok())
-        .and_then(|_| std::fs::rename(&tmp, &path).ok());
-    if ok.is_none() {
-        tracing::warn!(path = %path.display(), "HTTP proxy: cannot keep its table on disk");
+    if let Err(e) = crate::proxy::kept::write(&path, t) {
+        tracing::warn!(path = %path.display(), error = %e, "HTTP proxy: cannot keep its table on disk");
     }
 }
 
+/// The table a previous run kept; an empty one when it cannot be read (and the log says so)
+/// until the agent sends one.
 fn kept_table(state_dir: &Path) -> ProxyTable {
-    std::fs::read(super::rules_path(state_dir))
-        .ok()
-        .and_then(|b| serde_json::from_slice(&b).ok())
-        .unwrap_or_default()
+    crate::proxy::kept::read(&super::rules_path(state_dir)).unwrap_or_else(|e| {
+        tracing::warn!(error = %e, "HTTP proxy: its kept table is unreadable; none until the agent sends one");
+        ProxyTable::default()
+    })
 }
 
 /// The listening sockets: egress and ingress, each on one port for both families.
