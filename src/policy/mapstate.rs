@@ -819,8 +819,11 @@ impl MapState {
 /// The per-direction deltas between groups that maps share (`MapState::diff_from_shared`).
 /// Keyed by the groups' addresses; each entry holds a `Weak` of both, so no other groups can
 /// take either address while the entry lives (and shared groups are never changed in place:
-/// `Arc::make_mut` copies them, or moves them away from their `Weak`s). A cache: bounded,
-/// emptied when full.
+/// `Arc::make_mut` copies them, or moves them away from their `Weak`s). A cache: bounded;
+/// when full, the pairs whose groups are gone (no map holds them: never asked again) leave
+/// first, and only when none has gone is it emptied. (Emptied every time, it was emptied in
+/// the middle of a change every few changes under 100 kinds of endpoint, and the endpoints
+/// after that point diffed again what their kind had diffed already.)
 #[derive(Default)]
 pub struct DiffMemo {
     inner: std::sync::Mutex<MemoInner>,
@@ -836,9 +839,35 @@ struct MemoInner {
 }
 
 struct Memoized {
-    _before: Option<std::sync::Weak<Groups>>,
-    _after: std::sync::Weak<Groups>,
+    before: Option<std::sync::Weak<Groups>>,
+    after: std::sync::Weak<Groups>,
     delta: Arc<MapDelta>,
+}
+
+impl Memoized {
+    /// Some map still holds both groups, so the pair may be asked for again.
+    fn live(&self) -> bool {
+        self.after.strong_count() > 0 && self.before.as_ref().is_none_or(|b| b.strong_count() > 0)
+    }
+}
+
+impl MemoInner {
+    fn full(&self, adding: usize) -> bool {
+        self.by_pair.len() >= MEMO_PAIRS || self.held + adding > MEMO_CHANGES
+    }
+
+    /// Room for a delta of `adding` changes: the dead pairs go, then everything if need be.
+    fn make_room(&mut self, adding: usize) {
+        if !self.full(adding) {
+            return;
+        }
+        self.by_pair.retain(|_, m| m.live());
+        self.held = self.by_pair.values().map(|m| m.delta.len()).sum();
+        if self.full(adding) {
+            self.by_pair.clear();
+            self.held = 0;
+        }
+    }
 }
 
 /// At most this many pairs, and this many changes over all their deltas.
@@ -883,15 +912,12 @@ impl DiffMemo {
         // Computed outside the lock: other endpoints look up meanwhile.
         let delta = Arc::new(diff());
         let mut inner = self.lock();
-        if inner.by_pair.len() >= MEMO_PAIRS || inner.held + delta.len() > MEMO_CHANGES {
-            inner.by_pair.clear();
-            inner.held = 0;
-        }
         if delta.len() <= MEMO_CHANGES {
+            inner.make_room(delta.len());
             inner.held += delta.len();
             let held = Memoized {
-                _before: before.as_ref().map(Arc::downgrade),
-                _after: Arc::downgrade(after),
+                before: before.as_ref().map(Arc::downgrade),
+                after: Arc::downgrade(after),
                 delta: delta.clone(),
             };
             inner.by_pair.insert(key, held);
@@ -1030,6 +1056,25 @@ mod tests {
         let ep4 = ep3.clone();
         assert_eq!(ep4.diff_from_shared(&before, &memo), ep3.diff_from(&before));
         assert_eq!(memo.stats(), (4, 3, 3));
+    }
+
+    #[test]
+    fn a_full_diff_memo_lets_go_of_the_pairs_no_map_holds_first() {
+        let memo = DiffMemo::default();
+        let held = Arc::new(Groups::default());
+        memo.get(&None, &held, MapDelta::default);
+        // Pairs whose groups no map holds any more (each dropped right after its diff).
+        for _ in 1..MEMO_PAIRS {
+            memo.get(&None, &Arc::new(Groups::default()), MapDelta::default);
+        }
+        assert_eq!(memo.stats(), (0, MEMO_PAIRS as u64, MEMO_PAIRS));
+        // Full: a new pair makes room by dropping the dead ones, not the held one.
+        let another = Arc::new(Groups::default());
+        memo.get(&None, &another, MapDelta::default);
+        assert_eq!(memo.stats().2, 2);
+        memo.get(&None, &held, || panic!("held: not diffed again"));
+        memo.get(&None, &another, || panic!("held: not diffed again"));
+        assert_eq!(memo.stats().0, 2);
     }
 
     #[test]
