@@ -84,14 +84,7 @@ pub async fn run_link(shared: Shared, repo: TracedAddr<PolicyRepoActor>, cfg: Li
         auto: cfg.mode == DnsProxyMode::Auto,
         socket: socket_path(&cfg.state_dir),
         start: &|| start_proxy(&cfg),
-        not_connected: &|why| shared.dns.update_proxy(|v| v.error = Some(why)),
-        link_down: &|why| {
-            shared.dns.sync.disconnected();
-            shared.dns.update_proxy(|v| {
-                v.connected = false;
-                v.error = Some(why);
-            })
-        },
+        state: &*shared.dns,
     };
     supervise(&shared, proxy, |s| serve(&shared, &repo, s)).await
 }

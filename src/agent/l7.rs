@@ -73,14 +73,7 @@ pub async fn run_link(shared: Shared, cfg: LinkConfig) {
         auto: cfg.mode == DnsProxyMode::Auto,
         socket: socket_path(&cfg.state_dir),
         start: &|| start_proxy(&cfg),
-        not_connected: &|why| shared.http.update_proxy(|v| v.error = Some(why)),
-        link_down: &|why| {
-            shared.http.sync.disconnected();
-            shared.http.update_proxy(|v| {
-                v.connected = false;
-                v.error = Some(why);
-            })
-        },
+        state: &*shared.http,
     };
     supervise(&shared, proxy, |s| serve(&shared, s)).await
 }

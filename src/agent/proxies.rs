@@ -48,11 +48,39 @@ pub struct Supervised<'a> {
     pub socket: PathBuf,
     /// Starts a proxy unless one answers (`start_detached`): the child to reap, if started.
     pub start: &'a dyn Fn() -> std::io::Result<Option<Child>>,
-    /// Why the proxy is not connected, for its status view.
-    pub not_connected: &'a dyn Fn(String),
-    /// The connection ended (why): the view says so and nothing waits for the proxy any more.
-    pub link_down: &'a dyn Fn(String),
+    /// The agent's record of the proxy.
+    pub state: &'a dyn LinkState,
 }
+
+/// The agent's record of one proxy, as its link's supervision updates it.
+pub trait LinkState {
+    /// Why the proxy is not connected, for its status view.
+    fn not_connected(&self, why: String);
+    /// The connection ended (why): the view says so and nothing waits for the proxy any more.
+    fn link_down(&self, why: String);
+}
+
+/// Both proxies' records keep the same fields in views of their own types.
+macro_rules! link_state {
+    ($state:ty) => {
+        impl LinkState for $state {
+            fn not_connected(&self, why: String) {
+                self.update_proxy(|v| v.error = Some(why))
+            }
+
+            fn link_down(&self, why: String) {
+                self.sync.disconnected();
+                self.update_proxy(|v| {
+                    v.connected = false;
+                    v.error = Some(why);
+                })
+            }
+        }
+    };
+}
+
+link_state!(crate::proxy::http::state::HttpState);
+link_state!(crate::proxy::dns::state::DnsState);
 
 /// Keeps a link to the proxy until the agent stops: starts one in `auto` mode (and again when
 /// the one this agent started exits: it is reaped), and once the agent is ready connects and
@@ -68,7 +96,7 @@ where
             match (p.start)() {
                 Ok(c) => child = c,
                 Err(e) => {
-                    (p.not_connected)(format!("cannot start: {e}"));
+                    p.state.not_connected(format!("cannot start: {e}"));
                     tracing::error!(error = %e, proxy = p.what, "cannot start the proxy")
                 }
             }
@@ -84,10 +112,10 @@ where
             match UnixStream::connect(&p.socket).await {
                 Ok(s) => {
                     let why = serve(s).await;
-                    (p.link_down)(why.clone());
+                    p.state.link_down(why.clone());
                     tracing::warn!(reason = %why, proxy = p.what, "proxy link down");
                 }
-                Err(e) => (p.not_connected)(format!("not reachable: {e}")),
+                Err(e) => p.state.not_connected(format!("not reachable: {e}")),
             }
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
