@@ -43,6 +43,20 @@ pub struct MapEntry {
 /// The rules an entry was derived from.
 pub type Origins = SmallVec<[Arc<RuleOrigin>; 2]>;
 
+/// The room an entry's origins get when they first leave their inline place: a port that many
+/// rules allow to one peer gathers three to eight of them, in one allocation (growing by
+/// doubling took two and a copy).
+const ORIGINS_SPILLED: usize = 8;
+
+/// Adds `origin` to `origins` (not there yet).
+#[inline]
+fn push_origin(origins: &mut Origins, origin: &Arc<RuleOrigin>) {
+    if origins.len() == origins.inline_size() {
+        origins.reserve_exact(ORIGINS_SPILLED - origins.len());
+    }
+    origins.push(origin.clone());
+}
+
 /// One allowing contribution to an entry and the L7 rules it comes with.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct L7Grant {
@@ -101,7 +115,7 @@ impl MapEntry {
             _ => {
                 self.grant(origin, rules);
                 if !self.derived_from.iter().any(|o| Arc::ptr_eq(o, origin)) {
-                    self.derived_from.push(origin.clone());
+                    push_origin(&mut self.derived_from, origin);
                 }
             }
         }
@@ -1208,6 +1222,32 @@ mod tests {
         let e = m.get(&key(300, 6, 80, 80)).unwrap();
         assert!(e.deny);
         assert_eq!(e.derived_from.len(), 1);
+    }
+
+    #[test]
+    fn many_rules_on_one_key_are_kept_in_order_in_one_spill() {
+        let mut m = MapState::new();
+        let o: Vec<_> = (0..9)
+            .map(|i| origin(&format!("r{i}"), Section::Ingress))
+            .collect();
+        for x in o.iter().chain(&o[..3]) {
+            m.insert(key(300, 6, 80, 80), false, x);
+        }
+        let e = m.get(&key(300, 6, 80, 80)).unwrap();
+        assert!(e
+            .derived_from
+            .iter()
+            .zip(&o)
+            .all(|(a, b)| Arc::ptr_eq(a, b)));
+        assert_eq!(e.derived_from.len(), 9, "each rule once");
+        // The third origin made room for eight; the ninth grew it (by doubling).
+        assert_eq!(e.derived_from.capacity(), 16);
+        let mut three = MapState::new();
+        for x in &o[..3] {
+            three.insert(key(300, 6, 80, 80), false, x);
+        }
+        let spilled = three.get(&key(300, 6, 80, 80)).unwrap();
+        assert_eq!(spilled.derived_from.capacity(), ORIGINS_SPILLED);
     }
 
     #[test]
