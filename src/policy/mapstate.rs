@@ -131,6 +131,32 @@ impl MapEntry {
         self.grant_l7(origin, rules)
     }
 
+    /// Derived from `origin` (that very rule: the same pointer).
+    #[cfg(test)]
+    fn derived_from_ptr(&self, origin: &Arc<RuleOrigin>) -> bool {
+        self.derived_from.iter().any(|o| Arc::ptr_eq(o, origin))
+            || self
+                .l7
+                .as_ref()
+                .is_some_and(|g| g.iter().any(|g| Arc::ptr_eq(&g.origin, origin)))
+    }
+
+    /// Puts `to` wherever `from` (the same pointer) is among its origins, in its place.
+    fn replace_origin(&mut self, from: &Arc<RuleOrigin>, to: &Arc<RuleOrigin>) {
+        for o in self
+            .derived_from
+            .iter_mut()
+            .filter(|o| Arc::ptr_eq(o, from))
+        {
+            *o = to.clone();
+        }
+        for g in self.l7.iter_mut().flat_map(|g| g.iter_mut()) {
+            if Arc::ptr_eq(&g.origin, from) {
+                g.origin = to.clone();
+            }
+        }
+    }
+
     fn grant_l7(&mut self, origin: &Arc<RuleOrigin>, rules: Option<&Arc<L7PortRules>>) {
         let grants = self.l7.get_or_insert_with(|| {
             // The contributions before the first L7 one were all L3/L4.
@@ -712,6 +738,49 @@ impl MapState {
     pub fn replace_direction_from(&mut self, d: Direction, part: &MapState) {
         self.dirs[slot(d)] = part.dirs[slot(d)].clone();
         self.lens[slot(d)] = part.lens[slot(d)];
+    }
+
+    /// The identities of direction `d` with an entry derived from one of `origins` (those very
+    /// rules: the same pointers), in no particular order (tests: `tiers::Compiled::defaulted`
+    /// lists them as it writes).
+    #[cfg(test)]
+    pub(crate) fn identities_derived_from(
+        &self,
+        d: Direction,
+        origins: &[&Arc<RuleOrigin>],
+    ) -> Vec<NumericIdentity> {
+        self.dir(d)
+            .iter()
+            .filter(|(_, slots)| {
+                slots
+                    .iter()
+                    .any(|s| origins.iter().any(|o| s.entry.derived_from_ptr(o)))
+            })
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
+    /// In the entries of `identities` in direction `d`, each origin that is the first of a pair
+    /// of `replace` (the same pointer) becomes the second, in its place: the entries the rules
+    /// `to` would have given, had they been written instead (the direction's table is copied
+    /// first when another map shares it).
+    pub fn replace_origins(
+        &mut self,
+        d: Direction,
+        identities: &[NumericIdentity],
+        replace: &[(&Arc<RuleOrigin>, &Arc<RuleOrigin>)],
+    ) {
+        if identities.is_empty() {
+            return;
+        }
+        let groups = self.dir_mut(d);
+        for id in identities {
+            for s in groups.get_mut(id).into_iter().flatten() {
+                for (from, to) in replace {
+                    s.entry.replace_origin(from, to);
+                }
+            }
+        }
     }
 
     /// Replaces the entries of `peers` by those of `part` (which holds no others).

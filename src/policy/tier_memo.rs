@@ -14,6 +14,14 @@
 //! ([`MAX_RESULTS`]); the least recently used go first. A result too large to be worth holding
 //! ([`MAX_ONE`]) is not kept.
 //!
+//! The defaults' origins name only the entries a default decides (allowed because no tier
+//! decided, denied by the NetworkPolicy tier's isolation), and they differ between endpoints
+//! that share everything else: each namespace's own default deny. So the first compilation of
+//! some inputs is also held for any defaults, with the identities whose entries derive from its
+//! defaults (`Compiled::defaulted`); other defaults then cost a copy of it with those entries'
+//! origins replaced by pointer (or nothing, when no entry derives from a default), never a
+//! compilation.
+//!
 //! [`PeerLists`] shares the tier rules' peer identities the same way: a rule naming a
 //! namespace stands for every identity of it (thousands), in every endpoint the rule selects.
 //! Endpoints take one shared list per distinct selection instead of a copy each, so the memo's
@@ -219,13 +227,16 @@ struct Key {
     np: MapState,
     np_isolated: bool,
     direction: Direction,
-    allow: RuleOrigin,
-    deny: RuleOrigin,
+    /// The defaults' origins (allow, deny); `None`: a result for any defaults.
+    defaults: Option<(RuleOrigin, RuleOrigin)>,
 }
 
 struct Held {
     key: Key,
     out: Arc<Compiled>,
+    /// A result for any defaults: the defaults it was compiled with (their origins, by
+    /// pointer, are in the entries of `out.defaulted`).
+    made_with: Option<Defaults>,
     /// Entries held (inputs and result).
     size: usize,
     /// When it was last used (the memo's clock).
@@ -294,7 +305,7 @@ impl Key {
         np: &MapState,
         np_isolated: bool,
         direction: Direction,
-        (allow, deny): (&RuleOrigin, &RuleOrigin),
+        defaults: Option<(&RuleOrigin, &RuleOrigin)>,
     ) -> bool {
         self.direction == direction
             && self.np_isolated == np_isolated
@@ -302,9 +313,49 @@ impl Key {
                 || (self.tiers.fingerprint == tiers.fingerprint
                     && same_rules(&self.tiers.admin, &tiers.admin)
                     && same_rules(&self.tiers.baseline, &tiers.baseline)))
-            && *allow == self.allow
-            && *deny == self.deny
+            && self.defaults.as_ref().map(|(a, d)| (a, d)) == defaults
             && np.same_direction(&self.np, direction)
+    }
+}
+
+/// The inputs of one compilation, borrowed.
+struct Input<'a> {
+    tiers: &'a Arc<SharedTiers>,
+    np: &'a MapState,
+    np_isolated: bool,
+    direction: Direction,
+    /// `np.direction_fingerprint(direction)`: hashed once (it reads every entry).
+    np_fingerprint: u64,
+}
+
+impl Input<'_> {
+    /// The hash of the inputs and `defaults` (`None`: for any defaults).
+    fn hash(&self, defaults: Option<&Defaults>) -> u64 {
+        let mut h = FxHasher::default();
+        (
+            self.direction as u8,
+            self.np_isolated,
+            self.tiers.fingerprint,
+        )
+            .hash(&mut h);
+        self.np_fingerprint.hash(&mut h);
+        // The defaults name the policies isolating the endpoint: endpoints of one tier
+        // differ by them more often than by anything else.
+        match defaults {
+            Some(d) => (1u8, &d.allow, &d.deny).hash(&mut h),
+            None => 0u8.hash(&mut h),
+        }
+        h.finish()
+    }
+
+    fn key(&self, defaults: Option<(&RuleOrigin, &RuleOrigin)>) -> Key {
+        Key {
+            tiers: self.tiers.clone(),
+            np: self.np.direction_part(self.direction),
+            np_isolated: self.np_isolated,
+            direction: self.direction,
+            defaults: defaults.map(|(a, d)| (a.clone(), d.clone())),
+        }
     }
 }
 
@@ -312,9 +363,34 @@ fn lock(m: &Mutex<Inner>) -> std::sync::MutexGuard<'_, Inner> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// `general` (compiled with the defaults `made_with`) as compiling with `fallback` gives it:
+/// the origins of `made_with` replaced by `fallback`'s, by pointer, in the entries derived from
+/// them (`Compiled::defaulted`). Shared as it is when there are none.
+fn with_defaults(
+    general: &Arc<Compiled>,
+    direction: Direction,
+    made_with: &Defaults,
+    fallback: &Defaults,
+) -> Arc<Compiled> {
+    if general.defaulted.is_empty() {
+        return general.clone();
+    }
+    let mut out = (**general).clone();
+    out.map.replace_origins(
+        direction,
+        &general.defaulted,
+        &[
+            (&made_with.allow, &fallback.allow),
+            (&made_with.deny, &fallback.deny),
+        ],
+    );
+    Arc::new(out)
+}
+
 impl CompileMemo {
     /// `tiers::compile(tiers, np, np_isolated, direction, fallback)`, from the memo when the
-    /// same inputs were compiled before (shared: the caller copies what it keeps).
+    /// same inputs were compiled before (shared: the caller copies what it keeps), or when
+    /// they were compiled with other defaults (see the module documentation).
     pub fn compile(
         &self,
         tiers: &Arc<SharedTiers>,
@@ -323,59 +399,98 @@ impl CompileMemo {
         direction: Direction,
         fallback: &Defaults,
     ) -> Arc<Compiled> {
-        let mut h = FxHasher::default();
-        (direction as u8, np_isolated, tiers.fingerprint).hash(&mut h);
-        np.direction_fingerprint(direction).hash(&mut h);
-        // The defaults name the policies isolating the endpoint: endpoints of one tier
-        // differ by them more often than by anything else.
-        fallback.allow.hash(&mut h);
-        fallback.deny.hash(&mut h);
-        let hash = h.finish();
         let defaults = (&*fallback.allow, &*fallback.deny);
-        {
-            let mut inner = lock(&self.inner);
-            inner.clock += 1;
-            let now = inner.clock;
-            let found = inner.by_hash.get_mut(&hash).and_then(|list| {
-                list.iter_mut()
-                    .find(|x| x.key.matches(tiers, np, np_isolated, direction, defaults))
-            });
-            if let Some(x) = found {
-                x.used = now;
-                let out = x.out.clone();
-                inner.hits += 1;
-                return out;
-            }
-            inner.misses += 1;
-        }
-        // Compiled outside the lock: other endpoints look up meanwhile.
-        let out = Arc::new(compile_cached(
+        let input = Input {
             tiers,
-            Some(&tiers.cells),
             np,
             np_isolated,
             direction,
+            np_fingerprint: np.direction_fingerprint(direction),
+        };
+        let hash = input.hash(Some(fallback));
+        if let Some((out, _)) = self.find(hash, &input, Some(defaults), true) {
+            return out;
+        }
+        let any = input.hash(None);
+        let out = match self.find(any, &input, None, false) {
+            Some((general, Some(made_with))) => {
+                with_defaults(&general, direction, &made_with, fallback)
+            }
+            _ => self.compile_first(&input, any, fallback),
+        };
+        self.keep(hash, input.key(Some(defaults)), &out, None);
+        out
+    }
+
+    /// Compiles `input` with `fallback`, and holds the result for any defaults too (`any`:
+    /// the inputs' hash for any defaults).
+    fn compile_first(&self, input: &Input<'_>, any: u64, fallback: &Defaults) -> Arc<Compiled> {
+        // Compiled outside the lock: other endpoints look up meanwhile.
+        let out = Arc::new(compile_cached(
+            input.tiers,
+            Some(&input.tiers.cells),
+            input.np,
+            input.np_isolated,
+            input.direction,
             fallback,
         ));
-        let np = np.direction_part(direction);
-        let size = out.map.len() + np.len() + 1;
+        // Told apart by pointer: two defaults of one pointer could not be.
+        if !Arc::ptr_eq(&fallback.allow, &fallback.deny) {
+            let key = input.key(None);
+            self.keep(any, key, &out, Some(fallback.clone()));
+        }
+        out
+    }
+
+    /// The result held for `input` with `defaults` (counted as a hit or a miss if `count`),
+    /// with the defaults it was made with when it is for any.
+    fn find(
+        &self,
+        hash: u64,
+        input: &Input<'_>,
+        defaults: Option<(&RuleOrigin, &RuleOrigin)>,
+        count: bool,
+    ) -> Option<(Arc<Compiled>, Option<Defaults>)> {
+        let mut inner = lock(&self.inner);
+        inner.clock += 1;
+        let now = inner.clock;
+        let found = inner.by_hash.get_mut(&hash).and_then(|list| {
+            list.iter_mut().find(|x| {
+                x.key.matches(
+                    input.tiers,
+                    input.np,
+                    input.np_isolated,
+                    input.direction,
+                    defaults,
+                )
+            })
+        });
+        let found = found.map(|x| {
+            x.used = now;
+            (x.out.clone(), x.made_with.clone())
+        });
+        if count {
+            match found {
+                Some(_) => inner.hits += 1,
+                None => inner.misses += 1,
+            }
+        }
+        found
+    }
+
+    /// Holds `out` for `key`, unless it is too large to be worth it.
+    fn keep(&self, hash: u64, key: Key, out: &Arc<Compiled>, made_with: Option<Defaults>) {
+        let size = out.map.len() + key.np.len() + 1;
         if size <= MAX_ONE {
             let held = Held {
-                key: Key {
-                    tiers: tiers.clone(),
-                    np,
-                    np_isolated,
-                    direction,
-                    allow: (*fallback.allow).clone(),
-                    deny: (*fallback.deny).clone(),
-                },
+                key,
                 out: out.clone(),
+                made_with,
                 size,
                 used: 0,
             };
             lock(&self.inner).keep(hash, held);
         }
-        out
     }
 
     /// (hits, misses, results held).
@@ -406,7 +521,7 @@ impl Inner {
                 &k.np,
                 k.np_isolated,
                 k.direction,
-                (&k.allow, &k.deny),
+                k.defaults.as_ref().map(|(a, d)| (a, d)),
             )
         }) {
             return;
@@ -512,7 +627,8 @@ mod tests {
             &d,
         );
         assert!(same(&again, &direct));
-        assert_eq!(memo.stats(), (1, 1, 1));
+        // One result for any defaults, one for these.
+        assert_eq!(memo.stats(), (1, 1, 2));
         // Each input differing misses, and gives what compiling gives.
         let other_tiers = Tiers {
             admin: vec![
@@ -574,6 +690,58 @@ mod tests {
         let got = memo.compile(&shared(&tiers), &with_egress, true, Direction::Ingress, &d);
         assert!(same(&got, &direct));
         assert_eq!(memo.stats().0, 2);
+    }
+
+    #[test]
+    fn other_defaults_on_the_same_inputs_take_the_place_of_the_first_ones() {
+        let memo = CompileMemo::default();
+        let (r1, r2, b1, n1) = (origin("r1"), origin("r2"), origin("b1"), origin("n1"));
+        let tiers = Tiers {
+            admin: vec![
+                rule(&r1, Action::Deny, 300, 80),
+                rule(&r2, Action::Pass, 301, 81),
+            ],
+            baseline: vec![rule(&b1, Action::Deny, 302, 82)],
+        };
+        let defaults: Vec<Defaults> = (0..3)
+            .map(|i| Defaults {
+                allow: origin(&format!("allow{i}")),
+                deny: origin(&format!("deny{}", i % 2)),
+            })
+            .collect();
+        // Every result's defaults are its own: none of another endpoint's is left.
+        let foreign = |c: &Compiled, d: &Defaults| {
+            let mine = |o: &Arc<RuleOrigin>| Arc::ptr_eq(o, &d.allow) || Arc::ptr_eq(o, &d.deny);
+            c.map.entries().iter().any(|(_, e)| {
+                e.derived_from.iter().any(|o| {
+                    let a_default = ["allow", "deny"]
+                        .iter()
+                        .any(|p| o.policy.name.starts_with(p));
+                    a_default && !mine(o)
+                })
+            })
+        };
+        let mut by_default = 0;
+        for isolated in [false, true] {
+            let base = np(301, 81, &n1);
+            for d in defaults.iter().chain(&defaults[..1]) {
+                let want = compile(&tiers, &base, isolated, Direction::Ingress, d);
+                let got = memo.compile(&shared(&tiers), &base, isolated, Direction::Ingress, d);
+                assert!(same(&got, &want), "isolated {isolated}, {:?}", d.allow);
+                assert!(!foreign(&got, d), "only its own defaults");
+                let named = |o: &Arc<RuleOrigin>| {
+                    got.map
+                        .entries()
+                        .iter()
+                        .any(|(_, e)| e.derived_from.iter().any(|x| Arc::ptr_eq(x, o)))
+                };
+                by_default += named(&d.allow) as usize + named(&d.deny) as usize;
+            }
+        }
+        assert!(by_default >= 4, "the defaults decide entries: {by_default}");
+        // Per isolation: compiled once (held for these defaults and for any), two other
+        // defaults given; the first again a hit.
+        assert_eq!(memo.stats(), (2, 6, 8));
     }
 
     #[test]

@@ -186,6 +186,9 @@ pub struct Compiled {
     pub isolated: bool,
     /// What could not be expressed exactly (and was denied instead).
     pub notes: Vec<String>,
+    /// The identities (`IDENTITY_ANY` among them) with an entry derived from a default's
+    /// origin (`Defaults`): all that another endpoint's defaults would change.
+    pub defaulted: Vec<NumericIdentity>,
 }
 
 /// What entries decided by a default are derived from: allowed because no tier decided, and
@@ -805,7 +808,8 @@ impl<'b, X, O> Iterator for Pieces<'b, X, O> {
 }
 
 /// Writes the entry of a verdict for `ports` of `group`'s identity, derived from its origins
-/// (with their L7 rules).
+/// (with their L7 rules). True: derived from a default's origin (`d`).
+#[must_use]
 fn put(
     group: &mut Group,
     ports: (u8, u16, u16),
@@ -813,7 +817,7 @@ fn put(
     tiers: &Tiers,
     v: &Verdict<'_>,
     d: &Defaults,
-) {
+) -> bool {
     debug_assert_eq!(deny, !v.allow);
     let mut one = |o: &Arc<RuleOrigin>| group.insert_l7(ports, deny, o, None);
     match v.by {
@@ -821,9 +825,16 @@ fn put(
         By::Rule(Tier::Baseline, i) => one(&tiers.baseline[i].origin),
         // The NetworkPolicy tier's entry decided (its own deny flag): the same entry.
         By::Np(e) => group.insert_entry(ports, e),
-        By::NpDefault => one(&d.deny),
-        By::Default => one(&d.allow),
+        By::NpDefault => {
+            one(&d.deny);
+            return true;
+        }
+        By::Default => {
+            one(&d.allow);
+            return true;
+        }
     }
+    false
 }
 
 /// A rule (of a tier, or a NetworkPolicy-tier entry) decided it, not a default.
@@ -918,38 +929,42 @@ pub fn compile_cached(
         ));
     }
     let mut any = Group::new(IDENTITY_ANY);
+    let mut any_defaulted = false;
     if wild {
-        put(&mut any, (0, 0, 65535), false, tiers, &o.other, fallback);
+        any_defaulted |= put(&mut any, (0, 0, 65535), false, tiers, &o.other, fallback);
     }
     for (k, &proto) in cells.base.protocols.iter().enumerate() {
         for (j, (lo, hi, c)) in o.protocol(k).iter().enumerate() {
             let ports = (proto, *lo, *hi);
             if c.allow {
-                put(&mut any, ports, false, tiers, c, fallback);
+                any_defaulted |= put(&mut any, ports, false, tiers, c, fallback);
             } else if wild || (by_rule(c) && !named_allowed[k][j]) {
                 // Needed under the wildcard allow; otherwise it names the deciding rule (the
                 // default would say only "isolated"), where no named identity is allowed.
-                put(&mut any, ports, true, tiers, c, fallback);
+                any_defaulted |= put(&mut any, ports, true, tiers, c, fallback);
             }
         }
+    }
+    if any_defaulted {
+        out.defaulted.push(IDENTITY_ANY);
     }
     out.map.insert_group(direction, any);
     // Each painting's entries are written into one scratch group, then moved into a group of
     // their exact size (no regrowth while writing, no spare room kept in the map); the other
     // identities of that painting (of one class, without entries of their own) get a copy.
     let mut scratch = Group::new(IDENTITY_ANY);
-    let mut written: Vec<Option<Group>> = (0..paintings.len()).map(|_| None).collect();
+    let mut written: Vec<Option<(Group, bool)>> = (0..paintings.len()).map(|_| None).collect();
     let mut users = vec![0u32; paintings.len()];
     for &(_, at) in &named {
         users[at] += 1;
     }
     for &(id, at) in &named {
-        let group = match &written[at] {
-            Some(g) => g.clone_for(id),
+        let (group, defaulted) = match &written[at] {
+            Some((g, defaulted)) => (g.clone_for(id), *defaulted),
             None => {
                 scratch.reset(id);
                 let x = &paintings[at];
-                write_named(
+                let defaulted = write_named(
                     &mut scratch,
                     x,
                     &o,
@@ -960,18 +975,22 @@ pub fn compile_cached(
                 );
                 let g = scratch.take_exact();
                 if users[at] > 1 {
-                    written[at] = Some(g.clone_for(id));
+                    written[at] = Some((g.clone_for(id), defaulted));
                 }
-                g
+                (g, defaulted)
             }
         };
+        if defaulted {
+            out.defaulted.push(id);
+        }
         out.map.insert_group(direction, group);
     }
     out
 }
 
 /// The entries of a named identity painted `x`, where every other identity is painted `o`
-/// and `wild` says whether the wildcard allow is in place (`compile`).
+/// and `wild` says whether the wildcard allow is in place (`compile`). True: some entry is
+/// derived from a default's origin.
 fn write_named(
     g: &mut Group,
     x: &Painted<'_>,
@@ -980,16 +999,16 @@ fn write_named(
     protocols: &[u8],
     tiers: &Tiers,
     fallback: &Defaults,
-) {
+) -> bool {
+    let mut defaulted = false;
     let own = &x.other;
     let mut own_wild = false;
     if own.allow && (!wild || own.by != o.other.by) {
-        put(g, (0, 0, 65535), false, tiers, own, fallback);
+        defaulted |= put(g, (0, 0, 65535), false, tiers, own, fallback);
         own_wild = true;
     } else if !own.allow && wild {
         // No concrete cell of `id` is allowed (or `wild` would be off).
-        put(g, (0, 0, 65535), true, tiers, own, fallback);
-        return;
+        return put(g, (0, 0, 65535), true, tiers, own, fallback);
     }
     for (k, &proto) in protocols.iter().enumerate() {
         let os = o.protocol(k);
@@ -1003,13 +1022,14 @@ fn write_named(
                 let own_covers = own_wild && own.by == c.by;
                 let wider_covers = wider.allow && wider.by == c.by;
                 if !(own_covers || wider_covers) {
-                    put(g, (proto, lo, hi), false, tiers, c, fallback);
+                    defaulted |= put(g, (proto, lo, hi), false, tiers, c, fallback);
                 }
             } else if covered || (by_rule(c) && wider.by != c.by) {
-                put(g, (proto, lo, hi), true, tiers, c, fallback);
+                defaulted |= put(g, (proto, lo, hi), true, tiers, c, fallback);
             }
         }
     }
+    defaulted
 }
 
 #[cfg(test)]
@@ -1040,6 +1060,14 @@ pub(crate) mod tests {
             deny: origin("isolated"),
         };
         let c = compile(tiers, np, np_isolated, Direction::Ingress, &fallback);
+        // `defaulted` lists exactly the identities with an entry derived from a default.
+        let mut defaulted = c.defaulted.clone();
+        let mut derived = c
+            .map
+            .identities_derived_from(Direction::Ingress, &[&fallback.allow, &fallback.deny]);
+        defaulted.sort_unstable();
+        derived.sort_unstable();
+        assert_eq!(defaulted, derived, "map: {:?}", c.map.entries());
         let exact = c.notes.is_empty();
         for &id in ids {
             for proto in [PROTO_TCP, PROTO_UDP, PROTO_ICMP, 47] {
