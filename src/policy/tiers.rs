@@ -1331,6 +1331,47 @@ pub(crate) mod tests {
             check(&tiers, &np, np_isolated, &[1, 2, 3, 4, 7]);
         }
 
+        /// Through the compile memo, endpoints of the same inputs with different defaults (the
+        /// first compilation held for any defaults, the others' put in place of its, by
+        /// pointer) each get exactly what compiling with their own defaults gives, and no other
+        /// endpoint's default origin.
+        #[test]
+        fn the_memo_gives_each_endpoint_its_own_defaults(
+            admin in prop::collection::vec(arb_rule(), 0..4),
+            baseline in prop::collection::vec(arb_rule(), 0..3),
+            np in arb_np(),
+            np_isolated in any::<bool>(),
+        ) {
+            let tiers = Tiers { admin, baseline };
+            let memo = crate::policy::tier_memo::CompileMemo::default();
+            let shared = crate::policy::tier_memo::SharedTiers::new(tiers.clone());
+            let defaults: Vec<Defaults> = (0..3)
+                .map(|i| Defaults {
+                    allow: origin(&format!("allowed{i}")),
+                    deny: origin(&format!("isolated{}", i % 2)),
+                })
+                .collect();
+            for d in defaults.iter().chain(&defaults[..1]) {
+                let want = compile(&tiers, &np, np_isolated, Direction::Ingress, d);
+                let got = memo.compile(&shared, &np, np_isolated, Direction::Ingress, d);
+                prop_assert_eq!(&got.map, &want.map);
+                prop_assert_eq!((got.isolated, &got.notes), (want.isolated, &want.notes));
+                for (_, e) in got.map.entries() {
+                    for o in &e.derived_from {
+                        let a_default = ["allowed", "isolated"]
+                            .iter()
+                            .any(|p| o.policy.name.starts_with(p));
+                        prop_assert!(
+                            !a_default || Arc::ptr_eq(o, &d.allow) || Arc::ptr_eq(o, &d.deny),
+                            "{:?} in the entries of {:?}",
+                            o,
+                            d.allow
+                        );
+                    }
+                }
+            }
+        }
+
         /// The tier rules' part of the cells, built for one endpoint and kept (`CellsCache`),
         /// compiles every other endpoint's NetworkPolicy tier as a fresh build does.
         #[test]
