@@ -16,6 +16,7 @@ use actix::dev::{Request, ToEnvelope};
 use actix::{Actor, Addr, Handler, Message};
 use chrono::{DateTime, SecondsFormat, Utc};
 use dashmap::DashMap;
+use prometheus_client::metrics::counter::Counter;
 use serde::Serialize;
 
 /// How many messages each journal keeps (the debug API promises at least 256).
@@ -129,6 +130,19 @@ struct Rec {
     change: Option<ChangeId>,
 }
 
+impl JournalInner {
+    /// Counts one message of kind `message` (the hook's counter, asked for once per kind).
+    fn count(&mut self, actor: &'static str, message: &'static str, hook: &HandledHook) {
+        if let Some((_, c)) = self.counters.iter().find(|(m, _)| *m == message) {
+            c.inc();
+            return;
+        }
+        let c = hook(actor, message);
+        c.inc();
+        self.counters.push((message, c));
+    }
+}
+
 impl Rec {
     fn render(&self) -> MessageRecord {
         MessageRecord {
@@ -153,10 +167,15 @@ struct JournalInner {
     records: VecDeque<Rec>,
     durations_us: VecDeque<u64>,
     last_message: &'static str,
+    /// The hook's counter of each message kind handled so far (a few per actor).
+    counters: Vec<(&'static str, Counter)>,
 }
 
-/// Called after every handled message with (actor kind, message kind, ok): the metrics hook.
-pub type HandledHook = Arc<dyn Fn(&'static str, &'static str, bool) + Send + Sync>;
+/// The metrics hook: the counter of the messages of one kind one kind of actor handled (actor
+/// kind, message kind). Each journal asks once per message kind and keeps it: a lookup in a
+/// map every actor shares, on every message, made the threads that regenerate endpoints
+/// contend for its lock.
+pub type HandledHook = Arc<dyn Fn(&'static str, &'static str) -> Counter + Send + Sync>;
 
 /// One message (or noted event) as an actor handled it.
 pub struct Handled {
@@ -254,7 +273,6 @@ impl Journal {
         } = h;
         self.handled.fetch_add(1, Ordering::Relaxed);
         let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
-        let ok = outcome.is_ok();
         let rec = Rec {
             seq,
             message,
@@ -286,9 +304,9 @@ impl Journal {
             }
             inner.durations_us.push_back(dur);
             inner.last_message = message;
-        }
-        if let Some(cb) = &self.on_handled {
-            cb(self.kind, message, ok);
+            if let Some(hook) = &self.on_handled {
+                inner.count(self.kind, message, hook);
+            }
         }
     }
 
@@ -418,7 +436,7 @@ fn parse_us(t: &str) -> i64 {
 }
 
 impl Registry {
-    /// A registry that calls `on_handled(actor kind, message kind, ok)` after every message
+    /// A registry whose journals count every message they record in the hook's counters
     /// (the metrics hook).
     pub fn new(on_handled: Option<HandledHook>) -> Self {
         Registry {
@@ -762,6 +780,41 @@ mod tests {
         }
         assert_eq!(caps(), first, "no reallocation while it fills and turns");
         assert_eq!(j.inner.lock().unwrap().records.len(), JOURNAL_CAPACITY);
+    }
+
+    #[test]
+    fn every_message_is_counted_and_the_hook_asked_once_per_actor_and_kind() {
+        let asked: Arc<Mutex<Vec<(&'static str, &'static str)>>> = Default::default();
+        let counters: Arc<DashMap<(&'static str, &'static str), Counter>> = Default::default();
+        let (a, c) = (asked.clone(), counters.clone());
+        let hook: HandledHook = Arc::new(move |actor, message| {
+            a.lock().unwrap().push((actor, message));
+            c.entry((actor, message)).or_default().clone()
+        });
+        let r = Registry::new(Some(hook));
+        let (x, y) = (
+            r.register("x".into(), "Kind"),
+            r.register("y".into(), "Kind"),
+        );
+        for (j, message, times) in [(&x, "One", 3), (&x, "Two", 2), (&y, "One", 4)] {
+            for _ in 0..times {
+                j.note(message, String::new(), "test", Utc::now(), Ok(()));
+            }
+        }
+        // Past the ring's capacity: still counted, the hook not asked again.
+        for _ in 0..JOURNAL_CAPACITY {
+            x.note("Two", String::new(), "test", Utc::now(), Ok(()));
+        }
+        let count = |m| counters.get(&("Kind", m)).map_or(0, |c| c.get());
+        assert_eq!(count("One"), 7);
+        assert_eq!(count("Two"), 2 + JOURNAL_CAPACITY as u64);
+        let mut asked = asked.lock().unwrap().clone();
+        asked.sort();
+        assert_eq!(
+            asked,
+            [("Kind", "One"), ("Kind", "One"), ("Kind", "Two")],
+            "once per journal and message kind"
+        );
     }
 
     #[test]
