@@ -298,7 +298,7 @@ impl Requirements {
 
     /// Every requirement of every rule that selects the endpoint (Cilium's
     /// `resolveL4IngressPolicy` / `resolveL4EgressPolicy` gather them before resolving).
-    fn gather(rules: &[Arc<Rule>]) -> Self {
+    fn gather(rules: &[&Arc<Rule>]) -> Self {
         let mut out = Requirements::default();
         for req in rules.iter().flat_map(|r| r.requires.iter()) {
             out.by_section[Self::index(req.origin.section)].push(req.clone());
@@ -1008,7 +1008,7 @@ impl PolicyEngine {
 
     /// The rules that apply to an endpoint, in a stable order (policy, then rule path); staged
     /// rules never apply.
-    pub fn rules_for(&self, ep: &EndpointView) -> Vec<Arc<Rule>> {
+    pub fn rules_for(&self, ep: &EndpointView) -> Vec<&Arc<Rule>> {
         let mut rules = self.rules_selecting(ep);
         if self.staged_policies > 0 {
             rules.retain(|r| !r.staged);
@@ -1022,8 +1022,11 @@ impl PolicyEngine {
     }
 
     /// The rules whose subject selects the endpoint, staged ones included, in a stable order.
-    fn rules_selecting(&self, ep: &EndpointView) -> Vec<Arc<Rule>> {
-        let mut rules: Vec<Arc<Rule>> = if ep.host {
+    /// Borrowed from the repository (the engine is read-locked while it resolves): no
+    /// reference count is touched, where the threads that regenerate endpoints took turns on
+    /// the same rules' counts.
+    fn rules_selecting(&self, ep: &EndpointView) -> Vec<&Arc<Rule>> {
+        let mut rules: Vec<&Arc<Rule>> = if ep.host {
             self.repo
                 .host_rules()
                 .iter()
@@ -1031,13 +1034,12 @@ impl PolicyEngine {
                     SelectorKind::Labels(ls) => ls.matches(ep.labels),
                     SelectorKind::Cidr(_) | SelectorKind::Fqdn(_) | SelectorKind::Nodes(_) => false,
                 })
-                .cloned()
                 .collect()
         } else {
             self.selectors
                 .selecting(ep.identity)
                 .filter_map(|sid| self.selectors.selector(sid))
-                .flat_map(|sel| self.repo.rules_with_subject(sel).iter().cloned())
+                .flat_map(|sel| self.repo.rules_with_subject(sel).iter())
                 .collect()
         };
         // Each selector's rules come sorted (`Repository::rules_with_subject`): a stable sort
@@ -1107,10 +1109,10 @@ impl PolicyEngine {
         &self,
         ep: &EndpointView,
         peers: Option<&BTreeSet<NumericIdentity>>,
-        rules: Vec<Arc<Rule>>,
+        rules: Vec<&Arc<Rule>>,
         mut out: EndpointPolicy,
     ) -> EndpointPolicy {
-        let (tiered, rules): (Vec<Arc<Rule>>, Vec<Arc<Rule>>) =
+        let (tiered, rules): (Vec<&Arc<Rule>>, Vec<&Arc<Rule>>) =
             rules.into_iter().partition(|r| r.tier.is_some());
         // Tiers need the whole picture: an incremental resolution becomes a full one.
         let peers = peers.filter(|_| tiered.is_empty());
@@ -1192,8 +1194,8 @@ impl PolicyEngine {
 
     /// Compiles the cluster tiers that select the endpoint with its NetworkPolicy tier (`out`
     /// so far) into `out` (`policy::tiers`).
-    fn apply_tiers(&self, out: &mut EndpointPolicy, tiered: &[Arc<Rule>], ep: &EndpointView) {
-        let mut tiered = tiered.to_vec();
+    fn apply_tiers(&self, out: &mut EndpointPolicy, tiered: &[&Arc<Rule>], ep: &EndpointView) {
+        let mut tiered: Vec<Arc<Rule>> = tiered.iter().map(|r| Arc::clone(r)).collect();
         // Tier, then priority; the same priority: by kind, then name (documented in README).
         tiered.sort_by(|a, b| (a.tier, &a.policy).cmp(&(b.tier, &b.policy)));
         // No tier policy is among the NetworkPolicy tier's; the rules of one are in a row.
@@ -1500,7 +1502,7 @@ impl PolicyEngine {
 
     /// An upper bound of the peer identities `rules` give entries, per direction: the sizes of
     /// their selections, at most every identity there is.
-    fn peer_bound(&self, rules: &[Arc<Rule>]) -> [(Direction, usize); 2] {
+    fn peer_bound(&self, rules: &[&Arc<Rule>]) -> [(Direction, usize); 2] {
         let mut n = [0usize; 2];
         for pr in rules.iter().flat_map(|r| &r.peer_rules) {
             n[pr.origin.section.direction() as usize] += match &pr.peers {
