@@ -559,7 +559,10 @@ mod tests {
         let mut book = StatusBook::default();
         let options = WriterOptions::default();
         assert!(!book.any_dirty());
-        assert!(!book.apply(realized(1, true)), "no policy awaited the initial sync");
+        assert!(
+            !book.apply(realized(1, true)),
+            "no policy awaited the initial sync"
+        );
         assert!(book.apply(accepted("a", 3)));
         assert!(book.any_dirty());
         let t0 = Instant::now();
