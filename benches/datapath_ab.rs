@@ -7,6 +7,8 @@
 //! baseline and on today's object back to back (which goes first alternates), and the rounds
 //! go on until the 95 % confidence interval of every ratio (today / baseline, the geometric
 //! mean over rounds) is within +-3 %, or `CILIATE_AB_MAX_ROUNDS` (default 60) is reached.
+//! For a profiler: `CILIATE_AB_ONLY=<part of a case's name>` runs only those cases, and
+//! `CILIATE_AB_MIN_ROUNDS` keeps them going past the interval.
 //!
 //! - Both objects are compiled here, the same way (`build.rs`'s clang arguments and libbpf's
 //!   linker, as libbpf-cargo does): the baseline from `git archive $CILIATE_AB_BASELINE bpf`
@@ -76,6 +78,14 @@ fn main() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(60);
+    // For a profiler: more rounds than the interval needs, of the cases whose name contains
+    // `CILIATE_AB_ONLY`.
+    let min_rounds: usize = std::env::var("CILIATE_AB_MIN_ROUNDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(MIN_ROUNDS)
+        .min(max_rounds);
+    let only = std::env::var("CILIATE_AB_ONLY").ok();
     let work = tempfile::tempdir().unwrap();
     let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
     let base_obj = build_object(
@@ -182,6 +192,10 @@ fn main() {
     if node_device {
         cases.extend(node_device_cases(dst));
     }
+    if let Some(only) = &only {
+        cases.retain(|c| c.what.contains(only.as_str()));
+        assert!(!cases.is_empty(), "no case's name contains {only:?}");
+    }
     let mut ratios: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
     let mut ns: Vec<[Vec<f64>; 2]> = vec![Default::default(); cases.len()];
     let mut rounds = 0;
@@ -197,7 +211,7 @@ fn main() {
             ns[k][1].push(t[1]);
         }
         rounds += 1;
-        if rounds >= MIN_ROUNDS && ratios.iter().all(|r| interval(r).1 <= TARGET) {
+        if rounds >= min_rounds && ratios.iter().all(|r| interval(r).1 <= TARGET) {
             break;
         }
     }
