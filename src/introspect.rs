@@ -88,6 +88,12 @@ impl Outcome for usize {
     }
 }
 
+impl<T> Outcome for Option<T> {
+    fn outcome(&self) -> Result<(), String> {
+        Ok(())
+    }
+}
+
 impl<T, E: Display> Outcome for Result<T, E> {
     fn outcome(&self) -> Result<(), String> {
         self.as_ref().map(|_| ()).map_err(|e| e.to_string())

@@ -124,6 +124,10 @@ pub struct Metrics {
     pub dns_proxy_processing: Histogram,
     /// Names in the FQDN cache.
     pub fqdn_cache_entries: Gauge,
+    /// Attribution cookies the agent can resolve (`CookieJar`), as of the loader's last check.
+    pub attribution_cookies: Gauge,
+    /// Attribution cookies swept: no endpoint's map held them at two sweeps in a row.
+    pub attribution_cookies_swept: Counter,
     /// Address claims refused or outranked (`objects::addresses`): another node's slice naming
     /// this node's pod or a node address, a special address, an address outside its node's
     /// pod CIDRs.
@@ -201,6 +205,8 @@ impl Metrics {
             dns_proxy_requests: Family::default(),
             dns_proxy_processing: Histogram::new(exponential_buckets(0.00001, 2.0, 20)),
             fqdn_cache_entries: Gauge::default(),
+            attribution_cookies: Gauge::default(),
+            attribution_cookies_swept: Counter::default(),
             flow_history_connections: Gauge::default(),
             flow_history_missed: Counter::default(),
             flow_history_evicted: Counter::default(),
@@ -255,6 +261,16 @@ impl Metrics {
             "ciliate_fqdn_cache_entries",
             "Names in the FQDN cache",
             m.fqdn_cache_entries.clone(),
+        );
+        r.register(
+            "ciliate_attribution_cookies",
+            "Attribution cookies the agent can resolve to policies (checked every 30 s)",
+            m.attribution_cookies.clone(),
+        );
+        r.register(
+            "ciliate_attribution_cookies_swept",
+            "Attribution cookies removed: no endpoint's policy map held them at two sweeps in a row",
+            m.attribution_cookies_swept.clone(),
         );
         r.register(
             "ciliate_agent_bootstrap_seconds",

@@ -422,10 +422,11 @@ impl EndpointActor {
             (Some(p), false) => policy.map.diff_peers_from(&self.realized, p),
             (None, false) => policy.map.diff_from_shared(&self.realized, &diffs),
         };
-        // Every cookie is resolvable before the datapath can report it.
+        // Every cookie is resolvable before the datapath can report it (and kept by a sweep
+        // that begins before the loader holds it: `CookieJar::touch`).
         let jar = &self.shared.cookies;
         for (cookie, kind, refs) in &delta.attributions {
-            if !jar.knows(*cookie) {
+            if !jar.touch(*cookie) {
                 jar.register(*cookie, *kind, refs.to_vec(), revision);
             }
         }
@@ -433,7 +434,7 @@ impl EndpointActor {
             (ingress_cookie, &policy.ingress.isolated_by),
             (egress_cookie, &policy.egress.isolated_by),
         ] {
-            if !jar.knows(cookie) {
+            if !jar.touch(cookie) {
                 jar.register(
                     cookie,
                     MatchKind::DefaultDeny,

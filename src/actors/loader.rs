@@ -1,13 +1,16 @@
 //! `LoaderActor`: owns the datapath (Cilium's `Loader`). Every kernel-facing operation goes
 //! through its mailbox, so map updates are serialised and never race.
 
-use actix::{Actor, Context, Handler, Message};
+use std::time::Duration;
+
+use actix::{Actor, AsyncContext, Context, Handler, Message};
 use ipnet::IpNet;
 
 use crate::datapath::{
     Datapath, DatapathError, EndpointAttachment, EndpointFlags, EndpointId, PolicyMapDump,
     SyncStats,
 };
+use crate::policy::attribution::Swept;
 use crate::policy::identity::NumericIdentity;
 use crate::policy::mapstate::MapDelta;
 use crate::runtime::Shared;
@@ -23,6 +26,32 @@ impl LoaderActor {
         LoaderActor { datapath, shared }
     }
 
+    /// See `SweepCookies`.
+    fn sweep_cookies(&mut self, force: bool) -> Option<Swept> {
+        let jar = &self.shared.cookies;
+        if !force && !jar.wants_sweep() {
+            return None;
+        }
+        // The generation first: what endpoints register or touch from here on is kept.
+        let generation = jar.begin_sweep();
+        let swept = jar.sweep(generation, &self.datapath.cookies_in_use());
+        let removed = &self.shared.metrics.attribution_cookies_swept;
+        removed.inc_by(swept.removed as u64);
+        tracing::debug!(
+            removed = swept.removed,
+            kept = swept.kept,
+            "attribution cookies swept"
+        );
+        if swept.unknown > 0 {
+            tracing::error!(
+                cookies = swept.unknown,
+                "policy maps hold attribution cookies the agent never registered: their verdicts \
+                 name no policy"
+            );
+        }
+        Some(swept)
+    }
+
     fn count_error<T>(&self, r: &Result<T, DatapathError>) {
         if let Err(e) = r {
             self.shared.metrics.datapath_errors.inc();
@@ -34,10 +63,22 @@ impl LoaderActor {
     }
 }
 
+/// How often the loader asks whether the cookie jar has grown enough to sweep: also the least
+/// time an attribution outlives the last entry that carried it (two sweeps must miss it).
+pub const COOKIE_SWEEP_EVERY: Duration = Duration::from_secs(30);
+
 impl Actor for LoaderActor {
     type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        ctx.run_interval(COOKIE_SWEEP_EVERY, |act, _| {
+            act.sweep_cookies(false);
+            let n = act.shared.cookies.len();
+            act.shared.metrics.attribution_cookies.set(n as i64);
+        });
+    }
 }
-traced_actor!(LoaderActor: AttachEndpoint, DetachEndpoint, SweepStrayEndpoints, SyncPolicyMap, UpdateIpcache, Barrier, GetPolicyMap, GetIpcache);
+traced_actor!(LoaderActor: AttachEndpoint, DetachEndpoint, SweepStrayEndpoints, SyncPolicyMap, UpdateIpcache, Barrier, GetPolicyMap, GetIpcache, SweepCookies);
 
 /// Adds or updates an endpoint in the endpoint map and creates its policy map.
 #[derive(Debug, Message)]
@@ -216,6 +257,28 @@ impl Handler<GetPolicyMap> for LoaderActor {
     type Result = Result<PolicyMapDump, DatapathError>;
     fn handle(&mut self, msg: GetPolicyMap, _: &mut Context<Self>) -> Self::Result {
         self.datapath.dump_policy(msg.id)
+    }
+}
+
+/// Removes the attribution cookies no endpoint's map or flags have held at two sweeps in a row
+/// (`CookieJar::sweep`), when the jar has grown enough since the last sweep for one to pay, or
+/// `force`. `None`: not swept.
+#[derive(Debug, Message)]
+#[rtype(result = "Option<Swept>")]
+pub struct SweepCookies {
+    pub force: bool,
+}
+
+crate::traceable!(SweepCookies, "SweepCookies", |m| if m.force {
+    "forced".into()
+} else {
+    String::new()
+});
+
+impl Handler<SweepCookies> for LoaderActor {
+    type Result = Option<Swept>;
+    fn handle(&mut self, msg: SweepCookies, _: &mut Context<Self>) -> Self::Result {
+        self.sweep_cookies(msg.force)
     }
 }
 

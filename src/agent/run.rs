@@ -957,3 +957,166 @@ async fn add_host_endpoint(repo: &TracedAddr<PolicyRepoActor>, restore: Option<E
         Err(e) => tracing::error!(error = %e, "host endpoint not created"),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use crate::actors::endpoint::GetEndpoint;
+    use crate::actors::loader::SweepCookies;
+    use crate::actors::policy_repo::{
+        InitialSyncDone, ListEndpoints, PodUpsert, PolicyDelete, PolicyUpsert,
+    };
+    use crate::datapath::memory::MemoryDatapath;
+    use crate::endpoint::state::StateDir;
+    use crate::objects::PodInfo;
+    use crate::policy::attribution::isolation_cookie;
+    use crate::policy::rule::{PolicyKey, PolicyKind};
+
+    fn pod(name: &str, app: &str, ip: &str, node: &str) -> PodInfo {
+        PodInfo {
+            namespace: "ns".into(),
+            name: name.into(),
+            labels: Arc::new([("app".to_string(), app.to_string())].into()),
+            ips: vec![ip.parse().unwrap()],
+            node: Some(node.into()),
+            service_account: "default".into(),
+            named_ports: vec![],
+            workload: None,
+        }
+    }
+
+    /// A policy of its own name each step, as a controller that names policies after a
+    /// release would write.
+    fn churn(i: usize) -> crate::policy::translate::ParsedPolicy {
+        let yaml = format!(
+            "{{apiVersion: cilium.io/v2, kind: CiliumNetworkPolicy, metadata: {{name: churn-{i}, namespace: ns}}, spec: {{endpointSelector: {{matchLabels: {{app: server}}}}, ingress: [{{fromEndpoints: [{{matchLabels: {{app: client}}}}], toPorts: [{{ports: [{{port: '{}', protocol: TCP}}]}}]}}]}}}}",
+            8000 + i
+        );
+        let doc: serde_yaml::Value = serde_yaml::from_str(&yaml).unwrap();
+        crate::policy::translate::parse_policy(&doc, "ns", "test").unwrap()
+    }
+
+    fn key(i: usize) -> Arc<PolicyKey> {
+        let name = format!("churn-{i}");
+        Arc::new(PolicyKey::new(
+            PolicyKind::CiliumNetworkPolicy,
+            Some("ns"),
+            &name,
+        ))
+    }
+
+    async fn realized(core: &Core, rev: u64) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let eps = core
+            .repo
+            .send(ListEndpoints, "test")
+            .await
+            .unwrap()
+            .unwrap();
+        for (_, a) in eps {
+            while a
+                .send(GetEndpoint, "test")
+                .await
+                .unwrap()
+                .unwrap()
+                .policy_revision
+                < rev
+            {
+                assert!(Instant::now() < deadline, "revision {rev} not realized");
+                actix_rt::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    }
+
+    /// Through the actors, on the in-memory datapath: policies renamed again and again leave
+    /// the cookie jar bounded (what no map holds goes at its second sweep), and what the maps
+    /// hold stays resolvable all along.
+    #[test]
+    fn renamed_policies_leave_the_cookie_jar_bounded() {
+        actix::System::new().block_on(async {
+            let tmp = tempfile::tempdir().unwrap();
+            let shared = Shared::new("node-1", StateDir::open(&tmp.path().join("s")).unwrap());
+            let core = spawn_core(&shared, Box::new(MemoryDatapath::new()));
+            let server = pod("server", "server", "10.1.0.2", "node-1");
+            let client = pod("client", "client", "10.2.0.2", "node-2");
+            core.repo.do_send(PodUpsert { pod: client }, "test");
+            core.repo.do_send(
+                PodUpsert {
+                    pod: server.clone(),
+                },
+                "test",
+            );
+            core.repo.send(InitialSyncDone, "test").await.unwrap();
+            let request = EndpointRequest {
+                name: server.key().to_string(),
+                ips: server.ips.clone(),
+                interface: None,
+                container_id: None,
+                netns: None,
+                mac: None,
+            };
+            let add = AddEndpoint {
+                request,
+                restore: None,
+            };
+            core.repo.send(add, "test").await.unwrap().unwrap();
+            let sweep = || core.loader.send(SweepCookies { force: true }, "test");
+            let mut most = 0;
+            for i in 0..12 {
+                let upsert = PolicyUpsert {
+                    policy: churn(i),
+                    source: "test".into(),
+                };
+                let mut rev = core.repo.send(upsert, "test").await.unwrap().unwrap();
+                if i > 0 {
+                    let delete = PolicyDelete {
+                        key: (*key(i - 1)).clone(),
+                    };
+                    rev = core.repo.send(delete, "test").await.unwrap().unwrap();
+                }
+                realized(&core, rev).await;
+                let swept = sweep().await.unwrap().expect("forced");
+                assert_eq!(swept.unknown, 0, "step {i}: every cookie in use resolves");
+                most = most.max(shared.cookies.len());
+            }
+            // Each step made two cookies (the rule's, the isolation's): 25 without sweeps.
+            // Kept: the three in use, and those missed at one sweep only.
+            assert!(most <= 7, "the jar held {most} cookies at most");
+            let (now, _) = isolation_cookie(&[key(11)]);
+            let a = shared
+                .cookies
+                .resolve(now)
+                .expect("the isolation in force resolves");
+            assert_eq!(a.policies[0].name, "churn-11");
+            for old in [0, 5, 9] {
+                let (c, _) = isolation_cookie(&[key(old)]);
+                assert!(shared.cookies.resolve(c).is_none(), "churn-{old} was swept");
+            }
+            let (last, _) = isolation_cookie(&[key(10)]);
+            assert!(shared.cookies.resolve(last).is_some(), "missed once: kept");
+            let swept = sweep().await.unwrap().expect("forced");
+            assert!(
+                shared.cookies.resolve(last).is_none(),
+                "missed twice: {swept:?}"
+            );
+            let mut kept: Vec<String> = shared
+                .cookies
+                .attributions()
+                .iter()
+                .map(|(_, a)| {
+                    let names: Vec<&str> = a.policies.iter().map(|p| p.name.as_str()).collect();
+                    format!("{} {}", a.match_kind.as_str(), names.join(","))
+                })
+                .collect();
+            kept.sort();
+            // The isolation's, the rule's, and the host's implicit allow (no policy).
+            assert_eq!(
+                kept,
+                ["default-deny churn-11", "l3-l4 churn-11", "l3-only "]
+            );
+        });
+    }
+}

@@ -180,6 +180,11 @@ impl EntryTable {
             .filter_map(|(k, c)| c.value().map(|(d, cookie, r)| (*k, d, cookie, r)))
     }
 
+    /// Every cookie its entries' contributors carry (the ones the map holds among them).
+    pub fn cookies(&self) -> impl Iterator<Item = Cookie> + '_ {
+        self.entries.values().flat_map(|c| c.0.iter().map(|x| x.2))
+    }
+
     /// What `key` contributes now (`None`: absent); `first`: the first entry it expands to.
     fn contribution(&self, first: Option<&PolicyEntryKey>, key: &MapKey) -> Option<Contribution> {
         let c = self.entries.get(first?)?;

@@ -241,6 +241,14 @@ impl Datapath for MemoryDatapath {
     fn endpoints(&self) -> Vec<EndpointId> {
         self.endpoints.keys().copied().collect()
     }
+
+    fn cookies_in_use(&self) -> std::collections::HashSet<crate::policy::attribution::Cookie> {
+        let mut out = Default::default();
+        for ep in self.endpoints.values() {
+            crate::datapath::cookies_of(&ep.flags, &ep.table, &mut out);
+        }
+        out
+    }
 }
 
 #[cfg(test)]

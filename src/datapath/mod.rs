@@ -11,11 +11,13 @@ pub mod masquerade;
 pub mod memory;
 pub mod netdev;
 
+use std::collections::HashSet;
 use std::net::IpAddr;
 
 use ipnet::IpNet;
 use serde::Serialize;
 
+use crate::policy::attribution::Cookie;
 use crate::policy::identity::NumericIdentity;
 use crate::policy::mapstate::MapDelta;
 
@@ -182,6 +184,17 @@ pub struct ConntrackGcStats {
     pub complete: bool,
 }
 
+/// Adds the cookies one endpoint's map (`table`) and flags may report to `out`.
+pub(crate) fn cookies_of(
+    flags: &EndpointFlags,
+    table: &abi::EntryTable,
+    out: &mut HashSet<Cookie>,
+) {
+    out.extend(table.cookies());
+    out.extend([flags.ingress_cookie, flags.egress_cookie]);
+    out.remove(&0);
+}
+
 /// The operations `LoaderActor` performs on a datapath.
 pub trait Datapath: Send + 'static {
     /// A short name for logs and status (`memory`, `bpf`).
@@ -209,6 +222,10 @@ pub trait Datapath: Send + 'static {
     fn dump_ipcache(&self) -> Vec<(IpNet, NumericIdentity)>;
     /// The endpoints attached.
     fn endpoints(&self) -> Vec<EndpointId>;
+    /// Every attribution cookie the endpoints' maps and flags may report (what
+    /// `CookieJar::sweep` must keep). No default: a datapath that answered "none" would have
+    /// every attribution swept.
+    fn cookies_in_use(&self) -> HashSet<Cookie>;
     /// Endpoints with something pinned (programs' links, a policy map), attached in this run or
     /// not: what a restart finds of the previous run. Datapaths without pins have none.
     fn pinned_endpoints(&self) -> Vec<EndpointId> {

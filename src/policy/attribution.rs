@@ -11,6 +11,7 @@
 //! another cookie). 0 means "not attributed" (entries of an older version).
 
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use dashmap::DashMap;
@@ -311,12 +312,47 @@ fn isolation_cookie_of<'a>(keys: impl Iterator<Item = &'a PolicyKey>) -> Cookie 
     finish((x ^ (x >> 32)) as u32)
 }
 
-/// Every cookie the agent has written, resolvable by the event reader. Entries are never
-/// removed in a run: an event may arrive after the entry that made it is gone.
+/// Every cookie the agent has written, resolvable by the event reader.
+///
+/// Bounded: the cookies no endpoint's map holds any more are swept (`sweep`), but only after
+/// they were missing at two sweeps in a row (an event may arrive after the entry that made it
+/// is gone: the grace is a sweep interval at least). Policy authors drive what the jar holds
+/// (each distinct rule set and set of isolating policies is a cookie): a controller that
+/// churns policy names would otherwise grow every agent's memory for as long as it runs.
 #[derive(Debug, Default)]
 pub struct CookieJar {
-    cookies: DashMap<Cookie, Arc<Attribution>>,
+    cookies: DashMap<Cookie, Kept>,
+    /// Advanced by `begin_sweep`: what was registered or touched since is kept by that sweep.
+    generation: AtomicU64,
+    /// The policy references the jar holds (its size: an isolation cookie names every
+    /// isolating policy, a thousand cluster-wide ones for some).
+    refs: AtomicUsize,
+    /// `refs` after the last sweep.
+    swept_refs: AtomicUsize,
 }
+
+#[derive(Debug)]
+struct Kept {
+    attribution: Arc<Attribution>,
+    /// The generation it was last registered or touched at.
+    stamp: AtomicU64,
+    /// Sweeps in a row it was missing at.
+    missed: u8,
+}
+
+/// What a sweep did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Swept {
+    pub removed: usize,
+    pub kept: usize,
+    /// Cookies in use that the jar cannot resolve (always 0: every cookie is registered
+    /// before a map holds it; else the datapath reports verdicts nobody can attribute).
+    pub unknown: usize,
+}
+
+/// References the jar may gain past twice those it kept at the last sweep before `wants_sweep`
+/// says so: a sweep costs a walk of every endpoint's table, paid for by the growth it undoes.
+pub const SWEEP_SLACK_REFS: usize = 65_536;
 
 impl CookieJar {
     /// Records what `cookie` stands for (the first revision it was realized at is kept).
@@ -327,17 +363,43 @@ impl CookieJar {
         policies: Vec<PolicyRef>,
         revision: u64,
     ) {
-        if cookie == 0 || self.cookies.contains_key(&cookie) {
+        if cookie == 0 || self.touch(cookie) {
             return;
         }
-        self.cookies.insert(
-            cookie,
-            Arc::new(Attribution {
-                match_kind,
-                policies,
-                revision,
-            }),
-        );
+        let n = policies.len();
+        let generation = self.generation.load(Ordering::Acquire);
+        if let dashmap::mapref::entry::Entry::Vacant(v) = self.cookies.entry(cookie) {
+            v.insert(Kept {
+                attribution: Arc::new(Attribution {
+                    match_kind,
+                    policies,
+                    revision,
+                }),
+                stamp: AtomicU64::new(generation),
+                missed: 0,
+            });
+            self.refs.fetch_add(n, Ordering::Relaxed);
+        }
+    }
+
+    /// `cookie` is registered (0, no attribution, always is); it is kept by a sweep that
+    /// begins before this call even if no map holds it yet (an endpoint is about to write it).
+    pub fn touch(&self, cookie: Cookie) -> bool {
+        if cookie == 0 {
+            return true;
+        }
+        match self.cookies.get(&cookie) {
+            Some(k) => {
+                // Written once per generation: a thousand endpoints touch the same cookies
+                // from two threads, and a write each time would bounce its line between them.
+                let generation = self.generation.load(Ordering::Acquire);
+                if k.stamp.load(Ordering::Relaxed) < generation {
+                    k.stamp.fetch_max(generation, Ordering::AcqRel);
+                }
+                true
+            }
+            None => false,
+        }
     }
 
     /// `cookie` is registered (0, no attribution, always is).
@@ -347,7 +409,7 @@ impl CookieJar {
 
     pub fn resolve(&self, cookie: Cookie) -> Option<Arc<Attribution>> {
         (cookie != 0)
-            .then(|| self.cookies.get(&cookie).map(|a| a.clone()))
+            .then(|| self.cookies.get(&cookie).map(|k| k.attribution.clone()))
             .flatten()
     }
 
@@ -357,6 +419,59 @@ impl CookieJar {
 
     pub fn is_empty(&self) -> bool {
         self.cookies.is_empty()
+    }
+
+    /// Every cookie and what it stands for (tests, debugging).
+    pub fn attributions(&self) -> Vec<(Cookie, Arc<Attribution>)> {
+        let mut v: Vec<_> = self
+            .cookies
+            .iter()
+            .map(|e| (*e.key(), e.attribution.clone()))
+            .collect();
+        v.sort_by_key(|(c, _)| *c);
+        v
+    }
+
+    /// The policy references held.
+    pub fn refs(&self) -> usize {
+        self.refs.load(Ordering::Relaxed)
+    }
+
+    /// The jar has grown enough since the last sweep for one to pay.
+    pub fn wants_sweep(&self) -> bool {
+        self.refs() >= 2 * self.swept_refs.load(Ordering::Relaxed) + SWEEP_SLACK_REFS
+    }
+
+    /// Starts a sweep: call before gathering the cookies in use, and hand the result to
+    /// `sweep` (what is registered or touched from now on is kept by it).
+    pub fn begin_sweep(&self) -> u64 {
+        self.generation.fetch_add(1, Ordering::AcqRel) + 1
+    }
+
+    /// Removes the cookies that neither `in_use` holds nor anyone registered or touched since
+    /// `begin_sweep` returned `generation`, at this sweep and the one before.
+    pub fn sweep(&self, generation: u64, in_use: &std::collections::HashSet<Cookie>) -> Swept {
+        let mut out = Swept::default();
+        let mut dropped = 0;
+        self.cookies.retain(|c, k| {
+            if in_use.contains(c) || k.stamp.load(Ordering::Acquire) >= generation {
+                k.missed = 0;
+            } else {
+                k.missed = k.missed.saturating_add(1);
+            }
+            let keep = k.missed < 2;
+            if keep {
+                out.kept += 1;
+            } else {
+                out.removed += 1;
+                dropped += k.attribution.policies.len();
+            }
+            keep
+        });
+        let left = self.refs.fetch_sub(dropped, Ordering::Relaxed) - dropped;
+        self.swept_refs.store(left, Ordering::Relaxed);
+        out.unknown = in_use.iter().filter(|c| !self.knows(**c)).count();
+        out
     }
 }
 
@@ -452,6 +567,100 @@ mod tests {
         let json = serde_json::to_value(&refs[1]).unwrap();
         assert_eq!(json["tier"], "baseline", "{json}");
         assert_eq!(json["rule"], 2, "{json}");
+    }
+
+    fn refs(n: usize) -> Vec<PolicyRef> {
+        let o = origin(PolicyKind::NetworkPolicy, Some("x"), "p", "spec.ingress[0]");
+        vec![entry_cookie(std::slice::from_ref(&o), MatchKind::L3Only).1[0].clone(); n]
+    }
+
+    #[test]
+    fn a_sweep_removes_a_cookie_only_once_two_sweeps_in_a_row_found_it_unused() {
+        let jar = CookieJar::default();
+        for c in [1, 2, 3, 4] {
+            jar.register(c, MatchKind::L3L4, refs(2), 1);
+        }
+        assert_eq!(jar.refs(), 8);
+        let in_use: std::collections::HashSet<Cookie> = [1].into();
+        // 4 is about to be written by an endpoint: touched after the sweep began.
+        let g = jar.begin_sweep();
+        assert!(jar.touch(4));
+        assert!(!jar.touch(5), "an unknown cookie is not made up");
+        assert_eq!(
+            jar.sweep(g, &in_use),
+            Swept {
+                removed: 0,
+                kept: 4,
+                unknown: 0
+            }
+        );
+        assert!(
+            jar.resolve(2).is_some(),
+            "one miss is the grace of late events"
+        );
+        // 3 is written again (in use at the second sweep): its miss is forgotten.
+        let in_use: std::collections::HashSet<Cookie> = [1, 3].into();
+        let g = jar.begin_sweep();
+        assert_eq!(
+            jar.sweep(g, &in_use),
+            Swept {
+                removed: 1,
+                kept: 3,
+                unknown: 0
+            }
+        );
+        assert!(jar.resolve(2).is_none(), "missed twice in a row");
+        assert!(
+            jar.resolve(4).is_some(),
+            "touched since the first sweep began"
+        );
+        assert_eq!(jar.refs(), 6);
+        // 4 was never written after all: missed at the second sweep and the third.
+        let g = jar.begin_sweep();
+        assert_eq!(
+            jar.sweep(g, &[1].into()),
+            Swept {
+                removed: 1,
+                kept: 2,
+                unknown: 0
+            }
+        );
+        assert!(jar.resolve(4).is_none());
+        let g = jar.begin_sweep();
+        let swept = jar.sweep(g, &[1, 9].into());
+        assert_eq!(
+            swept,
+            Swept {
+                removed: 1,
+                kept: 1,
+                unknown: 1
+            },
+            "9 was never registered"
+        );
+        assert_eq!(jar.refs(), 2);
+        assert!(jar.resolve(1).is_some(), "in use all along");
+        // Registering again what was swept makes it resolvable again.
+        jar.register(2, MatchKind::L3L4, refs(1), 9);
+        assert_eq!(jar.resolve(2).map(|a| a.revision), Some(9));
+    }
+
+    #[test]
+    fn the_jar_asks_for_a_sweep_when_it_has_doubled_past_the_slack() {
+        let jar = CookieJar::default();
+        jar.register(1, MatchKind::DefaultDeny, refs(SWEEP_SLACK_REFS - 1), 1);
+        assert!(!jar.wants_sweep());
+        jar.register(2, MatchKind::L3L4, refs(1), 1);
+        assert!(jar.wants_sweep());
+        let g = jar.begin_sweep();
+        jar.sweep(g, &[1, 2].into());
+        assert!(
+            !jar.wants_sweep(),
+            "what is in use does not count as growth"
+        );
+        jar.register(3, MatchKind::L3L4, refs(SWEEP_SLACK_REFS), 1);
+        assert!(!jar.wants_sweep(), "twice what was kept, plus the slack");
+        jar.register(4, MatchKind::L3L4, refs(SWEEP_SLACK_REFS), 1);
+        assert!(jar.wants_sweep());
     }
 
     #[test]

@@ -683,6 +683,14 @@ impl Datapath for BpfDatapath {
         self.endpoints.keys().copied().collect()
     }
 
+    fn cookies_in_use(&self) -> std::collections::HashSet<crate::policy::attribution::Cookie> {
+        let mut out = Default::default();
+        for ep in self.endpoints.values() {
+            crate::datapath::cookies_of(&ep.flags, &ep.table, &mut out);
+        }
+        out
+    }
+
     fn pinned_endpoints(&self) -> Vec<EndpointId> {
         let mut ids: Vec<EndpointId> = std::fs::read_dir(&self.pins)
             .into_iter()

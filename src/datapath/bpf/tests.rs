@@ -1639,3 +1639,49 @@ fn the_ipv6_conntrack_table_follows_enable_ipv6_and_keeps_its_entries() {
     assert!(!preallocated());
     assert_eq!(kept(), Some(3), "and back");
 }
+
+/// The cookies the BPF datapath says its maps may report (what the cookie jar's sweep keeps):
+/// every entry's, and the endpoint's isolation cookies, following its syncs.
+#[test]
+fn the_cookies_in_use_follow_the_maps_and_flags() {
+    if !privileged() {
+        return;
+    }
+    use crate::datapath::{Datapath, EndpointFlags, HOST_ENDPOINT_ID};
+    use crate::policy::mapstate::{ingress_key, MapDelta};
+    let mut f = HostFirewall::new("cookies");
+    let (web, dns) = (
+        ingress_key(2000, 6, 443, 443),
+        ingress_key(2000, 17, 53, 53),
+    );
+    let delta = MapDelta {
+        upserts: vec![(web, false), (dns, false)],
+        cookies: [(web, 11), (dns, 12)].into_iter().collect(),
+        ..Default::default()
+    };
+    let mut flags = EndpointFlags {
+        ingress_default_deny: true,
+        ingress_cookie: 21,
+        ..Default::default()
+    };
+    f.dp.sync_policy(HOST_ENDPOINT_ID, flags, &delta, false)
+        .unwrap();
+    let in_use = |f: &HostFirewall| {
+        let mut v: Vec<u32> = f.dp.cookies_in_use().into_iter().collect();
+        v.sort();
+        v
+    };
+    assert_eq!(in_use(&f), [11, 12, 21]);
+    let delta = MapDelta {
+        deletes: vec![dns],
+        ..Default::default()
+    };
+    flags.ingress_cookie = 22;
+    f.dp.sync_policy(HOST_ENDPOINT_ID, flags, &delta, false)
+        .unwrap();
+    assert_eq!(
+        in_use(&f),
+        [11, 22],
+        "the deleted entry's and the old isolation's are gone"
+    );
+}
