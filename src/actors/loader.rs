@@ -52,6 +52,28 @@ impl LoaderActor {
         Some(swept)
     }
 
+    /// Forgets the verdict counts (`PolicyHits`) of policies the engine no longer holds, once
+    /// there are more policies with hits than policies (or `force`); returns how many went.
+    fn prune_hits(&self, force: bool) -> usize {
+        let hits = &self.shared.policy_hits;
+        let engine = self.shared.engine.read().unwrap_or_else(|p| p.into_inner());
+        let repo = engine.repository();
+        if !force && hits.len() <= repo.len() {
+            return 0;
+        }
+        let known: std::collections::HashSet<(&str, Option<&str>, &str)> = repo
+            .policies()
+            .map(|p| {
+                (
+                    p.key.kind.as_str(),
+                    p.key.namespace.as_deref(),
+                    p.key.name.as_str(),
+                )
+            })
+            .collect();
+        hits.retain(|kind, ns, name| known.contains(&(kind, ns, name)))
+    }
+
     fn count_error<T>(&self, r: &Result<T, DatapathError>) {
         if let Err(e) = r {
             self.shared.metrics.datapath_errors.inc();
@@ -75,6 +97,7 @@ impl Actor for LoaderActor {
             act.sweep_cookies(false);
             let n = act.shared.cookies.len();
             act.shared.metrics.attribution_cookies.set(n as i64);
+            act.prune_hits(false);
         });
     }
 }
@@ -262,7 +285,7 @@ impl Handler<GetPolicyMap> for LoaderActor {
 
 /// Removes the attribution cookies no endpoint's map or flags have held at two sweeps in a row
 /// (`CookieJar::sweep`), when the jar has grown enough since the last sweep for one to pay, or
-/// `force`. `None`: not swept.
+/// `force`. `None`: not swept. Also forgets the hits of deleted policies (`prune_hits`).
 #[derive(Debug, Message)]
 #[rtype(result = "Option<Swept>")]
 pub struct SweepCookies {
@@ -278,6 +301,7 @@ crate::traceable!(SweepCookies, "SweepCookies", |m| if m.force {
 impl Handler<SweepCookies> for LoaderActor {
     type Result = Option<Swept>;
     fn handle(&mut self, msg: SweepCookies, _: &mut Context<Self>) -> Self::Result {
+        self.prune_hits(msg.force);
         self.sweep_cookies(msg.force)
     }
 }

@@ -1033,9 +1033,9 @@ mod tests {
 
     /// Through the actors, on the in-memory datapath: policies renamed again and again leave
     /// the cookie jar bounded (what no map holds goes at its second sweep), and what the maps
-    /// hold stays resolvable all along.
+    /// hold stays resolvable all along; the deleted policies' hits go too.
     #[test]
-    fn renamed_policies_leave_the_cookie_jar_bounded() {
+    fn renamed_policies_leave_the_cookie_jar_and_the_hits_bounded() {
         actix::System::new().block_on(async {
             let tmp = tempfile::tempdir().unwrap();
             let shared = Shared::new("node-1", StateDir::open(&tmp.path().join("s")).unwrap());
@@ -1078,6 +1078,9 @@ mod tests {
                     rev = core.repo.send(delete, "test").await.unwrap().unwrap();
                 }
                 realized(&core, rev).await;
+                // A verdict of the policy in force, and a late one of the policy just deleted.
+                let (_, refs) = isolation_cookie(&[key(i), key(i.saturating_sub(1))]);
+                shared.policy_hits.record(&refs, "dropped");
                 let swept = sweep().await.unwrap().expect("forced");
                 assert_eq!(swept.unknown, 0, "step {i}: every cookie in use resolves");
                 most = most.max(shared.cookies.len());
@@ -1095,6 +1098,15 @@ mod tests {
                 let (c, _) = isolation_cookie(&[key(old)]);
                 assert!(shared.cookies.resolve(c).is_none(), "churn-{old} was swept");
             }
+            assert_eq!(
+                shared.policy_hits.len(),
+                1,
+                "the deleted policies' hits went"
+            );
+            let hits = shared
+                .policy_hits
+                .get("CiliumNetworkPolicy", Some("ns"), "churn-11");
+            assert_eq!(hits.dropped, 1);
             let (last, _) = isolation_cookie(&[key(10)]);
             assert!(shared.cookies.resolve(last).is_some(), "missed once: kept");
             let swept = sweep().await.unwrap().expect("forced");

@@ -507,6 +507,26 @@ impl PolicyHits {
         }
     }
 
+    /// Policies with hits.
+    pub fn len(&self) -> usize {
+        self.hits.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.hits.is_empty()
+    }
+
+    /// Keeps the hits of the policies `known` names (`kind`, `namespace`, `name`); returns how
+    /// many went. A deleted policy's hits would otherwise stay for the agent's lifetime (and
+    /// its entries report verdicts until every endpoint realized the deletion, so forgetting
+    /// them as it goes would not do).
+    pub fn retain(&self, known: impl Fn(&str, Option<&str>, &str) -> bool) -> usize {
+        let before = self.hits.len();
+        self.hits
+            .retain(|(kind, ns, name), _| known(kind, ns.as_deref(), name));
+        before - self.hits.len()
+    }
+
     pub fn get(&self, kind: &str, namespace: Option<&str>, name: &str) -> Hits {
         self.hits
             .get(&(
@@ -642,6 +662,37 @@ mod tests {
         // Registering again what was swept makes it resolvable again.
         jar.register(2, MatchKind::L3L4, refs(1), 9);
         assert_eq!(jar.resolve(2).map(|a| a.revision), Some(9));
+    }
+
+    #[test]
+    fn hits_of_policies_no_longer_known_are_forgotten() {
+        let hits = PolicyHits::default();
+        let (_, a) = entry_cookie(
+            &[origin(
+                PolicyKind::NetworkPolicy,
+                Some("x"),
+                "a",
+                "spec.ingress[0]",
+            )],
+            MatchKind::L3Only,
+        );
+        let (_, b) = entry_cookie(
+            &[origin(
+                PolicyKind::CiliumNetworkPolicy,
+                Some("x"),
+                "a",
+                "spec.ingress[0]",
+            )],
+            MatchKind::L3Only,
+        );
+        hits.record(&a, "forwarded");
+        hits.record(&b, "dropped");
+        let removed = hits.retain(|kind, ns, name| {
+            kind == "CiliumNetworkPolicy" && ns == Some("x") && name == "a"
+        });
+        assert_eq!(removed, 1);
+        assert_eq!(hits.get("NetworkPolicy", Some("x"), "a"), Hits::default());
+        assert_eq!(hits.get("CiliumNetworkPolicy", Some("x"), "a").dropped, 1);
     }
 
     #[test]
