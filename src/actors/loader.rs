@@ -29,7 +29,11 @@ impl LoaderActor {
     /// See `SweepCookies`.
     fn sweep_cookies(&mut self, force: bool) -> Option<Swept> {
         let jar = &self.shared.cookies;
-        if !force && !jar.wants_sweep() {
+        // Not before every restored endpoint regenerated: until then their flags hold the
+        // previous run's isolation cookies, which this run registers as it regenerates them.
+        let ready = self.shared.ready.load(std::sync::atomic::Ordering::Acquire);
+        let due = ready && jar.wants_sweep();
+        if !(force || due) {
             return None;
         }
         // The generation first: what endpoints register or touch from here on is kept.

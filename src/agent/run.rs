@@ -972,7 +972,7 @@ mod tests {
     use crate::datapath::memory::MemoryDatapath;
     use crate::endpoint::state::StateDir;
     use crate::objects::PodInfo;
-    use crate::policy::attribution::isolation_cookie;
+    use crate::policy::attribution::{isolation_cookie, MatchKind};
     use crate::policy::rule::{PolicyKey, PolicyKind};
 
     fn pod(name: &str, app: &str, ip: &str, node: &str) -> PodInfo {
@@ -1128,6 +1128,24 @@ mod tests {
             assert_eq!(
                 kept,
                 ["default-deny churn-11", "l3-l4 churn-11", "l3-only "]
+            );
+            // Unforced, a sweep waits for the jar to double and for the agent to be ready
+            // (restored endpoints' flags hold the previous run's cookies until then).
+            let big = vec![a.policies[0].clone(); crate::policy::attribution::SWEEP_SLACK_REFS + 8];
+            shared.cookies.register(1, MatchKind::L3Only, big, 99);
+            let unforced = || core.loader.send(SweepCookies { force: false }, "test");
+            let ready = &shared.ready;
+            ready.store(false, std::sync::atomic::Ordering::SeqCst);
+            assert_eq!(unforced().await.unwrap(), None, "not ready");
+            ready.store(true, std::sync::atomic::Ordering::SeqCst);
+            assert!(
+                unforced().await.unwrap().is_some(),
+                "ready, and the jar doubled"
+            );
+            assert_eq!(
+                unforced().await.unwrap(),
+                None,
+                "what is kept does not count"
             );
         });
     }
