@@ -23,7 +23,10 @@
 //!   the ring buffer is emptied between timed runs, so every event is written, none lost to a
 //!   full buffer), the endpoint's reply through
 //!   `from_container`, and new connections from 20,000 distinct peers, one run each (cold; the
-//!   median of a round).
+//!   median of a round). Beside the cold figure, the warm SYN timed the same way (one run each,
+//!   20,000 of them, the median): its floor, what a single run costs with every map entry in
+//!   cache (the kernel's timer and the caches a syscall leaves), so the cold figure's own part
+//!   is the difference.
 //! - The settings map is each object's own: allow events (a verdict event for every new allowed
 //!   connection) as each tree's agent sets them: on for today's, off for 91a4aeb's (which never
 //!   turned them on; `CILIATE_AB_BASELINE_ALLOW_EVENTS=1` turns them on;
@@ -179,6 +182,13 @@ fn main() {
             packet(dst, addr(1), 80, 1025, ACK),
             0,
         ),
+        Case {
+            what: "new TCP connection, one SYN again, one run each (the cold figure's floor)",
+            prog: "to_container",
+            packets: vec![packet(addr(6), dst, 4444, 80, SYN); COLD as usize],
+            verdict: 0,
+            repeat: 1,
+        },
         Case {
             what: "new TCP connection, distinct peers (cold, one run each, median)",
             prog: "to_container",
