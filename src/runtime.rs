@@ -212,9 +212,17 @@ pub struct FlowSink {
 /// current version's `Arc`, which the entry holds, so that no other policy's key can be
 /// allocated there while it is cached) and verdict, so that a flow counts without formatting
 /// labels. Bounded: emptied when it reaches `STAGED_COUNTERS_MAX` (policy versions come and
-/// go; the counters live on in the metric family).
+/// go; the counters live on in the metric family). The family's label sets are those of the
+/// policies the engine holds: [`prune`](Self::prune) takes a deleted policy's series out.
 #[derive(Clone, Default)]
-pub struct StagedCounters(Arc<Mutex<std::collections::HashMap<(usize, bool), StagedCounter>>>);
+pub struct StagedCounters(Arc<Mutex<StagedInner>>);
+
+#[derive(Default)]
+struct StagedInner {
+    counters: std::collections::HashMap<(usize, bool), StagedCounter>,
+    /// The policies with label sets in the family, by their label.
+    labelled: std::collections::HashMap<String, Arc<crate::policy::rule::PolicyKey>>,
+}
 
 type StagedCounter = (
     Arc<crate::policy::rule::PolicyKey>,
@@ -223,8 +231,11 @@ type StagedCounter = (
 
 const STAGED_COUNTERS_MAX: usize = 4096;
 
+/// The `verdict` label values.
+const STAGED_VERDICTS: [&str; 2] = ["forwarded", "dropped"];
+
 impl StagedCounters {
-    fn inc(
+    pub(crate) fn inc(
         &self,
         metrics: &crate::metrics::Metrics,
         policy: &Arc<crate::policy::rule::PolicyKey>,
@@ -234,20 +245,53 @@ impl StagedCounters {
             return;
         };
         let key = (Arc::as_ptr(policy) as usize, dropped);
-        if !m.contains_key(&key) {
-            if m.len() >= STAGED_COUNTERS_MAX {
-                m.clear();
+        if !m.counters.contains_key(&key) {
+            if m.counters.len() >= STAGED_COUNTERS_MAX {
+                m.counters.clear();
             }
             let labels = crate::metrics::StagedLabels {
                 policy: policy.to_string(),
-                verdict: if dropped { "dropped" } else { "forwarded" }.into(),
+                verdict: STAGED_VERDICTS[dropped as usize].into(),
             };
             let c = metrics.staged_verdicts.get_or_create(&labels).clone();
-            m.insert(key, (policy.clone(), c));
+            m.labelled.insert(labels.policy, policy.clone());
+            m.counters.insert(key, (policy.clone(), c));
         }
-        if let Some((_, c)) = m.get(&key) {
+        if let Some((_, c)) = m.counters.get(&key) {
             c.inc();
         }
+    }
+
+    /// Takes the series of the policies `known` says are gone out of the metric family (a
+    /// deleted staged policy's counts would otherwise be exported for the agent's lifetime);
+    /// returns how many policies went.
+    pub fn prune(
+        &self,
+        metrics: &crate::metrics::Metrics,
+        known: impl Fn(&crate::policy::rule::PolicyKey) -> bool,
+    ) -> usize {
+        let Ok(mut m) = self.0.lock() else {
+            return 0;
+        };
+        let gone: Vec<String> = m
+            .labelled
+            .iter()
+            .filter(|(_, k)| !known(k))
+            .map(|(l, _)| l.clone())
+            .collect();
+        for policy in &gone {
+            m.labelled.remove(policy);
+            for verdict in STAGED_VERDICTS {
+                metrics
+                    .staged_verdicts
+                    .remove(&crate::metrics::StagedLabels {
+                        policy: policy.clone(),
+                        verdict: verdict.into(),
+                    });
+            }
+        }
+        m.counters.retain(|_, (k, _)| known(k));
+        gone.len()
     }
 }
 

@@ -57,11 +57,20 @@ impl LoaderActor {
     }
 
     /// Forgets the verdict counts (`PolicyHits`) of policies the engine no longer holds, once
-    /// there are more policies with hits than policies (or `force`); returns how many went.
+    /// there are more policies with hits than policies (or `force`), and the staged-verdict
+    /// series of deleted policies; returns how many policies' hits went.
     fn prune_hits(&self, force: bool) -> usize {
         let hits = &self.shared.policy_hits;
         let engine = self.shared.engine.read().unwrap_or_else(|p| p.into_inner());
         let repo = engine.repository();
+        let metrics = &self.shared.metrics;
+        let staged = (self.shared.staged_counters).prune(metrics, |k| repo.get(k).is_some());
+        if staged > 0 {
+            tracing::debug!(
+                policies = staged,
+                "staged-verdict series of deleted policies removed"
+            );
+        }
         if !force && hits.len() <= repo.len() {
             return 0;
         }

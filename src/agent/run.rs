@@ -1081,6 +1081,10 @@ mod tests {
                 // A verdict of the policy in force, and a late one of the policy just deleted.
                 let (_, refs) = isolation_cookie(&[key(i), key(i.saturating_sub(1))]);
                 shared.policy_hits.record(&refs, "dropped");
+                // And what it would have given staged (a series per policy and verdict).
+                let staged = &shared.staged_counters;
+                staged.inc(&shared.metrics, &key(i), true);
+                staged.inc(&shared.metrics, &key(i.saturating_sub(1)), false);
                 let swept = sweep().await.unwrap().expect("forced");
                 assert_eq!(swept.unknown, 0, "step {i}: every cookie in use resolves");
                 most = most.max(shared.cookies.len());
@@ -1107,6 +1111,21 @@ mod tests {
                 .policy_hits
                 .get("CiliumNetworkPolicy", Some("ns"), "churn-11");
             assert_eq!(hits.dropped, 1);
+            let series: Vec<String> = shared
+                .metrics
+                .encode()
+                .lines()
+                .filter(|l| l.starts_with("ciliate_policy_staged_verdicts_total{"))
+                .map(|l| l.rsplit_once(' ').expect("a sample").0.to_string())
+                .collect();
+            let mine = r#"policy="CiliumNetworkPolicy ns/churn-11""#;
+            assert_eq!(
+                series,
+                [format!(
+                    r#"ciliate_policy_staged_verdicts_total{{{mine},verdict="dropped"}}"#
+                )],
+                "the deleted policies' staged series went"
+            );
             let (last, _) = isolation_cookie(&[key(10)]);
             assert!(shared.cookies.resolve(last).is_some(), "missed once: kept");
             let swept = sweep().await.unwrap().expect("forced");
