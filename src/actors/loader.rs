@@ -59,7 +59,7 @@ impl LoaderActor {
     /// Forgets the verdict counts (`PolicyHits`) of policies the engine no longer holds, once
     /// there are more policies with hits than policies (or `force`), and the staged-verdict
     /// series of deleted policies; returns how many policies' hits went.
-    fn prune_hits(&self, force: bool) -> usize {
+    fn forget_deleted_policies(&self, force: bool) -> usize {
         let hits = &self.shared.policy_hits;
         let engine = self.shared.engine.read().unwrap_or_else(|p| p.into_inner());
         let repo = engine.repository();
@@ -110,7 +110,7 @@ impl Actor for LoaderActor {
             act.sweep_cookies(false);
             let n = act.shared.cookies.len();
             act.shared.metrics.attribution_cookies.set(n as i64);
-            act.prune_hits(false);
+            act.forget_deleted_policies(false);
         });
     }
 }
@@ -298,7 +298,8 @@ impl Handler<GetPolicyMap> for LoaderActor {
 
 /// Removes the attribution cookies no endpoint's map or flags have held at two sweeps in a row
 /// (`CookieJar::sweep`), when the jar has grown enough since the last sweep for one to pay, or
-/// `force`. `None`: not swept. Also forgets the hits of deleted policies (`prune_hits`).
+/// `force`. `None`: not swept. Also forgets what deleted policies left
+/// (`forget_deleted_policies`).
 #[derive(Debug, Message)]
 #[rtype(result = "Option<Swept>")]
 pub struct SweepCookies {
@@ -314,7 +315,7 @@ crate::traceable!(SweepCookies, "SweepCookies", |m| if m.force {
 impl Handler<SweepCookies> for LoaderActor {
     type Result = Option<Swept>;
     fn handle(&mut self, msg: SweepCookies, _: &mut Context<Self>) -> Self::Result {
-        self.prune_hits(msg.force);
+        self.forget_deleted_policies(msg.force);
         self.sweep_cookies(msg.force)
     }
 }
