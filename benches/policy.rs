@@ -4,6 +4,8 @@
 //! - `resolve/tiers_100x25_plus_1000_cnp` (and `_shared`, its tiers' compilation shared with an
 //!   endpoint resolved before, `policy::tier_memo`): the same endpoint also selected by 100
 //!   ClusterNetworkPolicies of 25 rules each (issue #28: <= 1 ms).
+//! - `resolve/tiers_write_floor`: writing that resolution's tier entries alone (34,000), through
+//!   the compiler's write path: what the map representation costs with nothing to decide.
 //! - `selector_cache/new_identity_10k_selectors`: an identity appearing (and going) with 10,000
 //!   selectors cached.
 //! - `simulate/world_5000_pods`: `simulate` on 5,000 pods, 500 namespaces, 2,000 policies and
@@ -165,6 +167,60 @@ fn bench_resolve(c: &mut Criterion) {
     });
     c.bench_function("resolve/tiers_100x25_plus_1000_cnp_shared", |b| {
         b.iter(|| black_box(engine.resolve(black_box(&view))))
+    });
+    bench_write_floor(c, &resolved.map);
+}
+
+/// The floor of the cold figure under today's map representation: writing the entries of the
+/// tiers' result alone (the same keys, deny flags and origins), through the compiler's own
+/// write path (a scratch `Group` per identity, `take_exact`, `MapState::insert_group`), with
+/// nothing to decide.
+fn bench_write_floor(c: &mut Criterion, map: &ciliate::policy::mapstate::MapState) {
+    use ciliate::policy::mapstate::{Group, MapState};
+    use ciliate::policy::rule::Direction;
+    type Row = (
+        (u8, u16, u16),
+        bool,
+        std::sync::Arc<ciliate::policy::rule::RuleOrigin>,
+    );
+    let mut by_id: Vec<(u32, Vec<Row>)> = Vec::new();
+    for (k, e) in map.entries() {
+        if k.direction != Direction::Ingress {
+            continue;
+        }
+        let row = (
+            (k.protocol, k.port_lo, k.port_hi),
+            e.deny,
+            e.derived_from[0].clone(),
+        );
+        match by_id.last_mut() {
+            Some((id, rows)) if *id == k.identity => rows.push(row),
+            _ => by_id.push((k.identity, vec![row])),
+        }
+    }
+    let entries: usize = by_id.iter().map(|(_, r)| r.len()).sum();
+    eprintln!(
+        "tiers_write_floor: {entries} entries of {} identities",
+        by_id.len()
+    );
+    // As the cold resolution: one map per batch, dropped outside the timing.
+    c.bench_function("resolve/tiers_write_floor", |b| {
+        b.iter_batched(
+            || (),
+            |()| {
+                let mut out = MapState::new();
+                let mut scratch = Group::new(0);
+                for (id, rows) in &by_id {
+                    scratch.reset(*id);
+                    for (ports, deny, origin) in rows {
+                        scratch.insert_l7(*ports, *deny, origin, None);
+                    }
+                    out.insert_group(Direction::Ingress, scratch.take_exact());
+                }
+                black_box(out)
+            },
+            criterion::BatchSize::PerIteration,
+        )
     });
 }
 
