@@ -13,6 +13,7 @@ use std::sync::Arc;
 use serde_yaml::Value;
 
 use crate::objects::Kind;
+use crate::policy::translate::Document;
 
 pub use merge::{Delta, Doc, Duplicate, FileUpdate, ManifestSet, ObjKey, Upsert};
 pub use read::{IoWorker, Limits};
@@ -82,7 +83,8 @@ pub fn parse_documents(bytes: &[u8], budget: usize) -> Result<Vec<Doc<Body>>, St
         Ok(())
     };
     for de in serde_yaml::Deserializer::from_str(text) {
-        let v: Value =
+        // Read as `Document`: an integer beyond 64 bits rejects its object, not the file.
+        let Document(v) =
             serde::Deserialize::deserialize(de).map_err(|e| format!("not valid YAML: {e}"))?;
         if str_at(&v, &["kind"]) == Some("List") {
             if let Some(items) = v.get("items").and_then(Value::as_sequence) {
@@ -258,6 +260,26 @@ mod tests {
         assert!(parse_documents(b"\xff\xfe", 10)
             .unwrap_err()
             .contains("UTF-8"));
+    }
+
+    #[test]
+    fn an_integer_beyond_64_bits_is_its_documents_problem_not_the_files() {
+        // serde_yaml's own Value refuses such an integer: the whole file was "not valid YAML".
+        let text = format!(
+            "{POD}---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\n\
+             metadata: {{name: n, namespace: shop}}\n\
+             spec: {{podSelector: {{}}, ingress: [{{ports: [{{port: 99999999999999999999999}}]}}]}}\n"
+        );
+        let docs = parse_documents(text.as_bytes(), 10).unwrap();
+        let keys: Vec<String> = docs.iter().map(|d| d.key.to_string()).collect();
+        assert_eq!(keys, vec!["Pod shop/a", "NetworkPolicy shop/n"]);
+        // The policy's own validation then refuses the field, by name.
+        let body: Value = serde_yaml::from_str(&docs[1].body).unwrap();
+        let err = crate::policy::translate::parse_policy(&body, "default", "n").unwrap_err();
+        assert!(
+            err.to_string().contains("spec.ingress[0].ports[0].port"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -26,7 +26,7 @@ use crate::policy::identity::{
 use crate::policy::l7::http::HttpVerdict;
 use crate::policy::labels::{check_labels, Label, Labels};
 use crate::policy::rule::{Direction, PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP};
-use crate::policy::translate::{parse_policy, PolicyError};
+use crate::policy::translate::{parse_policy, Document, PolicyError};
 
 /// The world file is unusable (exit status 2).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -421,7 +421,8 @@ fn build(text: &str, sections: &yaml::Sections, out: &mut Simulation) -> Result<
         engine.learn_fqdn(&name, &ips);
     }
 
-    for_each(text, sections, "policies", |i, doc: serde_yaml::Value| {
+    // Read as `Document`: an integer beyond 64 bits rejects its policy, not the world.
+    for_each(text, sections, "policies", |i, Document(doc)| {
         match parse_policy(&doc, "default", &format!("policies[{i}]")) {
             Ok(p) => {
                 out.warnings.extend(p.warnings.iter().cloned());

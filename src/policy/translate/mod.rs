@@ -8,6 +8,7 @@
 
 mod cilium;
 mod common;
+mod document;
 mod knp;
 mod npa;
 
@@ -22,6 +23,7 @@ use super::services::ServiceTable;
 use crate::kinds::Family;
 
 pub use common::{icmp_type_from_name, is_iana_service_name, parse_cidr};
+pub use document::Document;
 
 /// A policy that passed validation, ready for the repository.
 #[derive(Debug, Clone)]
