@@ -180,6 +180,9 @@ pub fn simulate(text: &str) -> Result<Simulation, WorldError> {
             "the world file is empty: it declares no namespaces, nodes, pods, policies or probes",
         ));
     };
+    if let Some(alias) = sections.alias {
+        return simulate_aliased(text, alias);
+    }
     let mut out = Simulation::default();
     let mut sim = build(text, &sections, &mut out)?;
     for_each(text, &sections, "probes", |i, probe: world::Probe| {
@@ -187,6 +190,32 @@ pub fn simulate(text: &str) -> Result<Simulation, WorldError> {
         Ok(())
     })?;
     Ok(out)
+}
+
+/// A world with YAML aliases is read whole (its entries may share anchors), so at most this.
+pub const MAX_ALIASED_WORLD_BYTES: usize = 16 << 20;
+
+/// [`simulate`] of a world with an alias (the first at `alias`): of the same world with its
+/// aliases replaced by what they name. Positions in its errors count in that text.
+fn simulate_aliased(text: &str, alias: yaml::Mark) -> Result<Simulation, WorldError> {
+    if text.len() > MAX_ALIASED_WORLD_BYTES {
+        return Err(werr(
+            format!("(document) {}", alias.describe()),
+            format!(
+                "a world with YAML aliases is read whole, so it may hold at most {} MiB; \
+                 write the aliased parts out or split the world",
+                MAX_ALIASED_WORLD_BYTES >> 20
+            ),
+        ));
+    }
+    let expanded = yaml::expand_aliases(text)?;
+    simulate(&expanded).map_err(|mut e| {
+        if e.message.contains(" at line ") {
+            e.message
+                .push_str(" (lines of the world with its aliases written out)");
+        }
+        e
+    })
 }
 
 /// Calls `f` with each entry of the sequence section `name`, deserialised one at a time.

@@ -280,3 +280,32 @@ fn dns_probe_mistakes_name_the_entry() {
     let e = simulate("dns: {a.example.com: [nope]}").unwrap_err();
     assert_eq!(e.entry, "dns.a.example.com[0]", "{e}");
 }
+
+/// Anchors shared across entries and sections (as `yaml.safe_dump` writes a structure it meets
+/// twice) give what the world written out gives; an error in such a world still names its
+/// entry; an unknown anchor or an alias bomb leaves the world unusable, never a panic.
+#[test]
+fn aliases_across_entries_read_as_the_world_written_out() {
+    let aliased = "namespaces:\n  x: &l {team: a}\n  y: *l\npods:\n  - {namespace: x, name: a, labels: *l, ips: [10.0.0.1]}\n  - {namespace: y, name: b, labels: {app: b}, ips: [10.0.0.2]}\npolicies:\n  - &p {apiVersion: cilium.io/v2, kind: CiliumNetworkPolicy, metadata: {name: p, namespace: y}, spec: {endpointSelector: {}, ingress: [{fromEndpoints: [{matchLabels: {team: a}}]}]}}\nprobes:\n  - &q {from: y/b, to: y/b, port: 80}\n  - {from: x/a, to: y/b, port: 80}\n  - {from: y/b, to: x/a, port: 80}\n  - *q\n";
+    let written = "namespaces:\n  x: {team: a}\n  y: {team: a}\npods:\n  - {namespace: x, name: a, labels: {team: a}, ips: [10.0.0.1]}\n  - {namespace: y, name: b, labels: {app: b}, ips: [10.0.0.2]}\npolicies:\n  - {apiVersion: cilium.io/v2, kind: CiliumNetworkPolicy, metadata: {name: p, namespace: y}, spec: {endpointSelector: {}, ingress: [{fromEndpoints: [{matchLabels: {team: a}}]}]}}\nprobes:\n  - {from: y/b, to: y/b, port: 80}\n  - {from: x/a, to: y/b, port: 80}\n  - {from: y/b, to: x/a, port: 80}\n  - {from: y/b, to: y/b, port: 80}\n";
+    let (a, w) = (simulate(aliased).unwrap(), simulate(written).unwrap());
+    assert_eq!(a.results, w.results);
+    assert_eq!(a.results.len(), 4);
+    assert!(a.rejections.is_empty(), "{:?}", a.rejections);
+
+    let bad_ip = "namespaces: {x: {}}\npods:\n  - {namespace: x, name: a, labels: &l {app: a}, ips: [10.0.0.1]}\n  - {namespace: x, name: b, labels: *l, ips: [nope]}\n";
+    let e = simulate(bad_ip).unwrap_err();
+    assert_eq!(e.entry, "pods[1].ips[0]", "{}", e.message);
+
+    let unknown = "pods:\n  - {namespace: x, name: a, labels: {app: *nowhere}}\n";
+    let e = simulate(unknown).unwrap_err();
+    assert!(e.message.contains("unknown anchor"), "{}", e.message);
+
+    let mut bomb = String::from("probes: []\npolicies:\n  - a: &a [x, x, x, x, x, x, x, x, x]\n");
+    for (prev, next) in ('a'..'i').zip('b'..'j') {
+        let row = vec![format!("*{prev}"); 9].join(", ");
+        bomb.push_str(&format!("    {next}: &{next} [{row}]\n"));
+    }
+    let e = simulate(&bomb).unwrap_err();
+    assert!(e.message.contains("repetition limit"), "{}", e.message);
+}

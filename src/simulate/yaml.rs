@@ -5,8 +5,9 @@
 //! libyaml's event parser (the one serde_yaml runs on, so both read the text the same way) walks
 //! the document once and records the byte span of each entry of the top-level sections
 //! (`pods[i]`, `namespaces.<name>`, ...). Each entry is then deserialised on its own from its
-//! span, so only one entry's events exist at a time. An anchor is therefore only visible inside
-//! the entry that defines it.
+//! span, so only one entry's events exist at a time. An anchor would therefore only be visible
+//! inside the entry that defines it: a world with any alias (`*name`) is instead read whole once,
+//! its aliases replaced by what they name ([`expand_aliases`], bounded), and that text walked.
 
 use std::borrow::Cow;
 use std::ffi::CStr;
@@ -18,6 +19,7 @@ use unsafe_libyaml as unsafe_sys;
 
 use super::{werr, WorldError};
 use crate::policy::labels::shorten;
+use crate::policy::translate::Document;
 
 /// A position in the text: byte offset, 0-based line, 0-based column (in characters).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,7 +39,7 @@ impl Mark {
     }
 
     /// `line L column C`, 1-based as editors count.
-    fn describe(&self) -> String {
+    pub fn describe(&self) -> String {
         format!(
             "line {} column {}",
             self.line.saturating_add(1),
@@ -74,6 +76,8 @@ struct Event {
 struct Parser<'a> {
     sys: Box<MaybeUninit<unsafe_sys::yaml_parser_t>>,
     _input: PhantomData<&'a [u8]>,
+    /// Where the first alias is, if one was seen.
+    alias: Option<Mark>,
 }
 
 impl<'a> Parser<'a> {
@@ -92,6 +96,7 @@ impl<'a> Parser<'a> {
         Ok(Parser {
             sys,
             _input: PhantomData,
+            alias: None,
         })
     }
 
@@ -142,6 +147,9 @@ impl<'a> Parser<'a> {
                 end: Mark::from_sys(&e.end_mark),
             };
             unsafe_sys::yaml_event_delete(ev.as_mut_ptr());
+            if out.kind == Kind::Alias && self.alias.is_none() {
+                self.alias = Some(out.start);
+            }
             Ok(out)
         }
     }
@@ -194,11 +202,15 @@ pub(crate) struct Section {
 
 /// The top-level sections of a world, in the order the file has them.
 #[derive(Debug, Default)]
-pub(crate) struct Sections(pub Vec<(String, Section)>);
+pub(crate) struct Sections {
+    pub list: Vec<(String, Section)>,
+    /// Where the document's first alias is: its entries cannot be read one by one.
+    pub alias: Option<Mark>,
+}
 
 impl Sections {
     pub fn get(&self, key: &str) -> Option<&Section> {
-        self.0.iter().find(|(k, _)| k == key).map(|(_, s)| s)
+        self.list.iter().find(|(k, _)| k == key).map(|(_, s)| s)
     }
 }
 
@@ -229,7 +241,10 @@ pub(crate) fn scan(text: &str) -> Result<Option<Sections>, WorldError> {
         Kind::Scalar {
             plain_null: true, ..
         } => None,
-        Kind::MappingStart => Some(scan_root(&mut p)?),
+        Kind::MappingStart => Some(Sections {
+            list: scan_root(&mut p)?,
+            alias: p.alias,
+        }),
         _ => {
             return Err(werr(
                 format!("(document) {}", root.start.describe()),
@@ -251,8 +266,8 @@ pub(crate) fn scan(text: &str) -> Result<Option<Sections>, WorldError> {
     Ok(sections)
 }
 
-fn scan_root(p: &mut Parser) -> Result<Sections, WorldError> {
-    let mut out = Sections::default();
+fn scan_root(p: &mut Parser) -> Result<Vec<(String, Section)>, WorldError> {
+    let mut out: Vec<(String, Section)> = Vec::new();
     loop {
         let key = p.next(true)?;
         let name = match key.kind {
@@ -276,7 +291,7 @@ fn scan_root(p: &mut Parser) -> Result<Sections, WorldError> {
                 ),
             ));
         };
-        if out.get(&name).is_some() {
+        if out.iter().any(|(k, _)| *k == name) {
             return Err(werr(
                 format!("(document) {}", key.start.describe()),
                 format!("duplicate field `{name}`"),
@@ -307,7 +322,7 @@ fn scan_root(p: &mut Parser) -> Result<Sections, WorldError> {
                 entries: None,
             },
         };
-        out.0.push((name, section));
+        out.push((name, section));
     }
 }
 
@@ -355,6 +370,14 @@ fn skip_node(p: &mut Parser, first: Event) -> Result<usize, WorldError> {
         }
         ev = p.next(false)?;
     }
+}
+
+/// The world read whole, its aliases replaced by what they name (serde_yaml bounds how much an
+/// alias may repeat), written again as YAML with no anchor left.
+pub(crate) fn expand_aliases(text: &str) -> Result<String, WorldError> {
+    let read = |e: serde_yaml::Error| werr("(document)", error_message(&e, "", 0));
+    let Document(world) = serde_yaml::from_str(text).map_err(read)?;
+    serde_yaml::to_string(&world).map_err(read)
 }
 
 /// The text of one entry, indented as in the file so that a block mapping keeps its shape.
