@@ -118,9 +118,19 @@ pub fn read_documents(path: &Path) -> Result<Vec<(String, serde_yaml::Value)>, S
     Ok(out)
 }
 
+/// The flows of a file, with what was read and skipped said on stderr (nothing left out
+/// silently).
 fn read_flows(path: &Path) -> Result<flowfile::Read, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    flowfile::read(&text, &path.display().to_string(), FLOWS_MAX)
+    let read = flowfile::read(&text, &path.display().to_string(), FLOWS_MAX)?;
+    eprintln!(
+        "{}: {} flows that opened a connection; {} lines skipped (replies, established \
+         packets, flows of no known direction, other events)",
+        path.display(),
+        read.flows,
+        read.skipped
+    );
+    Ok(read)
 }
 
 /// The flows Hubble Observers (a relay, or agents) keep, last seen within `since`, as one

@@ -5,7 +5,8 @@
 //!   Hubble's field names (`traffic_direction`, `egress_allowed_by`, ...; lowerCamelCase too).
 //!
 //! Only what decided a new connection counts: for TCP the packet with SYN and without ACK (a
-//! flow without flags counts too), never a reply. Other lines (DNS, L7, notifications, lost
+//! flow without flags counts too), never a reply nor a flow of no known direction (Hubble's
+//! `TRAFFIC_DIRECTION_UNKNOWN`, left out of jsonpb: no policy decided it). Other lines (DNS, L7, notifications, lost
 //! events) are skipped; a line that is not JSON, or a flow without what a connection needs,
 //! is an error naming the line.
 
@@ -363,6 +364,9 @@ fn record_hubble(h: &mut FlowHistory, f: HubbleFlow) -> Result<bool, String> {
     let egress = match f.traffic_direction.as_str() {
         "EGRESS" => true,
         "INGRESS" => false,
+        // Hubble does not know the direction (jsonpb leaves the zero value out): a drop before
+        // any policy (an invalid packet, a missing route), which decided no connection.
+        "" | "TRAFFIC_DIRECTION_UNKNOWN" => return Ok(false),
         other => {
             return Err(format!(
                 "traffic_direction {other:?}: neither EGRESS nor INGRESS"
@@ -403,6 +407,8 @@ mod tests {
 {"flow":{"time":"2026-11-29T08:00:01.2Z","verdict":"FORWARDED","IP":{"source":"10.0.2.7","destination":"10.0.1.5"},"l4":{"TCP":{"source_port":80,"destination_port":40000,"flags":{"SYN":true,"ACK":true}}},"traffic_direction":"INGRESS","is_reply":true}}
 {"flow":{"time":"2026-11-29T08:00:02Z","verdict":"DROPPED","IP":{"source":"10.0.1.5","destination":"203.0.113.9"},"l4":{"UDP":{"sourcePort":5000,"destinationPort":53}},"source":{"namespace":"x","labels":["k8s:app=a","k8s:io.kubernetes.pod.namespace=x"],"podName":"a-2"},"destination":{"labels":["reserved:world"]},"destinationNames":["dns.example"],"trafficDirection":"EGRESS","egressDeniedBy":[{"name":"no-dns","namespace":"x","kind":"CiliumNetworkPolicy"}]}}
 {"node_status":{"state_change":"NODE_CONNECTED"}}
+{"flow":{"time":"2026-11-29T08:00:03Z","verdict":"DROPPED","drop_reason_desc":"INVALID_SOURCE_IP","IP":{"source":"10.0.9.9","destination":"10.0.2.7"},"l4":{"TCP":{"destination_port":80,"flags":{"SYN":true}}},"source":{"labels":["reserved:world"]}}}
+{"flow":{"time":"2026-11-29T08:00:04Z","verdict":"DROPPED","IP":{"source":"10.0.9.9","destination":"10.0.2.7"},"l4":{"UDP":{"destination_port":53}},"traffic_direction":"TRAFFIC_DIRECTION_UNKNOWN"}}
 "#;
 
     #[test]
@@ -410,8 +416,8 @@ mod tests {
         let r = read(HUBBLE, "flows.json", 100).unwrap();
         assert_eq!(
             (r.flows, r.skipped),
-            (2, 2),
-            "the reply and the node status skipped"
+            (2, 4),
+            "the reply, the node status and the drops of no direction skipped"
         );
         let c = r.history.connections(0);
         assert_eq!(c.len(), 2);
@@ -434,5 +440,8 @@ mod tests {
         let no_labels = r#"{"type":"flow","timestamp_ns":1,"time":"2026-11-29T08:00:00Z","endpoint":1,"peer_identity":2,"direction":"egress","protocol":"TCP","port":80,"verdict":"forwarded","reason":"policy","source":"10.0.0.1","destination":"10.0.0.2","match":"l3-l4","policies":[]}"#;
         let e = read(no_labels, "m.json", 10).unwrap_err();
         assert!(e.contains("line 1: the flow has no `labels`"), "{e}");
+        let odd = r#"{"flow":{"time":"2026-11-29T08:00:00Z","verdict":"FORWARDED","IP":{"source":"10.0.0.1","destination":"10.0.0.2"},"l4":{"UDP":{"destination_port":53}},"traffic_direction":"SIDEWAYS"}}"#;
+        let e = read(odd, "h.json", 10).unwrap_err();
+        assert!(e.contains("line 1: traffic_direction \"SIDEWAYS\""), "{e}");
     }
 }
