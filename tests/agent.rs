@@ -376,6 +376,19 @@ fn introspection_metrics_and_client_commands() {
 
     let (status, metrics) = agent.http_get("/metrics");
     assert_eq!(status, 200);
+    // The body is OpenMetrics text (`# EOF`, counters' samples named `_total` under a family
+    // without it), and says so: a Prometheus that took it for 0.0.4 text lost the counters' type.
+    let raw = common::agent::http_get_raw_at(&agent.debug, "/metrics");
+    let head = raw
+        .split("\r\n\r\n")
+        .next()
+        .unwrap_or_default()
+        .to_lowercase();
+    assert!(
+        head.contains("content-type: application/openmetrics-text; version=1.0.0"),
+        "{head}"
+    );
+    assert!(metrics.trim_end().ends_with("# EOF"), "{metrics}");
     for name in [
         "ciliate_policy_implementation_delay_seconds_bucket",
         "ciliate_endpoint_regeneration_seconds_count",

@@ -196,7 +196,8 @@ async fn metrics(st: web::Data<AppState>) -> HttpResponse {
             .set(depth);
     }
     HttpResponse::Ok()
-        .content_type("text/plain; version=0.0.4; charset=utf-8")
+        // What prometheus-client writes: OpenMetrics text, not the 0.0.4 format.
+        .content_type("application/openmetrics-text; version=1.0.0; charset=utf-8")
         .body(m.encode())
 }
 

@@ -305,12 +305,17 @@ impl Agent {
     }
 }
 
-/// (status code, body) of a raw HTTP/1.1 response (0 when it has no status line).
 /// GET on the HTTP server at `addr` (run it inside a node's namespace to reach that node's
 /// agent): (status, body).
 pub fn http_get_at(addr: &str, path: &str) -> (u16, String) {
+    http_reply(&http_get_raw_at(addr, path))
+}
+
+/// GET on the HTTP server at `addr`: the whole response, headers included (empty when it
+/// cannot connect).
+pub fn http_get_raw_at(addr: &str, path: &str) -> String {
     let Ok(mut s) = TcpStream::connect(addr) else {
-        return (0, String::new());
+        return String::new();
     };
     let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
     let _ = write!(
@@ -319,9 +324,10 @@ pub fn http_get_at(addr: &str, path: &str) -> (u16, String) {
     );
     let mut raw = String::new();
     let _ = s.read_to_string(&mut raw);
-    http_reply(&raw)
+    raw
 }
 
+/// (status code, body) of a raw HTTP/1.1 response (0 when it has no status line).
 pub fn http_reply(raw: &str) -> (u16, String) {
     let code = raw
         .split_whitespace()
