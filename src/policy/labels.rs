@@ -190,9 +190,10 @@ fn is_qualified_token(s: &str) -> bool {
     }
 }
 
-/// A lowercase RFC 1123 subdomain: dot-separated labels of `[a-z0-9-]`, each starting and
-/// ending alphanumeric.
-fn is_dns1123_subdomain(s: &str) -> bool {
+/// A lowercase RFC 1123 subdomain of at most 253 characters: dot-separated labels of
+/// `[a-z0-9-]`, each starting and ending alphanumeric (what the API server takes as most
+/// objects' names, and label key prefixes).
+pub(crate) fn is_dns1123_subdomain(s: &str) -> bool {
     s.len() <= MAX_LABEL_PREFIX
         && s.split('.').all(|part| {
             let b = part.as_bytes();

@@ -237,11 +237,16 @@ pub fn parse_policy_with_services(
     } else {
         None
     };
+    // A name the API server would refuse is shown quoted and escaped (a newline in it would
+    // split the one line its rejection gets).
+    let valid_name = crate::policy::labels::is_dns1123_subdomain(&name);
     let key = Arc::new(PolicyKey {
         kind,
         namespace,
         name: if name.is_empty() {
             format!("<unnamed at {location}>")
+        } else if !valid_name {
+            format!("{name:?}")
         } else {
             name.clone()
         },
@@ -255,6 +260,13 @@ pub fn parse_policy_with_services(
     };
     if name.is_empty() {
         return Err(ctx.err("metadata.name", "missing name"));
+    }
+    if !valid_name {
+        return Err(ctx.err(
+            "metadata.name",
+            "not a valid name: lowercase letters, digits, '-' and '.', starting and ending \
+             with a letter or digit, at most 253 characters (as the API server requires)",
+        ));
     }
     let (expected_api, family) = match (kind.info(), kind.family()) {
         (Some(info), Some(family)) => (info.api_version(), family),
