@@ -17,6 +17,11 @@ pub trait Version: std::fmt::Debug + Clone + Default {
     type Protocols: std::fmt::Debug + Clone + Serialize + serde::de::DeserializeOwned;
     /// `tier` (v1alpha2).
     type Tier: std::fmt::Debug + Clone + Serialize + serde::de::DeserializeOwned;
+    /// The CRD's `maxItems` of `ingress`, `egress`, a rule's peers and its ports (`ports` or
+    /// `protocols`): 100 in v1alpha1, 25 in v1alpha2.
+    const MAX_ITEMS: usize;
+    /// Where a rule's ports are: `ports` (v1alpha1) or `protocols` (v1alpha2).
+    const PORTS_FIELD: &'static str;
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -29,12 +34,16 @@ impl Version for V1alpha1 {
     type Ports = Vec<AnpPort>;
     type Protocols = Unknown;
     type Tier = Unknown;
+    const MAX_ITEMS: usize = 100;
+    const PORTS_FIELD: &'static str = "ports";
 }
 
 impl Version for V1alpha2 {
     type Ports = Unknown;
     type Protocols = Vec<CnpProtocol>;
     type Tier = String;
+    const MAX_ITEMS: usize = 25;
+    const PORTS_FIELD: &'static str = "protocols";
 }
 
 /// An AdminNetworkPolicy, BaselineAdminNetworkPolicy or ClusterNetworkPolicy.

@@ -144,13 +144,24 @@ fn translate<V: api::Version>(
     ports_of: &PortsOf<'_, V>,
 ) -> Result<Vec<Rule>, PolicyError> {
     let subject = subject(ctx, spec.subject.as_ref())?;
+    for (field, n) in [
+        ("spec.ingress", spec.ingress.as_ref().map_or(0, Vec::len)),
+        ("spec.egress", spec.egress.as_ref().map_or(0, Vec::len)),
+    ] {
+        at_most::<V>(ctx, field, n, "rules")?;
+    }
     let mut rules = Vec::new();
     for (i, r) in spec.ingress.iter().flatten().enumerate() {
         let path = format!("spec.ingress[{i}]");
+        rule_shape::<V>(ctx, &path, r.name.as_deref(), r.from.as_ref(), "from")?;
         rules.push(PeerRuleIn {
             action: r.action.as_deref(),
             peers: r.from.as_ref(),
-            ports: ports_of(ctx, r.ports.as_ref(), r.protocols.as_ref(), &path)?,
+            ports: port_count::<V>(
+                ctx,
+                ports_of(ctx, r.ports.as_ref(), r.protocols.as_ref(), &path)?,
+                &path,
+            )?,
             ingress: true,
             path,
             tier: place.tier,
@@ -158,10 +169,15 @@ fn translate<V: api::Version>(
     }
     for (i, r) in spec.egress.iter().flatten().enumerate() {
         let path = format!("spec.egress[{i}]");
+        rule_shape::<V>(ctx, &path, r.name.as_deref(), r.to.as_ref(), "to")?;
         rules.push(PeerRuleIn {
             action: r.action.as_deref(),
             peers: r.to.as_ref(),
-            ports: ports_of(ctx, r.ports.as_ref(), r.protocols.as_ref(), &path)?,
+            ports: port_count::<V>(
+                ctx,
+                ports_of(ctx, r.ports.as_ref(), r.protocols.as_ref(), &path)?,
+                &path,
+            )?,
             ingress: false,
             path,
             tier: place.tier,
@@ -182,6 +198,62 @@ fn translate<V: api::Version>(
         tier: Some(place),
         staged: false,
     }])
+}
+
+/// The CRD's limit on a list's length (`V::MAX_ITEMS`).
+fn at_most<V: api::Version>(
+    ctx: &Ctx,
+    field: &str,
+    n: usize,
+    what: &str,
+) -> Result<(), PolicyError> {
+    if n > V::MAX_ITEMS {
+        return Err(ctx.err(
+            field,
+            format!("{n} {what}: at most {} are allowed", V::MAX_ITEMS),
+        ));
+    }
+    Ok(())
+}
+
+/// The most characters a rule's `name` may have, as the CRD says.
+const MAX_RULE_NAME: usize = 100;
+
+/// A rule's name and number of peers as the CRD bounds them (an empty peer list is refused
+/// with the rule's action, `peer_rule`).
+fn rule_shape<V: api::Version>(
+    ctx: &Ctx,
+    path: &str,
+    name: Option<&str>,
+    peers: Option<&Vec<api::TierPeer>>,
+    peers_field: &str,
+) -> Result<(), PolicyError> {
+    if let Some(n) = name.filter(|n| n.chars().count() > MAX_RULE_NAME) {
+        return Err(ctx.err(
+            format!("{path}.name"),
+            format!(
+                "{} characters: at most {MAX_RULE_NAME} are allowed",
+                n.chars().count()
+            ),
+        ));
+    }
+    let n = peers.map_or(0, Vec::len);
+    at_most::<V>(ctx, &format!("{path}.{peers_field}"), n, "peers")
+}
+
+/// A rule's ports as the CRD bounds them: absent (every port), or 1 to `V::MAX_ITEMS` entries.
+fn port_count<V: api::Version>(ctx: &Ctx, ports: Ports, path: &str) -> Result<Ports, PolicyError> {
+    if let Ports::List(list) = &ports {
+        let field = format!("{path}.{}", V::PORTS_FIELD);
+        if list.is_empty() {
+            return Err(ctx.err(
+                field,
+                "an empty list: leave the field out for every port, or name one at least",
+            ));
+        }
+        at_most::<V>(ctx, &field, list.len(), "entries")?;
+    }
+    Ok(ports)
 }
 
 fn peer_rule(
@@ -276,18 +348,41 @@ fn subject(ctx: &Ctx, s: Option<&api::TierSubject>) -> Result<LabelSelector, Pol
     };
     match (&s.namespaces, &s.pods) {
         (Some(ns), None) => pods_in_namespaces(ctx, Some(ns), None, "spec.subject.namespaces", ""),
-        (None, Some(p)) => pods_in_namespaces(
-            ctx,
-            p.namespace_selector.as_ref(),
-            p.pod_selector.as_ref(),
-            "spec.subject.pods.namespaceSelector",
-            "spec.subject.pods.podSelector",
-        ),
+        (None, Some(p)) => namespaced_pod(ctx, p, "spec.subject.pods"),
         _ => Err(ctx.err(
             "spec.subject",
             "exactly one of namespaces and pods must be set",
         )),
     }
+}
+
+/// The most CIDRs one `networks` peer may list, as the CRD says.
+const MAX_NETWORKS: usize = 25;
+
+/// A `pods` subject or peer: both selectors are required by the CRD (`{}` selects all).
+fn namespaced_pod(
+    ctx: &Ctx,
+    p: &api::NamespacedPod,
+    path: &str,
+) -> Result<LabelSelector, PolicyError> {
+    for (field, set) in [
+        ("namespaceSelector", p.namespace_selector.is_some()),
+        ("podSelector", p.pod_selector.is_some()),
+    ] {
+        if !set {
+            return Err(ctx.err(
+                format!("{path}.{field}"),
+                format!("missing {field} (required; {{}} selects all)"),
+            ));
+        }
+    }
+    pods_in_namespaces(
+        ctx,
+        p.namespace_selector.as_ref(),
+        p.pod_selector.as_ref(),
+        &format!("{path}.namespaceSelector"),
+        &format!("{path}.podSelector"),
+    )
 }
 
 /// One peer's selectors; `None` when it has no field this version knows.
@@ -335,21 +430,35 @@ fn peer(
         )?)]));
     }
     if let Some(pp) = &p.pods {
-        return Ok(Some(vec![Selector::labels(pods_in_namespaces(
+        return Ok(Some(vec![Selector::labels(namespaced_pod(
             ctx,
-            pp.namespace_selector.as_ref(),
-            pp.pod_selector.as_ref(),
-            &format!("{path}.pods.namespaceSelector"),
-            &format!("{path}.pods.podSelector"),
+            pp,
+            &format!("{path}.pods"),
         )?)]));
     }
     if let Some(nets) = &p.networks {
-        if nets.is_empty() {
-            return Err(ctx.err(format!("{path}.networks"), "at least one CIDR is required"));
+        if nets.is_empty() || nets.len() > MAX_NETWORKS {
+            return Err(ctx.err(
+                format!("{path}.networks"),
+                format!(
+                    "{} CIDRs: between 1 and {MAX_NETWORKS} are allowed",
+                    nets.len()
+                ),
+            ));
         }
         let mut out = Vec::new();
         for (k, n) in nets.iter().enumerate() {
             let np = format!("{path}.networks[{k}]");
+            // The CRD's `isCIDR`: an address alone is not one.
+            if !n.contains('/') {
+                return Err(ctx.err(
+                    np,
+                    format!(
+                        "{n:?} is not a CIDR: give the prefix length (e.g. {n}/{})",
+                        if n.contains(':') { 128 } else { 32 }
+                    ),
+                ));
+            }
             let sel = cidr_selector(ctx, Some(n), None, &np, true)
                 .map_err(|e| PolicyError { field: np, ..e })?;
             out.push(Selector::cidr(sel));
