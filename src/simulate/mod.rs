@@ -681,6 +681,17 @@ impl Sim {
         let (proto, proto_name) =
             parse_protocol(probe.protocol.as_deref(), &format!("{entry}.protocol"))?;
         let icmp = proto == PROTO_ICMP || proto == PROTO_ICMPV6;
+        // A field of the other kind of probe is a mistake, not something to ignore.
+        let (stray, field, article) = match icmp {
+            true => (probe.port.is_some(), "port", "an"),
+            false => (probe.icmp_type.is_some(), "icmpType", "a"),
+        };
+        if stray {
+            return Err(werr(
+                format!("{entry}.{field}"),
+                format!("{article} {proto_name} probe takes no {field}"),
+            ));
+        }
         let (port, icmp_type) = if icmp {
             let default = if proto == PROTO_ICMP { 8 } else { 128 };
             let t = probe.icmp_type.unwrap_or(default);

@@ -81,6 +81,25 @@ fn results_echo_the_probe_and_explain() {
 }
 
 #[test]
+fn a_probe_field_of_the_other_kind_is_an_error() {
+    for (probe, entry, message) in [
+        (
+            "{from: x/a, to: x/b, port: 80, icmpType: 8}",
+            "probes[0].icmpType",
+            "a TCP probe takes no icmpType",
+        ),
+        (
+            "{from: x/a, to: x/b, protocol: ICMP, port: 80}",
+            "probes[0].port",
+            "an ICMP probe takes no port",
+        ),
+    ] {
+        let e = simulate(&world(&format!("  - {probe}"))).unwrap_err();
+        assert_eq!((e.entry.as_str(), e.message.as_str()), (entry, message));
+    }
+}
+
+#[test]
 fn empty_worlds_are_unusable() {
     for text in ["", "\n\n", "# a comment\n# another\n", "---\n...\n", "~"] {
         let e = simulate(text).expect_err(text);
