@@ -71,6 +71,11 @@ fn monitor_event(h: &mut FlowHistory, v: serde_json::Value) -> Result<bool, Stri
         return Ok(false);
     }
     let ev: VerdictEvent = serde_json::from_value(v).map_err(|e| format!("not a flow: {e}"))?;
+    if ev.labels.is_none() && ev.decision_inputs().is_none() {
+        // No direction or protocol a policy decides by: the agent shows it without labels
+        // and keeps no connection of it (`traffic::observe`); skipped here alike.
+        return Ok(false);
+    }
     let Some(ends) = &ev.labels else {
         return Err(
             "the flow has no `labels` (recorded by an agent older than this one?): \
@@ -440,6 +445,10 @@ mod tests {
         let no_labels = r#"{"type":"flow","timestamp_ns":1,"time":"2026-11-29T08:00:00Z","endpoint":1,"peer_identity":2,"direction":"egress","protocol":"TCP","port":80,"verdict":"forwarded","reason":"policy","source":"10.0.0.1","destination":"10.0.0.2","match":"l3-l4","policies":[]}"#;
         let e = read(no_labels, "m.json", 10).unwrap_err();
         assert!(e.contains("line 1: the flow has no `labels`"), "{e}");
+        // One of no direction a policy decides by is skipped, as the agent keeps none.
+        let sideways = no_labels.replace("\"egress\"", "\"\"");
+        let r = read(&sideways, "m.json", 10).unwrap();
+        assert_eq!((r.flows, r.skipped), (0, 1));
         let odd = r#"{"flow":{"time":"2026-11-29T08:00:00Z","verdict":"FORWARDED","IP":{"source":"10.0.0.1","destination":"10.0.0.2"},"l4":{"UDP":{"destination_port":53}},"traffic_direction":"SIDEWAYS"}}"#;
         let e = read(odd, "h.json", 10).unwrap_err();
         assert!(e.contains("line 1: traffic_direction \"SIDEWAYS\""), "{e}");
