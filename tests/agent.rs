@@ -471,9 +471,17 @@ fn sigterm_stops_the_agent_promptly_even_with_a_monitor_stream_open() {
         .spawn()
         .unwrap();
     std::thread::sleep(std::time::Duration::from_millis(300));
+    assert!(
+        agent.dir.join("state/hubble.sock").exists(),
+        "Hubble's socket"
+    );
     let started = std::time::Instant::now();
     assert_eq!(agent.stop(), 0, "clean exit on SIGTERM");
     let took = started.elapsed();
+    // Both of its sockets go with it (the API's and Hubble's).
+    for socket in [agent.socket(), agent.dir.join("state/hubble.sock")] {
+        assert!(!socket.exists(), "{} left after SIGTERM", socket.display());
+    }
     let _ = monitor.kill();
     let _ = monitor.wait();
     assert!(

@@ -81,6 +81,11 @@ impl Listeners {
 pub struct SocketFile(PathBuf);
 
 impl SocketFile {
+    /// Removes `path` when dropped: a socket this agent bound (its state lock held).
+    pub fn removed_on_drop(path: PathBuf) -> SocketFile {
+        SocketFile(path)
+    }
+
     pub fn path(&self) -> &Path {
         &self.0
     }

@@ -9,7 +9,7 @@ use std::time::Instant;
 use actix::{Actor, AsyncContext};
 use actix_web::web;
 
-use super::listen::{ListenError, Listeners};
+use super::listen::{ListenError, Listeners, SocketFile};
 use crate::actors::kube_watcher::{KubeWatcherActor, RemotePods};
 use crate::actors::loader::{GetIpcache, LoaderActor, SweepStrayEndpoints};
 use crate::actors::policy_repo::{
@@ -198,6 +198,8 @@ pub fn run(config: AgentConfig) -> Result<(), AgentError> {
     let listeners = Listeners::bind(&config.api_socket, &config.state_dir, config.debug_addr)?;
     let hubble = crate::hubble::server::bind(&config.state_dir, &config.hubble)
         .map_err(AgentError::Config)?;
+    // The Hubble server's thread runs until the process ends: its socket goes when `run` returns.
+    let _hubble_socket = SocketFile::removed_on_drop(hubble.socket.clone());
     let maps_started = std::time::Instant::now();
     let route_applier = open_route_applier(&config)?;
     let datapath: Box<dyn Datapath> = match config.datapath {
