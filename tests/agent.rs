@@ -430,6 +430,8 @@ fn introspection_metrics_and_client_commands() {
     let st = agent.cli_json(&["status"]);
     assert_eq!(st["ready"], true);
     assert_eq!(st["endpoints"], 1);
+    assert_eq!(st["policy_enforcement"], "default", "{st}");
+    assert_eq!(st["policy_audit_mode"], false, "{st}");
     let (code, out, _) = agent.cli(&["endpoint", "list"]);
     assert_eq!(code, 0);
     assert!(out.starts_with("ID") && out.contains("x/a"), "{out}");
@@ -458,6 +460,31 @@ fn introspection_metrics_and_client_commands() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach the agent"));
+}
+
+#[test]
+fn status_shows_the_agents_enforcement_settings() {
+    let (tmp, _) = setup();
+    for (flags, enforcement, audit) in [
+        (&["--policy-audit-mode", "true"][..], "default", true),
+        (&["--enable-policy", "always"][..], "always", false),
+        (&["--enable-policy", "never"][..], "never", true),
+    ] {
+        let mut args = vec!["--datapath", "memory"];
+        args.extend(flags);
+        let mut agent = Agent::start_with(tmp.path(), &args);
+        let st = agent.cli_json(&["status"]);
+        assert_eq!(st["policy_enforcement"], enforcement, "{flags:?}: {st}");
+        assert_eq!(st["policy_audit_mode"], audit, "{flags:?}: {st}");
+        let (code, out, _) = agent.cli(&["status"]);
+        assert_eq!(code, 0);
+        let row = out
+            .lines()
+            .find(|l| l.starts_with("policy_audit_mode"))
+            .unwrap_or_else(|| panic!("no policy_audit_mode row: {out}"));
+        assert!(row.ends_with(&audit.to_string()), "{row}");
+        assert_eq!(agent.stop(), 0);
+    }
 }
 
 #[test]

@@ -117,6 +117,13 @@ pub struct StatusModel {
     /// rules cover are dropped meanwhile), and how many endpoints have L7 rules.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub http_proxy: Option<HttpProxyStatus>,
+    /// `--enable-policy`: `default`, `always` or `never`.
+    #[serde(default)]
+    pub policy_enforcement: String,
+    /// `--policy-audit-mode`: every endpoint audits (reports drops, forwards the packets);
+    /// `--enable-policy=never` audits too. An endpoint's own setting is in its `audit`.
+    #[serde(default)]
+    pub policy_audit_mode: bool,
     /// `--enable-host-firewall`: `enforcing`, `audit` (the host endpoint's or every
     /// endpoint's audit mode) or `off`.
     #[serde(default)]
@@ -407,6 +414,16 @@ async fn host_firewall_mode(st: &AppState) -> &'static str {
     crate::endpoint::host::firewall_mode(true, audit)
 }
 
+/// `--enable-policy`'s value, as given.
+fn enforcement_name(mode: crate::config::PolicyEnforcement) -> &'static str {
+    use crate::config::PolicyEnforcement as P;
+    match mode {
+        P::Default => "default",
+        P::Always => "always",
+        P::Never => "never",
+    }
+}
+
 async fn status(st: web::Data<AppState>) -> HttpResponse {
     let pol = match st.repo.send(GetPolicies, FROM).await {
         Ok(Ok(p)) => p,
@@ -481,6 +498,11 @@ async fn status(st: web::Data<AppState>) -> HttpResponse {
             proxy: st.shared.http.proxy(),
             endpoints_with_l7_rules: st.shared.http.endpoints(),
         }),
+        policy_enforcement: enforcement_name(st.shared.enforcement.mode).into(),
+        policy_audit_mode: {
+            let (_, _, audit) = st.shared.enforcement.apply(false, false, false);
+            audit
+        },
         host_firewall: host_firewall.into(),
         host_firewall_device: routing.host_firewall_device,
         host_firewall_warnings: st
