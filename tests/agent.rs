@@ -563,6 +563,46 @@ metadata:
     assert_eq!(ipam()["pod_cidr"], "10.77.0.0/24");
 }
 
+/// `node list` shows the pod CIDRs this node serves, whether its Node object gives them (here
+/// IPv4's, by annotation) or `--pod-cidr` does (IPv6's).
+#[test]
+fn node_list_shows_the_local_pod_cidrs_of_either_source() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = dir.path().join("manifests");
+    std::fs::create_dir_all(&m).unwrap();
+    std::fs::write(
+        m.join("node.yaml"),
+        "apiVersion: v1
+kind: Node
+metadata:
+  name: node-1
+  annotations: {io.cilium.network.ipv4-pod-cidr: 10.66.0.0/24}
+status: {addresses: [{type: InternalIP, address: 192.0.2.10}]}
+",
+    )
+    .unwrap();
+    let agent = Agent::start_with(
+        dir.path(),
+        &[
+            "--datapath",
+            "memory",
+            "--enable-ipv6=true",
+            "--pod-cidr",
+            "fd00:66::/112",
+        ],
+    );
+    let local = || {
+        let list = agent.cli_json(&["node", "list"]);
+        list.as_array()
+            .and_then(|a| a.iter().find(|r| r["local"] == true).cloned())
+            .unwrap_or_default()
+    };
+    agent.wait_until("node-1 is listed with both pod CIDRs", || {
+        local()["pod_cidrs"] == serde_json::json!(["10.66.0.0/24", "fd00:66::/112"])
+    });
+    assert_eq!(local()["name"], "node-1");
+}
+
 /// The CIDR identity the agent gave `prefix` (e.g. `192.0.2.10/32`), if any.
 fn prefix_identity(agent: &Agent, prefix: &str) -> Option<u64> {
     agent

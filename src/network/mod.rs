@@ -92,10 +92,13 @@ pub async fn run_route_reconciler(
             },
             None => Default::default(),
         };
-        let rows: Vec<_> = plans
+        let mut rows: Vec<_> = plans
             .iter()
             .map(|p| routes::node_row(p, &cfg, &outcome))
             .collect();
+        if let Some(r) = rows.iter_mut().find(|r| r.local) {
+            masquerade.add_pools(&mut r.pod_cidrs);
+        }
         for r in rows.iter().filter(|r| r.route.starts_with("error")) {
             tracing::warn!(node = %r.name, state = %r.route, "node not routed");
         }
@@ -569,6 +572,22 @@ impl Masquerader {
             tag: crate::datapath::masquerade::tag_for(state_dir),
             ipam,
             applied: [None, None],
+        }
+    }
+
+    /// Adds to the local node's row the pod CIDRs IPAM serves of a family its Node object
+    /// gives none of (`--pod-cidr`, once per family).
+    fn add_pools(&self, cidrs: &mut Vec<String>) {
+        let Ok(g) = self.ipam.lock() else { return };
+        for pool in [&g.ipam, &g.ipam6].into_iter().flatten() {
+            let net = pool.cidr();
+            let family = |c: &String| {
+                c.parse::<ipnet::IpNet>()
+                    .is_ok_and(|c| c.addr().is_ipv6() == net.addr().is_ipv6())
+            };
+            if !cidrs.iter().any(family) {
+                cidrs.push(net.to_string());
+            }
         }
     }
 
