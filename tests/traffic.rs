@@ -146,6 +146,30 @@ fn diff_names_what_a_policy_would_drop_and_recommend_allows_exactly_what_was_see
         assert_eq!(code, 0, "{err}");
         out
     };
+    // The same policies as JSON: a List of them, the comments on stderr.
+    let (code, out, err) = run(&[
+        "policy",
+        "recommend",
+        "--namespace",
+        "x",
+        "-o",
+        "json",
+        "--socket",
+        sock,
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let list: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert_eq!(list["kind"], "List", "{list}");
+    let docs: Vec<Value> = recommended
+        .split("\n---")
+        .filter_map(|d| serde_yaml::from_str::<Option<Value>>(d).ok().flatten())
+        .collect();
+    assert!(!docs.is_empty(), "{recommended}");
+    assert_eq!(list["items"], Value::Array(docs), "{list:#}");
+    assert!(
+        err.contains("# Recommended by `ciliate policy recommend`"),
+        "{err}"
+    );
 
     // The live diff: c -> b:8080 and a -> b:8081 would be newly dropped, by b-from-a.
     let diff_json = || {

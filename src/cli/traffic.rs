@@ -296,8 +296,38 @@ pub fn run_recommend(a: &RecommendArgs, out: &mut dyn Write, err: &mut dyn Write
             }
         }
     };
+    if a.client.output == Output::Json {
+        return match as_json_list(&yaml) {
+            Ok(json) => {
+                // The comments (what the recommendation is based on) are not lost.
+                yaml.lines()
+                    .filter(|l| l.starts_with('#'))
+                    .for_each(|l| drop(writeln!(err, "{l}")));
+                let _ = writeln!(out, "{json}");
+                EXIT_OK
+            }
+            Err(e) => {
+                let _ = writeln!(err, "error: the recommendation as JSON: {e}");
+                EXIT_UNUSABLE
+            }
+        };
+    }
     let _ = out.write_all(yaml.as_bytes());
     EXIT_OK
+}
+
+/// The recommended policies as one JSON object, a `List` of them (as `kubectl get -o json`
+/// prints several: `kubectl apply -f` takes it).
+fn as_json_list(yaml: &str) -> Result<serde_json::Value, String> {
+    use serde::Deserialize;
+    let mut items = Vec::new();
+    for doc in serde_yaml::Deserializer::from_str(yaml) {
+        let v = serde_json::Value::deserialize(doc).map_err(|e| e.to_string())?;
+        if !v.is_null() {
+            items.push(v);
+        }
+    }
+    Ok(serde_json::json!({"apiVersion": "v1", "kind": "List", "items": items}))
 }
 
 #[cfg(test)]
